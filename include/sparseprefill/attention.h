@@ -1,0 +1,89 @@
+// SPDX-License-Identifier: Apache-2.0
+// The call: run() computes O and LSE for a problem under a policy, on the backend the tensors'
+// device selects, and reports per-head statistics and, on request, the keep/skip decisions.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "sparseprefill/block_mask.h"
+#include "sparseprefill/policy.h"
+#include "sparseprefill/problem.h"
+#include "sparseprefill/types.h"
+
+namespace sparseprefill {
+
+enum class Backend : std::uint8_t {
+  kAuto,       // CPU tensors -> kCPU, CUDA tensors -> kCUDA
+  kReference,  // the fp64 oracle (slow; obvious loops; the specification)
+  kCPU,        // fp32, multithreaded, same decisions as the oracle
+  kCUDA,       // GPU kernels (when compiled in)
+};
+
+const char* backend_name(Backend backend);
+
+struct RunOptions {
+  Backend backend = Backend::kAuto;
+  void* cuda_stream = nullptr;  // cudaStream_t for kCUDA; nullptr = default stream
+  int num_threads = 0;          // kCPU: 0 = every core
+  bool collect_decisions = false;
+};
+
+// Work accounting for one (batch, query head). A block is "visible" when at least one valid
+// query of the query block sees at least one key of it; "kept" when its keys entered the
+// softmax (mean-correction pseudo-tokens are counted separately).
+struct HeadStats {
+  std::int64_t visible_blocks = 0;
+  std::int64_t kept_blocks = 0;
+  std::int64_t corrected_blocks = 0;  // estimate_select mean-correction pseudo-tokens
+  std::int64_t visible_pairs = 0;     // (query, key) pairs the causal mask allows
+  std::int64_t computed_pairs = 0;    // pairs whose score entered the softmax
+};
+
+struct RunStats {
+  int batch = 0;
+  int h_q = 0;
+  std::vector<HeadStats> heads;  // [batch, h_q]
+  double density() const;        // kept / visible blocks over the whole call
+  double pair_density() const;   // computed / visible pairs
+  double head_density(int b, int h) const;
+};
+
+// permute_stop's decision for one query tile of one segment.
+struct PermuteTile {
+  int batch = 0;
+  int head = 0;            // query head
+  int segment = 0;         // absolute segment index
+  int tile = 0;            // tile index inside the segment's permuted order
+  int chunks_visited = 0;  // ranked prefix chunks attended in pass 2
+  int chunks_total = 0;    // ceil(prefix keys / block_k)
+};
+
+// What the policy decided. Block policies fill `kept` (per query head, or per KV head for
+// estimate_select with pack_gqa); estimate_select with mean correction fills `corrected`;
+// permute_stop fills `tiles` (sorted by batch, head, segment, tile) and `query_order`
+// ([batch, h_q, max s_q]: for each slot of the call's rows in visit order, the call-relative
+// row it holds; -1 past a sequence's end).
+struct Decisions {
+  std::string policy;
+  BlockMask kept;
+  BlockMask corrected;
+  std::vector<PermuteTile> tiles;
+  std::vector<std::int32_t> query_order;
+};
+
+// Computes attention for `problem` under `policy` into `output`. Tensors must all be on one
+// device. Never allocates output memory; `stats` and `decisions` may be null.
+Status run(const AttentionProblem& problem, const Policy& policy, const AttentionOutput& output,
+           const RunOptions& options = {}, RunStats* stats = nullptr,
+           Decisions* decisions = nullptr);
+
+// Whether `backend` can run this combination; when not, the message says what is compiled
+// (dtypes, head dims, block sizes, policies).
+Status can_run(const AttentionProblem& problem, const Policy& policy, Backend backend);
+
+// Version, compiled backends, CUDA architectures and kernel variants, one item per line.
+std::string build_info();
+
+}  // namespace sparseprefill

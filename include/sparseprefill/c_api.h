@@ -1,0 +1,183 @@
+/* SPDX-License-Identifier: Apache-2.0
+ * The C ABI of sparseprefill (libsparseprefill_c): run() over plain C types, for ctypes, cffi
+ * and the Python binding. No C++ type and no exception crosses it; every fallible call
+ * returns an sp_status code and leaves a message for sp_last_error(). Host-only C99. */
+#ifndef SPARSEPREFILL_C_API_H_
+#define SPARSEPREFILL_C_API_H_
+
+#include <stdint.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+#if defined(__GNUC__)
+#define SP_C_API __attribute__((visibility("default")))
+#else
+#define SP_C_API
+#endif
+
+/* Bumped whenever a struct below changes layout or a function changes meaning; loaders
+ * compare it with sp_abi_version() before their first call. */
+#define SP_ABI_VERSION 1
+#define SP_MAX_RANK 4
+
+/* Status codes: the values of sparseprefill::StatusCode. */
+typedef enum sp_status {
+  SP_OK = 0,
+  SP_ERR_INVALID_ARGUMENT = 1, /* a caller's argument is malformed; the message names it */
+  SP_ERR_UNSUPPORTED = 2,      /* well-formed, but no backend implements the combination */
+  SP_ERR_IO = 3,
+  SP_ERR_CORRUPT_DATA = 4,
+  SP_ERR_CUDA = 5,
+  SP_ERR_INTERNAL = 6 /* a broken invariant or an exception inside the library */
+} sp_status;
+
+typedef enum sp_dtype {
+  SP_DTYPE_BF16 = 0,
+  SP_DTYPE_FP16 = 1,
+  SP_DTYPE_FP32 = 2,
+  SP_DTYPE_INT32 = 3
+} sp_dtype;
+
+typedef enum sp_device_type { SP_DEVICE_CPU = 0, SP_DEVICE_CUDA = 1 } sp_device_type;
+
+typedef enum sp_backend {
+  SP_BACKEND_AUTO = 0, /* CPU tensors -> CPU backend, CUDA tensors -> CUDA backend */
+  SP_BACKEND_REFERENCE = 1,
+  SP_BACKEND_CPU = 2,
+  SP_BACKEND_CUDA = 3
+} sp_backend;
+
+/* A non-owning tensor view. rank == 0 (with data == NULL) stands for an absent optional
+ * tensor. Strides are in elements; dtype is an sp_dtype, device_type an sp_device_type. */
+typedef struct sp_tensor {
+  void* data;
+  int32_t dtype;
+  int32_t device_type;
+  int32_t device_index; /* CUDA ordinal; 0 for the CPU */
+  int32_t rank;
+  int64_t shape[SP_MAX_RANK];
+  int64_t stride[SP_MAX_RANK];
+} sp_tensor;
+
+/* One attention call, with the layouts of sparseprefill::AttentionProblem (problem.h):
+ *   batched: q [b, s_q, h_q, d], k/v [b, s_k, h_kv, d]
+ *   varlen:  q [total_q, h_q, d] + cu_seqlens_q [b+1]; k/v [total_k, h_kv, d] + cu_seqlens_k
+ *   paged:   k/v [num_pages, page_size, h_kv, d] + block_table [b, max_pages] + seqused_k [b]
+ * Causal is bottom-right aligned; scale 0 means 1/sqrt(d). */
+typedef struct sp_problem {
+  sp_tensor q;
+  sp_tensor k;
+  sp_tensor v;
+  sp_tensor cu_seqlens_q;
+  sp_tensor cu_seqlens_k;
+  sp_tensor seqused_k;
+  sp_tensor block_table;
+  int32_t causal; /* nonzero: causal */
+  double scale;
+} sp_problem;
+
+/* O has q's layout, dtype and device; LSE is fp32 [b, h_q, s_q] (varlen: [h_q, total_q]) and
+ * may be absent (rank 0). */
+typedef struct sp_output {
+  sp_tensor o;
+  sp_tensor lse;
+} sp_output;
+
+typedef struct sp_options {
+  int32_t backend;     /* sp_backend */
+  int32_t num_threads; /* CPU backend: 0 = every core */
+  void* cuda_stream;   /* cudaStream_t for the CUDA backend; NULL = the default stream */
+} sp_options;
+
+/* Work accounting of one (batch, query head); see sparseprefill::HeadStats. */
+typedef struct sp_head_stats {
+  int64_t visible_blocks;
+  int64_t kept_blocks;
+  int64_t corrected_blocks;
+  int64_t visible_pairs;
+  int64_t computed_pairs;
+} sp_head_stats;
+
+/* Filled by sp_run when non-NULL (collecting statistics may synchronise the stream). The
+ * totals are summed over every (batch, query head). When `heads` is non-NULL and
+ * heads_capacity >= batch * h_q, the per-head entries are written row-major [batch, h_q];
+ * num_heads always receives batch * h_q. */
+typedef struct sp_stats {
+  sp_head_stats total;
+  double density;      /* kept / visible blocks */
+  double pair_density; /* computed / visible pairs */
+  int32_t batch;
+  int32_t h_q;
+  int64_t num_heads;
+  sp_head_stats* heads;   /* in: optional caller-owned buffer */
+  int64_t heads_capacity; /* in: its length in entries */
+} sp_stats;
+
+/* A policy: name + key=value settings (as the CLI's --set), plus tensor attachments. Opaque;
+ * immutable during sp_run, so several threads may run with one policy at once. */
+typedef struct sp_policy sp_policy;
+
+typedef struct sp_setting {
+  const char* key;
+  const char* value;
+} sp_setting;
+
+/* A block mask as CSR over rows (b, h, qb) in row-major order, host memory, copied in:
+ * indptr has num_rows + 1 entries, num_rows = batch * heads * num_q_blocks (heads = h_q, or
+ * h_kv when per_kv_head); each row's key-block indices ascending, full and partial merged (the
+ * problem's geometry recovers the split). */
+typedef struct sp_block_mask_csr {
+  int32_t block_q;
+  int32_t block_k;
+  int32_t per_kv_head; /* nonzero: one selection per KV head */
+  int64_t num_rows;
+  const int32_t* indptr;
+  int64_t num_indices;
+  const int32_t* indices;
+} sp_block_mask_csr;
+
+/* Builds a policy from its name ("dense", "block_sparse", "exact_gate", "softmax_skip",
+ * "estimate_select", "permute_stop") and settings; *out receives a new handle that the caller
+ * releases with sp_policy_destroy. */
+SP_C_API int sp_policy_create(const char* name, const sp_setting* settings, int32_t num_settings,
+                              sp_policy** out);
+SP_C_API void sp_policy_destroy(sp_policy* policy);
+
+/* exact_gate: the threshold table, fp32 [h_q, positions] on q's device. The policy keeps a
+ * view: the memory must outlive every sp_run with this policy. */
+SP_C_API int sp_policy_set_thresholds(sp_policy* policy, const sp_tensor* thresholds);
+
+/* block_sparse: the mask to execute, checked against `problem`'s geometry (only the shapes
+ * and layout of `problem` are read, never its data). */
+SP_C_API int sp_policy_set_block_mask(sp_policy* policy, const sp_problem* problem,
+                                      const sp_block_mask_csr* mask);
+
+/* One line naming the policy and every parameter; owned by the handle, valid until it is
+ * changed or destroyed. */
+SP_C_API const char* sp_policy_describe(const sp_policy* policy);
+
+/* Computes O (and LSE) for `problem` under `policy`. options and stats may be NULL. Never
+ * allocates output memory. */
+SP_C_API int sp_run(const sp_problem* problem, const sp_policy* policy, const sp_output* output,
+                    const sp_options* options, sp_stats* stats);
+
+/* SP_OK when `backend` (an sp_backend) can run the combination; otherwise the code and a
+ * message that says what is compiled. */
+SP_C_API int sp_can_run(const sp_problem* problem, const sp_policy* policy, int32_t backend);
+
+/* The message of the last call on this thread that failed; "" after a call that succeeded.
+ * Valid until the thread's next call into this library. */
+SP_C_API const char* sp_last_error(void);
+/* "ok", "invalid argument", ... for any code (unknown codes give "unknown"). */
+SP_C_API const char* sp_status_name(int32_t code);
+/* Version, compiled backends, CUDA architectures and kernel variants, one item per line. */
+SP_C_API const char* sp_build_info(void);
+SP_C_API int32_t sp_abi_version(void);
+
+#ifdef __cplusplus
+}
+#endif
+
+#endif /* SPARSEPREFILL_C_API_H_ */

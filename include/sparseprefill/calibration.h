@@ -1,0 +1,105 @@
+// SPDX-License-Identifier: Apache-2.0
+// Calibration: exact_gate threshold tables, the softmax_skip factor a and the estimate_select
+// alpha, computed from Q/K samples, and the safetensors file that carries them.
+#pragma once
+
+#include <cstdint>
+#include <map>
+#include <string>
+#include <vector>
+
+#include "sparseprefill/policy.h"
+#include "sparseprefill/problem.h"
+#include "sparseprefill/types.h"
+
+namespace sparseprefill {
+
+// exact_gate thresholds T[layer][budget][h_q][position] (DESIGN.md §3).
+struct ThresholdTable {
+  int layers = 0;
+  int heads = 0;      // query heads
+  int positions = 0;  // absolute query blocks covered; later positions reuse the last row
+  int block_q = 128;
+  int block_k = 128;
+  std::vector<int> budgets;   // k values, ascending
+  std::vector<float> values;  // [layers, budgets, heads, positions]; -inf keeps everything
+
+  float at(int layer, int budget_index, int head, int position) const;
+  // The [heads, positions] slice ExactGateParams::thresholds expects.
+  HostTensor slice(int layer, int budget_index) const;
+  Status validate() const;
+};
+
+// Everything one calibration run produces. Empty vectors mean "not calibrated".
+struct Calibration {
+  std::map<std::string, std::string> metadata;  // model, text, score_dtype, date, ...
+  ThresholdTable exact_gate;
+  std::vector<float> skip_targets;      // target skip fractions, ascending
+  std::vector<float> skip_a;            // [layers, skip_targets] softmax_skip factor a
+  std::vector<float> density_targets;   // target densities, ascending
+  std::vector<float> alpha;             // [layers, density_targets] estimate_select alpha
+  int layers = 0;                       // rows of skip_a and alpha
+  int skip_block_q = 128, skip_block_k = 128;  // block sizes the factor a was fitted for
+  EstimateSelectParams estimate_base;   // the non-alpha parameters alpha was fitted for
+
+  Status validate() const;
+};
+
+Status save_calibration(const std::string& path, const Calibration& calibration);
+Status load_calibration(const std::string& path, Calibration* calibration);
+// Parses an in-memory file (the fuzz target's entry point).
+Status parse_calibration(const std::uint8_t* data, std::size_t size, Calibration* calibration);
+
+// Accumulates exact_gate statistics sample by sample. For each sample, layer, query head and
+// absolute query block: the maxima of the full blocks, sorted descending; the threshold is
+// the midpoint of the k-th and (k+1)-th largest, -inf with at most k candidates; the table
+// entry is the mean over samples of the finite values (-inf when there are none).
+class ExactGateCalibrator {
+ public:
+  ExactGateCalibrator(int layers, int heads, std::vector<int> budgets, int block_q, int block_k);
+  // q, k of one layer for one sample (host tensors; batched or varlen; causal).
+  Status add(int layer, const AttentionProblem& sample);
+  ThresholdTable finish() const;
+
+ private:
+  int layers_, heads_, block_q_, block_k_;
+  std::vector<int> budgets_;
+  // [layer][budget][head][position] -> (sum of finite thresholds, count)
+  std::vector<std::vector<double>> sum_;
+  std::vector<std::vector<std::int64_t>> count_;
+};
+
+// softmax_skip: for every visited block after the first (BLASST order), the statistic
+// g = max over rows of (tile_rowmax - m_run) + ln s_k. The block is skipped iff g < ln a, and
+// skipping never changes m_run while a <= s_k, so the skip fraction of a is exactly the
+// fraction of g below ln a: a for a target fraction is exp of that quantile.
+class SoftmaxSkipCalibrator {
+ public:
+  SoftmaxSkipCalibrator(int layers, int block_q, int block_k);
+  Status add(int layer, const AttentionProblem& sample);
+  // layer = -1 pools every layer.
+  Status factor_for(double target_skip_fraction, int layer, double* a) const;
+
+ private:
+  int layers_, block_q_, block_k_;
+  std::vector<std::vector<float>> g_;           // per layer
+  std::vector<std::int64_t> never_skippable_;   // first visited blocks, per layer
+};
+
+// estimate_select: per tile, the energy ratios E_j / max E of the scored, non-forced blocks.
+// Density(alpha) = (forced + ratios >= alpha) / visible blocks is monotone in alpha, so alpha
+// for a target density is found by ranking the ratios.
+class EstimateSelectCalibrator {
+ public:
+  EstimateSelectCalibrator(int layers, EstimateSelectParams base);
+  Status add(int layer, const AttentionProblem& sample);
+  Status alpha_for(double target_density, int layer, double* alpha) const;
+
+ private:
+  int layers_;
+  EstimateSelectParams base_;
+  std::vector<std::vector<float>> ratios_;    // per layer
+  std::vector<std::int64_t> forced_, visible_;  // per layer
+};
+
+}  // namespace sparseprefill

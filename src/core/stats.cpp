@@ -1,0 +1,145 @@
+// SPDX-License-Identifier: Apache-2.0
+// RunStats from decisions: visible/kept blocks and pairs per (batch, query head).
+#include "core/stats.h"
+
+#include <algorithm>
+#include <type_traits>
+
+#include "core/geometry.h"
+
+namespace sparseprefill {
+
+namespace {
+double ratio(std::int64_t num, std::int64_t den) { return den > 0 ? static_cast<double>(num) / static_cast<double>(den) : 1.0; }
+}  // namespace
+
+double RunStats::density() const {
+  std::int64_t kept = 0, visible = 0;
+  for (const HeadStats& h : heads) { kept += h.kept_blocks; visible += h.visible_blocks; }
+  return ratio(kept, visible);
+}
+
+double RunStats::pair_density() const {
+  std::int64_t kept = 0, visible = 0;
+  for (const HeadStats& h : heads) { kept += h.computed_pairs; visible += h.visible_pairs; }
+  return ratio(kept, visible);
+}
+
+double RunStats::head_density(int b, int h) const {
+  const HeadStats& s = heads[static_cast<std::size_t>(b) * h_q + h];
+  return ratio(s.kept_blocks, s.visible_blocks);
+}
+
+namespace detail {
+namespace {
+
+geom::BlockGeometry geometry_of(const ProblemShape& s, int b, int block_q, int block_k) {
+  geom::BlockGeometry g;
+  g.seq = {s.seq_q[static_cast<std::size_t>(b)], s.seq_k[static_cast<std::size_t>(b)], s.causal};
+  g.block_q = block_q;
+  g.block_k = block_k;
+  return g;
+}
+
+// Pairs of (qb, kb) the causal mask allows; closed form for full blocks.
+std::int64_t block_pairs(const geom::BlockGeometry& g, int qb, int kb) {
+  if (g.is_full(qb, kb)) return (g.row_end(qb) - g.row_begin(qb)) * (g.key_end(kb) - g.key_begin(kb));
+  return g.visible_pairs(qb, kb);
+}
+
+std::int64_t row_pairs(const geom::SeqGeometry& seq) {
+  std::int64_t n = 0;
+  for (std::int64_t r = 0; r < seq.s_q; ++r) n += seq.keys_seen(r);
+  return n;
+}
+
+void block_policy_stats(const ProblemShape& s, const Decisions& d, RunStats* out) {
+  const bool have_mask = d.kept.batch == s.batch && d.kept.num_q_blocks > 0;
+  const int bq = have_mask ? d.kept.block_q : 128, bk = have_mask ? d.kept.block_k : 128;
+  const bool have_corrected = d.corrected.batch == s.batch && d.corrected.num_q_blocks > 0;
+  for (int b = 0; b < s.batch; ++b) {
+    const geom::BlockGeometry g = geometry_of(s, b, bq, bk);
+    const std::int64_t pairs = row_pairs(g.seq);
+    std::int64_t visible = 0;
+    for (int qb = 0; qb < g.num_q_blocks(); ++qb) visible += g.visible_end(qb);
+    for (int h = 0; h < s.h_q; ++h) {
+      HeadStats& hs = out->heads[static_cast<std::size_t>(b) * s.h_q + h];
+      hs.visible_blocks = visible;
+      hs.visible_pairs = pairs;
+      if (!have_mask) {  // dense without recorded decisions: everything visible was computed
+        hs.kept_blocks = visible;
+        hs.computed_pairs = pairs;
+        continue;
+      }
+      const int mh = d.kept.per_kv_head ? h / s.group() : h;
+      for (int qb = 0; qb < g.num_q_blocks(); ++qb) {
+        const std::int64_t r = d.kept.row(b, mh, qb);
+        const std::size_t base = static_cast<std::size_t>(r) * d.kept.num_k_blocks;
+        const std::int32_t nf = d.kept.full_count[static_cast<std::size_t>(r)];
+        const std::int32_t np = d.kept.partial_count[static_cast<std::size_t>(r)];
+        hs.kept_blocks += nf + np;
+        for (int i = 0; i < nf; ++i) hs.computed_pairs += block_pairs(g, qb, d.kept.full_index[base + i]);
+        for (int i = 0; i < np; ++i) hs.computed_pairs += block_pairs(g, qb, d.kept.partial_index[base + i]);
+        if (have_corrected) {
+          const int ch = d.corrected.per_kv_head ? h / s.group() : h;
+          const std::int64_t cr = d.corrected.row(b, ch, qb);
+          hs.corrected_blocks += d.corrected.full_count[static_cast<std::size_t>(cr)] +
+                                 d.corrected.partial_count[static_cast<std::size_t>(cr)];
+        }
+      }
+    }
+  }
+}
+
+// permute_stop: a "block" is one tile × one key chunk of block_k keys. Pass 1 counts the
+// chunks covering the segment's keys; pass 2 the ranked prefix chunks.
+void permute_stop_stats(const ProblemShape& s, const PermuteStopParams& p, const Decisions& d, RunStats* out) {
+  for (int b = 0; b < s.batch; ++b) {
+    const geom::SeqGeometry seq{s.seq_q[static_cast<std::size_t>(b)], s.seq_k[static_cast<std::size_t>(b)], true};
+    const std::int64_t pairs = row_pairs(seq);
+    for (int h = 0; h < s.h_q; ++h) out->heads[static_cast<std::size_t>(b) * s.h_q + h].visible_pairs = pairs;
+  }
+  for (const PermuteTile& t : d.tiles) {
+    const geom::SeqGeometry seq{s.seq_q[static_cast<std::size_t>(t.batch)], s.seq_k[static_cast<std::size_t>(t.batch)], true};
+    const std::int64_t seg0 = static_cast<std::int64_t>(t.segment) * p.segment;
+    const std::int64_t row0 = std::max<std::int64_t>(0, seg0 - seq.offset());
+    const std::int64_t row1 = std::min<std::int64_t>(seq.s_q, seg0 + p.segment - seq.offset());
+    const std::int64_t rows_in_tile = std::min<std::int64_t>(p.block_q, row1 - row0 - static_cast<std::int64_t>(t.tile) * p.block_q);
+    const std::int64_t prefix = std::min<std::int64_t>(seg0, seq.s_k);
+    const std::int64_t seg_keys = std::min<std::int64_t>(seg0 + p.segment, seq.s_k) - seg0;
+    const std::int64_t pass1_chunks = geom::ceil_div(seg_keys, p.block_k);
+    HeadStats& hs = out->heads[static_cast<std::size_t>(t.batch) * s.h_q + t.head];
+    hs.visible_blocks += t.chunks_total + pass1_chunks;
+    hs.kept_blocks += t.chunks_visited + pass1_chunks;
+    hs.computed_pairs += rows_in_tile * std::min<std::int64_t>(static_cast<std::int64_t>(t.chunks_visited) * p.block_k, prefix);
+  }
+  // Pass 1 pairs: every row attends causally to its segment's keys.
+  for (int b = 0; b < s.batch; ++b) {
+    const geom::SeqGeometry seq{s.seq_q[static_cast<std::size_t>(b)], s.seq_k[static_cast<std::size_t>(b)], true};
+    std::int64_t pass1 = 0;
+    for (std::int64_t r = 0; r < seq.s_q; ++r) {
+      const std::int64_t a = seq.position(r);
+      if (a < 0) continue;
+      pass1 += a - geom::floor_div(a, p.segment) * p.segment + 1;
+    }
+    for (int h = 0; h < s.h_q; ++h) out->heads[static_cast<std::size_t>(b) * s.h_q + h].computed_pairs += pass1;
+  }
+}
+
+}  // namespace
+
+RunStats stats_from_decisions(const ProblemShape& shape, const Policy& policy, const Decisions& decisions) {
+  RunStats out;
+  out.batch = shape.batch;
+  out.h_q = shape.h_q;
+  out.heads.assign(static_cast<std::size_t>(shape.batch) * shape.h_q, HeadStats{});
+  if (const auto* p = std::get_if<PermuteStopParams>(&policy)) {
+    permute_stop_stats(shape, *p, decisions, &out);
+  } else {
+    block_policy_stats(shape, decisions, &out);
+  }
+  return out;
+}
+
+}  // namespace detail
+}  // namespace sparseprefill

@@ -1,0 +1,41 @@
+// SPDX-License-Identifier: Apache-2.0
+// Host-side element access shared by the host backends (oracle, CPU backend), calibration and
+// the CLI: gathers one sequence's Q/K/V into contiguous arrays whatever the layout (batched,
+// varlen, paged; any strides; bf16/fp16/fp32), and stores O/LSE back. Host tensors only.
+#pragma once
+
+#include <cstdint>
+#include <vector>
+
+#include "sparseprefill/problem.h"
+
+namespace sparseprefill::detail {
+
+// q of sequence b as [s_q, h_q, d], converted exactly to T (float or double).
+template <class T>
+void gather_q(const AttentionProblem& p, const ProblemShape& s, int b, std::vector<T>* out);
+// k (value = false) or v (value = true) of sequence b as [s_k, h_kv, d], through the block
+// table when paged.
+template <class T>
+void gather_kv(const AttentionProblem& p, const ProblemShape& s, int b, bool value,
+               std::vector<T>* out);
+// Stores sequence b's O ([s_q, h_q, d], rounded to o's dtype) and LSE ([h_q, s_q], fp32) into
+// `out` (LSE only when out.lse is defined).
+template <class T>
+void store_output(const AttentionOutput& out, const ProblemShape& s, int b, const T* o,
+                  const T* lse);
+
+extern template void gather_q<float>(const AttentionProblem&, const ProblemShape&, int,
+                                     std::vector<float>*);
+extern template void gather_q<double>(const AttentionProblem&, const ProblemShape&, int,
+                                      std::vector<double>*);
+extern template void gather_kv<float>(const AttentionProblem&, const ProblemShape&, int, bool,
+                                      std::vector<float>*);
+extern template void gather_kv<double>(const AttentionProblem&, const ProblemShape&, int, bool,
+                                       std::vector<double>*);
+extern template void store_output<float>(const AttentionOutput&, const ProblemShape&, int,
+                                         const float*, const float*);
+extern template void store_output<double>(const AttentionOutput&, const ProblemShape&, int,
+                                          const double*, const double*);
+
+}  // namespace sparseprefill::detail

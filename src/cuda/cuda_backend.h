@@ -1,0 +1,23 @@
+// SPDX-License-Identifier: Apache-2.0
+// The CUDA backend as the host dispatcher sees it: plain declarations, no CUDA or kernel
+// headers (src/core/attention.cpp includes this file only when built with SP_WITH_CUDA).
+#pragma once
+
+#include <string>
+
+#include "sparseprefill/attention.h"
+
+namespace sparseprefill::cuda {
+
+// `shape` is validate_problem's result (index tensors already read on the host). Enqueues on
+// options.cuda_stream; fills `decisions` only when it is non-null (that synchronises).
+Status run_cuda(const AttentionProblem& problem, const ProblemShape& shape, const Policy& policy,
+                const AttentionOutput& output, const RunOptions& options, Decisions* decisions);
+
+// Whether a compiled kernel serves this combination; the message lists what is compiled.
+Status can_run_cuda(const ProblemShape& shape, const Policy& policy);
+
+// Compiled architectures and kernel variants, one per line.
+std::string cuda_build_info();
+
+}  // namespace sparseprefill::cuda
