@@ -1,0 +1,341 @@
+// SPDX-License-Identifier: Apache-2.0
+// Core host pieces: dtype rounding, block geometry, problem validation (every bad-input path
+// names its argument), BlockMask invariants and conversions, policy parsing, stats.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <cstring>
+#include <limits>
+#include <vector>
+
+#include "core/geometry.h"
+#include "core/stats.h"
+#include "sparseprefill/sparseprefill.h"
+
+namespace sp = sparseprefill;
+using sp::geom::BlockGeometry;
+
+namespace {
+
+TEST(Rounding, Bf16KnownValues) {
+  EXPECT_EQ(sp::float_to_bf16(1.0f), 0x3F80);
+  EXPECT_EQ(sp::float_to_bf16(-2.0f), 0xC000);
+  // 1 + 2^-8 is halfway between 1 and 1 + 2^-7: ties to even -> 1.
+  EXPECT_EQ(sp::float_to_bf16(1.00390625f), 0x3F80);
+  // 1 + 3·2^-8 is halfway between 1 + 2^-7 and 1 + 2^-6: ties to even -> 1 + 2^-6.
+  EXPECT_EQ(sp::float_to_bf16(1.01171875f), 0x3F82);
+  EXPECT_TRUE(std::isnan(sp::bf16_to_float(sp::float_to_bf16(std::nanf("")))));
+  EXPECT_EQ(sp::bf16_to_float(sp::float_to_bf16(-std::numeric_limits<float>::infinity())),
+            -std::numeric_limits<float>::infinity());
+}
+
+TEST(Rounding, Fp16KnownValues) {
+  EXPECT_EQ(sp::float_to_fp16(1.0f), 0x3C00);
+  EXPECT_EQ(sp::float_to_fp16(65504.0f), 0x7BFF);
+  EXPECT_EQ(sp::float_to_fp16(65520.0f), 0x7C00);         // rounds to +inf
+  EXPECT_EQ(sp::float_to_fp16(5.9604644775390625e-8f), 0x0001);  // 2^-24, smallest subnormal
+  EXPECT_EQ(sp::float_to_fp16(2.98023223876953125e-8f), 0x0000); // 2^-25 ties to even -> 0
+  EXPECT_EQ(sp::float_to_fp16(-0.0f), 0x8000);
+  EXPECT_TRUE(std::isnan(sp::fp16_to_float(sp::float_to_fp16(std::nanf("")))));
+}
+
+TEST(Rounding, EveryFiniteBitPatternRoundTrips) {
+  for (std::uint32_t bits = 0; bits < 0x10000u; ++bits) {
+    const auto h = static_cast<std::uint16_t>(bits);
+    const float f16 = sp::fp16_to_float(h);
+    if (!std::isnan(f16)) ASSERT_EQ(sp::float_to_fp16(f16), h) << std::hex << bits;
+    const float b16 = sp::bf16_to_float(h);
+    if (!std::isnan(b16)) ASSERT_EQ(sp::float_to_bf16(b16), h) << std::hex << bits;
+  }
+}
+
+BlockGeometry geo(std::int64_t s_q, std::int64_t s_k, bool causal, int bq, int bk) {
+  BlockGeometry g;
+  g.seq = {s_q, s_k, causal};
+  g.block_q = bq;
+  g.block_k = bk;
+  return g;
+}
+
+TEST(Geometry, SquareCausal) {
+  const BlockGeometry g = geo(10, 10, true, 4, 4);
+  ASSERT_EQ(g.num_q_blocks(), 3);
+  ASSERT_EQ(g.num_k_blocks(), 3);
+  // qb 0: rows 0..3 see keys 0..3 at most; row 0 sees key 0 only: block 0 partial.
+  EXPECT_EQ(g.visible_end(0), 1);
+  EXPECT_EQ(g.full_end(0), 0);
+  // qb 1: rows 4..7; row 4 sees keys 0..4: block 0 full, block 1 partial.
+  EXPECT_EQ(g.visible_end(1), 2);
+  EXPECT_EQ(g.full_end(1), 1);
+  // qb 2: rows 8, 9; row 8 sees 0..8: blocks 0, 1 full; block 2 (keys 8, 9) partial.
+  EXPECT_EQ(g.visible_end(2), 3);
+  EXPECT_EQ(g.full_end(2), 2);
+  EXPECT_TRUE(g.is_partial(2, 2));
+  EXPECT_EQ(g.visible_pairs(2, 2), 1 + 2);
+  EXPECT_EQ(g.threshold_position(2, 100), 2);
+  EXPECT_EQ(g.threshold_position(2, 2), 1);  // clamped to the table's last row
+}
+
+TEST(Geometry, ChunkedPrefillUsesAbsolutePositions) {
+  // 3 new queries after 7 cached keys: rows 0..2 at positions 7..9.
+  const BlockGeometry g = geo(3, 10, true, 4, 4);
+  EXPECT_EQ(g.visible_end(0), 3);
+  EXPECT_EQ(g.full_end(0), 2);  // row 0 sees keys 0..7: blocks 0 and 1 whole
+  EXPECT_EQ(g.threshold_position(0, 100), 1);  // floor(7 / 4)
+}
+
+TEST(Geometry, MoreQueriesThanKeysLeavesEmptyRows) {
+  const BlockGeometry g = geo(6, 2, true, 4, 4);
+  EXPECT_EQ(g.seq.last_key(3), -1);  // position -1: sees nothing
+  EXPECT_EQ(g.visible_end(0), 0);
+  EXPECT_EQ(g.visible_end(1), 1);  // rows 4, 5 see keys 0 and 0..1
+  EXPECT_EQ(g.full_end(1), 0);
+}
+
+TEST(Geometry, NonCausalEverythingFull) {
+  const BlockGeometry g = geo(5, 9, false, 4, 4);
+  for (int qb = 0; qb < g.num_q_blocks(); ++qb) {
+    EXPECT_EQ(g.visible_end(qb), 3);
+    EXPECT_EQ(g.full_end(qb), 3);
+  }
+  EXPECT_EQ(g.visible_pairs(1, 2), 1);  // one row (4) × one key (8)
+}
+
+// A tiny batched problem over owned host storage.
+struct Tiny {
+  std::vector<float> q, k, v, o, lse;
+  sp::AttentionProblem p;
+  sp::AttentionOutput out;
+  Tiny(int b, int s_q, int s_k, int h_q, int h_kv, int d) {
+    q.assign(static_cast<std::size_t>(b * s_q * h_q * d), 0.25f);
+    k.assign(static_cast<std::size_t>(b * s_k * h_kv * d), 0.5f);
+    v.assign(k.size(), -0.75f);
+    o.assign(q.size(), 0.0f);
+    lse.assign(static_cast<std::size_t>(b * h_q * s_q), 0.0f);
+    p.q = sp::TensorView::contiguous(q.data(), sp::DType::kFP32, {b, s_q, h_q, d});
+    p.k = sp::TensorView::contiguous(k.data(), sp::DType::kFP32, {b, s_k, h_kv, d});
+    p.v = sp::TensorView::contiguous(v.data(), sp::DType::kFP32, {b, s_k, h_kv, d});
+    out.o = sp::TensorView::contiguous(o.data(), sp::DType::kFP32, {b, s_q, h_q, d});
+    out.lse = sp::TensorView::contiguous(lse.data(), sp::DType::kFP32, {b, h_q, s_q});
+  }
+};
+
+void expect_error(const sp::Status& st, const char* fragment) {
+  EXPECT_FALSE(st.ok());
+  EXPECT_NE(st.message().find(fragment), std::string::npos) << "message: " << st.message();
+}
+
+TEST(Validate, AcceptsBatchedProblem) {
+  Tiny t(2, 5, 7, 4, 2, 8);
+  sp::ProblemShape s;
+  ASSERT_TRUE(sp::validate_problem(t.p, &t.out, &s).ok());
+  EXPECT_EQ(s.batch, 2);
+  EXPECT_EQ(s.group(), 2);
+  EXPECT_EQ(s.seq_k[1], 7);
+  EXPECT_DOUBLE_EQ(s.scale, 1.0 / std::sqrt(8.0));
+}
+
+TEST(Validate, EveryBadInputNamesItsArgument) {
+  sp::ProblemShape s;
+  {
+    Tiny t(1, 4, 4, 3, 2, 8);
+    expect_error(sp::validate_problem(t.p, &t.out, &s), "h_kv (2) must divide h_q (3)");
+  }
+  {
+    Tiny t(1, 4, 4, 4, 2, 8);
+    t.p.k.shape[3] = 4;
+    t.p.v.shape[3] = 4;
+    expect_error(sp::validate_problem(t.p, &t.out, &s), "k: expected head_dim 8");
+  }
+  {
+    Tiny t(1, 4, 4, 4, 2, 8);
+    t.p.v.dtype = sp::DType::kBF16;
+    expect_error(sp::validate_problem(t.p, &t.out, &s), "k, v: expected q's dtype");
+  }
+  {
+    Tiny t(1, 4, 4, 4, 2, 8);
+    t.p.q.stride[3] = 2;
+    expect_error(sp::validate_problem(t.p, &t.out, &s), "q: the last dimension");
+  }
+  {
+    Tiny t(1, 4, 4, 4, 2, 8);
+    t.p.scale = std::nan("");
+    expect_error(sp::validate_problem(t.p, &t.out, &s), "scale");
+  }
+  {
+    Tiny t(1, 4, 4, 4, 2, 8);
+    t.out.lse.shape[2] = 3;
+    expect_error(sp::validate_problem(t.p, &t.out, &s), "lse: expected fp32 [b, h_q, s_q]");
+  }
+  {
+    Tiny t(1, 4, 4, 4, 2, 8);
+    t.out.o.dtype = sp::DType::kFP16;
+    expect_error(sp::validate_problem(t.p, &t.out, &s), "o: expected q's dtype");
+  }
+  {
+    Tiny t(1, 4, 4, 4, 2, 8);
+    t.p.k.device = {sp::DeviceKind::kCUDA, 0};
+    expect_error(sp::validate_problem(t.p, &t.out, &s), "expected one device");
+  }
+  {
+    Tiny t(1, 4, 4, 4, 2, 8);
+    t.p.q.rank = 2;
+    expect_error(sp::validate_problem(t.p, &t.out, &s), "q: expected");
+  }
+}
+
+TEST(Validate, VarlenAndPagedIndexTensors) {
+  // Varlen q [6, 2, 4] and k [9, 1, 4]: two sequences.
+  std::vector<float> q(6 * 2 * 4, 0.5f), k(9 * 4, 0.25f), v(9 * 4, 0.75f);
+  std::vector<std::int32_t> cu_q = {0, 2, 6}, cu_k = {0, 4, 9};
+  sp::AttentionProblem p;
+  p.q = sp::TensorView::contiguous(q.data(), sp::DType::kFP32, {6, 2, 4});
+  p.k = sp::TensorView::contiguous(k.data(), sp::DType::kFP32, {9, 1, 4});
+  p.v = sp::TensorView::contiguous(v.data(), sp::DType::kFP32, {9, 1, 4});
+  p.cu_seqlens_q = sp::TensorView::contiguous(cu_q.data(), sp::DType::kInt32, {3});
+  p.cu_seqlens_k = sp::TensorView::contiguous(cu_k.data(), sp::DType::kInt32, {3});
+  sp::ProblemShape s;
+  ASSERT_TRUE(sp::validate_problem(p, nullptr, &s).ok());
+  EXPECT_EQ(s.seq_q[1], 4);
+  EXPECT_EQ(s.k_start[1], 4);
+  cu_q = {0, 4, 2};
+  expect_error(sp::validate_problem(p, nullptr, &s), "cu_seqlens_q: must be non-decreasing");
+  cu_q = {0, 2, 7};
+  expect_error(sp::validate_problem(p, nullptr, &s), "exceeds the 6 rows");
+  cu_q = {1, 2, 6};
+  expect_error(sp::validate_problem(p, nullptr, &s), "must start at 0");
+  cu_q = {0, 2, 6};
+  p.cu_seqlens_k = {};
+  expect_error(sp::validate_problem(p, nullptr, &s), "k: expected cu_seqlens_k");
+
+  // Paged: 3 pages of 4 keys; sequence 0 uses 5 keys (2 pages), sequence 1 uses 3 (1 page).
+  std::vector<float> kp(3 * 4 * 4, 0.5f), vp(kp.size(), 0.25f);
+  std::vector<std::int32_t> table = {2, 0, 1, 7}, used = {5, 3};
+  p.k = sp::TensorView::contiguous(kp.data(), sp::DType::kFP32, {3, 4, 1, 4});
+  p.v = sp::TensorView::contiguous(vp.data(), sp::DType::kFP32, {3, 4, 1, 4});
+  p.block_table = sp::TensorView::contiguous(table.data(), sp::DType::kInt32, {2, 2});
+  expect_error(sp::validate_problem(p, nullptr, &s), "seqused_k: required");
+  p.seqused_k = sp::TensorView::contiguous(used.data(), sp::DType::kInt32, {2});
+  ASSERT_TRUE(sp::validate_problem(p, nullptr, &s).ok()) << sp::validate_problem(p, nullptr, &s).message();
+  EXPECT_EQ(s.kv_layout, sp::KvLayout::kPaged);
+  used = {5, 5};  // sequence 1 now needs its second page, 7, which does not exist
+  expect_error(sp::validate_problem(p, nullptr, &s), "block_table[1][1]: page 7 out of range");
+  used = {9, 3};
+  expect_error(sp::validate_problem(p, nullptr, &s), "seqused_k[0]: expected 0..8");
+}
+
+sp::ProblemShape shape_of(int b, std::int64_t s_q, std::int64_t s_k, int h_q, int h_kv, bool causal) {
+  sp::ProblemShape s;
+  s.batch = b;
+  s.h_q = h_q;
+  s.h_kv = h_kv;
+  s.d = 8;
+  s.causal = causal;
+  s.seq_q.assign(static_cast<std::size_t>(b), s_q);
+  s.seq_k.assign(static_cast<std::size_t>(b), s_k);
+  return s;
+}
+
+TEST(BlockMaskTest, AllVisibleMatchesGeometryAndValidates) {
+  const sp::ProblemShape s = shape_of(2, 10, 10, 2, 1, true);
+  const sp::BlockMask m = sp::BlockMask::all_visible(s, 4, 4, false);
+  ASSERT_TRUE(m.validate_for(s).ok()) << m.validate_for(s).message();
+  EXPECT_EQ(m.full_count[static_cast<std::size_t>(m.row(1, 1, 2))], 2);
+  EXPECT_EQ(m.partial_count[static_cast<std::size_t>(m.row(1, 1, 2))], 1);
+  EXPECT_EQ(m.selected_blocks(), 2 * 2 * (1 + 2 + 3));
+}
+
+TEST(BlockMaskTest, DenseAndCsrRoundTrip) {
+  const sp::ProblemShape s = shape_of(1, 13, 21, 4, 2, true);
+  sp::BlockMask m = sp::BlockMask::empty(s, 4, 4, true);
+  ASSERT_TRUE(m.add(s, 0, 1, 3, 2).ok());
+  ASSERT_TRUE(m.add(s, 0, 1, 3, 5).ok());  // full: query block 3 is row 12 alone, seeing every key
+  ASSERT_TRUE(m.add(s, 0, 0, 0, 0).ok());
+  ASSERT_TRUE(m.add(s, 0, 0, 0, 0).ok());  // idempotent
+  EXPECT_FALSE(m.add(s, 0, 0, 0, 5).ok()); // query block 0 (positions 8..11) cannot see keys 20+
+  ASSERT_TRUE(m.validate_for(s).ok());
+  sp::BlockMask from_dense;
+  ASSERT_TRUE(sp::BlockMask::from_dense(s, 4, 4, true, m.to_dense(), &from_dense).ok());
+  EXPECT_EQ(from_dense.to_dense(), m.to_dense());
+  EXPECT_EQ(from_dense.full_index, m.full_index);
+  std::vector<std::int32_t> indptr, indices;
+  m.to_csr(&indptr, &indices);
+  EXPECT_EQ(indices.size(), 3u);
+  sp::BlockMask from_csr;
+  ASSERT_TRUE(sp::BlockMask::from_csr(s, 4, 4, true, indptr, indices, &from_csr).ok());
+  EXPECT_EQ(from_csr.partial_index, m.partial_index);
+  EXPECT_TRUE(from_csr.contains(0, 1, 3, 5));
+  EXPECT_FALSE(from_csr.contains(0, 1, 3, 4));
+}
+
+TEST(BlockMaskTest, ValidateRejectsBrokenMasks) {
+  const sp::ProblemShape s = shape_of(1, 8, 8, 1, 1, true);
+  sp::BlockMask m = sp::BlockMask::all_visible(s, 4, 4, false);
+  sp::BlockMask bad = m;
+  const auto r1 = static_cast<std::size_t>(bad.row(0, 0, 1));
+  bad.full_index[r1 * 2] = 1;  // block 1 of query block 1 listed as full, but the mask cuts it
+  bad.partial_index[r1 * 2] = -1;
+  bad.partial_count[r1] = 0;
+  expect_error(bad.validate_for(s), "is partial");
+  bad = m;
+  bad.partial_index[static_cast<std::size_t>(bad.row(0, 0, 1) * bad.num_k_blocks)] = 0;  // overlaps full
+  expect_error(bad.validate(), "both full and partial");
+  bad = m;
+  bad.partial_count[0] = 5;
+  expect_error(bad.validate(), "outside [0, 2]");
+  bad = m;
+  bad.full_count.pop_back();
+  expect_error(bad.validate(), "counts must have");
+  std::vector<std::uint8_t> map(4, 1);  // selects block (0, 1): invisible
+  sp::BlockMask out;
+  expect_error(sp::BlockMask::from_dense(s, 4, 4, false, map, &out), "not causally visible");
+  // indptr that jumps past the index list before coming back must fail before any read.
+  expect_error(sp::BlockMask::from_csr(s, 4, 4, false, {0, 100, 2}, {0, 1}, &out), "non-decreasing");
+}
+
+TEST(PolicyParse, ValidAndInvalidSettings) {
+  sp::Policy p;
+  ASSERT_TRUE(sp::parse_policy("estimate_select", {{"alpha", "0.25"}, {"mean_correction", "true"}, {"tail", "0"}}, &p).ok());
+  const auto& e = std::get<sp::EstimateSelectParams>(p);
+  EXPECT_DOUBLE_EQ(e.alpha, 0.25);
+  EXPECT_TRUE(e.mean_correction);
+  EXPECT_EQ(e.tail, 0);
+  EXPECT_NE(sp::describe(p).find("alpha=0.25"), std::string::npos);
+  expect_error(sp::parse_policy("nope", {}, &p), "unknown name 'nope'");
+  expect_error(sp::parse_policy("softmax_skip", {{"b", "1"}}, &p), "unknown parameter 'b'");
+  expect_error(sp::parse_policy("softmax_skip", {{"a", "nan"}}, &p), "a: expected a finite number");
+  expect_error(sp::parse_policy("softmax_skip", {{"a", "inf"}}, &p), "a: expected a finite number");
+  expect_error(sp::parse_policy("softmax_skip", {{"a", "-1"}}, &p), "a: expected a finite positive");
+  expect_error(sp::parse_policy("permute_stop", {{"segment", "12x"}}, &p), "segment: expected an integer");
+  expect_error(sp::parse_policy("exact_gate", {{"block_q", "0"}}, &p), "block_q: expected a positive block size");
+  expect_error(sp::parse_policy("estimate_select", {{"pack_gqa", "maybe"}}, &p), "pack_gqa: expected true/false");
+  ASSERT_TRUE(sp::parse_policy("exact_gate", {}, &p).ok());
+  expect_error(sp::validate_policy(p), "thresholds: required");
+}
+
+TEST(Stats, DenseCausalCountsEveryVisiblePair) {
+  const sp::ProblemShape s = shape_of(1, 10, 10, 2, 1, true);
+  sp::Decisions d;
+  d.kept = sp::BlockMask::all_visible(s, 4, 4, false);
+  const sp::RunStats st = sp::detail::stats_from_decisions(s, sp::DenseParams{}, d);
+  ASSERT_EQ(st.heads.size(), 2u);
+  EXPECT_EQ(st.heads[0].visible_pairs, 55);  // 1 + 2 + ... + 10
+  EXPECT_EQ(st.heads[0].computed_pairs, 55);
+  EXPECT_EQ(st.heads[0].visible_blocks, 6);
+  EXPECT_DOUBLE_EQ(st.density(), 1.0);
+  // Dropping block (qb 2, kb 0), full: 2 rows × 4 keys.
+  sp::Decisions half;
+  half.kept = sp::BlockMask::empty(s, 4, 4, false);
+  for (int h = 0; h < 2; ++h) {
+    for (int qb = 0; qb < 3; ++qb) {
+      for (int kb = 0; kb <= qb; ++kb) {
+        if (!(qb == 2 && kb == 0)) ASSERT_TRUE(half.kept.add(s, 0, h, qb, kb).ok());
+      }
+    }
+  }
+  const sp::RunStats st2 = sp::detail::stats_from_decisions(s, sp::DenseParams{}, half);
+  EXPECT_EQ(st2.heads[1].computed_pairs, 55 - 8);
+  EXPECT_DOUBLE_EQ(st2.density(), 5.0 / 6.0);
+}
+
+}  // namespace
