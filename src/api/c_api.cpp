@@ -1,0 +1,325 @@
+// SPDX-License-Identifier: Apache-2.0
+// The C ABI (include/sparseprefill/c_api.h) over the C++ API: converts the plain structs to
+// TensorView/AttentionProblem/Policy, calls run(), and turns every error and exception into a
+// status code plus a thread-local message.
+#include "sparseprefill/c_api.h"
+
+#include <exception>
+#include <memory>
+#include <new>
+#include <string>
+#include <utility>
+#include <variant>
+#include <vector>
+
+#include "sparseprefill/attention.h"
+#include "sparseprefill/block_mask.h"
+#include "sparseprefill/policy.h"
+#include "sparseprefill/problem.h"
+#include "sparseprefill/types.h"
+
+struct sp_policy {
+  sparseprefill::Policy policy;
+  std::string description;
+};
+
+namespace {
+
+using sparseprefill::Status;
+using sparseprefill::StatusCode;
+using sparseprefill::TensorView;
+
+// sp_status mirrors StatusCode so that codes pass through unchanged.
+static_assert(SP_ERR_INVALID_ARGUMENT == static_cast<int>(StatusCode::kInvalidArgument));
+static_assert(SP_ERR_UNSUPPORTED == static_cast<int>(StatusCode::kUnsupported));
+static_assert(SP_ERR_IO == static_cast<int>(StatusCode::kIoError));
+static_assert(SP_ERR_CORRUPT_DATA == static_cast<int>(StatusCode::kCorruptData));
+static_assert(SP_ERR_CUDA == static_cast<int>(StatusCode::kCudaError));
+static_assert(SP_ERR_INTERNAL == static_cast<int>(StatusCode::kInternal));
+
+thread_local std::string t_last_error;
+
+int finish(const Status& status) {
+  if (status.ok()) {
+    t_last_error.clear();
+    return SP_OK;
+  }
+  t_last_error = status.message();
+  return static_cast<int>(status.code());
+}
+
+int fail(StatusCode code, std::string message) { return finish(Status(code, std::move(message))); }
+
+// Runs `body` (returning Status) so that no exception crosses the ABI.
+template <class Body>
+int guarded(Body&& body) {
+  try {
+    return finish(body());
+  } catch (const std::bad_alloc&) {
+    return fail(StatusCode::kInternal, "out of host memory");
+  } catch (const std::exception& e) {
+    return fail(StatusCode::kInternal, std::string("unexpected exception: ") + e.what());
+  } catch (...) {
+    return fail(StatusCode::kInternal, "unexpected exception of unknown type");
+  }
+}
+
+Status to_view(const sp_tensor& t, const char* name, TensorView* out) {
+  *out = TensorView{};
+  if (t.rank == 0) {
+    if (t.data != nullptr) {
+      return sparseprefill::invalid_argument(std::string(name) +
+                                             ": rank 0 (absent) but data is not NULL");
+    }
+    return Status::ok_status();
+  }
+  if (t.rank < 0 || t.rank > SP_MAX_RANK) {
+    return sparseprefill::invalid_argument(std::string(name) + ": expected rank 1.." +
+                                           std::to_string(SP_MAX_RANK) + ", got " +
+                                           std::to_string(t.rank));
+  }
+  switch (t.dtype) {
+    case SP_DTYPE_BF16: out->dtype = sparseprefill::DType::kBF16; break;
+    case SP_DTYPE_FP16: out->dtype = sparseprefill::DType::kFP16; break;
+    case SP_DTYPE_FP32: out->dtype = sparseprefill::DType::kFP32; break;
+    case SP_DTYPE_INT32: out->dtype = sparseprefill::DType::kInt32; break;
+    default:
+      return sparseprefill::invalid_argument(std::string(name) +
+                                             ": expected an sp_dtype code 0..3, got " +
+                                             std::to_string(t.dtype));
+  }
+  switch (t.device_type) {
+    case SP_DEVICE_CPU: out->device.kind = sparseprefill::DeviceKind::kCPU; break;
+    case SP_DEVICE_CUDA: out->device.kind = sparseprefill::DeviceKind::kCUDA; break;
+    default:
+      return sparseprefill::invalid_argument(std::string(name) +
+                                             ": expected device_type 0 (CPU) or 1 (CUDA), got " +
+                                             std::to_string(t.device_type));
+  }
+  if (t.device_index < 0) {
+    return sparseprefill::invalid_argument(std::string(name) +
+                                           ": expected device_index >= 0, got " +
+                                           std::to_string(t.device_index));
+  }
+  out->device.index = t.device_index;
+  out->data = t.data;
+  out->rank = t.rank;
+  for (int i = 0; i < t.rank; ++i) {
+    out->shape[i] = t.shape[i];
+    out->stride[i] = t.stride[i];
+  }
+  return Status::ok_status();
+}
+
+Status to_problem(const sp_problem* p, sparseprefill::AttentionProblem* out) {
+  if (p == nullptr) return sparseprefill::invalid_argument("problem: expected non-NULL");
+  SP_RETURN_IF_ERROR(to_view(p->q, "q", &out->q));
+  SP_RETURN_IF_ERROR(to_view(p->k, "k", &out->k));
+  SP_RETURN_IF_ERROR(to_view(p->v, "v", &out->v));
+  SP_RETURN_IF_ERROR(to_view(p->cu_seqlens_q, "cu_seqlens_q", &out->cu_seqlens_q));
+  SP_RETURN_IF_ERROR(to_view(p->cu_seqlens_k, "cu_seqlens_k", &out->cu_seqlens_k));
+  SP_RETURN_IF_ERROR(to_view(p->seqused_k, "seqused_k", &out->seqused_k));
+  SP_RETURN_IF_ERROR(to_view(p->block_table, "block_table", &out->block_table));
+  out->causal = p->causal != 0;
+  out->scale = p->scale;
+  return Status::ok_status();
+}
+
+Status to_backend(int32_t code, sparseprefill::Backend* out) {
+  switch (code) {
+    case SP_BACKEND_AUTO: *out = sparseprefill::Backend::kAuto; return Status::ok_status();
+    case SP_BACKEND_REFERENCE: *out = sparseprefill::Backend::kReference; return Status::ok_status();
+    case SP_BACKEND_CPU: *out = sparseprefill::Backend::kCPU; return Status::ok_status();
+    case SP_BACKEND_CUDA: *out = sparseprefill::Backend::kCUDA; return Status::ok_status();
+    default:
+      return sparseprefill::invalid_argument("backend: expected an sp_backend code 0..3, got " +
+                                             std::to_string(code));
+  }
+}
+
+Status check_policy(const sp_policy* policy) {
+  if (policy == nullptr) {
+    return sparseprefill::invalid_argument("policy: expected a handle from sp_policy_create");
+  }
+  return Status::ok_status();
+}
+
+void add_head(sp_head_stats* sum, const sparseprefill::HeadStats& h) {
+  sum->visible_blocks += h.visible_blocks;
+  sum->kept_blocks += h.kept_blocks;
+  sum->corrected_blocks += h.corrected_blocks;
+  sum->visible_pairs += h.visible_pairs;
+  sum->computed_pairs += h.computed_pairs;
+}
+
+void fill_stats(const sparseprefill::RunStats& rs, sp_stats* out) {
+  out->total = sp_head_stats{};
+  for (const auto& h : rs.heads) add_head(&out->total, h);
+  out->density = rs.density();
+  out->pair_density = rs.pair_density();
+  out->batch = rs.batch;
+  out->h_q = rs.h_q;
+  out->num_heads = static_cast<std::int64_t>(rs.heads.size());
+  if (out->heads != nullptr && out->heads_capacity >= out->num_heads) {
+    for (std::size_t i = 0; i < rs.heads.size(); ++i) {
+      out->heads[i] = sp_head_stats{};
+      add_head(&out->heads[i], rs.heads[i]);
+    }
+  }
+}
+
+}  // namespace
+
+extern "C" {
+
+int sp_policy_create(const char* name, const sp_setting* settings, int32_t num_settings,
+                     sp_policy** out) {
+  return guarded([&]() -> Status {
+    if (out == nullptr) return sparseprefill::invalid_argument("out: expected non-NULL");
+    *out = nullptr;
+    if (name == nullptr) return sparseprefill::invalid_argument("name: expected a policy name");
+    if (num_settings < 0 || (num_settings > 0 && settings == nullptr)) {
+      return sparseprefill::invalid_argument(
+          "settings: expected num_settings >= 0 and a non-NULL array when it is positive");
+    }
+    std::vector<std::pair<std::string, std::string>> kv;
+    kv.reserve(static_cast<std::size_t>(num_settings));
+    for (int32_t i = 0; i < num_settings; ++i) {
+      if (settings[i].key == nullptr || settings[i].value == nullptr) {
+        return sparseprefill::invalid_argument("settings[" + std::to_string(i) +
+                                               "]: expected non-NULL key and value");
+      }
+      kv.emplace_back(settings[i].key, settings[i].value);
+    }
+    auto handle = std::make_unique<sp_policy>();
+    SP_RETURN_IF_ERROR(sparseprefill::parse_policy(name, kv, &handle->policy));
+    handle->description = sparseprefill::describe(handle->policy);
+    *out = handle.release();
+    return Status::ok_status();
+  });
+}
+
+void sp_policy_destroy(sp_policy* policy) { delete policy; }
+
+int sp_policy_set_thresholds(sp_policy* policy, const sp_tensor* thresholds) {
+  return guarded([&]() -> Status {
+    SP_RETURN_IF_ERROR(check_policy(policy));
+    auto* gate = std::get_if<sparseprefill::ExactGateParams>(&policy->policy);
+    if (gate == nullptr) {
+      return sparseprefill::invalid_argument(
+          std::string("thresholds: only exact_gate takes a threshold table, the policy is ") +
+          sparseprefill::policy_name(policy->policy));
+    }
+    if (thresholds == nullptr) return sparseprefill::invalid_argument("thresholds: expected non-NULL");
+    TensorView view;
+    SP_RETURN_IF_ERROR(to_view(*thresholds, "thresholds", &view));
+    gate->thresholds = view;
+    policy->description = sparseprefill::describe(policy->policy);
+    return Status::ok_status();
+  });
+}
+
+int sp_policy_set_block_mask(sp_policy* policy, const sp_problem* problem,
+                             const sp_block_mask_csr* mask) {
+  return guarded([&]() -> Status {
+    SP_RETURN_IF_ERROR(check_policy(policy));
+    auto* sparse = std::get_if<sparseprefill::BlockSparseParams>(&policy->policy);
+    if (sparse == nullptr) {
+      return sparseprefill::invalid_argument(
+          std::string("mask: only block_sparse takes a block mask, the policy is ") +
+          sparseprefill::policy_name(policy->policy));
+    }
+    if (mask == nullptr) return sparseprefill::invalid_argument("mask: expected non-NULL");
+    if (mask->num_rows < 0 || mask->indptr == nullptr) {
+      return sparseprefill::invalid_argument(
+          "mask.indptr: expected num_rows >= 0 and num_rows + 1 entries");
+    }
+    if (mask->num_indices < 0 || (mask->num_indices > 0 && mask->indices == nullptr)) {
+      return sparseprefill::invalid_argument(
+          "mask.indices: expected num_indices >= 0 and a non-NULL array when it is positive");
+    }
+    sparseprefill::AttentionProblem p;
+    SP_RETURN_IF_ERROR(to_problem(problem, &p));
+    sparseprefill::ProblemShape shape;
+    SP_RETURN_IF_ERROR(sparseprefill::validate_problem(p, nullptr, &shape));
+    std::vector<std::int32_t> indptr(mask->indptr, mask->indptr + mask->num_rows + 1);
+    std::vector<std::int32_t> indices(mask->indices, mask->indices + mask->num_indices);
+    sparseprefill::BlockMask built;
+    SP_RETURN_IF_ERROR(sparseprefill::BlockMask::from_csr(shape, mask->block_q, mask->block_k,
+                                                          mask->per_kv_head != 0, indptr,
+                                                          indices, &built));
+    sparse->mask = std::move(built);
+    policy->description = sparseprefill::describe(policy->policy);
+    return Status::ok_status();
+  });
+}
+
+const char* sp_policy_describe(const sp_policy* policy) {
+  return policy == nullptr ? "" : policy->description.c_str();
+}
+
+int sp_run(const sp_problem* problem, const sp_policy* policy, const sp_output* output,
+           const sp_options* options, sp_stats* stats) {
+  return guarded([&]() -> Status {
+    sparseprefill::AttentionProblem p;
+    SP_RETURN_IF_ERROR(to_problem(problem, &p));
+    SP_RETURN_IF_ERROR(check_policy(policy));
+    if (output == nullptr) return sparseprefill::invalid_argument("output: expected non-NULL");
+    sparseprefill::AttentionOutput out;
+    SP_RETURN_IF_ERROR(to_view(output->o, "o", &out.o));
+    SP_RETURN_IF_ERROR(to_view(output->lse, "lse", &out.lse));
+    sparseprefill::RunOptions opts;
+    if (options != nullptr) {
+      SP_RETURN_IF_ERROR(to_backend(options->backend, &opts.backend));
+      if (options->num_threads < 0) {
+        return sparseprefill::invalid_argument("options.num_threads: expected >= 0, got " +
+                                               std::to_string(options->num_threads));
+      }
+      opts.num_threads = options->num_threads;
+      opts.cuda_stream = options->cuda_stream;
+    }
+    if (stats == nullptr) return sparseprefill::run(p, policy->policy, out, opts);
+    if (stats->heads_capacity < 0) {
+      return sparseprefill::invalid_argument("stats.heads_capacity: expected >= 0, got " +
+                                             std::to_string(stats->heads_capacity));
+    }
+    sparseprefill::RunStats rs;
+    SP_RETURN_IF_ERROR(sparseprefill::run(p, policy->policy, out, opts, &rs));
+    fill_stats(rs, stats);
+    return Status::ok_status();
+  });
+}
+
+int sp_can_run(const sp_problem* problem, const sp_policy* policy, int32_t backend) {
+  return guarded([&]() -> Status {
+    sparseprefill::AttentionProblem p;
+    SP_RETURN_IF_ERROR(to_problem(problem, &p));
+    SP_RETURN_IF_ERROR(check_policy(policy));
+    sparseprefill::Backend b;
+    SP_RETURN_IF_ERROR(to_backend(backend, &b));
+    return sparseprefill::can_run(p, policy->policy, b);
+  });
+}
+
+const char* sp_last_error(void) { return t_last_error.c_str(); }
+
+const char* sp_status_name(int32_t code) {
+  if (code < SP_OK || code > SP_ERR_INTERNAL) return "unknown";
+  return sparseprefill::status_code_name(static_cast<StatusCode>(code));
+}
+
+const char* sp_build_info(void) {
+  // Built once; a function-local static is initialised thread-safely.
+  static const std::string info = []() {
+    try {
+      return sparseprefill::build_info();
+    } catch (...) {
+      return std::string("sparseprefill (build_info failed)");
+    }
+  }();
+  return info.c_str();
+}
+
+int32_t sp_abi_version(void) { return SP_ABI_VERSION; }
+
+}  // extern "C"

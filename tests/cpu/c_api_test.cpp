@@ -1,0 +1,459 @@
+// SPDX-License-Identifier: Apache-2.0
+// The C ABI (libsparseprefill_c) against the C++ API on host tensors: every policy and layout
+// that crosses the ABI gives bit-identical O/LSE and identical statistics to run(), and every
+// malformed argument comes back as a status code with a message naming it.
+#include "sparseprefill/c_api.h"
+
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "sparseprefill/sparseprefill.h"
+
+namespace sp = sparseprefill;
+
+namespace {
+
+// splitmix64: a seeded, platform-independent stream (never zeros as test data).
+std::uint64_t next_u64(std::uint64_t* state) {
+  std::uint64_t z = (*state += 0x9E3779B97F4A7C15ull);
+  z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+  z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+  return z ^ (z >> 31);
+}
+
+// Uniform in [lo, hi).
+double next_uniform(std::uint64_t* state, double lo, double hi) {
+  return lo + (hi - lo) * static_cast<double>(next_u64(state) >> 11) * 0x1.0p-53;
+}
+
+sp::HostTensor random_bf16(std::vector<std::int64_t> shape, std::uint64_t seed) {
+  sp::HostTensor t(sp::DType::kBF16, std::move(shape));
+  auto* p = t.as<std::uint16_t>();
+  for (std::int64_t i = 0; i < t.numel(); ++i) {
+    p[i] = sp::float_to_bf16(static_cast<float>(next_uniform(&seed, -1.0, 1.0)));
+  }
+  return t;
+}
+
+void poison(sp::HostTensor* t) {
+  if (t->dtype() == sp::DType::kFP32) {
+    auto* p = t->as<float>();
+    for (std::int64_t i = 0; i < t->numel(); ++i) p[i] = std::numeric_limits<float>::quiet_NaN();
+  } else {
+    auto* p = t->as<std::uint16_t>();
+    for (std::int64_t i = 0; i < t->numel(); ++i) p[i] = 0x7FC1;  // bf16/fp16 NaN either way
+  }
+}
+
+bool all_finite_or_neg_inf(const sp::HostTensor& t) {
+  for (std::int64_t i = 0; i < t.numel(); ++i) {
+    float x = t.dtype() == sp::DType::kFP32 ? t.as<float>()[i]
+                                            : sp::bf16_to_float(t.as<std::uint16_t>()[i]);
+    if (std::isnan(x) || x == std::numeric_limits<float>::infinity()) return false;
+  }
+  return true;
+}
+
+sp_tensor to_c(const sp::TensorView& v) {
+  sp_tensor t{};
+  if (!v.defined()) return t;
+  t.data = v.data;
+  switch (v.dtype) {
+    case sp::DType::kBF16: t.dtype = SP_DTYPE_BF16; break;
+    case sp::DType::kFP16: t.dtype = SP_DTYPE_FP16; break;
+    case sp::DType::kFP32: t.dtype = SP_DTYPE_FP32; break;
+    case sp::DType::kInt32: t.dtype = SP_DTYPE_INT32; break;
+  }
+  t.device_type = SP_DEVICE_CPU;
+  t.rank = v.rank;
+  for (int i = 0; i < v.rank; ++i) {
+    t.shape[i] = v.shape[i];
+    t.stride[i] = v.stride[i];
+  }
+  return t;
+}
+
+sp_problem to_c(const sp::AttentionProblem& p) {
+  sp_problem c{};
+  c.q = to_c(p.q);
+  c.k = to_c(p.k);
+  c.v = to_c(p.v);
+  c.cu_seqlens_q = to_c(p.cu_seqlens_q);
+  c.cu_seqlens_k = to_c(p.cu_seqlens_k);
+  c.seqused_k = to_c(p.seqused_k);
+  c.block_table = to_c(p.block_table);
+  c.causal = p.causal ? 1 : 0;
+  c.scale = p.scale;
+  return c;
+}
+
+// A batched GQA problem with s_q != s_k (bottom-right causal): b 2, s_q 37, s_k 53, h_q 4,
+// h_kv 2, d 16.
+struct Batched {
+  sp::HostTensor q = random_bf16({2, 37, 4, 16}, 11);
+  sp::HostTensor k = random_bf16({2, 53, 2, 16}, 12);
+  sp::HostTensor v = random_bf16({2, 53, 2, 16}, 13);
+  sp::AttentionProblem problem() const {
+    sp::AttentionProblem p;
+    p.q = q.view();
+    p.k = k.view();
+    p.v = v.view();
+    p.causal = true;
+    return p;
+  }
+  sp::HostTensor new_o() const { return sp::HostTensor(sp::DType::kBF16, {2, 37, 4, 16}); }
+  sp::HostTensor new_lse() const { return sp::HostTensor(sp::DType::kFP32, {2, 4, 37}); }
+};
+
+struct PolicyHandle {
+  sp_policy* handle = nullptr;
+  PolicyHandle(const char* name, const std::vector<sp_setting>& settings) {
+    int rc = sp_policy_create(name, settings.data(), static_cast<int32_t>(settings.size()),
+                              &handle);
+    EXPECT_EQ(rc, SP_OK) << sp_last_error();
+  }
+  ~PolicyHandle() { sp_policy_destroy(handle); }
+  PolicyHandle(const PolicyHandle&) = delete;
+  PolicyHandle& operator=(const PolicyHandle&) = delete;
+};
+
+sp::Policy parse(const char* name, const std::vector<sp_setting>& settings) {
+  std::vector<std::pair<std::string, std::string>> kv;
+  for (const auto& s : settings) kv.emplace_back(s.key, s.value);
+  sp::Policy policy;
+  sp::Status st = sp::parse_policy(name, kv, &policy);
+  EXPECT_TRUE(st.ok()) << st.to_string();
+  return policy;
+}
+
+// Runs `policy` through run() and `handle` through sp_run on the same inputs (one CPU thread
+// each, so both are deterministic) and expects identical bits and statistics.
+void expect_same_as_run(const sp::AttentionProblem& problem, const sp::Policy& policy,
+                        const sp_policy* handle, sp::HostTensor o_cpp, sp::HostTensor lse_cpp) {
+  sp::HostTensor o_c = o_cpp;
+  sp::HostTensor lse_c = lse_cpp;
+  poison(&o_cpp);
+  poison(&lse_cpp);
+  poison(&o_c);
+  poison(&lse_c);
+
+  sp::RunOptions opts;
+  opts.backend = sp::Backend::kCPU;
+  opts.num_threads = 1;
+  sp::RunStats rs;
+  sp::Status st = sp::run(problem, policy, {o_cpp.view(), lse_cpp.view()}, opts, &rs);
+  ASSERT_TRUE(st.ok()) << st.to_string();
+
+  sp_problem cp = to_c(problem);
+  sp_output out{to_c(o_c.view()), to_c(lse_c.view())};
+  sp_options copts{SP_BACKEND_CPU, 1, nullptr};
+  std::vector<sp_head_stats> heads(rs.heads.size());
+  sp_stats stats{};
+  stats.heads = heads.data();
+  stats.heads_capacity = static_cast<int64_t>(heads.size());
+  ASSERT_EQ(sp_run(&cp, handle, &out, &copts, &stats), SP_OK) << sp_last_error();
+  EXPECT_STREQ(sp_last_error(), "");
+
+  EXPECT_TRUE(all_finite_or_neg_inf(o_c)) << "O not fully written";
+  EXPECT_TRUE(all_finite_or_neg_inf(lse_c)) << "LSE not fully written";
+  EXPECT_EQ(std::memcmp(o_c.data(), o_cpp.data(), o_c.nbytes()), 0);
+  EXPECT_EQ(std::memcmp(lse_c.data(), lse_cpp.data(), lse_c.nbytes()), 0);
+
+  EXPECT_EQ(stats.batch, rs.batch);
+  EXPECT_EQ(stats.h_q, rs.h_q);
+  ASSERT_EQ(stats.num_heads, static_cast<int64_t>(rs.heads.size()));
+  sp_head_stats sum{};
+  for (std::size_t i = 0; i < rs.heads.size(); ++i) {
+    const auto& h = rs.heads[i];
+    EXPECT_EQ(heads[i].visible_blocks, h.visible_blocks) << "head " << i;
+    EXPECT_EQ(heads[i].kept_blocks, h.kept_blocks) << "head " << i;
+    EXPECT_EQ(heads[i].corrected_blocks, h.corrected_blocks) << "head " << i;
+    EXPECT_EQ(heads[i].visible_pairs, h.visible_pairs) << "head " << i;
+    EXPECT_EQ(heads[i].computed_pairs, h.computed_pairs) << "head " << i;
+    sum.visible_blocks += h.visible_blocks;
+    sum.kept_blocks += h.kept_blocks;
+    sum.computed_pairs += h.computed_pairs;
+  }
+  EXPECT_EQ(stats.total.visible_blocks, sum.visible_blocks);
+  EXPECT_EQ(stats.total.kept_blocks, sum.kept_blocks);
+  EXPECT_EQ(stats.total.computed_pairs, sum.computed_pairs);
+  EXPECT_DOUBLE_EQ(stats.density, rs.density());
+  EXPECT_DOUBLE_EQ(stats.pair_density, rs.pair_density());
+}
+
+// Blocks kept by run() over the whole call.
+std::int64_t kept_blocks(const Batched& in, const sp::Policy& policy) {
+  sp::RunStats rs;
+  sp::HostTensor o = in.new_o();
+  sp::Status st = sp::run(in.problem(), policy, {o.view(), {}}, {}, &rs);
+  EXPECT_TRUE(st.ok()) << st.to_string();
+  std::int64_t kept = 0;
+  for (const auto& h : rs.heads) kept += h.kept_blocks;
+  return kept;
+}
+
+TEST(CApi, DenseMatchesRun) {
+  Batched in;
+  PolicyHandle h("dense", {});
+  expect_same_as_run(in.problem(), sp::DenseParams{}, h.handle, in.new_o(), in.new_lse());
+}
+
+TEST(CApi, SettingsReachThePolicy) {
+  Batched in;
+  std::vector<sp_setting> skip = {{"block_q", "8"}, {"block_k", "8"}, {"a", "3"}};
+  PolicyHandle hs("softmax_skip", skip);
+  expect_same_as_run(in.problem(), parse("softmax_skip", skip), hs.handle, in.new_o(),
+                     in.new_lse());
+
+  std::vector<sp_setting> est = {{"block", "8"}, {"alpha", "0.6"}, {"sink", "1"},
+                                 {"window", "1"}, {"tail", "1"}};
+  PolicyHandle he("estimate_select", est);
+  std::string described = sp_policy_describe(he.handle);
+  EXPECT_EQ(described, sp::describe(parse("estimate_select", est)));
+  expect_same_as_run(in.problem(), parse("estimate_select", est), he.handle, in.new_o(),
+                     in.new_lse());
+}
+
+TEST(CApi, ExactGateThresholdsAttach) {
+  Batched in;
+  // fp32 [h_q 4, positions 7]: thresholds near the block maxima (about 0.8 for these inputs)
+  // so that some full blocks are kept and some skipped.
+  sp::HostTensor table(sp::DType::kFP32, {4, 7});
+  std::uint64_t seed = 21;
+  for (std::int64_t i = 0; i < table.numel(); ++i) {
+    table.as<float>()[i] = static_cast<float>(next_uniform(&seed, 0.4, 1.0));
+  }
+  std::vector<sp_setting> settings = {{"block_q", "8"}, {"block_k", "8"}};
+  PolicyHandle h("exact_gate", settings);
+  sp_tensor ct = to_c(table.view());
+  ASSERT_EQ(sp_policy_set_thresholds(h.handle, &ct), SP_OK) << sp_last_error();
+
+  sp::Policy policy = parse("exact_gate", settings);
+  std::get<sp::ExactGateParams>(policy).thresholds = table.view();
+  expect_same_as_run(in.problem(), policy, h.handle, in.new_o(), in.new_lse());
+
+  // The table must actually gate: more blocks kept than with +inf thresholds (partial blocks
+  // only), fewer than with -inf thresholds (every visible block).
+  auto kept_with = [&](float fill) {
+    sp::HostTensor uniform(sp::DType::kFP32, {4, 1});
+    for (int i = 0; i < 4; ++i) uniform.as<float>()[i] = fill;
+    sp::Policy p = parse("exact_gate", settings);
+    std::get<sp::ExactGateParams>(p).thresholds = uniform.view();
+    return kept_blocks(in, p);
+  };
+  std::int64_t kept = kept_blocks(in, policy);
+  EXPECT_GT(kept, kept_with(std::numeric_limits<float>::infinity()));
+  EXPECT_LT(kept, kept_with(-std::numeric_limits<float>::infinity()));
+}
+
+TEST(CApi, BlockMaskFromCsr) {
+  Batched in;
+  sp::AttentionProblem problem = in.problem();
+  sp::ProblemShape shape;
+  ASSERT_TRUE(sp::validate_problem(problem, nullptr, &shape).ok());
+  sp::BlockMask all = sp::BlockMask::all_visible(shape, 8, 8, false);
+  std::vector<std::int32_t> indptr, indices;
+  all.to_csr(&indptr, &indices);
+  // Drop about half of each row's blocks, at random.
+  std::vector<std::int32_t> kept_ptr = {0}, kept_idx;
+  std::uint64_t seed = 31;
+  for (std::size_t r = 0; r + 1 < indptr.size(); ++r) {
+    for (std::int32_t i = indptr[r]; i < indptr[r + 1]; ++i) {
+      if (next_u64(&seed) & 1) kept_idx.push_back(indices[i]);
+    }
+    kept_ptr.push_back(static_cast<std::int32_t>(kept_idx.size()));
+  }
+  ASSERT_GT(kept_idx.size(), 0u);
+  ASSERT_LT(kept_idx.size(), indices.size());
+
+  PolicyHandle h("block_sparse", {});
+  sp_problem cp = to_c(problem);
+  sp_block_mask_csr csr{8, 8, 0, static_cast<int64_t>(kept_ptr.size() - 1), kept_ptr.data(),
+                        static_cast<int64_t>(kept_idx.size()), kept_idx.data()};
+  ASSERT_EQ(sp_policy_set_block_mask(h.handle, &cp, &csr), SP_OK) << sp_last_error();
+
+  sp::BlockSparseParams params;
+  sp::Status st = sp::BlockMask::from_csr(shape, 8, 8, false, kept_ptr, kept_idx, &params.mask);
+  ASSERT_TRUE(st.ok()) << st.to_string();
+  expect_same_as_run(problem, params, h.handle, in.new_o(), in.new_lse());
+
+  // A row count that does not fit the geometry is refused.
+  sp_block_mask_csr short_csr = csr;
+  short_csr.num_rows -= 1;
+  EXPECT_EQ(sp_policy_set_block_mask(h.handle, &cp, &short_csr), SP_ERR_INVALID_ARGUMENT);
+  EXPECT_STRNE(sp_last_error(), "");
+}
+
+TEST(CApi, VarlenAndStridesPassThrough) {
+  // Varlen: two sequences (s_q 5 and 30, s_k 19 and 30) packed along seq.
+  sp::HostTensor q = random_bf16({35, 4, 16}, 41);
+  sp::HostTensor k = random_bf16({49, 1, 16}, 42);
+  sp::HostTensor v = random_bf16({49, 1, 16}, 43);
+  sp::HostTensor cu_q(sp::DType::kInt32, {3});
+  sp::HostTensor cu_k(sp::DType::kInt32, {3});
+  const std::int32_t cq[3] = {0, 5, 35}, ck[3] = {0, 19, 49};
+  std::memcpy(cu_q.data(), cq, sizeof cq);
+  std::memcpy(cu_k.data(), ck, sizeof ck);
+  sp::AttentionProblem p;
+  p.q = q.view();
+  p.k = k.view();
+  p.v = v.view();
+  p.cu_seqlens_q = cu_q.view();
+  p.cu_seqlens_k = cu_k.view();
+  PolicyHandle h("dense", {});
+  expect_same_as_run(p, sp::DenseParams{}, h.handle, sp::HostTensor(sp::DType::kBF16, {35, 4, 16}),
+                     sp::HostTensor(sp::DType::kFP32, {4, 35}));
+
+  // Strided: q stored [b, h, s, d] and viewed as [b, s, h, d]; non-causal, explicit scale.
+  sp::HostTensor q_bhsd = random_bf16({1, 4, 21, 16}, 44);
+  sp::HostTensor k2 = random_bf16({1, 21, 4, 16}, 45);
+  sp::HostTensor v2 = random_bf16({1, 21, 4, 16}, 46);
+  sp::AttentionProblem s;
+  s.q = sp::TensorView::contiguous(q_bhsd.data(), sp::DType::kBF16, {1, 21, 4, 16});
+  s.q.stride[1] = 16;
+  s.q.stride[2] = 21 * 16;
+  s.k = k2.view();
+  s.v = v2.view();
+  s.causal = false;
+  s.scale = 0.3;
+  expect_same_as_run(s, sp::DenseParams{}, h.handle, sp::HostTensor(sp::DType::kBF16, {1, 21, 4, 16}),
+                     sp::HostTensor(sp::DType::kFP32, {1, 4, 21}));
+}
+
+TEST(CApi, StatsWithoutHeadBuffer) {
+  Batched in;
+  PolicyHandle h("dense", {});
+  sp_problem cp = to_c(in.problem());
+  sp::HostTensor o = in.new_o();
+  sp_output out{to_c(o.view()), {}};
+  sp_head_stats sentinel{-7, -7, -7, -7, -7};
+  sp_stats stats{};
+  stats.heads = &sentinel;
+  stats.heads_capacity = 1;  // too small for [2, 4]: left untouched
+  ASSERT_EQ(sp_run(&cp, h.handle, &out, nullptr, &stats), SP_OK) << sp_last_error();
+  EXPECT_EQ(stats.num_heads, 8);
+  EXPECT_EQ(sentinel.kept_blocks, -7);
+  EXPECT_EQ(stats.total.kept_blocks, stats.total.visible_blocks);
+  EXPECT_EQ(stats.total.computed_pairs, stats.total.visible_pairs);
+  EXPECT_DOUBLE_EQ(stats.density, 1.0);
+}
+
+TEST(CApi, MalformedArgumentsNameThemselves) {
+  Batched in;
+  PolicyHandle dense("dense", {});
+  sp::HostTensor o = in.new_o();
+  sp_output out{to_c(o.view()), {}};
+  auto expect_error = [&](sp_problem p, const sp_policy* policy, const sp_output* output,
+                          const sp_options* options, int code, const char* needle) {
+    EXPECT_EQ(sp_run(&p, policy, output, options, nullptr), code) << needle;
+    EXPECT_NE(std::string(sp_last_error()).find(needle), std::string::npos)
+        << "message: " << sp_last_error();
+  };
+  sp_problem good = to_c(in.problem());
+
+  sp_problem bad = good;
+  bad.q.dtype = 9;
+  expect_error(bad, dense.handle, &out, nullptr, SP_ERR_INVALID_ARGUMENT, "q:");
+  bad = good;
+  bad.k.rank = 5;
+  expect_error(bad, dense.handle, &out, nullptr, SP_ERR_INVALID_ARGUMENT, "k:");
+  bad = good;
+  bad.v.device_type = 4;
+  expect_error(bad, dense.handle, &out, nullptr, SP_ERR_INVALID_ARGUMENT, "v:");
+  bad = good;
+  bad.seqused_k.data = o.data();  // rank 0 but data given
+  expect_error(bad, dense.handle, &out, nullptr, SP_ERR_INVALID_ARGUMENT, "seqused_k:");
+  expect_error(good, nullptr, &out, nullptr, SP_ERR_INVALID_ARGUMENT, "policy");
+  expect_error(good, dense.handle, nullptr, nullptr, SP_ERR_INVALID_ARGUMENT, "output");
+  sp_options bad_backend{17, 0, nullptr};
+  expect_error(good, dense.handle, &out, &bad_backend, SP_ERR_INVALID_ARGUMENT, "backend");
+  sp_options bad_threads{SP_BACKEND_CPU, -1, nullptr};
+  expect_error(good, dense.handle, &out, &bad_threads, SP_ERR_INVALID_ARGUMENT, "num_threads");
+  EXPECT_EQ(sp_run(nullptr, dense.handle, &out, nullptr, nullptr), SP_ERR_INVALID_ARGUMENT);
+
+  // A shape the library rejects: the code and message come from validate_problem.
+  bad = good;
+  bad.k.shape[3] = 8;
+  bad.k.stride[0] = 53 * 2 * 8;
+  bad.k.stride[1] = 2 * 8;
+  bad.k.stride[2] = 8;
+  EXPECT_EQ(sp_run(&bad, dense.handle, &out, nullptr, nullptr), SP_ERR_INVALID_ARGUMENT);
+  EXPECT_STRNE(sp_last_error(), "");
+
+  // Attachments that do not belong to the policy.
+  sp::HostTensor table(sp::DType::kFP32, {4, 1});
+  sp_tensor ct = to_c(table.view());
+  EXPECT_EQ(sp_policy_set_thresholds(dense.handle, &ct), SP_ERR_INVALID_ARGUMENT);
+  EXPECT_NE(std::string(sp_last_error()).find("thresholds"), std::string::npos);
+  const std::int32_t indptr[1] = {0};
+  sp_block_mask_csr csr{8, 8, 0, 0, indptr, 0, nullptr};
+  EXPECT_EQ(sp_policy_set_block_mask(dense.handle, &good, &csr), SP_ERR_INVALID_ARGUMENT);
+  EXPECT_NE(std::string(sp_last_error()).find("mask"), std::string::npos);
+
+  // Policy construction.
+  sp_policy* handle = reinterpret_cast<sp_policy*>(&table);  // must be reset to NULL
+  EXPECT_EQ(sp_policy_create("no_such_policy", nullptr, 0, &handle), SP_ERR_INVALID_ARGUMENT);
+  EXPECT_EQ(handle, nullptr);
+  EXPECT_STRNE(sp_last_error(), "");
+  sp_setting unknown_key{"no_such_key", "1"};
+  EXPECT_EQ(sp_policy_create("dense", &unknown_key, 1, &handle), SP_ERR_INVALID_ARGUMENT);
+  EXPECT_EQ(handle, nullptr);
+  sp_setting null_value{"alpha", nullptr};
+  EXPECT_EQ(sp_policy_create("estimate_select", &null_value, 1, &handle),
+            SP_ERR_INVALID_ARGUMENT);
+  EXPECT_NE(std::string(sp_last_error()).find("settings[0]"), std::string::npos);
+  EXPECT_EQ(sp_policy_create(nullptr, nullptr, 0, &handle), SP_ERR_INVALID_ARGUMENT);
+  EXPECT_EQ(sp_policy_create("dense", nullptr, 0, nullptr), SP_ERR_INVALID_ARGUMENT);
+  sp_policy_destroy(nullptr);
+
+  // A success clears the message.
+  ASSERT_EQ(sp_run(&good, dense.handle, &out, nullptr, nullptr), SP_OK) << sp_last_error();
+  EXPECT_STREQ(sp_last_error(), "");
+}
+
+TEST(CApi, LastErrorIsPerThread) {
+  PolicyHandle dense("dense", {});
+  sp_policy* handle = nullptr;
+  ASSERT_EQ(sp_policy_create("no_such_policy", nullptr, 0, &handle), SP_ERR_INVALID_ARGUMENT);
+  std::string mine = sp_last_error();
+  ASSERT_NE(mine, "");
+  std::string theirs = "unset";
+  std::thread other([&] {
+    theirs = sp_last_error();  // a fresh thread has seen no failure
+    sp_policy* h = nullptr;
+    EXPECT_EQ(sp_policy_create(nullptr, nullptr, 0, &h), SP_ERR_INVALID_ARGUMENT);
+  });
+  other.join();
+  EXPECT_EQ(theirs, "");
+  EXPECT_EQ(std::string(sp_last_error()), mine);
+}
+
+TEST(CApi, CanRunAndInfo) {
+  Batched in;
+  PolicyHandle dense("dense", {});
+  sp_problem cp = to_c(in.problem());
+  EXPECT_EQ(sp_can_run(&cp, dense.handle, SP_BACKEND_CPU), SP_OK) << sp_last_error();
+  EXPECT_EQ(sp_can_run(&cp, dense.handle, SP_BACKEND_REFERENCE), SP_OK) << sp_last_error();
+  // Host tensors are never the CUDA backend's.
+  EXPECT_NE(sp_can_run(&cp, dense.handle, SP_BACKEND_CUDA), SP_OK);
+  EXPECT_STRNE(sp_last_error(), "");
+  EXPECT_EQ(sp_can_run(&cp, dense.handle, 42), SP_ERR_INVALID_ARGUMENT);
+
+  EXPECT_EQ(sp_abi_version(), SP_ABI_VERSION);
+  EXPECT_NE(std::string(sp_build_info()).find(SPARSEPREFILL_VERSION_STRING), std::string::npos)
+      << sp_build_info();
+  for (int code = SP_OK; code <= SP_ERR_INTERNAL; ++code) {
+    EXPECT_STREQ(sp_status_name(code), sp::status_code_name(static_cast<sp::StatusCode>(code)));
+  }
+  EXPECT_STREQ(sp_status_name(-1), "unknown");
+  EXPECT_STREQ(sp_status_name(99), "unknown");
+}
+
+}  // namespace
