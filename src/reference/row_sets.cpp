@@ -1,0 +1,236 @@
+// SPDX-License-Identifier: Apache-2.0
+// Decision checking and expansion into per-row key sets (see row_sets.h).
+#include "reference/row_sets.h"
+
+#include <string>
+#include <type_traits>
+#include <variant>
+
+namespace sparseprefill::ref {
+namespace {
+
+geom::SeqGeometry seq_geometry(const ProblemShape& shape, int b) {
+  return {shape.seq_q[static_cast<std::size_t>(b)], shape.seq_k[static_cast<std::size_t>(b)], shape.causal};
+}
+
+Status check_mask(const char* name, const BlockMask& m, const ProblemShape& shape, int block_q,
+                  int block_k, bool per_kv_head) {
+  if (m.block_q != block_q || m.block_k != block_k || m.per_kv_head != per_kv_head) {
+    return invalid_argument(std::string(name) + ": expected " + std::to_string(block_q) + "x" +
+                            std::to_string(block_k) + " blocks per " + (per_kv_head ? "KV" : "query") +
+                            " head, got " + std::to_string(m.block_q) + "x" + std::to_string(m.block_k) +
+                            " per " + (m.per_kv_head ? "KV" : "query") + " head");
+  }
+  const Status s = m.validate_for(shape);
+  if (!s.ok()) return {s.code(), std::string(name) + ": " + s.message()};
+  return {};
+}
+
+// estimate_select: corrected blocks are pruned (not kept) and wholly seen by the tile's first row.
+Status check_corrected(const ProblemShape& shape, const Decisions& d) {
+  const BlockMask& c = d.corrected;
+  for (int b = 0; b < c.batch; ++b) {
+    const geom::BlockGeometry g{seq_geometry(shape, b), c.block_q, c.block_k};
+    for (int h = 0; h < c.heads; ++h) {
+      for (int qb = 0; qb < g.num_q_blocks(); ++qb) {
+        const std::int64_t row = c.row(b, h, qb);
+        const std::size_t base = static_cast<std::size_t>(row * c.num_k_blocks);
+        for (std::int32_t i = 0; i < c.full_count[static_cast<std::size_t>(row)]; ++i) {
+          const int kb = c.full_index[base + static_cast<std::size_t>(i)];
+          if (d.kept.contains(b, h, qb, kb) ||
+              g.key_end(kb) - 1 > g.seq.position(g.row_begin(qb))) {
+            return invalid_argument("decisions.corrected: block " + std::to_string(kb) + " of row [" +
+                                    std::to_string(b) + "][" + std::to_string(h) + "][" + std::to_string(qb) +
+                                    "] is kept or not wholly visible to the tile's first row");
+          }
+        }
+        if (c.partial_count[static_cast<std::size_t>(row)] != 0) {
+          return invalid_argument("decisions.corrected: partial blocks cannot be corrected (row [" +
+                                  std::to_string(b) + "][" + std::to_string(h) + "][" + std::to_string(qb) + "])");
+        }
+      }
+    }
+  }
+  return {};
+}
+
+// The segment a row belongs to, -1 for rows at negative positions.
+std::int64_t segment_of(const geom::SeqGeometry& geo, int segment_len, std::int64_t r) {
+  const std::int64_t a = geo.position(r);
+  return a < 0 ? -1 : a / segment_len;
+}
+
+Status check_permute(const ProblemShape& shape, const PermuteStopParams& p, const Decisions& d) {
+  const std::int64_t slots = shape.max_seq_q();
+  if (static_cast<std::int64_t>(d.query_order.size()) != shape.batch * shape.h_q * slots) {
+    return invalid_argument("decisions.query_order: expected [b, h_q, max s_q] = " +
+                            std::to_string(shape.batch * shape.h_q * slots) + " entries, got " +
+                            std::to_string(d.query_order.size()));
+  }
+  std::size_t next = 0;  // the tile record expected next
+  for (int b = 0; b < shape.batch; ++b) {
+    const geom::SeqGeometry geo = seq_geometry(shape, b);
+    for (int h = 0; h < shape.h_q; ++h) {
+      const std::int32_t* order = &d.query_order[static_cast<std::size_t>((b * shape.h_q + h) * slots)];
+      std::vector<char> seen(static_cast<std::size_t>(geo.s_q), 0);
+      for (std::int64_t slot = 0; slot < slots; ++slot) {
+        const std::int64_t r = order[slot];
+        const bool ok = slot >= geo.s_q
+            ? r == -1
+            : r >= 0 && r < geo.s_q && !seen[static_cast<std::size_t>(r)] &&
+                  segment_of(geo, p.segment, r) == segment_of(geo, p.segment, slot);
+        if (!ok) {
+          return invalid_argument("decisions.query_order: slot " + std::to_string(slot) + " of [" +
+                                  std::to_string(b) + "][" + std::to_string(h) + "] holds " + std::to_string(r) +
+                                  ", expected a row of the slot's segment not listed before (or -1 past the end)");
+        }
+        if (slot < geo.s_q) seen[static_cast<std::size_t>(r)] = 1;
+      }
+      std::int64_t first = 0, last = -1;
+      segment_range(geo, p.segment, &first, &last);
+      for (std::int64_t s = first; s <= last; ++s) {
+        const SegmentRows rows = segment_rows(geo, p.segment, s);
+        const std::int64_t chunks = geom::ceil_div(geom::min64(s * p.segment, geo.s_k), p.block_k);
+        for (std::int64_t t = 0; t * p.block_q < rows.end - rows.begin; ++t, ++next) {
+          const bool ok = next < d.tiles.size() && d.tiles[next].batch == b && d.tiles[next].head == h &&
+                          d.tiles[next].segment == s && d.tiles[next].tile == t &&
+                          d.tiles[next].chunks_total == chunks && d.tiles[next].chunks_visited >= 0 &&
+                          d.tiles[next].chunks_visited <= chunks;
+          if (!ok) {
+            return invalid_argument("decisions.tiles: entry " + std::to_string(next) + " expected batch " +
+                                    std::to_string(b) + " head " + std::to_string(h) + " segment " +
+                                    std::to_string(s) + " tile " + std::to_string(t) + " with chunks_total " +
+                                    std::to_string(chunks) + " and 0 <= chunks_visited <= chunks_total");
+          }
+        }
+      }
+    }
+  }
+  if (next != d.tiles.size()) {
+    return invalid_argument("decisions.tiles: expected " + std::to_string(next) + " entries, got " +
+                            std::to_string(d.tiles.size()));
+  }
+  return {};
+}
+
+}  // namespace
+
+Status check_decisions(const ProblemShape& shape, const Policy& policy, const Decisions& d) {
+  if (d.policy != policy_name(policy)) {
+    return invalid_argument(std::string("decisions.policy: expected \"") + policy_name(policy) + "\", got \"" +
+                            d.policy + "\"");
+  }
+  return std::visit([&](const auto& p) -> Status {
+    using P = std::decay_t<decltype(p)>;
+    if constexpr (std::is_same_v<P, DenseParams>) {
+      return {};
+    } else if constexpr (std::is_same_v<P, BlockSparseParams>) {
+      return check_mask("decisions.kept", d.kept, shape, p.mask.block_q, p.mask.block_k, p.mask.per_kv_head);
+    } else if constexpr (std::is_same_v<P, ExactGateParams> || std::is_same_v<P, SoftmaxSkipParams>) {
+      return check_mask("decisions.kept", d.kept, shape, p.block_q, p.block_k, false);
+    } else if constexpr (std::is_same_v<P, EstimateSelectParams>) {
+      SP_RETURN_IF_ERROR(check_mask("decisions.kept", d.kept, shape, p.block, p.block, p.pack_gqa));
+      if (!p.mean_correction) return {};
+      SP_RETURN_IF_ERROR(check_mask("decisions.corrected", d.corrected, shape, p.block, p.block, p.pack_gqa));
+      return check_corrected(shape, d);
+    } else {
+      return check_permute(shape, p, d);
+    }
+  }, policy);
+}
+
+void RowSets::init(const Sequence& seq, const ProblemShape& shape, const Policy& policy,
+                   const Decisions& decisions) {
+  seq_ = &seq;
+  decisions_ = &decisions;
+  has_means_ = false;
+  if (std::holds_alternative<DenseParams>(policy)) {
+    kind_ = Kind::kDense;
+    return;
+  }
+  const auto* p = std::get_if<PermuteStopParams>(&policy);
+  if (p == nullptr) {
+    kind_ = Kind::kBlocks;
+    const auto* es = std::get_if<EstimateSelectParams>(&policy);
+    if (es != nullptr && es->mean_correction) {
+      has_means_ = true;
+      means_ = block_means(seq, es->block);
+    }
+    return;
+  }
+  kind_ = Kind::kPermute;
+  segment_len_ = p->segment;
+  std::int64_t last = -1;
+  segment_range(seq.geo, p->segment, &first_segment_, &last);
+  segments_ = last - first_segment_ + 1;
+  ranked_.assign(static_cast<std::size_t>(seq.h_q * segments_), {});
+  for (int h = 0; h < seq.h_q; ++h) {
+    for (std::int64_t s = first_segment_; s <= last; ++s) {
+      ranked_[static_cast<std::size_t>(h * segments_ + s - first_segment_)] = order_segment(seq, h, s, *p).ranked;
+    }
+  }
+  // Each tile's visited chunk count goes to the rows its slots hold.
+  prefix_visited_.assign(static_cast<std::size_t>(seq.h_q * seq.geo.s_q), 0);
+  const std::int64_t slots = shape.max_seq_q();
+  for (const PermuteTile& t : decisions.tiles) {
+    if (t.batch != seq.batch) continue;
+    const SegmentRows rows = segment_rows(seq.geo, p->segment, t.segment);
+    const std::int64_t prefix = geom::min64(static_cast<std::int64_t>(t.segment) * p->segment, seq.geo.s_k);
+    const std::int64_t visited = geom::min64(static_cast<std::int64_t>(t.chunks_visited) * p->block_k, prefix);
+    const std::int32_t* order = &decisions.query_order[static_cast<std::size_t>((seq.batch * seq.h_q + t.head) * slots)];
+    const std::int64_t e0 = rows.begin + static_cast<std::int64_t>(t.tile) * p->block_q;
+    const std::int64_t e1 = geom::min64(e0 + p->block_q, rows.end);
+    for (std::int64_t e = e0; e < e1; ++e) {
+      prefix_visited_[static_cast<std::size_t>(t.head * seq.geo.s_q + order[e])] = visited;
+    }
+  }
+}
+
+void RowSets::row(int h, std::int64_t r, RowAttention* out) const {
+  const Sequence& seq = *seq_;
+  out->keys.clear();
+  out->mean_blocks.clear();
+  const std::int64_t seen = seq.geo.keys_seen(r);
+  switch (kind_) {
+    case Kind::kDense:
+      for (std::int64_t t = 0; t < seen; ++t) out->keys.push_back(t);
+      return;
+    case Kind::kBlocks: {
+      // Kept blocks' keys, clipped by the causal mask (only partial blocks are clipped).
+      const BlockMask& m = decisions_->kept;
+      const int mh = m.per_kv_head ? seq.kv_head(h) : h;
+      const int qb = static_cast<int>(r / m.block_q);
+      const std::int64_t row = m.row(seq.batch, mh, qb);
+      const auto add_blocks = [&](const std::vector<std::int32_t>& index, std::int32_t count) {
+        const std::size_t base = static_cast<std::size_t>(row * m.num_k_blocks);
+        for (std::int32_t i = 0; i < count; ++i) {
+          const std::int64_t kb = index[base + static_cast<std::size_t>(i)];
+          const std::int64_t end = geom::min64(geom::min64((kb + 1) * m.block_k, seq.geo.s_k), seen);
+          for (std::int64_t t = kb * m.block_k; t < end; ++t) out->keys.push_back(t);
+        }
+      };
+      add_blocks(m.full_index, m.full_count[static_cast<std::size_t>(row)]);
+      add_blocks(m.partial_index, m.partial_count[static_cast<std::size_t>(row)]);
+      if (has_means_) {
+        const BlockMask& c = decisions_->corrected;
+        const std::int64_t crow = c.row(seq.batch, c.per_kv_head ? seq.kv_head(h) : h, qb);
+        const std::size_t base = static_cast<std::size_t>(crow * c.num_k_blocks);
+        for (std::int32_t i = 0; i < c.full_count[static_cast<std::size_t>(crow)]; ++i) {
+          out->mean_blocks.push_back(c.full_index[base + static_cast<std::size_t>(i)]);
+        }
+      }
+      return;
+    }
+    case Kind::kPermute: {
+      if (seq.geo.position(r) < 0) return;
+      const std::int64_t s = seq.geo.position(r) / segment_len_;
+      for (std::int64_t t = s * segment_len_; t < seen; ++t) out->keys.push_back(t);
+      const auto& ranked = ranked_[static_cast<std::size_t>(h * segments_ + s - first_segment_)];
+      const std::int64_t visited = prefix_visited_[static_cast<std::size_t>(h * seq.geo.s_q + r)];
+      for (std::int64_t n = 0; n < visited; ++n) out->keys.push_back(ranked[static_cast<std::size_t>(n)]);
+      return;
+    }
+  }
+}
+
+}  // namespace sparseprefill::ref

@@ -1,0 +1,51 @@
+// SPDX-License-Identifier: Apache-2.0
+// The oracle's view of one sequence of a call: q, k, v gathered exactly as double into
+// contiguous [s, h, d] arrays, with the sequence's geometry. Every decision rule and the
+// compute stage read only this. Host-only.
+#pragma once
+
+#include <cstdint>
+#include <vector>
+
+#include "core/geometry.h"
+#include "sparseprefill/problem.h"
+
+namespace sparseprefill::ref {
+
+struct Sequence {
+  int batch = 0;             // b, the sequence's index in the call
+  geom::SeqGeometry geo;     // s_q, s_k, causal; row r sits at absolute position r + s_k - s_q
+  int h_q = 0;
+  int h_kv = 0;
+  int d = 0;
+  double scale = 0.0;        // resolved softmax scale
+  DType dtype = DType::kBF16;
+  std::vector<double> q;     // [s_q, h_q, d], exact copies of the input values
+  std::vector<double> k;     // [s_k, h_kv, d]
+  std::vector<double> v;     // [s_k, h_kv, d]
+
+  int group() const { return h_q / h_kv; }
+  int kv_head(int h) const { return h / group(); }  // contiguous GQA
+  const double* q_row(std::int64_t r, int h) const { return &q[index(r, h, h_q)]; }
+  const double* k_row(std::int64_t t, int hk) const { return &k[index(t, hk, h_kv)]; }
+  const double* v_row(std::int64_t t, int hk) const { return &v[index(t, hk, h_kv)]; }
+  // s = scale · q_r · k_t for query head h (reading kv head h / group).
+  double score(std::int64_t r, int h, std::int64_t t) const;
+
+ private:
+  std::size_t index(std::int64_t s, int h, int heads) const {
+    return (static_cast<std::size_t>(s) * static_cast<std::size_t>(heads) +
+            static_cast<std::size_t>(h)) * static_cast<std::size_t>(d);
+  }
+};
+
+// Sequence b of a validated problem.
+Sequence gather_sequence(const AttentionProblem& problem, const ProblemShape& shape, int b);
+
+double dot(const double* a, const double* b, int d);
+
+// max(a, b), but NaN if either is NaN. Decision rules take maxima this way so that a NaN score
+// reaches the keep test, and every keep test is written so that NaN keeps: a NaN never prunes.
+double nan_max(double a, double b);
+
+}  // namespace sparseprefill::ref

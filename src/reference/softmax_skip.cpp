@@ -1,0 +1,71 @@
+// SPDX-License-Identifier: Apache-2.0
+// softmax_skip (BLASST) decision rule of the oracle. The rule depends on the visit order (the
+// running max only sees blocks visited earlier), so the order is part of the semantics:
+// partial blocks, then full blocks, each group in descending index.
+#include <cmath>
+#include <limits>
+#include <vector>
+
+#include "reference/decide.h"
+
+namespace sparseprefill::ref {
+
+Status decide_softmax_skip(const Sequence& seq, const ProblemShape& shape,
+                           const SoftmaxSkipParams& p, Decisions* decisions) {
+  constexpr double kNegInf = -std::numeric_limits<double>::infinity();
+  const geom::BlockGeometry g{seq.geo, p.block_q, p.block_k};
+  const double s_k = static_cast<double>(seq.geo.s_k);
+  // λ = a / s_k. With s_k < a, λ > 1 and the rule would skip blocks that raise the row max;
+  // BLASST's references turn skipping off there.
+  const bool skipping = !(s_k < p.a);
+  const double ln_lambda = std::log(p.a / s_k);
+
+  for (int h = 0; h < seq.h_q; ++h) {
+    for (int qb = 0; qb < g.num_q_blocks(); ++qb) {
+      std::vector<int> order;
+      for (int kb = g.visible_end(qb) - 1; kb >= g.full_end(qb); --kb) order.push_back(kb);
+      for (int kb = g.full_end(qb) - 1; kb >= 0; --kb) order.push_back(kb);
+
+      const std::int64_t r0 = g.row_begin(qb), rows = g.row_end(qb) - r0;
+      // Running max over the kept blocks' keys; -inf while a row has seen no key.
+      std::vector<double> m_run(static_cast<std::size_t>(rows), kNegInf);
+      std::vector<char> seen(static_cast<std::size_t>(rows), 0);
+      std::vector<double> tile_max(static_cast<std::size_t>(rows));
+      std::vector<char> sees(static_cast<std::size_t>(rows));
+
+      for (std::size_t visit = 0; visit < order.size(); ++visit) {
+        const int kb = order[visit];
+        for (std::int64_t i = 0; i < rows; ++i) {
+          const std::int64_t end = geom::min64(g.key_end(kb), seq.geo.keys_seen(r0 + i));
+          double m = kNegInf;
+          for (std::int64_t t = g.key_begin(kb); t < end; ++t) m = nan_max(m, seq.score(r0 + i, h, t));
+          tile_max[static_cast<std::size_t>(i)] = m;
+          sees[static_cast<std::size_t>(i)] = end > g.key_begin(kb);
+        }
+        bool skip = skipping && visit > 0;
+        for (std::int64_t i = 0; i < rows && skip; ++i) {
+          const auto u = static_cast<std::size_t>(i);
+          if (!seen[u] && !sees[u]) continue;  // sees nothing yet: no say in this block
+          if (!seen[u]) {
+            skip = false;  // the row's first keys are never skipped
+          } else {
+            // A row that sees no key of the block has tile_max = -inf and skips. NaN (from a
+            // NaN score or running max) fails the strict test: it never skips.
+            skip = tile_max[u] - m_run[u] < ln_lambda;
+          }
+        }
+        if (skip) continue;
+        SP_RETURN_IF_ERROR(decisions->kept.add(shape, seq.batch, h, qb, kb));
+        for (std::int64_t i = 0; i < rows; ++i) {
+          const auto u = static_cast<std::size_t>(i);
+          if (!sees[u]) continue;
+          m_run[u] = nan_max(m_run[u], tile_max[u]);
+          seen[u] = 1;
+        }
+      }
+    }
+  }
+  return {};
+}
+
+}  // namespace sparseprefill::ref
