@@ -64,9 +64,10 @@ class ExactGateCalibrator {
  private:
   int layers_, heads_, block_q_, block_k_;
   std::vector<int> budgets_;
-  // [layer][budget][head][position] -> (sum of finite thresholds, count)
+  // [(layer, budget, head)][position] -> (sum of finite thresholds, count)
   std::vector<std::vector<double>> sum_;
   std::vector<std::vector<std::int64_t>> count_;
+  int positions_seen_ = 0;  // 1 + the largest absolute query block of any sample
 };
 
 // softmax_skip: for every visited block after the first (BLASST order), the statistic
@@ -82,8 +83,9 @@ class SoftmaxSkipCalibrator {
 
  private:
   int layers_, block_q_, block_k_;
-  std::vector<std::vector<float>> g_;           // per layer
+  std::vector<std::vector<double>> g_;          // per layer
   std::vector<std::int64_t> never_skippable_;   // first visited blocks, per layer
+  std::vector<std::int64_t> min_s_k_;           // shortest key length seen, per layer
 };
 
 // estimate_select: per tile, the energy ratios E_j / max E of the scored, non-forced blocks.
@@ -98,7 +100,7 @@ class EstimateSelectCalibrator {
  private:
   int layers_;
   EstimateSelectParams base_;
-  std::vector<std::vector<float>> ratios_;    // per layer
+  std::vector<std::vector<double>> ratios_;   // per layer
   std::vector<std::int64_t> forced_, visible_;  // per layer
 };
 
