@@ -1,0 +1,485 @@
+# SPDX-License-Identifier: Apache-2.0
+"""sparseprefill against torch SDPA (flash, cuDNN) and FlexAttention, in one process, on one GPU.
+
+Cases: the Llama-3.1-8B attention shape (h_q 32, h_kv 8, d 128) at 4K..128K and SmolLM2-135M's
+(h_q 9, h_kv 3, d 64) at 8K; bf16, causal, batch 1.
+
+Implementations:
+  peers  SDPA flash backend (FlashAttention-2 in torch), SDPA cuDNN backend (K/V repeated to
+         h_q heads beforehand, as ../shared/baselines/measure_baselines.py does), FlexAttention
+         dense (every causally visible block, diagonal partial, the rest full) and
+         FlexAttention given each random block mask (BlockMask.from_kv_blocks with the
+         full/partial split and a causal mask_mod).
+  ours   through the C ABI (libsparseprefill_c, ctypes): dense; block_sparse on the SAME masks
+         Flex gets; exact_gate with thresholds picked from sampled block maxima for ~20% and
+         ~50% density; softmax_skip and estimate_select with their default parameters.
+
+Method:
+  - The same inputs for every implementation: q, k, v drawn from randn (never zeros) in bf16,
+    once per case. The torch peers read them as [b, h, s, d] (their native layout); ours reads
+    contiguous [b, s, h, d] copies of the same values.
+  - Inputs rotate over several independent sets whose total exceeds 4x the L2 cache (60 MB on
+    the H200), so no call finds its inputs in L2; from 32K up one set is already larger.
+  - Masks: per (query head, query block) of 128x128 blocks, each causally visible block kept
+    with probability ρ, plus the diagonal and key block 0 (sink); built from block indices,
+    never as an N x N element mask. Density = kept / causally visible blocks, measured.
+  - Timing: CUDA events on the current stream around each call. One warm-up call (compile,
+    autotune, handle creation; for ours also the statistics and the error check), one
+    synchronised call that sizes the repetitions (about --budget-ms of device time per
+    implementation, at least --min-reps), then the repetitions enqueued back to back, each
+    between its own event pair, one synchronisation at the end; the median is reported. The
+    host time of each call (no synchronisation) is reported too: when it exceeds the device
+    time the GPU waits for the host, and the event time shows that.
+  - Work: TFLOP/s = 4·d·pairs / time over the (query, key) pairs actually computed (our run
+    statistics; the causal count for dense peers; the mask's count for Flex with a mask).
+  - Error: relative L2 ‖out − ref‖/‖ref‖ in fp32 against our dense and against SDPA flash,
+    and for block_sparse against Flex on the same mask. Outputs of ours are filled with NaN
+    before the checked call; a non-finite output is reported as an error.
+  - Ratios (bench_report.py): peer time / our time, from this one run.
+
+Writes OUT/bench.json and OUT/bench.md after every case (a run cut short keeps what it had).
+"""
+import argparse
+import datetime
+import json
+import math
+import os
+import statistics
+import subprocess
+import sys
+import time
+
+import torch
+import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
+from torch.nn.attention.flex_attention import BlockMask, flex_attention
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import bench_report  # noqa: E402
+import sp_ctypes  # noqa: E402
+
+BLOCK = 128
+DEV = "cuda"
+
+MODELS = {"llama-3.1-8b": (32, 8, 128), "smollm2-135m": (9, 3, 64)}
+
+
+def parse_args():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--out", required=True, help="folder for bench.json and bench.md")
+    ap.add_argument("--lib", help="path to libsparseprefill_c.so")
+    ap.add_argument("--peers-only", action="store_true", help="measure the peers alone")
+    ap.add_argument("--lengths", default="4096,8192,16384,32768,65536,131072",
+                    help="sequence lengths of the Llama-3.1-8B shape")
+    ap.add_argument("--small-lengths", default="8192", help="lengths of the SmolLM2 shape")
+    ap.add_argument("--densities", default="0.05,0.2,0.5", help="random block-mask densities")
+    ap.add_argument("--gate-densities", default="0.2,0.5", help="exact_gate target densities")
+    ap.add_argument("--budget-ms", type=float, default=400.0,
+                    help="device time per implementation and case for the repetitions")
+    ap.add_argument("--min-reps", type=int, default=3)
+    ap.add_argument("--max-reps", type=int, default=100)
+    ap.add_argument("--seed", type=int, default=0)
+    return ap.parse_args()
+
+
+def ints(s):
+    return [int(x) for x in s.split(",") if x]
+
+
+def floats(s):
+    return [float(x) for x in s.split(",") if x]
+
+
+def commit():
+    if os.environ.get("SP_COMMIT"):
+        return os.environ["SP_COMMIT"]
+    try:
+        return subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
+                              check=True, cwd=os.path.dirname(os.path.abspath(__file__))
+                              ).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+
+
+def environment(lib):
+    props = torch.cuda.get_device_properties(0)
+    try:
+        import triton
+        triton_version = triton.__version__
+    except ImportError:
+        triton_version = None
+    return {"gpu": torch.cuda.get_device_name(), "sm_count": props.multi_processor_count,
+            "l2_mb": round(getattr(props, "L2_cache_size", 60 << 20) / (1 << 20)),
+            "torch": torch.__version__, "cuda": torch.version.cuda,
+            "cudnn": torch.backends.cudnn.version(), "triton": triton_version,
+            "ours": lib.build_info() if lib else None}
+
+
+# ---------------------------------------------------------------- inputs and masks
+
+class InputSet:
+    """One draw of q, k, v in both layouts (same values)."""
+
+    def __init__(self, h_q, h_kv, d, n, gen):
+        self.q_bshd = torch.randn(1, n, h_q, d, device=DEV, dtype=torch.bfloat16, generator=gen)
+        self.k_bshd = torch.randn(1, n, h_kv, d, device=DEV, dtype=torch.bfloat16, generator=gen)
+        self.v_bshd = torch.randn(1, n, h_kv, d, device=DEV, dtype=torch.bfloat16, generator=gen)
+        self.q = self.q_bshd.transpose(1, 2).contiguous()
+        self.k = self.k_bshd.transpose(1, 2).contiguous()
+        self.v = self.v_bshd.transpose(1, 2).contiguous()
+        group = h_q // h_kv
+        self.k_rep = self.k.repeat_interleave(group, 1)
+        self.v_rep = self.v.repeat_interleave(group, 1)
+
+
+def random_block_map(h, nb, density, gen):
+    """keep [1, h, nb, nb] bool: causal blocks kept with probability `density`, plus the
+    diagonal and key block 0 (density >= 1: every causally visible block)."""
+    qb = torch.arange(nb, device=DEV)
+    causal = qb[:, None] >= qb[None, :]
+    if density >= 1.0:
+        return causal.expand(1, h, nb, nb).clone()
+    keep = torch.rand(1, h, nb, nb, device=DEV, generator=gen) < density
+    keep[..., 0] = True
+    keep |= torch.eye(nb, dtype=torch.bool, device=DEV)
+    return keep & causal
+
+
+class Mask:
+    """One block map in the forms each implementation takes; s_q = s_k = nb·BLOCK, so the
+    diagonal block is the only partial one of each row."""
+
+    def __init__(self, keep, label, target):
+        _, h, nb, _ = keep.shape
+        self.label, self.target = label, target
+        qb = torch.arange(nb, device=DEV)
+        full = keep & (qb[:, None] > qb[None, :])
+        full_cnt = full.sum(-1).to(torch.int32)
+        full_idx = torch.argsort(full.to(torch.int8), dim=-1, descending=True,
+                                 stable=True).to(torch.int32)
+        part_cnt = torch.ones(1, h, nb, dtype=torch.int32, device=DEV)
+        part_idx = qb.view(1, 1, nb, 1).expand(1, h, nb, nb).contiguous().to(torch.int32)
+        self.flex = BlockMask.from_kv_blocks(part_cnt, part_idx, full_cnt, full_idx,
+                                             BLOCK_SIZE=BLOCK, mask_mod=causal_mod)
+        kept = int(keep.sum())
+        visible = h * nb * (nb + 1) // 2
+        self.density = kept / visible
+        n_full = int(full_cnt.sum())
+        self.pairs = n_full * BLOCK * BLOCK + h * nb * BLOCK * (BLOCK + 1) // 2
+        # CSR over rows (b=0, h, qb): nonzero() lists (h, qb, kb) in row-major order, so each
+        # row's key blocks come out ascending.
+        counts = keep[0].sum(-1).reshape(-1).to(torch.int64)
+        self.indptr = torch.zeros(counts.numel() + 1, dtype=torch.int32)
+        self.indptr[1:] = torch.cumsum(counts, 0).to(torch.int32).cpu()
+        self.indices = keep[0].nonzero()[:, 2].to(torch.int32).cpu().contiguous()
+        self.num_rows = counts.numel()
+
+
+def causal_mod(b, h, q_idx, kv_idx):
+    return q_idx >= kv_idx
+
+
+def sample_gate_thresholds(s, h_q, h_kv, d, n, targets, gen):
+    """Thresholds T with P(block max ≥ T) ≈ target over full blocks, from the exact block
+    maxima of scale·QKᵀ of sampled (head, query block) pairs. The inputs are iid, so one
+    value per target serves every head and position."""
+    nb = n // BLOCK
+    group = h_q // h_kv
+    scale = 1.0 / math.sqrt(d)
+    maxima = []
+    samples = 48
+    heads = torch.randint(0, h_q, (samples,), generator=gen, device=DEV).tolist()
+    qbs = torch.randint(1, max(2, nb), (samples,), generator=gen, device=DEV).tolist()
+    for h, qb in zip(heads, qbs):
+        qb = min(qb, nb - 1)
+        if qb < 1:
+            continue
+        qblk = s.q[0, h, qb * BLOCK:(qb + 1) * BLOCK].float()
+        keys = s.k[0, h // group, :qb * BLOCK].float()
+        scores = (qblk @ keys.T) * scale
+        maxima.append(scores.view(BLOCK, qb, BLOCK).amax(dim=(0, 2)))
+    allm = torch.sort(torch.cat(maxima)).values
+    out = {}
+    for t in targets:
+        i = min(allm.numel() - 1, max(0, int(round((1.0 - t) * allm.numel()))))
+        out[t] = float(allm[i])
+    return out
+
+
+# ---------------------------------------------------------------- timing
+
+def time_calls(fn, n_sets, args):
+    """fn(i) runs one call on input set i. Returns (median device ms, median host ms, reps).
+    The caller has made the warm-up call."""
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    fn(1 % n_sets)
+    torch.cuda.synchronize()
+    estimate_ms = (time.perf_counter() - t0) * 1e3
+    reps = int(min(args.max_reps, max(args.min_reps, args.budget_ms // max(estimate_ms, 1e-3))))
+    starts = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
+    ends = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
+    host = []
+    for r in range(reps):
+        starts[r].record()
+        h0 = time.perf_counter()
+        fn(r % n_sets)
+        host.append((time.perf_counter() - h0) * 1e3)
+        ends[r].record()
+    torch.cuda.synchronize()
+    device = [s.elapsed_time(e) for s, e in zip(starts, ends)]
+    return statistics.median(device), statistics.median(host), reps
+
+
+def rel_l2(out, ref):
+    if out is None or ref is None:
+        return None
+    o, r = out.float(), ref.float()
+    if not torch.isfinite(o).all():
+        return float("nan")
+    return float((o - r).norm() / r.norm())
+
+
+# ---------------------------------------------------------------- one case
+
+class Case:
+    def __init__(self, model, n, args, lib):
+        self.model, self.n, self.args, self.lib = model, n, args, lib
+        self.h_q, self.h_kv, self.d = MODELS[model]
+        set_bytes = 2 * n * self.d * (self.h_q + 2 * self.h_kv)
+        l2 = getattr(torch.cuda.get_device_properties(0), "L2_cache_size", 60 << 20)
+        self.n_sets = max(1, min(16, math.ceil(4 * l2 / set_bytes)))
+        gen = torch.Generator(device=DEV)
+        gen.manual_seed(args.seed * 1000003 + n * 31 + self.h_q)
+        self.gen = gen
+        self.sets = [InputSet(self.h_q, self.h_kv, self.d, n, gen) for _ in range(self.n_sets)]
+        self.record = {"model": model, "n": n, "h_q": self.h_q, "h_kv": self.h_kv, "d": self.d,
+                       "n_sets": self.n_sets, "set_mb": set_bytes / 1e6, "rows": []}
+        self.dense_pairs = self.h_q * n * (n + 1) // 2
+        self.ref_sdpa = None
+        self.ref_ours = None
+        self.flex_out = {}
+
+    def add(self, row):
+        row.setdefault("status", "ok")
+        if row.get("ms") and row.get("pairs"):
+            row["tflops"] = 4 * self.d * row["pairs"] / row["ms"] / 1e9
+        self.record["rows"].append(row)
+        shown = f"{row['ms']:.3f} ms" if row.get("ms") else row["status"]
+        print(f"  {row['label']:<28} {shown:>14}  density {row.get('density')}  "
+              f"err_sdpa {row.get('err_vs_sdpa')}  {row.get('note', '')}", flush=True)
+
+    def peer(self, impl, label, fn, backend=None, pairs=None, density=1.0, target=None):
+        row = {"impl": impl, "label": label, "family": "peer", "target": target,
+               "density": density, "pairs": pairs or self.dense_pairs}
+        try:
+            ctx = sdpa_kernel(backend) if backend is not None else _Null()
+            with ctx:
+                out = fn(0)  # warm-up and the checked output
+                torch.cuda.synchronize()
+                row["ms"], row["host_ms"], row["reps"] = time_calls(fn, self.n_sets, self.args)
+        except Exception as e:  # a peer that cannot run this case is reported, not fatal
+            row.update(status="error", note=f"{type(e).__name__}: {str(e)[:300]}")
+            self.add(row)
+            return None
+        out_bshd = out.transpose(1, 2)
+        if impl == "sdpa_flash":
+            self.ref_sdpa = out_bshd
+        row["err_vs_sdpa"] = rel_l2(out_bshd, self.ref_sdpa)
+        self.add(row)
+        return out_bshd
+
+    def run_peers(self, masks):
+        s = self.sets
+        self.peer("sdpa_flash", "SDPA flash",
+                  lambda i: F.scaled_dot_product_attention(s[i].q, s[i].k, s[i].v,
+                                                           is_causal=True, enable_gqa=True),
+                  backend=SDPBackend.FLASH_ATTENTION)
+        self.peer("sdpa_cudnn", "SDPA cuDNN",
+                  lambda i: F.scaled_dot_product_attention(s[i].q, s[i].k_rep, s[i].v_rep,
+                                                           is_causal=True),
+                  backend=SDPBackend.CUDNN_ATTENTION)
+        for m in masks:
+            impl = "flex_dense" if m.target is None else "flex_mask"
+            label = "Flex dense" if m.target is None else f"Flex mask {m.label}"
+            out = self.peer(impl, label,
+                            lambda i, bm=m.flex: FLEX(s[i].q, s[i].k, s[i].v, block_mask=bm,
+                                                      enable_gqa=True),
+                            pairs=m.pairs, density=m.density, target=m.target)
+            if m.target is not None:
+                self.flex_out[m.target] = out
+
+    # ---- ours
+
+    def problem(self, s):
+        p = sp_ctypes.Problem()
+        p.q = sp_ctypes.tensor_from_torch(s.q_bshd)
+        p.k = sp_ctypes.tensor_from_torch(s.k_bshd)
+        p.v = sp_ctypes.tensor_from_torch(s.v_bshd)
+        p.causal = 1
+        p.scale = 0.0
+        return p
+
+    def ours(self, impl, label, policy, target=None, mask_pairs=None, mask_density=None,
+             extra=None):
+        lib = self.lib
+        row = {"impl": impl, "label": label, "family": "ours", "target": target,
+               "params": policy.describe(), **(extra or {})}
+        problems = [self.problem(s) for s in self.sets]
+        o = torch.empty_like(self.sets[0].q_bshd)
+        out = sp_ctypes.Output()
+        out.o = sp_ctypes.tensor_from_torch(o)
+        opts = sp_ctypes.Options(sp_ctypes.BACKEND_CUDA, 0,
+                                 torch.cuda.current_stream().cuda_stream)
+        code = lib.can_run(problems[0], policy, sp_ctypes.BACKEND_CUDA)
+        if code != sp_ctypes.OK:
+            row.update(status=lib.status_name(code), note=lib.last_error())
+            self.add(row)
+            return None
+        # Warm-up and checked call, with statistics (they synchronise).
+        o.fill_(float("nan"))
+        stats = sp_ctypes.Stats()
+        code = lib.run(problems[0], policy, out, opts, stats)
+        notes = []
+        if code != sp_ctypes.OK:
+            notes.append(f"statistics unavailable ({lib.status_name(code)}: {lib.last_error()})")
+            o.fill_(float("nan"))
+            code = lib.run(problems[0], policy, out, opts, None)
+            if code != sp_ctypes.OK:
+                row.update(status=lib.status_name(code), note=lib.last_error())
+                self.add(row)
+                return None
+            row["density"] = mask_density if mask_density is not None else None
+            row["pairs"] = mask_pairs if mask_pairs is not None else self.dense_pairs
+        else:
+            row["density"] = stats.density
+            row["pairs"] = stats.total.computed_pairs
+            row["corrected_blocks"] = stats.total.corrected_blocks
+            if mask_pairs is not None and stats.total.computed_pairs != mask_pairs:
+                notes.append(f"computed pairs {stats.total.computed_pairs} != mask pairs "
+                             f"{mask_pairs}")
+        torch.cuda.synchronize()
+        result = o.clone()
+
+        codes = []
+
+        def call(i):
+            codes.append(lib.run(problems[i], policy, out, opts, None))
+
+        row["ms"], row["host_ms"], row["reps"] = time_calls(call, self.n_sets, self.args)
+        failed = [c for c in codes if c != sp_ctypes.OK]
+        if failed:
+            row.update(status=lib.status_name(failed[0]),
+                       note=f"{len(failed)} timed call(s) failed: {lib.last_error()}")
+            self.add(row)
+            return None
+        if impl == "ours_dense":
+            self.ref_ours = result
+        row["err_vs_ours_dense"] = rel_l2(result, self.ref_ours)
+        row["err_vs_sdpa"] = rel_l2(result, self.ref_sdpa)
+        if impl == "ours_block_sparse":
+            row["err_vs_flex_mask"] = rel_l2(result, self.flex_out.get(target))
+        if notes:
+            row["note"] = "; ".join(notes)
+        self.add(row)
+        return result
+
+    def run_ours(self, masks):
+        lib = self.lib
+        self.ours("ours_dense", "ours dense", lib.policy("dense"))
+        first = self.problem(self.sets[0])
+        for m in masks:
+            if m.target is None:
+                continue
+            pol = lib.policy("block_sparse")
+            pol.set_block_mask(first, BLOCK, BLOCK, m.indptr.data_ptr(), m.num_rows,
+                               m.indices.data_ptr(), m.indices.numel())
+            self.ours("ours_block_sparse", f"ours block_sparse {m.label}", pol, target=m.target,
+                      mask_pairs=m.pairs, mask_density=m.density)
+        gate_targets = floats(self.args.gate_densities)
+        thresholds = sample_gate_thresholds(self.sets[0], self.h_q, self.h_kv, self.d, self.n,
+                                            gate_targets, self.gen)
+        for t in gate_targets:
+            pol = lib.policy("exact_gate", {"block_q": BLOCK, "block_k": BLOCK})
+            table = torch.full((self.h_q, 1), thresholds[t], dtype=torch.float32, device=DEV)
+            pol.set_thresholds(sp_ctypes.tensor_from_torch(table), owner=table)
+            self.ours("ours_exact_gate", f"ours exact_gate ~{t:.0%}", pol, target=t,
+                      extra={"threshold": thresholds[t]})
+        self.ours("ours_softmax_skip", "ours softmax_skip (a=10)", lib.policy("softmax_skip"))
+        self.ours("ours_estimate_select", "ours estimate_select (α=0.1)",
+                  lib.policy("estimate_select"))
+
+    def run(self):
+        nb = self.n // BLOCK
+        masks = [Mask(random_block_map(self.h_q, nb, 1.0, self.gen), "dense", None)]
+        for dens in floats(self.args.densities):
+            keep = random_block_map(self.h_q, nb, dens, self.gen)
+            masks.append(Mask(keep, f"{dens:.0%}", dens))
+            del keep
+        self.run_peers(masks)
+        if self.lib is not None:
+            self.run_ours(masks)
+        return self.record
+
+
+class _Null:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+
+# Compiled once; recompiles per shape (dynamic=False, like the baselines).
+FLEX = torch.compile(flex_attention, dynamic=False)
+
+
+def write(out_dir, result):
+    with open(os.path.join(out_dir, "bench.json"), "w") as f:
+        json.dump(result, f, indent=1)
+    with open(os.path.join(out_dir, "bench.md"), "w") as f:
+        f.write(bench_report.render(result) + "\n")
+
+
+def main():
+    args = parse_args()
+    os.makedirs(args.out, exist_ok=True)
+    for name in ("recompile_limit", "cache_size_limit"):
+        if hasattr(torch._dynamo.config, name):
+            setattr(torch._dynamo.config, name, 64)
+    lib = None
+    if not args.peers_only:
+        if not args.lib:
+            sys.exit("bench_attention: --lib PATH to libsparseprefill_c.so (or --peers-only)")
+        lib = sp_ctypes.Library(args.lib)
+    for length in ints(args.lengths) + ints(args.small_lengths):
+        if length % BLOCK:
+            sys.exit(f"bench_attention: lengths must be multiples of {BLOCK}, got {length}")
+    result = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+              "commit": commit(),
+              "command": os.environ.get("SP_BENCH_COMMAND", " ".join(sys.argv)),
+              "peers_only": args.peers_only, "env": environment(lib),
+              "method": __doc__.split("Method:")[1].split("Writes")[0].strip(), "cases": []}
+    print(json.dumps(result["env"]), flush=True)
+    t_start = time.perf_counter()
+    todo = [("llama-3.1-8b", n) for n in ints(args.lengths)] + \
+           [("smollm2-135m", n) for n in ints(args.small_lengths)]
+    for model, n in todo:
+        print(f"{model} s={n}", flush=True)
+        t0 = time.perf_counter()
+        case = Case(model, n, args, lib)
+        result["cases"].append(case.run())
+        del case
+        torch.cuda.empty_cache()
+        write(args.out, result)
+        print(f"  ({time.perf_counter() - t0:.1f} s)", flush=True)
+    result["wall_s"] = time.perf_counter() - t_start
+    write(args.out, result)
+    print()
+    print(bench_report.summary_table(result["cases"]))
+    print()
+    print(bench_report.targets_table(result["cases"]))
+
+
+if __name__ == "__main__":
+    main()
