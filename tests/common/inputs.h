@@ -1,0 +1,102 @@
+// SPDX-License-Identifier: Apache-2.0
+// Test inputs: seeded splitmix64 values that are never zero, logical per-sequence Q/K/V, and
+// builders that lay the same sequences out as batched, varlen or paged AttentionProblems (so
+// layouts can be compared with each other), plus GQA repetition of K/V.
+#pragma once
+
+#include <cstdint>
+#include <vector>
+
+#include "sparseprefill/problem.h"
+#include "sparseprefill/types.h"
+
+namespace sparseprefill::test {
+
+// A stream over sparseprefill::splitmix64 (the generator's stream).
+class Random {
+ public:
+  explicit Random(std::uint64_t seed) : state_(seed) {}
+  std::uint64_t next();
+  // Uniform in (-1, 1): an odd multiple of 2^-24, so never 0 (also after rounding to bf16/fp16).
+  double uniform();
+  // Mean 0, variance 1 (Irwin–Hall: the sum of three uniforms); an odd multiple of 2^-24.
+  double normal();
+  // Uniform integer in [0, n).
+  std::uint64_t below(std::uint64_t n);
+
+ private:
+  std::uint64_t state_;
+};
+
+enum class Distribution { kUniform, kNormal };
+
+// Element i (row-major) of a contiguous host tensor as double / set to x rounded to its dtype.
+double get(const HostTensor& t, std::int64_t i);
+void set(HostTensor* t, std::int64_t i, double x);
+
+// Fills t with scale · (uniform or normal) values, rounded to t's dtype; never zero.
+void fill_random(HostTensor* t, std::uint64_t seed, double scale = 1.0,
+                 Distribution dist = Distribution::kUniform);
+
+// The logical inputs of a call: per sequence q [s_q, h_q, d], k and v [s_k, h_kv, d].
+struct SequenceData {
+  HostTensor q;
+  HostTensor k;
+  HostTensor v;
+};
+struct Inputs {
+  DType dtype = DType::kBF16;
+  int h_q = 1;
+  int h_kv = 1;
+  int d = 16;
+  std::vector<SequenceData> seqs;
+  std::int64_t s_q(int b) const { return seqs[static_cast<std::size_t>(b)].q.shape()[0]; }
+  std::int64_t s_k(int b) const { return seqs[static_cast<std::size_t>(b)].k.shape()[0]; }
+};
+
+struct SeqLen {
+  std::int64_t s_q;
+  std::int64_t s_k;
+};
+// Random inputs for the given lengths (q, k and v from independent streams of `seed`).
+Inputs random_inputs(const std::vector<SeqLen>& lengths, int h_q, int h_kv, int d, DType dtype,
+                     std::uint64_t seed, double scale = 1.0,
+                     Distribution dist = Distribution::kUniform);
+// Zero-filled inputs of the given shapes, for hand-written values (set()).
+Inputs empty_inputs(const std::vector<SeqLen>& lengths, int h_q, int h_kv, int d, DType dtype);
+
+// The same sequences with K/V repeated for every query head (h_kv = h_q): equal attention.
+Inputs repeat_kv(const Inputs& in);
+
+enum class Layout : std::uint8_t {
+  kBatched,  // q [b, s_q, h_q, d] (equal s_q); k/v [b, max s_k, h_kv, d], seqused_k if unequal
+  kVarlen,   // q [total_q, h_q, d], k/v [total_k, h_kv, d] with cu_seqlens_q/k
+  kPaged,    // q varlen; k/v [num_pages, page_size, h_kv, d] through a shuffled block_table
+};
+
+struct LayoutOptions {
+  Layout layout = Layout::kBatched;
+  int page_size = 16;          // kPaged
+  std::uint64_t page_seed = 7; // kPaged: the physical page permutation
+  bool causal = true;
+  double scale = 0.0;          // 0: 1/sqrt(d)
+};
+
+// Owns every tensor of one call and its output buffers. Storage that no valid element uses
+// (K/V capacity past seqused_k, the tail of a sequence's last page, pages no sequence owns and
+// the block table entries past a sequence's pages, which point at such a page) is NaN, so a
+// backend that reads it shows NaN.
+struct TestProblem {
+  HostTensor q, k, v;
+  HostTensor cu_seqlens_q, cu_seqlens_k, seqused_k, block_table;  // int32, when the layout uses them
+  HostTensor o;    // q's shape and dtype
+  HostTensor lse;  // fp32 [b, h_q, s_q] or [h_q, total_q]
+  bool causal = true;
+  double scale = 0.0;
+
+  AttentionProblem problem() const;  // views into the tensors above
+  AttentionOutput output() const;
+};
+TestProblem build_problem(const Inputs& in, const LayoutOptions& options = {});
+
+}  // namespace sparseprefill::test
