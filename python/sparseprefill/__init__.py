@@ -1,0 +1,32 @@
+# SPDX-License-Identifier: Apache-2.0
+"""sparseprefill: sparse prefill attention with FlashAttention's layouts.
+
+Three ways to call it:
+  * sparseprefill.run(q, k, v, policy) -> (out, lse, stats): NumPy arrays or torch tensors;
+  * sparseprefill.flash_attn_interface: flash_attn_func, flash_attn_varlen_func,
+    flash_attn_with_kvcache with FlashAttention's names and a policy= argument (torch);
+  * sparseprefill.transformers.register(): attn_implementation="sparseprefill".
+Policies: Dense, BlockSparse, ExactGate, SoftmaxSkip, EstimateSelect, PermuteStop."""
+
+from ._ext import (
+    CorruptDataError,
+    CudaError,
+    Error,
+    FileError,
+    InternalError,
+    InvalidArgumentError,
+    UnsupportedError,
+)
+from .calibration import Calibration, load_calibration
+from .native import Result, build_info, can_run, run
+from .policy import BlockSparse, Dense, EstimateSelect, ExactGate, PermuteStop, Policy, SoftmaxSkip
+from .stats import CallStats, StatsLog, collect_stats
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "BlockSparse", "Calibration", "CallStats", "CorruptDataError", "CudaError", "Dense", "Error",
+    "EstimateSelect", "ExactGate", "FileError", "InternalError", "InvalidArgumentError",
+    "PermuteStop", "Policy", "Result", "SoftmaxSkip", "StatsLog", "UnsupportedError",
+    "build_info", "can_run", "collect_stats", "load_calibration", "run",
+]

@@ -1,0 +1,260 @@
+// SPDX-License-Identifier: Apache-2.0
+// sparseprefill._ext: a thin pybind11 layer over the C ABI (include/sparseprefill/c_api.h).
+// Tensors arrive as plain descriptors built by the Python side from NumPy arrays or torch
+// tensors, (data_ptr, dtype, device_type, device_index, shape, strides in elements), so this
+// file knows neither framework; every failing ABI call raises the exception of its code.
+#include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
+
+#include <cstdint>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "sparseprefill/c_api.h"
+
+namespace py = pybind11;
+
+namespace {
+
+// Exception classes by sp_status code, created once at import.
+struct Exceptions {
+  py::object base, invalid_argument, unsupported, io, corrupt_data, cuda, internal;
+};
+Exceptions* g_exc = nullptr;
+
+py::object exception_for(int code) {
+  switch (code) {
+    case SP_ERR_INVALID_ARGUMENT: return g_exc->invalid_argument;
+    case SP_ERR_UNSUPPORTED: return g_exc->unsupported;
+    case SP_ERR_IO: return g_exc->io;
+    case SP_ERR_CORRUPT_DATA: return g_exc->corrupt_data;
+    case SP_ERR_CUDA: return g_exc->cuda;
+    default: return g_exc->internal;
+  }
+}
+
+[[noreturn]] void raise(int code, const std::string& message) {
+  PyErr_SetString(exception_for(code).ptr(), message.c_str());
+  throw py::error_already_set();
+}
+
+// Raises the exception of a failed ABI call with the library's message.
+void check(int code) {
+  if (code != SP_OK) raise(code, sp_last_error());
+}
+
+// None -> an absent tensor (rank 0). Otherwise a 6-tuple descriptor.
+sp_tensor to_tensor(py::handle obj, const char* name) {
+  sp_tensor t{};
+  if (obj.is_none()) return t;
+  auto desc = py::reinterpret_borrow<py::tuple>(obj);
+  if (desc.size() != 6) {
+    raise(SP_ERR_INVALID_ARGUMENT, std::string(name) + ": expected a 6-field tensor descriptor");
+  }
+  auto shape = desc[4].cast<std::vector<std::int64_t>>();
+  auto stride = desc[5].cast<std::vector<std::int64_t>>();
+  if (shape.empty() || shape.size() > SP_MAX_RANK || stride.size() != shape.size()) {
+    raise(SP_ERR_INVALID_ARGUMENT, std::string(name) + ": expected rank 1.." +
+                                       std::to_string(SP_MAX_RANK) + ", got rank " +
+                                       std::to_string(shape.size()));
+  }
+  t.data = reinterpret_cast<void*>(desc[0].cast<std::uintptr_t>());
+  t.dtype = desc[1].cast<std::int32_t>();
+  t.device_type = desc[2].cast<std::int32_t>();
+  t.device_index = desc[3].cast<std::int32_t>();
+  t.rank = static_cast<std::int32_t>(shape.size());
+  for (std::size_t i = 0; i < shape.size(); ++i) {
+    t.shape[i] = shape[i];
+    t.stride[i] = stride[i];
+  }
+  return t;
+}
+
+// (q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, block_table, causal, scale)
+sp_problem to_problem(const py::tuple& p) {
+  if (p.size() != 9) raise(SP_ERR_INVALID_ARGUMENT, "problem: expected a 9-field tuple");
+  sp_problem out{};
+  out.q = to_tensor(p[0], "q");
+  out.k = to_tensor(p[1], "k");
+  out.v = to_tensor(p[2], "v");
+  out.cu_seqlens_q = to_tensor(p[3], "cu_seqlens_q");
+  out.cu_seqlens_k = to_tensor(p[4], "cu_seqlens_k");
+  out.seqused_k = to_tensor(p[5], "seqused_k");
+  out.block_table = to_tensor(p[6], "block_table");
+  out.causal = p[7].cast<bool>() ? 1 : 0;
+  out.scale = p[8].cast<double>();
+  return out;
+}
+
+// An owned sp_policy plus the Python object whose memory a threshold view points into.
+class PolicyHandle {
+ public:
+  PolicyHandle(const std::string& name, const std::vector<std::pair<std::string, std::string>>& settings) {
+    std::vector<sp_setting> raw;
+    raw.reserve(settings.size());
+    for (const auto& [key, value] : settings) raw.push_back(sp_setting{key.c_str(), value.c_str()});
+    check(sp_policy_create(name.c_str(), raw.data(), static_cast<std::int32_t>(raw.size()), &policy_));
+  }
+  ~PolicyHandle() { sp_policy_destroy(policy_); }
+  PolicyHandle(const PolicyHandle&) = delete;
+  PolicyHandle& operator=(const PolicyHandle&) = delete;
+
+  // `owner` keeps the memory behind the fp32 [h_q, positions] view alive.
+  void set_thresholds(py::handle desc, py::object owner) {
+    sp_tensor t = to_tensor(desc, "thresholds");
+    check(sp_policy_set_thresholds(policy_, &t));
+    owner_ = std::move(owner);
+  }
+
+  // CSR over rows (b, h, qb); indptr/indices are host int32 arrays the caller keeps alive
+  // for this call only (the library copies them).
+  void set_block_mask(const py::tuple& problem, int block_q, int block_k, bool per_kv_head,
+                      std::int64_t num_rows, std::uintptr_t indptr, std::int64_t num_indices,
+                      std::uintptr_t indices) {
+    sp_problem p = to_problem(problem);
+    sp_block_mask_csr mask{};
+    mask.block_q = block_q;
+    mask.block_k = block_k;
+    mask.per_kv_head = per_kv_head ? 1 : 0;
+    mask.num_rows = num_rows;
+    mask.indptr = reinterpret_cast<const std::int32_t*>(indptr);
+    mask.num_indices = num_indices;
+    mask.indices = reinterpret_cast<const std::int32_t*>(indices);
+    check(sp_policy_set_block_mask(policy_, &p, &mask));
+  }
+
+  std::string describe() const { return sp_policy_describe(policy_); }
+  const sp_policy* get() const { return policy_; }
+
+ private:
+  sp_policy* policy_ = nullptr;
+  py::object owner_;
+};
+
+py::tuple head_tuple(const sp_head_stats& h) {
+  return py::make_tuple(h.visible_blocks, h.kept_blocks, h.corrected_blocks, h.visible_pairs,
+                        h.computed_pairs);
+}
+
+// batch * h_q from q's descriptor (varlen q: batch from cu_seqlens_q), for the stats buffer.
+std::int64_t head_count(const sp_problem& p) {
+  if (p.q.rank < 3) return 0;
+  const std::int64_t h_q = p.q.shape[p.q.rank - 2];
+  const std::int64_t batch = p.q.rank == 4 ? p.q.shape[0]
+                             : p.cu_seqlens_q.rank == 1 ? p.cu_seqlens_q.shape[0] - 1
+                                                        : 0;
+  return batch > 0 && h_q > 0 ? batch * h_q : 0;
+}
+
+// Runs one call. Returns None, or with want_stats a dict: density, pair_density, batch, h_q,
+// total (5 counters) and heads (a list of batch * h_q counter tuples, row-major [b, h_q]);
+// counters are (visible_blocks, kept_blocks, corrected_blocks, visible_pairs, computed_pairs).
+py::object run(const py::tuple& problem, const PolicyHandle& policy, py::handle o, py::handle lse,
+               int backend, int num_threads, std::uintptr_t stream, bool want_stats) {
+  const sp_problem p = to_problem(problem);
+  sp_output out{};
+  out.o = to_tensor(o, "out");
+  out.lse = to_tensor(lse, "lse");
+  sp_options options{};
+  options.backend = backend;
+  options.num_threads = num_threads;
+  options.cuda_stream = reinterpret_cast<void*>(stream);
+  sp_stats stats{};
+  std::vector<sp_head_stats> heads;
+  if (want_stats) {
+    heads.resize(static_cast<std::size_t>(head_count(p)));
+    stats.heads = heads.data();
+    stats.heads_capacity = static_cast<std::int64_t>(heads.size());
+  }
+  int code;
+  {
+    py::gil_scoped_release release;
+    code = sp_run(&p, policy.get(), &out, &options, want_stats ? &stats : nullptr);
+  }
+  check(code);
+  if (!want_stats) return py::none();
+  py::list per_head;
+  if (stats.num_heads <= static_cast<std::int64_t>(heads.size())) {
+    for (std::int64_t i = 0; i < stats.num_heads; ++i) per_head.append(head_tuple(heads[static_cast<std::size_t>(i)]));
+  }
+  py::dict d;
+  d["density"] = stats.density;
+  d["pair_density"] = stats.pair_density;
+  d["batch"] = stats.batch;
+  d["h_q"] = stats.h_q;
+  d["total"] = head_tuple(stats.total);
+  d["heads"] = per_head;
+  return std::move(d);
+}
+
+// (code, message): code 0 when `backend` can run the combination.
+py::tuple can_run(const py::tuple& problem, const PolicyHandle& policy, int backend) {
+  const sp_problem p = to_problem(problem);
+  const int code = sp_can_run(&p, policy.get(), backend);
+  return py::make_tuple(code, std::string(code == SP_OK ? "" : sp_last_error()));
+}
+
+py::object new_exception(py::module_& m, const char* name, py::handle bases, const char* doc) {
+  const std::string qualified = std::string("sparseprefill.") + name;
+  PyObject* cls = PyErr_NewExceptionWithDoc(qualified.c_str(), doc, bases.ptr(), nullptr);
+  if (cls == nullptr) throw py::error_already_set();
+  py::object obj = py::reinterpret_steal<py::object>(cls);
+  m.attr(name) = obj;
+  return obj;
+}
+
+}  // namespace
+
+PYBIND11_MODULE(_ext, m) {
+  m.doc() = "The C ABI of sparseprefill (libsparseprefill_c) for Python; see sparseprefill.";
+  if (sp_abi_version() != SP_ABI_VERSION) {
+    throw std::runtime_error("sparseprefill: libsparseprefill_c has ABI version " +
+                             std::to_string(sp_abi_version()) + ", the module was built for " +
+                             std::to_string(SP_ABI_VERSION));
+  }
+
+  static Exceptions exc;
+  exc.base = new_exception(m, "Error", PyExc_RuntimeError, "Any error reported by sparseprefill.");
+  exc.invalid_argument = new_exception(m, "InvalidArgumentError",
+                                       py::make_tuple(exc.base, py::handle(PyExc_ValueError)),
+                                       "A malformed argument; the message names it.");
+  exc.unsupported = new_exception(m, "UnsupportedError",
+                                  py::make_tuple(exc.base, py::handle(PyExc_NotImplementedError)),
+                                  "Well-formed, but no compiled backend runs the combination.");
+  exc.io = new_exception(m, "FileError", exc.base, "A file could not be read or written.");
+  exc.corrupt_data = new_exception(m, "CorruptDataError",
+                                   py::make_tuple(exc.base, py::handle(PyExc_ValueError)),
+                                   "A malformed, truncated or inconsistent file.");
+  exc.cuda = new_exception(m, "CudaError", exc.base, "A CUDA runtime error.");
+  exc.internal = new_exception(m, "InternalError", exc.base, "A broken invariant in the library.");
+  g_exc = &exc;
+
+  m.attr("ABI_VERSION") = SP_ABI_VERSION;
+  m.attr("DTYPE_BF16") = static_cast<int>(SP_DTYPE_BF16);
+  m.attr("DTYPE_FP16") = static_cast<int>(SP_DTYPE_FP16);
+  m.attr("DTYPE_FP32") = static_cast<int>(SP_DTYPE_FP32);
+  m.attr("DTYPE_INT32") = static_cast<int>(SP_DTYPE_INT32);
+  m.attr("DEVICE_CPU") = static_cast<int>(SP_DEVICE_CPU);
+  m.attr("DEVICE_CUDA") = static_cast<int>(SP_DEVICE_CUDA);
+  m.attr("BACKENDS") = py::dict(py::arg("auto") = static_cast<int>(SP_BACKEND_AUTO),
+                                py::arg("reference") = static_cast<int>(SP_BACKEND_REFERENCE),
+                                py::arg("cpu") = static_cast<int>(SP_BACKEND_CPU),
+                                py::arg("cuda") = static_cast<int>(SP_BACKEND_CUDA));
+
+  py::class_<PolicyHandle>(m, "PolicyHandle")
+      .def(py::init<const std::string&, const std::vector<std::pair<std::string, std::string>>&>(),
+           py::arg("name"), py::arg("settings"))
+      .def("set_thresholds", &PolicyHandle::set_thresholds, py::arg("desc"), py::arg("owner"))
+      .def("set_block_mask", &PolicyHandle::set_block_mask, py::arg("problem"),
+           py::arg("block_q"), py::arg("block_k"), py::arg("per_kv_head"), py::arg("num_rows"),
+           py::arg("indptr"), py::arg("num_indices"), py::arg("indices"))
+      .def("describe", &PolicyHandle::describe);
+
+  m.def("run", &run, py::arg("problem"), py::arg("policy"), py::arg("out"), py::arg("lse"),
+        py::arg("backend"), py::arg("num_threads"), py::arg("stream"), py::arg("want_stats"));
+  m.def("can_run", &can_run, py::arg("problem"), py::arg("policy"), py::arg("backend"));
+  m.def("build_info", []() { return std::string(sp_build_info()); });
+  m.def("abi_version", []() { return sp_abi_version(); });
+  m.def("status_name", [](int code) { return std::string(sp_status_name(code)); });
+}
