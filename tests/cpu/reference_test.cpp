@@ -563,6 +563,24 @@ TEST(ReferenceHand, PermuteStopRankingTiesGoToTheLowerKey) {
   EXPECT_EQ(visited(r.decisions), (std::vector<int>{0, 0, 4, 4}));
 }
 
+TEST(ReferenceHand, PermuteStopGainEqualToTauContinues) {
+  // s = 4, segment 2, one-row tiles, one-key chunks, every score equal (identical keys, so the
+  // ranking is by index). Row 2: pass 1 reads key 2 (l = 1); chunk {0} adds Δl = 1, l' = 2:
+  // gain exactly 1/2 = tau, not below it, so chunk {1} is visited too (gain 1/3). Row 3: pass 1
+  // reads keys 2, 3 (l = 2); chunk {0} has gain 1/3 < tau: stop after one chunk.
+  Inputs in = hand_inputs(4, 4);
+  for (int t = 0; t < 4; ++t) {
+    put(&in.seqs[0].q, t, 0, {0.5, 0.5});
+    put(&in.seqs[0].k, t, 0, {1, -1});
+    put(&in.seqs[0].v, t, 0, {t / 2.0, 1});
+  }
+  PermuteStopParams p = permute_params(0.5, 1);
+  p.segment = 2;
+  p.block_q = 1;
+  const ref::Result r = run_ok(in, p, 1.0);
+  EXPECT_EQ(visited(r.decisions), (std::vector<int>{0, 0, 2, 1}));
+}
+
 TEST(ReferenceHand, PermuteStopChunkWithNegativePositions) {
   // s_q = 10 > s_k = 8: rows 0, 1 sit at negative positions, see nothing and hold the first
   // slots; rows 2..9 are permute_case's rows 0..7.
