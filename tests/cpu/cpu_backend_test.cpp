@@ -1,0 +1,733 @@
+// SPDX-License-Identifier: Apache-2.0
+// The CPU backend against the fp64 oracle: every policy within the calibrated tolerance, the
+// same decisions on inputs and thresholds placed away from ties, poisoned outputs fully
+// written, NaN in K/V the policy skips, odd lengths, s_q != s_k, GQA, varlen and paged layouts,
+// and results independent of the thread count. Plus the pure decision rules and exp.
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <functional>
+#include <limits>
+#include <string>
+#include <vector>
+
+#include "common/decisions.h"
+#include "common/inputs.h"
+#include "common/poison.h"
+#include "common/results.h"
+#include "common/tolerance.h"
+#include "core/geometry.h"
+#include "cpu/cpu_policies.h"
+#include "cpu/simd.h"
+#include "reference/reference.h"
+#include "sparseprefill/attention.h"
+
+// simd::VecF values cross calls in the exp test; the ABI note about them does not apply here.
+#pragma GCC diagnostic ignored "-Wpsabi"
+
+namespace sparseprefill::test {
+namespace {
+
+constexpr double kInf = std::numeric_limits<double>::infinity();
+constexpr double kNaN = std::numeric_limits<double>::quiet_NaN();
+// Parameters are accepted only if the oracle's decisions do not move when they are scaled by
+// 1 ± kMargin: then no observed ratio/gain/maximum lies within that band of the threshold, far
+// beyond the fp32-vs-fp64 differences of scores (~1e-6 relative).
+constexpr double kMargin = 1e-3;
+
+// ------------------------------------------------------------------ harness
+
+struct CpuRun {
+  Status status;
+  ref::Result out;  // the CPU output in the oracle's layout
+  Decisions decisions;
+};
+
+// Poisons the outputs, runs the CPU backend and reads the output back.
+CpuRun run_cpu_backend(TestProblem* tp, const Policy& policy, int threads = 2) {
+  CpuRun r;
+  poison(&tp->o);
+  poison(&tp->lse);
+  RunOptions opt;
+  opt.backend = Backend::kCPU;
+  opt.num_threads = threads;
+  r.status = run(tp->problem(), policy, tp->output(), opt, nullptr, &r.decisions);
+  if (r.status.ok()) {
+    ProblemShape shape;
+    EXPECT_TRUE(validate_problem(tp->problem(), nullptr, &shape).ok());
+    r.out = read_output(tp->output(), shape);
+  }
+  return r;
+}
+
+ref::Result oracle(const TestProblem& tp, const Policy& policy) {
+  ref::Result r;
+  const Status st = ref::run_reference(tp.problem(), policy, &r);
+  EXPECT_TRUE(st.ok()) << st.to_string();
+  return r;
+}
+
+// The CPU backend within the calibrated tolerance of the oracle, fully written, with exactly
+// the oracle's decisions. Returns the CPU run for further checks.
+CpuRun expect_matches_oracle(TestProblem* tp, const Policy& policy, int threads = 2) {
+  CpuRun r = run_cpu_backend(tp, policy, threads);
+  EXPECT_TRUE(r.status.ok()) << r.status.to_string();
+  if (!r.status.ok()) return r;
+  ref::Result ref64;
+  EXPECT_TRUE(matches_reference(tp->problem(), policy, tp->output(), {}, &ref64));
+  EXPECT_TRUE(same_decisions(ref64.decisions, r.decisions));
+  return r;
+}
+
+Inputs make_inputs(const std::vector<SeqLen>& lengths, int h_q, int h_kv, int d, std::uint64_t seed,
+                   double scale = 1.5, DType dtype = DType::kBF16) {
+  return random_inputs(lengths, h_q, h_kv, d, dtype, seed, scale);
+}
+
+TestProblem make_problem(const Inputs& in, bool causal = true, Layout layout = Layout::kBatched) {
+  LayoutOptions opt;
+  opt.layout = layout;
+  opt.causal = causal;
+  return build_problem(in, opt);
+}
+
+geom::BlockGeometry geometry(std::int64_t s_q, std::int64_t s_k, bool causal, int bq, int bk) {
+  geom::BlockGeometry g;
+  g.seq = {s_q, s_k, causal};
+  g.block_q = bq;
+  g.block_k = bk;
+  return g;
+}
+
+std::int64_t visible_blocks(const std::vector<SeqLen>& lengths, int heads, bool causal, int bq, int bk) {
+  std::int64_t n = 0;
+  for (const SeqLen& l : lengths) {
+    const geom::BlockGeometry g = geometry(l.s_q, l.s_k, causal, bq, bk);
+    for (int qb = 0; qb < g.num_q_blocks(); ++qb) n += g.visible_end(qb);
+  }
+  return n * heads;
+}
+
+// The first candidate whose oracle decisions are unchanged at candidate·(1 ± kMargin) and
+// satisfy `useful` (some work kept and some skipped); NaN when none does (the test then fails).
+double stable_parameter(const TestProblem& tp, const std::vector<double>& candidates,
+                        const std::function<Policy(double)>& make,
+                        const std::function<bool(const Decisions&)>& useful) {
+  for (double c : candidates) {
+    const ref::Result mid = oracle(tp, make(c));
+    if (!useful(mid.decisions)) continue;
+    if (!same_decisions(mid.decisions, oracle(tp, make(c * (1 - kMargin))).decisions)) continue;
+    if (!same_decisions(mid.decisions, oracle(tp, make(c * (1 + kMargin))).decisions)) continue;
+    return c;
+  }
+  return kNaN;
+}
+
+std::function<bool(const Decisions&)> some_skipped(std::int64_t visible) {
+  return [visible](const Decisions& d) {
+    const std::int64_t kept = d.kept.selected_blocks();
+    return kept > 0 && kept < visible;
+  };
+}
+
+// Rows r of sequence `in` as logical values.
+double qv(const Inputs& in, int b, std::int64_t r, int h, int c) {
+  const HostTensor& q = in.seqs[static_cast<std::size_t>(b)].q;
+  return get(q, (r * in.h_q + h) * in.d + c);
+}
+double kv(const HostTensor& t, const Inputs& in, std::int64_t pos, int g, int c) {
+  return get(t, (pos * in.h_kv + g) * in.d + c);
+}
+
+// Sets K or V of key positions [k0, k1) of KV head g in sequence b to NaN.
+void poison_keys(Inputs* in, int b, bool value, int g, std::int64_t k0, std::int64_t k1) {
+  SequenceData& s = in->seqs[static_cast<std::size_t>(b)];
+  HostTensor* t = value ? &s.v : &s.k;
+  for (std::int64_t pos = k0; pos < k1; ++pos) {
+    for (int c = 0; c < in->d; ++c) set(t, (pos * in->h_kv + g) * in->d + c, kNaN);
+  }
+}
+
+// ------------------------------------------------------------------ thresholds for exact_gate
+
+// fp64 max of scale·q·k over the valid rows of query block qb and the keys of key block kb.
+double block_max(const Inputs& in, int b, int h, const geom::BlockGeometry& g, int qb, int kb) {
+  const double scale = 1.0 / std::sqrt(static_cast<double>(in.d));
+  const int kvh = h / (in.h_q / in.h_kv);
+  double m = -kInf;
+  for (std::int64_t r = g.row_begin(qb); r < g.row_end(qb); ++r) {
+    for (std::int64_t t = g.key_begin(kb); t < g.key_end(kb); ++t) {
+      double s = 0.0;
+      for (int c = 0; c < in.d; ++c) s += qv(in, b, r, h, c) * kv(in.seqs[static_cast<std::size_t>(b)].k, in, t, kvh, c);
+      m = std::max(m, scale * s);
+    }
+  }
+  return m;
+}
+
+// A threshold table [h_q, num_q_blocks] for batch-1 inputs: for each (h, qb) the midpoint of
+// two consecutive observed maxima of its gated blocks with a gap of at least 0.02, near the
+// `keep_fraction` quantile, so no maximum is within 0.01 of the threshold. With nothing to
+// gate the entry is -inf (everything kept).
+HostTensor midpoint_thresholds(const Inputs& in, bool causal, int bq, int bk, double keep_fraction) {
+  const std::int64_t s_q = in.s_q(0), s_k = in.s_k(0);
+  const geom::BlockGeometry g = geometry(s_q, s_k, causal, bq, bk);
+  const int positions = static_cast<int>(geom::ceil_div(s_k, bq)) + 1;
+  HostTensor thr(DType::kFP32, {in.h_q, positions});
+  for (int i = 0; i < in.h_q * positions; ++i) thr.as<float>()[i] = -std::numeric_limits<float>::infinity();
+  for (int h = 0; h < in.h_q; ++h) {
+    for (int qb = 0; qb < g.num_q_blocks(); ++qb) {
+      std::vector<double> maxima;
+      for (int kb = 0; kb < g.visible_end(qb); ++kb) {
+        const bool gated = causal ? g.is_full(qb, kb) : kb != g.num_k_blocks() - 1;
+        if (gated) maxima.push_back(block_max(in, 0, h, g, qb, kb));
+      }
+      std::sort(maxima.begin(), maxima.end(), std::greater<double>());
+      const int n = static_cast<int>(maxima.size());
+      const int want = std::clamp(static_cast<int>(keep_fraction * n), 0, n - 1);
+      double t = -kInf;
+      for (int delta = 0; delta < n && t == -kInf; ++delta) {
+        for (int k : {want - delta, want + delta}) {
+          if (k >= 0 && k + 1 < n && maxima[static_cast<std::size_t>(k)] - maxima[static_cast<std::size_t>(k + 1)] >= 0.02) {
+            t = 0.5 * (maxima[static_cast<std::size_t>(k)] + maxima[static_cast<std::size_t>(k + 1)]);
+            break;
+          }
+        }
+      }
+      thr.as<float>()[h * positions + g.threshold_position(qb, positions)] = static_cast<float>(t);
+    }
+  }
+  return thr;
+}
+
+ExactGateParams gate_params(const HostTensor& thr, int bq, int bk) {
+  ExactGateParams p;
+  p.block_q = bq;
+  p.block_k = bk;
+  p.thresholds = thr.view();
+  return p;
+}
+
+// ------------------------------------------------------------------ pure decision rules
+
+TEST(CpuRules, GateKeepsTiesMinusInfinityAndNaN) {
+  using cpu::gate_keeps;
+  EXPECT_TRUE(gate_keeps(1.0f, 1.0f));
+  EXPECT_TRUE(gate_keeps(1.5f, 1.0f));
+  EXPECT_FALSE(gate_keeps(0.5f, 1.0f));
+  EXPECT_TRUE(gate_keeps(-1e30f, -std::numeric_limits<float>::infinity()));
+  EXPECT_TRUE(gate_keeps(std::numeric_limits<float>::quiet_NaN(), 1.0f));
+}
+
+TEST(CpuRules, SkipVotes) {
+  using cpu::RowVote;
+  using cpu::skip_vote;
+  const float ninf = -std::numeric_limits<float>::infinity();
+  const double ln_lambda = std::log(0.1);
+  EXPECT_EQ(skip_vote(false, false, ninf, ninf, ln_lambda), RowVote::kIgnore);
+  EXPECT_EQ(skip_vote(false, true, ninf, 2.0f, ln_lambda), RowVote::kSkip);
+  EXPECT_EQ(skip_vote(true, false, -50.0f, ninf, ln_lambda), RowVote::kKeep);
+  EXPECT_EQ(skip_vote(true, true, 2.0f - 2.5f, 2.0f, ln_lambda), RowVote::kSkip);   // -2.5 < -2.30
+  EXPECT_EQ(skip_vote(true, true, 2.0f - 2.0f, 2.0f, ln_lambda), RowVote::kKeep);   // -2.0
+  EXPECT_EQ(skip_vote(true, true, 0.0f, 0.0f, 0.0), RowVote::kKeep);                // strict <
+  EXPECT_EQ(skip_vote(true, true, std::numeric_limits<float>::quiet_NaN(), 0.0f, ln_lambda), RowVote::kKeep);
+  EXPECT_EQ(skip_vote(true, true, ninf, ninf, ln_lambda), RowVote::kKeep);          // -inf - -inf
+}
+
+TEST(CpuRules, EstimateKeepRule) {
+  EstimateSelectParams p;
+  p.block = 4;
+  p.alpha = 0.5;
+  p.sink = 1;
+  p.window = 2;
+  p.tail = 1;
+  cpu::EstimateTile t;
+  t.a_first = 16;  // rows at 16..19: fqb = lqb = 4, A = 5
+  t.a_last = 19;
+  t.tile = 0;
+  t.num_tiles = 3;
+  EXPECT_EQ(cpu::estimate_scored_blocks(t, 4), 5);
+  EXPECT_TRUE(cpu::estimate_keeps(p, t, 0, 0.0, 1.0));   // sink
+  EXPECT_FALSE(cpu::estimate_keeps(p, t, 1, 0.4, 1.0));  // below alpha·peak
+  EXPECT_TRUE(cpu::estimate_keeps(p, t, 1, 0.5, 1.0));   // tie keeps
+  EXPECT_TRUE(cpu::estimate_keeps(p, t, 3, 0.0, 1.0));   // window fqb - 1 .. lqb
+  EXPECT_TRUE(cpu::estimate_keeps(p, t, 4, 0.0, 1.0));
+  EXPECT_FALSE(cpu::estimate_keeps(p, t, 5, 1.0, 1.0));  // j > lqb never
+  EXPECT_FALSE(cpu::estimate_keeps(p, t, 2, kNaN, 1.0));
+  t.tile = 2;  // the last tile: every visible block
+  EXPECT_TRUE(cpu::estimate_keeps(p, t, 2, 0.0, 1.0));
+  EXPECT_FALSE(cpu::estimate_keeps(p, t, 5, 0.0, 1.0));
+  // A tile whose last row sits before the first key (s_q > s_k) selects nothing.
+  t.a_first = -8;
+  t.a_last = -5;
+  EXPECT_EQ(cpu::estimate_scored_blocks(t, 4), 0);
+  EXPECT_FALSE(cpu::estimate_keeps(p, t, 0, 1.0, 1.0));
+}
+
+TEST(CpuRules, OrderDescendingBreaksTiesByIndexAndPutsNaNLast) {
+  const std::vector<double> key = {1.0, 3.0, kNaN, 3.0, -kInf, 2.0, kNaN};
+  const std::vector<std::int32_t> want = {1, 3, 5, 0, 4, 2, 6};
+  EXPECT_EQ(cpu::order_descending(key), want);
+}
+
+TEST(CpuSimd, ExpAccuracyAndSpecialValues) {
+  namespace simd = cpu::simd;
+  double worst = 0.0;
+  for (int i = 0; i < 4000; ++i) {
+    simd::VecF x;
+    for (int k = 0; k < simd::kLanes; ++k) x[k] = static_cast<float>(-87.0 + 175.0 * (i * simd::kLanes + k) / (4000.0 * simd::kLanes));
+    const simd::VecF e = simd::exp(x);
+    for (int k = 0; k < simd::kLanes; ++k) {
+      const double want = std::exp(static_cast<double>(x[k]));
+      worst = std::max(worst, std::abs(e[k] - want) / want);
+    }
+  }
+  EXPECT_LT(worst, 4 * 6e-8);  // a few ulp
+  simd::VecF x = simd::splat(0.0f);
+  x[0] = -std::numeric_limits<float>::infinity();
+  x[1] = std::numeric_limits<float>::quiet_NaN();
+  x[2] = std::numeric_limits<float>::infinity();
+  x[3] = -100.0f;
+  x[4] = 0.0f;
+  const simd::VecF e = simd::exp(x);
+  EXPECT_EQ(e[0], 0.0f);
+  EXPECT_TRUE(std::isnan(e[1]));
+  EXPECT_EQ(e[2], std::numeric_limits<float>::infinity());
+  EXPECT_EQ(e[3], 0.0f);
+  EXPECT_EQ(e[4], 1.0f);
+}
+
+// ------------------------------------------------------------------ dense and block_sparse
+
+TEST(CpuDense, OddLengthsAgainstOracle) {
+  for (std::int64_t s : {1, 15, 17, 113, 1023}) {
+    SCOPED_TRACE("s = " + std::to_string(s));
+    const Inputs in = make_inputs({{s, s}}, 2, 1, 16, 100 + static_cast<std::uint64_t>(s));
+    TestProblem tp = make_problem(in);
+    expect_matches_oracle(&tp, DenseParams{});
+  }
+}
+
+TEST(CpuDense, ChunkedPrefillAndEmptyRows) {
+  // s_q < s_k (a cached prefix), and s_q > s_k where the first s_q - s_k rows see no key.
+  for (const SeqLen l : {SeqLen{17, 113}, SeqLen{40, 23}}) {
+    SCOPED_TRACE(std::to_string(l.s_q) + " x " + std::to_string(l.s_k));
+    const Inputs in = make_inputs({l}, 4, 2, 24, 7);
+    TestProblem tp = make_problem(in);
+    const CpuRun r = expect_matches_oracle(&tp, DenseParams{});
+    const std::int64_t empty = std::max<std::int64_t>(0, l.s_q - l.s_k);
+    for (int h = 0; h < in.h_q; ++h) {
+      for (std::int64_t row = 0; row < l.s_q; ++row) {
+        const double lse = r.out.lse[static_cast<std::size_t>(h * l.s_q + row)];
+        if (row < empty) {
+          EXPECT_EQ(lse, -kInf) << "row " << row;
+          for (int c = 0; c < in.d; ++c) EXPECT_EQ(r.out.o[static_cast<std::size_t>((row * in.h_q + h) * in.d + c)], 0.0);
+        } else {
+          EXPECT_TRUE(std::isfinite(lse)) << "row " << row;
+        }
+      }
+    }
+  }
+}
+
+TEST(CpuDense, GqaGroupsDtypesAndNonCausal) {
+  for (int group : {1, 4, 8}) {
+    for (DType dtype : {DType::kBF16, DType::kFP16, DType::kFP32}) {
+      SCOPED_TRACE("group " + std::to_string(group) + " " + dtype_name(dtype));
+      const Inputs in = make_inputs({{37, 37}}, group, 1, 32, 11, 1.5, dtype);
+      for (bool causal : {true, false}) {
+        TestProblem tp = make_problem(in, causal);
+        expect_matches_oracle(&tp, DenseParams{});
+      }
+    }
+  }
+}
+
+TEST(CpuDense, VarlenAndPagedEqualBatchedBitwise) {
+  const std::vector<SeqLen> lengths = {{33, 33}, {5, 70}, {64, 64}};
+  const Inputs in = make_inputs(lengths, 4, 2, 16, 21);
+  TestProblem varlen = make_problem(in, true, Layout::kVarlen);
+  TestProblem paged = make_problem(in, true, Layout::kPaged);
+  const CpuRun a = expect_matches_oracle(&varlen, DenseParams{});
+  const CpuRun b = expect_matches_oracle(&paged, DenseParams{});
+  EXPECT_TRUE(same_result(a.out, b.out, 0.0));
+  // Batched needs equal s_q: the same three sequences one at a time.
+  std::size_t row0 = 0;
+  for (std::size_t i = 0; i < lengths.size(); ++i) {
+    Inputs one = in;
+    one.seqs = {in.seqs[i]};
+    TestProblem batched = make_problem(one);
+    const CpuRun c = run_cpu_backend(&batched, DenseParams{});
+    ASSERT_TRUE(c.status.ok()) << c.status.to_string();
+    const std::size_t s_q = static_cast<std::size_t>(lengths[i].s_q);
+    const std::size_t row_elems = static_cast<std::size_t>(in.h_q * in.d);
+    EXPECT_TRUE(std::equal(c.out.o.begin(), c.out.o.end(), a.out.o.begin() + static_cast<std::ptrdiff_t>(row0 * row_elems)));
+    row0 += s_q;
+  }
+}
+
+TEST(CpuBlockSparse, RandomMasksPerQueryAndPerKvHead) {
+  const std::vector<SeqLen> lengths = {{45, 45}, {45, 61}};
+  const Inputs in = make_inputs(lengths, 4, 2, 16, 31);
+  for (bool per_kv : {false, true}) {
+    for (bool causal : {true, false}) {
+      SCOPED_TRACE(std::string(per_kv ? "per kv head" : "per query head") + (causal ? " causal" : " non-causal"));
+      TestProblem tp = make_problem(in, causal);
+      ProblemShape shape;
+      ASSERT_TRUE(validate_problem(tp.problem(), nullptr, &shape).ok());
+      BlockMask mask = BlockMask::empty(shape, 8, 4, per_kv);
+      Random rng(per_kv ? 5 : 6);
+      for (int b = 0; b < shape.batch; ++b) {
+        const geom::BlockGeometry g = geometry(shape.seq_q[static_cast<std::size_t>(b)], shape.seq_k[static_cast<std::size_t>(b)], causal, 8, 4);
+        for (int h = 0; h < mask.heads; ++h) {
+          for (int qb = 0; qb < g.num_q_blocks(); ++qb) {
+            for (int kb = 0; kb < g.visible_end(qb); ++kb) {
+              if (rng.below(2) == 0) ASSERT_TRUE(mask.add(shape, b, h, qb, kb).ok());
+            }
+          }
+        }
+      }
+      BlockSparseParams p;
+      p.mask = mask;
+      const CpuRun r = expect_matches_oracle(&tp, p);
+      EXPECT_EQ(r.decisions.kept.to_dense(), mask.to_dense());
+    }
+  }
+}
+
+// ------------------------------------------------------------------ exact_gate
+
+TEST(CpuExactGate, MidpointThresholdsCausalChunkedAndNonCausal) {
+  struct Case {
+    SeqLen len;
+    bool causal;
+    int bq, bk, h_q, h_kv;
+  };
+  for (const Case& c : {Case{{113, 113}, true, 8, 8, 4, 1}, Case{{30, 97}, true, 8, 4, 2, 2},
+                        Case{{57, 57}, false, 16, 8, 8, 1}, Case{{17, 17}, true, 4, 8, 2, 1}}) {
+    SCOPED_TRACE(std::to_string(c.len.s_q) + "x" + std::to_string(c.len.s_k) + (c.causal ? " causal" : " non-causal"));
+    const Inputs in = make_inputs({c.len}, c.h_q, c.h_kv, 16, 41, 2.0);
+    const HostTensor thr = midpoint_thresholds(in, c.causal, c.bq, c.bk, 0.5);
+    TestProblem tp = make_problem(in, c.causal);
+    const CpuRun r = expect_matches_oracle(&tp, gate_params(thr, c.bq, c.bk));
+    const std::int64_t visible = visible_blocks({c.len}, c.h_q, c.causal, c.bq, c.bk);
+    EXPECT_LT(r.decisions.kept.selected_blocks(), visible);  // the thresholds did skip work
+  }
+}
+
+TEST(CpuExactGate, NaNValuesOfSkippedBlocksAreNeverRead) {
+  // One query block per head (s_q <= block_q) over a long prefix: every block that head skips
+  // is read by no other work item, so its V can hold NaN.
+  const SeqLen len{8, 120};
+  Inputs in = make_inputs({len}, 3, 3, 16, 43, 2.0);
+  const HostTensor thr = midpoint_thresholds(in, true, 8, 8, 0.3);
+  const ExactGateParams p = gate_params(thr, 8, 8);
+  TestProblem clean = make_problem(in);
+  const CpuRun want = expect_matches_oracle(&clean, p);
+  const geom::BlockGeometry g = geometry(len.s_q, len.s_k, true, 8, 8);
+  int poisoned = 0;
+  for (int h = 0; h < in.h_q; ++h) {
+    for (int kb = 0; kb < g.visible_end(0); ++kb) {
+      if (want.decisions.kept.contains(0, h, 0, kb)) continue;
+      poison_keys(&in, 0, true, h, g.key_begin(kb), g.key_end(kb));
+      ++poisoned;
+    }
+  }
+  ASSERT_GT(poisoned, 0);
+  TestProblem dirty = make_problem(in);
+  const CpuRun got = run_cpu_backend(&dirty, p);
+  ASSERT_TRUE(got.status.ok());
+  EXPECT_TRUE(same_result(got.out, want.out, 0.0));
+  EXPECT_TRUE(same_decisions(want.decisions, got.decisions));
+}
+
+// ------------------------------------------------------------------ softmax_skip
+
+SoftmaxSkipParams skip_params(double a, int bq, int bk) {
+  SoftmaxSkipParams p;
+  p.a = a;
+  p.block_q = bq;
+  p.block_k = bk;
+  return p;
+}
+
+// Candidate scale factors a for a context of s_k keys: λ = a / s_k from 0.3 down to 0.003.
+std::vector<double> scale_factors(std::int64_t s_k) {
+  std::vector<double> out;
+  for (double lambda : {0.3, 0.1, 0.03, 0.5, 0.01, 0.003}) out.push_back(lambda * static_cast<double>(s_k));
+  return out;
+}
+
+TEST(CpuSoftmaxSkip, StableScaleFactorsAgainstOracle) {
+  struct Case {
+    SeqLen len;
+    bool causal;
+    int bq, bk, h_q, h_kv;
+  };
+  for (const Case& c : {Case{{113, 113}, true, 8, 8, 4, 1}, Case{{23, 150}, true, 4, 8, 2, 2},
+                        Case{{64, 64}, false, 16, 8, 4, 4}, Case{{80, 50}, true, 8, 4, 2, 1}}) {
+    SCOPED_TRACE(std::to_string(c.len.s_q) + "x" + std::to_string(c.len.s_k) + (c.causal ? " causal" : " non-causal"));
+    const Inputs in = make_inputs({c.len}, c.h_q, c.h_kv, 16, 51, 3.0);
+    TestProblem tp = make_problem(in, c.causal);
+    const std::int64_t visible = visible_blocks({c.len}, c.h_q, c.causal, c.bq, c.bk);
+    const double a = stable_parameter(tp, scale_factors(c.len.s_k),
+                                      [&](double x) -> Policy { return skip_params(x, c.bq, c.bk); },
+                                      some_skipped(visible));
+    ASSERT_FALSE(std::isnan(a)) << "no scale factor with a margin skips anything";
+    expect_matches_oracle(&tp, skip_params(a, c.bq, c.bk));
+  }
+}
+
+TEST(CpuSoftmaxSkip, OffWhenContextShorterThanA) {
+  const Inputs in = make_inputs({{20, 20}}, 2, 1, 16, 53, 3.0);
+  TestProblem tp = make_problem(in);
+  const CpuRun r = expect_matches_oracle(&tp, skip_params(21.0, 4, 4));
+  EXPECT_EQ(r.decisions.kept.selected_blocks(), visible_blocks({{20, 20}}, 2, true, 4, 4));
+}
+
+TEST(CpuSoftmaxSkip, NaNValuesOfSkippedBlocksAreNeverRead) {
+  const SeqLen len{8, 160};
+  Inputs in = make_inputs({len}, 2, 2, 16, 57, 3.0);
+  TestProblem clean = make_problem(in);
+  const double a = stable_parameter(clean, scale_factors(len.s_k),
+                                    [](double x) -> Policy { return skip_params(x, 8, 8); },
+                                    some_skipped(visible_blocks({len}, 2, true, 8, 8)));
+  ASSERT_FALSE(std::isnan(a));
+  const CpuRun want = expect_matches_oracle(&clean, skip_params(a, 8, 8));
+  const geom::BlockGeometry g = geometry(len.s_q, len.s_k, true, 8, 8);
+  for (int h = 0; h < in.h_q; ++h) {
+    for (int kb = 0; kb < g.visible_end(0); ++kb) {
+      if (!want.decisions.kept.contains(0, h, 0, kb)) poison_keys(&in, 0, true, h, g.key_begin(kb), g.key_end(kb));
+    }
+  }
+  TestProblem dirty = make_problem(in);
+  const CpuRun got = run_cpu_backend(&dirty, skip_params(a, 8, 8));
+  ASSERT_TRUE(got.status.ok());
+  EXPECT_TRUE(same_result(got.out, want.out, 0.0));
+}
+
+// ------------------------------------------------------------------ estimate_select
+
+EstimateSelectParams select_params(double alpha, int block, bool correction, bool pack) {
+  EstimateSelectParams p;
+  p.block = block;
+  p.alpha = alpha;
+  p.sink = 1;
+  p.window = 1;
+  p.tail = 1;
+  p.mean_correction = correction;
+  p.pack_gqa = pack;
+  return p;
+}
+
+TEST(CpuEstimateSelect, StableAlphaAgainstOracle) {
+  struct Case {
+    SeqLen len;
+    int block, h_q, h_kv;
+    bool correction, pack;
+  };
+  for (const Case& c : {Case{{113, 113}, 8, 4, 1, false, false}, Case{{113, 113}, 8, 4, 1, true, false},
+                        Case{{40, 131}, 8, 4, 1, true, true}, Case{{96, 96}, 4, 8, 2, false, true},
+                        Case{{60, 45}, 4, 2, 2, true, false}}) {
+    SCOPED_TRACE(std::to_string(c.len.s_q) + "x" + std::to_string(c.len.s_k) + " block " + std::to_string(c.block) +
+                 (c.correction ? " corrected" : "") + (c.pack ? " pack_gqa" : ""));
+    const Inputs in = make_inputs({c.len}, c.h_q, c.h_kv, 16, 61, 2.5);
+    TestProblem tp = make_problem(in);
+    const int sel_heads = c.pack ? c.h_kv : c.h_q;
+    const std::int64_t visible = visible_blocks({c.len}, sel_heads, true, c.block, c.block);
+    const double alpha = stable_parameter(tp, {0.3, 0.2, 0.5, 0.1, 0.05, 0.7},
+                                          [&](double x) -> Policy { return select_params(x, c.block, c.correction, c.pack); },
+                                          some_skipped(visible));
+    ASSERT_FALSE(std::isnan(alpha)) << "no alpha with a margin prunes anything";
+    const CpuRun r = expect_matches_oracle(&tp, select_params(alpha, c.block, c.correction, c.pack));
+    if (c.correction) EXPECT_GT(r.decisions.corrected.selected_blocks(), 0);
+  }
+}
+
+TEST(CpuEstimateSelect, AttendReadsOnlyKeptBlocks) {
+  // Plan on clean inputs, then attend with K and V of every block the single query tile
+  // neither kept nor corrected set to NaN (the means of corrected blocks come from the plan).
+  const SeqLen len{8, 120};
+  for (bool correction : {false, true}) {
+    SCOPED_TRACE(correction ? "mean correction" : "no correction");
+    Inputs in = make_inputs({len}, 2, 1, 16, 67, 2.5);
+    TestProblem clean = make_problem(in);
+    const auto params = [correction](double alpha) {
+      EstimateSelectParams p = select_params(alpha, 8, correction, false);
+      p.tail = 0;
+      return p;
+    };
+    const double alpha = stable_parameter(clean, {0.9, 0.8, 0.95, 0.7, 0.5},
+                                          [&](double x) -> Policy { return params(x); },
+                                          some_skipped(visible_blocks({len}, 2, true, 8, 8)));
+    ASSERT_FALSE(std::isnan(alpha));
+    const EstimateSelectParams p = params(alpha);
+    expect_matches_oracle(&clean, p);
+    ProblemShape shape;
+    const AttentionOutput clean_out = clean.output();
+    ASSERT_TRUE(validate_problem(clean.problem(), &clean_out, &shape).ok());
+    cpu::EstimatePlan plan;
+    ASSERT_TRUE(cpu::estimate_select_plan(clean.problem(), shape, p, 2, &plan).ok());
+    poison(&clean.o);
+    ASSERT_TRUE(cpu::estimate_select_attend(clean.problem(), shape, p, plan, clean.output(), 2).ok());
+    const ref::Result want = read_output(clean.output(), shape);
+    const geom::BlockGeometry g = geometry(len.s_q, len.s_k, true, 8, 8);
+    int poisoned = 0;
+    for (int kb = 0; kb < g.visible_end(0); ++kb) {
+      bool read = false;
+      for (int h = 0; h < in.h_q; ++h) read |= plan.kept.contains(0, h, 0, kb);
+      if (read) continue;
+      poison_keys(&in, 0, false, 0, g.key_begin(kb), g.key_end(kb));
+      poison_keys(&in, 0, true, 0, g.key_begin(kb), g.key_end(kb));
+      ++poisoned;
+    }
+    ASSERT_GT(poisoned, 0);
+    TestProblem dirty = make_problem(in);
+    poison(&dirty.o);
+    ASSERT_TRUE(cpu::estimate_select_attend(dirty.problem(), shape, p, plan, dirty.output(), 2).ok());
+    EXPECT_TRUE(same_result(read_output(dirty.output(), shape), want, 0.0));
+  }
+}
+
+TEST(CpuEstimateSelect, RequiresCausal) {
+  const Inputs in = make_inputs({{16, 16}}, 1, 1, 16, 69);
+  TestProblem tp = make_problem(in, false);
+  const CpuRun r = run_cpu_backend(&tp, select_params(0.1, 4, false, false));
+  EXPECT_EQ(r.status.code(), StatusCode::kUnsupported);
+}
+
+// ------------------------------------------------------------------ permute_stop
+
+PermuteStopParams permute_params(double tau, int segment, int bq, int bk) {
+  PermuteStopParams p;
+  p.tau = tau;
+  p.segment = segment;
+  p.block_q = bq;
+  p.block_k = bk;
+  return p;
+}
+
+TEST(CpuPermuteStop, StableTauAgainstOracle) {
+  struct Case {
+    SeqLen len;
+    int segment, bq, bk, h_q, h_kv;
+  };
+  for (const Case& c : {Case{{113, 113}, 32, 8, 8, 4, 1}, Case{{50, 150}, 40, 8, 16, 2, 2},
+                        Case{{97, 97}, 24, 5, 7, 8, 2}}) {
+    SCOPED_TRACE(std::to_string(c.len.s_q) + "x" + std::to_string(c.len.s_k) + " segment " + std::to_string(c.segment));
+    const Inputs in = make_inputs({c.len}, c.h_q, c.h_kv, 16, 71, 2.5);
+    TestProblem tp = make_problem(in);
+    const auto stopped_some = [](const Decisions& d) {
+      bool early = false, later = false;
+      for (const PermuteTile& t : d.tiles) {
+        early |= t.chunks_visited < t.chunks_total;
+        later |= t.chunks_visited > 1;
+      }
+      return early && later;
+    };
+    const double tau = stable_parameter(tp, {0.05, 0.02, 0.1, 0.01, 0.005, 0.2},
+                                        [&](double x) -> Policy { return permute_params(x, c.segment, c.bq, c.bk); },
+                                        stopped_some);
+    ASSERT_FALSE(std::isnan(tau)) << "no tau with a margin stops early";
+    const CpuRun r = expect_matches_oracle(&tp, permute_params(tau, c.segment, c.bq, c.bk));
+    // The query order is a permutation of each segment's rows.
+    for (int h = 0; h < in.h_q; ++h) {
+      std::vector<std::int32_t> rows(r.decisions.query_order.begin() + static_cast<std::ptrdiff_t>(h * c.len.s_q),
+                                     r.decisions.query_order.begin() + static_cast<std::ptrdiff_t>((h + 1) * c.len.s_q));
+      std::sort(rows.begin(), rows.end());
+      for (std::int64_t i = 0; i < c.len.s_q; ++i) EXPECT_EQ(rows[static_cast<std::size_t>(i)], i);
+    }
+  }
+}
+
+TEST(CpuPermuteStop, TauZeroVisitsEverythingAndEqualsDense) {
+  const Inputs in = make_inputs({{70, 90}}, 2, 1, 16, 73);
+  TestProblem tp = make_problem(in);
+  const CpuRun r = expect_matches_oracle(&tp, permute_params(0.0, 16, 8, 8));
+  for (const PermuteTile& t : r.decisions.tiles) EXPECT_EQ(t.chunks_visited, t.chunks_total);
+  EXPECT_TRUE(matches_reference(tp.problem(), DenseParams{}, tp.output()));
+}
+
+// ------------------------------------------------------------------ across policies
+
+std::vector<Policy> every_policy(const HostTensor& thr) {
+  return {DenseParams{},
+          gate_params(thr, 8, 8),
+          skip_params(0.3, 8, 8),
+          select_params(0.2, 8, true, false),
+          select_params(0.2, 8, false, true),
+          permute_params(0.02, 24, 8, 8)};
+}
+
+TEST(CpuBackend, ThreadCountDoesNotChangeResults) {
+  const Inputs in = make_inputs({{77, 77}}, 4, 2, 16, 81, 2.0);
+  const HostTensor thr = midpoint_thresholds(in, true, 8, 8, 0.5);
+  for (const Policy& p : every_policy(thr)) {
+    SCOPED_TRACE(describe(p));
+    TestProblem tp = make_problem(in);
+    const CpuRun one = run_cpu_backend(&tp, p, 1);
+    const CpuRun two = run_cpu_backend(&tp, p, 2);
+    const CpuRun three = run_cpu_backend(&tp, p, 3);
+    ASSERT_TRUE(one.status.ok() && two.status.ok() && three.status.ok());
+    EXPECT_TRUE(same_result(one.out, two.out, 0.0));
+    EXPECT_TRUE(same_result(one.out, three.out, 0.0));
+    EXPECT_TRUE(same_decisions(one.decisions, two.decisions));
+  }
+}
+
+TEST(CpuBackend, VarlenAndPagedEveryPolicy) {
+  // Several sequences (one shorter than its keys): varlen and paged give bitwise the same
+  // output and decisions, within tolerance of the oracle.
+  const std::vector<SeqLen> lengths = {{40, 40}, {17, 60}, {1, 1}};
+  const Inputs in = make_inputs(lengths, 4, 1, 16, 83, 2.0);
+  HostTensor thr(DType::kFP32, {4, 8});
+  for (int i = 0; i < 32; ++i) thr.as<float>()[i] = 1.0f + 0.37f * static_cast<float>(i % 5);
+  for (const Policy& p : every_policy(thr)) {
+    SCOPED_TRACE(describe(p));
+    TestProblem varlen = make_problem(in, true, Layout::kVarlen);
+    TestProblem paged = make_problem(in, true, Layout::kPaged);
+    const CpuRun a = run_cpu_backend(&varlen, p);
+    const CpuRun b = run_cpu_backend(&paged, p);
+    ASSERT_TRUE(a.status.ok() && b.status.ok());
+    EXPECT_TRUE(matches_reference(varlen.problem(), p, varlen.output()));
+    EXPECT_TRUE(same_result(a.out, b.out, 0.0));
+    EXPECT_TRUE(same_decisions(a.decisions, b.decisions));
+  }
+}
+
+TEST(CpuBackend, OddLengthsEveryPolicy) {
+  for (std::int64_t s : {1, 15, 17, 113}) {
+    const Inputs in = make_inputs({{s, s}}, 4, 2, 16, 91 + static_cast<std::uint64_t>(s), 2.0);
+    const HostTensor thr = midpoint_thresholds(in, true, 8, 8, 0.5);
+    for (const Policy& p : every_policy(thr)) {
+      SCOPED_TRACE("s = " + std::to_string(s) + " " + describe(p));
+      TestProblem tp = make_problem(in);
+      const CpuRun r = run_cpu_backend(&tp, p);
+      ASSERT_TRUE(r.status.ok()) << r.status.to_string();
+      EXPECT_TRUE(matches_reference(tp.problem(), p, tp.output()));
+    }
+  }
+}
+
+TEST(CpuBackend, NaNInputsPropagateWithoutCrashing) {
+  Inputs in = make_inputs({{33, 33}}, 2, 1, 16, 95, 2.0);
+  poison_keys(&in, 0, false, 0, 10, 11);  // one key
+  const HostTensor thr = midpoint_thresholds(make_inputs({{33, 33}}, 2, 1, 16, 95, 2.0), true, 8, 8, 0.5);
+  for (const Policy& p : every_policy(thr)) {
+    SCOPED_TRACE(describe(p));
+    TestProblem tp = make_problem(in);
+    const CpuRun r = run_cpu_backend(&tp, p);
+    ASSERT_TRUE(r.status.ok()) << r.status.to_string();
+    // Rows before the NaN key never see it and stay finite.
+    for (std::int64_t row = 0; row < 10; ++row) EXPECT_TRUE(std::isfinite(r.out.lse[static_cast<std::size_t>(row)]));
+  }
+  TestProblem tp = make_problem(in);
+  const CpuRun dense = run_cpu_backend(&tp, DenseParams{});
+  for (std::int64_t row = 10; row < 33; ++row) EXPECT_TRUE(std::isnan(dense.out.lse[static_cast<std::size_t>(row)]));
+  EXPECT_TRUE(matches_reference(tp.problem(), DenseParams{}, tp.output()));
+}
+
+}  // namespace
+}  // namespace sparseprefill::test
