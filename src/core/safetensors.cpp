@@ -164,10 +164,7 @@ Status parse_metadata(const json::Value& v, std::map<std::string, std::string>* 
   return {};
 }
 
-}  // namespace
-
-Status parse_safetensors(const std::uint8_t* data, std::size_t size, SafetensorsFile* out) {
-  *out = SafetensorsFile();
+Status parse_into(const std::uint8_t* data, std::size_t size, SafetensorsFile* out) {
   if (size < 8) {
     return corrupt_data("file is " + std::to_string(size) +
                         " bytes, shorter than the 8-byte header length");
@@ -244,6 +241,16 @@ Status parse_safetensors(const std::uint8_t* data, std::size_t size, Safetensors
     out->tensors.emplace(e.name, std::move(t));
   }
   return {};
+}
+
+}  // namespace
+
+Status parse_safetensors(const std::uint8_t* data, std::size_t size, SafetensorsFile* out) {
+  // Parsed aside so that a failure never leaves a partial result in *out.
+  SafetensorsFile file;
+  const Status st = parse_into(data, size, &file);
+  *out = st.ok() ? std::move(file) : SafetensorsFile();
+  return st;
 }
 
 Status read_safetensors(const std::string& path, SafetensorsFile* out) {

@@ -426,14 +426,17 @@ TEST(Safetensors, CorruptHeadersNameTheProblem) {
        "data bytes [8, 12) are not covered by any tensor"},
       {R"({"__metadata__":{"n":1}})", 0, "__metadata__: value of 'n' must be a string, got number"},
       {R"({"__metadata__":["a"]})", 0, "__metadata__: expected an object of strings, got array"},
+      {R"({"__metadata__":{"a":"b"},"x":[1]})", 0, "tensor 'x': expected an object, got array"},
       {"{\"\xFF\":1}", 0, "header JSON: invalid UTF-8 byte at byte 2"},
       {"{\"x\":{}}\x01", 0, "header JSON: unexpected data after the JSON value at byte 8"},
   };
   for (const Case& c : cases) {
     sp::SafetensorsFile out;
+    out.metadata["stale"] = "x";
     const sp::Status st = parse(make_file(c.header, c.data), &out);
     EXPECT_EQ(st.code(), sp::StatusCode::kCorruptData) << c.header;
     EXPECT_EQ(st.message(), c.message) << c.header;
+    EXPECT_TRUE(out.metadata.empty() && out.tensors.empty()) << "never a partial result: " << c.header;
   }
   // Valid edge cases: an empty header, zero-sized tensors sharing an offset, padding spaces.
   for (const std::string ok : {std::string("{}"), std::string("{}      "),
