@@ -85,7 +85,8 @@ class Geometry:
 
 
 def _shape(x: Any) -> Tuple[int, ...]:
-    return tuple(int(s) for s in x.shape)
+    # No int(): under torch.compile the sizes may be symbolic, and int() would specialise them.
+    return tuple(x.shape)
 
 
 def _check_float(x: Any, name: str, ranks: Sequence[int], expected: str) -> None:
@@ -142,14 +143,14 @@ def check_problem(q: Any, k: Any, v: Any, cu_seqlens_q: Any = None, cu_seqlens_k
         if cu_seqlens_q is None:
             raise InvalidArgumentError("cu_seqlens_q: required when q is varlen [total_q, h_q, d]")
         _check_index(cu_seqlens_q, "cu_seqlens_q", 1, "int32 [batch + 1]", dev)
-        batch = int(cu_seqlens_q.shape[0]) - 1
+        batch = cu_seqlens_q.shape[0] - 1
         if batch < 0:
             raise InvalidArgumentError("cu_seqlens_q: expected int32 [batch + 1], got an empty tensor")
     else:
         if cu_seqlens_q is not None:
             raise InvalidArgumentError(
                 "cu_seqlens_q: given, but q is batched [b, s_q, h_q, d]; pass q as [total_q, h_q, d]")
-        batch = int(q.shape[0])
+        batch = q.shape[0]
 
     if block_table is not None:
         if len(k.shape) != 4:
@@ -158,7 +159,7 @@ def check_problem(q: Any, k: Any, v: Any, cu_seqlens_q: Any = None, cu_seqlens_k
         if cu_seqlens_k is not None:
             raise InvalidArgumentError("cu_seqlens_k: not allowed with block_table (use seqused_k)")
         _check_index(block_table, "block_table", 2, f"int32 [batch, max_pages] with batch {batch}", dev)
-        if int(block_table.shape[0]) != batch:
+        if block_table.shape[0] != batch:
             raise InvalidArgumentError(
                 f"block_table: expected int32 [batch, max_pages] with batch {batch}, got {list(_shape(block_table))}")
         if seqused_k is None:
@@ -169,7 +170,7 @@ def check_problem(q: Any, k: Any, v: Any, cu_seqlens_q: Any = None, cu_seqlens_k
             raise InvalidArgumentError(
                 f"k: expected varlen [total_k, h_kv, d] with cu_seqlens_k, got {list(_shape(k))}")
         _check_index(cu_seqlens_k, "cu_seqlens_k", 1, f"int32 [batch + 1] = [{batch + 1}]", dev)
-        if int(cu_seqlens_k.shape[0]) != batch + 1:
+        if cu_seqlens_k.shape[0] != batch + 1:
             raise InvalidArgumentError(
                 f"cu_seqlens_k: expected int32 [batch + 1] = [{batch + 1}], got {list(_shape(cu_seqlens_k))}")
         kv_layout = "varlen"
@@ -179,16 +180,16 @@ def check_problem(q: Any, k: Any, v: Any, cu_seqlens_q: Any = None, cu_seqlens_k
                 raise InvalidArgumentError(
                     "k: expected cu_seqlens_k (varlen [total_k, h_kv, d]) or block_table (paged) when q is varlen")
             raise InvalidArgumentError(f"k: expected [b, s_k, h_kv, d], got {list(_shape(k))}")
-        if int(k.shape[0]) != batch:
-            raise InvalidArgumentError(f"k: expected batch {batch} (q's), got {int(k.shape[0])}")
+        if k.shape[0] != batch:
+            raise InvalidArgumentError(f"k: expected batch {batch} (q's), got {k.shape[0]}")
         kv_layout = "batched"
     if seqused_k is not None:
         _check_index(seqused_k, "seqused_k", 1, f"int32 [batch] with batch {batch}", dev)
-        if int(seqused_k.shape[0]) != batch:
+        if seqused_k.shape[0] != batch:
             raise InvalidArgumentError(
                 f"seqused_k: expected int32 [batch] with batch {batch}, got {list(_shape(seqused_k))}")
 
-    lse_shape = (h_q, int(q.shape[0])) if varlen_q else (batch, h_q, int(q.shape[1]))
+    lse_shape = (h_q, q.shape[0]) if varlen_q else (batch, h_q, q.shape[1])
     if out is not None:
         if _shape(out) != _shape(q):
             raise InvalidArgumentError(f"out: expected q's shape {list(_shape(q))}, got {list(_shape(out))}")

@@ -128,7 +128,7 @@ def execute(problem: tuple, handle: "_ext.PolicyHandle", q: Any, out: Any, lse: 
     call = _stats.CallStats.from_ext(raw, layer, handle.describe())
     if record:
         _stats.record(call)
-    return call
+    return call if want_stats else None
 
 
 def _empty(like: Any, shape: Tuple[int, ...], float32: bool) -> Any:

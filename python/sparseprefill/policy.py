@@ -85,12 +85,13 @@ class PermuteStop(Policy):
 class ExactGate(Policy):
     """BSFA: skip a full block whose exact max of scale*QK^T is below the calibrated threshold
     T[h_q][position]. Give `thresholds` (float32 [h_q, positions]) or a calibration file (or a
-    loaded Calibration) with `layer` and `budget` (a budget value of the file, not an index)."""
+    loaded Calibration) with `layer` and `budget` (a budget value of the file, not an index).
+    Block sizes default to 128, or to the calibration's."""
 
     name = "exact_gate"
     _tensor_fields = ("thresholds", "calibration", "layer", "budget")
-    block_q: int = 128
-    block_k: int = 128
+    block_q: Optional[int] = None
+    block_k: Optional[int] = None
     thresholds: Any = None
     calibration: Any = None
     layer: Optional[int] = None
@@ -104,16 +105,30 @@ class ExactGate(Policy):
             raise InvalidArgumentError("layer, budget: both are required with calibration=")
         object.__setattr__(self, "_on_device", {})
 
-    def table(self) -> Any:
-        """The float32 [h_q, positions] table, as given or sliced from the calibration."""
-        if self.thresholds is not None:
-            return self.thresholds
+    def _calibration(self) -> Any:
         from .calibration import load_calibration
 
         cal = self.calibration
         if isinstance(cal, (str, bytes)) or hasattr(cal, "__fspath__"):
             cal = load_calibration(cal)
-        return cal.thresholds(self.layer, self.budget)
+        return cal
+
+    def settings(self) -> List[Tuple[str, str]]:
+        sizes = {"block_q": self.block_q, "block_k": self.block_k}
+        if self.calibration is not None:
+            cal = self._calibration()
+            for key, fitted in (("block_q", cal.gate_block_q), ("block_k", cal.gate_block_k)):
+                if sizes[key] is not None and sizes[key] != fitted:
+                    raise InvalidArgumentError(
+                        f"{key}: the calibration's thresholds were fitted for {fitted}, got {sizes[key]}")
+                sizes[key] = fitted
+        return [(key, _setting(128 if value is None else value)) for key, value in sizes.items()]
+
+    def table(self) -> Any:
+        """The float32 [h_q, positions] table, as given or sliced from the calibration."""
+        if self.thresholds is not None:
+            return self.thresholds
+        return self._calibration().thresholds(self.layer, self.budget)
 
     def thresholds_like(self, q: Any, h_q: int) -> Any:
         """The table on q's framework and device (cached per device: the copy happens once,

@@ -1,0 +1,349 @@
+# SPDX-License-Identifier: Apache-2.0
+"""FlashAttention-compatible functions over the sparseprefill torch ops: the names, argument
+names, layouts, causal alignment (bottom-right) and LSE conventions of flash_attn (FA2
+positional order for flash_attn_func / flash_attn_varlen_func, FA3's for
+flash_attn_with_kvcache), plus policy= (Dense() by default) and layer= (for statistics).
+
+Accepted and ignored (performance knobs): deterministic, num_splits, pack_gqa, sm_margin,
+scheduler_metadata. Raised as UnsupportedError naming the argument: dropout_p != 0,
+window_size other than (-1, -1) (or (-1, 0), which is causal), softcap != 0, alibi_slopes,
+qv, q/k/v_descale (FP8), attention_chunk != 0, rotary_cos/rotary_sin. Forward only."""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Optional, Sequence, Tuple
+
+import torch
+
+from . import ops  # noqa: F401  (registers torch.ops.sparseprefill.*)
+from ._core import InvalidArgumentError, check_problem, check_scale, dtype_name
+from ._ext import UnsupportedError
+from .native import policy_parts
+from .policy import Dense, Policy
+
+__all__ = ["flash_attn_func", "flash_attn_varlen_func", "flash_attn_with_kvcache", "flash_attn_combine",
+           "get_scheduler_metadata"]
+
+
+def _resolve_causal(causal: bool, window_size: Any) -> bool:
+    """FA's rule: a window (-1, 0) is causal attention; other windows are local attention."""
+    if window_size is None:
+        return bool(causal)
+    left, right = (int(w) for w in window_size)
+    if left < 0 and right < 0:
+        return bool(causal)
+    if left < 0 and right == 0:
+        return True
+    raise UnsupportedError(f"window_size: local (sliding-window) attention is not supported; expected (-1, -1), got ({left}, {right})")
+
+
+def _reject(dropout_p: float = 0.0, softcap: float = 0.0, alibi_slopes: Any = None, qv: Any = None,
+            q_descale: Any = None, k_descale: Any = None, v_descale: Any = None,
+            attention_chunk: Optional[int] = 0, rotary_cos: Any = None, rotary_sin: Any = None) -> None:
+    if dropout_p:
+        raise UnsupportedError(f"dropout_p: sparseprefill is inference-only; expected 0.0, got {dropout_p}")
+    if softcap:
+        raise UnsupportedError(f"softcap: logit soft-capping is not supported; expected 0.0, got {softcap}")
+    for name, value in (("alibi_slopes", alibi_slopes), ("qv", qv), ("q_descale", q_descale),
+                        ("k_descale", k_descale), ("v_descale", v_descale)):
+        if value is not None:
+            raise UnsupportedError(f"{name}: not supported; expected None")
+    if attention_chunk:
+        raise UnsupportedError(f"attention_chunk: chunked local attention is not supported; expected 0, got {attention_chunk}")
+    if rotary_cos is not None or rotary_sin is not None:
+        raise UnsupportedError("rotary_cos, rotary_sin: rotary embedding is not applied here; rotate q and k before the call")
+
+
+def _maybe_contiguous(x: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+    # FlashAttention's own wrappers make the last dimension contiguous the same way.
+    return x.contiguous() if x is not None and x.stride(-1) != 1 else x
+
+
+def _call(q, k, v, *, causal: bool, softmax_scale: Optional[float], cu_seqlens_q=None, cu_seqlens_k=None,
+          seqused_k=None, block_table=None, max_seqlen_q: Optional[int] = None, out=None,
+          policy: Optional[Policy] = None, layer: Optional[int] = None) -> Tuple[torch.Tensor, torch.Tensor]:
+    """One op call: (out, lse)."""
+    policy = Dense() if policy is None else policy
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(x, torch.Tensor):
+            raise InvalidArgumentError(f"{name}: expected a torch.Tensor, got {type(x).__name__}")
+    geom = check_problem(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, block_table, out)
+    scale = check_scale(softmax_scale)
+    if cu_seqlens_q is None:
+        seq_q_max = q.shape[1]
+    elif max_seqlen_q is not None:
+        seq_q_max = int(max_seqlen_q)
+    else:
+        cu = cu_seqlens_q.to("cpu", torch.int64)
+        seq_q_max = int((cu[1:] - cu[:-1]).max()) if cu.numel() > 1 else 0
+    thresholds, mask = policy_parts(policy, q, geom, seq_q_max)
+    indptr = indices = None
+    mask_block_q = mask_block_k = 0
+    per_kv_head = False
+    if mask is not None:
+        indptr, indices = torch.from_numpy(mask[0]), torch.from_numpy(mask[1])
+        mask_block_q, mask_block_k, per_kv_head = mask[2], mask[3], mask[4]
+    args = (q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, block_table, bool(causal), scale, policy.name,
+            policy.settings_string(), thresholds, indptr, indices, mask_block_q, mask_block_k, per_kv_head,
+            -1 if layer is None else int(layer))
+    if out is None:
+        return torch.ops.sparseprefill.attention(*args)
+    lse = torch.empty(geom.lse_shape, dtype=torch.float32, device=q.device)
+    torch.ops.sparseprefill.attention_out(*args, out, lse)
+    return out, lse
+
+
+def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
+                    alibi_slopes=None, deterministic=False, return_attn_probs=False, *, qv=None, q_descale=None,
+                    k_descale=None, v_descale=None, attention_chunk=0, num_splits=1, pack_gqa=None, sm_margin=0,
+                    return_softmax_lse=False, out=None, policy=None, layer=None):
+    """q [b, s_q, h_q, d], k, v [b, s_k, h_kv, d] -> out [b, s_q, h_q, d]; with
+    return_softmax_lse (out, lse [b, h_q, s_q] float32); with return_attn_probs FA2's
+    (out, lse, None) (no probabilities are materialised)."""
+    _reject(dropout_p, softcap, alibi_slopes, qv, q_descale, k_descale, v_descale, attention_chunk)
+    causal = _resolve_causal(causal, window_size)
+    q, k, v = (_maybe_contiguous(x) for x in (q, k, v))
+    o, lse = _call(q, k, v, causal=causal, softmax_scale=softmax_scale, out=out, policy=policy, layer=layer)
+    if return_attn_probs:
+        return o, lse, None
+    return (o, lse) if return_softmax_lse else o
+
+
+def _index(x: Optional[torch.Tensor], name: str) -> Optional[torch.Tensor]:
+    if x is None:
+        return None
+    if not isinstance(x, torch.Tensor):
+        raise InvalidArgumentError(f"{name}: expected an int32 torch.Tensor, got {type(x).__name__}")
+    if x.dtype != torch.int32:
+        raise InvalidArgumentError(f"{name}: expected dtype int32, got {dtype_name(x)}")
+    return x
+
+
+def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=None, max_seqlen_k=None, dropout_p=0.0,
+                           softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
+                           deterministic=False, return_attn_probs=False, block_table=None, *, seqused_q=None,
+                           seqused_k=None, page_table=None, qv=None, q_descale=None, k_descale=None, v_descale=None,
+                           attention_chunk=0, num_splits=1, pack_gqa=None, sm_margin=0, scheduler_metadata=None,
+                           return_softmax_lse=False, out=None, policy=None, layer=None):
+    """q [total_q, h_q, d] with cu_seqlens_q [b + 1]; k, v [total_k, h_kv, d] with cu_seqlens_k,
+    or paged [num_pages, page_size, h_kv, d] with block_table (page_table) [b, max_pages] and
+    seqused_k (or cu_seqlens_k, whose differences are then the lengths). seqused_q / seqused_k
+    limit each sequence to its first entries. Returns out [total_q, h_q, d]; with
+    return_softmax_lse (out, lse [h_q, total_q]); with return_attn_probs (out, lse, None)."""
+    _reject(dropout_p, softcap, alibi_slopes, qv, q_descale, k_descale, v_descale, attention_chunk)
+    causal = _resolve_causal(causal, window_size)
+    cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k = (
+        _index(x, n) for x, n in ((cu_seqlens_q, "cu_seqlens_q"), (cu_seqlens_k, "cu_seqlens_k"),
+                                  (seqused_q, "seqused_q"), (seqused_k, "seqused_k")))
+    if page_table is not None and block_table is not None and page_table is not block_table:
+        raise InvalidArgumentError("page_table: give page_table or block_table, not both")
+    table = _index(block_table if block_table is not None else page_table, "block_table")
+    if cu_seqlens_q is None:
+        raise InvalidArgumentError("cu_seqlens_q: required, expected int32 [batch + 1]")
+    if table is not None and cu_seqlens_k is not None:
+        # FA2 passes paged lengths as cu_seqlens_k; the library takes them as seqused_k.
+        if seqused_k is None:
+            seqused_k = (cu_seqlens_k[1:] - cu_seqlens_k[:-1]).to(torch.int32)
+        cu_seqlens_k = None
+    q, k, v = (_maybe_contiguous(x) for x in (q, k, v))
+    if seqused_q is not None:
+        o, lse = _varlen_seqused_q(q, k, v, cu_seqlens_q, seqused_q, causal=causal, softmax_scale=softmax_scale,
+                                   cu_seqlens_k=cu_seqlens_k, seqused_k=seqused_k, block_table=table, out=out,
+                                   policy=policy, layer=layer)
+    else:
+        o, lse = _call(q, k, v, causal=causal, softmax_scale=softmax_scale, cu_seqlens_q=cu_seqlens_q,
+                       cu_seqlens_k=cu_seqlens_k, seqused_k=seqused_k, block_table=table, max_seqlen_q=max_seqlen_q,
+                       out=out, policy=policy, layer=layer)
+    if return_attn_probs:
+        return o, lse, None
+    return (o, lse) if return_softmax_lse else o
+
+
+def _varlen_seqused_q(q, k, v, cu_seqlens_q, seqused_q, *, out, **kwargs):
+    """seqused_q: sequence b uses the first seqused_q[b] of its rows. The used rows are packed,
+    run, and scattered back; unused rows get out = 0 and lse = -inf."""
+    cu = cu_seqlens_q.to("cpu", torch.int64)
+    used = seqused_q.to("cpu", torch.int64)
+    if used.shape != (cu.shape[0] - 1,):
+        raise InvalidArgumentError(f"seqused_q: expected int32 [batch] = [{cu.shape[0] - 1}], got {list(used.shape)}")
+    lengths = cu[1:] - cu[:-1]
+    bad = (used < 0) | (used > lengths)
+    if bool(bad.any()):
+        b = int(bad.nonzero()[0])
+        raise InvalidArgumentError(f"seqused_q[{b}]: expected 0..{int(lengths[b])}, got {int(used[b])}")
+    rows = torch.cat([torch.arange(int(cu[b]), int(cu[b] + used[b])) for b in range(used.shape[0])]
+                     + [torch.zeros(0, dtype=torch.int64)]).to(q.device)
+    packed_cu = torch.cat([torch.zeros(1, dtype=torch.int64), used.cumsum(0)]).to(torch.int32)
+    o_packed, lse_packed = _call(q.index_select(0, rows), k, v, cu_seqlens_q=packed_cu,
+                                 max_seqlen_q=int(used.max()) if used.numel() else 0, **kwargs)
+    o = torch.zeros_like(q) if out is None else out.zero_()
+    o.index_copy_(0, rows, o_packed)
+    lse = torch.full((q.shape[1], q.shape[0]), -math.inf, dtype=torch.float32, device=q.device)
+    lse.index_copy_(1, rows, lse_packed)
+    return o, lse
+
+
+def _append_kv(k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, page_table, cu_seqlens_k_new, batch):
+    """Writes the new keys/values of each sequence at positions cache_seqlens[b].. of its
+    cache (in place), as FlashAttention does. Returns the new lengths (int64, host)."""
+    if (k is None) != (v is None):
+        raise InvalidArgumentError("k, v: give both new keys and new values, or neither")
+    lengths = cache_seqlens.to("cpu", torch.int64)
+    if k is None:
+        return lengths
+    if k.shape != v.shape:
+        raise InvalidArgumentError(f"v: expected the shape of k {list(k.shape)}, got {list(v.shape)}")
+    if k.dtype != k_cache.dtype or k.device != k_cache.device:
+        raise InvalidArgumentError(f"k: expected k_cache's dtype and device ({dtype_name(k_cache)}, {k_cache.device}), "
+                                   f"got ({dtype_name(k)}, {k.device})")
+    if cu_seqlens_k_new is not None:
+        if k.dim() != 3:
+            raise InvalidArgumentError(f"k: expected varlen [total_new, h_kv, d] with cu_seqlens_k_new, got {list(k.shape)}")
+        cu = _index(cu_seqlens_k_new, "cu_seqlens_k_new").to("cpu", torch.int64)
+        if cu.shape != (batch + 1,):
+            raise InvalidArgumentError(f"cu_seqlens_k_new: expected int32 [batch + 1] = [{batch + 1}], got {list(cu.shape)}")
+        starts, counts = cu[:-1], cu[1:] - cu[:-1]
+        rows_k = k
+    else:
+        if k.dim() != 4 or k.shape[0] != batch:
+            raise InvalidArgumentError(f"k: expected [batch, s_new, h_kv, d] with batch {batch}, got {list(k.shape)}")
+        counts = torch.full((batch,), k.shape[1], dtype=torch.int64)
+        starts = torch.arange(batch, dtype=torch.int64) * k.shape[1]
+        rows_k, v = k.reshape(-1, *k.shape[2:]), v.reshape(-1, *v.shape[2:])
+    paged = page_table is not None
+    capacity = page_table.shape[1] * k_cache.shape[1] if paged else k_cache.shape[1]
+    over = lengths + counts > capacity
+    if bool(over.any()):
+        b = int(over.nonzero()[0])
+        raise InvalidArgumentError(f"cache_seqlens[{b}]: {int(lengths[b])} cached + {int(counts[b])} new keys exceed "
+                                   f"the cache's {capacity} positions")
+    src, seq, pos = [], [], []
+    for b in range(batch):
+        n = int(counts[b])
+        src.append(torch.arange(int(starts[b]), int(starts[b]) + n))
+        seq.append(torch.full((n,), b, dtype=torch.int64))
+        pos.append(torch.arange(int(lengths[b]), int(lengths[b]) + n))
+    src, seq, pos = (torch.cat(x).to(k_cache.device) for x in (src, seq, pos))
+    if paged:
+        pages = page_table.to(torch.int64)[seq, pos // k_cache.shape[1]]
+        slot = (pages, pos % k_cache.shape[1])
+    else:
+        rows = seq if cache_batch_idx is None else cache_batch_idx.to(torch.int64)[seq]
+        slot = (rows, pos)
+    k_cache.index_put_(slot, rows_k.index_select(0, src))
+    v_cache.index_put_(slot, v.index_select(0, src))
+    return lengths + counts
+
+
+def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, qv=None, rotary_cos=None, rotary_sin=None,
+                            cache_seqlens=None, cache_batch_idx=None, cache_leftpad=None, page_table=None,
+                            cu_seqlens_q=None, cu_seqlens_k_new=None, max_seqlen_q=None, rotary_seqlens=None,
+                            q_descale=None, k_descale=None, v_descale=None, softmax_scale=None, causal=False,
+                            window_size=(-1, -1), attention_chunk=0, softcap=0.0, rotary_interleaved=True,
+                            scheduler_metadata=None, num_splits=0, pack_gqa=None, sm_margin=0,
+                            return_softmax_lse=False, *, block_table=None, alibi_slopes=None, out=None, policy=None,
+                            layer=None):
+    """FA3's cache call (chunked / paged prefill). q [b, s_q, h_q, d], or varlen
+    [total_q, h_q, d] with cu_seqlens_q and max_seqlen_q. k_cache, v_cache
+    [b_cache, s_cache, h_kv, d], or paged [num_pages, page_size, h_kv, d] with page_table
+    (block_table) [b, max_pages]. cache_seqlens (int or int32 [b]) counts the cached keys;
+    new k, v (batched, or varlen with cu_seqlens_k_new) are first written into the cache at
+    those positions, in place. cache_batch_idx picks cache rows; cache_leftpad makes
+    sequence b's keys start at that position. Returns out, or (out, lse) with
+    return_softmax_lse (lse [b, h_q, s_q], varlen [h_q, total_q])."""
+    _reject(0.0, softcap, alibi_slopes, qv, q_descale, k_descale, v_descale, attention_chunk, rotary_cos, rotary_sin)
+    causal = _resolve_causal(causal, window_size)
+    if page_table is not None and block_table is not None and page_table is not block_table:
+        raise InvalidArgumentError("page_table: give page_table or block_table, not both")
+    table = _index(page_table if page_table is not None else block_table, "page_table")
+    cu_seqlens_q = _index(cu_seqlens_q, "cu_seqlens_q")
+    for name, x in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)):
+        if not isinstance(x, torch.Tensor):
+            raise InvalidArgumentError(f"{name}: expected a torch.Tensor, got {type(x).__name__}")
+    if k_cache.dim() != 4 or v_cache.shape != k_cache.shape:
+        raise InvalidArgumentError(f"k_cache, v_cache: expected one shape [b_cache, s_cache, h_kv, d] or "
+                                   f"[num_pages, page_size, h_kv, d], got {list(k_cache.shape)} and {list(v_cache.shape)}")
+    if k_cache.stride(-1) != 1 or v_cache.stride(-1) != 1:
+        raise InvalidArgumentError("k_cache, v_cache: the last dimension must be contiguous (stride 1)")
+    varlen_q = q.dim() == 3
+    if varlen_q and cu_seqlens_q is None:
+        raise InvalidArgumentError("cu_seqlens_q: required when q is varlen [total_q, h_q, d]")
+    batch = cu_seqlens_q.shape[0] - 1 if varlen_q else q.shape[0]
+    paged = table is not None
+    if paged and table.shape[0] != batch and cache_batch_idx is None:
+        raise InvalidArgumentError(f"page_table: expected [batch, max_pages] with batch {batch}, got {list(table.shape)}")
+    if cache_batch_idx is not None:
+        cache_batch_idx = _index(cache_batch_idx, "cache_batch_idx")
+        if cache_batch_idx.shape != (batch,):
+            raise InvalidArgumentError(f"cache_batch_idx: expected int32 [batch] = [{batch}], got {list(cache_batch_idx.shape)}")
+        if paged:
+            table = table.index_select(0, cache_batch_idx.to(torch.int64))
+    elif not paged and k_cache.shape[0] != batch:
+        raise InvalidArgumentError(f"k_cache: expected batch {batch} (q's) without cache_batch_idx, got {k_cache.shape[0]}")
+    capacity = table.shape[1] * k_cache.shape[1] if paged else k_cache.shape[1]
+    if cache_seqlens is None:
+        cache_seqlens = torch.full((batch,), capacity if k is None else 0, dtype=torch.int32)
+    elif isinstance(cache_seqlens, int):
+        cache_seqlens = torch.full((batch,), cache_seqlens, dtype=torch.int32)
+    cache_seqlens = _index(cache_seqlens, "cache_seqlens")
+    if cache_seqlens.shape != (batch,):
+        raise InvalidArgumentError(f"cache_seqlens: expected int32 [batch] = [{batch}], got {list(cache_seqlens.shape)}")
+    lengths = _append_kv(k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, table, cu_seqlens_k_new, batch)
+    if bool(((lengths < 0) | (lengths > capacity)).any()):
+        b = int(((lengths < 0) | (lengths > capacity)).nonzero()[0])
+        raise InvalidArgumentError(f"cache_seqlens[{b}]: expected 0..{capacity}, got {int(lengths[b])}")
+    if cache_leftpad is not None:
+        left = _index(cache_leftpad, "cache_leftpad").to("cpu", torch.int64)
+        if left.shape != (batch,) or bool(((left < 0) | (left > lengths)).any()):
+            raise InvalidArgumentError(f"cache_leftpad: expected int32 [batch] = [{batch}] with 0 <= leftpad <= cache length")
+    else:
+        left = None
+    if paged and left is None:
+        kk, vv = k_cache, v_cache
+        layout = dict(block_table=table, seqused_k=lengths.to(torch.int32))
+    else:
+        # Rows [batch, s_cache, h_kv, d] of this call (gathered when picked or paged).
+        if paged:
+            pages = table.to(torch.int64)
+            k_rows, v_rows = k_cache[pages].flatten(1, 2), v_cache[pages].flatten(1, 2)
+        elif cache_batch_idx is not None:
+            pick = cache_batch_idx.to(torch.int64)
+            k_rows, v_rows = k_cache.index_select(0, pick), v_cache.index_select(0, pick)
+        else:
+            k_rows, v_rows = k_cache, v_cache
+        if left is None and not varlen_q:
+            kk, vv = k_rows, v_rows
+            layout = dict(seqused_k=lengths.to(torch.int32))
+        else:
+            # A varlen view: sequence b's keys are rows b * s_cache + left[b] .. of the flattened
+            # cache (varlen queries need varlen or paged keys).
+            s_cache = k_rows.shape[1]
+            left = torch.zeros(batch, dtype=torch.int64) if left is None else left
+            cu_k = torch.cat([torch.arange(batch, dtype=torch.int64) * s_cache + left,
+                              torch.tensor([batch * s_cache], dtype=torch.int64)])
+            kk, vv = k_rows.reshape(-1, *k_rows.shape[2:]), v_rows.reshape(-1, *v_rows.shape[2:])
+            layout = dict(cu_seqlens_k=cu_k.to(torch.int32), seqused_k=(lengths - left).to(torch.int32))
+    o, lse = _call(q, kk, vv, causal=causal, softmax_scale=softmax_scale, cu_seqlens_q=cu_seqlens_q,
+                   max_seqlen_q=max_seqlen_q, out=out, policy=policy, layer=layer, **layout)
+    return (o, lse) if return_softmax_lse else o
+
+
+def flash_attn_combine(out_partial: torch.Tensor, lse_partial: torch.Tensor, out: Optional[torch.Tensor] = None,
+                       out_dtype: Optional[torch.dtype] = None) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Merges split results by their LSEs: out_partial [splits, ..., d], lse_partial
+    [splits, ...] -> (out [..., d], lse [...]). Splits with lse = -inf contribute nothing."""
+    lse = torch.logsumexp(lse_partial.float(), dim=0)
+    weight = torch.exp(lse_partial.float() - lse)
+    weight = torch.where(torch.isfinite(weight), weight, torch.zeros_like(weight))
+    merged = (weight.unsqueeze(-1) * out_partial.float()).sum(0)
+    merged = merged.to(out_dtype or out_partial.dtype)
+    if out is not None:
+        out.copy_(merged)
+        merged = out
+    return merged, lse
+
+
+def get_scheduler_metadata(*args: Any, **kwargs: Any) -> None:
+    """Accepted for FA3 compatibility; the library plans its own work, so there is none."""
+    return None

@@ -1,0 +1,97 @@
+# SPDX-License-Identifier: Apache-2.0
+"""The torch.library operators: sparseprefill::attention (allocates out and lse) and
+sparseprefill::attention_out (writes caller buffers), each with a fake implementation, so
+they trace under torch.compile and run on the current CUDA stream.
+
+A policy travels as plain operator arguments: its name, its settings ("key=value;..."), an
+optional threshold table (on q's device) and an optional block mask as host CSR tensors.
+
+CUDA graphs: a batched call whose policy needs no host data (dense, softmax_skip,
+estimate_select, permute_stop, exact_gate with its table already on the device) only
+launches kernels and can be captured. Index tensors (cu_seqlens_*, seqused_k, block_table)
+are read by the library on the host: CUDA ones are copied to the host first, a synchronising
+copy that capture forbids, so varlen and paged calls cannot be captured."""
+
+from __future__ import annotations
+
+from typing import List, Optional, Tuple
+
+import torch
+from torch.library import custom_op
+
+from . import native
+from ._core import check_problem
+
+__all__ = ["attention", "attention_out"]
+
+
+def _decode(settings: str) -> List[Tuple[str, str]]:
+    pairs = []
+    for item in settings.split(";"):
+        if item:
+            key, _, value = item.partition("=")
+            pairs.append((key, value))
+    return pairs
+
+
+def _forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: Optional[torch.Tensor],
+             cu_seqlens_k: Optional[torch.Tensor], seqused_k: Optional[torch.Tensor],
+             block_table: Optional[torch.Tensor], causal: bool, softmax_scale: float, policy: str,
+             settings: str, thresholds: Optional[torch.Tensor], mask_indptr: Optional[torch.Tensor],
+             mask_indices: Optional[torch.Tensor], mask_block_q: int, mask_block_k: int,
+             mask_per_kv_head: bool, layer: int, out: torch.Tensor, lse: torch.Tensor) -> None:
+    check_problem(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, block_table, out, lse)
+    hosts = [native.host_index(x) for x in (cu_seqlens_q, cu_seqlens_k, seqused_k, block_table)]
+    problem = native.problem_tuple(q, k, v, *hosts, causal, softmax_scale)
+    mask = None
+    if mask_indptr is not None:
+        mask = (native.host_index(mask_indptr), native.host_index(mask_indices), mask_block_q,
+                mask_block_k, mask_per_kv_head)
+    handle = native.make_handle(policy, _decode(settings), problem, thresholds, mask)
+    native.execute(problem, handle, q, out, lse, 0, 0, False, layer if layer >= 0 else None)
+
+
+@custom_op("sparseprefill::attention", mutates_args=())
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: Optional[torch.Tensor],
+              cu_seqlens_k: Optional[torch.Tensor], seqused_k: Optional[torch.Tensor],
+              block_table: Optional[torch.Tensor], causal: bool, softmax_scale: float, policy: str,
+              settings: str, thresholds: Optional[torch.Tensor], mask_indptr: Optional[torch.Tensor],
+              mask_indices: Optional[torch.Tensor], mask_block_q: int, mask_block_k: int,
+              mask_per_kv_head: bool, layer: int) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Returns (out [q's shape, dtype], lse float32 [b, h_q, s_q] or varlen [h_q, total_q]).
+    softmax_scale 0 means 1/sqrt(d); layer < 0 means none (for statistics)."""
+    geom = check_problem(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, block_table)
+    out = q.new_empty(q.shape)
+    lse = q.new_empty(geom.lse_shape, dtype=torch.float32)
+    _forward(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, block_table, causal, softmax_scale, policy,
+             settings, thresholds, mask_indptr, mask_indices, mask_block_q, mask_block_k, mask_per_kv_head,
+             layer, out, lse)
+    return out, lse
+
+
+@attention.register_fake
+def _attention_fake(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, block_table, causal, softmax_scale, policy,
+                    settings, thresholds, mask_indptr, mask_indices, mask_block_q, mask_block_k,
+                    mask_per_kv_head, layer):
+    geom = check_problem(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, block_table)
+    return q.new_empty(q.shape), q.new_empty(geom.lse_shape, dtype=torch.float32)
+
+
+@custom_op("sparseprefill::attention_out", mutates_args=("out", "lse"))
+def attention_out(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: Optional[torch.Tensor],
+                  cu_seqlens_k: Optional[torch.Tensor], seqused_k: Optional[torch.Tensor],
+                  block_table: Optional[torch.Tensor], causal: bool, softmax_scale: float, policy: str,
+                  settings: str, thresholds: Optional[torch.Tensor], mask_indptr: Optional[torch.Tensor],
+                  mask_indices: Optional[torch.Tensor], mask_block_q: int, mask_block_k: int,
+                  mask_per_kv_head: bool, layer: int, out: torch.Tensor, lse: torch.Tensor) -> None:
+    """As attention, writing the caller's out and lse."""
+    _forward(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, block_table, causal, softmax_scale, policy,
+             settings, thresholds, mask_indptr, mask_indices, mask_block_q, mask_block_k, mask_per_kv_head,
+             layer, out, lse)
+
+
+@attention_out.register_fake
+def _attention_out_fake(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, block_table, causal, softmax_scale,
+                        policy, settings, thresholds, mask_indptr, mask_indices, mask_block_q, mask_block_k,
+                        mask_per_kv_head, layer, out, lse):
+    check_problem(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, block_table, out, lse)

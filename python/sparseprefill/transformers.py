@@ -1,0 +1,141 @@
+# SPDX-License-Identifier: Apache-2.0
+"""A Hugging Face transformers attention backend: register() makes
+attn_implementation="sparseprefill" available. Each attention layer gets its policy from a
+BackendConfig (the first layers dense, per-layer policies or calibrated thresholds); decode
+steps (one query) and short prefills run dense. K/V keep their h_kv heads (GQA without
+repetition); padding masks are handled by packing the valid tokens (varlen)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable, Dict, Optional, Tuple, Union
+
+import torch
+
+from ._ext import UnsupportedError
+from .calibration import Calibration, load_calibration
+from .flash_attn_interface import flash_attn_func, flash_attn_varlen_func
+from .policy import Dense, ExactGate, Policy
+
+__all__ = ["BackendConfig", "register", "set_config", "get_config", "attention_forward", "NAME"]
+
+NAME = "sparseprefill"
+
+
+@dataclass
+class BackendConfig:
+    """Which policy each layer runs.
+
+    policy: the policy of sparse layers, or a function layer_idx -> policy.
+    dense_layers: layers [0, dense_layers) always run dense.
+    layer_policies: per-layer overrides {layer_idx: policy}.
+    calibration, budget: when set (a file path or Calibration, and a budget value), sparse
+        layers run ExactGate with that layer's calibrated thresholds (unless overridden).
+    min_sparse_len: prefills with fewer queries than this run dense (decode always does)."""
+
+    policy: Union[Policy, Callable[[int], Policy]] = field(default_factory=Dense)
+    dense_layers: int = 0
+    layer_policies: Dict[int, Policy] = field(default_factory=dict)
+    calibration: Union[None, str, Calibration] = None
+    budget: Optional[int] = None
+    min_sparse_len: int = 1024
+
+    def policy_for(self, layer: Optional[int], s_q: int) -> Policy:
+        if s_q <= 1 or s_q < self.min_sparse_len:
+            return Dense()
+        if layer is not None and layer < self.dense_layers:
+            return Dense()
+        if layer is not None and layer in self.layer_policies:
+            return self.layer_policies[layer]
+        if self.calibration is not None:
+            if layer is None:
+                raise UnsupportedError("calibration: the attention module has no layer_idx to pick thresholds by")
+            return _calibrated(self.calibration, layer, self.budget)
+        return self.policy(layer) if callable(self.policy) and not isinstance(self.policy, Policy) else self.policy
+
+
+_GATES: Dict[Tuple[int, int, int], ExactGate] = {}
+
+
+def _calibrated(calibration: Union[str, Calibration], layer: int, budget: Optional[int]) -> ExactGate:
+    # One ExactGate per (file, layer, budget), so its threshold table is copied to the device once.
+    cal = calibration if isinstance(calibration, Calibration) else load_calibration(calibration)
+    if budget is None:
+        raise UnsupportedError("budget: required with calibration (a budget value of the file)")
+    key = (id(cal), layer, budget)
+    gate = _GATES.get(key)
+    if gate is None:
+        gate = _GATES[key] = cal.exact_gate(layer, budget)
+    return gate
+
+
+_config = BackendConfig()
+
+
+def set_config(config: BackendConfig) -> None:
+    global _config
+    _config = config
+
+
+def get_config() -> BackendConfig:
+    return _config
+
+
+def _unpad(x: torch.Tensor, valid: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
+    """x [b, s, h, d] and a bool mask [b, s] -> (packed rows, row indices, cu_seqlens, max len)."""
+    lengths = valid.sum(dim=1, dtype=torch.int32)
+    rows = valid.reshape(-1).nonzero().squeeze(1)
+    cu = torch.nn.functional.pad(lengths.cumsum(0, dtype=torch.int32), (1, 0))
+    return x.reshape(-1, *x.shape[2:]).index_select(0, rows), rows, cu, int(lengths.max())
+
+
+def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                      attention_mask: Optional[torch.Tensor], dropout: float = 0.0, scaling: Optional[float] = None,
+                      sliding_window: Optional[int] = None, softcap: Optional[float] = None,
+                      **kwargs: Any) -> Tuple[torch.Tensor, None]:
+    """AttentionInterface function: query [b, h_q, s_q, d], key/value [b, h_kv, s_k, d]
+    (cache included) -> ([b, s_q, h_q, d], None). attention_mask is None or a 2D padding
+    mask [b, s_k] (flash_attention_mask semantics)."""
+    if dropout:
+        raise UnsupportedError(f"dropout: sparseprefill is inference-only; expected 0.0, got {dropout}")
+    if sliding_window is not None:
+        raise UnsupportedError(f"sliding_window: not supported, got {sliding_window}")
+    if softcap:
+        raise UnsupportedError(f"softcap: not supported, got {softcap}")
+    causal = kwargs.get("is_causal")
+    causal = getattr(module, "is_causal", True) if causal is None else bool(causal)
+    layer = getattr(module, "layer_idx", None)
+    q, k, v = (x.transpose(1, 2) for x in (query, key, value))  # [b, s, h, d] views
+    b, s_q = q.shape[0], q.shape[1]
+    policy = _config.policy_for(layer, s_q)
+    if attention_mask is not None and attention_mask.dim() != 2:
+        raise UnsupportedError(
+            f"attention_mask: expected None or a 2D padding mask [b, s_k], got rank {attention_mask.dim()}; "
+            "register() installs the matching mask function")
+    if attention_mask is None or bool(attention_mask.all()):
+        out = flash_attn_func(q, k, v, softmax_scale=scaling, causal=causal, policy=policy, layer=layer)
+        return out, None
+    valid_k = attention_mask.to(torch.bool)[:, -k.shape[1]:]
+    valid_q = valid_k[:, -s_q:]
+    q_rows, rows, cu_q, max_q = _unpad(q, valid_q)
+    k_rows, _, cu_k, max_k = _unpad(k, valid_k)
+    v_rows = v.reshape(-1, *v.shape[2:]).index_select(0, valid_k.reshape(-1).nonzero().squeeze(1))
+    packed = flash_attn_varlen_func(q_rows, k_rows, v_rows, cu_q, cu_k, max_q, max_k, softmax_scale=scaling,
+                                    causal=causal, policy=policy, layer=layer)
+    out = q.new_zeros(b * s_q, *q.shape[2:])
+    out.index_copy_(0, rows, packed)
+    return out.reshape(b, s_q, *q.shape[2:]), None
+
+
+def register(config: Optional[BackendConfig] = None, name: str = NAME) -> str:
+    """Registers the backend (and FlashAttention's 2D padding-mask function) under `name`;
+    `config` replaces the current BackendConfig when given. Returns the name for
+    from_pretrained(..., attn_implementation=name) or model.set_attn_implementation(name)."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface, flash_attention_mask
+
+    if config is not None:
+        set_config(config)
+    AttentionInterface.register(name, attention_forward)
+    AttentionMaskInterface.register(name, flash_attention_mask)
+    return name
