@@ -1,0 +1,102 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Checks the ctypes mirror (sp_ctypes.py) against libsparseprefill_c on the CPU, without a GPU
+or torch: a struct laid out differently from c_api.h gives wrong numbers or errors here.
+Usage: python3 bench/check_sp_ctypes.py build/<dir>/src/api/libsparseprefill_c.so"""
+import ctypes
+import os
+import sys
+
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import sp_ctypes  # noqa: E402
+
+
+def view(a, dtype=sp_ctypes.DTYPE_FP32):
+    return sp_ctypes.tensor(a.ctypes.data, dtype, sp_ctypes.DEVICE_CPU, 0, list(a.shape),
+                            [s // a.itemsize for s in a.strides])
+
+
+def attention(q, k, v, keep=None, block=8):
+    """fp64 causal GQA attention on [1, s, h, d] (s_q = s_k); keep [h_q, nb, nb] limits the
+    key blocks each query block sees."""
+    _, s, h_q, d = q.shape
+    group = h_q // k.shape[2]
+    o = np.zeros((s, h_q, d))
+    for h in range(h_q):
+        scores = q[0, :, h].astype(np.float64) @ k[0, :, h // group].T.astype(np.float64)
+        scores /= np.sqrt(d)
+        allowed = np.tril(np.ones((s, s), dtype=bool))
+        if keep is not None:
+            allowed &= np.kron(keep[h], np.ones((block, block), dtype=bool))[:s, :s]
+        scores[~allowed] = -np.inf
+        p = np.exp(scores - scores.max(1, keepdims=True))
+        o[:, h] = (p / p.sum(1, keepdims=True)) @ v[0, :, h // group].astype(np.float64)
+    return o
+
+
+def main():
+    lib = sp_ctypes.Library(sys.argv[1])
+    rng = np.random.default_rng(7)
+    s, h_q, h_kv, d, block = 40, 4, 2, 16, 8
+    q = rng.standard_normal((1, s, h_q, d)).astype(np.float32)
+    k = rng.standard_normal((1, s, h_kv, d)).astype(np.float32)
+    v = rng.standard_normal((1, s, h_kv, d)).astype(np.float32)
+    problem = sp_ctypes.Problem()
+    problem.q, problem.k, problem.v = view(q), view(k), view(v)
+    problem.causal, problem.scale = 1, 0.0
+    o = np.full((1, s, h_q, d), np.nan, dtype=np.float32)
+    lse = np.full((1, h_q, s), np.nan, dtype=np.float32)
+    out = sp_ctypes.Output(view(o), view(lse))
+    opts = sp_ctypes.Options(sp_ctypes.BACKEND_CPU, 1, None)
+
+    heads = (sp_ctypes.HeadStats * (h_q))()
+    stats = sp_ctypes.Stats()
+    stats.heads = ctypes.cast(heads, ctypes.POINTER(sp_ctypes.HeadStats))
+    stats.heads_capacity = h_q
+    lib.check(lib.run(problem, lib.policy("dense"), out, opts, stats))
+    err = np.abs(o[0] - attention(q, k, v)).max()
+    assert err < 1e-4, f"dense: max error {err}"
+    assert np.isfinite(lse).all(), "dense: LSE not written"
+    visible = s * (s + 1) // 2
+    assert stats.total.computed_pairs == h_q * visible, stats.total.computed_pairs
+    assert stats.num_heads == h_q and heads[h_q - 1].computed_pairs == visible
+    assert stats.density == 1.0
+
+    nb = s // block
+    keep = np.tril(rng.random((h_q, nb, nb)) < 0.5) | np.eye(nb, dtype=bool)
+    rows, cols = np.nonzero(keep.reshape(h_q * nb, nb))
+    indptr = np.zeros(h_q * nb + 1, dtype=np.int32)
+    np.add.at(indptr, rows + 1, 1)
+    indptr = np.cumsum(indptr).astype(np.int32)
+    indices = cols.astype(np.int32)
+    pol = lib.policy("block_sparse")
+    pol.set_block_mask(problem, block, block, indptr.ctypes.data, h_q * nb, indices.ctypes.data,
+                       indices.size)
+    o.fill(np.nan)
+    lib.check(lib.run(problem, pol, out, opts, stats))
+    err = np.abs(o[0] - attention(q, k, v, keep, block)).max()
+    assert err < 1e-4, f"block_sparse: max error {err}"
+    assert stats.total.kept_blocks == keep.sum(), (stats.total.kept_blocks, keep.sum())
+
+    table = np.full((h_q, 1), np.inf, dtype=np.float32)  # keeps partial blocks only
+    gate = lib.policy("exact_gate", {"block_q": block, "block_k": block})
+    gate.set_thresholds(view(table), owner=table)
+    lib.check(lib.run(problem, gate, out, opts, stats))
+    assert stats.total.kept_blocks == h_q * nb, stats.total.kept_blocks
+    assert "exact_gate" in gate.describe()
+
+    bad = sp_ctypes.Problem.from_buffer_copy(problem)
+    bad.k.shape[3] = 8
+    code = lib.run(bad, lib.policy("dense"), out, opts)
+    assert code == sp_ctypes.ERR_INVALID_ARGUMENT and lib.last_error(), (code, lib.last_error())
+    try:
+        lib.policy("no_such_policy")
+        raise AssertionError("an unknown policy was accepted")
+    except sp_ctypes.SparsePrefillError as e:
+        assert e.code == sp_ctypes.ERR_INVALID_ARGUMENT
+    print("check_sp_ctypes: ok")
+
+
+if __name__ == "__main__":
+    main()
