@@ -477,11 +477,23 @@ Status run_permute_stop(Context& ctx, const PermuteStopParams& params, Decisions
   gather_all(&ctx, 0, true);
   const ProblemShape& s = ctx.shape;
   const Index seg_len = params.segment;
+  const Index max_s_q = s.max_seq_q();
+  decisions->query_order.assign(sz(Index{s.batch} * s.h_q * max_s_q), -1);
   std::vector<SegmentItem> items;
   for (int b = 0; b < s.batch; ++b) {
-    const geom::SeqGeometry& seq = ctx.seqs[sz(b)].seq;
-    if (seq.s_q == 0) continue;
-    const Index first = geom::floor_div(seq.position(0), seg_len);
+    Sequence& sq = ctx.seqs[sz(b)];
+    const geom::SeqGeometry& seq = sq.seq;
+    // Segments cover absolute positions >= 0. Rows before the first key (s_q > s_k) see
+    // nothing: they keep their place in the order and get O = 0, LSE = -inf.
+    const Index empty = std::clamp<Index>(-seq.offset(), 0, seq.s_q);
+    for (int h = 0; h < s.h_q; ++h) {
+      for (Index r = 0; r < empty; ++r) {
+        decisions->query_order[sz((Index{b} * s.h_q + h) * max_s_q + r)] = static_cast<std::int32_t>(r);
+        sq.lse[sz(Index{h} * seq.s_q + r)] = -kInf;
+      }
+    }
+    if (empty == seq.s_q) continue;
+    const Index first = geom::floor_div(seq.position(empty), seg_len);
     const Index last = geom::floor_div(seq.position(seq.s_q - 1), seg_len);
     for (int h = 0; h < s.h_q; ++h) {
       for (Index sg = first; sg <= last; ++sg) {
@@ -498,8 +510,6 @@ Status run_permute_stop(Context& ctx, const PermuteStopParams& params, Decisions
     return items[sz(x)].segment > items[sz(y)].segment;
   });
 
-  const Index max_s_q = s.max_seq_q();
-  decisions->query_order.assign(sz(Index{s.batch} * s.h_q * max_s_q), -1);
   std::vector<std::vector<PermuteTile>> tiles(items.size());
   const int ld_k = round_up(params.block_k, kKeyAlign);
   const int workers = worker_count(ctx, items.size());

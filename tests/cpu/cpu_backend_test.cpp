@@ -527,21 +527,27 @@ TEST(CpuEstimateSelect, StableAlphaAgainstOracle) {
     SeqLen len;
     int block, h_q, h_kv;
     bool correction, pack;
+    int window;
   };
-  for (const Case& c : {Case{{113, 113}, 8, 4, 1, false, false}, Case{{113, 113}, 8, 4, 1, true, false},
-                        Case{{40, 131}, 8, 4, 1, true, true}, Case{{96, 96}, 4, 8, 2, false, true},
-                        Case{{60, 45}, 4, 2, 2, true, false}}) {
+  for (const Case& c : {Case{{113, 113}, 8, 4, 1, false, false, 1}, Case{{113, 113}, 8, 4, 1, true, false, 1},
+                        Case{{40, 131}, 8, 4, 1, true, true, 2}, Case{{96, 96}, 4, 8, 2, false, true, 1},
+                        Case{{60, 45}, 4, 2, 2, true, false, 1}, Case{{62, 45}, 4, 2, 1, false, false, 0}}) {
     SCOPED_TRACE(std::to_string(c.len.s_q) + "x" + std::to_string(c.len.s_k) + " block " + std::to_string(c.block) +
                  (c.correction ? " corrected" : "") + (c.pack ? " pack_gqa" : ""));
     const Inputs in = make_inputs({c.len}, c.h_q, c.h_kv, 16, 61, 2.5);
     TestProblem tp = make_problem(in);
+    const auto params = [&c](double alpha) {
+      EstimateSelectParams p = select_params(alpha, c.block, c.correction, c.pack);
+      p.window = c.window;
+      return p;
+    };
     const int sel_heads = c.pack ? c.h_kv : c.h_q;
     const std::int64_t visible = visible_blocks({c.len}, sel_heads, true, c.block, c.block);
     const double alpha = stable_parameter(tp, {0.3, 0.2, 0.5, 0.1, 0.05, 0.7},
-                                          [&](double x) -> Policy { return select_params(x, c.block, c.correction, c.pack); },
+                                          [&](double x) -> Policy { return params(x); },
                                           some_skipped(visible));
     ASSERT_FALSE(std::isnan(alpha)) << "no alpha with a margin prunes anything";
-    const CpuRun r = expect_matches_oracle(&tp, select_params(alpha, c.block, c.correction, c.pack));
+    const CpuRun r = expect_matches_oracle(&tp, params(alpha));
     if (c.correction) EXPECT_GT(r.decisions.corrected.selected_blocks(), 0);
   }
 }
@@ -615,7 +621,7 @@ TEST(CpuPermuteStop, StableTauAgainstOracle) {
     int segment, bq, bk, h_q, h_kv;
   };
   for (const Case& c : {Case{{113, 113}, 32, 8, 8, 4, 1}, Case{{50, 150}, 40, 8, 16, 2, 2},
-                        Case{{97, 97}, 24, 5, 7, 8, 2}}) {
+                        Case{{97, 97}, 24, 5, 7, 8, 2}, Case{{90, 70}, 16, 4, 4, 2, 1}}) {
     SCOPED_TRACE(std::to_string(c.len.s_q) + "x" + std::to_string(c.len.s_k) + " segment " + std::to_string(c.segment));
     const Inputs in = make_inputs({c.len}, c.h_q, c.h_kv, 16, 71, 2.5);
     TestProblem tp = make_problem(in);
