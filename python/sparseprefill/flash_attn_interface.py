@@ -322,8 +322,11 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, qv=None, rotary
             left = torch.zeros(batch, dtype=torch.int64) if left is None else left
             cu_k = torch.cat([torch.arange(batch, dtype=torch.int64) * s_cache + left,
                               torch.tensor([batch * s_cache], dtype=torch.int64)])
-            kk, vv = k_rows.reshape(-1, *k_rows.shape[2:]), v_rows.reshape(-1, *v_rows.shape[2:])
-            layout = dict(cu_seqlens_k=cu_k.to(torch.int32), seqused_k=(lengths - left).to(torch.int32))
+            # cu_seqlens_k starts at 0: the view begins at sequence 0's first key.
+            base = int(cu_k[0])
+            kk = k_rows.reshape(-1, *k_rows.shape[2:])[base:]
+            vv = v_rows.reshape(-1, *v_rows.shape[2:])[base:]
+            layout = dict(cu_seqlens_k=(cu_k - base).to(torch.int32), seqused_k=(lengths - left).to(torch.int32))
     o, lse = _call(q, kk, vv, causal=causal, softmax_scale=softmax_scale, cu_seqlens_q=cu_seqlens_q,
                    max_seqlen_q=max_seqlen_q, out=out, policy=policy, layer=layer, **layout)
     return (o, lse) if return_softmax_lse else o

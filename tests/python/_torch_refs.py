@@ -1,0 +1,81 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Torch test helpers: float64 attention, the low-precision reference of docs/numerics.md and
+FlashAttention's tolerance rule, on any device; the devices and dtypes to test."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+import sparseprefill as sp
+
+CUDA = torch.cuda.is_available()
+DEVICES = ["cpu"] + (["cuda"] if CUDA else [])
+# The CPU backend computes in fp32 for every input dtype; the kernels take bf16 and fp16.
+DTYPES = {"cpu": [torch.float32, torch.bfloat16], "cuda": [torch.bfloat16, torch.float16]}
+DEVICE_DTYPES = [(d, t) for d in DEVICES for t in DTYPES[d]]
+
+
+def ids(params):
+    return [f"{d}-{str(t).replace('torch.', '')}" for d, t in params]
+
+
+def attention(q, k, v, causal, scale=None, mask=None, low_precision=False):
+    """q [b, s_q, h_q, d], k/v [b, s_k, h_kv, d]; mask: optional bool [b, h_q, s_q, s_k].
+    float64 by default; low_precision: fp32 scores, P rounded to q's dtype, fp32 accumulation.
+    Returns (out in float64 or q's dtype, lse float64 [b, h_q, s_q]); empty rows 0 / -inf."""
+    s_q, s_k, d = q.shape[1], k.shape[1], q.shape[-1]
+    scale = 1.0 / math.sqrt(d) if scale is None else scale
+    g = q.shape[2] // k.shape[2]
+    work = torch.float32 if low_precision else torch.float64
+    qf, kf, vf = q.to(work), k.to(work).repeat_interleave(g, 2), v.to(work).repeat_interleave(g, 2)
+    s = torch.einsum("bqhd,bkhd->bhqk", qf, kf) * scale
+    i = torch.arange(s_q, device=q.device)[:, None]
+    j = torch.arange(s_k, device=q.device)[None, :]
+    allowed = (j <= i + (s_k - s_q)) if causal else torch.ones(s_q, s_k, dtype=torch.bool, device=q.device)
+    allowed = allowed.expand(s.shape)
+    if mask is not None:
+        allowed = allowed & mask
+    s = s.masked_fill(~allowed, -math.inf)
+    m = s.amax(-1, keepdim=True)
+    m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
+    p = torch.exp(s - m).masked_fill(~allowed, 0)
+    l = p.sum(-1, keepdim=True)
+    if low_precision:
+        p = p.to(q.dtype).to(work)
+    o = torch.einsum("bhqk,bkhd->bqhd", p, vf) / l.transpose(1, 2).clamp_min(torch.finfo(work).tiny)
+    o = torch.where(l.transpose(1, 2) > 0, o, torch.zeros_like(o))
+    lse = torch.where(l[..., 0] > 0, torch.log(l[..., 0].clamp_min(torch.finfo(work).tiny)) + m[..., 0],
+                      torch.full_like(m[..., 0], -math.inf))
+    return (o.to(q.dtype) if low_precision else o), lse.to(torch.float64)
+
+
+def assert_calibrated(out, ref, pt, what="out"):
+    """max|out - ref| <= 2 max|pt - ref| + 2 * rounding noise of out's dtype (FA's rule)."""
+    ref64 = ref.to(torch.float64)
+    assert torch.isfinite(out).all(), f"{what}: non-finite values"
+    err = (out.to(torch.float64) - ref64).abs().max().item() if out.numel() else 0.0
+    pt_err = (pt.to(torch.float64) - ref64).abs().max().item() if out.numel() else 0.0
+    r = ref.to(out.dtype)
+    atol = 2 * ((r + 0.3 - 0.3) - r).abs().max().item() if out.numel() else 0.0
+    assert err <= 2 * pt_err + atol, f"{what}: max error {err:.3e} > 2 x {pt_err:.3e} + {atol:.3e}"
+
+
+def assert_lse(lse, ref_lse, tol=2e-3):
+    lse = lse.to(torch.float64).cpu()
+    ref_lse = ref_lse.cpu()
+    assert torch.equal(torch.isneginf(lse), torch.isneginf(ref_lse)), "lse: -inf rows differ"
+    finite = torch.isfinite(ref_lse)
+    if finite.any():
+        err = (lse[finite] - ref_lse[finite]).abs().max().item()
+        assert err <= tol, f"lse: max error {err:.3e} > {tol}"
+
+
+def skip_unless_runs(q, k, v, policy, causal=True, **layout):
+    """Skips (with the library's list of what is compiled) when the backend of q's device
+    does not run this combination: the test is then about a kernel that was not built."""
+    ok, message = sp.can_run(q, k, v, policy, causal=causal, **layout)
+    if not ok:
+        pytest.skip(f"{q.device.type} backend: {message}")

@@ -1,0 +1,423 @@
+# SPDX-License-Identifier: Apache-2.0
+"""The PyTorch layer on every available device (CPU backend always, CUDA backend on a GPU):
+FlashAttention-compatible functions in every layout against float64, every policy against
+the fp64 oracle with identical work statistics, the ops under torch.compile and CUDA graph
+replay, statistics collection, and every bad-input path."""
+
+import math
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+
+import sparseprefill as sp  # noqa: E402
+from sparseprefill.flash_attn_interface import (  # noqa: E402
+    flash_attn_combine, flash_attn_func, flash_attn_varlen_func, flash_attn_with_kvcache)
+from _torch_refs import (CUDA, DEVICE_DTYPES, DEVICES, assert_calibrated, assert_lse, attention, ids,  # noqa: E402
+                         skip_unless_runs)
+
+
+def randn(gen, shape, dtype, device):
+    return torch.randn(shape, generator=gen, dtype=torch.float32).to(dtype).to(device)
+
+
+def qkv(seed, b, s_q, s_k, h_q, h_kv, d, dtype, device):
+    gen = torch.Generator().manual_seed(seed)
+    return (randn(gen, (b, s_q, h_q, d), dtype, device), randn(gen, (b, s_k, h_kv, d), dtype, device),
+            randn(gen, (b, s_k, h_kv, d), dtype, device))
+
+
+def structured(seed, b, s_q, s_k, h_q, h_kv, d, dtype, device, block):
+    """Keys with a shared component per key block: blocks differ in weight, so policies select."""
+    q, k, v = qkv(seed, b, s_q, s_k, h_q, h_kv, d, torch.float32, "cpu")
+    gen = torch.Generator().manual_seed(seed + 1)
+    per_block = torch.randn((b, -(-s_k // block), h_kv, d), generator=gen)
+    k = k + 1.5 * per_block.repeat_interleave(block, 1)[:, :s_k]
+    return q.to(dtype).to(device), k.to(dtype).to(device), v.to(dtype).to(device)
+
+
+@pytest.mark.parametrize("device,dtype", DEVICE_DTYPES, ids=ids(DEVICE_DTYPES))
+@pytest.mark.parametrize("s_q,s_k", [(1, 1), (17, 15), (113, 203), (128, 128), (239, 1)])
+@pytest.mark.parametrize("h_q,h_kv", [(6, 6), (6, 2), (6, 1)])
+@pytest.mark.parametrize("causal", [False, True])
+def test_flash_attn_func_dense(device, dtype, s_q, s_k, h_q, h_kv, causal):
+    q, k, v = qkv(s_q + s_k, 2, s_q, s_k, h_q, h_kv, 64, dtype, device)
+    out, lse = flash_attn_func(q, k, v, causal=causal, return_softmax_lse=True)
+    ref, ref_lse = attention(q, k, v, causal)
+    assert_calibrated(out, ref, attention(q, k, v, causal, low_precision=True)[0])
+    assert_lse(lse, ref_lse)
+    assert out.shape == q.shape and out.dtype == dtype and lse.shape == (2, h_q, s_q)
+    # out= is written in full (poisoned first) and returned.
+    buf = torch.full_like(q, math.nan)
+    same, lse2, s_dmask = flash_attn_func(q, k, v, causal=causal, out=buf, return_attn_probs=True)
+    assert same is buf and s_dmask is None
+    assert torch.equal(buf, out) and torch.equal(lse2, lse)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_window_minus_one_zero_is_causal_and_scale_is_used(device):
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    q, k, v = qkv(3, 1, 40, 64, 4, 2, 64, dtype, device)
+    a = flash_attn_func(q, k, v, window_size=(-1, 0), softmax_scale=0.05)
+    b = flash_attn_func(q, k, v, causal=True, softmax_scale=0.05)
+    assert torch.equal(a, b)
+    assert_calibrated(b, attention(q, k, v, True, scale=0.05)[0], attention(q, k, v, True, 0.05, low_precision=True)[0])
+
+
+def pack(x, lengths):
+    return torch.cat([x[b, :n] for b, n in enumerate(lengths)])
+
+
+def cu(lengths, device):
+    return torch.tensor([0] + list(np.cumsum(lengths)), dtype=torch.int32, device=device)
+
+
+def check_per_sequence(out, lse, q, k, v, lens_q, lens_k, causal, varlen_q=True):
+    start = 0
+    for b, (n_q, n_k) in enumerate(zip(lens_q, lens_k)):
+        qs, ks, vs = q[b:b + 1, :n_q], k[b:b + 1, :n_k], v[b:b + 1, :n_k]
+        ref, ref_lse = attention(qs, ks, vs, causal)
+        got = out[None, start:start + n_q] if varlen_q else out[b:b + 1, :n_q]
+        got_lse = lse[None, :, start:start + n_q] if varlen_q else lse[b:b + 1, :, :n_q]
+        assert_calibrated(got, ref, attention(qs, ks, vs, causal, low_precision=True)[0], what=f"sequence {b}")
+        assert_lse(got_lse, ref_lse)
+        start += n_q
+
+
+@pytest.mark.parametrize("device,dtype", DEVICE_DTYPES, ids=ids(DEVICE_DTYPES))
+@pytest.mark.parametrize("causal", [False, True])
+def test_varlen(device, dtype, causal):
+    lens_q, lens_k = [1, 113, 0, 64, 17], [203, 113, 5, 64, 1]
+    q, k, v = qkv(21, 5, 113, 203, 8, 2, 64, dtype, device)
+    out, lse = flash_attn_varlen_func(pack(q, lens_q), pack(k, lens_k), pack(v, lens_k), cu(lens_q, device),
+                                      cu(lens_k, device), max(lens_q), max(lens_k), causal=causal,
+                                      return_softmax_lse=True)
+    assert lse.shape == (8, sum(lens_q))
+    check_per_sequence(out, lse, q, k, v, lens_q, lens_k, causal)
+
+
+@pytest.mark.parametrize("device,dtype", DEVICE_DTYPES, ids=ids(DEVICE_DTYPES))
+def test_varlen_seqused(device, dtype):
+    lens_q, lens_k = [40, 33, 7], [64, 50, 90]
+    used_q, used_k = [31, 0, 7], [64, 20, 61]
+    q, k, v = qkv(22, 3, 40, 90, 4, 4, 64, dtype, device)
+    out, lse = flash_attn_varlen_func(pack(q, lens_q), pack(k, lens_k), pack(v, lens_k), cu(lens_q, device),
+                                      cu(lens_k, device), 40, 90, causal=True, return_softmax_lse=True,
+                                      seqused_q=torch.tensor(used_q, dtype=torch.int32, device=device),
+                                      seqused_k=torch.tensor(used_k, dtype=torch.int32, device=device))
+    starts = [0, 40, 73]
+    for b in range(3):
+        rows = slice(starts[b], starts[b] + used_q[b])
+        ref, ref_lse = attention(q[b:b + 1, :used_q[b]], k[b:b + 1, :used_k[b]], v[b:b + 1, :used_k[b]], True)
+        pt = attention(q[b:b + 1, :used_q[b]], k[b:b + 1, :used_k[b]], v[b:b + 1, :used_k[b]], True,
+                       low_precision=True)[0]
+        assert_calibrated(out[None, rows], ref, pt)
+        assert_lse(lse[None, :, rows], ref_lse)
+        unused = slice(starts[b] + used_q[b], starts[b] + lens_q[b])
+        assert (out[unused] == 0).all() and torch.isneginf(lse[:, unused]).all()
+
+
+def paged(k, v, page_size, seed, extra_pages=3):
+    """Scatter [b, s_k, h, d] caches into shuffled pages; returns (k_pages, v_pages, table)."""
+    b, s_k = k.shape[:2]
+    per = -(-s_k // page_size)
+    gen = torch.Generator().manual_seed(seed)
+    perm = torch.randperm(b * per + extra_pages, generator=gen).to(torch.int32)
+    table = perm[:b * per].reshape(b, per)
+    pad = per * page_size - s_k
+    kp = torch.nn.functional.pad(k, (0, 0, 0, 0, 0, pad)).reshape(b * per, page_size, *k.shape[2:])
+    vp = torch.nn.functional.pad(v, (0, 0, 0, 0, 0, pad)).reshape(b * per, page_size, *v.shape[2:])
+    k_pages = torch.randn((perm.numel(), page_size) + tuple(k.shape[2:]), generator=gen).to(k.dtype).to(k.device)
+    v_pages = torch.randn_like(k_pages)
+    k_pages[table.reshape(-1).long().to(k.device)] = kp
+    v_pages[table.reshape(-1).long().to(k.device)] = vp
+    return k_pages, v_pages, table.to(k.device)
+
+
+@pytest.mark.parametrize("device,dtype", DEVICE_DTYPES, ids=ids(DEVICE_DTYPES))
+@pytest.mark.parametrize("page_size", [1, 16, 64])
+def test_kvcache_paged_and_varlen_q(device, dtype, page_size):
+    b, s_q, s_k, h_q, h_kv = 3, 37, 150, 6, 2
+    q, k, v = qkv(23 + page_size, b, s_q, s_k, h_q, h_kv, 64, dtype, device)
+    k_pages, v_pages, table = paged(k, v, page_size, page_size)
+    lengths = [150, 37, 90]
+    cache_seqlens = torch.tensor(lengths, dtype=torch.int32, device=device)
+    out, lse = flash_attn_with_kvcache(q, k_pages, v_pages, cache_seqlens=cache_seqlens, page_table=table,
+                                       causal=True, return_softmax_lse=True)
+    check_per_sequence(out, lse, q, k, v, [s_q] * b, lengths, True, varlen_q=False)
+    lens_q = [37, 1, 20]
+    out, lse = flash_attn_with_kvcache(pack(q, lens_q), k_pages, v_pages, cache_seqlens=cache_seqlens,
+                                       page_table=table, cu_seqlens_q=cu(lens_q, device), max_seqlen_q=37,
+                                       causal=True, return_softmax_lse=True)
+    check_per_sequence(out, lse, q, k, v, lens_q, lengths, True)
+
+
+@pytest.mark.parametrize("device,dtype", DEVICE_DTYPES, ids=ids(DEVICE_DTYPES))
+def test_kvcache_append_batch_idx_leftpad(device, dtype):
+    b, b_cache, s_cache, s_new, h_q, h_kv = 3, 5, 120, 16, 4, 2
+    gen = torch.Generator().manual_seed(24)
+    k_cache = randn(gen, (b_cache, s_cache, h_kv, 64), dtype, device)
+    v_cache = randn(gen, (b_cache, s_cache, h_kv, 64), dtype, device)
+    q = randn(gen, (b, s_new, h_q, 64), dtype, device)
+    k_new = randn(gen, (b, s_new, h_kv, 64), dtype, device)
+    v_new = randn(gen, (b, s_new, h_kv, 64), dtype, device)
+    batch_idx = torch.tensor([4, 0, 2], dtype=torch.int32, device=device)
+    cached = [30, 0, 104]
+    leftpad = [5, 0, 50]
+    before_k, before_v = k_cache.clone(), v_cache.clone()
+    out = flash_attn_with_kvcache(q, k_cache, v_cache, k_new, v_new,
+                                  cache_seqlens=torch.tensor(cached, dtype=torch.int32, device=device),
+                                  cache_batch_idx=batch_idx, cache_leftpad=torch.tensor(leftpad, dtype=torch.int32,
+                                                                                        device=device),
+                                  causal=True)
+    for i, row in enumerate(batch_idx.tolist()):
+        n = cached[i]
+        assert torch.equal(k_cache[row, n:n + s_new], k_new[i]) and torch.equal(v_cache[row, n:n + s_new], v_new[i])
+        assert torch.equal(k_cache[row, :n], before_k[row, :n]) and torch.equal(v_cache[row, n + s_new:],
+                                                                                before_v[row, n + s_new:])
+        keys = slice(leftpad[i], n + s_new)
+        ks, vs = k_cache[row:row + 1, keys], v_cache[row:row + 1, keys]
+        ref, _ = attention(q[i:i + 1], ks, vs, True)
+        assert_calibrated(out[i:i + 1], ref, attention(q[i:i + 1], ks, vs, True, low_precision=True)[0])
+    untouched = [r for r in range(b_cache) if r not in batch_idx.tolist()]
+    assert torch.equal(k_cache[untouched], before_k[untouched])
+    with pytest.raises(sp.InvalidArgumentError, match=r"cache_seqlens\[2\]: 110 cached \+ 16 new keys exceed"):
+        flash_attn_with_kvcache(q, k_cache, v_cache, k_new, v_new, cache_batch_idx=batch_idx,
+                                cache_seqlens=torch.tensor([0, 0, 110], dtype=torch.int32, device=device))
+
+
+def test_flash_attn_combine_merges_by_lse():
+    gen = torch.Generator().manual_seed(25)
+    q, k, v = qkv(25, 2, 16, 64, 4, 4, 32, torch.float32, "cpu")
+    full, full_lse = flash_attn_func(q, k, v, return_softmax_lse=True)
+    parts = [flash_attn_func(q, k[:, a:a + 32], v[:, a:a + 32], return_softmax_lse=True) for a in (0, 32)]
+    outs = torch.stack([p[0] for p in parts])
+    lses = torch.stack([p[1].transpose(1, 2) for p in parts])  # [splits, b, s_q, h]
+    merged, lse = flash_attn_combine(outs, lses)
+    assert torch.allclose(merged, full, atol=1e-5) and torch.allclose(lse, full_lse.transpose(1, 2), atol=1e-5)
+    del gen
+
+
+POLICY_BLOCK = {"cpu": 16, "cuda": 64}
+
+
+def policies(device):
+    bl = POLICY_BLOCK[device]
+    return {
+        "softmax_skip": sp.SoftmaxSkip(block_q=bl, block_k=bl, a=40.0),
+        "estimate_select": sp.EstimateSelect(block=bl, alpha=0.5, sink=1, window=1, tail=1),
+        "estimate_select_mean_correction_pack_gqa": sp.EstimateSelect(block=bl, alpha=0.5, sink=1, window=1, tail=1,
+                                                                      mean_correction=True, pack_gqa=True),
+        "permute_stop": sp.PermuteStop(segment=4 * bl, tau=0.05, block_q=bl, block_k=bl),
+        "exact_gate": sp.ExactGate(block_q=bl, block_k=bl, thresholds=torch.full((8, 64), 2.2)),
+        "block_sparse": None,  # built per test from the geometry
+    }
+
+
+POLICY_NAMES = sorted(policies("cpu"))
+
+
+@pytest.mark.parametrize("device,dtype", DEVICE_DTYPES, ids=ids(DEVICE_DTYPES))
+@pytest.mark.parametrize("name", POLICY_NAMES)
+def test_policy_matches_oracle(device, dtype, name):
+    bl = POLICY_BLOCK[device]
+    s = 6 * bl + 17
+    q, k, v = structured(31, 2, s, s, 8, 2, 64, dtype, device, bl)
+    policy = policies(device)[name]
+    if name == "block_sparse":
+        nb = -(-s // bl)
+        gen = torch.Generator().manual_seed(32)
+        keep = torch.rand((2, 2, nb, nb), generator=gen) < 0.5
+        keep |= torch.eye(nb, dtype=torch.bool)  # the diagonal keeps every row non-empty
+        policy = sp.BlockSparse(dense=keep & torch.ones(nb, nb, dtype=torch.bool).tril(), block_q=bl, block_k=bl,
+                                per_kv_head=True)
+    skip_unless_runs(q, k, v, policy)
+    with sp.collect_stats() as log:
+        out, lse = flash_attn_func(q, k, v, causal=True, policy=policy, return_softmax_lse=True, layer=3)
+    oracle = sp.run(q.cpu(), k.cpu(), v.cpu(), policy, causal=True, backend="reference")
+    # Same decisions as the oracle: identical per-head work; outputs within the calibrated
+    # bound whose scale is dense attention's low-precision error on these inputs.
+    assert len(log.calls) == 1 and log.calls[0].layer == 3
+    np.testing.assert_array_equal(log.calls[0].heads, oracle.stats.heads)
+    assert 0.0 < oracle.stats.density < 1.0
+    dense_ref, _ = attention(q, k, v, True)
+    dense_err = attention(q, k, v, True, low_precision=True)[0].to(torch.float64) - dense_ref
+    ref = oracle.out.to(torch.float64).to(device)
+    assert_calibrated(out, ref, ref + dense_err)
+    assert_lse(lse, oracle.lse.to(torch.float64), tol=2e-2)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_torch_compile_fullgraph(device):
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    bl = POLICY_BLOCK[device]
+    q, k, v = structured(41, 2, 4 * bl, 4 * bl, 8, 2, 64, dtype, device, bl)
+    gate = sp.ExactGate(block_q=bl, block_k=bl, thresholds=torch.full((8, 8), 2.2, device=device))
+    select = sp.EstimateSelect(block=bl, alpha=0.5)
+
+    def fn(q, k, v):
+        a = flash_attn_func(q, k, v, causal=True)
+        b = flash_attn_func(q, k, v, causal=True, policy=select)
+        c, lse = flash_attn_func(q, k, v, causal=True, policy=gate, return_softmax_lse=True)
+        return a + b + c, lse
+
+    for policy in (select, gate):
+        skip_unless_runs(q, k, v, policy)
+    torch._dynamo.reset()
+    compiled = torch.compile(fn, fullgraph=True)
+    eager = fn(q, k, v)
+    got = compiled(q, k, v)
+    assert torch.equal(got[0], eager[0]) and torch.equal(got[1], eager[1])
+    lens = [3 * bl, bl + 5]
+    cu_q = cu(lens, device)
+    varlen = torch.compile(lambda q, k, v: flash_attn_varlen_func(q, k, v, cu_q, cu_q, max(lens), max(lens),
+                                                                  causal=True), fullgraph=True)
+    qp, kp, vp = pack(q, lens), pack(k, lens), pack(v, lens)
+    assert torch.equal(varlen(qp, kp, vp), flash_attn_varlen_func(qp, kp, vp, cu_q, cu_q, max(lens), max(lens),
+                                                                  causal=True))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_opcheck(device):
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    q, k, v = qkv(42, 2, 33, 47, 4, 2, 64, dtype, device)
+    args = (q, k, v, None, None, None, None, True, 0.0, "dense", "", None, None, None, 0, 0, False, -1)
+    torch.library.opcheck(torch.ops.sparseprefill.attention.default, args,
+                          test_utils=("test_schema", "test_faketensor", "test_aot_dispatch_dynamic"))
+    out = torch.empty_like(q)
+    lse = torch.empty((2, 4, 33), dtype=torch.float32, device=device)
+    torch.library.opcheck(torch.ops.sparseprefill.attention_out.default, args + (out, lse),
+                          test_utils=("test_schema", "test_faketensor"))
+
+
+@pytest.mark.skipif(not CUDA, reason="CUDA graphs need a GPU")
+def test_cuda_graph_replay():
+    dtype, device, bl = torch.bfloat16, "cuda", 64
+    q, k, v = structured(43, 2, 4 * bl + 3, 4 * bl + 3, 8, 2, 64, dtype, device, bl)
+    gate = sp.ExactGate(block_q=bl, block_k=bl, thresholds=torch.full((8, 8), 2.2, device=device))
+    cases = [sp.Dense(), sp.SoftmaxSkip(block_q=bl, block_k=bl, a=40.0), gate]
+    cases = [p for p in cases if sp.can_run(q, k, v, p, causal=True)[0]]
+    assert cases and isinstance(cases[0], sp.Dense)
+    static = [x.clone() for x in (q, k, v)]
+
+    def step():
+        return [flash_attn_func(*static, causal=True, policy=p, return_softmax_lse=True) for p in cases]
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        step()  # warm-up outside capture (first calls copy thresholds to the device)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = step()
+    q2, k2, v2 = structured(44, 2, 4 * bl + 3, 4 * bl + 3, 8, 2, 64, dtype, device, bl)
+    for dst, src in zip(static, (q2, k2, v2)):
+        dst.copy_(src)
+    graph.replay()
+    torch.cuda.synchronize()
+    for policy, (out, lse) in zip(cases, captured):
+        want, want_lse = flash_attn_func(q2, k2, v2, causal=True, policy=policy, return_softmax_lse=True)
+        assert torch.equal(out, want) and torch.equal(lse, want_lse), policy.name
+
+
+def fa_bad(device, **overrides):
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    q, k, v = qkv(45, 2, 16, 16, 4, 2, 64, dtype, device)
+    args = dict(q=q, k=k, v=v)
+    args.update(overrides)
+    q, k, v = args.pop("q"), args.pop("k"), args.pop("v")
+    return lambda: flash_attn_func(q, k, v, **args)
+
+
+def bad_cases(device):
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    z = lambda *s, dt=dtype: torch.zeros(s, dtype=dt, device=device)  # noqa: E731
+    cases = [
+        ("dtype", fa_bad(device, q=z(2, 16, 4, 64, dt=torch.float64)), sp.InvalidArgumentError, "q: expected dtype"),
+        ("rank", fa_bad(device, q=z(2, 16, 4, 64, 1)), sp.InvalidArgumentError, "q: expected"),
+        ("heads", fa_bad(device, k=z(2, 16, 3, 64), v=z(2, 16, 3, 64)), sp.InvalidArgumentError, "k: h_kv"),
+        ("head dim", fa_bad(device, k=z(2, 16, 2, 32), v=z(2, 16, 2, 32)), sp.InvalidArgumentError,
+         "k: expected head_dim 64"),
+        ("lengths", fa_bad(device, v=z(2, 15, 2, 64)), sp.InvalidArgumentError, "v: expected the shape of k"),
+        ("batch", fa_bad(device, k=z(3, 16, 2, 64), v=z(3, 16, 2, 64)), sp.InvalidArgumentError, "k: expected batch"),
+        ("out", fa_bad(device, out=z(2, 16, 4, 32)), sp.InvalidArgumentError, "out: expected q's shape"),
+        ("out dtype", fa_bad(device, out=z(2, 16, 4, 64, dt=torch.float16 if dtype != torch.float16 else torch.bfloat16)),
+         sp.InvalidArgumentError, "out: expected q's dtype"),
+        ("scale", fa_bad(device, softmax_scale=float("nan")), sp.InvalidArgumentError, "softmax_scale"),
+        ("policy", fa_bad(device, policy="sparse"), sp.InvalidArgumentError, "policy: expected"),
+        ("policy value", fa_bad(device, policy=sp.PermuteStop(tau=-1.0)), sp.InvalidArgumentError, "tau"),
+        ("dropout_p", fa_bad(device, dropout_p=0.1), sp.UnsupportedError, "dropout_p"),
+        ("window_size", fa_bad(device, window_size=(8, 0)), sp.UnsupportedError, "window_size"),
+        ("softcap", fa_bad(device, softcap=30.0), sp.UnsupportedError, "softcap"),
+        ("alibi_slopes", fa_bad(device, alibi_slopes=z(4, dt=torch.float32)), sp.UnsupportedError, "alibi_slopes"),
+        ("qv", fa_bad(device, qv=z(2, 16, 4, 64)), sp.UnsupportedError, "qv"),
+        ("q_descale", fa_bad(device, q_descale=z(2, 2, dt=torch.float32)), sp.UnsupportedError, "q_descale"),
+        ("attention_chunk", fa_bad(device, attention_chunk=64), sp.UnsupportedError, "attention_chunk"),
+    ]
+    q, k, v = qkv(46, 1, 20, 20, 2, 1, 64, dtype, device)
+    qp, kp, vp = q[0], k[0], v[0]
+    cu_ok = torch.tensor([0, 10, 20], dtype=torch.int32, device=device)
+    cases += [
+        ("cu_seqlens dtype", lambda: flash_attn_varlen_func(qp, kp, vp, cu_ok.long(), cu_ok, 10, 10),
+         sp.InvalidArgumentError, "cu_seqlens_q: expected dtype int32"),
+        ("cu_seqlens length", lambda: flash_attn_varlen_func(qp, kp, vp, cu_ok, cu_ok[:2], 10, 10),
+         sp.InvalidArgumentError, "cu_seqlens_k: expected int32"),
+        ("cu_seqlens order", lambda: flash_attn_varlen_func(
+            qp, kp, vp, torch.tensor([0, 12, 10], dtype=torch.int32, device=device), cu_ok, 12, 10),
+         sp.InvalidArgumentError, "cu_seqlens_q: must be non-decreasing"),
+        ("seqused_q", lambda: flash_attn_varlen_func(qp, kp, vp, cu_ok, cu_ok, 10, 10,
+                                                     seqused_q=torch.tensor([11, 1], dtype=torch.int32)),
+         sp.InvalidArgumentError, r"seqused_q\[0\]"),
+        ("paged lengths", lambda: flash_attn_with_kvcache(q, k.reshape(2, 10, 1, 64), v.reshape(2, 10, 1, 64),
+                                                          cache_seqlens=torch.tensor([21], dtype=torch.int32),
+                                                          page_table=torch.tensor([[0, 1]], dtype=torch.int32,
+                                                                                  device=device)),
+         sp.InvalidArgumentError, "cache_seqlens"),
+        ("rotary", lambda: flash_attn_with_kvcache(q, k, v, rotary_cos=z(20, 32), rotary_sin=z(20, 32)),
+         sp.UnsupportedError, "rotary_cos"),
+    ]
+    if device == "cuda":
+        qc, kc, vc = qkv(47, 1, 8, 8, 2, 2, 64, dtype, device)
+        cases += [
+            ("device", lambda: flash_attn_func(qc, kc.cpu(), vc), sp.InvalidArgumentError, "k: expected q's device"),
+            ("out device", lambda: flash_attn_func(qc, kc, vc, out=torch.empty_like(qc).cpu()),
+             sp.InvalidArgumentError, "out: expected q's device"),
+        ]
+    return cases
+
+
+BAD_IDS = [c[0] for c in bad_cases("cpu")]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_bad_inputs_name_the_argument(device):
+    cases = bad_cases(device)
+    for case, call, error, message in cases:
+        with pytest.raises(error, match=message):
+            call()
+    assert len(cases) >= len(BAD_IDS)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_last_dim_contiguity(device):
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    q, k, v = qkv(48, 1, 16, 16, 2, 2, 64, dtype, device)
+    # The op itself rejects a strided last dimension; the FA functions copy it, as FA does.
+    strided = torch.zeros(1, 16, 2, 128, dtype=dtype, device=device)[..., ::2]
+    with pytest.raises(sp.InvalidArgumentError, match="q: the last dimension"):
+        torch.ops.sparseprefill.attention(strided, k, v, None, None, None, None, True, 0.0, "dense", "", None,
+                                          None, None, 0, 0, False, -1)
+    strided.copy_(q)
+    assert torch.equal(flash_attn_func(strided, k, v, causal=True), flash_attn_func(q, k, v, causal=True))
+
+
+def test_native_run_on_torch_returns_stats():
+    q, k, v = structured(49, 1, 64, 64, 4, 2, 32, torch.float32, "cpu", 16)
+    r = sp.run(q, k, v, sp.EstimateSelect(block=16, alpha=0.5, sink=1, window=1, tail=1))
+    assert isinstance(r.out, torch.Tensor) and r.lse.dtype == torch.float32
+    assert r.stats.heads.shape == (1, 4, 5) and 0 < r.stats.density < 1
+    assert torch.allclose(r.out, flash_attn_func(q, k, v, causal=True,
+                                                 policy=sp.EstimateSelect(block=16, alpha=0.5, sink=1, window=1,
+                                                                          tail=1)))

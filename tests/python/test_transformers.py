@@ -1,0 +1,168 @@
+# SPDX-License-Identifier: Apache-2.0
+"""The transformers backend on a tiny Llama-architecture model with random weights (GQA):
+dense mode gives sdpa's logits (also with padding and in cached generation), and every
+policy runs per layer with decode and short prefills routed to dense."""
+
+import json
+import struct
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+import sparseprefill as sp  # noqa: E402
+import sparseprefill.transformers as spt  # noqa: E402
+from _torch_refs import DEVICES  # noqa: E402
+
+DTYPE = {"cpu": torch.float32, "cuda": torch.bfloat16}
+BLOCK = {"cpu": 16, "cuda": 64}
+
+
+def tiny_llama(device, seed=0):
+    config = transformers.LlamaConfig(vocab_size=256, hidden_size=256, intermediate_size=512, num_hidden_layers=3,
+                                      num_attention_heads=4, num_key_value_heads=2, head_dim=64,
+                                      max_position_embeddings=4096)
+    torch.manual_seed(seed)
+    model = transformers.LlamaForCausalLM(config).eval()
+    return model.to(device=device, dtype=DTYPE[device])
+
+
+def both(device):
+    spt.register(spt.BackendConfig())
+    model = tiny_llama(device)
+    model.set_attn_implementation("sdpa")
+    ours = tiny_llama(device)
+    ours.set_attn_implementation("sparseprefill")
+    return model, ours
+
+
+def assert_logits_close(got, want, ref, device):
+    if device == "cpu":
+        torch.testing.assert_close(got, want, atol=2e-4, rtol=2e-4)
+    else:
+        # bf16: our error against the fp32 model is at most twice sdpa's (FA's rule), plus a small atol.
+        err = (got.float() - ref).abs().max().item()
+        sdpa_err = (want.float() - ref).abs().max().item()
+        assert err <= 2 * sdpa_err + 1e-2, f"logits error {err:.3e} vs sdpa's {sdpa_err:.3e}"
+
+
+def fp32_reference(device, ids, mask=None):
+    model = tiny_llama(device).float()
+    model.set_attn_implementation("sdpa")
+    with torch.no_grad():
+        return model(ids, attention_mask=mask).logits.float()
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_dense_logits_match_sdpa(device):
+    sdpa, ours = both(device)
+    ids = torch.randint(0, 256, (2, 200), generator=torch.Generator().manual_seed(1)).to(device)
+    with torch.no_grad():
+        want = sdpa(ids).logits
+        with sp.collect_stats() as log:
+            got = ours(ids).logits
+    assert_logits_close(got, want, fp32_reference(device, ids) if device == "cuda" else None, device)
+    assert sorted(log.layers()) == [0, 1, 2] and log.density() == 1.0
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_padded_batch_matches_sdpa(device):
+    sdpa, ours = both(device)
+    ids = torch.randint(0, 256, (3, 90), generator=torch.Generator().manual_seed(2)).to(device)
+    mask = torch.ones(3, 90, dtype=torch.long, device=device)
+    mask[0, :30] = 0  # left padding
+    mask[2, :1] = 0
+    with torch.no_grad():
+        want = sdpa(ids, attention_mask=mask).logits
+        got = ours(ids, attention_mask=mask).logits
+    valid = mask.bool()
+    ref = fp32_reference(device, ids, mask)[valid] if device == "cuda" else None
+    assert_logits_close(got[valid], want[valid], ref, device)
+
+
+def test_generation_matches_sdpa_and_decode_runs_dense():
+    sdpa, ours = both("cpu")
+    ids = torch.randint(0, 256, (1, 70), generator=torch.Generator().manual_seed(3))
+    spt.set_config(spt.BackendConfig(policy=sp.EstimateSelect(block=16, alpha=0.0), min_sparse_len=32))
+    with torch.no_grad():
+        want = sdpa.generate(ids, max_new_tokens=6, do_sample=False)
+        with sp.collect_stats() as log:
+            got = ours.generate(ids, max_new_tokens=6, do_sample=False)
+    assert torch.equal(got, want)
+    prefill = [c for c in log.calls if c.heads.shape[1] == 4 and c.policy.startswith("estimate_select")]
+    decode = [c for c in log.calls if c.policy == "dense"]
+    assert len(prefill) == 3 and len(decode) == 3 * 5  # 3 layers; 5 decode steps after the prefill
+
+
+def write_calibration(path, layers, heads, positions, block):
+    table = np.full((layers, 1, heads, positions), 2.0, dtype=np.float32)
+    meta = {"format": "sparseprefill.calibration", "format_version": "1", "layers": str(layers),
+            "exact_gate.layers": str(layers), "exact_gate.heads": str(heads), "exact_gate.positions": str(positions),
+            "exact_gate.block_q": str(block), "exact_gate.block_k": str(block)}
+    tensors = {"exact_gate.thresholds": table, "exact_gate.budgets": np.array([8], dtype=np.int32)}
+    header, blobs, offset = {"__metadata__": meta}, [], 0
+    for name, arr in tensors.items():
+        raw = arr.tobytes()
+        header[name] = {"dtype": "F32" if arr.dtype == np.float32 else "I32", "shape": list(arr.shape),
+                        "data_offsets": [offset, offset + len(raw)]}
+        blobs.append(raw)
+        offset += len(raw)
+    text = json.dumps(header).encode()
+    path.write_bytes(struct.pack("<Q", len(text)) + text + b"".join(blobs))
+
+
+def configs(device, tmp_path):
+    bl = BLOCK[device]
+    path = tmp_path / "gate.safetensors"
+    write_calibration(path, 3, 4, 64, bl)
+    return {
+        "softmax_skip": spt.BackendConfig(policy=sp.SoftmaxSkip(block_q=bl, block_k=bl, a=40.0)),
+        "estimate_select": spt.BackendConfig(policy=sp.EstimateSelect(block=bl, alpha=0.3, mean_correction=True)),
+        "permute_stop": spt.BackendConfig(policy=sp.PermuteStop(segment=2 * bl, tau=0.05, block_q=bl, block_k=bl)),
+        "exact_gate": spt.BackendConfig(calibration=str(path), budget=8),
+        "per_layer": spt.BackendConfig(layer_policies={1: sp.EstimateSelect(block=bl, alpha=0.3),
+                                                       2: sp.SoftmaxSkip(block_q=bl, block_k=bl, a=40.0)}),
+    }
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("name", ["softmax_skip", "estimate_select", "permute_stop", "exact_gate", "per_layer"])
+def test_every_policy_runs_in_the_model(device, name, tmp_path):
+    config = configs(device, tmp_path)[name]
+    config.dense_layers, config.min_sparse_len = 1, 64
+    _, ours = both(device)
+    spt.set_config(config)
+    s = 8 * BLOCK[device]
+    ids = torch.randint(0, 256, (1, s), generator=torch.Generator().manual_seed(4)).to(device)
+    q_like = torch.zeros(1, s, 4, 64, dtype=DTYPE[device], device=device)
+    probe = config.policy_for(2, s)
+    ok, message = sp.can_run(q_like, q_like[:, :, :2], q_like[:, :, :2], probe, causal=True)
+    if not ok:
+        pytest.skip(f"{device} backend: {message}")
+    with torch.no_grad(), sp.collect_stats() as log:
+        logits = ours(ids).logits
+        short = ours(ids[:, :40]).logits  # below min_sparse_len: dense everywhere
+    assert torch.isfinite(logits).all() and torch.isfinite(short).all()
+    prefill = log.calls[:3]
+    assert [c.layer for c in prefill] == [0, 1, 2]
+    assert prefill[0].policy == "dense" and prefill[0].density == 1.0  # dense_layers=1
+    assert all(c.policy != "dense" for c in prefill[1:]), [c.policy for c in prefill]
+    assert all(c.policy == "dense" for c in log.calls[3:])
+    spt.set_config(spt.BackendConfig())
+
+
+def test_unsupported_arguments_raise():
+    _, ours = both("cpu")
+    attn = ours.model.layers[0].self_attn
+    q = torch.zeros(1, 4, 8, 64)
+    kv = torch.zeros(1, 2, 8, 64)
+    with pytest.raises(sp.UnsupportedError, match="dropout"):
+        spt.attention_forward(attn, q, kv, kv, None, dropout=0.1)
+    with pytest.raises(sp.UnsupportedError, match="sliding_window"):
+        spt.attention_forward(attn, q, kv, kv, None, sliding_window=4)
+    with pytest.raises(sp.UnsupportedError, match="attention_mask"):
+        spt.attention_forward(attn, q, kv, kv, torch.zeros(1, 1, 8, 8))
+    out, weights = spt.attention_forward(attn, q, kv, kv, None)
+    assert out.shape == (1, 8, 4, 64) and weights is None
