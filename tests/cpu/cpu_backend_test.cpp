@@ -528,13 +528,15 @@ TEST(CpuEstimateSelect, StableAlphaAgainstOracle) {
     int block, h_q, h_kv;
     bool correction, pack;
     int window;
+    double input_scale;
   };
-  for (const Case& c : {Case{{113, 113}, 8, 4, 1, false, false, 1}, Case{{113, 113}, 8, 4, 1, true, false, 1},
-                        Case{{40, 131}, 8, 4, 1, true, true, 2}, Case{{96, 96}, 4, 8, 2, false, true, 1},
-                        Case{{60, 45}, 4, 2, 2, true, false, 1}, Case{{62, 45}, 4, 2, 1, false, false, 0}}) {
+  for (const Case& c : {Case{{113, 113}, 8, 4, 1, false, false, 1, 2.5}, Case{{113, 113}, 8, 4, 1, true, false, 1, 2.5},
+                        Case{{40, 131}, 8, 4, 1, true, true, 2, 2.5}, Case{{96, 96}, 4, 8, 2, false, true, 1, 2.5},
+                        Case{{60, 45}, 4, 2, 2, true, false, 1, 2.5}, Case{{62, 45}, 4, 2, 1, false, false, 0, 2.5},
+                        Case{{70, 70}, 8, 4, 2, true, false, 1, 2.5}}) {
     SCOPED_TRACE(std::to_string(c.len.s_q) + "x" + std::to_string(c.len.s_k) + " block " + std::to_string(c.block) +
                  (c.correction ? " corrected" : "") + (c.pack ? " pack_gqa" : ""));
-    const Inputs in = make_inputs({c.len}, c.h_q, c.h_kv, 16, 61, 2.5);
+    const Inputs in = make_inputs({c.len}, c.h_q, c.h_kv, 16, 61, c.input_scale);
     TestProblem tp = make_problem(in);
     const auto params = [&c](double alpha) {
       EstimateSelectParams p = select_params(alpha, c.block, c.correction, c.pack);
@@ -549,6 +551,61 @@ TEST(CpuEstimateSelect, StableAlphaAgainstOracle) {
     ASSERT_FALSE(std::isnan(alpha)) << "no alpha with a margin prunes anything";
     const CpuRun r = expect_matches_oracle(&tp, params(alpha));
     if (c.correction) EXPECT_GT(r.decisions.corrected.selected_blocks(), 0);
+  }
+}
+
+TEST(CpuEstimateSelect, MeanCorrectionOfConstantBlocksEqualsDense) {
+  // When every key block holds n copies of one token, its pseudo-token (k̄, v̄, weight n) is
+  // exactly that block: with mean correction, estimate_select equals dense attention whatever it
+  // prunes. Flat attention (small inputs) puts much of the mass in the pruned blocks.
+  const int block = 8;
+  for (std::int64_t s_k : {100, 131}) {
+    SCOPED_TRACE("s_k = " + std::to_string(s_k));
+    Inputs in = make_inputs({{s_k - 20, s_k}}, 4, 2, 16, 63, 0.7);
+    SequenceData& sd = in.seqs[0];
+    for (std::int64_t pos = 0; pos < s_k; ++pos) {
+      const std::int64_t src = pos / block * block;
+      for (int i = 0; i < in.h_kv * in.d; ++i) {
+        set(&sd.k, pos * in.h_kv * in.d + i, get(sd.k, src * in.h_kv * in.d + i));
+        set(&sd.v, pos * in.h_kv * in.d + i, get(sd.v, src * in.h_kv * in.d + i));
+      }
+    }
+    TestProblem tp = make_problem(in);
+    const CpuRun r = run_cpu_backend(&tp, select_params(0.9, block, true, false));
+    ASSERT_TRUE(r.status.ok()) << r.status.to_string();
+    EXPECT_GT(r.decisions.corrected.selected_blocks(), 10);
+    EXPECT_TRUE(matches_reference(tp.problem(), DenseParams{}, tp.output()));
+  }
+}
+
+TEST(CpuEstimateSelect, PlanMeansAreRoundedToTheInputDtype) {
+  // k̄_j and v̄_j: the mean of the block's valid keys, rounded to the input dtype (what the GPU
+  // stores); the last block of 45 keys has 5.
+  for (DType dtype : {DType::kBF16, DType::kFP16, DType::kFP32}) {
+    SCOPED_TRACE(dtype_name(dtype));
+    const Inputs in = make_inputs({{45, 45}}, 2, 2, 16, 65, 1.0, dtype);
+    TestProblem tp = make_problem(in);
+    ProblemShape shape;
+    ASSERT_TRUE(validate_problem(tp.problem(), nullptr, &shape).ok());
+    cpu::EstimatePlan plan;
+    ASSERT_TRUE(cpu::estimate_select_plan(tp.problem(), shape, select_params(0.2, 8, true, false), 1, &plan).ok());
+    const int nkb = 6;
+    ASSERT_EQ(plan.k_mean[0].size(), static_cast<std::size_t>(in.h_kv * nkb * in.d));
+    for (const bool value : {false, true}) {
+      const HostTensor& x = value ? in.seqs[0].v : in.seqs[0].k;
+      const std::vector<float>& got = value ? plan.v_mean[0] : plan.k_mean[0];
+      for (int g = 0; g < in.h_kv; ++g) {
+        for (int kb = 0; kb < nkb; ++kb) {
+          for (int c = 0; c < in.d; ++c) {
+            double sum = 0.0;
+            const std::int64_t k0 = kb * 8, k1 = std::min<std::int64_t>(k0 + 8, 45);
+            for (std::int64_t t = k0; t < k1; ++t) sum += kv(x, in, t, g, c);
+            const float want = round_to(dtype, static_cast<float>(sum / static_cast<double>(k1 - k0)));
+            ASSERT_EQ(got[static_cast<std::size_t>((g * nkb + kb) * in.d + c)], want) << g << " " << kb << " " << c;
+          }
+        }
+      }
+    }
   }
 }
 
