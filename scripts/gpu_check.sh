@@ -1,0 +1,76 @@
+#!/usr/bin/env bash
+# SPDX-License-Identifier: Apache-2.0
+# The GPU machine's one call: configure and build the h200 preset, run the GPU tests, run
+# compute-sanitizer (memcheck, racecheck) on small cases, time the kernel tiles and run the
+# benchmarks; logs and tables go to OUTDIR. Usage: scripts/gpu_check.sh OUTDIR
+# Env: JOBS (default 16), SP_SKIP_BENCH=1, SP_BENCH_ARGS (extra bench/run_benchmarks.sh args),
+#      SP_TEST_FILTER (ctest -R regex). GoogleTest is taken from .carry/gtest when present.
+set -uo pipefail
+if (($# < 1)); then
+  echo "usage: $0 OUTDIR" >&2
+  exit 2
+fi
+out=$(mkdir -p "$1" && cd "$1" && pwd)
+root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+cd "$root"
+build=$root/build/h200
+jobs=${JOBS:-16}
+t0=$(date +%s)
+summary=$out/summary.txt
+: >"$summary"
+note() { echo "[$(($(date +%s) - t0)) s] $*" | tee -a "$summary"; }
+
+prefix=()
+[[ -d $root/.carry/gtest/usr ]] && prefix=(-DCMAKE_PREFIX_PATH="$root/.carry/gtest/usr")
+
+note "configure (h200 preset)"
+if ! cmake --preset h200 "${prefix[@]}" -DSP_CUDA_RESOURCE_USAGE=ON >"$out/build.log" 2>&1; then
+  tail -40 "$out/build.log"
+  note "configure FAILED"
+  exit 1
+fi
+note "build -j$jobs"
+if ! cmake --build "$build" -j"$jobs" >>"$out/build.log" 2>&1; then
+  grep -E "error|Error" -A4 "$out/build.log" | head -80
+  note "build FAILED"
+  exit 1
+fi
+# Registers, shared memory and spills per kernel (ptxas -v), one line each.
+awk '/Compiling entry function/ {name=$6; gsub(/\x27/, "", name)}
+     /spill stores/ {spill=$0; sub(/^ +/, "", spill)}
+     /Used [0-9]+ registers/ {print name " | " $0 " | " spill; spill=""}' "$out/build.log" |
+  sed 's/ptxas info *: //' | sort -u >"$out/resources.txt"
+note "ptxas: $(wc -l <"$out/resources.txt") kernel builds, $(grep -c 'bytes spill stores' "$out/resources.txt") with a spill line"
+
+note "gpu tests"
+ctest --test-dir "$build" -L gpu ${SP_TEST_FILTER:+-R "$SP_TEST_FILTER"} -j8 --timeout 300 --output-on-failure \
+  >"$out/tests.log" 2>&1
+tests_rc=$?
+grep -E "tests passed|Failed|\*\*\*" "$out/tests.log" | tail -20 | tee -a "$summary"
+
+note "compute-sanitizer"
+test_bin=$build/tests/cuda/cuda_attention_test
+{
+  compute-sanitizer --tool memcheck --error-exitcode 3 "$test_bin" \
+    --gtest_filter='CudaDense.GqaGroups*:CudaBlockSparse.AllVisible*:CudaExactGate.MinusInfinity*:CudaEstimateSelect.VarlenBatchOfTwo'
+  echo "memcheck rc=$?"
+  compute-sanitizer --tool racecheck --error-exitcode 3 "$test_bin" \
+    --gtest_filter='CudaExactGate.MinusInfinity*:CudaSoftmaxSkip.OffWhen*'
+  echo "racecheck rc=$?"
+} >"$out/sanitizer.log" 2>&1
+grep -E "rc=|ERROR SUMMARY|RACECHECK SUMMARY" "$out/sanitizer.log" | tee -a "$summary"
+
+if [[ -x $build/src/cuda/sp_cuda_tiles ]]; then
+  note "kernel tiles"
+  "$build/src/cuda/sp_cuda_tiles" 2>&1 | tee -a "$summary"
+fi
+
+if [[ -z ${SP_SKIP_BENCH:-} && -x $root/bench/run_benchmarks.sh ]]; then
+  note "benchmarks"
+  # shellcheck disable=SC2086
+  SP_BUILD_DIR=$build "$root/bench/run_benchmarks.sh" "$out/bench" ${SP_BENCH_ARGS:-} >/dev/null 2>&1
+  note "benchmarks rc=$?"
+  [[ -f $out/bench/bench.md ]] && cat "$out/bench/bench.md" >>"$summary"
+fi
+note "done (gpu tests rc=$tests_rc)"
+exit $tests_rc

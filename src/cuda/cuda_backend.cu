@@ -1,0 +1,321 @@
+// SPDX-License-Identifier: Apache-2.0
+// The CUDA backend's host side: checks, device scratch, uploads, launches through the
+// registry of generated instances, and decisions copied back. Includes the CUDA runtime but
+// no kernel header (kernels are reached through extern launch functions only).
+#include <cuda_runtime.h>
+
+#include <mutex>
+#include <string>
+#include <type_traits>
+#include <utility>
+#include <variant>
+#include <vector>
+
+#include "core/geometry.h"
+#include "cuda/cuda_backend.h"
+#include "cuda/plan.h"
+#include "cuda/registry.h"
+
+#ifndef SP_CUDA_ARCHS
+#define SP_CUDA_ARCHS "unknown"
+#endif
+
+namespace sparseprefill::cuda {
+namespace {
+
+Status cuda_status(cudaError_t err, const std::string& what) {
+  if (err == cudaSuccess) return {};
+  return {StatusCode::kCudaError, what + ": " + cudaGetErrorName(err) + " (" + cudaGetErrorString(err) + ")"};
+}
+
+#define SP_CUDA_TRY(expr, what) SP_RETURN_IF_ERROR(cuda_status((expr), (what)))
+
+// One memory pool per device that keeps freed memory for the next call (a release threshold
+// of "never"), so per-call scratch costs no cudaMalloc after the first call.
+Status pool_for(int device, cudaMemPool_t* pool) {
+  static std::mutex mutex;
+  static std::vector<cudaMemPool_t> pools;
+  std::lock_guard<std::mutex> lock(mutex);
+  if (device >= static_cast<int>(pools.size())) pools.resize(static_cast<std::size_t>(device) + 1, nullptr);
+  cudaMemPool_t& p = pools[static_cast<std::size_t>(device)];
+  if (p == nullptr) {
+    cudaMemPoolProps props{};
+    props.allocType = cudaMemAllocationTypePinned;
+    props.location.type = cudaMemLocationTypeDevice;
+    props.location.id = device;
+    SP_CUDA_TRY(cudaMemPoolCreate(&p, &props), "cudaMemPoolCreate");
+    std::uint64_t keep = ~std::uint64_t{0};
+    SP_CUDA_TRY(cudaMemPoolSetAttribute(p, cudaMemPoolAttrReleaseThreshold, &keep), "cudaMemPoolSetAttribute");
+  }
+  *pool = p;
+  return {};
+}
+
+// Makes `device` current for the call and restores the caller's device afterwards.
+class DeviceGuard {
+ public:
+  Status enter(int device) {
+    SP_CUDA_TRY(cudaGetDevice(&previous_), "cudaGetDevice");
+    if (previous_ != device) SP_CUDA_TRY(cudaSetDevice(device), "cudaSetDevice");
+    active_ = true;
+    return {};
+  }
+  ~DeviceGuard() {
+    if (active_) cudaSetDevice(previous_);
+  }
+
+ private:
+  int previous_ = 0;
+  bool active_ = false;
+};
+
+// Stream-ordered scratch of one call: allocated from the device's pool on the call's stream
+// and freed on it when the call returns (the frees are ordered after the kernels).
+class Scratch {
+ public:
+  Scratch(cudaStream_t stream, cudaMemPool_t pool) : stream_(stream), pool_(pool) {}
+  Scratch(const Scratch&) = delete;
+  Scratch& operator=(const Scratch&) = delete;
+  ~Scratch() {
+    for (void* ptr : owned_) cudaFreeAsync(ptr, stream_);
+  }
+
+  template <class T>
+  Status alloc(std::size_t count, T** out) {
+    *out = nullptr;
+    if (count == 0) return {};
+    void* ptr = nullptr;
+    SP_CUDA_TRY(cudaMallocFromPoolAsync(&ptr, count * sizeof(T), pool_, stream_), "cudaMallocFromPoolAsync");
+    owned_.push_back(ptr);
+    *out = static_cast<T*>(ptr);
+    return {};
+  }
+  template <class T>
+  Status zeros(std::size_t count, T** out) {
+    SP_RETURN_IF_ERROR(alloc(count, out));
+    if (count > 0) SP_CUDA_TRY(cudaMemsetAsync(*out, 0, count * sizeof(T), stream_), "cudaMemsetAsync");
+    return {};
+  }
+  // Copies a host vector to new device memory (pageable source: the copy is staged before the
+  // call returns, so the vector may die afterwards).
+  template <class T>
+  Status upload(const std::vector<T>& host, const T** out) {
+    T* dev = nullptr;
+    SP_RETURN_IF_ERROR(alloc(host.size(), &dev));
+    if (!host.empty()) {
+      SP_CUDA_TRY(cudaMemcpyAsync(dev, host.data(), host.size() * sizeof(T), cudaMemcpyHostToDevice, stream_),
+                  "cudaMemcpyAsync (upload)");
+    }
+    *out = dev;
+    return {};
+  }
+  template <class T>
+  Status download(const T* dev, std::size_t count, std::vector<T>* host) {
+    host->resize(count);
+    if (count > 0) {
+      SP_CUDA_TRY(cudaMemcpyAsync(host->data(), dev, count * sizeof(T), cudaMemcpyDeviceToHost, stream_),
+                  "cudaMemcpyAsync (decisions)");
+    }
+    return {};
+  }
+
+ private:
+  cudaStream_t stream_;
+  cudaMemPool_t pool_;
+  std::vector<void*> owned_;
+};
+
+Status launch_status(int err, const char* name) {
+  return cuda_status(static_cast<cudaError_t>(err), std::string("launching ") + name);
+}
+
+// Shared by the gates: a zeroed kept bitmap the kernel fills, read back after the launch.
+struct KeptBits {
+  std::uint32_t* dev = nullptr;
+  std::size_t words = 0;
+};
+
+}  // namespace
+
+Status can_run_cuda(const ProblemShape& shape, const Policy& policy) {
+  int block_n = 0;
+  return check_support(shape, policy, &block_n);
+}
+
+std::string cuda_build_info() {
+  return std::string("cuda architectures (portable path): ") + SP_CUDA_ARCHS + "\n" + "cuda kernels: " +
+         support_summary() + "\n" + compiled_instances();
+}
+
+Status run_cuda(const AttentionProblem& problem, const ProblemShape& shape, const Policy& policy,
+                const AttentionOutput& output, const RunOptions& options, Decisions* decisions) {
+  int block_n = 0;
+  SP_RETURN_IF_ERROR(check_support(shape, policy, &block_n));
+  SP_RETURN_IF_ERROR(check_layout(problem, output));
+  const FwdVariant* fwd = find_fwd(shape.dtype, shape.d, block_n);
+  DeviceGuard guard;
+  SP_RETURN_IF_ERROR(guard.enter(shape.device.index));
+  cudaMemPool_t pool = nullptr;
+  SP_RETURN_IF_ERROR(pool_for(shape.device.index, &pool));
+  const auto stream = static_cast<cudaStream_t>(options.cuda_stream);
+  Scratch scratch(stream, pool);
+
+  FwdParams p = make_fwd_params(problem, shape, output, block_n);
+  SP_RETURN_IF_ERROR(scratch.upload(make_seq_infos(problem, shape, output), &p.seqs));
+  const bool want = decisions != nullptr;
+  Decisions local;
+  local.policy = policy_name(policy);
+  KeptBits kept;
+  const int kept_k_blocks = static_cast<int>(geom::ceil_div(shape.max_seq_k(), block_n));
+
+  // Device-side selection of estimate_select, read back for decisions.
+  struct Selection {
+    SelectParams sp{};
+    std::size_t rows = 0;
+  } sel;
+
+  Status st = std::visit(
+      [&](const auto& pol) -> Status {
+        using P = std::decay_t<decltype(pol)>;
+        if constexpr (std::is_same_v<P, DenseParams>) {
+          p.mode = PolicyMode::kDense;
+        } else if constexpr (std::is_same_v<P, BlockSparseParams>) {
+          const BlockMask& m = pol.mask;
+          const CompactMask c = compact_mask(m);
+          p.mode = PolicyMode::kBlockMask;
+          SP_RETURN_IF_ERROR(scratch.upload(c.full_count, &p.full_count));
+          SP_RETURN_IF_ERROR(scratch.upload(c.partial_count, &p.partial_count));
+          SP_RETURN_IF_ERROR(scratch.upload(c.full_start, &p.full_start));
+          SP_RETURN_IF_ERROR(scratch.upload(c.partial_start, &p.partial_start));
+          SP_RETURN_IF_ERROR(scratch.upload(c.full_index, &p.full_index));
+          SP_RETURN_IF_ERROR(scratch.upload(c.partial_index, &p.partial_index));
+          p.mask_heads = m.heads;
+          p.mask_per_kv_head = m.per_kv_head;
+          p.mask_q_blocks = m.num_q_blocks;
+          p.mask_k_blocks = m.num_k_blocks;
+          if (want) local.kept = m;
+        } else if constexpr (std::is_same_v<P, ExactGateParams> || std::is_same_v<P, SoftmaxSkipParams>) {
+          if constexpr (std::is_same_v<P, ExactGateParams>) {
+            p.mode = PolicyMode::kExactGate;
+            p.thresholds = static_cast<const float*>(pol.thresholds.data);
+            p.thr_head_stride = pol.thresholds.stride[0];
+            p.thr_pos_stride = pol.thresholds.stride[1];
+            p.thr_positions = static_cast<int>(pol.thresholds.shape[1]);
+          } else {
+            p.mode = PolicyMode::kSoftmaxSkip;
+            p.skip_a = static_cast<float>(pol.a);
+          }
+          if (want) {
+            p.kept_words = bitmap_words(kept_k_blocks);
+            kept.words = static_cast<std::size_t>(shape.batch) * static_cast<std::size_t>(shape.h_q) *
+                         static_cast<std::size_t>(p.num_q_blocks) * static_cast<std::size_t>(p.kept_words);
+            SP_RETURN_IF_ERROR(scratch.zeros(kept.words, &kept.dev));
+            p.kept_bits = kept.dev;
+          }
+        } else if constexpr (std::is_same_v<P, EstimateSelectParams>) {
+          SelectParams& sp = sel.sp;
+          sp.q = p.q;
+          sp.k = p.k;
+          sp.v = p.v;
+          sp.q_row_stride = p.q_row_stride;
+          sp.q_head_stride = p.q_head_stride;
+          sp.k_row_stride = p.k_row_stride;
+          sp.k_head_stride = p.k_head_stride;
+          sp.v_row_stride = p.v_row_stride;
+          sp.v_head_stride = p.v_head_stride;
+          sp.seqs = p.seqs;
+          sp.batch = shape.batch;
+          sp.h_q = shape.h_q;
+          sp.h_kv = shape.h_kv;
+          sp.group = shape.group();
+          sp.scale = p.scale;
+          sp.block = pol.block;
+          sp.num_q_blocks = static_cast<int>(geom::ceil_div(shape.max_seq_q(), pol.block));
+          sp.num_k_blocks = static_cast<int>(geom::ceil_div(shape.max_seq_k(), pol.block));
+          sp.alpha = static_cast<float>(pol.alpha);
+          sp.sink = pol.sink;
+          sp.window = pol.window;
+          sp.tail = pol.tail;
+          sp.pack_gqa = pol.pack_gqa;
+          sp.mean_correction = pol.mean_correction;
+          const int units = pol.pack_gqa ? shape.h_kv : shape.h_q;
+          sel.rows = static_cast<std::size_t>(shape.batch) * static_cast<std::size_t>(units) *
+                     static_cast<std::size_t>(sp.num_q_blocks);
+          const std::size_t means = static_cast<std::size_t>(shape.batch) * static_cast<std::size_t>(shape.h_kv) *
+                                    static_cast<std::size_t>(sp.num_k_blocks) * static_cast<std::size_t>(shape.d);
+          std::uint16_t* k_mean = nullptr;
+          std::uint16_t* v_mean = nullptr;
+          SP_RETURN_IF_ERROR(scratch.alloc(means, &k_mean));
+          SP_RETURN_IF_ERROR(scratch.alloc(means, &v_mean));
+          sp.k_mean = k_mean;
+          sp.v_mean = v_mean;
+          SP_RETURN_IF_ERROR(scratch.zeros(sel.rows, &sp.full_count));
+          SP_RETURN_IF_ERROR(scratch.zeros(sel.rows, &sp.partial_count));
+          const std::size_t cap = sel.rows * static_cast<std::size_t>(sp.num_k_blocks);
+          SP_RETURN_IF_ERROR(scratch.alloc(cap, &sp.full_index));
+          SP_RETURN_IF_ERROR(scratch.alloc(cap, &sp.partial_index));
+          if (pol.mean_correction) {
+            sp.corrected_words = bitmap_words(sp.num_k_blocks);
+            SP_RETURN_IF_ERROR(scratch.zeros(sel.rows * static_cast<std::size_t>(sp.corrected_words), &sp.corrected_bits));
+          }
+          const SelectVariant* select = find_select(shape.dtype, shape.d);
+          SP_RETURN_IF_ERROR(launch_status(select->launch(sp, stream), select->name));
+
+          p.mode = PolicyMode::kBlockMask;
+          p.full_count = sp.full_count;
+          p.full_index = sp.full_index;
+          p.partial_count = sp.partial_count;
+          p.partial_index = sp.partial_index;
+          p.mask_heads = units;
+          p.mask_per_kv_head = pol.pack_gqa;
+          p.mask_q_blocks = sp.num_q_blocks;
+          p.mask_k_blocks = sp.num_k_blocks;
+          if (pol.mean_correction) {
+            p.k_mean = k_mean;
+            p.v_mean = v_mean;
+            p.corrected_bits = sp.corrected_bits;
+            p.mean_blocks = sp.num_k_blocks;
+            p.mean_block = pol.block;
+            p.corrected_words = sp.corrected_words;
+          }
+        } else {
+          return unsupported(std::string(policy_name(policy)) + ": not implemented on CUDA yet");
+        }
+        return {};
+      },
+      policy);
+  SP_RETURN_IF_ERROR(st);
+
+  SP_RETURN_IF_ERROR(launch_status(fwd->launch(p, stream), fwd->name));
+  if (!want) return {};
+
+  // Decisions: copy the device-side selections back and convert them to BlockMasks.
+  if (kept.dev != nullptr) {
+    std::vector<std::uint32_t> bits;
+    SP_RETURN_IF_ERROR(scratch.download(kept.dev, kept.words, &bits));
+    SP_CUDA_TRY(cudaStreamSynchronize(stream), "cudaStreamSynchronize (decisions)");
+    SP_RETURN_IF_ERROR(mask_from_bits(shape, kBlockQ, block_n, false, bits, &local.kept));
+  } else if (const auto* es = std::get_if<EstimateSelectParams>(&policy)) {
+    const SelectParams& sp = sel.sp;
+    const std::size_t cap = sel.rows * static_cast<std::size_t>(sp.num_k_blocks);
+    std::vector<std::int32_t> full_count, full_index, partial_count, partial_index;
+    std::vector<std::uint32_t> corrected;
+    SP_RETURN_IF_ERROR(scratch.download(sp.full_count, sel.rows, &full_count));
+    SP_RETURN_IF_ERROR(scratch.download(sp.full_index, cap, &full_index));
+    SP_RETURN_IF_ERROR(scratch.download(sp.partial_count, sel.rows, &partial_count));
+    SP_RETURN_IF_ERROR(scratch.download(sp.partial_index, cap, &partial_index));
+    if (es->mean_correction) {
+      SP_RETURN_IF_ERROR(scratch.download(sp.corrected_bits, sel.rows * static_cast<std::size_t>(sp.corrected_words), &corrected));
+    }
+    SP_CUDA_TRY(cudaStreamSynchronize(stream), "cudaStreamSynchronize (decisions)");
+    SP_RETURN_IF_ERROR(mask_from_arrays(shape, es->block, es->pack_gqa, full_count, full_index, partial_count,
+                                        partial_index, &local.kept));
+    if (es->mean_correction) {
+      SP_RETURN_IF_ERROR(mask_from_bits(shape, es->block, es->block, es->pack_gqa, corrected, &local.corrected));
+    }
+  }
+  *decisions = std::move(local);
+  return {};
+}
+
+}  // namespace sparseprefill::cuda

@@ -1,0 +1,154 @@
+// SPDX-License-Identifier: Apache-2.0
+// Developer timing of the forward kernel instances (not a benchmark against peers: bench/ is):
+// every compiled key tile on the Llama-3.1-8B and SmolLM2 shapes, dense, and exact_gate with
+// T = -inf (gate overhead, everything kept) and T = +inf (only the partial blocks kept: the
+// Q·Kᵀ-only floor of a skipped block). The measurements behind the tile choices in docs/cuda.md.
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstdio>
+#include <vector>
+
+#include "cuda/kernel/ptx.cuh"
+#include "cuda/plan.h"
+#include "cuda/registry.h"
+
+namespace sparseprefill::cuda {
+namespace {
+
+#define SP_DEV_CHECK(expr)                                                                   \
+  do {                                                                                       \
+    const cudaError_t e_ = (expr);                                                           \
+    if (e_ != cudaSuccess) {                                                                 \
+      std::fprintf(stderr, "%s:%d %s: %s\n", __FILE__, __LINE__, #expr, cudaGetErrorString(e_)); \
+      std::exit(1);                                                                          \
+    }                                                                                        \
+  } while (0)
+
+// Values in (-2, 2) from a hash of the index, never zero, as 16-bit bf16 or fp16 bits.
+__global__ void fill_kernel(std::uint16_t* x, std::int64_t n, std::uint64_t seed, bool bf16) {
+  for (std::int64_t i = blockIdx.x * static_cast<std::int64_t>(blockDim.x) + threadIdx.x; i < n;
+       i += static_cast<std::int64_t>(gridDim.x) * blockDim.x) {
+    std::uint64_t z = seed + static_cast<std::uint64_t>(i) * 0x9E3779B97F4A7C15ull;
+    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+    z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+    z ^= z >> 31;
+    const float u = (static_cast<float>(z >> 40) + 0.5f) / 16777216.0f * 4.0f - 2.0f;
+    x[i] = bf16 ? ptx::from_float<true>(u) : ptx::from_float<false>(u);
+  }
+}
+
+struct Shape {
+  const char* name;
+  int h_q, h_kv, d;
+  std::int64_t s;
+};
+
+double median_ms(const FwdVariant& v, const FwdParams& p, int reps) {
+  cudaEvent_t a, b;
+  SP_DEV_CHECK(cudaEventCreate(&a));
+  SP_DEV_CHECK(cudaEventCreate(&b));
+  SP_DEV_CHECK(static_cast<cudaError_t>(v.launch(p, nullptr)));  // warm-up
+  std::vector<float> ms;
+  for (int i = 0; i < reps; ++i) {
+    SP_DEV_CHECK(cudaEventRecord(a));
+    SP_DEV_CHECK(static_cast<cudaError_t>(v.launch(p, nullptr)));
+    SP_DEV_CHECK(cudaEventRecord(b));
+    SP_DEV_CHECK(cudaEventSynchronize(b));
+    float t = 0.f;
+    SP_DEV_CHECK(cudaEventElapsedTime(&t, a, b));
+    ms.push_back(t);
+  }
+  std::sort(ms.begin(), ms.end());
+  SP_DEV_CHECK(cudaEventDestroy(a));
+  SP_DEV_CHECK(cudaEventDestroy(b));
+  return ms[ms.size() / 2];
+}
+
+void run_shape(const Shape& sh) {
+  const std::int64_t nq = sh.s * sh.h_q * sh.d, nkv = sh.s * sh.h_kv * sh.d;
+  std::uint16_t *q, *k, *v, *o;
+  float* lse;
+  SP_DEV_CHECK(cudaMalloc(&q, nq * 2));
+  SP_DEV_CHECK(cudaMalloc(&k, nkv * 2));
+  SP_DEV_CHECK(cudaMalloc(&v, nkv * 2));
+  SP_DEV_CHECK(cudaMalloc(&o, nq * 2));
+  SP_DEV_CHECK(cudaMalloc(&lse, sh.s * sh.h_q * 4));
+  SeqInfo seq{sh.s, sh.s, 0, 0, 0, 0, 0};
+  SeqInfo* d_seq;
+  SP_DEV_CHECK(cudaMalloc(&d_seq, sizeof(SeqInfo)));
+  SP_DEV_CHECK(cudaMemcpy(d_seq, &seq, sizeof(SeqInfo), cudaMemcpyHostToDevice));
+  float* thr;
+  SP_DEV_CHECK(cudaMalloc(&thr, sizeof(float) * 2));
+  const float thr_host[2] = {-INFINITY, INFINITY};
+  SP_DEV_CHECK(cudaMemcpy(thr, thr_host, sizeof(thr_host), cudaMemcpyHostToDevice));
+
+  // Causal pairs: s(s+1)/2 per head; 4·d FLOP per pair (Q·Kᵀ and P·V).
+  const double flop = 4.0 * sh.d * static_cast<double>(sh.s) * static_cast<double>(sh.s + 1) / 2.0 * sh.h_q;
+  for (DType dtype : {DType::kBF16, DType::kFP16}) {
+    const bool bf16 = dtype == DType::kBF16;
+    fill_kernel<<<1024, 256>>>(q, nq, 1, bf16);
+    fill_kernel<<<1024, 256>>>(k, nkv, 2, bf16);
+    fill_kernel<<<1024, 256>>>(v, nkv, 3, bf16);
+    SP_DEV_CHECK(cudaDeviceSynchronize());
+    for (int n : {64, 128}) {
+      const FwdVariant* var = find_fwd(dtype, sh.d, n);
+      if (var == nullptr) continue;
+      FwdParams p{};
+      p.q = q;
+      p.k = k;
+      p.v = v;
+      p.o = o;
+      p.lse = lse;
+      p.q_row_stride = p.o_row_stride = static_cast<std::int64_t>(sh.h_q) * sh.d;
+      p.k_row_stride = p.v_row_stride = static_cast<std::int64_t>(sh.h_kv) * sh.d;
+      p.q_head_stride = p.k_head_stride = p.v_head_stride = p.o_head_stride = sh.d;
+      p.lse_head_stride = sh.s;
+      p.lse_row_stride = 1;
+      p.seqs = d_seq;
+      p.batch = 1;
+      p.h_q = sh.h_q;
+      p.h_kv = sh.h_kv;
+      p.group = sh.h_q / sh.h_kv;
+      p.num_q_blocks = static_cast<int>((sh.s + kBlockQ - 1) / kBlockQ);
+      p.causal = true;
+      p.scale = 1.0f / std::sqrt(static_cast<float>(sh.d));
+      p.scale_log2 = p.scale * 1.4426950408889634f;
+      p.block_k = n;
+      p.mode = PolicyMode::kDense;
+      const double dense = median_ms(*var, p, 7);
+      p.mode = PolicyMode::kExactGate;
+      p.thresholds = thr;
+      p.thr_head_stride = 0;
+      p.thr_pos_stride = 0;
+      p.thr_positions = 1;
+      const double keep_all = median_ms(*var, p, 7);
+      p.thresholds = thr + 1;
+      const double skip_all = median_ms(*var, p, 7);
+      std::printf("%-8s %s d=%3d s=%6lld n=%3d  dense %8.3f ms %6.1f TFLOP/s | gate keep-all %8.3f ms | gate skip-all %8.3f ms (%.2f of dense)\n",
+                  sh.name, dtype_name(dtype), sh.d, static_cast<long long>(sh.s), n, dense, flop / dense * 1e-9, keep_all,
+                  skip_all, skip_all / dense);
+    }
+  }
+  SP_DEV_CHECK(cudaFree(q));
+  SP_DEV_CHECK(cudaFree(k));
+  SP_DEV_CHECK(cudaFree(v));
+  SP_DEV_CHECK(cudaFree(o));
+  SP_DEV_CHECK(cudaFree(lse));
+  SP_DEV_CHECK(cudaFree(d_seq));
+  SP_DEV_CHECK(cudaFree(thr));
+}
+
+}  // namespace
+}  // namespace sparseprefill::cuda
+
+int main() {
+  using sparseprefill::cuda::Shape;
+  for (const Shape& sh : {Shape{"llama", 32, 8, 128, 16384}, Shape{"llama", 32, 8, 128, 32768},
+                          Shape{"smollm2", 9, 3, 64, 8192}}) {
+    sparseprefill::cuda::run_shape(sh);
+  }
+  return 0;
+}

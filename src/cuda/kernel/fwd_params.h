@@ -1,0 +1,144 @@
+// SPDX-License-Identifier: Apache-2.0
+// Parameters of the forward attention kernels, shared by the portable (sm80) path, the block
+// means / selector kernels and the host dispatcher. Plain data: no CUDA headers, so host
+// translation units (g++) fill it and kernel translation units read it.
+#pragma once
+
+#include <cstdint>
+
+namespace sparseprefill::cuda {
+
+// Query rows per CTA: the block_q every policy must use on CUDA.
+constexpr int kBlockQ = 128;
+// Mean-correction tiles (kBlockN pooled blocks each) one query block can visit.
+constexpr int kMaxMeanChunks = 256;
+// Pooled blocks the selector keeps energies for in shared memory (2M keys at block 128).
+constexpr int kMaxSelectBlocks = 16384;
+
+// What decides which key blocks a query block visits (DESIGN.md §3).
+enum class PolicyMode : std::int32_t {
+  kDense = 0,        // every visible block
+  kBlockMask = 1,    // the blocks of a device BlockMask (block_sparse, estimate_select)
+  kExactGate = 2,    // BSFA: full blocks gated by the exact tile max against T[h][p]
+  kSoftmaxSkip = 3,  // BLASST: every block after the first gated against the running max
+};
+
+// Per-sequence geometry and element offsets, [batch] on the device. Offsets are in elements of
+// the tensor they index and point at the sequence's first row (head 0, dim 0).
+struct SeqInfo {
+  std::int64_t s_q;    // queries of the sequence
+  std::int64_t s_k;    // keys of the sequence
+  std::int64_t q_off;  // q (and o: same layout, own offset below)
+  std::int64_t o_off;
+  std::int64_t k_off;
+  std::int64_t v_off;
+  std::int64_t lse_off;  // lse element of (head 0, row 0)
+};
+
+struct FwdParams {
+  // Tensors. q/o [.., s, h_q, d], k/v [.., s, h_kv, d] in the input dtype (bf16 or fp16); row
+  // and head strides in elements; the last dimension is contiguous and rows are 16-byte
+  // aligned (can_run checks).
+  const void* q;
+  const void* k;
+  const void* v;
+  void* o;
+  float* lse;  // fp32 natural-log LSE; nullptr when not requested
+  std::int64_t q_row_stride, q_head_stride;
+  std::int64_t k_row_stride, k_head_stride;
+  std::int64_t v_row_stride, v_head_stride;
+  std::int64_t o_row_stride, o_head_stride;
+  std::int64_t lse_head_stride, lse_row_stride;  // elements
+  const SeqInfo* seqs;  // [batch], device
+
+  int batch;
+  int h_q;
+  int h_kv;
+  int group;          // h_q / h_kv (contiguous GQA: q head h reads kv head h / group)
+  int num_q_blocks;   // max over the batch of ceil(s_q / kBlockM): the grid's extent
+  bool causal;        // bottom-right aligned
+  float scale;        // softmax scale (natural-log domain)
+  float scale_log2;   // scale · log2(e): kernels work in the exp2 domain
+
+  PolicyMode mode;
+  int block_k;        // keys per sparsity block; equals the kernel's tile width
+
+  // kBlockMask: BlockMask rows on the device, row (b, h_mask, qb) with
+  // h_mask = per_kv_head ? h / group : h. Counts [batch, mask_heads, mask_q_blocks]; a row's
+  // ascending indices start at partial_start[row] / full_start[row] (compact, uploaded from a
+  // host mask), or at row · mask_k_blocks when the start arrays are null (capacity layout,
+  // written by the GPU selector).
+  const std::int32_t* full_count;
+  const std::int32_t* full_index;
+  const std::int32_t* partial_count;
+  const std::int32_t* partial_index;
+  const std::int64_t* full_start;
+  const std::int64_t* partial_start;
+  int mask_heads;
+  bool mask_per_kv_head;
+  int mask_q_blocks;
+  int mask_k_blocks;
+
+  // kExactGate: fp32 thresholds T[h_q][positions] with element strides (natural-log domain).
+  const float* thresholds;
+  std::int64_t thr_head_stride, thr_pos_stride;
+  int thr_positions;
+
+  // kSoftmaxSkip: λ = skip_a / s_k per sequence; skipping is off where s_k < skip_a.
+  float skip_a;
+
+  // Mean correction (kBlockMask only): block means k̄/v̄ [batch, h_kv, mean_blocks, d] in the
+  // input dtype, and per mask row a bitmap of the blocks to add back as pseudo-tokens
+  // [batch, mask_heads, mask_q_blocks, corrected_words]. k_mean == nullptr: no correction.
+  const void* k_mean;
+  const void* v_mean;
+  const std::uint32_t* corrected_bits;
+  int mean_blocks;      // capacity of the block axis of k_mean/v_mean
+  int mean_block;       // keys per pooled block
+  int corrected_words;  // 32-bit words per bitmap row
+
+  // Decisions of the gates: per (b, h_q, qb) a bitmap of the computed key blocks
+  // [batch, h_q, num_q_blocks, kept_words], zeroed by the host; nullptr = not recorded.
+  std::uint32_t* kept_bits;
+  int kept_words;
+};
+
+// Parameters of the estimate_select selector (block means + per-tile energies), same tensors.
+struct SelectParams {
+  const void* q;
+  const void* k;
+  const void* v;
+  std::int64_t q_row_stride, q_head_stride;
+  std::int64_t k_row_stride, k_head_stride;
+  std::int64_t v_row_stride, v_head_stride;
+  const SeqInfo* seqs;  // [batch], device
+  int batch;
+  int h_q;
+  int h_kv;
+  int group;
+  float scale;        // natural-log domain
+  int block;          // B: query tile, key block and pooling size
+  int num_q_blocks;   // max over the batch of ceil(s_q / B)
+  int num_k_blocks;   // max over the batch of ceil(s_k / B): capacity of every block axis
+  float alpha;
+  int sink;
+  int window;
+  int tail;
+  bool pack_gqa;      // one selection per KV head (rows of the group's heads scored together)
+  bool mean_correction;
+
+  // Outputs. Means [batch, h_kv, num_k_blocks, d] in the input dtype (written by the means
+  // kernel, read by the selector and the attention kernel).
+  void* k_mean;
+  void* v_mean;
+  // BlockMask rows (b, unit, i), unit = pack_gqa ? kv head : q head: counts
+  // [batch, units, num_q_blocks] and ascending indices [.., num_k_blocks].
+  std::int32_t* full_count;
+  std::int32_t* full_index;
+  std::int32_t* partial_count;
+  std::int32_t* partial_index;
+  std::uint32_t* corrected_bits;  // [batch, units, num_q_blocks, corrected_words] or nullptr
+  int corrected_words;
+};
+
+}  // namespace sparseprefill::cuda

@@ -1,0 +1,275 @@
+// SPDX-License-Identifier: Apache-2.0
+// estimate_select on the GPU (DESIGN.md §3, FlashPrefill V2): the pooled block means k̄/v̄
+// and a straightforward selector that scores every query tile against the means with
+// mma.sync and writes a device BlockMask (plus the mean-correction bitmap). Portable (sm_80+).
+// Included only by generated instance files.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cmath>
+#include <cstdint>
+
+#include "core/geometry.h"
+#include "cuda/kernel/fwd_params.h"
+#include "cuda/kernel/ptx.cuh"
+#include "cuda/kernel/sm80/fwd_kernel.cuh"
+
+namespace sparseprefill::cuda::select {
+
+// k̄_j and v̄_j of one (block j, kv head, sequence): the mean of the block's valid keys,
+// accumulated in double, rounded to fp32 and then to the input dtype, exactly as the oracle
+// stores them. One thread per head-dim element (coalesced rows). Grid (num_k_blocks, h_kv, b).
+template <bool kBf16, int kD>
+__global__ void __launch_bounds__(kD) block_means_kernel(const __grid_constant__ SelectParams p) {
+  const int j = blockIdx.x, hk = blockIdx.y, b = blockIdx.z, i = threadIdx.x;
+  const SeqInfo seq = p.seqs[b];
+  const std::int64_t key0 = static_cast<std::int64_t>(j) * p.block;
+  if (key0 >= seq.s_k) return;  // past this sequence's last block: never read
+  const std::int64_t len = geom::min64(p.block, seq.s_k - key0);
+  const auto* k = static_cast<const std::uint16_t*>(p.k) + seq.k_off + key0 * p.k_row_stride + hk * p.k_head_stride + i;
+  const auto* v = static_cast<const std::uint16_t*>(p.v) + seq.v_off + key0 * p.v_row_stride + hk * p.v_head_stride + i;
+  double k_sum = 0.0, v_sum = 0.0;
+  for (std::int64_t t = 0; t < len; ++t) {
+    k_sum += ptx::to_float<kBf16>(k[t * p.k_row_stride]);
+    v_sum += ptx::to_float<kBf16>(v[t * p.v_row_stride]);
+  }
+  const std::int64_t out = ((static_cast<std::int64_t>(b) * p.h_kv + hk) * p.num_k_blocks + j) * kD + i;
+  static_cast<std::uint16_t*>(p.k_mean)[out] = ptx::from_float<kBf16>(static_cast<float>(k_sum / static_cast<double>(len)));
+  static_cast<std::uint16_t*>(p.v_mean)[out] = ptx::from_float<kBf16>(static_cast<float>(v_sum / static_cast<double>(len)));
+}
+
+template <bool kBf16, int kD>
+struct SelectConfig {
+  using Tile = sm80::FwdConfig<kBf16, kD, 64>;  // 8 warps × 16 rows, 64 pooled blocks a chunk
+  static constexpr int kThreads = Tile::kThreads;
+  static constexpr int kChunk = 64;
+  static constexpr int kSmemFixed = Tile::kQBytes + Tile::kKVBytes;  // Q tile + one chunk of k̄
+  static std::size_t smem_bytes(int num_k_blocks) {
+    return kSmemFixed + static_cast<std::size_t>(num_k_blocks) * sizeof(float);
+  }
+};
+
+// One CTA per (query tile i, selection unit, sequence): the unit is a query head, or with
+// pack_gqa a KV head whose group's heads are scored together. For the tile's valid rows r at
+// positions a_r and the scored blocks j < A = (a_l + 1) / B, x[r, j] = scale · q_r · k̄_j where
+// a_r >= j·B; M = max x; E_j = Σ_r e^{x[r, j] - M}. Two passes over the chunks of k̄ (the max,
+// then the energies), then one thread per block applies the keep rule and the CTA writes the
+// row's ascending full/partial lists and its mean-correction bitmap.
+template <bool kBf16, int kD>
+__global__ void __launch_bounds__(SelectConfig<kBf16, kD>::kThreads, 1)
+    select_kernel(const __grid_constant__ SelectParams p) {
+  using Cfg = SelectConfig<kBf16, kD>;
+  using Tile = typename Cfg::Tile;
+  constexpr int kChunk = Cfg::kChunk;
+  extern __shared__ __align__(128) unsigned char smem[];
+  __shared__ float s_red[Tile::kWarps];
+  __shared__ int s_count[2][Tile::kWarps];
+
+  const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
+  const int g = lane / 4, t4 = lane % 4;
+  const int units = p.pack_gqa ? p.h_kv : p.h_q;
+  int tile = blockIdx.x;
+  const int unit = tile % units;
+  tile /= units;
+  const int b = tile % p.batch;
+  const int i = tile / p.batch;
+  const SeqInfo seq = p.seqs[b];
+  const int bs = p.block;
+  const geom::BlockGeometry geo{{seq.s_q, seq.s_k, true}, bs, bs};
+  const int tiles = geo.num_q_blocks();
+  if (i >= tiles) return;
+  const std::int64_t row0 = geo.row_begin(i);
+  const int rows_valid = static_cast<int>(geo.row_end(i) - row0);
+  const std::int64_t a_f = geo.seq.position(row0);
+  const std::int64_t a_l = geo.seq.position(geo.row_end(i) - 1);
+  if (a_l < 0) return;  // no row sees a key: the row stays empty (counts zeroed by the host)
+  const std::int64_t fqb = geom::floor_div(a_f, bs), lqb = a_l / bs;
+  const int scored = static_cast<int>((a_l + 1) / bs);  // A
+  const int heads = p.pack_gqa ? p.group : 1;
+  const int h0 = p.pack_gqa ? unit * p.group : unit;
+  const int hk = h0 / p.group;
+
+  const std::uint32_t s_q_tile = ptx::smem_addr(smem);
+  const std::uint32_t s_k_tile = s_q_tile + Tile::kQBytes;
+  float* energy = reinterpret_cast<float*>(smem + Cfg::kSmemFixed);  // [num_k_blocks]
+  for (int j = tid; j < scored; j += Cfg::kThreads) energy[j] = 0.f;
+
+  const auto* mean = static_cast<const std::uint16_t*>(p.k_mean) +
+                     (static_cast<std::int64_t>(b) * p.h_kv + hk) * p.num_k_blocks * static_cast<std::int64_t>(kD);
+  const int chunks = (scored + kChunk - 1) / kChunk;
+  const bool row_ok[2] = {warp * 16 + g < rows_valid, warp * 16 + g + 8 < rows_valid};
+
+  // x for one (head, chunk) into s[8][4] (raw q·k̄), non-contributing pairs -inf.
+  float s[kChunk / 8][4];
+  std::uint32_t qf[Tile::kKSteps][4];
+  auto load_q = [&](int h) {
+    __syncthreads();  // every warp is done with the previous Q tile
+    const sm80::TileSrc src{static_cast<const std::uint16_t*>(p.q) + seq.q_off + row0 * p.q_row_stride + h * p.q_head_stride,
+                            p.q_row_stride, rows_valid};
+    sm80::load_tile<Tile, Tile::kBlockM>(s_q_tile, src, tid);
+    ptx::cp_async_commit();
+    ptx::cp_async_wait<0>();
+    __syncthreads();
+#pragma unroll
+    for (int kk = 0; kk < Tile::kKSteps; ++kk) {
+      ptx::ldmatrix_x4(s_q_tile + sm80::swizzle<Tile>(warp * 16 + (lane & 15), kk * 2 + (lane >> 4)), qf[kk]);
+    }
+  };
+  auto scores = [&](int c) {
+    __syncthreads();  // every warp is done with the previous chunk
+    const int valid = scored - c * kChunk;
+    const sm80::TileSrc src{mean + static_cast<std::int64_t>(c) * kChunk * kD, kD, valid < kChunk ? valid : kChunk};
+    sm80::load_tile<Tile, kChunk>(s_k_tile, src, tid);
+    ptx::cp_async_commit();
+    ptx::cp_async_wait<0>();
+    __syncthreads();
+#pragma unroll
+    for (int nf = 0; nf < kChunk / 8; ++nf) s[nf][0] = s[nf][1] = s[nf][2] = s[nf][3] = 0.f;
+#pragma unroll
+    for (int kk = 0; kk < Tile::kKSteps; ++kk) {
+#pragma unroll
+      for (int np = 0; np < kChunk / 16; ++np) {
+        std::uint32_t bk[4];
+        ptx::ldmatrix_x4(s_k_tile + sm80::swizzle<Tile>(np * 16 + (lane >> 4) * 8 + (lane & 7), kk * 2 + ((lane >> 3) & 1)), bk);
+        ptx::mma_16816<kBf16>(s[2 * np], qf[kk], bk[0], bk[1]);
+        ptx::mma_16816<kBf16>(s[2 * np + 1], qf[kk], bk[2], bk[3]);
+      }
+    }
+#pragma unroll
+    for (int nf = 0; nf < kChunk / 8; ++nf) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int j = c * kChunk + nf * 8 + 2 * t4 + (e & 1);
+        const std::int64_t pos = a_f + warp * 16 + g + (e / 2) * 8;
+        const bool contributes = row_ok[e / 2] && j < scored && pos >= static_cast<std::int64_t>(j) * bs;
+        s[nf][e] = contributes ? s[nf][e] * p.scale : -INFINITY;
+      }
+    }
+  };
+
+  // Pass 1: M, the max of x over every contributing pair (NaN-propagating, as the oracle).
+  float m = -INFINITY;
+  for (int hh = 0; hh < heads; ++hh) {
+    load_q(h0 + hh);
+    for (int c = 0; c < chunks; ++c) {
+      scores(c);
+#pragma unroll
+      for (int nf = 0; nf < kChunk / 8; ++nf) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) m = ptx::max_nan(m, s[nf][e]);
+      }
+    }
+  }
+#pragma unroll
+  for (int o = 16; o > 0; o /= 2) m = ptx::max_nan(m, __shfl_xor_sync(0xffffffffu, m, o));
+  if (lane == 0) s_red[warp] = m;
+  __syncthreads();
+  m = s_red[0];
+#pragma unroll
+  for (int w = 1; w < Tile::kWarps; ++w) m = ptx::max_nan(m, s_red[w]);
+
+  // Pass 2: E_j = Σ e^{x - M}; column sums over the warp's rows, then over warps in smem.
+  for (int hh = 0; hh < heads; ++hh) {
+    if (heads > 1) load_q(h0 + hh);
+    for (int c = 0; c < chunks; ++c) {
+      scores(c);
+#pragma unroll
+      for (int nf = 0; nf < kChunk / 8; ++nf) {
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+          float col = expf(s[nf][e] - m) + expf(s[nf][e + 2] - m);  // rows g and g + 8
+          col += __shfl_xor_sync(0xffffffffu, col, 4);
+          col += __shfl_xor_sync(0xffffffffu, col, 8);
+          col += __shfl_xor_sync(0xffffffffu, col, 16);
+          const int j = c * kChunk + nf * 8 + 2 * t4 + e;
+          if (g == 0 && j < scored) atomicAdd(&energy[j], col);
+        }
+      }
+    }
+  }
+  __syncthreads();
+
+  // E_max over the scored blocks.
+  float e_max = -INFINITY;
+  for (int j = tid; j < scored; j += Cfg::kThreads) e_max = ptx::max_nan(e_max, energy[j]);
+#pragma unroll
+  for (int o = 16; o > 0; o /= 2) e_max = ptx::max_nan(e_max, __shfl_xor_sync(0xffffffffu, e_max, o));
+  __syncthreads();
+  if (lane == 0) s_red[warp] = e_max;
+  __syncthreads();
+  e_max = s_red[0];
+#pragma unroll
+  for (int w = 1; w < Tile::kWarps; ++w) e_max = ptx::max_nan(e_max, s_red[w]);
+
+  // Keep rule per block j <= lqb, and the ascending lists via a CTA-wide ballot scan.
+  const std::int64_t mask_row = (static_cast<std::int64_t>(b) * units + unit) * p.num_q_blocks + i;
+  std::int32_t* full_idx = p.full_index + mask_row * p.num_k_blocks;
+  std::int32_t* part_idx = p.partial_index + mask_row * p.num_k_blocks;
+  const bool tail_tile = i >= tiles - p.tail;
+  const float alpha_peak = p.alpha * e_max;
+  const int words = p.corrected_bits != nullptr ? p.corrected_words : 0;
+  const int j_end = geom::max64(lqb + 1, static_cast<std::int64_t>(words) * 32);
+  int full_total = 0, part_total = 0;
+  for (int j0 = 0; j0 < j_end; j0 += Cfg::kThreads) {
+    const int j = j0 + tid;
+    bool keep = false, corrected = false, full = false;
+    if (j <= lqb) {
+      // E_j >= alpha · max E, written so that a NaN energy keeps.
+      const bool by_energy = j < scored && !(energy[j] < alpha_peak);
+      const bool forced = tail_tile || j < p.sink || fqb - p.window + 1 <= j;
+      keep = by_energy || forced;
+      full = geo.is_full(i, j);
+      // Pruned and wholly visible to the tile's first row, hence to every row.
+      corrected = !keep && p.mean_correction && geo.key_end(j) - 1 <= a_f;
+    }
+    const unsigned full_bal = __ballot_sync(0xffffffffu, keep && full);
+    const unsigned part_bal = __ballot_sync(0xffffffffu, keep && !full);
+    const unsigned corr_bal = __ballot_sync(0xffffffffu, corrected);
+    if (lane == 0) {
+      s_count[0][warp] = __popc(full_bal);
+      s_count[1][warp] = __popc(part_bal);
+      if (j / 32 < words) p.corrected_bits[mask_row * words + j / 32] = corr_bal;
+    }
+    __syncthreads();
+    int full_off = full_total, part_off = part_total;
+    for (int w = 0; w < Tile::kWarps; ++w) {
+      if (w < warp) {
+        full_off += s_count[0][w];
+        part_off += s_count[1][w];
+      }
+      full_total += s_count[0][w];
+      part_total += s_count[1][w];
+    }
+    const unsigned below = (1u << lane) - 1u;
+    if (keep && full) full_idx[full_off + __popc(full_bal & below)] = j;
+    if (keep && !full) part_idx[part_off + __popc(part_bal & below)] = j;
+    __syncthreads();  // s_count is rewritten by the next round
+  }
+  if (tid == 0) {
+    p.full_count[mask_row] = full_total;
+    p.partial_count[mask_row] = part_total;
+  }
+}
+
+// Host-side launches; each returns a cudaError_t value (0 = success).
+template <bool kBf16, int kD>
+int launch_select(const SelectParams& p, void* stream) {
+  const auto st = static_cast<cudaStream_t>(stream);
+  if (p.batch == 0 || p.num_k_blocks == 0) return 0;
+  block_means_kernel<kBf16, kD><<<dim3(p.num_k_blocks, p.h_kv, p.batch), kD, 0, st>>>(p);
+  cudaError_t err = cudaGetLastError();
+  if (err != cudaSuccess) return static_cast<int>(err);
+  const std::size_t smem = SelectConfig<kBf16, kD>::smem_bytes(p.num_k_blocks);
+  auto* kernel = select_kernel<kBf16, kD>;
+  err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem));
+  if (err != cudaSuccess) return static_cast<int>(err);
+  const int units = p.pack_gqa ? p.h_kv : p.h_q;
+  const unsigned grid = static_cast<unsigned>(p.num_q_blocks) * static_cast<unsigned>(units) *
+                        static_cast<unsigned>(p.batch);
+  if (grid == 0) return 0;
+  kernel<<<grid, SelectConfig<kBf16, kD>::kThreads, smem, st>>>(p);
+  return static_cast<int>(cudaGetLastError());
+}
+
+}  // namespace sparseprefill::cuda::select

@@ -1,0 +1,263 @@
+// SPDX-License-Identifier: Apache-2.0
+// Host-side planning of a CUDA call: support checks, instance choice, kernel parameters and
+// BlockMask conversions. Pure host code (g++), no CUDA headers.
+#include "cuda/plan.h"
+
+#include <cstdint>
+#include <string>
+#include <type_traits>
+#include <variant>
+
+#include "core/geometry.h"
+#include "cuda/registry.h"
+
+namespace sparseprefill::cuda {
+namespace {
+
+bool is_supported_block_k(int block_k) { return block_k == 64 || block_k == 128; }
+
+Status check_blocks(const char* policy, int block_q, int block_k) {
+  if (block_q != kBlockQ || !is_supported_block_k(block_k)) {
+    return unsupported(std::string(policy) + ": CUDA kernels need block_q = 128 and block_k = 64 or 128, got block_q = " +
+                       std::to_string(block_q) + ", block_k = " + std::to_string(block_k) + " (" + support_summary() + ")");
+  }
+  return {};
+}
+
+std::int64_t max_blocks(const ProblemShape& s, int block) {
+  return geom::ceil_div(s.max_seq_k(), block);
+}
+
+// Row and head strides of a [.., s, h, d] tensor (the last three dimensions).
+std::int64_t row_stride(const TensorView& t) { return t.stride[t.rank - 3]; }
+std::int64_t head_stride(const TensorView& t) { return t.stride[t.rank - 2]; }
+
+// Element offset of sequence b's first row: the batch stride for [b, s, h, d], the packed row
+// start for varlen [total, h, d].
+std::int64_t seq_offset(const TensorView& t, std::int64_t batch_index, std::int64_t packed_start) {
+  return t.rank == 4 ? batch_index * t.stride[0] : packed_start * t.stride[0];
+}
+
+Status check_view(const char* name, const TensorView& t) {
+  const auto address = reinterpret_cast<std::uintptr_t>(t.data);
+  if (address % 16 != 0) {
+    return unsupported(std::string(name) + ": the CUDA kernels need a 16-byte aligned data pointer");
+  }
+  for (int i = 0; i + 1 < t.rank; ++i) {
+    if (t.shape[i] > 1 && t.stride[i] % 8 != 0) {
+      return unsupported(std::string(name) + ": the CUDA kernels need strides that are multiples of 8 elements (16 bytes), got " +
+                         describe(t));
+    }
+  }
+  return {};
+}
+
+}  // namespace
+
+std::string support_summary() {
+  return "compiled CUDA kernels (portable sm80 path): " + compiled_fwd_summary() +
+         "; block_q 128; estimate_select block 128; policies dense, block_sparse, exact_gate, "
+         "softmax_skip, estimate_select; not on CUDA: permute_stop, paged K/V, fp32";
+}
+
+int dense_block_n(int head_dim) {
+  // The wider key tile halves the per-block barriers and softmax reductions; see docs/cuda.md
+  // (tile choices) for the measurement.
+  (void)head_dim;
+  return 128;
+}
+
+Status check_support(const ProblemShape& shape, const Policy& policy, int* block_n) {
+  if (shape.dtype != DType::kBF16 && shape.dtype != DType::kFP16) {
+    return unsupported(std::string("q: dtype ") + dtype_name(shape.dtype) + " has no CUDA kernel; expected bf16 or fp16 (" +
+                       support_summary() + ")");
+  }
+  if (shape.kv_layout == KvLayout::kPaged) {
+    return unsupported("block_table: paged K/V is not supported by the CUDA kernels yet (" + support_summary() + ")");
+  }
+  int n = 0;
+  Status st = std::visit(
+      [&](const auto& p) -> Status {
+        using P = std::decay_t<decltype(p)>;
+        if constexpr (std::is_same_v<P, DenseParams>) {
+          n = dense_block_n(shape.d);
+        } else if constexpr (std::is_same_v<P, BlockSparseParams>) {
+          SP_RETURN_IF_ERROR(check_blocks("block_sparse mask", p.mask.block_q, p.mask.block_k));
+          n = p.mask.block_k;
+        } else if constexpr (std::is_same_v<P, ExactGateParams>) {
+          SP_RETURN_IF_ERROR(check_blocks("exact_gate", p.block_q, p.block_k));
+          n = p.block_k;
+        } else if constexpr (std::is_same_v<P, SoftmaxSkipParams>) {
+          SP_RETURN_IF_ERROR(check_blocks("softmax_skip", p.block_q, p.block_k));
+          n = p.block_k;
+        } else if constexpr (std::is_same_v<P, EstimateSelectParams>) {
+          if (p.block != kBlockQ) {
+            return unsupported("estimate_select: the CUDA selector needs block = 128, got " + std::to_string(p.block));
+          }
+          n = p.block;
+          if (max_blocks(shape, p.block) > kMaxSelectBlocks) {
+            return unsupported("estimate_select: the CUDA selector handles at most " + std::to_string(kMaxSelectBlocks) +
+                               " key blocks, got " + std::to_string(max_blocks(shape, p.block)));
+          }
+          if (p.mean_correction && geom::ceil_div(max_blocks(shape, p.block), n) > kMaxMeanChunks) {
+            return unsupported("estimate_select: mean correction on CUDA handles at most " +
+                               std::to_string(kMaxMeanChunks * n) + " key blocks");
+          }
+          if (find_select(shape.dtype, shape.d) == nullptr) {
+            return unsupported(std::string("estimate_select: no compiled selector for ") + dtype_name(shape.dtype) +
+                               " head_dim " + std::to_string(shape.d) + " (" + support_summary() + ")");
+          }
+        } else {
+          return unsupported(std::string(policy_name(policy)) +
+                             ": not implemented on CUDA yet (the cpu and reference backends run it)");
+        }
+        return {};
+      },
+      policy);
+  SP_RETURN_IF_ERROR(st);
+  if (find_fwd(shape.dtype, shape.d, n) == nullptr) {
+    return unsupported(std::string("no compiled CUDA kernel for dtype ") + dtype_name(shape.dtype) + ", head_dim " +
+                       std::to_string(shape.d) + ", block_k " + std::to_string(n) + " (" + support_summary() + ")");
+  }
+  *block_n = n;
+  return {};
+}
+
+Status check_layout(const AttentionProblem& problem, const AttentionOutput& output) {
+  SP_RETURN_IF_ERROR(check_view("q", problem.q));
+  SP_RETURN_IF_ERROR(check_view("k", problem.k));
+  SP_RETURN_IF_ERROR(check_view("v", problem.v));
+  SP_RETURN_IF_ERROR(check_view("o", output.o));
+  return {};
+}
+
+std::vector<SeqInfo> make_seq_infos(const AttentionProblem& problem, const ProblemShape& shape,
+                                    const AttentionOutput& output) {
+  std::vector<SeqInfo> seqs(static_cast<std::size_t>(shape.batch));
+  for (int b = 0; b < shape.batch; ++b) {
+    const auto u = static_cast<std::size_t>(b);
+    SeqInfo& s = seqs[u];
+    s.s_q = shape.seq_q[u];
+    s.s_k = shape.seq_k[u];
+    s.q_off = seq_offset(problem.q, b, shape.q_start[u]);
+    s.o_off = seq_offset(output.o, b, shape.q_start[u]);
+    s.k_off = seq_offset(problem.k, b, shape.k_start[u]);
+    s.v_off = seq_offset(problem.v, b, shape.k_start[u]);
+    const TensorView& l = output.lse;
+    // LSE is [b, h_q, s_q] (batched) or [h_q, total_q] (varlen).
+    s.lse_off = !l.defined() ? 0 : (l.rank == 3 ? b * l.stride[0] : shape.q_start[u] * l.stride[1]);
+  }
+  return seqs;
+}
+
+FwdParams make_fwd_params(const AttentionProblem& problem, const ProblemShape& shape,
+                          const AttentionOutput& output, int block_n) {
+  FwdParams p{};
+  p.q = problem.q.data;
+  p.k = problem.k.data;
+  p.v = problem.v.data;
+  p.o = output.o.data;
+  p.lse = output.lse.defined() ? static_cast<float*>(output.lse.data) : nullptr;
+  p.q_row_stride = row_stride(problem.q);
+  p.q_head_stride = head_stride(problem.q);
+  p.k_row_stride = row_stride(problem.k);
+  p.k_head_stride = head_stride(problem.k);
+  p.v_row_stride = row_stride(problem.v);
+  p.v_head_stride = head_stride(problem.v);
+  p.o_row_stride = row_stride(output.o);
+  p.o_head_stride = head_stride(output.o);
+  if (output.lse.defined()) {
+    const TensorView& l = output.lse;
+    p.lse_head_stride = l.rank == 3 ? l.stride[1] : l.stride[0];
+    p.lse_row_stride = l.rank == 3 ? l.stride[2] : l.stride[1];
+  }
+  p.batch = shape.batch;
+  p.h_q = shape.h_q;
+  p.h_kv = shape.h_kv;
+  p.group = shape.group();
+  p.num_q_blocks = static_cast<int>(geom::ceil_div(shape.max_seq_q(), kBlockQ));
+  p.causal = shape.causal;
+  p.scale = static_cast<float>(shape.scale);
+  p.scale_log2 = static_cast<float>(shape.scale * 1.4426950408889634);  // scale · log2(e)
+  p.mode = PolicyMode::kDense;
+  p.block_k = block_n;
+  return p;
+}
+
+CompactMask compact_mask(const BlockMask& mask) {
+  CompactMask c;
+  c.full_count = mask.full_count;
+  c.partial_count = mask.partial_count;
+  const std::size_t rows = mask.full_count.size();
+  c.full_start.resize(rows);
+  c.partial_start.resize(rows);
+  for (std::size_t r = 0; r < rows; ++r) {
+    const std::size_t base = r * static_cast<std::size_t>(mask.num_k_blocks);
+    c.full_start[r] = static_cast<std::int64_t>(c.full_index.size());
+    c.full_index.insert(c.full_index.end(), mask.full_index.begin() + static_cast<std::ptrdiff_t>(base),
+                        mask.full_index.begin() + static_cast<std::ptrdiff_t>(base) + mask.full_count[r]);
+    c.partial_start[r] = static_cast<std::int64_t>(c.partial_index.size());
+    c.partial_index.insert(c.partial_index.end(), mask.partial_index.begin() + static_cast<std::ptrdiff_t>(base),
+                           mask.partial_index.begin() + static_cast<std::ptrdiff_t>(base) + mask.partial_count[r]);
+  }
+  return c;
+}
+
+int bitmap_words(int num_k_blocks) { return (num_k_blocks + 31) / 32; }
+
+Status mask_from_bits(const ProblemShape& shape, int block_q, int block_k, bool per_kv_head,
+                      const std::vector<std::uint32_t>& bits, BlockMask* out) {
+  BlockMask m = BlockMask::empty(shape, block_q, block_k, per_kv_head);
+  const int words = bitmap_words(m.num_k_blocks);
+  const std::size_t rows = m.full_count.size();
+  if (bits.size() != rows * static_cast<std::size_t>(words)) {
+    return {StatusCode::kInternal, "mask_from_bits: bitmap has " + std::to_string(bits.size()) + " words, expected " +
+                                       std::to_string(rows * static_cast<std::size_t>(words))};
+  }
+  for (int b = 0; b < m.batch; ++b) {
+    for (int h = 0; h < m.heads; ++h) {
+      for (int qb = 0; qb < m.num_q_blocks; ++qb) {
+        const std::size_t row = static_cast<std::size_t>(m.row(b, h, qb));
+        for (int w = 0; w < words; ++w) {
+          for (std::uint32_t word = bits[row * static_cast<std::size_t>(words) + static_cast<std::size_t>(w)]; word != 0u;
+               word &= word - 1u) {
+            const int kb = w * 32 + __builtin_ctz(word);
+            Status st = m.add(shape, b, h, qb, kb);
+            if (!st.ok()) return {StatusCode::kInternal, "CUDA decisions: " + st.message()};
+          }
+        }
+      }
+    }
+  }
+  *out = std::move(m);
+  return {};
+}
+
+Status mask_from_arrays(const ProblemShape& shape, int block, bool per_kv_head,
+                        const std::vector<std::int32_t>& full_count,
+                        const std::vector<std::int32_t>& full_index,
+                        const std::vector<std::int32_t>& partial_count,
+                        const std::vector<std::int32_t>& partial_index, BlockMask* out) {
+  BlockMask m = BlockMask::empty(shape, block, block, per_kv_head);
+  const std::size_t rows = m.full_count.size(), cap = static_cast<std::size_t>(m.num_k_blocks);
+  if (full_count.size() != rows || partial_count.size() != rows || full_index.size() != rows * cap ||
+      partial_index.size() != rows * cap) {
+    return {StatusCode::kInternal, "mask_from_arrays: array sizes do not match the mask geometry"};
+  }
+  for (std::size_t r = 0; r < rows; ++r) {
+    m.full_count[r] = full_count[r];
+    m.partial_count[r] = partial_count[r];
+    for (std::size_t i = 0; i < cap; ++i) {
+      const bool full_used = static_cast<std::int32_t>(i) < full_count[r];
+      const bool part_used = static_cast<std::int32_t>(i) < partial_count[r];
+      m.full_index[r * cap + i] = full_used ? full_index[r * cap + i] : -1;
+      m.partial_index[r * cap + i] = part_used ? partial_index[r * cap + i] : -1;
+    }
+  }
+  Status st = m.validate_for(shape);
+  if (!st.ok()) return {StatusCode::kInternal, "CUDA selector produced an invalid mask: " + st.message()};
+  *out = std::move(m);
+  return {};
+}
+
+}  // namespace sparseprefill::cuda

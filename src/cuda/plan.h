@@ -1,0 +1,65 @@
+// SPDX-License-Identifier: Apache-2.0
+// Host-side planning of a CUDA call, as pure functions (host-tested, no CUDA headers): what the
+// compiled kernels support, which instance serves a call, the kernel parameters and the
+// conversions between BlockMask and the kernels' device formats.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "cuda/kernel/fwd_params.h"
+#include "sparseprefill/attention.h"
+
+namespace sparseprefill::cuda {
+
+// What the compiled kernels serve, as one line for messages.
+std::string support_summary();
+
+// Whether a compiled kernel serves (shape, policy); on success *block_n is the key tile of the
+// instance to launch. Only shapes and parameters are checked (no pointers).
+Status check_support(const ProblemShape& shape, const Policy& policy, int* block_n);
+
+// Pointer alignment and strides the kernels need (16-byte rows for cp.async and the O stores).
+Status check_layout(const AttentionProblem& problem, const AttentionOutput& output);
+
+// The key tile dense attention runs with for a head dim (a tuning value, no effect on results).
+int dense_block_n(int head_dim);
+
+// Per-sequence geometry and element offsets of q, k, v, o and lse.
+std::vector<SeqInfo> make_seq_infos(const AttentionProblem& problem, const ProblemShape& shape,
+                                    const AttentionOutput& output);
+
+// FwdParams with every tensor, stride and size of the problem filled in; the policy fields are
+// dense and every device-side table pointer (seqs, masks, bitmaps) is null.
+FwdParams make_fwd_params(const AttentionProblem& problem, const ProblemShape& shape,
+                          const AttentionOutput& output, int block_n);
+
+// A BlockMask in the kernels' compact layout: counts as in the mask, each row's indices
+// packed after the previous row's (starts per row).
+struct CompactMask {
+  std::vector<std::int32_t> full_count;     // [rows]
+  std::vector<std::int32_t> partial_count;  // [rows]
+  std::vector<std::int64_t> full_start;     // [rows]
+  std::vector<std::int64_t> partial_start;  // [rows]
+  std::vector<std::int32_t> full_index;     // [sum of full counts]
+  std::vector<std::int32_t> partial_index;  // [sum of partial counts]
+};
+CompactMask compact_mask(const BlockMask& mask);
+
+// Number of 32-bit words of one bitmap row over num_k_blocks blocks.
+int bitmap_words(int num_k_blocks);
+
+// The BlockMask whose rows are the set bits of `bits` [batch, heads, num_q_blocks, words]
+// (block sizes and geometry from `shape`); every set bit must be a visible block.
+Status mask_from_bits(const ProblemShape& shape, int block_q, int block_k, bool per_kv_head,
+                      const std::vector<std::uint32_t>& bits, BlockMask* out);
+
+// The BlockMask of capacity-layout device arrays copied back (the selector's output).
+Status mask_from_arrays(const ProblemShape& shape, int block, bool per_kv_head,
+                        const std::vector<std::int32_t>& full_count,
+                        const std::vector<std::int32_t>& full_index,
+                        const std::vector<std::int32_t>& partial_count,
+                        const std::vector<std::int32_t>& partial_index, BlockMask* out);
+
+}  // namespace sparseprefill::cuda

@@ -1,0 +1,60 @@
+// SPDX-License-Identifier: Apache-2.0
+// Lookup tables over the generated kernel instances (instances/registry.inc). Host-only: the
+// instances are reached through extern declarations, never through kernel headers.
+#include "cuda/registry.h"
+
+#include <iterator>
+#include <sstream>
+
+namespace sparseprefill::cuda {
+namespace {
+
+constexpr FwdVariant kFwdVariants[] = {
+#define SP_FWD_VARIANT(fn, dtype, head_dim, block_n) {#fn, DType::dtype, head_dim, block_n, &fn},
+#define SP_SELECT_VARIANT(fn, dtype, head_dim)
+#include "cuda/instances/registry.inc"
+#undef SP_FWD_VARIANT
+#undef SP_SELECT_VARIANT
+};
+
+constexpr SelectVariant kSelectVariants[] = {
+#define SP_FWD_VARIANT(fn, dtype, head_dim, block_n)
+#define SP_SELECT_VARIANT(fn, dtype, head_dim) {#fn, DType::dtype, head_dim, &fn},
+#include "cuda/instances/registry.inc"
+#undef SP_FWD_VARIANT
+#undef SP_SELECT_VARIANT
+};
+
+}  // namespace
+
+const FwdVariant* find_fwd(DType dtype, int head_dim, int block_n) {
+  for (const FwdVariant& v : kFwdVariants) {
+    if (v.dtype == dtype && v.head_dim == head_dim && v.block_n == block_n) return &v;
+  }
+  return nullptr;
+}
+
+const SelectVariant* find_select(DType dtype, int head_dim) {
+  for (const SelectVariant& v : kSelectVariants) {
+    if (v.dtype == dtype && v.head_dim == head_dim) return &v;
+  }
+  return nullptr;
+}
+
+std::string compiled_fwd_summary() {
+  std::ostringstream os;
+  for (std::size_t i = 0; i < std::size(kFwdVariants); ++i) {
+    const FwdVariant& v = kFwdVariants[i];
+    os << (i ? ", " : "") << dtype_name(v.dtype) << " d=" << v.head_dim << " block_k=" << v.block_n;
+  }
+  return os.str();
+}
+
+std::string compiled_instances() {
+  std::ostringstream os;
+  for (const FwdVariant& v : kFwdVariants) os << v.name << "\n";
+  for (const SelectVariant& v : kSelectVariants) os << v.name << "\n";
+  return os.str();
+}
+
+}  // namespace sparseprefill::cuda

@@ -1,0 +1,548 @@
+// SPDX-License-Identifier: Apache-2.0
+// The CUDA kernels against the fp64 oracle: every policy within the calibrated tolerance, the
+// CPU backend's (and the oracle's) decisions exactly on inputs placed away from ties, poisoned
+// outputs fully written, NaN K/V in blocks that must not be read, odd lengths, s_q != s_k,
+// GQA groups 1/4/8, varlen, both dtypes and head dims, and clear errors for what is not built.
+#include <cuda_runtime.h>
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <functional>
+#include <limits>
+#include <string>
+#include <vector>
+
+#include "common/decisions.h"
+#include "common/inputs.h"
+#include "common/poison.h"
+#include "common/results.h"
+#include "common/tolerance.h"
+#include "core/geometry.h"
+#include "gpu_harness.cuh"
+#include "reference/reference.h"
+#include "sparseprefill/attention.h"
+
+namespace sparseprefill::test {
+namespace {
+
+constexpr double kInf = std::numeric_limits<double>::infinity();
+constexpr double kNaN = std::numeric_limits<double>::quiet_NaN();
+// A parameter is used only if the oracle's decisions do not move when it is scaled by
+// 1 ± kMargin: no observed quantity lies within that band of the threshold, far beyond the
+// fp32-vs-fp64 differences of the kernels' scores (~1e-6 relative).
+constexpr double kMargin = 1e-3;
+
+bool have_gpu() {
+  int n = 0;
+  return cudaGetDeviceCount(&n) == cudaSuccess && n > 0;
+}
+
+#define SP_REQUIRE_GPU() \
+  if (!have_gpu()) GTEST_SKIP() << "no CUDA device"
+
+ref::Result oracle(const TestProblem& tp, const Policy& policy) {
+  ref::Result r;
+  const Status st = ref::run_reference(tp.problem(), policy, &r);
+  EXPECT_TRUE(st.ok()) << st.to_string();
+  return r;
+}
+
+Decisions cpu_decisions(TestProblem* tp, const Policy& policy) {
+  RunOptions opt;
+  opt.backend = Backend::kCPU;
+  Decisions d;
+  const Status st = run(tp->problem(), policy, tp->output(), opt, nullptr, &d);
+  EXPECT_TRUE(st.ok()) << st.to_string();
+  return d;
+}
+
+// The GPU output within the calibrated tolerance of the oracle, every element written, and
+// exactly the oracle's and the CPU backend's decisions.
+GpuRun expect_gpu_matches(TestProblem* tp, const Policy& policy) {
+  GpuRun r = run_gpu(tp, policy);
+  EXPECT_TRUE(r.status.ok()) << r.status.to_string();
+  if (!r.status.ok()) return r;
+  ref::Result ref64;
+  EXPECT_TRUE(matches_reference(tp->problem(), policy, tp->output(), {}, &ref64));
+  EXPECT_TRUE(fully_written(r.out, ref64));
+  EXPECT_TRUE(same_decisions(ref64.decisions, r.decisions));
+  TestProblem copy = *tp;
+  EXPECT_TRUE(same_decisions(cpu_decisions(&copy, policy), r.decisions));
+  return r;
+}
+
+Inputs make_inputs(const std::vector<SeqLen>& lengths, int h_q, int h_kv, int d, std::uint64_t seed,
+                   DType dtype = DType::kBF16, double scale = 1.5) {
+  return random_inputs(lengths, h_q, h_kv, d, dtype, seed, scale);
+}
+
+TestProblem make_problem(const Inputs& in, bool causal = true, Layout layout = Layout::kBatched) {
+  LayoutOptions opt;
+  opt.layout = layout;
+  opt.causal = causal;
+  return build_problem(in, opt);
+}
+
+geom::BlockGeometry geometry(std::int64_t s_q, std::int64_t s_k, bool causal, int bq, int bk) {
+  geom::BlockGeometry g;
+  g.seq = {s_q, s_k, causal};
+  g.block_q = bq;
+  g.block_k = bk;
+  return g;
+}
+
+std::int64_t visible_blocks(const std::vector<SeqLen>& lengths, int heads, bool causal, int bq, int bk) {
+  std::int64_t n = 0;
+  for (const SeqLen& l : lengths) {
+    const geom::BlockGeometry g = geometry(l.s_q, l.s_k, causal, bq, bk);
+    for (int qb = 0; qb < g.num_q_blocks(); ++qb) n += g.visible_end(qb);
+  }
+  return n * heads;
+}
+
+std::function<bool(const Decisions&)> some_skipped(std::int64_t visible) {
+  return [visible](const Decisions& d) {
+    const std::int64_t kept = d.kept.selected_blocks();
+    return kept > 0 && kept < visible;
+  };
+}
+
+// The first candidate whose oracle decisions are unchanged at candidate·(1 ± kMargin) and
+// satisfy `useful`; NaN when none does (the test then fails).
+double stable_parameter(const TestProblem& tp, const std::vector<double>& candidates,
+                        const std::function<Policy(double)>& make,
+                        const std::function<bool(const Decisions&)>& useful) {
+  for (double c : candidates) {
+    const ref::Result mid = oracle(tp, make(c));
+    if (!useful(mid.decisions)) continue;
+    if (!same_decisions(mid.decisions, oracle(tp, make(c * (1 - kMargin))).decisions)) continue;
+    if (!same_decisions(mid.decisions, oracle(tp, make(c * (1 + kMargin))).decisions)) continue;
+    return c;
+  }
+  return kNaN;
+}
+
+// Sets K or V of key positions [k0, k1) of KV head g in sequence b to NaN.
+void poison_keys(Inputs* in, int b, bool value, int g, std::int64_t k0, std::int64_t k1) {
+  SequenceData& s = in->seqs[static_cast<std::size_t>(b)];
+  HostTensor* t = value ? &s.v : &s.k;
+  for (std::int64_t pos = k0; pos < k1; ++pos) {
+    for (int c = 0; c < in->d; ++c) set(t, (pos * in->h_kv + g) * in->d + c, kNaN);
+  }
+}
+
+// ------------------------------------------------------------------ dense
+
+TEST(CudaDense, OddLengthsBothDtypesAndHeadDims) {
+  SP_REQUIRE_GPU();
+  int seed = 1;
+  for (std::int64_t s : {1, 15, 17, 113, 1023}) {
+    for (DType dtype : {DType::kBF16, DType::kFP16}) {
+      const int d = (seed % 2 == 0) ? 64 : 128;
+      SCOPED_TRACE("s = " + std::to_string(s) + " " + dtype_name(dtype) + " d = " + std::to_string(d));
+      const Inputs in = make_inputs({{s, s}}, 4, 1, d, static_cast<std::uint64_t>(100 + seed++), dtype);
+      TestProblem tp = make_problem(in);
+      expect_gpu_matches(&tp, DenseParams{});
+    }
+  }
+}
+
+TEST(CudaDense, GqaGroupsCausalAndNonCausal) {
+  SP_REQUIRE_GPU();
+  for (int h_kv : {8, 2, 1}) {  // groups 1, 4, 8
+    for (bool causal : {true, false}) {
+      SCOPED_TRACE("group " + std::to_string(8 / h_kv) + (causal ? " causal" : " non-causal"));
+      const Inputs in = make_inputs({{257, 257}}, 8, h_kv, 128, 200 + static_cast<std::uint64_t>(h_kv));
+      TestProblem tp = make_problem(in, causal);
+      expect_gpu_matches(&tp, DenseParams{});
+    }
+  }
+}
+
+TEST(CudaDense, VarlenChunkedPrefillAndEmptyRows) {
+  SP_REQUIRE_GPU();
+  // s_q < s_k (cached prefix), s_q > s_k (the first s_q - s_k rows see no key: O = 0,
+  // LSE = -inf), a single row, and an empty key sequence.
+  const std::vector<SeqLen> lengths = {{1, 1}, {15, 40}, {17, 300}, {113, 113}, {300, 17}, {5, 0}};
+  for (bool causal : {true, false}) {
+    for (DType dtype : {DType::kBF16, DType::kFP16}) {
+      SCOPED_TRACE(std::string(causal ? "causal " : "non-causal ") + dtype_name(dtype));
+      const Inputs in = make_inputs(lengths, 4, 2, 64, 300, dtype);
+      TestProblem tp = make_problem(in, causal, Layout::kVarlen);
+      const GpuRun r = expect_gpu_matches(&tp, DenseParams{});
+      if (!causal || !r.status.ok()) continue;
+      // Sequence {300, 17}: rows 0..282 are empty.
+      std::int64_t row0 = 1 + 15 + 17 + 113;
+      for (int h = 0; h < in.h_q; ++h) {
+        const std::int64_t rows = static_cast<std::int64_t>(r.out.lse.size()) / in.h_q;
+        EXPECT_EQ(r.out.lse[static_cast<std::size_t>(h * rows + row0)], -kInf);
+        EXPECT_EQ(r.out.o[static_cast<std::size_t>((row0 * in.h_q + h) * in.d)], 0.0);
+      }
+    }
+  }
+}
+
+TEST(CudaDense, LongSequence4224) {
+  SP_REQUIRE_GPU();
+  const Inputs in = make_inputs({{4224, 4224}}, 2, 1, 64, 400, DType::kFP16);
+  TestProblem tp = make_problem(in);
+  expect_gpu_matches(&tp, DenseParams{});
+}
+
+TEST(CudaDense, NaNInputsPropagateWithoutCrashing) {
+  SP_REQUIRE_GPU();
+  Inputs in = make_inputs({{200, 200}}, 2, 1, 64, 450);
+  set(&in.seqs[0].q, (150 * in.h_q + 1) * in.d + 3, kNaN);  // row 150 of head 1
+  TestProblem tp = make_problem(in);
+  const GpuRun r = expect_gpu_matches(&tp, DenseParams{});
+  ASSERT_TRUE(r.status.ok());
+  EXPECT_TRUE(std::isnan(r.out.lse[static_cast<std::size_t>(1 * 200 + 150)]));
+  EXPECT_FALSE(std::isnan(r.out.lse[static_cast<std::size_t>(1 * 200 + 149)]));
+}
+
+// ------------------------------------------------------------------ block_sparse
+
+// A random mask over `shape` that never selects the "dead" key blocks (every third block of
+// every row, per mask head) so that their K and V can be NaN.
+BlockMask random_mask(const ProblemShape& shape, int block_k, bool per_kv, std::uint64_t seed,
+                      std::vector<std::vector<int>>* dead_by_head) {
+  BlockMask m = BlockMask::empty(shape, 128, block_k, per_kv);
+  Random rng(seed);
+  dead_by_head->assign(static_cast<std::size_t>(m.heads), {});
+  for (int h = 0; h < m.heads; ++h) {
+    for (int kb = 0; kb < m.num_k_blocks; ++kb) {
+      if ((kb + h) % 3 == 1) (*dead_by_head)[static_cast<std::size_t>(h)].push_back(kb);
+    }
+  }
+  for (int b = 0; b < m.batch; ++b) {
+    const geom::BlockGeometry g = geometry(shape.seq_q[static_cast<std::size_t>(b)], shape.seq_k[static_cast<std::size_t>(b)],
+                                           shape.causal, 128, block_k);
+    for (int h = 0; h < m.heads; ++h) {
+      for (int qb = 0; qb < g.num_q_blocks(); ++qb) {
+        for (int kb = 0; kb < g.visible_end(qb); ++kb) {
+          if ((kb + h) % 3 == 1 || rng.below(4) == 0) continue;
+          EXPECT_TRUE(m.add(shape, b, h, qb, kb).ok());
+        }
+      }
+    }
+  }
+  return m;
+}
+
+TEST(CudaBlockSparse, RandomMasksWithNaNInUnselectedBlocks) {
+  SP_REQUIRE_GPU();
+  struct Case {
+    SeqLen len;
+    int h_q, h_kv, d, block_k;
+    bool per_kv, causal;
+  };
+  for (const Case& c : {Case{{700, 700}, 4, 1, 128, 64, false, true}, Case{{700, 1100}, 8, 2, 64, 128, true, true},
+                        Case{{333, 333}, 2, 2, 128, 128, false, false}, Case{{129, 900}, 4, 4, 64, 64, true, true}}) {
+    SCOPED_TRACE(std::to_string(c.len.s_q) + "x" + std::to_string(c.len.s_k) + " block_k " + std::to_string(c.block_k) +
+                 (c.per_kv ? " per kv head" : " per q head"));
+    Inputs in = make_inputs({c.len}, c.h_q, c.h_kv, c.d, 500 + static_cast<std::uint64_t>(c.len.s_k));
+    TestProblem clean = make_problem(in, c.causal);
+    ProblemShape shape;
+    ASSERT_TRUE(validate_problem(clean.problem(), nullptr, &shape).ok());
+    std::vector<std::vector<int>> dead;
+    BlockSparseParams p;
+    p.mask = random_mask(shape, c.block_k, c.per_kv, 77, &dead);
+    // NaN K and V of blocks no row of a KV head can select (with per-q-head masks: blocks dead
+    // for every q head of the group).
+    const geom::BlockGeometry g = geometry(c.len.s_q, c.len.s_k, c.causal, 128, c.block_k);
+    for (int kvh = 0; kvh < c.h_kv; ++kvh) {
+      for (int kb = 0; kb < g.num_k_blocks(); ++kb) {
+        bool all_dead = true;
+        const int group = c.h_q / c.h_kv;
+        for (int h = 0; h < (c.per_kv ? 1 : group); ++h) {
+          const auto& list = dead[static_cast<std::size_t>(c.per_kv ? kvh : kvh * group + h)];
+          all_dead &= std::find(list.begin(), list.end(), kb) != list.end();
+        }
+        if (!all_dead) continue;
+        poison_keys(&in, 0, false, kvh, g.key_begin(kb), g.key_end(kb));
+        poison_keys(&in, 0, true, kvh, g.key_begin(kb), g.key_end(kb));
+      }
+    }
+    TestProblem dirty = make_problem(in, c.causal);
+    expect_gpu_matches(&dirty, p);
+  }
+}
+
+TEST(CudaBlockSparse, AllVisibleMaskEqualsDenseBitwise) {
+  SP_REQUIRE_GPU();
+  const Inputs in = make_inputs({{600, 800}}, 4, 2, 128, 600);
+  TestProblem tp = make_problem(in);
+  ProblemShape shape;
+  ASSERT_TRUE(validate_problem(tp.problem(), nullptr, &shape).ok());
+  BlockSparseParams p;
+  p.mask = BlockMask::all_visible(shape, 128, 128, false);
+  const GpuRun sparse = run_gpu(&tp, p);
+  ASSERT_TRUE(sparse.status.ok()) << sparse.status.to_string();
+  const GpuRun dense = run_gpu(&tp, DenseParams{});
+  ASSERT_TRUE(dense.status.ok()) << dense.status.to_string();
+  EXPECT_TRUE(same_result(sparse.out, dense.out, 0.0));
+}
+
+// ------------------------------------------------------------------ exact_gate
+
+double block_max(const Inputs& in, int h, const geom::BlockGeometry& g, int qb, int kb) {
+  const double scale = 1.0 / std::sqrt(static_cast<double>(in.d));
+  const int kvh = h / (in.h_q / in.h_kv);
+  const SequenceData& s = in.seqs[0];
+  double m = -kInf;
+  for (std::int64_t r = g.row_begin(qb); r < g.row_end(qb); ++r) {
+    for (std::int64_t t = g.key_begin(kb); t < g.key_end(kb); ++t) {
+      double dot = 0.0;
+      for (int c = 0; c < in.d; ++c) dot += get(s.q, (r * in.h_q + h) * in.d + c) * get(s.k, (t * in.h_kv + kvh) * in.d + c);
+      m = std::max(m, scale * dot);
+    }
+  }
+  return m;
+}
+
+// A threshold table [h_q, positions] for batch-1 inputs: per (h, qb) the midpoint of two
+// consecutive observed maxima of its gated blocks with a gap >= 0.02 near the keep_fraction
+// quantile (so no maximum lies within 0.01 of it); -inf when nothing is gated.
+HostTensor midpoint_thresholds(const Inputs& in, bool causal, int bk, double keep_fraction) {
+  const geom::BlockGeometry g = geometry(in.s_q(0), in.s_k(0), causal, 128, bk);
+  const int positions = static_cast<int>(geom::ceil_div(in.s_k(0), 128)) + 1;
+  HostTensor thr(DType::kFP32, {in.h_q, positions});
+  for (int i = 0; i < in.h_q * positions; ++i) thr.as<float>()[i] = -std::numeric_limits<float>::infinity();
+  for (int h = 0; h < in.h_q; ++h) {
+    for (int qb = 0; qb < g.num_q_blocks(); ++qb) {
+      std::vector<double> maxima;
+      for (int kb = 0; kb < g.visible_end(qb); ++kb) {
+        const bool gated = causal ? g.is_full(qb, kb) : kb != g.num_k_blocks() - 1;
+        if (gated) maxima.push_back(block_max(in, h, g, qb, kb));
+      }
+      std::sort(maxima.begin(), maxima.end(), std::greater<double>());
+      const int n = static_cast<int>(maxima.size());
+      const int want = std::clamp(static_cast<int>(keep_fraction * n), 0, std::max(n - 1, 0));
+      double t = -kInf;
+      for (int delta = 0; delta < n && t == -kInf; ++delta) {
+        for (int k : {want - delta, want + delta}) {
+          if (k >= 0 && k + 1 < n && maxima[static_cast<std::size_t>(k)] - maxima[static_cast<std::size_t>(k + 1)] >= 0.02) {
+            t = 0.5 * (maxima[static_cast<std::size_t>(k)] + maxima[static_cast<std::size_t>(k + 1)]);
+            break;
+          }
+        }
+      }
+      thr.as<float>()[h * positions + g.threshold_position(qb, positions)] = static_cast<float>(t);
+    }
+  }
+  return thr;
+}
+
+ExactGateParams gate_params(const HostTensor& thr, int bk) {
+  ExactGateParams p;
+  p.block_q = 128;
+  p.block_k = bk;
+  p.thresholds = thr.view();
+  return p;
+}
+
+TEST(CudaExactGate, MidpointThresholdsCausalChunkedAndNonCausal) {
+  SP_REQUIRE_GPU();
+  struct Case {
+    SeqLen len;
+    bool causal;
+    int h_q, h_kv, d, block_k;
+    DType dtype;
+  };
+  for (const Case& c : {Case{{600, 600}, true, 4, 1, 128, 64, DType::kBF16},
+                        Case{{200, 1500}, true, 2, 2, 64, 128, DType::kFP16},
+                        Case{{300, 500}, false, 8, 2, 128, 128, DType::kBF16},
+                        Case{{1023, 1023}, true, 2, 1, 64, 128, DType::kBF16}}) {
+    SCOPED_TRACE(std::to_string(c.len.s_q) + "x" + std::to_string(c.len.s_k) + (c.causal ? " causal" : " non-causal") +
+                 " block_k " + std::to_string(c.block_k));
+    const Inputs in = make_inputs({c.len}, c.h_q, c.h_kv, c.d, 700 + static_cast<std::uint64_t>(c.len.s_q), c.dtype);
+    TestProblem tp = make_problem(in, c.causal);
+    const HostTensor thr = midpoint_thresholds(in, c.causal, c.block_k, 0.4);
+    const GpuRun r = expect_gpu_matches(&tp, gate_params(thr, c.block_k));
+    if (!r.status.ok()) continue;
+    const std::int64_t visible = visible_blocks({c.len}, c.h_q, c.causal, 128, c.block_k);
+    EXPECT_LT(r.decisions.kept.selected_blocks(), visible) << "the thresholds should skip some blocks";
+  }
+}
+
+TEST(CudaExactGate, MinusInfinityKeepsAllAndEqualsDenseBitwise) {
+  SP_REQUIRE_GPU();
+  const Inputs in = make_inputs({{500, 700}}, 4, 1, 128, 800);
+  TestProblem tp = make_problem(in);
+  HostTensor thr(DType::kFP32, {4, 3});
+  for (int i = 0; i < 12; ++i) thr.as<float>()[i] = -std::numeric_limits<float>::infinity();
+  const GpuRun gate = run_gpu(&tp, gate_params(thr, 128));
+  ASSERT_TRUE(gate.status.ok()) << gate.status.to_string();
+  const GpuRun dense = run_gpu(&tp, DenseParams{});
+  EXPECT_TRUE(same_result(gate.out, dense.out, 0.0));
+  EXPECT_EQ(gate.decisions.kept.selected_blocks(), visible_blocks({{500, 700}}, 4, true, 128, 128));
+}
+
+TEST(CudaExactGate, NaNValuesOfSkippedBlocksAreNeverRead) {
+  SP_REQUIRE_GPU();
+  // One query block over a long prefix: every prefix block is full and gated. V of the blocks
+  // the gate skips for every head of the KV group is NaN (K stays: the gate reads it).
+  const SeqLen len{100, 1400};
+  Inputs in = make_inputs({len}, 2, 2, 128, 900);
+  TestProblem clean = make_problem(in);
+  const HostTensor thr = midpoint_thresholds(in, true, 64, 0.3);
+  const GpuRun want = expect_gpu_matches(&clean, gate_params(thr, 64));
+  ASSERT_TRUE(want.status.ok());
+  const geom::BlockGeometry g = geometry(len.s_q, len.s_k, true, 128, 64);
+  int poisoned = 0;
+  for (int h = 0; h < in.h_q; ++h) {
+    for (int kb = 0; kb < g.visible_end(0); ++kb) {
+      if (!want.decisions.kept.contains(0, h, 0, kb)) {
+        poison_keys(&in, 0, true, h, g.key_begin(kb), g.key_end(kb));
+        ++poisoned;
+      }
+    }
+  }
+  ASSERT_GT(poisoned, 0);
+  TestProblem dirty = make_problem(in);
+  const GpuRun got = run_gpu(&dirty, gate_params(thr, 64));
+  ASSERT_TRUE(got.status.ok());
+  EXPECT_TRUE(same_result(got.out, want.out, 0.0));
+}
+
+// ------------------------------------------------------------------ softmax_skip
+
+SoftmaxSkipParams skip_params(double a, int bk) {
+  SoftmaxSkipParams p;
+  p.a = a;
+  p.block_q = 128;
+  p.block_k = bk;
+  return p;
+}
+
+std::vector<double> scale_factors(std::int64_t s_k) {
+  std::vector<double> out;
+  for (double lambda : {0.1, 0.03, 0.3, 0.01, 0.003, 0.001}) out.push_back(lambda * static_cast<double>(s_k));
+  return out;
+}
+
+TEST(CudaSoftmaxSkip, StableScaleFactorsAgainstOracle) {
+  SP_REQUIRE_GPU();
+  struct Case {
+    SeqLen len;
+    bool causal;
+    int h_q, h_kv, d, block_k;
+  };
+  for (const Case& c : {Case{{700, 700}, true, 4, 1, 128, 64}, Case{{150, 1200}, true, 2, 2, 64, 128},
+                        Case{{400, 400}, false, 4, 4, 64, 64}}) {
+    SCOPED_TRACE(std::to_string(c.len.s_q) + "x" + std::to_string(c.len.s_k) + (c.causal ? " causal" : " non-causal"));
+    const Inputs in = make_inputs({c.len}, c.h_q, c.h_kv, c.d, 1000 + static_cast<std::uint64_t>(c.len.s_k),
+                                  DType::kBF16, 3.0);
+    TestProblem tp = make_problem(in, c.causal);
+    const double a = stable_parameter(tp, scale_factors(c.len.s_k),
+                                      [&](double x) -> Policy { return skip_params(x, c.block_k); },
+                                      some_skipped(visible_blocks({c.len}, c.h_q, c.causal, 128, c.block_k)));
+    ASSERT_FALSE(std::isnan(a)) << "no scale factor with a margin skips anything";
+    expect_gpu_matches(&tp, skip_params(a, c.block_k));
+  }
+}
+
+TEST(CudaSoftmaxSkip, OffWhenContextShorterThanA) {
+  SP_REQUIRE_GPU();
+  const Inputs in = make_inputs({{300, 300}}, 2, 1, 64, 1100, DType::kBF16, 3.0);
+  TestProblem tp = make_problem(in);
+  const GpuRun r = expect_gpu_matches(&tp, skip_params(301.0, 64));
+  EXPECT_EQ(r.decisions.kept.selected_blocks(), visible_blocks({{300, 300}}, 2, true, 128, 64));
+}
+
+// ------------------------------------------------------------------ estimate_select
+
+EstimateSelectParams select_params(double alpha, bool correction, bool pack) {
+  EstimateSelectParams p;
+  p.block = 128;
+  p.alpha = alpha;
+  p.sink = 1;
+  p.window = 2;
+  p.tail = 1;
+  p.mean_correction = correction;
+  p.pack_gqa = pack;
+  return p;
+}
+
+TEST(CudaEstimateSelect, StableAlphaAgainstOracle) {
+  SP_REQUIRE_GPU();
+  struct Case {
+    SeqLen len;
+    int h_q, h_kv, d;
+    bool correction, pack;
+  };
+  for (const Case& c : {Case{{1300, 1300}, 4, 1, 128, false, false}, Case{{1300, 1300}, 4, 1, 64, true, false},
+                        Case{{300, 1500}, 4, 1, 128, true, true}, Case{{1023, 1023}, 8, 2, 64, false, true},
+                        Case{{900, 700}, 2, 2, 128, true, false}}) {
+    SCOPED_TRACE(std::to_string(c.len.s_q) + "x" + std::to_string(c.len.s_k) + " d " + std::to_string(c.d) +
+                 (c.correction ? " corrected" : "") + (c.pack ? " pack_gqa" : ""));
+    const Inputs in = make_inputs({c.len}, c.h_q, c.h_kv, c.d, 1200 + static_cast<std::uint64_t>(c.len.s_q), DType::kBF16, 2.5);
+    TestProblem tp = make_problem(in);
+    const int units = c.pack ? c.h_kv : c.h_q;
+    const double alpha = stable_parameter(tp, {0.3, 0.2, 0.5, 0.1, 0.05, 0.7},
+                                          [&](double x) -> Policy { return select_params(x, c.correction, c.pack); },
+                                          some_skipped(visible_blocks({c.len}, units, true, 128, 128)));
+    ASSERT_FALSE(std::isnan(alpha)) << "no alpha with a margin prunes anything";
+    const GpuRun r = expect_gpu_matches(&tp, select_params(alpha, c.correction, c.pack));
+    if (c.correction && r.status.ok()) EXPECT_GT(r.decisions.corrected.selected_blocks(), 0);
+  }
+}
+
+TEST(CudaEstimateSelect, VarlenBatchOfTwo) {
+  SP_REQUIRE_GPU();
+  const Inputs in = make_inputs({{700, 900}, {1100, 1100}}, 2, 1, 64, 1300, DType::kFP16, 2.5);
+  TestProblem tp = make_problem(in, true, Layout::kVarlen);
+  const double alpha = stable_parameter(tp, {0.3, 0.2, 0.5, 0.1},
+                                        [&](double x) -> Policy { return select_params(x, true, false); },
+                                        some_skipped(visible_blocks({{700, 900}, {1100, 1100}}, 2, true, 128, 128)));
+  ASSERT_FALSE(std::isnan(alpha));
+  expect_gpu_matches(&tp, select_params(alpha, true, false));
+}
+
+// ------------------------------------------------------------------ what is not built
+
+TEST(CudaSupport, UnsupportedCombinationsSayWhatIsCompiled) {
+  SP_REQUIRE_GPU();
+  const Inputs in = make_inputs({{64, 64}}, 2, 1, 64, 1400);
+  TestProblem tp = make_problem(in);
+  const GpuRun stop = run_gpu(&tp, PermuteStopParams{});
+  EXPECT_EQ(stop.status.code(), StatusCode::kUnsupported);
+  EXPECT_NE(stop.status.message().find("permute_stop"), std::string::npos) << stop.status.message();
+
+  SoftmaxSkipParams small;
+  small.block_q = 64;
+  const GpuRun blocks = run_gpu(&tp, small);
+  EXPECT_EQ(blocks.status.code(), StatusCode::kUnsupported);
+  EXPECT_NE(blocks.status.message().find("block_q = 128"), std::string::npos) << blocks.status.message();
+
+  const Inputs odd = make_inputs({{64, 64}}, 2, 1, 96, 1401);
+  TestProblem tp96 = make_problem(odd);
+  const GpuRun d96 = run_gpu(&tp96, DenseParams{});
+  EXPECT_EQ(d96.status.code(), StatusCode::kUnsupported);
+  EXPECT_NE(d96.status.message().find("head_dim 96"), std::string::npos) << d96.status.message();
+
+  const Inputs f32 = make_inputs({{64, 64}}, 2, 1, 64, 1402, DType::kFP32);
+  TestProblem tp32 = make_problem(f32);
+  const GpuRun r32 = run_gpu(&tp32, DenseParams{});
+  EXPECT_EQ(r32.status.code(), StatusCode::kUnsupported);
+  EXPECT_NE(r32.status.message().find("fp32"), std::string::npos) << r32.status.message();
+}
+
+TEST(CudaSupport, CanRunMatchesRun) {
+  SP_REQUIRE_GPU();
+  const Inputs in = make_inputs({{64, 64}}, 2, 1, 128, 1500);
+  TestProblem tp = make_problem(in);
+  DeviceBuffer q, k, v;
+  AttentionProblem dev = tp.problem();
+  dev.q = to_device(tp.q, &q);
+  dev.k = to_device(tp.k, &k);
+  dev.v = to_device(tp.v, &v);
+  EXPECT_TRUE(can_run(dev, DenseParams{}, Backend::kCUDA).ok());
+  EXPECT_EQ(can_run(dev, PermuteStopParams{}, Backend::kCUDA).code(), StatusCode::kUnsupported);
+  EXPECT_NE(build_info().find("fwd_sm80_bf16_hd128_n128"), std::string::npos) << build_info();
+}
+
+}  // namespace
+}  // namespace sparseprefill::test

@@ -1,0 +1,111 @@
+// SPDX-License-Identifier: Apache-2.0
+// The CUDA backend's pure host planning (no GPU needed): support checks and their messages,
+// the compact mask layout the kernels read, and bitmaps/arrays converted back to BlockMasks.
+#include <gtest/gtest.h>
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "common/inputs.h"
+#include "cuda/plan.h"
+#include "sparseprefill/attention.h"
+
+namespace sparseprefill::cuda {
+namespace {
+
+ProblemShape shape_of(std::int64_t s_q, std::int64_t s_k, int h_q, int h_kv, int d, DType dtype = DType::kBF16) {
+  ProblemShape s;
+  s.batch = 1;
+  s.h_q = h_q;
+  s.h_kv = h_kv;
+  s.d = d;
+  s.dtype = dtype;
+  s.causal = true;
+  s.scale = 1.0;
+  s.seq_q = {s_q};
+  s.seq_k = {s_k};
+  s.q_start = {0};
+  s.k_start = {0};
+  s.device = Device{DeviceKind::kCUDA, 0};
+  return s;
+}
+
+TEST(CudaPlan, SupportChoosesTheBlockTile) {
+  const ProblemShape s = shape_of(300, 300, 4, 1, 128);
+  int n = 0;
+  ASSERT_TRUE(check_support(s, DenseParams{}, &n).ok());
+  EXPECT_EQ(n, dense_block_n(128));
+  ExactGateParams gate;
+  gate.block_k = 64;
+  ASSERT_TRUE(check_support(s, gate, &n).ok());
+  EXPECT_EQ(n, 64);
+  EstimateSelectParams select;
+  ASSERT_TRUE(check_support(s, select, &n).ok());
+  EXPECT_EQ(n, 128);
+}
+
+TEST(CudaPlan, UnsupportedMessagesNameTheArgument) {
+  const ProblemShape s = shape_of(300, 300, 4, 1, 128);
+  int n = 0;
+  ExactGateParams gate;
+  gate.block_k = 32;
+  const auto expect_unsupported = [&](const ProblemShape& shape, const Policy& policy, const char* needle) {
+    const Status st = check_support(shape, policy, &n);
+    EXPECT_EQ(st.code(), StatusCode::kUnsupported);
+    EXPECT_NE(st.message().find(needle), std::string::npos) << st.message();
+  };
+  expect_unsupported(s, gate, "block_k = 32");
+  EstimateSelectParams select;
+  select.block = 64;
+  expect_unsupported(s, select, "block = 128");
+  expect_unsupported(s, PermuteStopParams{}, "permute_stop");
+  expect_unsupported(shape_of(300, 300, 4, 1, 80), DenseParams{}, "head_dim 80");
+}
+
+TEST(CudaPlan, CompactMaskPacksRowsInOrder) {
+  const ProblemShape s = shape_of(300, 300, 2, 1, 64);
+  BlockMask m = BlockMask::empty(s, 128, 64, false);
+  ASSERT_TRUE(m.add(s, 0, 0, 1, 0).ok());
+  ASSERT_TRUE(m.add(s, 0, 0, 1, 3).ok());  // partial for q block 1 (rows 128..255)
+  ASSERT_TRUE(m.add(s, 0, 1, 2, 4).ok());
+  const CompactMask c = compact_mask(m);
+  ASSERT_EQ(c.full_count.size(), m.full_count.size());
+  const std::size_t r1 = static_cast<std::size_t>(m.row(0, 0, 1)), r2 = static_cast<std::size_t>(m.row(0, 1, 2));
+  EXPECT_EQ(c.full_count[r1], 1);
+  EXPECT_EQ(c.full_index[static_cast<std::size_t>(c.full_start[r1])], 0);
+  EXPECT_EQ(c.partial_count[r1], 1);
+  EXPECT_EQ(c.partial_index[static_cast<std::size_t>(c.partial_start[r1])], 3);
+  EXPECT_EQ(c.full_count[r2] + c.partial_count[r2], 1);
+  EXPECT_EQ(c.full_index.size() + c.partial_index.size(), 3u);
+}
+
+TEST(CudaPlan, BitsAndArraysBecomeMasks) {
+  const ProblemShape s = shape_of(300, 300, 2, 1, 64);
+  BlockMask want = BlockMask::empty(s, 128, 128, false);
+  ASSERT_TRUE(want.add(s, 0, 1, 2, 0).ok());
+  ASSERT_TRUE(want.add(s, 0, 1, 2, 2).ok());
+  const int words = bitmap_words(want.num_k_blocks);
+  std::vector<std::uint32_t> bits(want.full_count.size() * static_cast<std::size_t>(words), 0u);
+  bits[static_cast<std::size_t>(want.row(0, 1, 2)) * static_cast<std::size_t>(words)] = 0b101u;
+  BlockMask got;
+  ASSERT_TRUE(mask_from_bits(s, 128, 128, false, bits, &got).ok());
+  EXPECT_EQ(got.to_dense(), want.to_dense());
+
+  // A bit for an invisible block is an internal error, not a silent mask.
+  bits[0] = 0b100u;  // row (0, 0, 0) sees only block 0
+  EXPECT_EQ(mask_from_bits(s, 128, 128, false, bits, &got).code(), StatusCode::kInternal);
+
+  const std::size_t rows = want.full_count.size(), cap = static_cast<std::size_t>(want.num_k_blocks);
+  std::vector<std::int32_t> fc(rows, 0), pc(rows, 0), fi(rows * cap, 7), pi(rows * cap, 7);
+  const std::size_t r = static_cast<std::size_t>(want.row(0, 1, 2));
+  fc[r] = 1;
+  fi[r * cap] = 0;
+  pc[r] = 1;
+  pi[r * cap] = 2;
+  ASSERT_TRUE(mask_from_arrays(s, 128, false, fc, fi, pc, pi, &got).ok());
+  EXPECT_EQ(got.to_dense(), want.to_dense());
+}
+
+}  // namespace
+}  // namespace sparseprefill::cuda
