@@ -98,8 +98,9 @@ Status decide_estimate_select(const Sequence& seq, const ProblemShape& shape,
       const bool tail_tile = i >= tiles - p.tail;
       for (std::int64_t j = 0; j <= lqb; ++j) {
         const int kb = static_cast<int>(j);
-        // E_j >= alpha · max E, written so that a NaN energy keeps.
-        const bool by_energy = j < scored && !(energy[static_cast<std::size_t>(j)] < p.alpha * e_max);
+        // E_j >= alpha · max E as written: a NaN energy (or peak) fails it, and with NaN scores
+        // in the tile only the forced blocks remain.
+        const bool by_energy = j < scored && energy[static_cast<std::size_t>(j)] >= p.alpha * e_max;
         const bool forced = tail_tile || j < p.sink || fqb - p.window + 1 <= j;
         if (by_energy || forced) {
           SP_RETURN_IF_ERROR(decisions->kept.add(shape, seq.batch, unit, i, kb));

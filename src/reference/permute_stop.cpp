@@ -18,11 +18,11 @@ struct Ranked {
   std::int64_t index;
 };
 
-// Descending score, ties by lower index. A NaN score ranks before every number so that a NaN
-// never ranks a key out of reach (and the comparison stays a strict weak order).
+// Descending score, ties by lower index. A NaN score ranks after every number (and the
+// comparison stays a strict weak order).
 bool ranks_before(const Ranked& a, const Ranked& b) {
   const bool a_nan = std::isnan(a.score), b_nan = std::isnan(b.score);
-  if (a_nan != b_nan) return a_nan;
+  if (a_nan != b_nan) return b_nan;
   if (!a_nan && a.score != b.score) return a.score > b.score;
   return a.index < b.index;
 }

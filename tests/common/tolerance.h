@@ -15,8 +15,9 @@ namespace sparseprefill::test {
 
 struct Tolerance {
   double factor = 2.0;   // allowed multiple of the low-precision reference's max error
-  double eps = -1.0;     // absolute slack on O; < 0: unit roundoff of the dtype × max(1, max|O|)
-                         // (2^-8 bf16, 2^-11 fp16, 2^-20 fp32)
+  double eps = -1.0;     // absolute slack on O; < 0: unit roundoff of the dtype × max|O| of the
+                         // oracle (2^-8 bf16, 2^-11 fp16, 2^-20 fp32): about one ulp of the
+                         // largest output, not a fixed absolute floor that small outputs would hide under
   double lse_eps = -1.0; // absolute slack on LSE; < 0: 1e-5 × max(1, max|LSE|)
 };
 

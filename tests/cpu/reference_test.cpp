@@ -418,6 +418,17 @@ TEST(ReferenceHand, EstimateSelectEnergyTiesKeep) {
   EXPECT_EQ(kept_blocks(r.decisions.kept, 0, 0, 3), std::vector<int>({0, 2, 3}));
 }
 
+TEST(ReferenceHand, EstimateSelectNaNEnergyKeepsOnlyForcedBlocks) {
+  // A NaN in one query of tile 3 makes the tile's maximum, energies and peak NaN: E_j >=
+  // alpha · peak fails for every j and only the window block 3 remains (it was {2, 3}).
+  Inputs in = select_case();
+  put(&in.seqs[0].q, 13, 0, {std::nan(""), 0});
+  const ref::Result r = run_ok(in, select_params(0.3, 0, 1, 0), kLn2);
+  EXPECT_EQ(tiles_of(r.decisions.kept), (std::vector<std::vector<int>>{{0}, {0, 1}, {2}, {3}}));
+  EXPECT_TRUE(std::isnan(r.lse[13]));
+  EXPECT_TRUE(std::isfinite(r.lse[12]) && std::isfinite(r.lse[14]));
+}
+
 TEST(ReferenceHand, EstimateSelectMeanCorrectionOfUniformBlocksIsExact) {
   // Same selection as EstimateSelectEnergyRule. Tiles 2 and 3 prune blocks 0 and 1, wholly
   // seen by their first rows (positions 8, 12): both corrected. Every key of a block scores
@@ -579,6 +590,18 @@ TEST(ReferenceHand, PermuteStopGainEqualToTauContinues) {
   p.block_q = 1;
   const ref::Result r = run_ok(in, p, 1.0);
   EXPECT_EQ(visited(r.decisions), (std::vector<int>{0, 0, 2, 1}));
+}
+
+TEST(ReferenceHand, PermuteStopNaNKeysRankLast) {
+  // k1 = NaN: q̄·k1 is NaN and ranks after every number: 3, 2, 0, 1. With one-key chunks the
+  // first chunk is {k3} (u = k3 = (2, 0), the same row order 7, 4, 6, 5); its gains are
+  // 0.8, 0.8, 4/7, 2/3 < tau = 0.95, so every tile stops there and no row reads k1.
+  Inputs in = permute_case();
+  put(&in.seqs[0].k, 1, 0, {std::nan(""), 0});
+  const ref::Result r = run_ok(in, permute_params(0.95, 1), kLn2);
+  EXPECT_EQ(r.decisions.query_order, (std::vector<std::int32_t>{0, 1, 2, 3, 7, 4, 6, 5}));
+  EXPECT_EQ(visited(r.decisions), (std::vector<int>{0, 0, 1, 1}));
+  for (int row = 4; row < 8; ++row) EXPECT_TRUE(std::isfinite(r.lse[static_cast<std::size_t>(row)])) << row;
 }
 
 TEST(ReferenceHand, PermuteStopChunkWithNegativePositions) {
