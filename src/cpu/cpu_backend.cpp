@@ -255,32 +255,25 @@ KeyTile key_block(const Context& ctx, const Sequence& sq, int kvh, int kb) {
   return k;
 }
 
-struct Prepared {
-  bool any = false;      // some row sees some key of the tile
-  bool uniform = false;  // every row sees every key of the tile
-};
-
 // Causal limits, scores and row maxima of one key tile (the QK half of a main-loop step).
-Prepared prepare(const KeyTile& k, Scratch* w) {
+// Returns whether some row sees some key of the tile (otherwise nothing was computed).
+bool prepare(const KeyTile& k, Scratch* w) {
   TileState& t = w->t;
-  Prepared p;
-  p.uniform = true;
+  bool any = false;
   for (int i = 0; i < t.rows; ++i) {
     const Index lim = std::clamp<Index>(w->keys_seen[sz(i)] - k.key0, 0, k.n);
     w->limit[sz(i)] = static_cast<int>(lim);
-    p.any |= lim > 0;
-    p.uniform &= lim == k.n;
+    any |= lim > 0;
   }
-  if (!p.any) return p;
+  if (!any) return false;
   tile_scores(t, k.kt, k.ld_k, w->s.data());
   tile_row_max(w->s.data(), k.ld_k, t.rows, w->limit.data(), w->row_max.data());
-  return p;
+  return true;
 }
 
 // The softmax/PV half of a main-loop step, after the gate kept the tile.
-void accumulate(const Context& ctx, const KeyTile& k, const Prepared& p, Scratch* w,
-                float* dl = nullptr) {
-  tile_update(w->t, w->s.data(), k.ld_k, w->limit.data(), k.n, p.uniform, w->row_max.data(), k.v,
+void accumulate(const Context& ctx, const KeyTile& k, Scratch* w, float* dl = nullptr) {
+  tile_update(w->t, w->s.data(), k.ld_k, w->limit.data(), k.n, w->row_max.data(), k.v,
               ctx.ld, dl);
 }
 
@@ -342,8 +335,8 @@ void run_dense(Context& ctx) {
                     const int kvh = it.h / ctx.shape.group();
                     for (int kb = 0; kb < g.visible_end(it.qb); ++kb) {
                       const KeyTile k = key_block(ctx, sq, kvh, kb);
-                      const Prepared p = prepare(k, &w);
-                      if (p.any) accumulate(ctx, k, p, &w);
+                      const bool any = prepare(k, &w);
+                      if (any) accumulate(ctx, k, &w);
                     }
                   });
 }
@@ -368,8 +361,8 @@ void run_block_sparse(Context& ctx, const BlockSparseParams& params, Decisions* 
                     mask_row_blocks(mask, it.b, mask.per_kv_head ? kvh : it.h, it.qb, &blocks);
                     for (int kb : blocks) {
                       const KeyTile k = key_block(ctx, sq, kvh, kb);
-                      const Prepared p = prepare(k, &w);
-                      if (p.any) accumulate(ctx, k, p, &w);
+                      const bool any = prepare(k, &w);
+                      if (any) accumulate(ctx, k, &w);
                     }
                   });
   decisions->kept = mask;
@@ -395,10 +388,10 @@ Status run_exact_gate(Context& ctx, const ExactGateParams& params, Decisions* de
                       // the last one always runs, so no row is left empty.
                       const bool gated = g.seq.causal ? g.is_full(it.qb, kb) : kb != last_kb;
                       const KeyTile k = key_block(ctx, sq, kvh, kb);
-                      const Prepared p = prepare(k, &w);
-                      if (!p.any) continue;
+                      const bool any = prepare(k, &w);
+                      if (!any) continue;
                       if (gated && !gate_keeps(tile_max(w), threshold)) continue;
-                      accumulate(ctx, k, p, &w);
+                      accumulate(ctx, k, &w);
                       error.set(kept.add(ctx.shape, it.b, it.h, it.qb, kb));
                     }
                   });
@@ -425,8 +418,8 @@ Status run_softmax_skip(Context& ctx, const SoftmaxSkipParams& params, Decisions
                     bool first = true;
                     for (int kb = g.visible_end(it.qb) - 1; kb >= 0; --kb) {
                       const KeyTile k = key_block(ctx, sq, kvh, kb);
-                      const Prepared p = prepare(k, &w);
-                      if (!p.any) continue;
+                      const bool any = prepare(k, &w);
+                      if (!any) continue;
                       bool keep = first || !enabled;
                       for (int i = 0; i < w.t.rows && !keep; ++i) {
                         keep = skip_vote(w.limit[sz(i)] > 0, w.seen[sz(i)] != 0, w.row_max[sz(i)],
@@ -434,7 +427,7 @@ Status run_softmax_skip(Context& ctx, const SoftmaxSkipParams& params, Decisions
                       }
                       first = false;
                       if (!keep) continue;
-                      accumulate(ctx, k, p, &w);
+                      accumulate(ctx, k, &w);
                       for (int i = 0; i < w.t.rows; ++i) {
                         if (w.limit[sz(i)] > 0) w.seen[sz(i)] = 1;
                       }
@@ -604,16 +597,16 @@ Status run_permute_stop(Context& ctx, const PermuteStopParams& params, Decisions
       // Pass 1: dense and causal over the segment's own keys.
       for (Index c = 0; c < own_chunks; ++c) {
         const KeyTile k = chunk(c, seg_k0 + c * params.block_k);
-        const Prepared p = prepare(k, &w);
-        if (p.any) accumulate(ctx, k, p, &w);
+        const bool any = prepare(k, &w);
+        if (any) accumulate(ctx, k, &w);
       }
       // Pass 2: ranked prefix chunks (all visible: key0 = 0 makes every limit n) until a chunk
       // adds less than tau of every row's mass.
       int visited = 0;
       for (Index c = 0; c < rank_chunks; ++c) {
         const KeyTile k = chunk(own_chunks + c, 0);
-        const Prepared p = prepare(k, &w);
-        accumulate(ctx, k, p, &w, w.dl.data());
+        prepare(k, &w);
+        accumulate(ctx, k, &w, w.dl.data());
         ++visited;
         bool stop = true;
         for (int i = 0; i < w.t.rows && stop; ++i) {
@@ -827,8 +820,8 @@ Status estimate_select_attend(const AttentionProblem& problem, const ProblemShap
                     mask_row_blocks(plan.kept, it.b, sel, it.qb, &blocks);
                     for (int kb : blocks) {
                       const KeyTile k = key_block(ctx, sq, kvh, kb);
-                      const Prepared p = prepare(k, &w);
-                      if (p.any) accumulate(ctx, k, p, &w);
+                      const bool any = prepare(k, &w);
+                      if (any) accumulate(ctx, k, &w);
                     }
                     if (!params.mean_correction) return;
                     // Mean correction: each corrected block is one pseudo-token (key k̄_j, value
@@ -858,11 +851,9 @@ Status estimate_select_attend(const AttentionProblem& problem, const ProblemShap
                       const float bias = std::log(static_cast<float>(g.key_end(blocks[sz(c)]) - g.key_begin(blocks[sz(c)])));
                       for (int i = 0; i < w.t.rows; ++i) w.s[sz(Index{i} * ld_c + c)] += bias;
                     }
-                    Prepared p;
-                    p.any = p.uniform = true;
                     std::fill(w.limit.begin(), w.limit.begin() + w.t.rows, nc);
                     tile_row_max(w.s.data(), ld_c, w.t.rows, w.limit.data(), w.row_max.data());
-                    accumulate(ctx, k, p, &w);
+                    accumulate(ctx, k, &w);
                   });
   store_all(ctx, output);
   return {};

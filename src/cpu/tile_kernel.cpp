@@ -77,8 +77,7 @@ void tile_row_max(const float* s, int ld_s, int rows, const int* limit, float* o
 }
 
 SP_CPU_CLONES
-void tile_update(TileState& t, float* s, int ld_s, const int* limit, int n, bool uniform,
-                 const float* row_max, const float* v, std::int64_t ld_v, float* dl) {
+void tile_update(TileState& t, float* s, int ld_s, const int* limit, int n, const float* row_max, const float* v, std::int64_t ld_v, float* dl) {
   const VecI lane = simd::iota();
   for (int i = 0; i < t.rows; ++i) {
     float* p = s + static_cast<std::int64_t>(i) * ld_s;
@@ -110,34 +109,38 @@ void tile_update(TileState& t, float* s, int ld_s, const int* limit, int n, bool
     const VecF cv = simd::splat(corr);
     for (int c0 = 0; c0 < t.ld; c0 += kKeyAlign) simd::store(o + c0, simd::load(o + c0) * cv);
   }
-  if (uniform) {
-    // Padding rows carry P = 0 so the blocked loop below may include them.
-    for (int i = t.rows; i < t.rows_pad; ++i) {
-      std::fill(s + static_cast<std::int64_t>(i) * ld_s, s + static_cast<std::int64_t>(i) * ld_s + n, 0.0f);
-    }
-    for (int i0 = 0; i0 < t.rows_pad; i0 += kRowGroup) {
-      const float* p0 = s + static_cast<std::int64_t>(i0) * ld_s;
-      float* o0 = t.o + static_cast<std::int64_t>(i0) * t.ld;
+  // Padding rows carry P = 0 so the blocked loop below may include them.
+  for (int i = t.rows; i < t.rows_pad; ++i) {
+    std::fill(s + static_cast<std::int64_t>(i) * ld_s, s + static_cast<std::int64_t>(i) * ld_s + n, 0.0f);
+  }
+  // P·V per group of kRowGroup rows: keys every row of the group sees run register-blocked
+  // (o rows in registers, one V row load per key); each row's remaining keys run alone. No row
+  // ever multiplies a value it cannot see.
+  for (int i0 = 0; i0 < t.rows_pad; i0 += kRowGroup) {
+    int common = n;
+    for (int i = i0; i < std::min(i0 + kRowGroup, t.rows); ++i) common = std::min(common, limit[i]);
+    const float* p0 = s + static_cast<std::int64_t>(i0) * ld_s;
+    float* o0 = t.o + static_cast<std::int64_t>(i0) * t.ld;
+    if (common > 0) {
       for (int c0 = 0; c0 < t.ld; c0 += kKeyAlign) {
         VecF acc[kRowGroup];
         for (int r = 0; r < kRowGroup; ++r) acc[r] = simd::load(o0 + r * t.ld + c0);
-        for (int j = 0; j < n; ++j) {
+        for (int j = 0; j < common; ++j) {
           const VecF vv = simd::load(v + j * ld_v + c0);
           for (int r = 0; r < kRowGroup; ++r) acc[r] += p0[r * ld_s + j] * vv;
         }
         for (int r = 0; r < kRowGroup; ++r) simd::store(o0 + r * t.ld + c0, acc[r]);
       }
     }
-    return;
-  }
-  // Rows with different limits (partial blocks): one row at a time, vectorised over d.
-  for (int i = 0; i < t.rows; ++i) {
-    const float* p = s + static_cast<std::int64_t>(i) * ld_s;
-    float* o = t.o + static_cast<std::int64_t>(i) * t.ld;
-    for (int c0 = 0; c0 < t.ld; c0 += kKeyAlign) {
-      VecF acc = simd::load(o + c0);
-      for (int j = 0; j < limit[i]; ++j) acc += p[j] * simd::load(v + j * ld_v + c0);
-      simd::store(o + c0, acc);
+    for (int i = i0; i < std::min(i0 + kRowGroup, t.rows); ++i) {
+      if (limit[i] <= common) continue;
+      const float* p = s + static_cast<std::int64_t>(i) * ld_s;
+      float* o = t.o + static_cast<std::int64_t>(i) * t.ld;
+      for (int c0 = 0; c0 < t.ld; c0 += kKeyAlign) {
+        VecF acc = simd::load(o + c0);
+        for (int j = common; j < limit[i]; ++j) acc += p[j] * simd::load(v + j * ld_v + c0);
+        simd::store(o + c0, acc);
+      }
     }
   }
 }

@@ -49,11 +49,10 @@ void tile_row_max(const float* s, int ld_s, int rows, const int* limit, float* o
 //   p_j = e^{s_j - base};  l' = l·e^{m - base} + Σ_j p_j;  o' = o·e^{m - base} + Σ_j p_j·v_j
 // s [rows_pad, ld_s] is overwritten with P. v [n, ld_v] holds the tile's values (features
 // padded to t.ld); only rows j < limit[i] of v are read for row i, so a key a row cannot see
-// never reaches it (not even as 0·NaN). `uniform` says every valid row has limit[i] == n, which
-// allows the register-blocked P·V. When dl is given, dl[i] = Σ_j p_j: the tile's mass relative
-// to the new running max (permute_stop's Δl); 0 for a row that sees no key of the tile.
-void tile_update(TileState& t, float* s, int ld_s, const int* limit, int n, bool uniform,
-                 const float* row_max, const float* v, std::int64_t ld_v, float* dl);
+// never reaches it (not even as 0·NaN). When dl is given, dl[i] = Σ_j p_j: the tile's mass
+// relative to the new running max (permute_stop's Δl); 0 for a row that sees no key of the tile.
+void tile_update(TileState& t, float* s, int ld_s, const int* limit, int n, const float* row_max,
+                 const float* v, std::int64_t ld_v, float* dl);
 
 // Writes the normalised result of row i: o_row[c] = o[i][c] / l[i] for c < d and
 // *lse = m[i] + ln l[i]. A row that saw no key (m = -inf) gets O = 0 and LSE = -inf.
