@@ -170,7 +170,7 @@ struct Scratch {
   std::vector<std::uint8_t> seen;
   std::vector<Index> rows;        // call-relative rows of the tile
   std::vector<Index> keys_seen;   // keys each row sees (causal prefix length)
-  std::vector<float> kt_extra, v_extra;  // pseudo-tokens or re-ordered keys
+  std::vector<float> kt_extra, v_extra;  // mean-correction pseudo-tokens
   TileState t;
 
   Scratch(const Context& ctx, int max_rows, int max_ld_k) {
@@ -558,9 +558,6 @@ Status run_permute_stop(Context& ctx, const PermuteStopParams& params, Decisions
     // Key tiles: the segment's own keys (positions ascending), then the ranked prefix.
     const Index seg_k0 = std::clamp<Index>(it.segment * seg_len, 0, sq.seq.s_k);
     const Index seg_k1 = std::clamp<Index>((it.segment + 1) * seg_len, 0, sq.seq.s_k);
-    std::vector<Index> keys(sz(seg_k1 - seg_k0 + prefix));
-    std::iota(keys.begin(), keys.begin() + (seg_k1 - seg_k0), seg_k0);
-    for (Index i = 0; i < prefix; ++i) keys[sz(seg_k1 - seg_k0 + i)] = ranked[sz(i)];
     const Index own_chunks = geom::ceil_div(seg_k1 - seg_k0, params.block_k);
     // Ranked chunks must start on a chunk boundary: pad the own keys' last chunk.
     std::vector<Index> idx;
