@@ -194,6 +194,16 @@ Status gather_seq(const char* who, const AttentionProblem& p, const ProblemShape
   return {};
 }
 
+// Gathers and checks every sequence before a calibrator accumulates anything, so that a
+// rejected sample leaves the calibrator unchanged.
+Status check_all_sequences(const char* who, const AttentionProblem& p, const ProblemShape& shape) {
+  for (int b = 0; b < shape.batch; ++b) {
+    SampleSeq s;
+    SP_RETURN_IF_ERROR(gather_seq(who, p, shape, b, &s));
+  }
+  return {};
+}
+
 Status check_target(double target, int layer, int layers, const char* name) {
   if (!std::isfinite(target) || target < 0.0 || target > 1.0) {
     return invalid_argument(std::string(name) + ": expected a fraction in [0, 1], got " +
@@ -254,6 +264,7 @@ Status ExactGateCalibrator::add(int layer, const AttentionProblem& sample) {
     return invalid_argument(std::string(kWho) + ": sample.q: expected " + std::to_string(heads_) +
                             " query heads, got " + std::to_string(shape.h_q));
   }
+  SP_RETURN_IF_ERROR(check_all_sequences(kWho, sample, shape));
   const std::size_t nb = budgets_.size();
   for (int b = 0; b < shape.batch; ++b) {
     SampleSeq s;
@@ -337,6 +348,7 @@ Status SoftmaxSkipCalibrator::add(int layer, const AttentionProblem& sample) {
   }
   ProblemShape shape;
   SP_RETURN_IF_ERROR(check_sample(kWho, layer, layers_, sample, &shape));
+  SP_RETURN_IF_ERROR(check_all_sequences(kWho, sample, shape));
   const auto l = static_cast<std::size_t>(layer);
   for (int b = 0; b < shape.batch; ++b) {
     SampleSeq s;
@@ -457,6 +469,7 @@ Status EstimateSelectCalibrator::add(int layer, const AttentionProblem& sample) 
   }
   ProblemShape shape;
   SP_RETURN_IF_ERROR(check_sample(kWho, layer, layers_, sample, &shape));
+  SP_RETURN_IF_ERROR(check_all_sequences(kWho, sample, shape));
   const auto l = static_cast<std::size_t>(layer);
   const int bs = base_.block;
   for (int b = 0; b < shape.batch; ++b) {

@@ -522,7 +522,17 @@ TEST(ExactGateCalibrator, RejectsBadSamplesAndConfigurations) {
   st = cal.add(0, nan_problem.problem());
   EXPECT_EQ(st.message(), "ExactGateCalibrator: sample.q: non-finite value in sequence 0, row 5, head 1");
 
+  // A bad second sequence rejects the whole call before anything is accumulated.
+  test::Inputs two = test::random_inputs({{16, 16}, {12, 20}}, 2, 1, 8, sp::DType::kFP32, 4);
+  test::set(&two.seqs[1].k, 19 * 8, std::numeric_limits<double>::infinity());
+  test::LayoutOptions varlen;
+  varlen.layout = test::Layout::kVarlen;
+  const test::TestProblem two_problem = test::build_problem(two, varlen);
+  st = cal.add(0, two_problem.problem());
+  EXPECT_EQ(st.message(), "ExactGateCalibrator: sample.k: non-finite value in sequence 1, row 19, head 0");
+
   // Nothing was added by the failed calls: the table has no positions.
+  EXPECT_EQ(cal.finish().positions, 0);
   EXPECT_FALSE(cal.finish().validate().ok());
 }
 
