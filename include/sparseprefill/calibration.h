@@ -57,8 +57,10 @@ Status parse_calibration(const std::uint8_t* data, std::size_t size, Calibration
 class ExactGateCalibrator {
  public:
   ExactGateCalibrator(int layers, int heads, std::vector<int> budgets, int block_q, int block_k);
-  // q, k of one layer for one sample (host tensors; batched or varlen; causal).
+  // q, k of one layer (host tensors, any layout, causal); every sequence is one sample. A
+  // rejected call (bad layer, shape, non-finite q/k) leaves the calibrator unchanged.
   Status add(int layer, const AttentionProblem& sample);
+  // positions = 1 + the largest absolute query block seen (0 before any sample).
   ThresholdTable finish() const;
 
  private:
@@ -78,7 +80,10 @@ class SoftmaxSkipCalibrator {
  public:
   SoftmaxSkipCalibrator(int layers, int block_q, int block_k);
   Status add(int layer, const AttentionProblem& sample);
-  // layer = -1 pools every layer.
+  // The fraction counts every visible block (the never-skippable first ones too). ln a lies
+  // midway between neighbouring sorted statistics, and a never exceeds the shortest s_k seen
+  // (skipping is off when s_k < a), so an unreachable target gives the largest reachable
+  // fraction. layer = -1 pools every layer.
   Status factor_for(double target_skip_fraction, int layer, double* a) const;
 
  private:
@@ -95,6 +100,8 @@ class EstimateSelectCalibrator {
  public:
   EstimateSelectCalibrator(int layers, EstimateSelectParams base);
   Status add(int layer, const AttentionProblem& sample);
+  // alpha lies midway between neighbouring ratios, giving the reachable density nearest to the
+  // target; 2 (above every ratio) when the forced blocks alone reach it. layer = -1 pools.
   Status alpha_for(double target_density, int layer, double* alpha) const;
 
  private:
