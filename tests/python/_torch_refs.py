@@ -5,6 +5,7 @@ FlashAttention's tolerance rule, on any device; the devices and dtypes to test."
 from __future__ import annotations
 
 import math
+import os
 
 import pytest
 import torch
@@ -12,7 +13,8 @@ import torch
 import sparseprefill as sp
 
 CUDA = torch.cuda.is_available()
-DEVICES = ["cpu"] + (["cuda"] if CUDA else [])
+# SP_TEST_DEVICES=cuda limits a GPU run to the CUDA backend (scripts/python_check.sh).
+DEVICES = [d for d in os.environ.get("SP_TEST_DEVICES", "cpu,cuda").split(",") if d == "cpu" or (d == "cuda" and CUDA)]
 # The CPU backend computes in fp32 for every input dtype; the kernels take bf16 and fp16.
 DTYPES = {"cpu": [torch.float32, torch.bfloat16], "cuda": [torch.bfloat16, torch.float16]}
 DEVICE_DTYPES = [(d, t) for d in DEVICES for t in DTYPES[d]]
