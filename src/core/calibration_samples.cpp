@@ -270,6 +270,7 @@ Status ExactGateCalibrator::add(int layer, const AttentionProblem& sample) {
     SampleSeq s;
     SP_RETURN_IF_ERROR(gather_seq(kWho, sample, shape, b, &s));
     const Transposed kt = transpose_keys(s, block_k_);
+    std::vector<double>().swap(s.k);  // only the transposed copy is read from here on
     const geom::BlockGeometry g{s.geo, block_q_, block_k_};
     // Every sequence is one sample: each (head, absolute position) gets at most one value.
     parallel_for(heads_, [&](int h) {
@@ -355,6 +356,7 @@ Status SoftmaxSkipCalibrator::add(int layer, const AttentionProblem& sample) {
     SP_RETURN_IF_ERROR(gather_seq(kWho, sample, shape, b, &s));
     if (s.geo.s_k < 1) continue;
     const Transposed kt = transpose_keys(s, block_k_);
+    std::vector<double>().swap(s.k);  // only the transposed copy is read from here on
     const geom::BlockGeometry g{s.geo, block_q_, block_k_};
     const double ln_s_k = std::log(static_cast<double>(s.geo.s_k));
     std::vector<std::vector<double>> per_head(static_cast<std::size_t>(s.h_q));
