@@ -87,7 +87,9 @@ void expect_same(const sp::HostTensor& a, const sp::HostTensor& b) {
   EXPECT_EQ(a.dtype(), b.dtype());
   EXPECT_EQ(a.shape(), b.shape());
   ASSERT_EQ(a.nbytes(), b.nbytes());
-  if (a.nbytes()) EXPECT_EQ(std::memcmp(a.data(), b.data(), a.nbytes()), 0);
+  if (a.nbytes()) {
+    EXPECT_EQ(std::memcmp(a.data(), b.data(), a.nbytes()), 0);
+  }
 }
 
 // ---------------------------------------------------------------- JSON
@@ -439,7 +441,7 @@ TEST(Safetensors, CorruptHeadersNameTheProblem) {
     EXPECT_TRUE(out.metadata.empty() && out.tensors.empty()) << "never a partial result: " << c.header;
   }
   // Valid edge cases: an empty header, zero-sized tensors sharing an offset, padding spaces.
-  for (const std::string ok : {std::string("{}"), std::string("{}      "),
+  for (const std::string& ok : {std::string("{}"), std::string("{}      "),
                                std::string(R"({"a":{"dtype":"I32","shape":[0],"data_offsets":[0,0]},)"
                                            R"("b":{"dtype":"F16","shape":[0,7],"data_offsets":[0,0]}})")}) {
     sp::SafetensorsFile out;
