@@ -100,8 +100,8 @@ Status decide_permute_stop(const Sequence& seq, const ProblemShape& shape,
   segment_range(seq.geo, p.segment, &first, &last);
 
   for (int h = 0; h < seq.h_q; ++h) {
-    std::int32_t* order = &decisions->query_order[static_cast<std::size_t>(
-        (static_cast<std::int64_t>(seq.batch) * seq.h_q + h) * slots)];
+    std::int32_t* order = decisions->query_order.data() +
+                          (static_cast<std::int64_t>(seq.batch) * seq.h_q + h) * slots;
     // Rows at negative positions see no key and join no segment; they hold the first slots.
     const std::int64_t unsegmented = geom::min64(geom::max64(0, -seq.geo.offset()), seq.geo.s_q);
     for (std::int64_t r = 0; r < unsegmented; ++r) order[r] = static_cast<std::int32_t>(r);

@@ -71,7 +71,7 @@ Status check_permute(const ProblemShape& shape, const PermuteStopParams& p, cons
   for (int b = 0; b < shape.batch; ++b) {
     const geom::SeqGeometry geo = seq_geometry(shape, b);
     for (int h = 0; h < shape.h_q; ++h) {
-      const std::int32_t* order = &d.query_order[static_cast<std::size_t>((b * shape.h_q + h) * slots)];
+      const std::int32_t* order = d.query_order.data() + (b * shape.h_q + h) * slots;
       std::vector<char> seen(static_cast<std::size_t>(geo.s_q), 0);
       for (std::int64_t slot = 0; slot < slots; ++slot) {
         const std::int64_t r = order[slot];
@@ -177,7 +177,7 @@ void RowSets::init(const Sequence& seq, const ProblemShape& shape, const Policy&
     const SegmentRows rows = segment_rows(seq.geo, p->segment, t.segment);
     const std::int64_t prefix = geom::min64(static_cast<std::int64_t>(t.segment) * p->segment, seq.geo.s_k);
     const std::int64_t visited = geom::min64(static_cast<std::int64_t>(t.chunks_visited) * p->block_k, prefix);
-    const std::int32_t* order = &decisions.query_order[static_cast<std::size_t>((seq.batch * seq.h_q + t.head) * slots)];
+    const std::int32_t* order = decisions.query_order.data() + (seq.batch * seq.h_q + t.head) * slots;
     const std::int64_t e0 = rows.begin + static_cast<std::int64_t>(t.tile) * p->block_q;
     const std::int64_t e1 = geom::min64(e0 + p->block_q, rows.end);
     for (std::int64_t e = e0; e < e1; ++e) {

@@ -27,6 +27,7 @@ HostTensor int_tensor(const std::vector<std::int64_t>& shape, std::int32_t value
 
 // Copies sequence tensor src [s, h, d] into dst starting at element `offset`.
 void copy_rows(const HostTensor& src, HostTensor* dst, std::int64_t offset) {
+  if (src.nbytes() == 0) return;  // an empty sequence may have no storage at all
   std::memcpy(static_cast<unsigned char*>(dst->data()) + offset * static_cast<std::int64_t>(dtype_size(dst->dtype())),
               src.data(), src.nbytes());
 }
