@@ -13,6 +13,7 @@ import numpy as np
 
 from . import _ext, stats as _stats
 from ._core import Geometry, InvalidArgumentError, backend_code, check_problem, check_scale, descriptor, is_torch
+from ._ext import UnsupportedError
 from .policy import BlockSparse, Dense, ExactGate, Policy
 
 __all__ = ["Result", "run", "can_run", "build_info"]
@@ -119,7 +120,14 @@ def capturing(q: Any) -> bool:
 def execute(problem: tuple, handle: "_ext.PolicyHandle", q: Any, out: Any, lse: Any, backend: int,
             num_threads: int, want_stats: bool, layer: Optional[int]) -> Optional[_stats.CallStats]:
     """One sp_run on q's device and current stream; records stats into open collectors."""
-    record = _stats.collecting() and not capturing(q)
+    if capturing(q):
+        # The CUDA backend uploads per-call metadata (sequence table, masks) with
+        # cudaMemcpyAsync from host vectors freed when the call returns: a captured graph would
+        # replay those copies from freed memory (seen as illegal addresses on replay).
+        raise UnsupportedError(
+            "CUDA graph capture: the CUDA backend copies per-call metadata from transient host "
+            "memory, which a graph cannot replay (issue 3); run this call outside capture")
+    record = _stats.collecting()
     with device_guard(q) as stream:
         raw = _ext.run(problem, handle, descriptor(out, "out"), descriptor(lse, "lse"), backend,
                        num_threads, stream, want_stats or record)

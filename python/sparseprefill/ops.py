@@ -6,11 +6,13 @@ they trace under torch.compile and run on the current CUDA stream.
 A policy travels as plain operator arguments: its name, its settings ("key=value;..."), an
 optional threshold table (on q's device) and an optional block mask as host CSR tensors.
 
-CUDA graphs: a batched call whose policy needs no host data (dense, softmax_skip,
-estimate_select, permute_stop, exact_gate with its table already on the device) only
-launches kernels and can be captured. Index tensors (cu_seqlens_*, seqused_k, block_table)
-are read by the library on the host: CUDA ones are copied to the host first, a synchronising
-copy that capture forbids, so varlen and paged calls cannot be captured."""
+CUDA graphs: on this side a batched call whose policy needs no host data (dense,
+softmax_skip, estimate_select, permute_stop, exact_gate with its table already on the device)
+does nothing a capture forbids. Index tensors (cu_seqlens_*, seqused_k, block_table) are read
+by the library on the host: CUDA ones are copied to the host first, a synchronising copy that
+capture forbids, so varlen and paged calls can never be captured. The CUDA backend itself is
+not capturable yet (it uploads per-call metadata from transient host memory; issue 3), so
+every call under capture raises UnsupportedError (native.execute)."""
 
 from __future__ import annotations
 
