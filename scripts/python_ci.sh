@@ -9,7 +9,7 @@ root=$(cd "$(dirname "$0")/.." && pwd)
 venv=${SP_PY_VENV:-$root/build/python/ci-venv}
 
 python3 -m venv "$venv"
-"$venv/bin/python" -m pip install -q scikit-build-core pybind11 numpy pytest
+"$venv/bin/python" -m pip install -q scikit-build-core==1.1.2 pybind11==3.1.0 numpy==2.4.6 pytest==9.2.0
 # CI compiles the CUDA translation units elsewhere (the ci preset); the package stays CPU-only.
 "$venv/bin/python" -m pip install -q --no-build-isolation --no-deps \
   -Ccmake.define.SP_ENABLE_CUDA=OFF -Cbuild-dir="$root/build/python/ci" "$root"
