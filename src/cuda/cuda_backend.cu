@@ -138,8 +138,8 @@ struct KeptBits {
 }  // namespace
 
 Status can_run_cuda(const ProblemShape& shape, const Policy& policy) {
-  int block_n = 0;
-  return check_support(shape, policy, &block_n);
+  int block_k = 0;
+  return check_support(shape, policy, &block_k);
 }
 
 std::string cuda_build_info() {
@@ -149,10 +149,10 @@ std::string cuda_build_info() {
 
 Status run_cuda(const AttentionProblem& problem, const ProblemShape& shape, const Policy& policy,
                 const AttentionOutput& output, const RunOptions& options, Decisions* decisions) {
-  int block_n = 0;
-  SP_RETURN_IF_ERROR(check_support(shape, policy, &block_n));
+  int block_k = 0;
+  SP_RETURN_IF_ERROR(check_support(shape, policy, &block_k));
   SP_RETURN_IF_ERROR(check_layout(problem, output));
-  const FwdVariant* fwd = find_fwd(shape.dtype, shape.d, block_n);
+  const FwdVariant* fwd = find_fwd(shape.dtype, shape.d);
   DeviceGuard guard;
   SP_RETURN_IF_ERROR(guard.enter(shape.device.index));
   cudaMemPool_t pool = nullptr;
@@ -160,13 +160,13 @@ Status run_cuda(const AttentionProblem& problem, const ProblemShape& shape, cons
   const auto stream = static_cast<cudaStream_t>(options.cuda_stream);
   Scratch scratch(stream, pool);
 
-  FwdParams p = make_fwd_params(problem, shape, output, block_n);
+  FwdParams p = make_fwd_params(problem, shape, output, block_k);
   SP_RETURN_IF_ERROR(scratch.upload(make_seq_infos(problem, shape, output), &p.seqs));
   const bool want = decisions != nullptr;
   Decisions local;
   local.policy = policy_name(policy);
   KeptBits kept;
-  const int kept_k_blocks = static_cast<int>(geom::ceil_div(shape.max_seq_k(), block_n));
+  const int kept_k_blocks = static_cast<int>(geom::ceil_div(shape.max_seq_k(), block_k));
 
   // Device-side selection of estimate_select, read back for decisions.
   struct Selection {
@@ -294,7 +294,7 @@ Status run_cuda(const AttentionProblem& problem, const ProblemShape& shape, cons
     std::vector<std::uint32_t> bits;
     SP_RETURN_IF_ERROR(scratch.download(kept.dev, kept.words, &bits));
     SP_CUDA_TRY(cudaStreamSynchronize(stream), "cudaStreamSynchronize (decisions)");
-    SP_RETURN_IF_ERROR(mask_from_bits(shape, kBlockQ, block_n, false, bits, &local.kept));
+    SP_RETURN_IF_ERROR(mask_from_bits(shape, kBlockQ, block_k, false, bits, &local.kept));
   } else if (const auto* es = std::get_if<EstimateSelectParams>(&policy)) {
     const SelectParams& sp = sel.sp;
     const std::size_t cap = sel.rows * static_cast<std::size_t>(sp.num_k_blocks);

@@ -56,18 +56,18 @@ Status check_view(const char* name, const TensorView& t) {
 
 std::string support_summary() {
   return "compiled CUDA kernels (portable sm80 path): " + compiled_fwd_summary() +
-         "; block_q 128; estimate_select block 128; policies dense, block_sparse, exact_gate, "
-         "softmax_skip, estimate_select; not on CUDA: permute_stop, paged K/V, fp32";
+         "; block_q 128, block_k 64 or 128; estimate_select block 128; policies dense, block_sparse, "
+         "exact_gate, softmax_skip, estimate_select; not on CUDA: permute_stop, paged K/V, fp32";
 }
 
-int dense_block_n(int head_dim) {
-  // The wider key tile halves the per-block barriers and softmax reductions; see docs/cuda.md
-  // (tile choices) for the measurement.
+int dense_block_k(int head_dim) {
+  // Dense has no gate, so every 64-key sub-tile is its own step whatever the block size;
+  // 64 keeps the per-block bookkeeping trivial (docs/cuda.md, tile choices).
   (void)head_dim;
-  return 128;
+  return 64;
 }
 
-Status check_support(const ProblemShape& shape, const Policy& policy, int* block_n) {
+Status check_support(const ProblemShape& shape, const Policy& policy, int* block_k) {
   if (shape.dtype != DType::kBF16 && shape.dtype != DType::kFP16) {
     return unsupported(std::string("q: dtype ") + dtype_name(shape.dtype) + " has no CUDA kernel; expected bf16 or fp16 (" +
                        support_summary() + ")");
@@ -80,7 +80,7 @@ Status check_support(const ProblemShape& shape, const Policy& policy, int* block
       [&](const auto& p) -> Status {
         using P = std::decay_t<decltype(p)>;
         if constexpr (std::is_same_v<P, DenseParams>) {
-          n = dense_block_n(shape.d);
+          n = dense_block_k(shape.d);
         } else if constexpr (std::is_same_v<P, BlockSparseParams>) {
           SP_RETURN_IF_ERROR(check_blocks("block_sparse mask", p.mask.block_q, p.mask.block_k));
           n = p.mask.block_k;
@@ -99,9 +99,9 @@ Status check_support(const ProblemShape& shape, const Policy& policy, int* block
             return unsupported("estimate_select: the CUDA selector handles at most " + std::to_string(kMaxSelectBlocks) +
                                " key blocks, got " + std::to_string(max_blocks(shape, p.block)));
           }
-          if (p.mean_correction && geom::ceil_div(max_blocks(shape, p.block), n) > kMaxMeanChunks) {
+          if (p.mean_correction && geom::ceil_div(max_blocks(shape, p.block), kMeanChunk) > kMaxMeanChunks) {
             return unsupported("estimate_select: mean correction on CUDA handles at most " +
-                               std::to_string(kMaxMeanChunks * n) + " key blocks");
+                               std::to_string(kMaxMeanChunks * kMeanChunk) + " key blocks");
           }
           if (find_select(shape.dtype, shape.d) == nullptr) {
             return unsupported(std::string("estimate_select: no compiled selector for ") + dtype_name(shape.dtype) +
@@ -115,11 +115,11 @@ Status check_support(const ProblemShape& shape, const Policy& policy, int* block
       },
       policy);
   SP_RETURN_IF_ERROR(st);
-  if (find_fwd(shape.dtype, shape.d, n) == nullptr) {
+  if (find_fwd(shape.dtype, shape.d) == nullptr) {
     return unsupported(std::string("no compiled CUDA kernel for dtype ") + dtype_name(shape.dtype) + ", head_dim " +
-                       std::to_string(shape.d) + ", block_k " + std::to_string(n) + " (" + support_summary() + ")");
+                       std::to_string(shape.d) + " (" + support_summary() + ")");
   }
-  *block_n = n;
+  *block_k = n;
   return {};
 }
 
@@ -151,7 +151,7 @@ std::vector<SeqInfo> make_seq_infos(const AttentionProblem& problem, const Probl
 }
 
 FwdParams make_fwd_params(const AttentionProblem& problem, const ProblemShape& shape,
-                          const AttentionOutput& output, int block_n) {
+                          const AttentionOutput& output, int block_k) {
   FwdParams p{};
   p.q = problem.q.data;
   p.k = problem.k.data;
@@ -180,7 +180,7 @@ FwdParams make_fwd_params(const AttentionProblem& problem, const ProblemShape& s
   p.scale = static_cast<float>(shape.scale);
   p.scale_log2 = static_cast<float>(shape.scale * 1.4426950408889634);  // scale · log2(e)
   p.mode = PolicyMode::kDense;
-  p.block_k = block_n;
+  p.block_k = block_k;
   return p;
 }
 

@@ -16,15 +16,16 @@ namespace sparseprefill::cuda {
 // What the compiled kernels serve, as one line for messages.
 std::string support_summary();
 
-// Whether a compiled kernel serves (shape, policy); on success *block_n is the key tile of the
-// instance to launch. Only shapes and parameters are checked (no pointers).
-Status check_support(const ProblemShape& shape, const Policy& policy, int* block_n);
+// Whether a compiled kernel serves (shape, policy); on success *block_k is the key-block size
+// the kernel runs with (the policy's, or dense_block_k). Only shapes and parameters are
+// checked (no pointers).
+Status check_support(const ProblemShape& shape, const Policy& policy, int* block_k);
 
 // Pointer alignment and strides the kernels need (16-byte rows for cp.async and the O stores).
 Status check_layout(const AttentionProblem& problem, const AttentionOutput& output);
 
-// The key tile dense attention runs with for a head dim (a tuning value, no effect on results).
-int dense_block_n(int head_dim);
+// The key-block size dense attention runs with (a tuning value, no effect on results).
+int dense_block_k(int head_dim);
 
 // Per-sequence geometry and element offsets of q, k, v, o and lse.
 std::vector<SeqInfo> make_seq_infos(const AttentionProblem& problem, const ProblemShape& shape,
@@ -33,7 +34,7 @@ std::vector<SeqInfo> make_seq_infos(const AttentionProblem& problem, const Probl
 // FwdParams with every tensor, stride and size of the problem filled in; the policy fields are
 // dense and every device-side table pointer (seqs, masks, bitmaps) is null.
 FwdParams make_fwd_params(const AttentionProblem& problem, const ProblemShape& shape,
-                          const AttentionOutput& output, int block_n);
+                          const AttentionOutput& output, int block_k);
 
 // A BlockMask in the kernels' compact layout: counts as in the mask, each row's indices
 // packed after the previous row's (starts per row).

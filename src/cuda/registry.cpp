@@ -10,7 +10,7 @@ namespace sparseprefill::cuda {
 namespace {
 
 constexpr FwdVariant kFwdVariants[] = {
-#define SP_FWD_VARIANT(fn, dtype, head_dim, block_n) {#fn, DType::dtype, head_dim, block_n, &fn},
+#define SP_FWD_VARIANT(fn, dtype, head_dim) {#fn, DType::dtype, head_dim, &fn},
 #define SP_SELECT_VARIANT(fn, dtype, head_dim)
 #include "cuda/instances/registry.inc"
 #undef SP_FWD_VARIANT
@@ -18,7 +18,7 @@ constexpr FwdVariant kFwdVariants[] = {
 };
 
 constexpr SelectVariant kSelectVariants[] = {
-#define SP_FWD_VARIANT(fn, dtype, head_dim, block_n)
+#define SP_FWD_VARIANT(fn, dtype, head_dim)
 #define SP_SELECT_VARIANT(fn, dtype, head_dim) {#fn, DType::dtype, head_dim, &fn},
 #include "cuda/instances/registry.inc"
 #undef SP_FWD_VARIANT
@@ -27,9 +27,9 @@ constexpr SelectVariant kSelectVariants[] = {
 
 }  // namespace
 
-const FwdVariant* find_fwd(DType dtype, int head_dim, int block_n) {
+const FwdVariant* find_fwd(DType dtype, int head_dim) {
   for (const FwdVariant& v : kFwdVariants) {
-    if (v.dtype == dtype && v.head_dim == head_dim && v.block_n == block_n) return &v;
+    if (v.dtype == dtype && v.head_dim == head_dim) return &v;
   }
   return nullptr;
 }
@@ -45,7 +45,7 @@ std::string compiled_fwd_summary() {
   std::ostringstream os;
   for (std::size_t i = 0; i < std::size(kFwdVariants); ++i) {
     const FwdVariant& v = kFwdVariants[i];
-    os << (i ? ", " : "") << dtype_name(v.dtype) << " d=" << v.head_dim << " block_k=" << v.block_n;
+    os << (i ? ", " : "") << dtype_name(v.dtype) << " d=" << v.head_dim;
   }
   return os.str();
 }

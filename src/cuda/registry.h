@@ -16,10 +16,9 @@ using FwdLaunchFn = int (*)(const FwdParams& params, void* stream);
 using SelectLaunchFn = int (*)(const SelectParams& params, void* stream);
 
 struct FwdVariant {
-  const char* name;  // e.g. "fwd_sm80_bf16_hd128_n64"
+  const char* name;  // e.g. "fwd_sm80_bf16_hd128"
   DType dtype;
   int head_dim;
-  int block_n;       // key tile = the block_k the instance serves
   FwdLaunchFn launch;
 };
 
@@ -30,16 +29,16 @@ struct SelectVariant {
   SelectLaunchFn launch;
 };
 
-#define SP_FWD_VARIANT(fn, dtype, head_dim, block_n) int fn(const FwdParams& params, void* stream);
+#define SP_FWD_VARIANT(fn, dtype, head_dim) int fn(const FwdParams& params, void* stream);
 #define SP_SELECT_VARIANT(fn, dtype, head_dim) int fn(const SelectParams& params, void* stream);
 #include "cuda/instances/registry.inc"
 #undef SP_FWD_VARIANT
 #undef SP_SELECT_VARIANT
 
-// The instance for (dtype, head_dim, block_n), or nullptr when none is compiled.
-const FwdVariant* find_fwd(DType dtype, int head_dim, int block_n);
+// The instance for (dtype, head_dim), or nullptr when none is compiled.
+const FwdVariant* find_fwd(DType dtype, int head_dim);
 const SelectVariant* find_select(DType dtype, int head_dim);
-// "bf16 hd64 n64, ..." for messages, and one instance name per line for build_info.
+// "bf16 d=64, ..." for messages, and one instance name per line for build_info.
 std::string compiled_fwd_summary();
 std::string compiled_instances();
 

@@ -35,7 +35,7 @@ TEST(CudaPlan, SupportChoosesTheBlockTile) {
   const ProblemShape s = shape_of(300, 300, 4, 1, 128);
   int n = 0;
   ASSERT_TRUE(check_support(s, DenseParams{}, &n).ok());
-  EXPECT_EQ(n, dense_block_n(128));
+  EXPECT_EQ(n, dense_block_k(128));
   ExactGateParams gate;
   gate.block_k = 64;
   ASSERT_TRUE(check_support(s, gate, &n).ok());

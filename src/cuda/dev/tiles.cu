@@ -1,8 +1,8 @@
 // SPDX-License-Identifier: Apache-2.0
 // Developer timing of the forward kernel instances (not a benchmark against peers: bench/ is):
-// every compiled key tile on the Llama-3.1-8B and SmolLM2 shapes, dense, and exact_gate with
-// T = -inf (gate overhead, everything kept) and T = +inf (only the partial blocks kept: the
-// Q·Kᵀ-only floor of a skipped block). The measurements behind the tile choices in docs/cuda.md.
+// each compiled instance on the Llama-3.1-8B and SmolLM2 shapes, dense, and exact_gate (block_k 64
+// and 128) with T = -inf (gate overhead, everything kept) and T = +inf (only the partial blocks
+// kept: the Q·Kᵀ-only floor of skipped blocks). The measurements behind docs/cuda.md.
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -93,32 +93,35 @@ void run_shape(const Shape& sh) {
     fill_kernel<<<1024, 256>>>(k, nkv, 2, bf16);
     fill_kernel<<<1024, 256>>>(v, nkv, 3, bf16);
     SP_DEV_CHECK(cudaDeviceSynchronize());
-    for (int n : {64, 128}) {
-      const FwdVariant* var = find_fwd(dtype, sh.d, n);
-      if (var == nullptr) continue;
-      FwdParams p{};
-      p.q = q;
-      p.k = k;
-      p.v = v;
-      p.o = o;
-      p.lse = lse;
-      p.q_row_stride = p.o_row_stride = static_cast<std::int64_t>(sh.h_q) * sh.d;
-      p.k_row_stride = p.v_row_stride = static_cast<std::int64_t>(sh.h_kv) * sh.d;
-      p.q_head_stride = p.k_head_stride = p.v_head_stride = p.o_head_stride = sh.d;
-      p.lse_head_stride = sh.s;
-      p.lse_row_stride = 1;
-      p.seqs = d_seq;
-      p.batch = 1;
-      p.h_q = sh.h_q;
-      p.h_kv = sh.h_kv;
-      p.group = sh.h_q / sh.h_kv;
-      p.num_q_blocks = static_cast<int>((sh.s + kBlockQ - 1) / kBlockQ);
-      p.causal = true;
-      p.scale = 1.0f / std::sqrt(static_cast<float>(sh.d));
-      p.scale_log2 = p.scale * 1.4426950408889634f;
-      p.block_k = n;
-      p.mode = PolicyMode::kDense;
-      const double dense = median_ms(*var, p, 7);
+    const FwdVariant* var = find_fwd(dtype, sh.d);
+    if (var == nullptr) continue;
+    FwdParams p{};
+    p.q = q;
+    p.k = k;
+    p.v = v;
+    p.o = o;
+    p.lse = lse;
+    p.q_row_stride = p.o_row_stride = static_cast<std::int64_t>(sh.h_q) * sh.d;
+    p.k_row_stride = p.v_row_stride = static_cast<std::int64_t>(sh.h_kv) * sh.d;
+    p.q_head_stride = p.k_head_stride = p.v_head_stride = p.o_head_stride = sh.d;
+    p.lse_head_stride = sh.s;
+    p.lse_row_stride = 1;
+    p.seqs = d_seq;
+    p.batch = 1;
+    p.h_q = sh.h_q;
+    p.h_kv = sh.h_kv;
+    p.group = sh.h_q / sh.h_kv;
+    p.num_q_blocks = static_cast<int>((sh.s + kBlockQ - 1) / kBlockQ);
+    p.causal = true;
+    p.scale = 1.0f / std::sqrt(static_cast<float>(sh.d));
+    p.scale_log2 = p.scale * 1.4426950408889634f;
+    p.mode = PolicyMode::kDense;
+    p.block_k = dense_block_k(sh.d);
+    const double dense = median_ms(*var, p, 7);
+    std::printf("%-8s %s d=%3d s=%6lld dense %8.3f ms %6.1f TFLOP/s\n", sh.name, dtype_name(dtype), sh.d,
+                static_cast<long long>(sh.s), dense, flop / dense * 1e-9);
+    for (int block_k : {64, 128}) {
+      p.block_k = block_k;
       p.mode = PolicyMode::kExactGate;
       p.thresholds = thr;
       p.thr_head_stride = 0;
@@ -127,8 +130,8 @@ void run_shape(const Shape& sh) {
       const double keep_all = median_ms(*var, p, 7);
       p.thresholds = thr + 1;
       const double skip_all = median_ms(*var, p, 7);
-      std::printf("%-8s %s d=%3d s=%6lld n=%3d  dense %8.3f ms %6.1f TFLOP/s | gate keep-all %8.3f ms | gate skip-all %8.3f ms (%.2f of dense)\n",
-                  sh.name, dtype_name(dtype), sh.d, static_cast<long long>(sh.s), n, dense, flop / dense * 1e-9, keep_all,
+      std::printf("%-8s %s d=%3d s=%6lld block_k=%3d  gate keep-all %8.3f ms (%.3f of dense) | skip-all %8.3f ms (%.3f of dense)\n",
+                  sh.name, dtype_name(dtype), sh.d, static_cast<long long>(sh.s), block_k, keep_all, keep_all / dense,
                   skip_all, skip_all / dense);
     }
   }

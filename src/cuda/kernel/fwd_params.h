@@ -10,7 +10,8 @@ namespace sparseprefill::cuda {
 
 // Query rows per CTA: the block_q every policy must use on CUDA.
 constexpr int kBlockQ = 128;
-// Mean-correction tiles (kBlockN pooled blocks each) one query block can visit.
+// Pooled blocks per mean-correction tile, and the tiles one query block can visit.
+constexpr int kMeanChunk = 64;
 constexpr int kMaxMeanChunks = 256;
 // Pooled blocks the selector keeps energies for in shared memory (2M keys at block 128).
 constexpr int kMaxSelectBlocks = 16384;
@@ -61,7 +62,7 @@ struct FwdParams {
   float scale_log2;   // scale · log2(e): kernels work in the exp2 domain
 
   PolicyMode mode;
-  int block_k;        // keys per sparsity block; equals the kernel's tile width
+  int block_k;        // keys per sparsity block (64 or 128: one or two 64-key sub-tiles)
 
   // kBlockMask: BlockMask rows on the device, row (b, h_mask, qb) with
   // h_mask = per_kv_head ? h / group : h. Counts [batch, mask_heads, mask_q_blocks]; a row's

@@ -13,7 +13,7 @@
 #include "core/geometry.h"
 #include "cuda/kernel/fwd_params.h"
 #include "cuda/kernel/ptx.cuh"
-#include "cuda/kernel/sm80/fwd_kernel.cuh"
+#include "cuda/kernel/sm80/tile.cuh"
 
 namespace sparseprefill::cuda::select {
 
@@ -39,12 +39,19 @@ __global__ void __launch_bounds__(kD) block_means_kernel(const __grid_constant__
   static_cast<std::uint16_t*>(p.v_mean)[out] = ptx::from_float<kBf16>(static_cast<float>(v_sum / static_cast<double>(len)));
 }
 
+// 8 warps of 16 query rows score chunks of 64 pooled blocks.
 template <bool kBf16, int kD>
 struct SelectConfig {
-  using Tile = sm80::FwdConfig<kBf16, kD, 64>;  // 8 warps × 16 rows, 64 pooled blocks a chunk
-  static constexpr int kThreads = Tile::kThreads;
+  static constexpr int kWarps = 8;
+  static constexpr int kThreads = kWarps * 32;
+  static constexpr int kRows = kWarps * 16;  // = kBlockQ
   static constexpr int kChunk = 64;
-  static constexpr int kSmemFixed = Tile::kQBytes + Tile::kKVBytes;  // Q tile + one chunk of k̄
+  static constexpr int kKSteps = kD / 16;
+  using Tile = sm80::SmemTile<kD, kThreads>;
+  static constexpr int kQBytes = kRows * kD * 2;
+  static constexpr int kChunkBytes = kChunk * kD * 2;
+  static constexpr int kSmemFixed = kQBytes + kChunkBytes;  // Q tile + one chunk of k̄
+  static_assert(kRows == kBlockQ, "one query tile of block 128 per CTA");
   static std::size_t smem_bytes(int num_k_blocks) {
     return kSmemFixed + static_cast<std::size_t>(num_k_blocks) * sizeof(float);
   }
@@ -63,8 +70,8 @@ __global__ void __launch_bounds__(SelectConfig<kBf16, kD>::kThreads, 1)
   using Tile = typename Cfg::Tile;
   constexpr int kChunk = Cfg::kChunk;
   extern __shared__ __align__(128) unsigned char smem[];
-  __shared__ float s_red[Tile::kWarps];
-  __shared__ int s_count[2][Tile::kWarps];
+  __shared__ float s_red[Cfg::kWarps];
+  __shared__ int s_count[2][Cfg::kWarps];
 
   const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
   const int g = lane / 4, t4 = lane % 4;
@@ -91,7 +98,7 @@ __global__ void __launch_bounds__(SelectConfig<kBf16, kD>::kThreads, 1)
   const int hk = h0 / p.group;
 
   const std::uint32_t s_q_tile = ptx::smem_addr(smem);
-  const std::uint32_t s_k_tile = s_q_tile + Tile::kQBytes;
+  const std::uint32_t s_k_tile = s_q_tile + Cfg::kQBytes;
   float* energy = reinterpret_cast<float*>(smem + Cfg::kSmemFixed);  // [num_k_blocks]
   for (int j = tid; j < scored; j += Cfg::kThreads) energy[j] = 0.f;
 
@@ -102,19 +109,17 @@ __global__ void __launch_bounds__(SelectConfig<kBf16, kD>::kThreads, 1)
 
   // x for one (head, chunk) into s[8][4] (raw q·k̄), non-contributing pairs -inf.
   float s[kChunk / 8][4];
-  std::uint32_t qf[Tile::kKSteps][4];
+  std::uint32_t qf[Cfg::kKSteps][4];
   auto load_q = [&](int h) {
     __syncthreads();  // every warp is done with the previous Q tile
     const sm80::TileSrc src{static_cast<const std::uint16_t*>(p.q) + seq.q_off + row0 * p.q_row_stride + h * p.q_head_stride,
                             p.q_row_stride, rows_valid};
-    sm80::load_tile<Tile, Tile::kBlockM>(s_q_tile, src, tid);
+    sm80::load_tile<Tile, Cfg::kRows>(s_q_tile, src, tid);
     ptx::cp_async_commit();
     ptx::cp_async_wait<0>();
     __syncthreads();
 #pragma unroll
-    for (int kk = 0; kk < Tile::kKSteps; ++kk) {
-      ptx::ldmatrix_x4(s_q_tile + sm80::swizzle<Tile>(warp * 16 + (lane & 15), kk * 2 + (lane >> 4)), qf[kk]);
-    }
+    for (int kk = 0; kk < Cfg::kKSteps; ++kk) sm80::load_a_frag<Tile>(s_q_tile, warp * 16, kk, lane, qf[kk]);
   };
   auto scores = [&](int c) {
     __syncthreads();  // every warp is done with the previous chunk
@@ -127,11 +132,11 @@ __global__ void __launch_bounds__(SelectConfig<kBf16, kD>::kThreads, 1)
 #pragma unroll
     for (int nf = 0; nf < kChunk / 8; ++nf) s[nf][0] = s[nf][1] = s[nf][2] = s[nf][3] = 0.f;
 #pragma unroll
-    for (int kk = 0; kk < Tile::kKSteps; ++kk) {
+    for (int kk = 0; kk < Cfg::kKSteps; ++kk) {
 #pragma unroll
       for (int np = 0; np < kChunk / 16; ++np) {
         std::uint32_t bk[4];
-        ptx::ldmatrix_x4(s_k_tile + sm80::swizzle<Tile>(np * 16 + (lane >> 4) * 8 + (lane & 7), kk * 2 + ((lane >> 3) & 1)), bk);
+        sm80::load_k_frags<Tile>(s_k_tile, np * 16, kk, lane, bk);
         ptx::mma_16816<kBf16>(s[2 * np], qf[kk], bk[0], bk[1]);
         ptx::mma_16816<kBf16>(s[2 * np + 1], qf[kk], bk[2], bk[3]);
       }
@@ -167,7 +172,7 @@ __global__ void __launch_bounds__(SelectConfig<kBf16, kD>::kThreads, 1)
   __syncthreads();
   m = s_red[0];
 #pragma unroll
-  for (int w = 1; w < Tile::kWarps; ++w) m = ptx::max_nan(m, s_red[w]);
+  for (int w = 1; w < Cfg::kWarps; ++w) m = ptx::max_nan(m, s_red[w]);
 
   // Pass 2: E_j = Σ e^{x - M}; column sums over the warp's rows, then over warps in smem.
   for (int hh = 0; hh < heads; ++hh) {
@@ -200,7 +205,7 @@ __global__ void __launch_bounds__(SelectConfig<kBf16, kD>::kThreads, 1)
   __syncthreads();
   e_max = s_red[0];
 #pragma unroll
-  for (int w = 1; w < Tile::kWarps; ++w) e_max = ptx::max_nan(e_max, s_red[w]);
+  for (int w = 1; w < Cfg::kWarps; ++w) e_max = ptx::max_nan(e_max, s_red[w]);
 
   // Keep rule per block j <= lqb, and the ascending lists via a CTA-wide ballot scan.
   const std::int64_t mask_row = (static_cast<std::int64_t>(b) * units + unit) * p.num_q_blocks + i;
@@ -233,7 +238,7 @@ __global__ void __launch_bounds__(SelectConfig<kBf16, kD>::kThreads, 1)
     }
     __syncthreads();
     int full_off = full_total, part_off = part_total;
-    for (int w = 0; w < Tile::kWarps; ++w) {
+    for (int w = 0; w < Cfg::kWarps; ++w) {
       if (w < warp) {
         full_off += s_count[0][w];
         part_off += s_count[1][w];

@@ -11,80 +11,96 @@
 
 namespace sparseprefill::cuda {
 
-// The statistics of the two rows a thread holds in an m16n8 accumulator fragment (rows g and
-// g + 8 of its warp's 16). Scores arrive raw (q·k, unscaled); m is kept in the log2 domain,
+// The statistics of the rows a thread holds in kM m16n8 accumulator fragments: rows g and
+// g + 8 of each of its warp's kM 16-row groups, indexed r = 2·mi + (e / 2) for fragment mi and
+// accumulator element e. Scores arrive raw (q·k, unscaled); m is kept in the log2 domain,
 // m = max(q·k) · scale · log2(e), so exp2(q·k · scale_log2 - m) = e^{s - max s}.
+template <int kM>
 struct RowStats {
-  float m[2];  // running max (log2 domain); -inf while the row has seen no key; NaN is sticky
-  float l[2];  // this thread's partial sum of p over its columns (quad-reduced at the end)
+  float m[2 * kM];  // running max (log2 domain); -inf while the row has seen no key; NaN sticks
+  float l[2 * kM];  // this thread's partial sum of p over its columns (quad-reduced at the end)
 };
 
-__device__ __forceinline__ void init_row_stats(RowStats& st) {
-  st.m[0] = st.m[1] = -INFINITY;
-  st.l[0] = st.l[1] = 0.f;
+template <int kM>
+__device__ __forceinline__ void init_row_stats(RowStats<kM>& st) {
+#pragma unroll
+  for (int r = 0; r < 2 * kM; ++r) {
+    st.m[r] = -INFINITY;
+    st.l[r] = 0.f;
+  }
 }
 
-// Row maxima of a raw score fragment s[kNFrags][4] (masked entries are -inf), reduced over the
+// Row maxima of a raw score fragment s[kM][kN][4] (masked entries are -inf), reduced over the
 // quad of threads that share the rows. NaN-propagating: a NaN score makes the row max NaN, so
 // the gates keep the block and the output becomes NaN, as in the oracle.
-template <int kNFrags>
-__device__ __forceinline__ void row_max(const float (&s)[kNFrags][4], float (&mx)[2]) {
-  mx[0] = mx[1] = -INFINITY;
+template <int kM, int kN>
+__device__ __forceinline__ void row_max(const float (&s)[kM][kN][4], float (&mx)[2 * kM]) {
 #pragma unroll
-  for (int nf = 0; nf < kNFrags; ++nf) {
-    mx[0] = ptx::max_nan(mx[0], ptx::max_nan(s[nf][0], s[nf][1]));
-    mx[1] = ptx::max_nan(mx[1], ptx::max_nan(s[nf][2], s[nf][3]));
+  for (int mi = 0; mi < kM; ++mi) {
+    mx[2 * mi] = mx[2 * mi + 1] = -INFINITY;
+#pragma unroll
+    for (int nf = 0; nf < kN; ++nf) {
+      mx[2 * mi] = ptx::max_nan(mx[2 * mi], ptx::max_nan(s[mi][nf][0], s[mi][nf][1]));
+      mx[2 * mi + 1] = ptx::max_nan(mx[2 * mi + 1], ptx::max_nan(s[mi][nf][2], s[mi][nf][3]));
+    }
   }
 #pragma unroll
-  for (int i = 0; i < 2; ++i) {
-    mx[i] = ptx::max_nan(mx[i], __shfl_xor_sync(0xffffffffu, mx[i], 1));
-    mx[i] = ptx::max_nan(mx[i], __shfl_xor_sync(0xffffffffu, mx[i], 2));
+  for (int r = 0; r < 2 * kM; ++r) {
+    mx[r] = ptx::max_nan(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 1));
+    mx[r] = ptx::max_nan(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 2));
   }
 }
 
-// Folds one tile into the running statistics and produces P for the PV product.
-//   s      raw scores [kNFrags][4] (masked = -inf), consumed
-//   mx     their row maxima (row_max)
-//   acc    the output accumulator [kDFrags][4], rescaled to the new max
-//   p      P as A-operand fragments of m16n8k16: [kNFrags / 2][4] packed 16-bit pairs, rounded
-//          to the input dtype (the P rounding the tolerance of docs/numerics.md allows for)
-// Numerics: when the new max is -inf (the row has seen no key, this tile included) the
-// exponent uses 0 instead, so exp2(-inf - 0) = 0 and no -inf - (-inf) = NaN appears; alpha is
-// then exp2(-inf) = 0 on an all-zero accumulator. A NaN max propagates into p, l and acc.
-template <bool kBf16, int kNFrags, int kDFrags>
-__device__ __forceinline__ void online_softmax(float (&s)[kNFrags][4], const float (&mx)[2],
-                                               float scale_log2, RowStats& st,
-                                               float (&acc)[kDFrags][4],
-                                               std::uint32_t (&p)[kNFrags / 2][4]) {
-  float m_use[2];
+// Moves the running max to include a tile (or block) whose raw row maxima are mx: rescales l
+// and the output accumulator acc[kM][kD][4] by alpha = exp2(m_old - m_new) and returns in
+// m_use the max the tile's exponents subtract. Numerics: when the new max is -inf (the row
+// has seen no key, this tile included) m_use is 0, so exp2(-inf - 0) = 0 and no
+// -inf - (-inf) = NaN appears; alpha is then exp2(-inf) = 0 on an all-zero accumulator.
+template <int kM, int kD>
+__device__ __forceinline__ void rescale(RowStats<kM>& st, const float (&mx)[2 * kM], float scale_log2,
+                                        float (&acc)[kM][kD][4], float (&m_use)[2 * kM]) {
 #pragma unroll
-  for (int i = 0; i < 2; ++i) {
-    const float m_new = ptx::max_nan(st.m[i], mx[i] * scale_log2);
-    m_use[i] = m_new == -INFINITY ? 0.f : m_new;
-    const float alpha = ptx::exp2f_fast(st.m[i] - m_use[i]);
-    st.m[i] = m_new;
-    st.l[i] *= alpha;
+  for (int r = 0; r < 2 * kM; ++r) {
+    const float m_new = ptx::max_nan(st.m[r], mx[r] * scale_log2);
+    m_use[r] = m_new == -INFINITY ? 0.f : m_new;
+    const float alpha = ptx::exp2f_fast(st.m[r] - m_use[r]);
+    st.m[r] = m_new;
+    st.l[r] *= alpha;
 #pragma unroll
-    for (int df = 0; df < kDFrags; ++df) {
-      acc[df][2 * i] *= alpha;
-      acc[df][2 * i + 1] *= alpha;
+    for (int df = 0; df < kD; ++df) {
+      acc[r / 2][df][2 * (r % 2)] *= alpha;
+      acc[r / 2][df][2 * (r % 2) + 1] *= alpha;
     }
   }
+}
+
+// p = exp2(s · scale_log2 - m_use) for a raw score tile, summed into l, and packed as the A
+// fragments of P·V: [kM][kN / 2][4] 16-bit pairs, rounded to the input dtype (the P rounding
+// the tolerance of docs/numerics.md allows for). A NaN max propagates into p and l.
+template <bool kBf16, int kM, int kN>
+__device__ __forceinline__ void exp_pack(const float (&s)[kM][kN][4], const float (&m_use)[2 * kM],
+                                         float scale_log2, float (&l)[2 * kM],
+                                         std::uint32_t (&p)[kM][kN / 2][4]) {
+  // Accumulator fragments of key columns 16kk..16kk+15 are exactly the A fragment of k-step
+  // kk; each pair of n8 fragments is exponentiated and packed at once (few live temporaries).
 #pragma unroll
-  for (int nf = 0; nf < kNFrags; ++nf) {
+  for (int mi = 0; mi < kM; ++mi) {
 #pragma unroll
-    for (int e = 0; e < 4; ++e) {
-      s[nf][e] = ptx::exp2f_fast(fmaf(s[nf][e], scale_log2, -m_use[e / 2]));
-      st.l[e / 2] += s[nf][e];
+    for (int kk = 0; kk < kN / 2; ++kk) {
+      float e[2][4];
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+          e[h][i] = ptx::exp2f_fast(fmaf(s[mi][2 * kk + h][i], scale_log2, -m_use[2 * mi + i / 2]));
+          l[2 * mi + i / 2] += e[h][i];
+        }
+      }
+      p[mi][kk][0] = ptx::pack2<kBf16>(e[0][0], e[0][1]);
+      p[mi][kk][1] = ptx::pack2<kBf16>(e[0][2], e[0][3]);
+      p[mi][kk][2] = ptx::pack2<kBf16>(e[1][0], e[1][1]);
+      p[mi][kk][3] = ptx::pack2<kBf16>(e[1][2], e[1][3]);
     }
-  }
-  // Accumulator fragments of key columns 16kk..16kk+15 are exactly the A fragment of k-step kk.
-#pragma unroll
-  for (int kk = 0; kk < kNFrags / 2; ++kk) {
-    p[kk][0] = ptx::pack2<kBf16>(s[2 * kk][0], s[2 * kk][1]);
-    p[kk][1] = ptx::pack2<kBf16>(s[2 * kk][2], s[2 * kk][3]);
-    p[kk][2] = ptx::pack2<kBf16>(s[2 * kk + 1][0], s[2 * kk + 1][1]);
-    p[kk][3] = ptx::pack2<kBf16>(s[2 * kk + 1][2], s[2 * kk + 1][3]);
   }
 }
 

@@ -1,8 +1,9 @@
 // SPDX-License-Identifier: Apache-2.0
 // The portable forward attention kernel (mma.sync m16n8k16, ldmatrix, cp.async; sm_80 and
-// newer): one CTA per (query block of 128 rows, batch, query head), online softmax over the
-// key blocks a policy selects, in-loop gates (exact_gate, softmax_skip), block-mask execution
-// and mean-correction pseudo-tokens. Included only by generated instance files.
+// newer): one CTA of 4 warps per (query block of 128 rows, batch, query head), online softmax
+// over the key blocks a policy selects in 64-key sub-tiles, in-loop gates (exact_gate,
+// softmax_skip) on whole blocks, block-mask execution and mean-correction pseudo-tokens.
+// Included only by generated instance files.
 #pragma once
 
 #include <cuda_runtime.h>
@@ -13,96 +14,68 @@
 #include "core/geometry.h"
 #include "cuda/kernel/fwd_params.h"
 #include "cuda/kernel/ptx.cuh"
+#include "cuda/kernel/sm80/tile.cuh"
 #include "cuda/kernel/softmax.cuh"
 
 namespace sparseprefill::cuda::sm80 {
 
 // Compile-time shape of one instance. Tile values never change results: kBlockM is the
-// block_q every policy uses on CUDA, kBlockN the block_k the instance serves (a gate decides
-// on a whole block, so the score tile must span one).
-template <bool kBf16_, int kHeadDim_, int kBlockN_>
+// block_q every policy uses on CUDA; a block of block_k = 64 or 128 keys is visited as one or
+// two 64-key sub-tiles. 4 warps of 32 rows (two m16 fragments each share every K/V fragment
+// they load) and 96 KB of smem at d = 128, so two CTAs share an SM and hide each other's
+// barriers and load latency (the FlashAttention-2 shape; docs/cuda.md has the measurements).
+template <bool kBf16_, int kHeadDim_>
 struct FwdConfig {
   static constexpr bool kBf16 = kBf16_;
   static constexpr int kHeadDim = kHeadDim_;
   static constexpr int kBlockM = kBlockQ;
-  static constexpr int kBlockN = kBlockN_;
-  static constexpr int kWarps = 8;  // each warp owns 16 query rows
+  static constexpr int kBlockN = 64;  // keys per sub-tile
+  static constexpr int kWarps = 4;
   static constexpr int kThreads = kWarps * 32;
-  static constexpr int kChunks = kHeadDim / 8;     // 16-byte chunks per smem row
-  static constexpr int kNFrags = kBlockN / 8;      // n8 fragments of a score row
-  static constexpr int kDFrags = kHeadDim / 8;     // n8 fragments of an output row
-  static constexpr int kKSteps = kHeadDim / 16;    // k16 steps of Q·Kᵀ
-  static constexpr int kPSteps = kBlockN / 16;     // k16 steps of P·V
+  static constexpr int kM = 2;                    // m16 fragments per warp: 32 rows
+  static constexpr int kNFrags = kBlockN / 8;     // n8 fragments of a sub-tile's score row
+  static constexpr int kDFrags = kHeadDim / 8;    // n8 fragments of an output row
+  static constexpr int kKSteps = kHeadDim / 16;   // k16 steps of Q·Kᵀ
+  static constexpr int kPSteps = kBlockN / 16;    // k16 steps of P·V
+  using Tile = SmemTile<kHeadDim, kThreads>;
   static constexpr int kQBytes = kBlockM * kHeadDim * 2;
-  static constexpr int kKVBytes = kBlockN * kHeadDim * 2;  // one K or V stage
-  // Q (reused for the O epilogue), K double-buffered, V double-buffered.
-  static constexpr int kSmemBytes = kQBytes + 4 * kKVBytes;
-  // Q fragments stay in registers when the per-thread tiles leave room (S + P + O + Q <= 160
-  // registers; ptxas -v in docs/cuda.md); otherwise they are re-read from smem each k-step.
-  static constexpr bool kQInRegs = kBlockN / 2 + kBlockN / 4 + kHeadDim / 2 + kHeadDim / 4 <= 160;
+  static constexpr int kKVBytes = kBlockN * kHeadDim * 2;  // one K stage or V slot
+  // A gated 128-key block needs both sub-tiles' scores before its decision: the first
+  // sub-tile's raw scores wait in smem, thread-private, in the region of the V slots (unused
+  // until the decision), since the registers hold the output accumulator.
+  static constexpr int kStashBytes = kThreads * kM * kNFrags * 4 * 4;
+  static constexpr int kVRegionBytes = 2 * kKVBytes > kStashBytes ? 2 * kKVBytes : kStashBytes;
+  // Q (reused for the O epilogue), K double-buffered, then the two V slots (one per sub-tile
+  // of a gated 128-key block) overlapping the stash: 96 KB at d = 128, 64 KB at d = 64.
+  static constexpr int kSmemBytes = kQBytes + 2 * kKVBytes + kVRegionBytes;
 
-  static_assert(kBlockM == kWarps * 16, "one m16 row fragment per warp");
-  static_assert(kHeadDim % 64 == 0, "the XOR swizzle needs at least 8 chunks per row");
-  static_assert(kBlockN % 32 == 0, "K is read as pairs of n8 fragments; bitmaps by 32");
-  static_assert((kBlockN * kChunks) % kThreads == 0, "K/V tiles split evenly over threads");
-  static_assert((kBlockM * kChunks) % kThreads == 0, "the Q tile splits evenly over threads");
+  static_assert(kBlockM == kWarps * 16 * kM, "the warps tile the query block");
+  static_assert(kMeanChunk == kBlockN, "a mean-correction tile is one sub-tile of pooled blocks");
 };
-
-// Byte offset of 16-byte chunk c of row r in a [rows, kHeadDim] 16-bit smem tile. Chunks are
-// XOR-swizzled by r % 8 so that the 8 rows an ldmatrix phase reads (and the 8 chunks a
-// cp.async phase writes) fall in 8 different 16-byte bank groups: conflict-free.
-template <class Cfg>
-__device__ __forceinline__ std::uint32_t swizzle(int r, int c) {
-  return static_cast<std::uint32_t>(r * Cfg::kHeadDim * 2 + ((c ^ (r & 7)) << 4));
-}
-
-// Where one K/V (or mean) tile comes from: kRows rows of head_dim elements at `ptr` with
-// `stride` elements between rows, of which the first `valid` exist (the rest are zero-filled).
-struct TileSrc {
-  const std::uint16_t* ptr;
-  std::int64_t stride;
-  int valid;
-};
-
-// Asynchronously copies a [kRows, kHeadDim] tile into swizzled smem; rows >= valid become
-// zeros without reading global memory. The caller commits the group. Thread tid copies chunk
-// tid % kChunks of rows tid / kChunks + i·kRowStep: the row step is a multiple of 8, so the
-// swizzled chunk is the same for every i and addresses advance by constants.
-template <class Cfg, int kRows>
-__device__ __forceinline__ void load_tile(std::uint32_t smem, const TileSrc& src, int tid) {
-  constexpr int kRowStep = Cfg::kThreads / Cfg::kChunks;
-  static_assert(kRowStep % 8 == 0 && kRows % kRowStep == 0, "constant swizzle per thread");
-  const int r0 = tid / Cfg::kChunks, c = tid % Cfg::kChunks;
-  const std::uint32_t dst = smem + swizzle<Cfg>(r0, c);
-  const std::uint16_t* g = src.ptr + r0 * src.stride + c * 8;
-#pragma unroll
-  for (int i = 0; i < kRows / kRowStep; ++i) {
-    const bool ok = r0 + i * kRowStep < src.valid;
-    ptx::cp_async_16(dst + i * kRowStep * Cfg::kHeadDim * 2, ok ? g + i * kRowStep * src.stride : src.ptr, ok ? 16 : 0);
-  }
-}
 
 // The key blocks one CTA visits, in order: group A (never gated by exact_gate: the partial
 // blocks, or non-causal the last key block), then group B (the full blocks), each descending,
-// then the mean-correction tiles. Dense and the gates walk one descending range
-// [0, a_hi); a block mask walks its partial list then its full list.
+// then the mean-correction tiles. Dense and the gates walk one descending range [0, a_hi); a
+// block mask walks its partial list then its full list.
 struct VisitList {
-  int n_a = 0;        // group A entries
-  int n_reg = 0;      // A + B entries (real key blocks)
-  int a_hi = 0;       // range mode: first visited block + 1
-  const std::int32_t* a_list = nullptr;  // mask mode: ascending partial indices (else null)
+  bool lists = false;    // mask mode (else range mode)
+  int n_a = 0;           // group A entries
+  int n_reg = 0;         // A + B entries (real key blocks)
+  int a_hi = 0;          // range mode: first visited block + 1
+  const std::int32_t* a_list = nullptr;  // mask mode: ascending partial indices
   const std::int32_t* b_list = nullptr;  // mask mode: ascending full indices
 
   __device__ __forceinline__ int block(int j) const {
-    if (a_list == nullptr) return a_hi - 1 - j;
+    if (!lists) return a_hi - 1 - j;
     return j < n_a ? a_list[n_a - 1 - j] : b_list[n_reg - 1 - j];
   }
 };
 
 template <class Cfg>
-__global__ void __launch_bounds__(Cfg::kThreads, 1) fwd_kernel(const __grid_constant__ FwdParams p) {
+__global__ void __launch_bounds__(Cfg::kThreads, 2) fwd_kernel(const __grid_constant__ FwdParams p) {
+  using Tile = typename Cfg::Tile;
   constexpr int kBlockM = Cfg::kBlockM, kBlockN = Cfg::kBlockN, kD = Cfg::kHeadDim;
-  constexpr int kNFrags = Cfg::kNFrags, kDFrags = Cfg::kDFrags;
+  constexpr int kM = Cfg::kM, kNFrags = Cfg::kNFrags, kDFrags = Cfg::kDFrags;
   extern __shared__ __align__(128) unsigned char smem[];
   __shared__ int s_chunks[kMaxMeanChunks];  // mean-correction tiles to visit
   __shared__ int s_num_chunks;
@@ -119,23 +92,26 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) fwd_kernel(const __grid_cons
   const int b = tile % p.batch;
   const int qb_rev = tile / p.batch;
   const SeqInfo seq = p.seqs[b];
-  const geom::BlockGeometry geo{{seq.s_q, seq.s_k, p.causal}, kBlockM, kBlockN};
+  const geom::BlockGeometry geo{{seq.s_q, seq.s_k, p.causal}, kBlockM, p.block_k};
   if (qb_rev >= geo.num_q_blocks()) return;
   const int qb = geo.num_q_blocks() - 1 - qb_rev;
   const int hk = h / p.group;
   const std::int64_t row0 = geo.row_begin(qb);
   const int rows_valid = static_cast<int>(geo.row_end(qb) - row0);
+  const int warp_row = warp * 16 * kM;  // the warp's first row in the query block
 
   const std::uint32_t s_q_tile = ptx::smem_addr(smem);
-  const std::uint32_t s_k_tile = s_q_tile + Cfg::kQBytes;                   // 2 stages
-  const std::uint32_t s_v_tile = s_k_tile + 2 * Cfg::kKVBytes;              // 2 stages
+  const std::uint32_t s_k_tile = s_q_tile + Cfg::kQBytes;       // 2 stages
+  const std::uint32_t s_v_tile = s_k_tile + 2 * Cfg::kKVBytes;  // 2 slots
+  // Thread-private stash in the V slots: float4 i of thread tid at (i · kThreads + tid) · 16.
+  auto* stash = reinterpret_cast<float4*>(smem + Cfg::kQBytes + 2 * Cfg::kKVBytes);
 
   // ---- visit list
   VisitList visit;
   const int h_mask = p.mask_per_kv_head ? hk : h;
-  const std::int64_t mask_row =
-      (static_cast<std::int64_t>(b) * p.mask_heads + h_mask) * p.mask_q_blocks + qb;
+  const std::int64_t mask_row = (static_cast<std::int64_t>(b) * p.mask_heads + h_mask) * p.mask_q_blocks + qb;
   if (p.mode == PolicyMode::kBlockMask) {
+    visit.lists = true;
     visit.n_a = p.partial_count[mask_row];
     visit.n_reg = visit.n_a + p.full_count[mask_row];
     visit.a_list = p.partial_index + (p.partial_start != nullptr ? p.partial_start[mask_row] : mask_row * p.mask_k_blocks);
@@ -148,21 +124,21 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) fwd_kernel(const __grid_cons
     visit.n_a = visit.a_hi - (a_lo < 0 ? 0 : a_lo);
     visit.n_reg = visit.a_hi;
   }
-  // Mean-correction tiles: chunks of kBlockN consecutive pooled blocks holding at least one
+  // Mean-correction tiles: chunks of kMeanChunk consecutive pooled blocks holding at least one
   // block marked in this row's bitmap.
   const bool means = p.mode == PolicyMode::kBlockMask && p.k_mean != nullptr;
   const int mean_blocks_seq = means ? static_cast<int>(geom::ceil_div(seq.s_k, p.mean_block)) : 0;
   if (means && warp == 0) {
     const std::uint32_t* bits = p.corrected_bits + mask_row * p.corrected_words;
-    const int chunks = (mean_blocks_seq + kBlockN - 1) / kBlockN;
+    const int chunks = (mean_blocks_seq + kMeanChunk - 1) / kMeanChunk;
     int count = 0;
     for (int c0 = 0; c0 < chunks; c0 += 32) {
       const int c = c0 + lane;
       bool any = false;
       if (c < chunks) {
 #pragma unroll
-        for (int w = 0; w < kBlockN / 32; ++w) {
-          const int word = c * (kBlockN / 32) + w;
+        for (int w = 0; w < kMeanChunk / 32; ++w) {
+          const int word = c * (kMeanChunk / 32) + w;
           any |= word < p.corrected_words && bits[word] != 0u;
         }
       }
@@ -189,160 +165,178 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) fwd_kernel(const __grid_cons
           ? nullptr
           : p.kept_bits + ((static_cast<std::int64_t>(b) * p.h_q + h) * p.num_q_blocks + qb) * p.kept_words;
 
-  const bool row_ok[2] = {warp * 16 + g < rows_valid, warp * 16 + g + 8 < rows_valid};
-  // The last key each of the thread's two rows sees (-1: none).
-  const std::int64_t last_key[2] = {geo.seq.last_key(row0 + warp * 16 + g), geo.seq.last_key(row0 + warp * 16 + g + 8)};
+  // The thread's rows r = 2·mi + (e / 2) are query-block rows warp_row + 16·mi + g + 8·(e / 2).
+  auto row_of = [&](int r) { return warp_row + 16 * (r / 2) + g + 8 * (r % 2); };
+  auto row_ok = [&](int r) { return row_of(r) < rows_valid; };
 
   const auto* k_base = static_cast<const std::uint16_t*>(p.k) + seq.k_off + hk * p.k_head_stride;
   const auto* v_base = static_cast<const std::uint16_t*>(p.v) + seq.v_off + hk * p.v_head_stride;
-  const std::int64_t mean_base =
-      (static_cast<std::int64_t>(b) * p.h_kv + hk) * p.mean_blocks * static_cast<std::int64_t>(kD);
+  const std::int64_t mean_base = (static_cast<std::int64_t>(b) * p.h_kv + hk) * p.mean_blocks * static_cast<std::int64_t>(kD);
 
-  // Source of the K (value = false) or V tile of visit position j (a key block, or a tile of
-  // pooled means after the real blocks).
-  auto tile_src = [&](int j, bool value) -> TileSrc {
+  // 64-key sub-tiles of visit position j: one or two for a key block, one for a mean tile.
+  auto num_sub = [&](int j) -> int {
+    if (j >= visit.n_reg) return 1;
+    const int kb = visit.block(j);
+    return static_cast<int>(geom::ceil_div(geo.key_end(kb) - geo.key_begin(kb), kBlockN));
+  };
+  // Source of the K (value = false) or V sub-tile `sub` of position j.
+  auto sub_src = [&](int j, int sub, bool value) -> TileSrc {
     if (j < visit.n_reg) {
       const int kb = visit.block(j);
+      const std::int64_t key0 = geo.key_begin(kb) + sub * kBlockN;
       const std::int64_t stride = value ? p.v_row_stride : p.k_row_stride;
-      const std::uint16_t* base = value ? v_base : k_base;
-      return {base + geo.key_begin(kb) * stride, stride, static_cast<int>(geo.key_end(kb) - geo.key_begin(kb))};
+      const std::int64_t valid = geom::min64(kBlockN, geo.key_end(kb) - key0);
+      return {(value ? v_base : k_base) + key0 * stride, stride, static_cast<int>(valid)};
     }
     const int c = s_chunks[j - visit.n_reg];
     const auto* mean = static_cast<const std::uint16_t*>(value ? p.v_mean : p.k_mean);
-    const int valid = mean_blocks_seq - c * kBlockN;
-    return {mean + mean_base + static_cast<std::int64_t>(c) * kBlockN * kD, kD, valid < kBlockN ? valid : kBlockN};
+    const int valid = mean_blocks_seq - c * kMeanChunk;
+    return {mean + mean_base + static_cast<std::int64_t>(c) * kMeanChunk * kD, kD, valid < kMeanChunk ? valid : kMeanChunk};
   };
 
-  // ---- prologue: Q and K(0) in group 0, K(1) in group 1.
+  // ---- prologue: Q and the first K sub-tile in one group.
   {
     const TileSrc q_src{static_cast<const std::uint16_t*>(p.q) + seq.q_off + row0 * p.q_row_stride + h * p.q_head_stride,
                         p.q_row_stride, rows_valid};
-    load_tile<Cfg, kBlockM>(s_q_tile, q_src, tid);
+    load_tile<Tile, kBlockM>(s_q_tile, q_src, tid);
   }
   __syncthreads();  // publishes s_chunks / s_num_chunks
   const int n_visit = visit.n_reg + (means ? s_num_chunks : 0);
-  if (n_visit > 0) load_tile<Cfg, kBlockN>(s_k_tile, tile_src(0, false), tid);
+  if (n_visit > 0) load_tile<Tile, kBlockN>(s_k_tile, sub_src(0, 0, false), tid);
   ptx::cp_async_commit();
-  if (n_visit > 1) load_tile<Cfg, kBlockN>(s_k_tile + Cfg::kKVBytes, tile_src(1, false), tid);
-  ptx::cp_async_commit();
-  ptx::cp_async_wait<1>();  // Q and K(0) have landed for this thread...
-  __syncthreads();          // ...and for every thread
 
-  // Q as A fragments of the warp's 16 rows (head dims kk·16 + {0..7, 8..15} by lane / 16).
-  auto load_q_frag = [&](int kk, std::uint32_t (&a)[4]) {
-    ptx::ldmatrix_x4(s_q_tile + swizzle<Cfg>(warp * 16 + (lane & 15), kk * 2 + (lane >> 4)), a);
-  };
-  std::uint32_t qf[Cfg::kQInRegs ? Cfg::kKSteps : 1][4];
-  if constexpr (Cfg::kQInRegs) {
+  float acc[kM][kDFrags][4];
 #pragma unroll
-    for (int kk = 0; kk < Cfg::kKSteps; ++kk) load_q_frag(kk, qf[kk]);
+  for (int mi = 0; mi < kM; ++mi) {
+#pragma unroll
+    for (int df = 0; df < kDFrags; ++df) acc[mi][df][0] = acc[mi][df][1] = acc[mi][df][2] = acc[mi][df][3] = 0.f;
   }
-
-  float acc[kDFrags][4];
-#pragma unroll
-  for (int df = 0; df < kDFrags; ++df) acc[df][0] = acc[df][1] = acc[df][2] = acc[df][3] = 0.f;
-  RowStats st;
+  RowStats<kM> st;
   init_row_stats(st);
-  float s[kNFrags][4];              // scores of the look-ahead position (raw q·k)
-  std::uint32_t pf[Cfg::kPSteps][4];  // P of the current position, A fragments
-  float mx[2];
+  float s[kM][kNFrags][4];  // raw scores of the current sub-tile
 
-  // S = Q·K(j)ᵀ from K stage `stage`, masked, and the row maxima.
-  auto compute_scores = [&](int j, int stage) {
+  // S = Q·K(stage)ᵀ for the warp's 32 rows: every K fragment serves both m16 row groups.
+  auto compute_scores = [&](int stage) {
 #pragma unroll
-    for (int nf = 0; nf < kNFrags; ++nf) s[nf][0] = s[nf][1] = s[nf][2] = s[nf][3] = 0.f;
+    for (int mi = 0; mi < kM; ++mi) {
+#pragma unroll
+      for (int nf = 0; nf < kNFrags; ++nf) s[mi][nf][0] = s[mi][nf][1] = s[mi][nf][2] = s[mi][nf][3] = 0.f;
+    }
     const std::uint32_t k_stage = s_k_tile + stage * Cfg::kKVBytes;
 #pragma unroll
     for (int kk = 0; kk < Cfg::kKSteps; ++kk) {
-      std::uint32_t qa[4];
-      if constexpr (Cfg::kQInRegs) {
-        qa[0] = qf[kk][0], qa[1] = qf[kk][1], qa[2] = qf[kk][2], qa[3] = qf[kk][3];
-      } else {
-        load_q_frag(kk, qa);
-      }
+      std::uint32_t qa[kM][4];
+#pragma unroll
+      for (int mi = 0; mi < kM; ++mi) load_a_frag<Tile>(s_q_tile, warp_row + 16 * mi, kk, lane, qa[mi]);
 #pragma unroll
       for (int np = 0; np < kNFrags / 2; ++np) {
         std::uint32_t bk[4];
-        // Keys np·16 + {0..7, 8..15} (lane / 16), head dims kk·16 + {0..7, 8..15} ((lane / 8) % 2).
-        ptx::ldmatrix_x4(k_stage + swizzle<Cfg>(np * 16 + (lane >> 4) * 8 + (lane & 7), kk * 2 + ((lane >> 3) & 1)), bk);
-        ptx::mma_16816<Cfg::kBf16>(s[2 * np], qa, bk[0], bk[1]);
-        ptx::mma_16816<Cfg::kBf16>(s[2 * np + 1], qa, bk[2], bk[3]);
+        load_k_frags<Tile>(k_stage, np * 16, kk, lane, bk);
+#pragma unroll
+        for (int mi = 0; mi < kM; ++mi) {
+          ptx::mma_16816<Cfg::kBf16>(s[mi][2 * np], qa[mi], bk[0], bk[1]);
+          ptx::mma_16816<Cfg::kBf16>(s[mi][2 * np + 1], qa[mi], bk[2], bk[3]);
+        }
       }
     }
+  };
+
+  // Element masks of sub-tile `sub` of position j: the causal diagonal band and the sequence's
+  // last, short key block for key blocks; the marked pooled blocks for mean tiles. Rows past
+  // s_q are left alone (never stored, excluded from the gates).
+  auto mask_scores = [&](int j, int sub) {
     if (j < visit.n_reg) {
       const int kb = visit.block(j);
-      // Element mask only where needed: the causal diagonal band and the sequence's last,
-      // short key block. Rows past s_q are left alone (never stored, excluded from gates).
-      if (!geo.is_full(qb, kb) || geo.key_end(kb) - geo.key_begin(kb) < kBlockN) {
-        // Column limit per row: the last key the row sees, relative to the block, clamped.
-        int limit[2];
+      const std::int64_t key0 = geo.key_begin(kb) + sub * kBlockN;
+      const std::int64_t key_end = geo.key_end(kb);
+      if (geo.is_full(qb, kb) && key0 + kBlockN <= key_end) return;
+      // Column limit per row: the last key the row sees (causal: its position; always before
+      // the block's end), relative to the sub-tile, clamped to [-1, kBlockN].
+      const std::int64_t end_limit = key_end - 1 - key0;
+      const std::int64_t diag = row0 + geo.seq.offset() - key0;  // + row: the row's position
+      int limit[2 * kM];
 #pragma unroll
-        for (int i = 0; i < 2; ++i) {
-          limit[i] = static_cast<int>(geom::min64(geom::max64(last_key[i] - geo.key_begin(kb), -1), kBlockN));
-        }
+      for (int r = 0; r < 2 * kM; ++r) {
+        const std::int64_t lim = p.causal ? geom::min64(diag + row_of(r), end_limit) : end_limit;
+        limit[r] = static_cast<int>(geom::min64(geom::max64(lim, -1), kBlockN));
+      }
+#pragma unroll
+      for (int mi = 0; mi < kM; ++mi) {
 #pragma unroll
         for (int nf = 0; nf < kNFrags; ++nf) {
 #pragma unroll
           for (int e = 0; e < 4; ++e) {
-            if (nf * 8 + 2 * t4 + (e & 1) > limit[e / 2]) s[nf][e] = -INFINITY;
+            if (nf * 8 + 2 * t4 + (e & 1) > limit[2 * mi + e / 2]) s[mi][nf][e] = -INFINITY;
           }
         }
       }
-    } else {
-      // Pooled blocks: a marked block j adds one pseudo-token of weight n_j, i.e. score
-      // s̄ + ln n_j; stored here as a raw score shifted by log2(n_j) / scale_log2 so that the
-      // softmax's exp2(raw · scale_log2 - m) yields n_j · e^{s̄ - max}. Unmarked: -inf.
-      const int c = s_chunks[j - visit.n_reg];
-      const std::uint32_t* bits = p.corrected_bits + mask_row * p.corrected_words + c * (kBlockN / 32);
-      // Every pooled block holds mean_block keys except the sequence's last one.
-      const int last = mean_blocks_seq - 1 - c * kBlockN;
-      const float shift_full = __log2f(static_cast<float>(p.mean_block)) / p.scale_log2;
-      const float shift_last =
-          __log2f(static_cast<float>(seq.s_k - static_cast<std::int64_t>(mean_blocks_seq - 1) * p.mean_block)) / p.scale_log2;
+      return;
+    }
+    // Pooled blocks: a marked block adds one pseudo-token of weight n_j, i.e. score
+    // s̄ + ln n_j; stored as a raw score shifted by log2(n_j) / scale_log2 so that the softmax's
+    // exp2(raw · scale_log2 - m) yields n_j · e^{s̄ - max}. Unmarked columns: -inf.
+    const int c = s_chunks[j - visit.n_reg];
+    const std::uint32_t* bits = p.corrected_bits + mask_row * p.corrected_words + c * (kMeanChunk / 32);
+    // Every pooled block holds mean_block keys except the sequence's last one.
+    const int last = mean_blocks_seq - 1 - c * kMeanChunk;
+    const float shift_full = __log2f(static_cast<float>(p.mean_block)) / p.scale_log2;
+    const float shift_last =
+        __log2f(static_cast<float>(seq.s_k - static_cast<std::int64_t>(mean_blocks_seq - 1) * p.mean_block)) / p.scale_log2;
 #pragma unroll
-      for (int w = 0; w < kBlockN / 32; ++w) {
-        const std::uint32_t word = c * (kBlockN / 32) + w < p.corrected_words ? bits[w] : 0u;
+    for (int w = 0; w < kMeanChunk / 32; ++w) {
+      const std::uint32_t word = c * (kMeanChunk / 32) + w < p.corrected_words ? bits[w] : 0u;
 #pragma unroll
-        for (int nf = 4 * w; nf < 4 * w + 4; ++nf) {
+      for (int nf = 4 * w; nf < 4 * w + 4; ++nf) {
 #pragma unroll
-          for (int e = 0; e < 4; ++e) {
-            const int col = nf * 8 + 2 * t4 + (e & 1);
-            const bool marked = (word >> (col % 32)) & 1u;  // never set past the last block
-            s[nf][e] = marked ? s[nf][e] + (col == last ? shift_last : shift_full) : -INFINITY;
+        for (int e = 0; e < 4; ++e) {
+          const int col = nf * 8 + 2 * t4 + (e & 1);
+          const bool marked = (word >> (col % 32)) & 1u;  // never set past the last block
+#pragma unroll
+          for (int mi = 0; mi < kM; ++mi) {
+            s[mi][nf][e] = marked ? s[mi][nf][e] + (col == last ? shift_last : shift_full) : -INFINITY;
           }
         }
       }
     }
-    row_max(s, mx);
   };
 
-  // The gate of position j, as one CTA-wide vote; also the barrier after which every warp is
-  // done reading the K stage of j. Ungated positions keep.
-  auto decide = [&](int j) -> bool {
-    bool vote = true;
-    if (exact_gate && j >= visit.n_a) {
-      // keep iff !(max s < T) over the valid rows: ties keep, T = -inf keeps, NaN keeps.
-      vote = false;
+  // O += P·V(slot) for the warp's rows.
+  auto pv = [&](int slot, const std::uint32_t (&pp)[kM][Cfg::kPSteps][4]) {
+    const std::uint32_t v_slot = s_v_tile + slot * Cfg::kKVBytes;
 #pragma unroll
-      for (int i = 0; i < 2; ++i) vote |= row_ok[i] && !(mx[i] * p.scale < threshold);
-    } else if (skip_gate && j > 0) {
-      // BLASST per row: skip iff tile_max - m_run < ln λ. A row that sees no key of the block
-      // (tile max -inf) skips, or has no say if it has seen none before either; a row seeing
-      // its first keys keeps; NaN fails the strict test and keeps.
-      vote = false;
+    for (int kk = 0; kk < Cfg::kPSteps; ++kk) {
 #pragma unroll
-      for (int i = 0; i < 2; ++i) {
-        const float tmax = mx[i] * p.scale_log2;
-        const bool keep_row = tmax != -INFINITY && (st.m[i] == -INFINITY || !(tmax - st.m[i] < log2_lambda));
-        vote |= row_ok[i] && keep_row;
+      for (int dp = 0; dp < kDFrags / 2; ++dp) {
+        std::uint32_t bv[4];
+        load_v_frags<Tile>(v_slot, kk, dp, lane, bv);
+#pragma unroll
+        for (int mi = 0; mi < kM; ++mi) {
+          ptx::mma_16816<Cfg::kBf16>(acc[mi][2 * dp], pp[mi][kk], bv[0], bv[1]);
+          ptx::mma_16816<Cfg::kBf16>(acc[mi][2 * dp + 1], pp[mi][kk], bv[2], bv[3]);
+        }
       }
-    } else {
-      __syncthreads();
-      return true;
     }
-    return __syncthreads_or(vote) != 0;
   };
+
   auto gated = [&](int j) { return (exact_gate && j >= visit.n_a) || (skip_gate && j > 0); };
+  // The gate of a block from its row maxima over all its sub-tiles, as one CTA-wide vote.
+  auto vote = [&](const float (&mx)[2 * kM]) -> bool {
+    bool keep = false;
+#pragma unroll
+    for (int r = 0; r < 2 * kM; ++r) {
+      if (exact_gate) {
+        // keep iff !(max s < T) over the valid rows: ties keep, T = -inf keeps, NaN keeps.
+        keep |= row_ok(r) && !(mx[r] * p.scale < threshold);
+      } else {
+        // BLASST per row: skip iff tile_max - m_run < ln λ. A row that sees no key of the
+        // block (tile max -inf) skips, or has no say if it has seen none before either; a row
+        // seeing its first keys keeps; NaN fails the strict test and keeps.
+        const float tmax = mx[r] * p.scale_log2;
+        keep |= row_ok(r) && tmax != -INFINITY && (st.m[r] == -INFINITY || !(tmax - st.m[r] < log2_lambda));
+      }
+    }
+    return __syncthreads_or(keep) != 0;
+  };
   auto record = [&](int j) {
     if (kept_row != nullptr && tid == 0 && j < visit.n_reg) {
       const int kb = visit.block(j);
@@ -350,98 +344,172 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) fwd_kernel(const __grid_cons
     }
   };
 
-  if (n_visit > 0) {
-    // ---- position 0
-    if (!gated(0)) load_tile<Cfg, kBlockN>(s_v_tile, tile_src(0, true), tid);
-    compute_scores(0, 0);
-    bool keep_cur = decide(0);
-    if (gated(0) && keep_cur) load_tile<Cfg, kBlockN>(s_v_tile, tile_src(0, true), tid);
-    ptx::cp_async_commit();  // group V(0)
-    if (n_visit > 2) load_tile<Cfg, kBlockN>(s_k_tile, tile_src(2, false), tid);
-    ptx::cp_async_commit();  // group K(2)
-    if (keep_cur) {
-      record(0);
-      online_softmax<Cfg::kBf16>(s, mx, p.scale_log2, st, acc, pf);
+  // ---- main loop over positions. Invariant at the top of each sub-tile: the only cp.async
+  // group in flight is the current K sub-tile's (in stage `stage`).
+  int stage = 0;
+  for (int j = 0; j < n_visit; ++j) {
+    const int n_sub = num_sub(j);
+    // Issues the K sub-tile after (j, sub) into the other stage; commits always, so that the
+    // group counts of the waits below hold at the end of the list too.
+    auto prefetch_next_k = [&](int sub) {
+      if (sub + 1 < n_sub) {
+        load_tile<Tile, kBlockN>(s_k_tile + (stage ^ 1) * Cfg::kKVBytes, sub_src(j, sub + 1, false), tid);
+      } else if (j + 1 < n_visit) {
+        load_tile<Tile, kBlockN>(s_k_tile + (stage ^ 1) * Cfg::kKVBytes, sub_src(j + 1, 0, false), tid);
+      }
+      ptx::cp_async_commit();
+    };
+
+    if (!gated(j)) {
+      // Every sub-tile is an independent online-softmax step (FlashAttention-2 order): V and the
+      // next K load while Q·Kᵀ and the softmax run.
+      for (int sub = 0; sub < n_sub; ++sub) {
+        ptx::cp_async_wait<0>();  // K(j, sub) has landed for this thread...
+        __syncthreads();          // ...for all; and every warp is done with the previous
+                                  // sub-tile (its Q·Kᵀ read the other K stage, its P·V the V slot)
+        load_tile<Tile, kBlockN>(s_v_tile, sub_src(j, sub, true), tid);
+        ptx::cp_async_commit();  // group V(j, sub)
+        prefetch_next_k(sub);    // group K(next)
+        compute_scores(stage);
+        mask_scores(j, sub);
+        float mx[2 * kM], m_use[2 * kM];
+        row_max(s, mx);
+        rescale(st, mx, p.scale_log2, acc, m_use);
+        std::uint32_t pf[kM][Cfg::kPSteps][4];
+        exp_pack<Cfg::kBf16>(s, m_use, p.scale_log2, st.l, pf);
+        ptx::cp_async_wait<1>();  // V(j, sub) landed (K(next) may still be in flight)...
+        __syncthreads();          // ...for every thread
+        pv(0, pf);
+        stage ^= 1;
+      }
+      record(j);
+      continue;
     }
 
-    // ---- steady state. Step j: Q·K(j+1)ᵀ and its gate (the look-ahead), then P(j)·V(j), then
-    // the softmax of j+1. Loads in flight at the top of step j: V(j), K(j+1), K(j+2).
-    for (int j = 0; j < n_visit; ++j) {
-      ptx::cp_async_wait<1>();  // all but the newest group (K(j+2)): V(j) and K(j+1) landed
-      __syncthreads();          // for every thread; also every warp finished P·V(j-1)
-      const bool has_next = j + 1 < n_visit;
-      bool keep_next = false;
-      if (has_next) {
-        const int stage = (j + 1) & 1;
-        const std::uint32_t v_stage = s_v_tile + stage * Cfg::kKVBytes;
-        // V stage (j+1)%2 was last read by P·V(j-1), finished before the barrier above.
-        if (!gated(j + 1)) load_tile<Cfg, kBlockN>(v_stage, tile_src(j + 1, true), tid);
-        compute_scores(j + 1, stage);
-        keep_next = decide(j + 1);  // barrier: K stage (j+1)%2 is free after this
-        if (gated(j + 1) && keep_next) load_tile<Cfg, kBlockN>(v_stage, tile_src(j + 1, true), tid);
-        ptx::cp_async_commit();  // group V(j+1)
-        if (j + 3 < n_visit) load_tile<Cfg, kBlockN>(s_k_tile + stage * Cfg::kKVBytes, tile_src(j + 3, false), tid);
-        ptx::cp_async_commit();  // group K(j+3)
-      }
-      if (keep_cur) {
-        const std::uint32_t v_stage = s_v_tile + (j & 1) * Cfg::kKVBytes;
+    // A gated block: the scores of all its sub-tiles, then one decision; V is loaded only for
+    // a kept block, and a skipped block leaves m, l and O untouched.
+    float mx_block[2 * kM];
 #pragma unroll
-        for (int kk = 0; kk < Cfg::kPSteps; ++kk) {
+    for (int r = 0; r < 2 * kM; ++r) mx_block[r] = -INFINITY;
+    // One sub-tile's scores and their row maxima folded into the block's.
+    auto gated_scores = [&](int sub) {
+      ptx::cp_async_wait<0>();  // K(j, sub) landed for this thread...
+      __syncthreads();          // ...for all; the V slots and the other K stage are free
+      prefetch_next_k(sub);
+      compute_scores(stage);
+      mask_scores(j, sub);
+      float mx[2 * kM];
+      row_max(s, mx);
 #pragma unroll
-          for (int dp = 0; dp < kDFrags / 2; ++dp) {
-            std::uint32_t bv[4];
-            // Keys kk·16 + {0..7, 8..15} ((lane / 8) % 2), head dims dp·16 + {0..7, 8..15} (lane / 16).
-            ptx::ldmatrix_x4_trans(v_stage + swizzle<Cfg>(kk * 16 + (lane & 7) + ((lane >> 3) & 1) * 8, dp * 2 + (lane >> 4)), bv);
-            ptx::mma_16816<Cfg::kBf16>(acc[2 * dp], pf[kk], bv[0], bv[1]);
-            ptx::mma_16816<Cfg::kBf16>(acc[2 * dp + 1], pf[kk], bv[2], bv[3]);
-          }
+      for (int r = 0; r < 2 * kM; ++r) mx_block[r] = ptx::max_nan(mx_block[r], mx[r]);
+      stage ^= 1;
+    };
+    gated_scores(0);
+    if (n_sub == 2) {
+#pragma unroll
+      for (int mi = 0; mi < kM; ++mi) {
+#pragma unroll
+        for (int nf = 0; nf < kNFrags; ++nf) {
+          stash[(mi * kNFrags + nf) * Cfg::kThreads + tid] = make_float4(s[mi][nf][0], s[mi][nf][1], s[mi][nf][2], s[mi][nf][3]);
         }
       }
-      if (keep_next) {
-        record(j + 1);
-        online_softmax<Cfg::kBf16>(s, mx, p.scale_log2, st, acc, pf);
-      }
-      keep_cur = keep_next;
+      gated_scores(1);
     }
+    if (!vote(mx_block)) continue;  // the vote's barrier: every thread agrees
+
+    float m_use[2 * kM];
+    rescale(st, mx_block, p.scale_log2, acc, m_use);
+    // P of the first sub-tile, from the stash, parked thread-private in the K stage the second
+    // sub-tile was read from (free after the vote; the next K streams into the other stage),
+    // so that at most one P tile is ever live in registers.
+    auto* park = reinterpret_cast<uint4*>(smem + Cfg::kQBytes + (stage ^ 1) * Cfg::kKVBytes);
+    if (n_sub == 2) {
+#pragma unroll
+      for (int mi = 0; mi < kM; ++mi) {
+#pragma unroll
+        for (int kk = 0; kk < Cfg::kPSteps; ++kk) {
+          std::uint32_t a[4];
+#pragma unroll
+          for (int h2 = 0; h2 < 2; ++h2) {
+            const float4 v = stash[(mi * kNFrags + 2 * kk + h2) * Cfg::kThreads + tid];
+            float e[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+            for (int i = 0; i < 4; ++i) {
+              e[i] = ptx::exp2f_fast(fmaf(e[i], p.scale_log2, -m_use[2 * mi + i / 2]));
+              st.l[2 * mi + i / 2] += e[i];
+            }
+            a[2 * h2] = ptx::pack2<Cfg::kBf16>(e[0], e[1]);
+            a[2 * h2 + 1] = ptx::pack2<Cfg::kBf16>(e[2], e[3]);
+          }
+          park[(mi * Cfg::kPSteps + kk) * Cfg::kThreads + tid] = make_uint4(a[0], a[1], a[2], a[3]);
+        }
+      }
+      __syncthreads();  // every thread has read its stash before V overwrites the slots
+    }
+    for (int sub = 0; sub < n_sub; ++sub) load_tile<Tile, kBlockN>(s_v_tile + sub * Cfg::kKVBytes, sub_src(j, sub, true), tid);
+    ptx::cp_async_commit();  // V of the kept block, overlapping the last sub-tile's softmax
+    std::uint32_t p_last[kM][Cfg::kPSteps][4];
+    exp_pack<Cfg::kBf16>(s, m_use, p.scale_log2, st.l, p_last);
+    ptx::cp_async_wait<0>();  // V of the block (and the next K, issued long before) landed...
+    __syncthreads();          // ...for every thread
+    pv(n_sub - 1, p_last);
+    if (n_sub == 2) {
+      std::uint32_t p_first[kM][Cfg::kPSteps][4];
+#pragma unroll
+      for (int mi = 0; mi < kM; ++mi) {
+#pragma unroll
+        for (int kk = 0; kk < Cfg::kPSteps; ++kk) {
+          const uint4 a = park[(mi * Cfg::kPSteps + kk) * Cfg::kThreads + tid];
+          p_first[mi][kk][0] = a.x, p_first[mi][kk][1] = a.y, p_first[mi][kk][2] = a.z, p_first[mi][kk][3] = a.w;
+        }
+      }
+      pv(0, p_first);
+    }
+    record(j);
   }
 
-  // ---- epilogue: O = acc / l through smem (the Q stage, free since the prologue) as 16-byte
-  // row stores; LSE by the first thread of each quad.
-  float o_scale[2], lse[2];
+  // ---- epilogue: O = acc / l through smem (the Q tile; each warp reads and writes only its own
+  // rows of it) as 16-byte row stores; LSE by the first thread of each quad.
+  float o_scale[2 * kM], lse[2 * kM];
 #pragma unroll
-  for (int i = 0; i < 2; ++i) {
-    float l = st.l[i];
+  for (int r = 0; r < 2 * kM; ++r) {
+    float l = st.l[r];
     l += __shfl_xor_sync(0xffffffffu, l, 1);
     l += __shfl_xor_sync(0xffffffffu, l, 2);
-    finalize_row(st.m[i], l, &o_scale[i], &lse[i]);
+    finalize_row(st.m[r], l, &o_scale[r], &lse[r]);
   }
+  __syncwarp();  // the warp's last Q fragment reads are done before its rows are overwritten
   auto* s_o = reinterpret_cast<std::uint32_t*>(smem);
 #pragma unroll
-  for (int df = 0; df < kDFrags; ++df) {
+  for (int mi = 0; mi < kM; ++mi) {
 #pragma unroll
-    for (int i = 0; i < 2; ++i) {
-      const int r = warp * 16 + g + 8 * i;
-      const std::uint32_t byte = swizzle<Cfg>(r, df) + t4 * 4;
-      s_o[byte / 4] = ptx::pack2<Cfg::kBf16>(acc[df][2 * i] * o_scale[i], acc[df][2 * i + 1] * o_scale[i]);
+    for (int df = 0; df < kDFrags; ++df) {
+#pragma unroll
+      for (int i = 0; i < 2; ++i) {
+        const int r = warp_row + 16 * mi + g + 8 * i;
+        const std::uint32_t byte = swizzle<Tile>(r, df) + t4 * 4;
+        const float sc = o_scale[2 * mi + i];
+        s_o[byte / 4] = ptx::pack2<Cfg::kBf16>(acc[mi][df][2 * i] * sc, acc[mi][df][2 * i + 1] * sc);
+      }
     }
   }
-  __syncwarp();  // each warp stores only the 16 rows it wrote
+  __syncwarp();  // each warp stores only the rows it wrote
   auto* o_base = static_cast<std::uint16_t*>(p.o) + seq.o_off + row0 * p.o_row_stride + h * p.o_head_stride;
 #pragma unroll
-  for (int i = 0; i < 16 * Cfg::kChunks / 32; ++i) {
+  for (int i = 0; i < 16 * kM * Tile::kChunks / 32; ++i) {
     const int idx = lane + 32 * i;
-    const int r = warp * 16 + idx / Cfg::kChunks, c = idx % Cfg::kChunks;
+    const int r = warp_row + idx / Tile::kChunks, c = idx % Tile::kChunks;
     if (r < rows_valid) {
-      const uint4 val = *reinterpret_cast<const uint4*>(smem + swizzle<Cfg>(r, c));
+      const uint4 val = *reinterpret_cast<const uint4*>(smem + swizzle<Tile>(r, c));
       *reinterpret_cast<uint4*>(o_base + r * p.o_row_stride + c * 8) = val;
     }
   }
   if (p.lse != nullptr && t4 == 0) {
 #pragma unroll
-    for (int i = 0; i < 2; ++i) {
-      if (row_ok[i]) {
-        const std::int64_t r = row0 + warp * 16 + g + 8 * i;
-        p.lse[seq.lse_off + h * p.lse_head_stride + r * p.lse_row_stride] = lse[i];
+    for (int r = 0; r < 2 * kM; ++r) {
+      if (row_ok(r)) {
+        const std::int64_t row = row0 + row_of(r);
+        p.lse[seq.lse_off + h * p.lse_head_stride + row * p.lse_row_stride] = lse[r];
       }
     }
   }

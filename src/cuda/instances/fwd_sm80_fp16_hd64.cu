@@ -5,8 +5,8 @@
 
 namespace sparseprefill::cuda {
 
-int fwd_sm80_fp16_hd128_n64(const FwdParams& params, void* stream) {
-  return sm80::launch_fwd<sm80::FwdConfig<false, 128, 64>>(params, stream);
+int fwd_sm80_fp16_hd64(const FwdParams& params, void* stream) {
+  return sm80::launch_fwd<sm80::FwdConfig<false, 64>>(params, stream);
 }
 
 }  // namespace sparseprefill::cuda

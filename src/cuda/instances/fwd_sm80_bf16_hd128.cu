@@ -5,8 +5,8 @@
 
 namespace sparseprefill::cuda {
 
-int fwd_sm80_bf16_hd64_n64(const FwdParams& params, void* stream) {
-  return sm80::launch_fwd<sm80::FwdConfig<true, 64, 64>>(params, stream);
+int fwd_sm80_bf16_hd128(const FwdParams& params, void* stream) {
+  return sm80::launch_fwd<sm80::FwdConfig<true, 128>>(params, stream);
 }
 
 }  // namespace sparseprefill::cuda
