@@ -101,7 +101,10 @@ Status parse_policy(std::string_view name, const std::vector<std::pair<std::stri
     for (const auto& n : policy_names()) known += (known.empty() ? "" : ", ") + n;
     return invalid_argument("policy: unknown name '" + std::string(name) + "' (known: " + known + ")");
   }
-  for (const auto& [key, value] : settings) {
+  for (const auto& setting : settings) {
+    // Named references, not structured bindings: clang 14 cannot capture bindings in lambdas.
+    const std::string& key = setting.first;
+    const std::string& value = setting.second;
     Status st = std::visit(Overloaded{
         [&](DenseParams&) -> Status { return invalid_argument("dense: unknown parameter '" + key + "' (dense takes none)"); },
         [&](BlockSparseParams&) -> Status {
