@@ -15,7 +15,7 @@
 // Versions (H200, h_q = 32, h_kv = 8, d = 128, bf16, causal, batch 1; TFLOP/s counts
 // 4·d·h_q·s(s+1)/2, the causal pairs; medians of 20 runs over 3 rotating input sets; cuDNN =
 // torch SDPA's cuDNN backend in the same call; all four pass the check (O rel. Frobenius error
-// 2.0e-3, LSE 4e-6 against fp32) and agree bit for bit with each other at s = 8K):
+// 2.0e-3, LSE 4e-6 against fp32) and agree bit for bit with each other at s = 8K, 16K, 64K):
 //                                                            TFLOP/s at s = 8K    16K    32K
 //   v1 plain: per tile S = Q·Kᵀ, wait, softmax, O += P·V, wait.               575    566    558
 //   v2 overlap: softmax of tile j runs while P·V of tile j-1 is in flight
@@ -24,8 +24,13 @@
 //      (named barriers), so one's softmax overlaps the other's GEMMs.         680    626    619
 //   v4 v3 with 3 K/V stages instead of 2 (224 KB smem).                       660    603    622
 //   cuDNN (same run)                                                          616    575    591
-// (run of 2026-11-29; v3/cuDNN = 1.10, 1.09, 1.05.) Registers: 168 at entry, setmaxnreg 24
-// (producer) / 240 (consumers), 0 spills, 0 stack; 112 HGMMA in the SASS (8 per Q·Kᵀ or P·V).
+// (dev/records/h200-2026-11-29-run1.log; v3/cuDNN = 1.10, 1.09, 1.05.) A second call on a fresh
+// machine (run2.log) gave at 16K v1 560, v2 644, v3 685, v4 645, cuDNN 658 (v3/cuDNN 1.04);
+// at 64K v3 636, v4 624, cuDNN 607 (1.05); at 128K v3 615, v4 609, cuDNN 555 (1.11). Between
+// calls the same kernel moved by up to 9% (626 -> 685 at 16K, cuDNN 575 -> 658): compare
+// versions and peers only within one call. compute-sanitizer memcheck (v1-v4) and synccheck
+// (v3): 0 errors on the quick check. Registers: 168 at entry, setmaxnreg 24 (producer) / 240
+// (consumers), 0 spills, 0 stack; 112 HGMMA in the SASS (8 per Q·Kᵀ or P·V).
 #include <cuda.h>  // CUtensorMap and its enums only (header; nothing is linked from libcuda)
 #include <cudaTypedefs.h>
 #include <cuda_runtime.h>
