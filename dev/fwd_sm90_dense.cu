@@ -24,8 +24,8 @@
 //      (named barriers), so one's softmax overlaps the other's GEMMs.         680    626    619
 //   v4 v3 with 3 K/V stages instead of 2 (224 KB smem).                       660    603    622
 //   cuDNN (same run)                                                          616    575    591
-// (dev/records/h200-2026-11-29-run1.log; v3/cuDNN = 1.10, 1.09, 1.05.) A second call on a fresh
-// machine (run2.log) gave at 16K v1 560, v2 644, v3 685, v4 645, cuDNN 658 (v3/cuDNN 1.04);
+// (bench/records/2026-11-29-h200-dev-sm90-dense-run1.log; v3/cuDNN = 1.10, 1.09, 1.05.) A second call on a fresh
+// machine (bench/records/2026-11-29-h200-dev-sm90-dense-run2.log) gave at 16K v1 560, v2 644, v3 685, v4 645, cuDNN 658 (v3/cuDNN 1.04);
 // at 64K v3 636, v4 624, cuDNN 607 (1.05); at 128K v3 615, v4 609, cuDNN 555 (1.11). Between
 // calls the same kernel moved by up to 9% (626 -> 685 at 16K, cuDNN 575 -> 658): compare
 // versions and peers only within one call. compute-sanitizer memcheck (v1-v4) and synccheck
