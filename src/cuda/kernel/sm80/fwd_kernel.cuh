@@ -48,6 +48,11 @@ struct FwdConfig {
   // Q (reused for the O epilogue), K double-buffered, then the two V slots (one per sub-tile
   // of a gated 128-key block) overlapping the stash: 96 KB at d = 128, 64 KB at d = 64.
   static constexpr int kSmemBytes = kQBytes + 2 * kKVBytes + kVRegionBytes;
+  // After the decision the first sub-tile's P (16-bit, half the stash) is parked in the free K
+  // stage where it fits (d = 128: the accumulator leaves no room for a second P in registers);
+  // at d = 64 it stays in registers.
+  static constexpr int kParkBytes = kStashBytes / 2;
+  static constexpr bool kParkInSmem = kParkBytes <= kKVBytes;
 
   static_assert(kBlockM == kWarps * 16 * kM, "the warps tile the query block");
   static_assert(kMeanChunk == kBlockN, "a mean-correction tile is one sub-tile of pooled blocks");
@@ -83,19 +88,22 @@ __global__ void __launch_bounds__(Cfg::kThreads, 2) fwd_kernel(const __grid_cons
   const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
   const int g = lane / 4, t4 = lane % 4;  // accumulator row (and row + 8) and column pair
 
-  // Work tile. Heads vary fastest so the query heads of one KV group run on adjacent CTAs and
-  // share each K/V tile through L2; within a sequence the last query blocks (the longest under
-  // causal) start first.
+  // Work tile, ordered (sequence, KV head, query block from the last, query head of the group)
+  // from slowest to fastest: the CTAs running at once are the query blocks and group heads of
+  // one KV head, so they all stream the same K/V, which stays in L2 (one KV head's K and V are
+  // 16 MB at 32K keys); the last query blocks (the longest under causal) start first.
   int tile = blockIdx.x;
-  const int h = tile % p.h_q;
-  tile /= p.h_q;
-  const int b = tile % p.batch;
-  const int qb_rev = tile / p.batch;
+  const int h_in_group = tile % p.group;
+  tile /= p.group;
+  const int qb_rev = tile % p.num_q_blocks;
+  tile /= p.num_q_blocks;
+  const int hk = tile % p.h_kv;
+  const int b = tile / p.h_kv;
+  const int h = hk * p.group + h_in_group;
   const SeqInfo seq = p.seqs[b];
   const geom::BlockGeometry geo{{seq.s_q, seq.s_k, p.causal}, kBlockM, p.block_k};
   if (qb_rev >= geo.num_q_blocks()) return;
   const int qb = geo.num_q_blocks() - 1 - qb_rev;
-  const int hk = h / p.group;
   const std::int64_t row0 = geo.row_begin(qb);
   const int rows_valid = static_cast<int>(geo.row_end(qb) - row0);
   const int warp_row = warp * 16 * kM;  // the warp's first row in the query block
@@ -419,10 +427,11 @@ __global__ void __launch_bounds__(Cfg::kThreads, 2) fwd_kernel(const __grid_cons
 
     float m_use[2 * kM];
     rescale(st, mx_block, p.scale_log2, acc, m_use);
-    // P of the first sub-tile, from the stash, parked thread-private in the K stage the second
-    // sub-tile was read from (free after the vote; the next K streams into the other stage),
-    // so that at most one P tile is ever live in registers.
+    // P of the first sub-tile, from the stash. At d = 128 it is parked thread-private in the K
+    // stage the second sub-tile was read from (free after the vote; the next K streams into the
+    // other stage), so that at most one P tile is ever live in registers.
     auto* park = reinterpret_cast<uint4*>(smem + Cfg::kQBytes + (stage ^ 1) * Cfg::kKVBytes);
+    std::uint32_t p_first[kM][Cfg::kPSteps][4];
     if (n_sub == 2) {
 #pragma unroll
       for (int mi = 0; mi < kM; ++mi) {
@@ -441,7 +450,11 @@ __global__ void __launch_bounds__(Cfg::kThreads, 2) fwd_kernel(const __grid_cons
             a[2 * h2] = ptx::pack2<Cfg::kBf16>(e[0], e[1]);
             a[2 * h2 + 1] = ptx::pack2<Cfg::kBf16>(e[2], e[3]);
           }
-          park[(mi * Cfg::kPSteps + kk) * Cfg::kThreads + tid] = make_uint4(a[0], a[1], a[2], a[3]);
+          if constexpr (Cfg::kParkInSmem) {
+            park[(mi * Cfg::kPSteps + kk) * Cfg::kThreads + tid] = make_uint4(a[0], a[1], a[2], a[3]);
+          } else {
+            p_first[mi][kk][0] = a[0], p_first[mi][kk][1] = a[1], p_first[mi][kk][2] = a[2], p_first[mi][kk][3] = a[3];
+          }
         }
       }
       __syncthreads();  // every thread has read its stash before V overwrites the slots
@@ -454,13 +467,14 @@ __global__ void __launch_bounds__(Cfg::kThreads, 2) fwd_kernel(const __grid_cons
     __syncthreads();          // ...for every thread
     pv(n_sub - 1, p_last);
     if (n_sub == 2) {
-      std::uint32_t p_first[kM][Cfg::kPSteps][4];
+      if constexpr (Cfg::kParkInSmem) {
 #pragma unroll
-      for (int mi = 0; mi < kM; ++mi) {
+        for (int mi = 0; mi < kM; ++mi) {
 #pragma unroll
-        for (int kk = 0; kk < Cfg::kPSteps; ++kk) {
-          const uint4 a = park[(mi * Cfg::kPSteps + kk) * Cfg::kThreads + tid];
-          p_first[mi][kk][0] = a.x, p_first[mi][kk][1] = a.y, p_first[mi][kk][2] = a.z, p_first[mi][kk][3] = a.w;
+          for (int kk = 0; kk < Cfg::kPSteps; ++kk) {
+            const uint4 a = park[(mi * Cfg::kPSteps + kk) * Cfg::kThreads + tid];
+            p_first[mi][kk][0] = a.x, p_first[mi][kk][1] = a.y, p_first[mi][kk][2] = a.z, p_first[mi][kk][3] = a.w;
+          }
         }
       }
       pv(0, p_first);
