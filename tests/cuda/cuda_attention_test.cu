@@ -389,17 +389,18 @@ TEST(CudaExactGate, MidpointThresholdsCausalChunkedAndNonCausal) {
   }
 }
 
-TEST(CudaExactGate, MinusInfinityKeepsAllAndEqualsDenseBitwise) {
+TEST(CudaExactGate, MinusInfinityKeepsAllAndEqualsDense) {
   SP_REQUIRE_GPU();
   const Inputs in = make_inputs({{500, 700}}, 4, 1, 128, 800);
   TestProblem tp = make_problem(in);
   HostTensor thr(DType::kFP32, {4, 3});
   for (int i = 0; i < 12; ++i) thr.as<float>()[i] = -std::numeric_limits<float>::infinity();
   const GpuRun dense = run_gpu(&tp, DenseParams{});
-  // block_k 64: every block is one step, as in dense, so the roundings are the same.
+  // block_k 64: every block is one step with the same sums as dense; the two code paths may
+  // contract multiply-adds differently, so O may differ by one rounding of the dtype.
   const GpuRun gate = run_gpu(&tp, gate_params(thr, 64));
   ASSERT_TRUE(gate.status.ok()) << gate.status.to_string();
-  EXPECT_TRUE(same_result(gate.out, dense.out, 0.0));
+  EXPECT_TRUE(same_result(gate.out, dense.out, 1e-3));
   EXPECT_EQ(gate.decisions.kept.selected_blocks(), visible_blocks({{500, 700}}, 4, true, 128, 64));
   // block_k 128 decides on whole blocks (one rescale per block): within the tolerance.
   expect_gpu_matches(&tp, gate_params(thr, 128));

@@ -35,13 +35,21 @@ __device__ __forceinline__ void init_row_stats(RowStats<kM>& st) {
 // the gates keep the block and the output becomes NaN, as in the oracle.
 template <int kM, int kN>
 __device__ __forceinline__ void row_max(const float (&s)[kM][kN][4], float (&mx)[2 * kM]) {
+  static_assert((kN & (kN - 1)) == 0, "tree reduction over a power-of-two fragment count");
 #pragma unroll
   for (int mi = 0; mi < kM; ++mi) {
-    mx[2 * mi] = mx[2 * mi + 1] = -INFINITY;
 #pragma unroll
-    for (int nf = 0; nf < kN; ++nf) {
-      mx[2 * mi] = ptx::max_nan(mx[2 * mi], ptx::max_nan(s[mi][nf][0], s[mi][nf][1]));
-      mx[2 * mi + 1] = ptx::max_nan(mx[2 * mi + 1], ptx::max_nan(s[mi][nf][2], s[mi][nf][3]));
+    for (int half = 0; half < 2; ++half) {
+      // A tree over the row's 2·kN values: short dependency chains (few warps per scheduler).
+      float t[kN];
+#pragma unroll
+      for (int nf = 0; nf < kN; ++nf) t[nf] = ptx::max_nan(s[mi][nf][2 * half], s[mi][nf][2 * half + 1]);
+#pragma unroll
+      for (int w = kN / 2; w > 0; w /= 2) {
+#pragma unroll
+        for (int i = 0; i < w; ++i) t[i] = ptx::max_nan(t[i], t[i + w]);
+      }
+      mx[2 * mi + half] = t[0];
     }
   }
 #pragma unroll
@@ -91,11 +99,11 @@ __device__ __forceinline__ void exp_pack(const float (&s)[kM][kN][4], const floa
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
 #pragma unroll
-        for (int i = 0; i < 4; ++i) {
-          e[h][i] = ptx::exp2f_fast(fmaf(s[mi][2 * kk + h][i], scale_log2, -m_use[2 * mi + i / 2]));
-          l[2 * mi + i / 2] += e[h][i];
-        }
+        for (int i = 0; i < 4; ++i) e[h][i] = ptx::exp2f_fast(fmaf(s[mi][2 * kk + h][i], scale_log2, -m_use[2 * mi + i / 2]));
       }
+      // Pairwise partial sums: one dependent add on l per row and k-step.
+      l[2 * mi] += (e[0][0] + e[0][1]) + (e[1][0] + e[1][1]);
+      l[2 * mi + 1] += (e[0][2] + e[0][3]) + (e[1][2] + e[1][3]);
       p[mi][kk][0] = ptx::pack2<kBf16>(e[0][0], e[0][1]);
       p[mi][kk][1] = ptx::pack2<kBf16>(e[0][2], e[0][3]);
       p[mi][kk][2] = ptx::pack2<kBf16>(e[1][0], e[1][1]);
