@@ -36,14 +36,15 @@ enum StreamTag : std::uint64_t {
   kTagVNoise = 7,     // per (batch, KV head)
 };
 
-constexpr double kScore = 10.0;        // score (natural log units) of a unit-weight component
+constexpr double kScore = 12.0;        // score (natural log units) of a unit-weight component
+constexpr double kStripeShare = 0.75;  // stripes score lower: mean pooling dilutes narrow ones
 constexpr double kKeyAmplitude = 8.0;  // K's value on a structured channel at full strength
 constexpr double kSplineSelf = 0.55;   // nominal sum of squared spline weights
 constexpr double kFeatureNoise = 0.125;  // noise scale on structured channels (keeps cross
                                          // talk between amplitudes and noise small)
 constexpr double kGrid = 1048576.0;    // structured terms are multiples of 2^-20
 constexpr int kMaxStripeChannels = 4;
-constexpr int kStripeSpacing = 512;    // one stripe per this many keys
+constexpr int kStripeSpacing = 1024;   // one stripe per this many keys
 
 std::uint64_t derive(std::uint64_t s, std::uint64_t x) {
   std::uint64_t state = s + x;
@@ -133,9 +134,9 @@ struct QueryHead {
   std::int64_t slash_offset = 0;
 };
 
-QueryHead make_query_head(std::uint64_t seed, int h, const Layout& layout, int seq_k,
+QueryHead make_query_head(std::uint64_t model, int h, const Layout& layout, int seq_k,
                           double peakedness) {
-  const std::uint64_t key = stream_key(seed, kTagQueryHead, static_cast<std::uint64_t>(h), 0);
+  const std::uint64_t key = stream_key(model, kTagQueryHead, static_cast<std::uint64_t>(h), 0);
   const int kind = static_cast<int>(draw(key, 0) >> 62);
   double weight[4];
   for (int c = 0; c < 4; ++c) {
@@ -146,7 +147,7 @@ QueryHead make_query_head(std::uint64_t seed, int h, const Layout& layout, int s
   const double full = peakedness * kScore;
   q.sink_score = full * weight[kSinkHead];
   q.local_score = full * weight[kLocalHead];
-  q.stripe_score = full * weight[kStripeHead];
+  q.stripe_score = full * weight[kStripeHead] * kStripeShare;
   q.slash_score = full * weight[kSlashHead];
   q.noise = static_cast<double>(4 + (draw(key, 5) >> 62)) * 0.25;
   const std::int64_t w = std::int64_t{1} << layout.w_log2;
@@ -172,7 +173,7 @@ std::vector<Stripe> make_stripes(std::uint64_t seed, int b, int g, const Layout&
     const std::uint64_t n = 4 * static_cast<std::uint64_t>(s);
     Stripe st;
     st.first = static_cast<std::int64_t>(std::floor(uniform(key, n) * seq_k));
-    st.end = std::min<std::int64_t>(seq_k, st.first + 1 + static_cast<std::int64_t>(draw(key, n + 1) >> 61));
+    st.end = std::min<std::int64_t>(seq_k, st.first + 4 + static_cast<std::int64_t>(draw(key, n + 1) >> 58));
     st.channel = static_cast<int>((draw(key, n + 2) >> 32) % static_cast<std::uint64_t>(layout.stripes));
     st.strength = 0.5 + 0.5 * uniform(key, n + 3);
     stripes.push_back(st);
@@ -235,11 +236,16 @@ Status generate(const GeneratorConfig& config, HostTensor* q, HostTensor* k, Hos
   *k = HostTensor(c.dtype, {c.batch, c.seq_k, c.h_kv, d});
   *v = HostTensor(c.dtype, {c.batch, c.seq_k, c.h_kv, d});
 
+  // The head structure (the "model") comes from the seed's upper 32 bits, the content (noise,
+  // stripe positions, per-query factors) from the whole seed: seeds that differ only in their
+  // lower 32 bits are different inputs to one model, so calibrating on one and testing on
+  // another is meaningful.
+  const std::uint64_t model = c.seed >> 32;
   std::vector<QueryHead> heads;
-  for (int h = 0; h < c.h_q; ++h) heads.push_back(make_query_head(c.seed, h, layout, c.seq_k, c.peakedness));
+  for (int h = 0; h < c.h_q; ++h) heads.push_back(make_query_head(model, h, layout, c.seq_k, c.peakedness));
   std::vector<int> sink_keys;
   for (int g = 0; g < c.h_kv; ++g) {
-    const std::uint64_t key = stream_key(c.seed, kTagKvHead, static_cast<std::uint64_t>(g), 0);
+    const std::uint64_t key = stream_key(model, kTagKvHead, static_cast<std::uint64_t>(g), 0);
     sink_keys.push_back(1 + static_cast<int>(draw(key, 0) >> 62));
   }
 

@@ -27,10 +27,11 @@ const std::vector<Flag>& demo_flags() {
       {"dtype", "T", "bf16 (default), fp16 or fp32"},
       {"seed", "S", "generator seed of the inputs (default 0); calibration uses S + 1"},
       {"peakedness", "P", "generator peakedness (default 1)"},
+      {"block", "N", "block size of every policy (default 128; seq / 32 below 4096 tokens)"},
       {"budget", "K", "exact_gate budget (default: key blocks / 8)"},
       {"skip-target", "F", "softmax_skip target skip fraction (default 0.7)"},
-      {"density-target", "F", "estimate_select target density (default 0.25)"},
-      {"segment", "N", "permute_stop segment (default 2048)"},
+      {"density-target", "F", "estimate_select target density (default 0.35)"},
+      {"segment", "N", "permute_stop segment (default 2048, at most seq / 8)"},
       {"tau", "X", "permute_stop tau (default 0.005)"},
       {"threads", "T", "CPU threads (default: every core)"},
       {"backend", "NAME", "cpu (default), reference or cuda"},
@@ -170,11 +171,19 @@ Status demo_command(const Args& args) {
   else if (dtype == "fp32") config.dtype = DType::kFP32;
   else return invalid_argument("--dtype: expected bf16, fp16 or fp32, got '" + dtype + "'");
 
-  constexpr int kBlock = 128;
-  const int key_blocks = (config.seq_k + kBlock - 1) / kBlock;
+  // Below 4096 tokens 128-blocks leave too few blocks for a policy to choose from: use
+  // power-of-two blocks of about seq / 32 (at least 16) instead.
+  int block = 128;
+  while (block > 16 && block * 32 > config.seq_k) block /= 2;
+  SP_RETURN_IF_ERROR(args.get_int("block", 1, 1 << 16, &block));
+  const int key_blocks = (config.seq_k + block - 1) / block;
   int budget = std::max(1, key_blocks / 8);
-  double skip_target = 0.7, density_target = 0.25;
+  double skip_target = 0.7, density_target = 0.35;
   PermuteStopParams permute;
+  permute.block_q = permute.block_k = block;
+  // Eight segments per sequence (at most the default 2048): at 8K, 1024-token segments keep
+  // the in-segment dense pass (pass 1) small enough for the early stop to matter.
+  while (permute.segment > block && permute.segment * 8 > config.seq_k) permute.segment /= 2;
   SP_RETURN_IF_ERROR(args.get_int("budget", 1, 1 << 20, &budget));
   SP_RETURN_IF_ERROR(args.get_double("skip-target", 0.01, 0.99, &skip_target));
   SP_RETURN_IF_ERROR(args.get_double("density-target", 0.01, 1, &density_target));
@@ -195,7 +204,8 @@ Status demo_command(const Args& args) {
   }
 
   const Stopwatch total;
-  Progress progress("demo", 9);
+  constexpr int kPolicies = 6;  // dense, exact_gate, softmax_skip, estimate_select (x2), permute_stop
+  Progress progress("demo", 4 + kPolicies);
   progress.step("generating inputs (seed " + std::to_string(config.seed) + ") and calibration "
                 "inputs (seed " + std::to_string(config.seed + 1) + ")");
   HostTensor q, k, v, cq, ck, cv;
@@ -215,17 +225,18 @@ Status demo_command(const Args& args) {
   SP_RETURN_IF_ERROR(validate_problem(problem, nullptr, &shape));
 
   progress.step("calibrating exact_gate (budget " + std::to_string(budget) + ")");
-  ExactGateCalibrator gate_cal(1, config.h_q, {budget}, kBlock, kBlock);
+  ExactGateCalibrator gate_cal(1, config.h_q, {budget}, block, block);
   SP_RETURN_IF_ERROR(gate_cal.add(0, cal_problem));
   const ThresholdTable table = gate_cal.finish();
   HostTensor thresholds = table.slice(0, 0);
   progress.step("calibrating softmax_skip (skip " + fmt(skip_target) + ")");
-  SoftmaxSkipCalibrator skip_cal(1, kBlock, kBlock);
+  SoftmaxSkipCalibrator skip_cal(1, block, block);
   SP_RETURN_IF_ERROR(skip_cal.add(0, cal_problem));
   double a = 0;
   SP_RETURN_IF_ERROR(skip_cal.factor_for(skip_target, 0, &a));
   progress.step("calibrating estimate_select (density " + fmt(density_target) + ")");
   EstimateSelectParams select;
+  select.block = block;
   EstimateSelectCalibrator select_cal(1, select);
   SP_RETURN_IF_ERROR(select_cal.add(0, cal_problem));
   SP_RETURN_IF_ERROR(select_cal.alpha_for(density_target, 0, &select.alpha));
@@ -233,9 +244,11 @@ Status demo_command(const Args& args) {
   std::vector<Entry> entries;
   entries.push_back({"dense", "", DenseParams{}, {}, {}, {}, 0});
   ExactGateParams gate;
+  gate.block_q = gate.block_k = block;
   gate.thresholds = thresholds.view();
   entries.push_back({"exact_gate", "budget=" + std::to_string(budget), gate, {}, {}, {}, 0});
   SoftmaxSkipParams skip;
+  skip.block_q = skip.block_k = block;
   skip.a = a;
   entries.push_back({"softmax_skip", "a=" + fmt(a, 4) + " (skip " + fmt(skip_target) + ")", skip, {}, {}, {}, 0});
   const std::string alpha = "alpha=" + fmt(select.alpha, 3) + " (density " + fmt(density_target) + ")";
@@ -296,7 +309,7 @@ Status demo_command(const Args& args) {
   std::cout << "sparseprefill demo: generator seq=" << config.seq_q << " h_q=" << config.h_q
             << " h_kv=" << config.h_kv << " d=" << config.d << " " << dtype_name(config.dtype)
             << " seed=" << config.seed << " peakedness=" << fmt(config.peakedness)
-            << ", causal, " << kBlock << "x" << kBlock << " blocks, backend "
+            << ", causal, " << block << "x" << block << " blocks, backend "
             << backend_name(options.backend) << "; calibrated on seed " << cal_config.seed << "\n\n";
   std::printf("%-19s %-32s %8s %10s %10s %10s\n", "policy", "settings", "density", "rel_l2",
               "max_abs", "time_ms");
