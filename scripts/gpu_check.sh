@@ -40,10 +40,12 @@ if ! cmake --build "$build" -j"$jobs" --target "${targets[@]}" >>"$out/build.log
   exit 1
 fi
 # Registers, shared memory and spills per kernel (ptxas -v), one line each.
-awk '/Compiling entry function/ {name=$6; gsub(/\x27/, "", name)}
+demangle=cat
+command -v c++filt >/dev/null && demangle=c++filt
+awk '/Compiling entry function/ {name=$7 " " $9; gsub(/\x27/, "", name)}
      /spill stores/ {spill=$0; sub(/^ +/, "", spill)}
      /Used [0-9]+ registers/ {print name " | " $0 " | " spill; spill=""}' "$out/build.log" |
-  sed 's/ptxas info *: //' | sort -u >"$out/resources.txt"
+  sed 's/ptxas info *: //' | sort -u | $demangle | sed 's/sparseprefill::cuda:://g' >"$out/resources.txt"
 note "ptxas: $(wc -l <"$out/resources.txt") kernel builds, $(grep -c 'bytes spill stores' "$out/resources.txt") with a spill line"
 
 note "gpu tests"
