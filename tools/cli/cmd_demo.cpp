@@ -30,7 +30,8 @@ const std::vector<Flag>& demo_flags() {
       {"block", "N", "block size of every policy (default 128; seq / 32 below 4096 tokens)"},
       {"budget", "K", "exact_gate budget (default: key blocks / 8)"},
       {"skip-target", "F", "softmax_skip target skip fraction (default 0.7)"},
-      {"density-target", "F", "estimate_select target density (default 0.35)"},
+      {"density-target", "F", "estimate_select target density (default: the density of its forced "
+                             "sink/window/tail blocks + 0.15)"},
       {"segment", "N", "permute_stop segment (default 2048, at most seq / 8)"},
       {"tau", "X", "permute_stop tau (default 0.005)"},
       {"threads", "T", "CPU threads (default: every core)"},
@@ -178,7 +179,7 @@ Status demo_command(const Args& args) {
   SP_RETURN_IF_ERROR(args.get_int("block", 1, 1 << 16, &block));
   const int key_blocks = (config.seq_k + block - 1) / block;
   int budget = std::max(1, key_blocks / 8);
-  double skip_target = 0.7, density_target = 0.35;
+  double skip_target = 0.7, density_target = 0;
   PermuteStopParams permute;
   permute.block_q = permute.block_k = block;
   // Eight segments per sequence (at most the default 2048): at 8K, 1024-token segments keep
@@ -205,7 +206,7 @@ Status demo_command(const Args& args) {
 
   const Stopwatch total;
   constexpr int kPolicies = 6;  // dense, exact_gate, softmax_skip, estimate_select (x2), permute_stop
-  Progress progress("demo", 4 + kPolicies);
+  Progress progress("demo", 5 + kPolicies);
   progress.step("generating inputs (seed " + std::to_string(config.seed) + ") and calibration "
                 "inputs (seed " + std::to_string(config.seed + 1) + ")");
   HostTensor q, k, v, cq, ck, cv;
@@ -234,9 +235,22 @@ Status demo_command(const Args& args) {
   SP_RETURN_IF_ERROR(skip_cal.add(0, cal_problem));
   double a = 0;
   SP_RETURN_IF_ERROR(skip_cal.factor_for(skip_target, 0, &a));
-  progress.step("calibrating estimate_select (density " + fmt(density_target) + ")");
   EstimateSelectParams select;
   select.block = block;
+  if (density_target == 0) {
+    // alpha > 1 keeps only the forced blocks: their density is the floor of any target.
+    progress.step("measuring estimate_select's forced blocks");
+    EstimateSelectParams forced = select;
+    forced.alpha = 2;
+    HostTensor o(cq.dtype(), cq.shape());
+    HostTensor lse(DType::kFP32, {shape.batch, shape.h_q, shape.max_seq_q()});
+    RunStats forced_stats;
+    SP_RETURN_IF_ERROR(run(cal_problem, forced, AttentionOutput{o.view(), lse.view()}, options, &forced_stats));
+    density_target = std::min(1.0, forced_stats.density() + 0.15);
+  } else {
+    progress.step("estimate_select target density " + fmt(density_target));
+  }
+  progress.step("calibrating estimate_select (density " + fmt(density_target, 2) + ")");
   EstimateSelectCalibrator select_cal(1, select);
   SP_RETURN_IF_ERROR(select_cal.add(0, cal_problem));
   SP_RETURN_IF_ERROR(select_cal.alpha_for(density_target, 0, &select.alpha));
@@ -251,11 +265,12 @@ Status demo_command(const Args& args) {
   skip.block_q = skip.block_k = block;
   skip.a = a;
   entries.push_back({"softmax_skip", "a=" + fmt(a, 4) + " (skip " + fmt(skip_target) + ")", skip, {}, {}, {}, 0});
-  const std::string alpha = "alpha=" + fmt(select.alpha, 3) + " (density " + fmt(density_target) + ")";
+  const std::string alpha = "alpha=" + fmt(select.alpha, 3) + " (density " + fmt(density_target, 2) + ")";
   entries.push_back({"estimate_select", alpha, select, {}, {}, {}, 0});
   EstimateSelectParams corrected = select;
   corrected.mean_correction = true;
-  entries.push_back({"estimate_select+mc", alpha + " mean corr.", corrected, {}, {}, {}, 0});
+  entries.push_back({"estimate_select+mc", "alpha=" + fmt(select.alpha, 3) + ", mean correction",
+                     corrected, {}, {}, {}, 0});
   entries.push_back({"permute_stop", "segment=" + std::to_string(permute.segment) + " tau=" + fmt(permute.tau),
                      permute, {}, {}, {}, 0});
 
