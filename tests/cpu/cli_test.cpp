@@ -378,6 +378,7 @@ TEST_F(CliTest, RunRejectsBadInput) {
   expect_error("run --policy dense --bogus " + good, 2, "unknown flag --bogus", out);
   expect_error("run --policy dense --input '" + path("good.safetensors") + "'", 2, "--output: required", "");
   expect_error("run --policy dense --backend tpu " + good, 2, "--backend", out);
+  expect_error("run --policy estimate_select --non-causal " + good, 3, "causal", out);
 
   expect_error("run --policy dense --input '" + path("missing.safetensors") + "' --output '" + out + "'",
                4, "missing.safetensors", out);
