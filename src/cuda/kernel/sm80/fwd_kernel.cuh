@@ -432,66 +432,41 @@ __global__ void __launch_bounds__(Cfg::kThreads, 2) fwd_kernel(const __grid_cons
     // other stage), so that at most one P tile is ever live in registers.
     auto* park = reinterpret_cast<uint4*>(smem + Cfg::kQBytes + (stage ^ 1) * Cfg::kKVBytes);
     std::uint32_t p_first[kM][Cfg::kPSteps][4];
-    auto build_p_first = [&](int mi) {
-#pragma unroll
-      for (int kk = 0; kk < Cfg::kPSteps; ++kk) {
-        std::uint32_t a[4];
-#pragma unroll
-        for (int h2 = 0; h2 < 2; ++h2) {
-          const float4 v = stash[(mi * kNFrags + 2 * kk + h2) * Cfg::kThreads + tid];
-          float e[4] = {v.x, v.y, v.z, v.w};
-#pragma unroll
-          for (int i = 0; i < 4; ++i) e[i] = ptx::exp2f_fast(fmaf(e[i], p.scale_log2, -m_use[2 * mi + i / 2]));
-          st.l[2 * mi] += e[0] + e[1];
-          st.l[2 * mi + 1] += e[2] + e[3];
-          a[2 * h2] = ptx::pack2<Cfg::kBf16>(e[0], e[1]);
-          a[2 * h2 + 1] = ptx::pack2<Cfg::kBf16>(e[2], e[3]);
-        }
-        if constexpr (Cfg::kParkInSmem) {
-          park[(mi * Cfg::kPSteps + kk) * Cfg::kThreads + tid] = make_uint4(a[0], a[1], a[2], a[3]);
-        } else {
-          p_first[mi][kk][0] = a[0], p_first[mi][kk][1] = a[1], p_first[mi][kk][2] = a[2], p_first[mi][kk][3] = a[3];
-        }
-      }
-    };
-    auto load_v = [&](int sub) {
-      load_tile<Tile, kBlockN>(s_v_tile + sub * Cfg::kKVBytes, sub_src(j, sub, true), tid);
-      ptx::cp_async_commit();
-    };
     if (n_sub == 2) {
-      if constexpr (Cfg::kParkInSmem) {
-        // The stash rows of fragment 1 are exactly V slot 1 (static_assert below): free them
-        // first and start the last sub-tile's V (needed first) while fragment 0 is rebuilt.
-        static_assert(Cfg::kStashBytes == 2 * Cfg::kKVBytes && kM == 2, "stash halves = V slots");
-        build_p_first(1);
-        __syncthreads();  // every thread has read stash half 1 before V(j, 1) overwrites it
-        load_v(1);
-        build_p_first(0);
-        __syncthreads();  // ...and half 0 before V(j, 0)
-        load_v(0);
-      } else {
 #pragma unroll
-        for (int mi = 0; mi < kM; ++mi) build_p_first(mi);
-        __syncthreads();  // every thread has read its stash before V overwrites the slots
-        load_v(1);
-        load_v(0);
+      for (int mi = 0; mi < kM; ++mi) {
+#pragma unroll
+        for (int kk = 0; kk < Cfg::kPSteps; ++kk) {
+          std::uint32_t a[4];
+#pragma unroll
+          for (int h2 = 0; h2 < 2; ++h2) {
+            const float4 v = stash[(mi * kNFrags + 2 * kk + h2) * Cfg::kThreads + tid];
+            float e[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+            for (int i = 0; i < 4; ++i) {
+              e[i] = ptx::exp2f_fast(fmaf(e[i], p.scale_log2, -m_use[2 * mi + i / 2]));
+              st.l[2 * mi + i / 2] += e[i];
+            }
+            a[2 * h2] = ptx::pack2<Cfg::kBf16>(e[0], e[1]);
+            a[2 * h2 + 1] = ptx::pack2<Cfg::kBf16>(e[2], e[3]);
+          }
+          if constexpr (Cfg::kParkInSmem) {
+            park[(mi * Cfg::kPSteps + kk) * Cfg::kThreads + tid] = make_uint4(a[0], a[1], a[2], a[3]);
+          } else {
+            p_first[mi][kk][0] = a[0], p_first[mi][kk][1] = a[1], p_first[mi][kk][2] = a[2], p_first[mi][kk][3] = a[3];
+          }
+        }
       }
-    } else {
-      load_v(0);
+      __syncthreads();  // every thread has read its stash before V overwrites the slots
     }
-    // The last sub-tile's softmax overlaps the V loads.
+    for (int sub = 0; sub < n_sub; ++sub) load_tile<Tile, kBlockN>(s_v_tile + sub * Cfg::kKVBytes, sub_src(j, sub, true), tid);
+    ptx::cp_async_commit();  // V of the kept block, overlapping the last sub-tile's softmax
     std::uint32_t p_last[kM][Cfg::kPSteps][4];
     exp_pack<Cfg::kBf16>(s, m_use, p.scale_log2, st.l, p_last);
-    if (n_sub == 2) {
-      ptx::cp_async_wait<1>();  // V(j, 1) (and the next K, issued long before) landed...
-    } else {
-      ptx::cp_async_wait<0>();  // V(j, 0) landed...
-    }
-    __syncthreads();            // ...for every thread
+    ptx::cp_async_wait<0>();  // V of the block (and the next K, issued long before) landed...
+    __syncthreads();          // ...for every thread
     pv(n_sub - 1, p_last);
     if (n_sub == 2) {
-      ptx::cp_async_wait<0>();  // V(j, 0) landed...
-      __syncthreads();          // ...for every thread
       if constexpr (Cfg::kParkInSmem) {
 #pragma unroll
         for (int mi = 0; mi < kM; ++mi) {
