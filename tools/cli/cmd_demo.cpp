@@ -3,6 +3,7 @@
 // different seed of the generator), a table of density / error / time, a text map of the kept
 // blocks of one head, and optionally a PNG of the maps.
 #include <algorithm>
+#include <cstdio>
 #include <cstdlib>
 #include <iostream>
 #include <string>
