@@ -36,15 +36,15 @@ enum StreamTag : std::uint64_t {
   kTagVNoise = 7,     // per (batch, KV head)
 };
 
-constexpr double kScore = 12.0;        // score (natural log units) of a unit-weight component
-constexpr double kStripeShare = 0.75;  // stripes score lower: mean pooling dilutes narrow ones
-constexpr double kKeyAmplitude = 8.0;  // K's value on a structured channel at full strength
-constexpr double kSplineSelf = 0.55;   // nominal sum of squared spline weights
+constexpr double kScore = 12.0;          // score (natural log units) of a unit-weight component
+constexpr double kStripeShare = 0.75;    // stripes score lower: mean pooling dilutes narrow ones
+constexpr double kKeyAmplitude = 8.0;    // K's value on a structured channel at full strength
+constexpr double kSplineSelf = 0.55;     // nominal sum of squared spline weights
 constexpr double kFeatureNoise = 0.125;  // noise scale on structured channels (keeps cross
                                          // talk between amplitudes and noise small)
-constexpr double kGrid = 1048576.0;    // structured terms are multiples of 2^-20
+constexpr double kGrid = 1048576.0;      // structured terms are multiples of 2^-20
 constexpr int kMaxStripeChannels = 4;
-constexpr int kStripeSpacing = 1024;   // one stripe per this many keys
+constexpr int kStripeSpacing = 1024;  // one stripe per this many keys
 
 std::uint64_t derive(std::uint64_t s, std::uint64_t x) {
   std::uint64_t state = s + x;
@@ -103,13 +103,13 @@ Spline spline_at(std::int64_t x, int w_log2) {
 
 // Where each kind of structure lives among the d channels.
 struct Layout {
-  int sink = 0;             // channel 0
-  int stripe_first = 1;     // stripe channels 1 .. stripes
+  int sink = 0;          // channel 0
+  int stripe_first = 1;  // stripe channels 1 .. stripes
   int stripes = 0;
-  int position_first = 0;   // position channels
-  int positions = 0;        // m
-  int features_end = 0;     // channels >= this carry noise only
-  int w_log2 = 0;           // spline cell width 2^w_log2
+  int position_first = 0;  // position channels
+  int positions = 0;       // m
+  int features_end = 0;    // channels >= this carry noise only
+  int w_log2 = 0;          // spline cell width 2^w_log2
 };
 
 Layout make_layout(int d, int seq_k) {
@@ -130,7 +130,7 @@ enum HeadKind : int { kSinkHead = 0, kLocalHead = 1, kStripeHead = 2, kSlashHead
 // Per query head: the score each component adds at full strength, and its noise scale.
 struct QueryHead {
   double sink_score = 0, local_score = 0, stripe_score = 0, slash_score = 0;
-  double noise = 1.0;          // 1, 1.25, 1.5 or 1.75: how diffuse the head is
+  double noise = 1.0;  // 1, 1.25, 1.5 or 1.75: how diffuse the head is
   std::int64_t slash_offset = 0;
 };
 
@@ -166,15 +166,17 @@ std::vector<Stripe> make_stripes(std::uint64_t seed, int b, int g, const Layout&
                                  int seq_k) {
   std::vector<Stripe> stripes;
   if (layout.stripes == 0) return stripes;
-  const std::uint64_t key = stream_key(seed, kTagStripes, static_cast<std::uint64_t>(b),
-                                       static_cast<std::uint64_t>(g));
+  const std::uint64_t key =
+      stream_key(seed, kTagStripes, static_cast<std::uint64_t>(b), static_cast<std::uint64_t>(g));
   const int count = std::max(1, seq_k / kStripeSpacing);
   for (int s = 0; s < count; ++s) {
     const std::uint64_t n = 4 * static_cast<std::uint64_t>(s);
     Stripe st;
     st.first = static_cast<std::int64_t>(std::floor(uniform(key, n) * seq_k));
-    st.end = std::min<std::int64_t>(seq_k, st.first + 4 + static_cast<std::int64_t>(draw(key, n + 1) >> 58));
-    st.channel = static_cast<int>((draw(key, n + 2) >> 32) % static_cast<std::uint64_t>(layout.stripes));
+    st.end = std::min<std::int64_t>(
+        seq_k, st.first + 4 + static_cast<std::int64_t>(draw(key, n + 1) >> 58));
+    st.channel =
+        static_cast<int>((draw(key, n + 2) >> 32) % static_cast<std::uint64_t>(layout.stripes));
     st.strength = 0.5 + 0.5 * uniform(key, n + 3);
     stripes.push_back(st);
   }
@@ -201,11 +203,12 @@ Status validate_config(const GeneratorConfig& c) {
   }
   if (c.h_kv < 1) return invalid_argument("h_kv: expected >= 1, got " + std::to_string(c.h_kv));
   if (c.h_q < 1 || c.h_q % c.h_kv != 0) {
-    return invalid_argument("h_q: expected a positive multiple of h_kv (" +
-                            std::to_string(c.h_kv) + "), got " + std::to_string(c.h_q));
+    return invalid_argument("h_q: expected a positive multiple of h_kv (" + std::to_string(c.h_kv) +
+                            "), got " + std::to_string(c.h_q));
   }
   if (c.d < 8) return invalid_argument("d: expected >= 8, got " + std::to_string(c.d));
-  if (c.dtype == DType::kInt32) return invalid_argument("dtype: expected bf16, fp16 or fp32, got int32");
+  if (c.dtype == DType::kInt32)
+    return invalid_argument("dtype: expected bf16, fp16 or fp32, got int32");
   if (!std::isfinite(c.peakedness) || c.peakedness < 0 || c.peakedness > 100) {
     return invalid_argument("peakedness: expected a finite value in [0, 100], got " +
                             std::to_string(c.peakedness));
@@ -242,7 +245,8 @@ Status generate(const GeneratorConfig& config, HostTensor* q, HostTensor* k, Hos
   // another is meaningful.
   const std::uint64_t model = c.seed >> 32;
   std::vector<QueryHead> heads;
-  for (int h = 0; h < c.h_q; ++h) heads.push_back(make_query_head(model, h, layout, c.seq_k, c.peakedness));
+  for (int h = 0; h < c.h_q; ++h)
+    heads.push_back(make_query_head(model, h, layout, c.seq_k, c.peakedness));
   std::vector<int> sink_keys;
   for (int g = 0; g < c.h_kv; ++g) {
     const std::uint64_t key = stream_key(model, kTagKvHead, static_cast<std::uint64_t>(g), 0);
@@ -283,7 +287,8 @@ Status generate(const GeneratorConfig& config, HostTensor* q, HostTensor* k, Hos
           row[static_cast<std::size_t>(ch)] = noise_scale(ch, 1.0) * normal(k_key, n);
         }
         if (t < sink_keys[static_cast<std::size_t>(g)]) {
-          row[static_cast<std::size_t>(layout.sink)] += to_grid(kKeyAmplitude * (t == 0 ? 1.0 : 0.75));
+          row[static_cast<std::size_t>(layout.sink)] +=
+              to_grid(kKeyAmplitude * (t == 0 ? 1.0 : 0.75));
         }
         for (int s = 0; s < layout.stripes; ++s) {
           row[static_cast<std::size_t>(layout.stripe_first + s)] +=

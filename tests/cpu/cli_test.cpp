@@ -51,7 +51,8 @@ class CliTest : public ::testing::Test {
   // Runs the CLI with `args` (already shell-quoted where needed).
   CliResult cli(const std::string& args) const {
     const std::string out = path("stdout.txt"), err = path("stderr.txt");
-    const std::string cmd = std::string("'") + SP_CLI_PATH + "' " + args + " >'" + out + "' 2>'" + err + "'";
+    const std::string cmd =
+        std::string("'") + SP_CLI_PATH + "' " + args + " >'" + out + "' 2>'" + err + "'";
     const int status = std::system(cmd.c_str());
     CliResult r;
     r.code = WIFEXITED(status) ? WEXITSTATUS(status) : -1;
@@ -95,7 +96,8 @@ SafetensorsFile small_input() {
 }
 
 // The number after `"key": ` following the n-th occurrence of `anchor` in a JSON text.
-double json_number_after(const std::string& json, const std::string& anchor, const std::string& key) {
+double json_number_after(const std::string& json, const std::string& anchor,
+                         const std::string& key) {
   const std::size_t at = json.find(anchor);
   if (at == std::string::npos) return NAN;
   const std::size_t k = json.find("\"" + key + "\": ", at);
@@ -135,7 +137,9 @@ TEST_F(CliTest, UsageErrors) {
 TEST_F(CliTest, InfoJson) {
   const CliResult r = cli("info --json");
   EXPECT_EQ(r.code, 0) << r.err;
-  EXPECT_NE(r.out.find(std::string("\"version\": \"") + SPARSEPREFILL_VERSION_STRING + "\""), std::string::npos) << r.out;
+  EXPECT_NE(r.out.find(std::string("\"version\": \"") + SPARSEPREFILL_VERSION_STRING + "\""),
+            std::string::npos)
+      << r.out;
   EXPECT_NE(r.out.find("\"backends\": {"), std::string::npos) << r.out;
   EXPECT_NE(r.out.find("\"cpu\": "), std::string::npos) << r.out;
   const CliResult text = cli("info");
@@ -147,7 +151,8 @@ TEST_F(CliTest, InfoJson) {
 
 TEST_F(CliTest, DemoJsonSmoke) {
   const std::string png = path("maps.png");
-  const CliResult r = cli("demo --json --seq 1024 --heads-q 4 --heads-kv 2 --dim 64 --threads 2 --plot '" + png + "'");
+  const CliResult r = cli(
+      "demo --json --seq 1024 --heads-q 4 --heads-kv 2 --dim 64 --threads 2 --plot '" + png + "'");
   ASSERT_EQ(r.code, 0) << r.err;
   for (const char* policy : {"dense", "exact_gate", "softmax_skip", "estimate_select",
                              "estimate_select+mc", "permute_stop"}) {
@@ -200,7 +205,8 @@ TEST_F(CliTest, DemoJsonSmoke) {
   for (bool last = false; !last;) {
     ASSERT_LT(at + 5, idat.size());
     last = (idat[at] & 1) != 0;
-    const std::size_t len = static_cast<unsigned char>(idat[at + 1]) | (static_cast<unsigned char>(idat[at + 2]) << 8);
+    const std::size_t len =
+        static_cast<unsigned char>(idat[at + 1]) | (static_cast<unsigned char>(idat[at + 2]) << 8);
     raw += idat.substr(at + 5, len);
     at += 5 + len;
   }
@@ -211,10 +217,11 @@ TEST_F(CliTest, DemoJsonSmoke) {
     b = (b + a) % 65521;
   }
   const std::string tail = idat.substr(idat.size() - 4);
-  const std::uint32_t adler = (static_cast<std::uint32_t>(static_cast<unsigned char>(tail[0])) << 24) |
-                              (static_cast<std::uint32_t>(static_cast<unsigned char>(tail[1])) << 16) |
-                              (static_cast<std::uint32_t>(static_cast<unsigned char>(tail[2])) << 8) |
-                              static_cast<std::uint32_t>(static_cast<unsigned char>(tail[3]));
+  const std::uint32_t adler =
+      (static_cast<std::uint32_t>(static_cast<unsigned char>(tail[0])) << 24) |
+      (static_cast<std::uint32_t>(static_cast<unsigned char>(tail[1])) << 16) |
+      (static_cast<std::uint32_t>(static_cast<unsigned char>(tail[2])) << 8) |
+      static_cast<std::uint32_t>(static_cast<unsigned char>(tail[3]));
   EXPECT_EQ(adler, (b << 16) | a);
 }
 
@@ -224,15 +231,21 @@ TEST_F(CliTest, RunRoundTripMatchesInProcessRun) {
   const std::string in = path("in.safetensors"), out = path("out.safetensors");
   SafetensorsFile input = small_input();
   ASSERT_TRUE(write_safetensors(in, input).ok());
-  const CliResult r = cli("run --input '" + in + "' --policy estimate_select --set block=16 "
-                          "--set alpha=0.2 --set mean_correction=true --threads 1 --json --output '" + out + "'");
+  const CliResult r =
+      cli("run --input '" + in +
+          "' --policy estimate_select --set block=16 "
+          "--set alpha=0.2 --set mean_correction=true --threads 1 --json --output '" +
+          out + "'");
   ASSERT_EQ(r.code, 0) << r.err;
   EXPECT_NE(r.out.find("\"density\": "), std::string::npos) << r.out;
 
   SafetensorsFile result;
   ASSERT_TRUE(read_safetensors(out, &result).ok());
   Policy policy;
-  ASSERT_TRUE(parse_policy("estimate_select", {{"block", "16"}, {"alpha", "0.2"}, {"mean_correction", "true"}}, &policy).ok());
+  ASSERT_TRUE(parse_policy("estimate_select",
+                           {{"block", "16"}, {"alpha", "0.2"}, {"mean_correction", "true"}},
+                           &policy)
+                  .ok());
   AttentionProblem problem;
   problem.q = input.tensors["q"].view();
   problem.k = input.tensors["k"].view();
@@ -284,8 +297,10 @@ TEST_F(CliTest, RunVarlenAndPermuteStopTiles) {
   input.tensors["cu_seqlens_q"] = cu;
   input.tensors["cu_seqlens_k"] = cu;
   ASSERT_TRUE(write_safetensors(in, input).ok());
-  const CliResult r = cli("run --input '" + in + "' --policy permute_stop --set segment=16 "
-                          "--set block_q=8 --set block_k=8 --output '" + out + "'");
+  const CliResult r = cli("run --input '" + in +
+                          "' --policy permute_stop --set segment=16 "
+                          "--set block_q=8 --set block_k=8 --output '" +
+                          out + "'");
   ASSERT_EQ(r.code, 0) << r.err;
   SafetensorsFile result;
   ASSERT_TRUE(read_safetensors(out, &result).ok());
@@ -301,9 +316,11 @@ TEST_F(CliTest, RunVarlenAndPermuteStopTiles) {
 TEST_F(CliTest, CalibrateThenRunExactGate) {
   const std::string cal = path("cal.safetensors"), in = path("in.safetensors"),
                     out = path("out.safetensors");
-  const CliResult c = cli("calibrate --generate seq=256,heads-q=4,heads-kv=2,dim=16,samples=2 "
-                          "--budgets 2,4 --skip-targets 0.5 --density-targets 0.5 --block-q 32 "
-                          "--block-k 32 --block 32 --json --output '" + cal + "'");
+  const CliResult c =
+      cli("calibrate --generate seq=256,heads-q=4,heads-kv=2,dim=16,samples=2 "
+          "--budgets 2,4 --skip-targets 0.5 --density-targets 0.5 --block-q 32 "
+          "--block-k 32 --block 32 --json --output '" +
+          cal + "'");
   ASSERT_EQ(c.code, 0) << c.err;
   EXPECT_NE(c.err.find("calibrate"), std::string::npos) << "progress expected on stderr";
   Calibration loaded;
@@ -316,13 +333,14 @@ TEST_F(CliTest, CalibrateThenRunExactGate) {
   ASSERT_TRUE(write_safetensors(in, small_input()).ok());
   for (const std::string policy : {"exact_gate --budget 2", "softmax_skip --skip-target 0.5",
                                    "estimate_select --density-target 0.5"}) {
-    const CliResult r = cli("run --input '" + in + "' --calibration '" + cal + "' --policy " + policy +
-                            " --output '" + out + "'");
+    const CliResult r = cli("run --input '" + in + "' --calibration '" + cal + "' --policy " +
+                            policy + " --output '" + out + "'");
     EXPECT_EQ(r.code, 0) << policy << ": " << r.err;
     EXPECT_TRUE(exists(out));
     std::remove(out.c_str());
   }
-  expect_error("run --input '" + in + "' --calibration '" + cal + "' --policy exact_gate --budget 3 --output '" + out + "'",
+  expect_error("run --input '" + in + "' --calibration '" + cal +
+                   "' --policy exact_gate --budget 3 --output '" + out + "'",
                2, "--budget: 3 is not in the calibration file", out);
   expect_error("run --input '" + in + "' --policy exact_gate --output '" + out + "'", 2,
                "--calibration: required by exact_gate", out);
@@ -340,7 +358,8 @@ TEST_F(CliTest, RunRejectsBadInput) {
 
   SafetensorsFile no_v = small_input();
   no_v.tensors.erase("v");
-  expect_error("run --policy dense " + write("no_v.safetensors", no_v), 2, "missing tensor 'v'", out);
+  expect_error("run --policy dense " + write("no_v.safetensors", no_v), 2, "missing tensor 'v'",
+               out);
 
   SafetensorsFile rank2 = small_input();
   rank2.tensors["q"] = HostTensor(DType::kBF16, {100, 64});
@@ -349,9 +368,11 @@ TEST_F(CliTest, RunRejectsBadInput) {
   SafetensorsFile heads = small_input();
   HostTensor q3(DType::kBF16, {1, 100, 3, 16});
   std::copy(static_cast<const char*>(heads.tensors["q"].data()),
-            static_cast<const char*>(heads.tensors["q"].data()) + q3.nbytes(), static_cast<char*>(q3.data()));
+            static_cast<const char*>(heads.tensors["q"].data()) + q3.nbytes(),
+            static_cast<char*>(q3.data()));
   heads.tensors["q"] = q3;
-  expect_error("run --policy dense " + write("heads.safetensors", heads), 2, "must divide h_q", out);
+  expect_error("run --policy dense " + write("heads.safetensors", heads), 2, "must divide h_q",
+               out);
 
   SafetensorsFile varlen = small_input();
   for (const char* name : {"q", "k", "v"}) {
@@ -365,32 +386,41 @@ TEST_F(CliTest, RunRejectsBadInput) {
   cu.as<std::int32_t>()[2] = 30;
   varlen.tensors["cu_seqlens_q"] = cu;
   varlen.tensors["cu_seqlens_k"] = cu;
-  expect_error("run --policy dense " + write("monotone.safetensors", varlen), 2, "non-decreasing", out);
+  expect_error("run --policy dense " + write("monotone.safetensors", varlen), 2, "non-decreasing",
+               out);
 
   SafetensorsFile float_cu = varlen;
   float_cu.tensors["cu_seqlens_q"] = HostTensor(DType::kFP32, {3});
-  expect_error("run --policy dense " + write("float_cu.safetensors", float_cu), 2, "cu_seqlens_q", out);
+  expect_error("run --policy dense " + write("float_cu.safetensors", float_cu), 2, "cu_seqlens_q",
+               out);
 
   expect_error("run --policy bogus " + good, 2, "unknown name 'bogus'", out);
-  expect_error("run --policy softmax_skip --set nope=1 " + good, 2, "unknown parameter 'nope'", out);
-  expect_error("run --policy softmax_skip --set a=nan " + good, 2, "a: expected a finite number", out);
-  expect_error("run --policy estimate_select --set alpha " + good, 2, "--set: expected KEY=VALUE", out);
+  expect_error("run --policy softmax_skip --set nope=1 " + good, 2, "unknown parameter 'nope'",
+               out);
+  expect_error("run --policy softmax_skip --set a=nan " + good, 2, "a: expected a finite number",
+               out);
+  expect_error("run --policy estimate_select --set alpha " + good, 2, "--set: expected KEY=VALUE",
+               out);
   expect_error("run --policy dense --bogus " + good, 2, "unknown flag --bogus", out);
-  expect_error("run --policy dense --input '" + path("good.safetensors") + "'", 2, "--output: required", "");
+  expect_error("run --policy dense --input '" + path("good.safetensors") + "'", 2,
+               "--output: required", "");
   expect_error("run --policy dense --backend tpu " + good, 2, "--backend", out);
   expect_error("run --policy estimate_select --non-causal " + good, 3, "causal", out);
 
-  expect_error("run --policy dense --input '" + path("missing.safetensors") + "' --output '" + out + "'",
-               4, "missing.safetensors", out);
+  expect_error(
+      "run --policy dense --input '" + path("missing.safetensors") + "' --output '" + out + "'", 4,
+      "missing.safetensors", out);
   {
     std::ofstream garbage(path("garbage.safetensors"), std::ios::binary);
     garbage << "this is not a safetensors file at all";
   }
-  expect_error("run --policy dense --input '" + path("garbage.safetensors") + "' --output '" + out + "'",
-               2, "garbage.safetensors", out);
+  expect_error(
+      "run --policy dense --input '" + path("garbage.safetensors") + "' --output '" + out + "'", 2,
+      "garbage.safetensors", out);
   const std::string unwritable = path("no_such_dir/out.safetensors");
-  expect_error("run --policy dense --input '" + path("good.safetensors") + "' --output '" + unwritable + "'",
-               4, "no_such_dir", unwritable);
+  expect_error(
+      "run --policy dense --input '" + path("good.safetensors") + "' --output '" + unwritable + "'",
+      4, "no_such_dir", unwritable);
 }
 
 TEST_F(CliTest, CalibrateRejectsBadInput) {
@@ -404,8 +434,9 @@ TEST_F(CliTest, CalibrateRejectsBadInput) {
   expect_error("calibrate --budgets 2 --output '" + cal + "'", 2, "--input/--generate", cal);
   SafetensorsFile no_layers = small_input();
   ASSERT_TRUE(write_safetensors(path("plain.safetensors"), no_layers).ok());
-  expect_error("calibrate --budgets 2 --input '" + path("plain.safetensors") + "' --output '" + cal + "'",
-               2, "missing tensor 'q_0'", cal);
+  expect_error(
+      "calibrate --budgets 2 --input '" + path("plain.safetensors") + "' --output '" + cal + "'", 2,
+      "missing tensor 'q_0'", cal);
 }
 
 TEST_F(CliTest, CalibrateFromFiles) {
@@ -417,8 +448,10 @@ TEST_F(CliTest, CalibrateFromFiles) {
     sample.tensors["k_" + std::to_string(layer)] = one.tensors["k"];
   }
   ASSERT_TRUE(write_safetensors(path("sample.safetensors"), sample).ok());
-  const CliResult r = cli("calibrate --input '" + path("sample.safetensors") + "' --budgets 1 "
-                          "--block-q 16 --block-k 16 --output '" + cal + "'");
+  const CliResult r = cli("calibrate --input '" + path("sample.safetensors") +
+                          "' --budgets 1 "
+                          "--block-q 16 --block-k 16 --output '" +
+                          cal + "'");
   ASSERT_EQ(r.code, 0) << r.err;
   Calibration loaded;
   ASSERT_TRUE(load_calibration(cal, &loaded).ok());

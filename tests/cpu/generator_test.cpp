@@ -105,7 +105,8 @@ TEST(Generator, LowPrecisionIsTheRoundedFp32Output) {
       for (std::int64_t i = 0; i < lo[t]->numel(); ++i) {
         const float f = hi[t]->as<float>()[i];
         const std::uint16_t want = dtype == DType::kBF16 ? float_to_bf16(f) : float_to_fp16(f);
-        ASSERT_EQ(lo[t]->as<std::uint16_t>()[i], want) << dtype_name(dtype) << " tensor " << t << " element " << i;
+        ASSERT_EQ(lo[t]->as<std::uint16_t>()[i], want)
+            << dtype_name(dtype) << " tensor " << t << " element " << i;
       }
     }
   }
@@ -122,7 +123,8 @@ TEST(Generator, NeverProducesZeros) {
       for (const HostTensor* t : {&q, &k, &v}) {
         for (std::int64_t i = 0; i < t->numel(); ++i) {
           const double x = value(*t, i);
-          ASSERT_TRUE(x != 0.0 && std::isfinite(x)) << dtype_name(dtype) << " element " << i << " = " << x;
+          ASSERT_TRUE(x != 0.0 && std::isfinite(x))
+              << dtype_name(dtype) << " element " << i << " = " << x;
         }
       }
     }
@@ -177,7 +179,8 @@ TEST(Generator, RejectsBadConfigs) {
   c = small_config(DType::kBF16);
   c.peakedness = std::nan("");
   fails(c, "peakedness");
-  EXPECT_EQ(generate(small_config(DType::kBF16), nullptr, &k, &v).code(), StatusCode::kInvalidArgument);
+  EXPECT_EQ(generate(small_config(DType::kBF16), nullptr, &k, &v).code(),
+            StatusCode::kInvalidArgument);
 }
 
 // Attention probabilities of one query head of batch 0, computed here in double from the

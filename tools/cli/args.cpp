@@ -79,7 +79,8 @@ Status Args::parse(const std::vector<Flag>& flags, int argc, char** argv, int fi
     if (flag->value_name.empty()) {
       if (has_inline_value) return invalid_argument("--" + name + ": takes no value");
     } else if (!has_inline_value) {
-      if (i + 1 >= argc) return invalid_argument("--" + name + ": expected a value " + flag->value_name);
+      if (i + 1 >= argc)
+        return invalid_argument("--" + name + ": expected a value " + flag->value_name);
       value = argv[++i];
     }
     std::vector<std::string>& slot = args.values_[name];
@@ -104,8 +105,8 @@ Status Args::get_int(const std::string& name, std::int64_t min, std::int64_t max
   if (!has(name)) return Status::ok_status();
   std::int64_t v = 0;
   if (!parse_int64(get(name), &v) || v < min || v > max) {
-    return invalid_argument("--" + name + ": expected an integer in [" + std::to_string(min) + ", " +
-                            std::to_string(max) + "], got '" + get(name) + "'");
+    return invalid_argument("--" + name + ": expected an integer in [" + std::to_string(min) +
+                            ", " + std::to_string(max) + "], got '" + get(name) + "'");
   }
   *out = static_cast<int>(v);
   return Status::ok_status();
@@ -145,8 +146,8 @@ Status Args::get_int_list(const std::string& name, std::int64_t min, std::int64_
     std::int64_t v = 0;
     if (!parse_int64(part, &v) || v < min || v > max) {
       return invalid_argument("--" + name + ": expected comma-separated integers in [" +
-                              std::to_string(min) + ", " + std::to_string(max) + "], got '" +
-                              part + "'");
+                              std::to_string(min) + ", " + std::to_string(max) + "], got '" + part +
+                              "'");
     }
     list.push_back(static_cast<int>(v));
   }
@@ -163,8 +164,8 @@ Status Args::get_double_list(const std::string& name, double min, double max,
     if (!parse_finite_double(part, &v) || v < min || v > max) {
       std::ostringstream range;
       range << "[" << min << ", " << max << "]";
-      return invalid_argument("--" + name + ": expected comma-separated numbers in " +
-                              range.str() + ", got '" + part + "'");
+      return invalid_argument("--" + name + ": expected comma-separated numbers in " + range.str() +
+                              ", got '" + part + "'");
     }
     list.push_back(v);
   }
@@ -180,8 +181,10 @@ std::string format_flags(const std::vector<Flag>& flags) {
   all.push_back({"help", "", "show this help and exit", false});
   for (const Flag& f : all) {
     std::string left = "  --" + f.name + (f.value_name.empty() ? "" : " " + f.value_name);
-    if (left.size() < 30) left.resize(30, ' ');
-    else left += "\n" + std::string(30, ' ');
+    if (left.size() < 30)
+      left.resize(30, ' ');
+    else
+      left += "\n" + std::string(30, ' ');
     os << left << f.help << (f.repeatable ? " (repeatable)" : "") << "\n";
   }
   return os.str();

@@ -20,7 +20,8 @@ const std::vector<Flag>& calibrate_flags() {
   static const std::vector<Flag> flags = {
       {"input", "SAMPLE.safetensors",
        "one sample: q_<layer>, k_<layer> for layers 0..L-1 (optional int32 cu_seqlens_q, "
-       "cu_seqlens_k shared by the layers)", true},
+       "cu_seqlens_k shared by the layers)",
+       true},
       {"generate", "SPEC",
        "generated samples instead of --input, e.g. seq=8192,heads-q=8,heads-kv=2,dim=128,"
        "seed=1,samples=2,layers=1,peakedness=1,dtype=bf16"},
@@ -65,14 +66,16 @@ Status parse_generate_spec(const std::string& spec, GenerateSpec* out) {
     const std::string item = rest.substr(0, comma);
     rest = comma == std::string::npos ? "" : rest.substr(comma + 1);
     const std::size_t eq = item.find('=');
-    if (eq == std::string::npos) return invalid_argument("--generate: expected KEY=VALUE, got '" + item + "'");
+    if (eq == std::string::npos)
+      return invalid_argument("--generate: expected KEY=VALUE, got '" + item + "'");
     const std::string key = item.substr(0, eq), value = item.substr(eq + 1);
     std::int64_t n = 0;
     double x = 0;
     const auto want_int = [&](std::int64_t lo, std::int64_t hi, int* field) {
       if (!parse_int64(value, &n) || n < lo || n > hi) {
-        return invalid_argument("--generate: " + key + ": expected an integer in [" + std::to_string(lo) +
-                                ", " + std::to_string(hi) + "], got '" + value + "'");
+        return invalid_argument("--generate: " + key + ": expected an integer in [" +
+                                std::to_string(lo) + ", " + std::to_string(hi) + "], got '" +
+                                value + "'");
       }
       *field = static_cast<int>(n);
       return Status::ok_status();
@@ -93,20 +96,30 @@ Status parse_generate_spec(const std::string& spec, GenerateSpec* out) {
     } else if (key == "layers") {
       SP_RETURN_IF_ERROR(want_int(1, 1 << 12, &g.layers));
     } else if (key == "seed") {
-      if (!parse_int64(value, &n) || n < 0) return invalid_argument("--generate: seed: expected a non-negative integer, got '" + value + "'");
+      if (!parse_int64(value, &n) || n < 0)
+        return invalid_argument("--generate: seed: expected a non-negative integer, got '" + value +
+                                "'");
       g.config.seed = static_cast<std::uint64_t>(n);
     } else if (key == "peakedness") {
-      if (!parse_finite_double(value, &x) || x < 0) return invalid_argument("--generate: peakedness: expected a finite number >= 0, got '" + value + "'");
+      if (!parse_finite_double(value, &x) || x < 0)
+        return invalid_argument("--generate: peakedness: expected a finite number >= 0, got '" +
+                                value + "'");
       g.config.peakedness = x;
     } else if (key == "dtype") {
-      if (value == "bf16") g.config.dtype = DType::kBF16;
-      else if (value == "fp16") g.config.dtype = DType::kFP16;
-      else if (value == "fp32") g.config.dtype = DType::kFP32;
-      else return invalid_argument("--generate: dtype: expected bf16, fp16 or fp32, got '" + value + "'");
+      if (value == "bf16")
+        g.config.dtype = DType::kBF16;
+      else if (value == "fp16")
+        g.config.dtype = DType::kFP16;
+      else if (value == "fp32")
+        g.config.dtype = DType::kFP32;
+      else
+        return invalid_argument("--generate: dtype: expected bf16, fp16 or fp32, got '" + value +
+                                "'");
     } else {
-      return invalid_argument("--generate: unknown key '" + key +
-                              "' (expected seq, batch, heads-q, heads-kv, dim, seed, samples, layers, "
-                              "peakedness, dtype)");
+      return invalid_argument(
+          "--generate: unknown key '" + key +
+          "' (expected seq, batch, heads-q, heads-kv, dim, seed, samples, layers, "
+          "peakedness, dtype)");
     }
   }
   *out = g;
@@ -126,7 +139,8 @@ Status load_sample(const std::string& path, int* layers, Sample* sample) {
   SP_RETURN_IF_ERROR(find_tensor(sample->file, path, "cu_seqlens_k", false, &cu_k));
   int count = 0;
   while (sample->file.tensors.count("q_" + std::to_string(count)) > 0) ++count;
-  if (count == 0) return invalid_argument(path + ": missing tensor 'q_0' (expected q_<layer>, k_<layer>)");
+  if (count == 0)
+    return invalid_argument(path + ": missing tensor 'q_0' (expected q_<layer>, k_<layer>)");
   if (*layers > 0 && count != *layers) {
     return invalid_argument(path + ": expected " + std::to_string(*layers) +
                             " layers (as the first sample), got " + std::to_string(count));
@@ -165,7 +179,8 @@ Status calibrate_command(const Args& args) {
     return invalid_argument("--budgets/--skip-targets/--density-targets: expected at least one");
   }
   for (std::size_t i = 1; i < budgets.size(); ++i) {
-    if (budgets[i] <= budgets[i - 1]) return invalid_argument("--budgets: expected strictly ascending values");
+    if (budgets[i] <= budgets[i - 1])
+      return invalid_argument("--budgets: expected strictly ascending values");
   }
   for (const auto* list : {&skip_targets, &density_targets}) {
     for (std::size_t i = 1; i < list->size(); ++i) {
@@ -192,7 +207,8 @@ Status calibrate_command(const Args& args) {
   std::vector<Sample> loaded(static_cast<std::size_t>(samples));
   if (args.has("input")) {
     for (int s = 0; s < samples; ++s) {
-      SP_RETURN_IF_ERROR(load_sample(inputs[static_cast<std::size_t>(s)], &layers, &loaded[static_cast<std::size_t>(s)]));
+      SP_RETURN_IF_ERROR(load_sample(inputs[static_cast<std::size_t>(s)], &layers,
+                                     &loaded[static_cast<std::size_t>(s)]));
     }
     ProblemShape shape;
     SP_RETURN_IF_ERROR(validate_problem(loaded[0].layers[0], nullptr, &shape));
@@ -202,9 +218,12 @@ Status calibrate_command(const Args& args) {
   std::unique_ptr<ExactGateCalibrator> gate;
   std::unique_ptr<SoftmaxSkipCalibrator> skip;
   std::unique_ptr<EstimateSelectCalibrator> select;
-  if (!budgets.empty()) gate = std::make_unique<ExactGateCalibrator>(layers, heads, budgets, block_q, block_k);
-  if (!skip_targets.empty()) skip = std::make_unique<SoftmaxSkipCalibrator>(layers, block_q, block_k);
-  if (!density_targets.empty()) select = std::make_unique<EstimateSelectCalibrator>(layers, estimate);
+  if (!budgets.empty())
+    gate = std::make_unique<ExactGateCalibrator>(layers, heads, budgets, block_q, block_k);
+  if (!skip_targets.empty())
+    skip = std::make_unique<SoftmaxSkipCalibrator>(layers, block_q, block_k);
+  if (!density_targets.empty())
+    select = std::make_unique<EstimateSelectCalibrator>(layers, estimate);
 
   Progress progress("calibrate", samples * layers);
   for (int s = 0; s < samples; ++s) {
@@ -216,7 +235,8 @@ Status calibrate_command(const Args& args) {
         p = loaded[static_cast<std::size_t>(s)].layers[static_cast<std::size_t>(l)];
       } else {
         GeneratorConfig c = spec.config;
-        c.seed = spec.config.seed + static_cast<std::uint64_t>(s) * static_cast<std::uint64_t>(layers) +
+        c.seed = spec.config.seed +
+                 static_cast<std::uint64_t>(s) * static_cast<std::uint64_t>(layers) +
                  static_cast<std::uint64_t>(l);
         SP_RETURN_IF_ERROR(generate(c, &q, &k, &v));
         p.q = q.view();
@@ -284,10 +304,13 @@ Status calibrate_command(const Args& args) {
     for (int l = 0; l < layers && (skip || select); ++l) {
       std::cout << "layer " << l << ":";
       for (std::size_t i = 0; i < cal.skip_targets.size(); ++i) {
-        std::cout << " a(skip " << fmt(cal.skip_targets[i]) << ")=" << fmt(cal.skip_a[static_cast<std::size_t>(l) * cal.skip_targets.size() + i], 4);
+        std::cout << " a(skip " << fmt(cal.skip_targets[i]) << ")="
+                  << fmt(cal.skip_a[static_cast<std::size_t>(l) * cal.skip_targets.size() + i], 4);
       }
       for (std::size_t i = 0; i < cal.density_targets.size(); ++i) {
-        std::cout << " alpha(density " << fmt(cal.density_targets[i]) << ")=" << fmt(cal.alpha[static_cast<std::size_t>(l) * cal.density_targets.size() + i], 4);
+        std::cout << " alpha(density " << fmt(cal.density_targets[i]) << ")="
+                  << fmt(cal.alpha[static_cast<std::size_t>(l) * cal.density_targets.size() + i],
+                         4);
       }
       std::cout << "\n";
     }

@@ -31,8 +31,9 @@ const std::vector<Flag>& demo_flags() {
       {"block", "N", "block size of every policy (default 128; seq / 32 below 4096 tokens)"},
       {"budget", "K", "exact_gate budget (default: key blocks / 8)"},
       {"skip-target", "F", "softmax_skip target skip fraction (default 0.7)"},
-      {"density-target", "F", "estimate_select target density (default: the density of its forced "
-                             "sink/window/tail blocks + 0.15)"},
+      {"density-target", "F",
+       "estimate_select target density (default: the density of its forced "
+       "sink/window/tail blocks + 0.15)"},
       {"segment", "N", "permute_stop segment (default 2048, at most seq / 8)"},
       {"tau", "X", "permute_stop tau (default 0.005)"},
       {"threads", "T", "CPU threads (default: every core)"},
@@ -124,9 +125,11 @@ Status write_plot(const std::string& path, const ProblemShape& shape,
   const int n = static_cast<int>(entries.size());
   const int width = n * panel_w + (n + 1) * kGap, height = panel_h + 2 * kGap;
   std::vector<std::uint8_t> rgb(static_cast<std::size_t>(width) * height * 3, 255);
-  const std::uint8_t skipped[3] = {222, 222, 222}, kept[3] = {32, 64, 160}, corrected[3] = {230, 150, 40};
+  const std::uint8_t skipped[3] = {222, 222, 222}, kept[3] = {32, 64, 160},
+                     corrected[3] = {230, 150, 40};
   for (int e = 0; e < n; ++e) {
-    const std::vector<std::uint8_t> map = head_map(shape, *entries[static_cast<std::size_t>(e)], head);
+    const std::vector<std::uint8_t> map =
+        head_map(shape, *entries[static_cast<std::size_t>(e)], head);
     for (int qi = 0; qi < gq; ++qi) {
       for (int ki = 0; ki < gk; ++ki) {
         int vis = 0, kc = 0, cc = 0;
@@ -149,7 +152,8 @@ Status write_plot(const std::string& path, const ProblemShape& shape,
           for (int x = 0; x < px; ++x) {
             const int X = kGap + e * (panel_w + kGap) + ki * px + x;
             const int Y = kGap + qi * px + y;
-            std::copy(color, color + 3, rgb.begin() + (static_cast<std::ptrdiff_t>(Y) * width + X) * 3);
+            std::copy(color, color + 3,
+                      rgb.begin() + (static_cast<std::ptrdiff_t>(Y) * width + X) * 3);
           }
         }
       }
@@ -168,10 +172,14 @@ Status demo_command(const Args& args) {
   SP_RETURN_IF_ERROR(args.get_u64("seed", &config.seed));
   SP_RETURN_IF_ERROR(args.get_double("peakedness", 0, 100, &config.peakedness));
   const std::string dtype = args.get("dtype", "bf16");
-  if (dtype == "bf16") config.dtype = DType::kBF16;
-  else if (dtype == "fp16") config.dtype = DType::kFP16;
-  else if (dtype == "fp32") config.dtype = DType::kFP32;
-  else return invalid_argument("--dtype: expected bf16, fp16 or fp32, got '" + dtype + "'");
+  if (dtype == "bf16")
+    config.dtype = DType::kBF16;
+  else if (dtype == "fp16")
+    config.dtype = DType::kFP16;
+  else if (dtype == "fp32")
+    config.dtype = DType::kFP32;
+  else
+    return invalid_argument("--dtype: expected bf16, fp16 or fp32, got '" + dtype + "'");
 
   // Below 4096 tokens 128-blocks leave too few blocks for a policy to choose from: use
   // power-of-two blocks of about seq / 32 (at least 16) instead.
@@ -201,15 +209,20 @@ Status demo_command(const Args& args) {
   const std::string map_policy = args.get("map-policy", "exact_gate");
   if (map_policy != "exact_gate" && map_policy != "softmax_skip" &&
       map_policy != "estimate_select" && map_policy != "estimate_select+mc") {
-    return invalid_argument("--map-policy: expected exact_gate, softmax_skip, estimate_select or "
-                            "estimate_select+mc, got '" + map_policy + "'");
+    return invalid_argument(
+        "--map-policy: expected exact_gate, softmax_skip, estimate_select or "
+        "estimate_select+mc, got '" +
+        map_policy + "'");
   }
 
   const Stopwatch total;
-  constexpr int kPolicies = 6;  // dense, exact_gate, softmax_skip, estimate_select (x2), permute_stop
+  constexpr int kPolicies =
+      6;  // dense, exact_gate, softmax_skip, estimate_select (x2), permute_stop
   Progress progress("demo", 5 + kPolicies);
-  progress.step("generating inputs (seed " + std::to_string(config.seed) + ") and calibration "
-                "inputs (seed " + std::to_string(config.seed + 1) + ")");
+  progress.step("generating inputs (seed " + std::to_string(config.seed) +
+                ") and calibration "
+                "inputs (seed " +
+                std::to_string(config.seed + 1) + ")");
   HostTensor q, k, v, cq, ck, cv;
   SP_RETURN_IF_ERROR(generate(config, &q, &k, &v));
   GeneratorConfig cal_config = config;
@@ -246,7 +259,8 @@ Status demo_command(const Args& args) {
     HostTensor o(cq.dtype(), cq.shape());
     HostTensor lse(DType::kFP32, {shape.batch, shape.h_q, shape.max_seq_q()});
     RunStats forced_stats;
-    SP_RETURN_IF_ERROR(run(cal_problem, forced, AttentionOutput{o.view(), lse.view()}, options, &forced_stats));
+    SP_RETURN_IF_ERROR(
+        run(cal_problem, forced, AttentionOutput{o.view(), lse.view()}, options, &forced_stats));
     density_target = std::min(1.0, forced_stats.density() + 0.15);
   } else {
     progress.step("estimate_select target density " + fmt(density_target));
@@ -265,15 +279,27 @@ Status demo_command(const Args& args) {
   SoftmaxSkipParams skip;
   skip.block_q = skip.block_k = block;
   skip.a = a;
-  entries.push_back({"softmax_skip", "a=" + fmt(a, 4) + " (skip " + fmt(skip_target) + ")", skip, {}, {}, {}, 0});
-  const std::string alpha = "alpha=" + fmt(select.alpha, 3) + " (density " + fmt(density_target, 2) + ")";
+  entries.push_back(
+      {"softmax_skip", "a=" + fmt(a, 4) + " (skip " + fmt(skip_target) + ")", skip, {}, {}, {}, 0});
+  const std::string alpha =
+      "alpha=" + fmt(select.alpha, 3) + " (density " + fmt(density_target, 2) + ")";
   entries.push_back({"estimate_select", alpha, select, {}, {}, {}, 0});
   EstimateSelectParams corrected = select;
   corrected.mean_correction = true;
-  entries.push_back({"estimate_select+mc", "alpha=" + fmt(select.alpha, 3) + ", mean correction",
-                     corrected, {}, {}, {}, 0});
-  entries.push_back({"permute_stop", "segment=" + std::to_string(permute.segment) + " tau=" + fmt(permute.tau),
-                     permute, {}, {}, {}, 0});
+  entries.push_back({"estimate_select+mc",
+                     "alpha=" + fmt(select.alpha, 3) + ", mean correction",
+                     corrected,
+                     {},
+                     {},
+                     {},
+                     0});
+  entries.push_back({"permute_stop",
+                     "segment=" + std::to_string(permute.segment) + " tau=" + fmt(permute.tau),
+                     permute,
+                     {},
+                     {},
+                     {},
+                     0});
 
   std::vector<HostTensor> outputs;
   for (Entry& e : entries) {
@@ -287,7 +313,8 @@ Status demo_command(const Args& args) {
     outputs.push_back(std::move(o));
   }
   progress.done();
-  for (std::size_t i = 0; i < entries.size(); ++i) entries[i].error = compare(outputs[i], outputs[0]);
+  for (std::size_t i = 0; i < entries.size(); ++i)
+    entries[i].error = compare(outputs[i], outputs[0]);
   const double wall = total.seconds();
 
   const Entry* mapped = nullptr;
@@ -298,24 +325,53 @@ Status demo_command(const Args& args) {
       block_entries.push_back(&e);
     }
   }
-  if (args.has("plot")) SP_RETURN_IF_ERROR(write_plot(args.get("plot"), shape, block_entries, map_head));
+  if (args.has("plot"))
+    SP_RETURN_IF_ERROR(write_plot(args.get("plot"), shape, block_entries, map_head));
 
   if (args.has("json")) {
     JsonWriter json;
-    json.begin_object().key("config").begin_object()
-        .key("seq").value(config.seq_q).key("heads_q").value(config.h_q)
-        .key("heads_kv").value(config.h_kv).key("dim").value(config.d)
-        .key("dtype").value(dtype_name(config.dtype))
-        .key("seed").value(static_cast<std::int64_t>(config.seed))
-        .key("calibration_seed").value(static_cast<std::int64_t>(cal_config.seed))
-        .key("peakedness").value(config.peakedness)
-        .key("backend").value(backend_name(options.backend)).end_object();
+    json.begin_object()
+        .key("config")
+        .begin_object()
+        .key("seq")
+        .value(config.seq_q)
+        .key("heads_q")
+        .value(config.h_q)
+        .key("heads_kv")
+        .value(config.h_kv)
+        .key("dim")
+        .value(config.d)
+        .key("dtype")
+        .value(dtype_name(config.dtype))
+        .key("seed")
+        .value(static_cast<std::int64_t>(config.seed))
+        .key("calibration_seed")
+        .value(static_cast<std::int64_t>(cal_config.seed))
+        .key("peakedness")
+        .value(config.peakedness)
+        .key("backend")
+        .value(backend_name(options.backend))
+        .end_object();
     json.key("policies").begin_array();
     for (const Entry& e : entries) {
-      json.begin_object().key("policy").value(e.label).key("settings").value(e.settings)
-          .key("description").value(describe(e.policy)).key("density").value(e.stats.density())
-          .key("pair_density").value(e.stats.pair_density()).key("rel_l2").value(e.error.rel_l2)
-          .key("max_abs").value(e.error.max_abs).key("seconds").value(e.seconds).end_object();
+      json.begin_object()
+          .key("policy")
+          .value(e.label)
+          .key("settings")
+          .value(e.settings)
+          .key("description")
+          .value(describe(e.policy))
+          .key("density")
+          .value(e.stats.density())
+          .key("pair_density")
+          .value(e.stats.pair_density())
+          .key("rel_l2")
+          .value(e.error.rel_l2)
+          .key("max_abs")
+          .value(e.error.max_abs)
+          .key("seconds")
+          .value(e.seconds)
+          .end_object();
     }
     json.end_array().key("wall_seconds").value(wall).end_object();
     std::cout << json.str() << "\n";
@@ -324,9 +380,9 @@ Status demo_command(const Args& args) {
 
   std::cout << "sparseprefill demo: generator seq=" << config.seq_q << " h_q=" << config.h_q
             << " h_kv=" << config.h_kv << " d=" << config.d << " " << dtype_name(config.dtype)
-            << " seed=" << config.seed << " peakedness=" << fmt(config.peakedness)
-            << ", causal, " << block << "x" << block << " blocks, backend "
-            << backend_name(options.backend) << "; calibrated on seed " << cal_config.seed << "\n\n";
+            << " seed=" << config.seed << " peakedness=" << fmt(config.peakedness) << ", causal, "
+            << block << "x" << block << " blocks, backend " << backend_name(options.backend)
+            << "; calibrated on seed " << cal_config.seed << "\n\n";
   std::printf("%-19s %-32s %8s %10s %10s %10s\n", "policy", "settings", "density", "rel_l2",
               "max_abs", "time_ms");
   for (const Entry& e : entries) {

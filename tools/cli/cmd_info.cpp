@@ -21,7 +21,8 @@ int info_main(int argc, char** argv, int first) {
     std::cout << "Usage: sparseprefill info [--json]\n\n"
                  "Prints the version, the compiled backends, CUDA architectures and kernel "
                  "variants.\n\n"
-              << format_flags(flags) << "\n" << kExitCodesHelp;
+              << format_flags(flags) << "\n"
+              << kExitCodesHelp;
     return kExitOk;
   }
   const std::string info = build_info();

@@ -18,7 +18,8 @@ namespace {
 
 const std::vector<Flag>& run_flags() {
   static const std::vector<Flag> flags = {
-      {"input", "IN.safetensors", "tensors q, k, v (and optional int32 cu_seqlens_q, cu_seqlens_k)"},
+      {"input", "IN.safetensors",
+       "tensors q, k, v (and optional int32 cu_seqlens_q, cu_seqlens_k)"},
       {"policy", "NAME", "dense, exact_gate, softmax_skip, estimate_select or permute_stop"},
       {"set", "KEY=VALUE", "a policy parameter, e.g. --set alpha=0.05", true},
       {"calibration", "CAL.safetensors", "a calibration file (sparseprefill calibrate)"},
@@ -74,9 +75,9 @@ Status find_calibrated(const std::string& flag, const std::vector<T>& list, doub
     }
     have += (i ? ", " : "") + fmt(static_cast<double>(list[i]), 6);
   }
-  return invalid_argument("--" + flag + ": " + fmt(value, 6) +
-                          " is not in the calibration file (calibrated: " +
-                          (have.empty() ? "none" : have) + ")");
+  return invalid_argument(
+      "--" + flag + ": " + fmt(value, 6) +
+      " is not in the calibration file (calibrated: " + (have.empty() ? "none" : have) + ")");
 }
 
 // Applies the calibration file's values to `policy` (thresholds, a or alpha). `thresholds`
@@ -85,21 +86,26 @@ Status apply_calibration(const Args& args, Policy* policy, HostTensor* threshold
   const std::string path = args.get("calibration", args.get("thresholds"));
   const bool wants = args.has("budget") || args.has("skip-target") || args.has("density-target");
   if (path.empty()) {
-    if (wants) return invalid_argument("--budget/--skip-target/--density-target: need --calibration");
+    if (wants)
+      return invalid_argument("--budget/--skip-target/--density-target: need --calibration");
     if (std::holds_alternative<ExactGateParams>(*policy)) {
-      return invalid_argument("--calibration: required by exact_gate (thresholds from "
-                              "sparseprefill calibrate, with --budget K)");
+      return invalid_argument(
+          "--calibration: required by exact_gate (thresholds from "
+          "sparseprefill calibrate, with --budget K)");
     }
     return Status::ok_status();
   }
   Calibration cal;
   if (Status s = load_calibration(path, &cal); !s.ok()) {
-    return s.message().find(path) != std::string::npos ? s : Status(s.code(), path + ": " + s.message());
+    return s.message().find(path) != std::string::npos
+               ? s
+               : Status(s.code(), path + ": " + s.message());
   }
   int layer = 0;
   SP_RETURN_IF_ERROR(args.get_int("layer", 0, 1 << 20, &layer));
   if (auto* gate = std::get_if<ExactGateParams>(policy)) {
-    if (!args.has("budget")) return invalid_argument("--budget: required by exact_gate with --calibration");
+    if (!args.has("budget"))
+      return invalid_argument("--budget: required by exact_gate with --calibration");
     double budget = 0;
     SP_RETURN_IF_ERROR(args.get_double("budget", 0, 1e9, &budget));
     const ThresholdTable& t = cal.exact_gate;
@@ -114,30 +120,36 @@ Status apply_calibration(const Args& args, Policy* policy, HostTensor* threshold
     gate->block_q = t.block_q;
     gate->block_k = t.block_k;
   } else if (auto* skip = std::get_if<SoftmaxSkipParams>(policy)) {
-    if (!args.has("skip-target")) return invalid_argument("--skip-target: required by softmax_skip with --calibration");
+    if (!args.has("skip-target"))
+      return invalid_argument("--skip-target: required by softmax_skip with --calibration");
     double target = 0;
     SP_RETURN_IF_ERROR(args.get_double("skip-target", 0, 1, &target));
     if (layer >= cal.layers) {
-      return invalid_argument("--layer: expected < " + std::to_string(cal.layers) + ", got " + std::to_string(layer));
+      return invalid_argument("--layer: expected < " + std::to_string(cal.layers) + ", got " +
+                              std::to_string(layer));
     }
     int ti = 0;
     SP_RETURN_IF_ERROR(find_calibrated("skip-target", cal.skip_targets, target, &ti));
-    skip->a = cal.skip_a[static_cast<std::size_t>(layer) * cal.skip_targets.size() + static_cast<std::size_t>(ti)];
+    skip->a = cal.skip_a[static_cast<std::size_t>(layer) * cal.skip_targets.size() +
+                         static_cast<std::size_t>(ti)];
     skip->block_q = cal.skip_block_q;
     skip->block_k = cal.skip_block_k;
   } else if (auto* select = std::get_if<EstimateSelectParams>(policy)) {
-    if (!args.has("density-target")) return invalid_argument("--density-target: required by estimate_select with --calibration");
+    if (!args.has("density-target"))
+      return invalid_argument("--density-target: required by estimate_select with --calibration");
     double target = 0;
     SP_RETURN_IF_ERROR(args.get_double("density-target", 0, 1, &target));
     if (layer >= cal.layers) {
-      return invalid_argument("--layer: expected < " + std::to_string(cal.layers) + ", got " + std::to_string(layer));
+      return invalid_argument("--layer: expected < " + std::to_string(cal.layers) + ", got " +
+                              std::to_string(layer));
     }
     int ti = 0;
     SP_RETURN_IF_ERROR(find_calibrated("density-target", cal.density_targets, target, &ti));
     const bool correction = select->mean_correction;
     *select = cal.estimate_base;
     select->mean_correction = correction;
-    select->alpha = cal.alpha[static_cast<std::size_t>(layer) * cal.density_targets.size() + static_cast<std::size_t>(ti)];
+    select->alpha = cal.alpha[static_cast<std::size_t>(layer) * cal.density_targets.size() +
+                              static_cast<std::size_t>(ti)];
   } else {
     return invalid_argument("--calibration: the policy " + std::string(policy_name(*policy)) +
                             " takes no calibrated values");
@@ -218,9 +230,11 @@ Status run_command(const Args& args) {
   if (!decisions.tiles.empty()) {
     std::vector<std::int32_t> table;
     for (const PermuteTile& t : decisions.tiles) {
-      table.insert(table.end(), {t.batch, t.head, t.segment, t.tile, t.chunks_visited, t.chunks_total});
+      table.insert(table.end(),
+                   {t.batch, t.head, t.segment, t.tile, t.chunks_visited, t.chunks_total});
     }
-    out.tensors["tiles"] = int32_tensor({static_cast<std::int64_t>(decisions.tiles.size()), 6}, table);
+    out.tensors["tiles"] =
+        int32_tensor({static_cast<std::int64_t>(decisions.tiles.size()), 6}, table);
   }
   if (!decisions.query_order.empty()) {
     out.tensors["query_order"] =
@@ -237,12 +251,18 @@ Status run_command(const Args& args) {
   if (args.has("json")) {
     JsonWriter json;
     json.begin_object()
-        .key("policy").value(describe(policy))
-        .key("backend").value(backend_name(options.backend))
-        .key("density").value(stats.density())
-        .key("pair_density").value(stats.pair_density())
-        .key("seconds").value(seconds)
-        .key("output").value(output_path)
+        .key("policy")
+        .value(describe(policy))
+        .key("backend")
+        .value(backend_name(options.backend))
+        .key("density")
+        .value(stats.density())
+        .key("pair_density")
+        .value(stats.pair_density())
+        .key("seconds")
+        .value(seconds)
+        .key("output")
+        .value(output_path)
         .end_object();
     std::cout << json.str() << "\n";
   } else {

@@ -207,11 +207,16 @@ Status read_input(const std::string& path, SafetensorsFile* out) {
 }
 
 Status parse_backend(const std::string& name, Backend* out) {
-  if (name == "cpu") *out = Backend::kCPU;
-  else if (name == "reference") *out = Backend::kReference;
-  else if (name == "cuda") *out = Backend::kCUDA;
-  else if (name == "auto") *out = Backend::kAuto;
-  else return invalid_argument("--backend: expected cpu, reference, cuda or auto, got '" + name + "'");
+  if (name == "cpu")
+    *out = Backend::kCPU;
+  else if (name == "reference")
+    *out = Backend::kReference;
+  else if (name == "cuda")
+    *out = Backend::kCUDA;
+  else if (name == "auto")
+    *out = Backend::kAuto;
+  else
+    return invalid_argument("--backend: expected cpu, reference, cuda or auto, got '" + name + "'");
   return Status::ok_status();
 }
 
