@@ -158,6 +158,14 @@ Status run_cuda(const AttentionProblem& problem, const ProblemShape& shape, cons
   cudaMemPool_t pool = nullptr;
   SP_RETURN_IF_ERROR(pool_for(shape.device.index, &pool));
   const auto stream = static_cast<cudaStream_t>(options.cuda_stream);
+  // Per-call metadata (sequence table, masks) is uploaded from host vectors that die with this
+  // call; a captured graph would replay those copies from freed memory. Refuse instead.
+  cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
+  SP_CUDA_TRY(cudaStreamIsCapturing(stream, &capture), "cudaStreamIsCapturing");
+  if (capture != cudaStreamCaptureStatusNone) {
+    return unsupported("cuda_stream: is capturing a CUDA graph; run() uploads per-call metadata from host memory, "
+                       "which a graph cannot replay, so call it outside capture");
+  }
   Scratch scratch(stream, pool);
 
   FwdParams p = make_fwd_params(problem, shape, output, block_k);
