@@ -24,7 +24,8 @@ struct BlockMask {
   int num_k_blocks = 0;       // max over the batch; the capacity of each index row
 
   // Counts: [batch, heads, num_q_blocks]. Indices: [batch, heads, num_q_blocks, num_k_blocks],
-  // the first `count` entries ascending and unique, the rest -1.
+  // the first `count` entries ascending and unique; the rest are never read (the library
+  // writes -1 there).
   std::vector<std::int32_t> full_count;
   std::vector<std::int32_t> full_index;
   std::vector<std::int32_t> partial_count;
@@ -45,8 +46,8 @@ struct BlockMask {
   bool contains(int b, int h, int qb, int kb) const;
   std::int64_t selected_blocks() const;  // full + partial over the whole mask
 
-  // Structure only: sizes, counts <= num_k_blocks, indices ascending, unique, in range,
-  // full and partial disjoint, unused entries -1.
+  // Structure only: sizes, counts <= num_k_blocks, indices ascending, unique, in range, full
+  // and partial disjoint. O(rows + selected blocks), so run() can afford it on every call.
   Status validate() const;
   // Structure plus geometry: the mask fits `shape` (batch, heads, block counts), every listed
   // block is causally visible, and each is listed as full or partial correctly.

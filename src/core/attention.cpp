@@ -111,8 +111,11 @@ Status run(const AttentionProblem& problem, const Policy& policy, const Attentio
         return invalid_argument("backend cuda: expected CUDA tensors, got host tensors");
       }
       {
-        // Device decisions cost a copy back and a synchronisation: only when asked for.
-        const bool want = stats != nullptr || decisions != nullptr || options.collect_decisions;
+        // Device decisions cost a copy back and a synchronisation: only when asked for, or when
+        // stats need them (dense and block_sparse stats follow from the policy alone).
+        const bool stats_need = stats != nullptr && !std::holds_alternative<DenseParams>(policy) &&
+                                !std::holds_alternative<BlockSparseParams>(policy);
+        const bool want = stats_need || decisions != nullptr || options.collect_decisions;
         SP_RETURN_IF_ERROR(cuda::run_cuda(problem, shape, policy, output, options, want ? &local : nullptr));
       }
       break;

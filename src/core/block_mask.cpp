@@ -128,6 +128,9 @@ Status BlockMask::validate() const {
     return invalid_argument("BlockMask: indices must have batch*heads*num_q_blocks*num_k_blocks = " +
                             std::to_string(rows * num_k_blocks) + " entries");
   }
+  // O(rows + selected blocks): a mask is validated on every run(), and at 128K tokens its
+  // capacity (rows × num_k_blocks) is 30M entries per list while a sparse mask lists few.
+  // Entries past a row's count are never read.
   for (int b = 0; b < batch; ++b) {
     for (int h = 0; h < heads; ++h) {
       for (int qb = 0; qb < num_q_blocks; ++qb) {
@@ -141,12 +144,8 @@ Status BlockMask::validate() const {
             return invalid_argument("BlockMask: " + std::string(names[l]) + "_count" + where(b, h, qb) + " = " +
                                     std::to_string(counts[l]) + " outside [0, " + std::to_string(num_k_blocks) + "]");
           }
-          for (int i = 0; i < num_k_blocks; ++i) {
+          for (int i = 0; i < counts[l]; ++i) {
             const std::int32_t kb = lists[l][i];
-            if (i >= counts[l]) {
-              if (kb != -1) return invalid_argument("BlockMask: " + std::string(names[l]) + "_index" + where(b, h, qb) + " entry " + std::to_string(i) + " past the count must be -1");
-              continue;
-            }
             if (kb < 0 || kb >= num_k_blocks) {
               return invalid_argument("BlockMask: " + std::string(names[l]) + "_index" + where(b, h, qb) + " entry " +
                                       std::to_string(kb) + " outside [0, " + std::to_string(num_k_blocks) + ")");
@@ -156,10 +155,12 @@ Status BlockMask::validate() const {
             }
           }
         }
-        for (int i = 0; i < counts[0]; ++i) {
-          if (std::binary_search(lists[1], lists[1] + counts[1], lists[0][i])) {
+        // Both lists ascending: a merge walk finds a shared block.
+        for (int i = 0, j = 0; i < counts[0] && j < counts[1];) {
+          if (lists[0][i] == lists[1][j]) {
             return invalid_argument("BlockMask: key block " + std::to_string(lists[0][i]) + " is both full and partial in row " + where(b, h, qb));
           }
+          if (lists[0][i] < lists[1][j]) ++i; else ++j;
         }
       }
     }
@@ -175,10 +176,15 @@ Status BlockMask::validate_for(const ProblemShape& s) const {
                             std::to_string(expected_heads) + (per_kv_head ? " kv heads" : " query heads") +
                             ", got " + std::to_string(batch) + " and " + std::to_string(heads));
   }
-  const BlockMask ref = empty(s, block_q, block_k, per_kv_head);
-  if (num_q_blocks != ref.num_q_blocks || num_k_blocks != ref.num_k_blocks) {
-    return invalid_argument("BlockMask: expected " + std::to_string(ref.num_q_blocks) + " query blocks and " +
-                            std::to_string(ref.num_k_blocks) + " key blocks for blocks of " + std::to_string(block_q) +
+  int expected_q_blocks = 0, expected_k_blocks = 0;
+  for (int b = 0; b < s.batch; ++b) {
+    const geom::BlockGeometry g = geometry_of(s, b, block_q, block_k);
+    expected_q_blocks = std::max(expected_q_blocks, g.num_q_blocks());
+    expected_k_blocks = std::max(expected_k_blocks, g.num_k_blocks());
+  }
+  if (num_q_blocks != expected_q_blocks || num_k_blocks != expected_k_blocks) {
+    return invalid_argument("BlockMask: expected " + std::to_string(expected_q_blocks) + " query blocks and " +
+                            std::to_string(expected_k_blocks) + " key blocks for blocks of " + std::to_string(block_q) +
                             "x" + std::to_string(block_k) + ", got " + std::to_string(num_q_blocks) + " and " +
                             std::to_string(num_k_blocks));
   }
@@ -279,6 +285,7 @@ Status BlockMask::from_csr(const ProblemShape& s, int block_q, int block_k, bool
     if (indptr[r + 1] < indptr[r]) return invalid_argument("indptr: must be non-decreasing, entry " + std::to_string(r + 1) + " is smaller than entry " + std::to_string(r));
   }
   for (int b = 0; b < m.batch; ++b) {
+    const geom::BlockGeometry g = geometry_of(s, b, block_q, block_k);
     for (int h = 0; h < m.heads; ++h) {
       for (int qb = 0; qb < m.num_q_blocks; ++qb) {
         const std::size_t r = static_cast<std::size_t>(m.row(b, h, qb));
@@ -287,8 +294,13 @@ Status BlockMask::from_csr(const ProblemShape& s, int block_q, int block_k, bool
           if (i > indptr[r] && kb <= indices[static_cast<std::size_t>(i - 1)]) {
             return invalid_argument("indices: row " + where(b, h, qb) + " must be strictly ascending");
           }
-          Status st = m.add(s, b, h, qb, kb);
-          if (!st.ok()) return invalid_argument("indices: key block " + std::to_string(kb) + " in row " + where(b, h, qb) + " is not causally visible");
+          if (!g.is_visible(qb, kb)) {
+            return invalid_argument("indices: key block " + std::to_string(kb) + " in row " + where(b, h, qb) + " is not causally visible");
+          }
+          // Ascending input: appending keeps both lists sorted (full blocks are a prefix).
+          std::int32_t& count = g.is_full(qb, kb) ? m.full_count[r] : m.partial_count[r];
+          std::vector<std::int32_t>& list = g.is_full(qb, kb) ? m.full_index : m.partial_index;
+          list[r * static_cast<std::size_t>(m.num_k_blocks) + static_cast<std::size_t>(count++)] = kb;
         }
       }
     }

@@ -53,10 +53,11 @@ std::int64_t row_pairs(const geom::SeqGeometry& seq) {
   return n;
 }
 
-void block_policy_stats(const ProblemShape& s, const Decisions& d, RunStats* out) {
-  const bool have_mask = d.kept.batch == s.batch && d.kept.num_q_blocks > 0;
-  const int bq = have_mask ? d.kept.block_q : 128, bk = have_mask ? d.kept.block_k : 128;
-  const bool have_corrected = d.corrected.batch == s.batch && d.corrected.num_q_blocks > 0;
+// `kept` is the decisions' mask, or block_sparse's own mask when the backend recorded none.
+void block_policy_stats(const ProblemShape& s, const BlockMask& kept, const BlockMask& corrected, RunStats* out) {
+  const bool have_mask = kept.batch == s.batch && kept.num_q_blocks > 0;
+  const int bq = have_mask ? kept.block_q : 128, bk = have_mask ? kept.block_k : 128;
+  const bool have_corrected = corrected.batch == s.batch && corrected.num_q_blocks > 0;
   for (int b = 0; b < s.batch; ++b) {
     const geom::BlockGeometry g = geometry_of(s, b, bq, bk);
     const std::int64_t pairs = row_pairs(g.seq);
@@ -71,20 +72,20 @@ void block_policy_stats(const ProblemShape& s, const Decisions& d, RunStats* out
         hs.computed_pairs = pairs;
         continue;
       }
-      const int mh = d.kept.per_kv_head ? h / s.group() : h;
+      const int mh = kept.per_kv_head ? h / s.group() : h;
       for (int qb = 0; qb < g.num_q_blocks(); ++qb) {
-        const std::int64_t r = d.kept.row(b, mh, qb);
-        const std::size_t base = static_cast<std::size_t>(r) * d.kept.num_k_blocks;
-        const std::int32_t nf = d.kept.full_count[static_cast<std::size_t>(r)];
-        const std::int32_t np = d.kept.partial_count[static_cast<std::size_t>(r)];
+        const std::int64_t r = kept.row(b, mh, qb);
+        const std::size_t base = static_cast<std::size_t>(r) * kept.num_k_blocks;
+        const std::int32_t nf = kept.full_count[static_cast<std::size_t>(r)];
+        const std::int32_t np = kept.partial_count[static_cast<std::size_t>(r)];
         hs.kept_blocks += nf + np;
-        for (int i = 0; i < nf; ++i) hs.computed_pairs += block_pairs(g, qb, d.kept.full_index[base + i]);
-        for (int i = 0; i < np; ++i) hs.computed_pairs += block_pairs(g, qb, d.kept.partial_index[base + i]);
+        for (int i = 0; i < nf; ++i) hs.computed_pairs += block_pairs(g, qb, kept.full_index[base + i]);
+        for (int i = 0; i < np; ++i) hs.computed_pairs += block_pairs(g, qb, kept.partial_index[base + i]);
         if (have_corrected) {
-          const int ch = d.corrected.per_kv_head ? h / s.group() : h;
-          const std::int64_t cr = d.corrected.row(b, ch, qb);
-          hs.corrected_blocks += d.corrected.full_count[static_cast<std::size_t>(cr)] +
-                                 d.corrected.partial_count[static_cast<std::size_t>(cr)];
+          const int ch = corrected.per_kv_head ? h / s.group() : h;
+          const std::int64_t cr = corrected.row(b, ch, qb);
+          hs.corrected_blocks += corrected.full_count[static_cast<std::size_t>(cr)] +
+                                 corrected.partial_count[static_cast<std::size_t>(cr)];
         }
       }
     }
@@ -136,7 +137,10 @@ RunStats stats_from_decisions(const ProblemShape& shape, const Policy& policy, c
   if (const auto* p = std::get_if<PermuteStopParams>(&policy)) {
     permute_stop_stats(shape, *p, decisions, &out);
   } else {
-    block_policy_stats(shape, decisions, &out);
+    const auto* mask_policy = std::get_if<BlockSparseParams>(&policy);
+    const bool recorded = decisions.kept.batch == shape.batch && decisions.kept.num_q_blocks > 0;
+    block_policy_stats(shape, (mask_policy != nullptr && !recorded) ? mask_policy->mask : decisions.kept,
+                       decisions.corrected, &out);
   }
   return out;
 }
