@@ -3,9 +3,10 @@
 # The GPU machine's one call: configure and build the h200 preset, run the GPU tests, run
 # compute-sanitizer (memcheck, racecheck) on small cases, time the kernel tiles and run the
 # benchmarks; logs and tables go to OUTDIR. Usage: scripts/gpu_check.sh OUTDIR
-# Env: JOBS (default 16), SP_SKIP_BENCH=1, SP_SKIP_SANITIZER=1, SP_BENCH_ARGS (extra
-#      bench/run_benchmarks.sh args), SP_TEST_FILTER (ctest -R regex). GoogleTest is taken
-#      from .carry/gtest when present. Every step has a time limit so the whole stays < 10 min.
+# Env: JOBS (default 16), SP_SKIP_BENCH=1, SP_SKIP_SANITIZER=1, SP_SKIP_TILES=1, SP_BENCH_ARGS
+#      (extra bench/run_benchmarks.sh args), SP_TEST_FILTER (ctest -R regex), SP_TEST_TIMEOUT
+#      (seconds per test, default 300). GoogleTest is taken from .carry/gtest when present.
+#      Every step has a time limit so the whole stays < 10 min.
 set -uo pipefail
 if (($# < 1)); then
   echo "usage: $0 OUTDIR" >&2
@@ -46,10 +47,19 @@ awk '/Compiling entry function/ {name=$7 " " $9; gsub(/\x27/, "", name)}
      /spill stores/ {spill=$0; sub(/^ +/, "", spill)}
      /Used [0-9]+ registers/ {print name " | " $0 " | " spill; spill=""}' "$out/build.log" |
   sed 's/ptxas info *: //' | sort -u | $demangle | sed 's/sparseprefill::cuda:://g' >"$out/resources.txt"
+# The Hopper instances' SASS: wgmma (HGMMA) count and local-memory accesses (LDL/STL).
+if command -v cuobjdump >/dev/null; then
+  for obj in "$build"/src/cuda/CMakeFiles/sp_cuda_sm90.dir/instances/*.o; do
+    [[ -f $obj ]] || continue
+    sass=$(cuobjdump --dump-sass "$obj")
+    echo "$(basename "$obj" .cu.o) SASS | HGMMA $(grep -c HGMMA <<<"$sass") | LDL/STL $(grep -cE '\b(LDL|STL)' <<<"$sass")"
+  done >>"$out/resources.txt"
+fi
 note "ptxas: $(wc -l <"$out/resources.txt") kernel builds, $(grep -c 'bytes spill stores' "$out/resources.txt") with a spill line"
 
 note "gpu tests"
-timeout 360 ctest --test-dir "$build" -L gpu ${SP_TEST_FILTER:+-R "$SP_TEST_FILTER"} -j8 --timeout 300 --output-on-failure \
+timeout 360 ctest --test-dir "$build" -L gpu ${SP_TEST_FILTER:+-R "$SP_TEST_FILTER"} -j8 --timeout "${SP_TEST_TIMEOUT:-300}" \
+  --output-on-failure \
   >"$out/tests.log" 2>&1
 tests_rc=$?
 grep -E "tests passed|Failed|\*\*\*" "$out/tests.log" | tail -20 | tee -a "$summary"
@@ -57,14 +67,14 @@ grep -E "tests passed|Failed|\*\*\*" "$out/tests.log" | tail -20 | tee -a "$summ
 test_bin=$build/tests/cuda/cuda_attention_test
 [[ -z ${SP_SKIP_SANITIZER:-} ]] && note "compute-sanitizer" && {
   timeout 240 compute-sanitizer --tool memcheck --error-exitcode 3 "$test_bin" \
-    --gtest_filter='CudaDense.GqaGroups*:CudaBlockSparse.AllVisible*:CudaExactGate.MinusInfinity*:CudaEstimateSelect.VarlenBatchOfTwo'
+    --gtest_filter='CudaDense.GqaGroups*:CudaDense.VarlenChunked*:CudaBlockSparse.AllVisible*:CudaExactGate.MinusInfinity*:CudaEstimateSelect.VarlenBatchOfTwo'
   echo "memcheck rc=$?"
   timeout 180 compute-sanitizer --tool racecheck --error-exitcode 3 "$test_bin" \
     --gtest_filter='CudaExactGate.MinusInfinity*:CudaSoftmaxSkip.OffWhen*'
   echo "racecheck rc=$?"
 } >"$out/sanitizer.log" 2>&1 && grep -E "rc=|ERROR SUMMARY|RACECHECK SUMMARY" "$out/sanitizer.log" | tee -a "$summary"
 
-if [[ -x $build/src/cuda/sp_cuda_tiles ]]; then
+if [[ -z ${SP_SKIP_TILES:-} && -x $build/src/cuda/sp_cuda_tiles ]]; then
   note "kernel tiles"
   timeout 120 "$build/src/cuda/sp_cuda_tiles" 2>&1 | tee -a "$summary"
 fi

@@ -4,6 +4,7 @@
 // no kernel header (kernels are reached through extern launch functions only).
 #include <cuda_runtime.h>
 
+#include <cstdint>
 #include <mutex>
 #include <string>
 #include <type_traits>
@@ -129,6 +130,18 @@ Status launch_status(int err, const char* name) {
   return cuda_status(static_cast<cudaError_t>(err), std::string("launching ") + name);
 }
 
+// Test hooks (cuda_backend.h): per calling thread, the forward instance last launched and
+// whether dense calls are sent to the portable path.
+thread_local std::string t_last_fwd_instance;
+thread_local bool t_portable_only = false;
+
+// The device's compute capability (choose_fwd_path needs it).
+Status compute_capability(int device, int* major, int* minor) {
+  SP_CUDA_TRY(cudaDeviceGetAttribute(major, cudaDevAttrComputeCapabilityMajor, device), "cudaDeviceGetAttribute");
+  SP_CUDA_TRY(cudaDeviceGetAttribute(minor, cudaDevAttrComputeCapabilityMinor, device), "cudaDeviceGetAttribute");
+  return {};
+}
+
 // Shared by the gates: a zeroed kept bitmap the kernel fills, read back after the launch.
 struct KeptBits {
   std::uint32_t* dev = nullptr;
@@ -142,8 +155,11 @@ Status can_run_cuda(const ProblemShape& shape, const Policy& policy) {
   return check_support(shape, policy, &block_k);
 }
 
+std::string last_fwd_instance_for_testing() { return t_last_fwd_instance; }
+void set_portable_only_for_testing(bool portable_only) { t_portable_only = portable_only; }
+
 std::string cuda_build_info() {
-  return std::string("cuda architectures (portable path): ") + SP_CUDA_ARCHS + "\n" + "cuda kernels: " +
+  return std::string("cuda architectures (portable path): ") + SP_CUDA_ARCHS + "; Hopper path: 90a-real\n" + "cuda kernels: " +
          support_summary() + "\n" + compiled_instances();
 }
 
@@ -169,7 +185,12 @@ Status run_cuda(const AttentionProblem& problem, const ProblemShape& shape, cons
   Scratch scratch(stream, pool);
 
   FwdParams p = make_fwd_params(problem, shape, output, block_k);
-  SP_RETURN_IF_ERROR(scratch.upload(make_seq_infos(problem, shape, output), &p.seqs));
+  const std::vector<SeqInfo> seqs = make_seq_infos(problem, shape, output);
+  SP_RETURN_IF_ERROR(scratch.upload(seqs, &p.seqs));
+  int cc_major = 0, cc_minor = 0;
+  SP_RETURN_IF_ERROR(compute_capability(shape.device.index, &cc_major, &cc_minor));
+  const FwdPath path = t_portable_only ? FwdPath::kPortable
+                                       : choose_fwd_path(shape, policy, tma_describable(problem), cc_major, cc_minor);
   const bool want = decisions != nullptr;
   Decisions local;
   local.policy = policy_name(policy);
@@ -294,7 +315,25 @@ Status run_cuda(const AttentionProblem& problem, const ProblemShape& shape, cons
       policy);
   SP_RETURN_IF_ERROR(st);
 
-  SP_RETURN_IF_ERROR(launch_status(fwd->launch(p, stream), fwd->name));
+  bool launched = false;
+  if (path == FwdPath::kHopper) {
+    const Fwd90Variant* fwd90 = find_fwd90(shape.dtype, shape.d);
+    // Per-sequence tensor maps (64-byte aligned: over-allocated and rounded up).
+    std::uint8_t* maps = nullptr;
+    SP_RETURN_IF_ERROR(scratch.alloc(seqs.size() * kFwd90MapBytesPerSeq + 64, &maps));
+    void* aligned = maps + (64 - reinterpret_cast<std::uintptr_t>(maps) % 64) % 64;
+    const int err = fwd90->launch(p, seqs.data(), aligned, stream);
+    // cudaErrorNotSupported: the driver cannot encode the tensor maps; nothing was enqueued.
+    if (err != cudaErrorNotSupported) {
+      SP_RETURN_IF_ERROR(launch_status(err, fwd90->name));
+      t_last_fwd_instance = fwd90->name;
+      launched = true;
+    }
+  }
+  if (!launched) {
+    SP_RETURN_IF_ERROR(launch_status(fwd->launch(p, stream), fwd->name));
+    t_last_fwd_instance = fwd->name;
+  }
   if (!want) return {};
 
   // Decisions: copy the device-side selections back and convert them to BlockMasks.

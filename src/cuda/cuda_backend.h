@@ -20,4 +20,11 @@ Status can_run_cuda(const ProblemShape& shape, const Policy& policy);
 // Compiled architectures and kernel variants, one per line.
 std::string cuda_build_info();
 
+// Test hooks (tests/cuda), per calling thread: the forward instance the last successful
+// run_cuda launched (e.g. "fwd_sm90_bf16_hd128"; "" before any), and a switch that sends dense
+// calls to the portable kernel where the Hopper one would serve them, so that both stay tested
+// on an H100/H200. Not an option for users: the plan (choose_fwd_path) decides.
+std::string last_fwd_instance_for_testing();
+void set_portable_only_for_testing(bool portable_only);
+
 }  // namespace sparseprefill::cuda

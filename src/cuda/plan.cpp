@@ -57,7 +57,28 @@ Status check_view(const char* name, const TensorView& t) {
 std::string support_summary() {
   return "compiled CUDA kernels (portable sm80 path): " + compiled_fwd_summary() +
          "; block_q 128, block_k 64 or 128; estimate_select block 128; policies dense, block_sparse, "
-         "exact_gate, softmax_skip, estimate_select; not on CUDA: permute_stop, paged K/V, fp32";
+         "exact_gate, softmax_skip, estimate_select; Hopper sm90 path (compute capability 9.0, dense only; "
+         "the other policies use the portable path there): " +
+         compiled_fwd90_summary() + "; not on CUDA: permute_stop, paged K/V, fp32";
+}
+
+bool tma_describable(const AttentionProblem& problem) {
+  constexpr std::int64_t kMaxStrideBytes = std::int64_t{1} << 40;
+  for (const TensorView* t : {&problem.q, &problem.k, &problem.v}) {
+    const std::int64_t elem = static_cast<std::int64_t>(dtype_size(t->dtype));
+    for (int i = 0; i + 1 < t->rank; ++i) {
+      if (t->shape[i] <= 1) continue;
+      if (t->stride[i] <= 0 || t->stride[i] >= kMaxStrideBytes / elem || (t->stride[i] * elem) % 16 != 0) return false;
+    }
+  }
+  return true;
+}
+
+FwdPath choose_fwd_path(const ProblemShape& shape, const Policy& policy, bool tma_ok, int cc_major, int cc_minor) {
+  const bool hopper = cc_major == 9 && cc_minor == 0;
+  const bool dense = std::holds_alternative<DenseParams>(policy);
+  if (hopper && dense && tma_ok && find_fwd90(shape.dtype, shape.d) != nullptr) return FwdPath::kHopper;
+  return FwdPath::kPortable;
 }
 
 int dense_block_k(int head_dim) {

@@ -24,6 +24,23 @@ Status check_support(const ProblemShape& shape, const Policy& policy, int* block
 // Pointer alignment and strides the kernels need (16-byte rows for cp.async and the O stores).
 Status check_layout(const AttentionProblem& problem, const AttentionOutput& output);
 
+// The forward kernel family that serves a call.
+enum class FwdPath {
+  kPortable,  // sm80 kernels (mma.sync, cp.async): every policy, every sm_80+ device
+  kHopper,    // sm90 kernel (TMA, wgmma; sm_90a code): dense only, compute capability 9.0 only
+};
+
+// Whether TMA tensor maps can describe q, k and v as (d, head, row) boxes: beyond
+// check_layout (16-byte aligned pointers and strides), every row and head stride of a
+// dimension with more than one element is positive and below 2^40 bytes.
+bool tma_describable(const AttentionProblem& problem);
+
+// The path of a call that check_support accepted, on a device of compute capability
+// (cc_major, cc_minor): Hopper for dense attention on 9.0 when an sm90 instance of (dtype,
+// head_dim) is compiled and the tensors are TMA-describable; portable otherwise (block_sparse,
+// the gates and estimate_select keep the portable kernel for now: issue #4).
+FwdPath choose_fwd_path(const ProblemShape& shape, const Policy& policy, bool tma_ok, int cc_major, int cc_minor);
+
 // The key-block size dense attention runs with (a tuning value, no effect on results).
 int dense_block_k(int head_dim);
 

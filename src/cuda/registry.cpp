@@ -12,17 +12,31 @@ namespace {
 constexpr FwdVariant kFwdVariants[] = {
 #define SP_FWD_VARIANT(fn, dtype, head_dim) {#fn, DType::dtype, head_dim, &fn},
 #define SP_SELECT_VARIANT(fn, dtype, head_dim)
+#define SP_FWD90_VARIANT(fn, dtype, head_dim)
 #include "cuda/instances/registry.inc"
 #undef SP_FWD_VARIANT
 #undef SP_SELECT_VARIANT
+#undef SP_FWD90_VARIANT
 };
 
 constexpr SelectVariant kSelectVariants[] = {
 #define SP_FWD_VARIANT(fn, dtype, head_dim)
 #define SP_SELECT_VARIANT(fn, dtype, head_dim) {#fn, DType::dtype, head_dim, &fn},
+#define SP_FWD90_VARIANT(fn, dtype, head_dim)
 #include "cuda/instances/registry.inc"
 #undef SP_FWD_VARIANT
 #undef SP_SELECT_VARIANT
+#undef SP_FWD90_VARIANT
+};
+
+constexpr Fwd90Variant kFwd90Variants[] = {
+#define SP_FWD_VARIANT(fn, dtype, head_dim)
+#define SP_SELECT_VARIANT(fn, dtype, head_dim)
+#define SP_FWD90_VARIANT(fn, dtype, head_dim) {#fn, DType::dtype, head_dim, &fn},
+#include "cuda/instances/registry.inc"
+#undef SP_FWD_VARIANT
+#undef SP_SELECT_VARIANT
+#undef SP_FWD90_VARIANT
 };
 
 }  // namespace
@@ -41,6 +55,13 @@ const SelectVariant* find_select(DType dtype, int head_dim) {
   return nullptr;
 }
 
+const Fwd90Variant* find_fwd90(DType dtype, int head_dim) {
+  for (const Fwd90Variant& v : kFwd90Variants) {
+    if (v.dtype == dtype && v.head_dim == head_dim) return &v;
+  }
+  return nullptr;
+}
+
 std::string compiled_fwd_summary() {
   std::ostringstream os;
   for (std::size_t i = 0; i < std::size(kFwdVariants); ++i) {
@@ -50,10 +71,20 @@ std::string compiled_fwd_summary() {
   return os.str();
 }
 
+std::string compiled_fwd90_summary() {
+  std::ostringstream os;
+  for (std::size_t i = 0; i < std::size(kFwd90Variants); ++i) {
+    const Fwd90Variant& v = kFwd90Variants[i];
+    os << (i ? ", " : "") << dtype_name(v.dtype) << " d=" << v.head_dim;
+  }
+  return os.str();
+}
+
 std::string compiled_instances() {
   std::ostringstream os;
   for (const FwdVariant& v : kFwdVariants) os << v.name << "\n";
   for (const SelectVariant& v : kSelectVariants) os << v.name << "\n";
+  for (const Fwd90Variant& v : kFwd90Variants) os << v.name << "\n";
   return os.str();
 }
 

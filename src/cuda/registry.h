@@ -4,6 +4,7 @@
 // host translation units include this; each instance TU includes it to pin its signature.
 #pragma once
 
+#include <cstddef>
 #include <string>
 
 #include "cuda/kernel/fwd_params.h"
@@ -14,12 +15,24 @@ namespace sparseprefill::cuda {
 // Launch functions return a cudaError_t value (0 = success) and take a cudaStream_t as void*.
 using FwdLaunchFn = int (*)(const FwdParams& params, void* stream);
 using SelectLaunchFn = int (*)(const SelectParams& params, void* stream);
+// Hopper (sm_90a) forward instances also take the host copy of params.seqs and device scratch
+// of batch · kFwd90MapBytesPerSeq bytes (64-byte aligned) for the per-sequence TMA tensor maps.
+// cudaErrorNotSupported means nothing was enqueued: the driver cannot describe the tensors.
+using Fwd90LaunchFn = int (*)(const FwdParams& params, const SeqInfo* host_seqs, void* map_scratch, void* stream);
+constexpr std::size_t kFwd90MapBytesPerSeq = 3 * 128;  // CUtensorMap of q, k and v
 
 struct FwdVariant {
   const char* name;  // e.g. "fwd_sm80_bf16_hd128"
   DType dtype;
   int head_dim;
   FwdLaunchFn launch;
+};
+
+struct Fwd90Variant {
+  const char* name;  // e.g. "fwd_sm90_bf16_hd128"
+  DType dtype;
+  int head_dim;
+  Fwd90LaunchFn launch;
 };
 
 struct SelectVariant {
@@ -31,15 +44,20 @@ struct SelectVariant {
 
 #define SP_FWD_VARIANT(fn, dtype, head_dim) int fn(const FwdParams& params, void* stream);
 #define SP_SELECT_VARIANT(fn, dtype, head_dim) int fn(const SelectParams& params, void* stream);
+#define SP_FWD90_VARIANT(fn, dtype, head_dim) \
+  int fn(const FwdParams& params, const SeqInfo* host_seqs, void* map_scratch, void* stream);
 #include "cuda/instances/registry.inc"
 #undef SP_FWD_VARIANT
 #undef SP_SELECT_VARIANT
+#undef SP_FWD90_VARIANT
 
 // The instance for (dtype, head_dim), or nullptr when none is compiled.
 const FwdVariant* find_fwd(DType dtype, int head_dim);
 const SelectVariant* find_select(DType dtype, int head_dim);
+const Fwd90Variant* find_fwd90(DType dtype, int head_dim);
 // "bf16 d=64, ..." for messages, and one instance name per line for build_info.
 std::string compiled_fwd_summary();
+std::string compiled_fwd90_summary();
 std::string compiled_instances();
 
 }  // namespace sparseprefill::cuda

@@ -3,6 +3,7 @@
 // CPU backend's (and the oracle's) decisions exactly on inputs placed away from ties, poisoned
 // outputs fully written, NaN K/V in blocks that must not be read, odd lengths, s_q != s_k,
 // GQA groups 1/4/8, varlen, both dtypes and head dims, and clear errors for what is not built.
+// Dense runs on both forward paths: the Hopper kernel (on an sm_90 device) and the portable one.
 #include <cuda_runtime.h>
 #include <gtest/gtest.h>
 
@@ -20,6 +21,7 @@
 #include "common/results.h"
 #include "common/tolerance.h"
 #include "core/geometry.h"
+#include "cuda/cuda_backend.h"
 #include "gpu_harness.cuh"
 #include "reference/reference.h"
 #include "sparseprefill/attention.h"
@@ -71,6 +73,37 @@ GpuRun expect_gpu_matches(TestProblem* tp, const Policy& policy) {
   TestProblem copy = *tp;
   EXPECT_TRUE(same_decisions(cpu_decisions(&copy, policy), r.decisions));
   return r;
+}
+
+// Whether dense calls run the Hopper kernel here (sm_90a code: compute capability 9.0).
+bool hopper_device() {
+  cudaDeviceProp prop;
+  return cudaGetDeviceProperties(&prop, 0) == cudaSuccess && prop.major == 9 && prop.minor == 0;
+}
+
+// While alive, sends this thread's dense calls to the portable kernel.
+class PortableOnly {
+ public:
+  explicit PortableOnly(bool on) { cuda::set_portable_only_for_testing(on); }
+  ~PortableOnly() { cuda::set_portable_only_for_testing(false); }
+  PortableOnly(const PortableOnly&) = delete;
+  PortableOnly& operator=(const PortableOnly&) = delete;
+};
+
+// Dense through both forward paths: the default one (the Hopper kernel on an sm_90 device,
+// asserted through the instance that ran) and the portable kernel (forced), each matching the
+// oracle as expect_gpu_matches checks. The runs in that order.
+std::vector<GpuRun> expect_dense_matches(TestProblem* tp) {
+  std::vector<GpuRun> runs;
+  for (bool portable : {false, true}) {
+    SCOPED_TRACE(portable ? "portable path" : "default path");
+    const PortableOnly guard(portable);
+    runs.push_back(expect_gpu_matches(tp, DenseParams{}));
+    const std::string want = !portable && hopper_device() ? "fwd_sm90_" : "fwd_sm80_";
+    const std::string ran = cuda::last_fwd_instance_for_testing();
+    EXPECT_EQ(ran.rfind(want, 0), 0u) << "ran " << ran << ", expected " << want << "*";
+  }
+  return runs;
 }
 
 Inputs make_inputs(const std::vector<SeqLen>& lengths, int h_q, int h_kv, int d, std::uint64_t seed,
@@ -165,7 +198,7 @@ TEST(CudaDense, OddLengthsBothDtypesAndHeadDims) {
       SCOPED_TRACE("s = " + std::to_string(s) + " " + dtype_name(dtype) + " d = " + std::to_string(d));
       const Inputs in = make_inputs({{s, s}}, 4, 1, d, static_cast<std::uint64_t>(100 + seed++), dtype);
       TestProblem tp = make_problem(in);
-      expect_gpu_matches(&tp, DenseParams{});
+      expect_dense_matches(&tp);
     }
   }
 }
@@ -177,7 +210,7 @@ TEST(CudaDense, GqaGroupsCausalAndNonCausal) {
       SCOPED_TRACE("group " + std::to_string(8 / h_kv) + (causal ? " causal" : " non-causal"));
       const Inputs in = make_inputs({{257, 257}}, 8, h_kv, 128, 200 + static_cast<std::uint64_t>(h_kv));
       TestProblem tp = make_problem(in, causal);
-      expect_gpu_matches(&tp, DenseParams{});
+      expect_dense_matches(&tp);
     }
   }
 }
@@ -192,14 +225,18 @@ TEST(CudaDense, VarlenChunkedPrefillAndEmptyRows) {
       SCOPED_TRACE(std::string(causal ? "causal " : "non-causal ") + dtype_name(dtype));
       const Inputs in = make_inputs(lengths, 4, 2, 64, 300, dtype);
       TestProblem tp = make_problem(in, causal, Layout::kVarlen);
-      const GpuRun r = expect_gpu_matches(&tp, DenseParams{});
-      if (!causal || !r.status.ok()) continue;
-      // Sequence {300, 17}: rows 0..282 are empty.
-      std::int64_t row0 = 1 + 15 + 17 + 113;
-      for (int h = 0; h < in.h_q; ++h) {
+      for (const GpuRun& r : expect_dense_matches(&tp)) {
+        if (!causal || !r.status.ok()) continue;
+        // Sequence {300, 17}: rows 0..282 are empty (a whole 128-row block and part of another).
+        const std::int64_t row0 = 1 + 15 + 17 + 113;
         const std::int64_t rows = static_cast<std::int64_t>(r.out.lse.size()) / in.h_q;
-        EXPECT_EQ(r.out.lse[static_cast<std::size_t>(h * rows + row0)], -kInf);
-        EXPECT_EQ(r.out.o[static_cast<std::size_t>((row0 * in.h_q + h) * in.d)], 0.0);
+        for (int h = 0; h < in.h_q; ++h) {
+          for (std::int64_t row : {row0, row0 + 200, row0 + 282}) {
+            EXPECT_EQ(r.out.lse[static_cast<std::size_t>(h * rows + row)], -kInf);
+            EXPECT_EQ(r.out.o[static_cast<std::size_t>((row * in.h_q + h) * in.d)], 0.0);
+          }
+          EXPECT_NE(r.out.lse[static_cast<std::size_t>(h * rows + row0 + 283)], -kInf);
+        }
       }
     }
   }
@@ -209,7 +246,38 @@ TEST(CudaDense, LongSequence4224) {
   SP_REQUIRE_GPU();
   const Inputs in = make_inputs({{4224, 4224}}, 2, 1, 64, 400, DType::kFP16);
   TestProblem tp = make_problem(in);
-  expect_gpu_matches(&tp, DenseParams{});
+  expect_dense_matches(&tp);
+}
+
+TEST(CudaDense, LongUnequalLengthsHeadDim128) {
+  SP_REQUIRE_GPU();
+  // s_q < s_k with an offset that is no multiple of the 128-key tile (two partial tiles per
+  // query block), s_q > s_k (leading empty rows), and s_q = s_k, at both dtypes.
+  struct Case {
+    SeqLen len;
+    bool causal;
+    DType dtype;
+  };
+  for (const Case& c : {Case{{4224, 4224}, true, DType::kBF16}, Case{{1023, 4224}, true, DType::kFP16},
+                        Case{{4224, 1023}, true, DType::kBF16}, Case{{1023, 4224}, false, DType::kBF16}}) {
+    SCOPED_TRACE(std::to_string(c.len.s_q) + "x" + std::to_string(c.len.s_k) + (c.causal ? " causal " : " non-causal ") +
+                 dtype_name(c.dtype));
+    const Inputs in = make_inputs({c.len}, 2, 1, 128, 410 + static_cast<std::uint64_t>(c.len.s_q), c.dtype);
+    TestProblem tp = make_problem(in, c.causal);
+    expect_dense_matches(&tp);
+  }
+}
+
+TEST(CudaDense, BatchedUnequalKeysNeverReadCapacity) {
+  SP_REQUIRE_GPU();
+  // Batched K/V [b, max s_k, h_kv, d] with seqused_k: the storage past each sequence's keys is
+  // NaN (build_problem), so reading it would show in O.
+  for (bool causal : {true, false}) {
+    SCOPED_TRACE(causal ? "causal" : "non-causal");
+    const Inputs in = make_inputs({{300, 700}, {300, 129}, {300, 1}}, 4, 2, 128, 420);
+    TestProblem tp = make_problem(in, causal);
+    expect_dense_matches(&tp);
+  }
 }
 
 TEST(CudaDense, NaNInputsPropagateWithoutCrashing) {
@@ -217,10 +285,11 @@ TEST(CudaDense, NaNInputsPropagateWithoutCrashing) {
   Inputs in = make_inputs({{200, 200}}, 2, 1, 64, 450);
   set(&in.seqs[0].q, (150 * in.h_q + 1) * in.d + 3, kNaN);  // row 150 of head 1
   TestProblem tp = make_problem(in);
-  const GpuRun r = expect_gpu_matches(&tp, DenseParams{});
-  ASSERT_TRUE(r.status.ok());
-  EXPECT_TRUE(std::isnan(r.out.lse[static_cast<std::size_t>(1 * 200 + 150)]));
-  EXPECT_FALSE(std::isnan(r.out.lse[static_cast<std::size_t>(1 * 200 + 149)]));
+  for (const GpuRun& r : expect_dense_matches(&tp)) {
+    ASSERT_TRUE(r.status.ok());
+    EXPECT_TRUE(std::isnan(r.out.lse[static_cast<std::size_t>(1 * 200 + 150)]));
+    EXPECT_FALSE(std::isnan(r.out.lse[static_cast<std::size_t>(1 * 200 + 149)]));
+  }
 }
 
 // ------------------------------------------------------------------ block_sparse
@@ -302,6 +371,7 @@ TEST(CudaBlockSparse, AllVisibleMaskEqualsDenseBitwise) {
   p.mask = BlockMask::all_visible(shape, 128, 64, false);
   const GpuRun sparse = run_gpu(&tp, p);
   ASSERT_TRUE(sparse.status.ok()) << sparse.status.to_string();
+  const PortableOnly portable(true);  // the same kernel: the Hopper one tiles keys by 128
   const GpuRun dense = run_gpu(&tp, DenseParams{});
   ASSERT_TRUE(dense.status.ok()) << dense.status.to_string();
   EXPECT_TRUE(same_result(sparse.out, dense.out, 0.0));
@@ -395,6 +465,7 @@ TEST(CudaExactGate, MinusInfinityKeepsAllAndEqualsDense) {
   TestProblem tp = make_problem(in);
   HostTensor thr(DType::kFP32, {4, 3});
   for (int i = 0; i < 12; ++i) thr.as<float>()[i] = -std::numeric_limits<float>::infinity();
+  const PortableOnly portable(true);  // the same kernel: the Hopper one tiles keys by 128
   const GpuRun dense = run_gpu(&tp, DenseParams{});
   // block_k 64: every block is one step with the same sums as dense; the two code paths may
   // contract multiply-adds differently, so O may differ by one rounding of the dtype.
@@ -570,6 +641,7 @@ TEST(CudaSupport, CanRunMatchesRun) {
   EXPECT_TRUE(can_run(dev, DenseParams{}, Backend::kCUDA).ok());
   EXPECT_EQ(can_run(dev, PermuteStopParams{}, Backend::kCUDA).code(), StatusCode::kUnsupported);
   EXPECT_NE(build_info().find("fwd_sm80_bf16_hd128"), std::string::npos) << build_info();
+  EXPECT_NE(build_info().find("fwd_sm90_bf16_hd128"), std::string::npos) << build_info();
 }
 
 }  // namespace

@@ -1,6 +1,7 @@
 // SPDX-License-Identifier: Apache-2.0
 // The CUDA backend's pure host planning (no GPU needed): support checks and their messages,
-// the compact mask layout the kernels read, and bitmaps/arrays converted back to BlockMasks.
+// the forward path (Hopper or portable) and TMA describability, the compact mask layout the
+// kernels read, and bitmaps/arrays converted back to BlockMasks.
 #include <gtest/gtest.h>
 
 #include <cstdint>
@@ -61,6 +62,50 @@ TEST(CudaPlan, UnsupportedMessagesNameTheArgument) {
   expect_unsupported(s, select, "block = 128");
   expect_unsupported(s, PermuteStopParams{}, "permute_stop");
   expect_unsupported(shape_of(300, 300, 4, 1, 80), DenseParams{}, "head_dim 80");
+}
+
+TEST(CudaPlan, HopperPathForDenseOnComputeCapability90Only) {
+  const ProblemShape s = shape_of(300, 300, 4, 1, 128);
+  EXPECT_EQ(choose_fwd_path(s, DenseParams{}, true, 9, 0), FwdPath::kHopper);
+  EXPECT_EQ(choose_fwd_path(shape_of(17, 40, 8, 8, 64, DType::kFP16), DenseParams{}, true, 9, 0), FwdPath::kHopper);
+  // sm_90a code runs on compute capability 9.0 alone: Ampere, Ada and Blackwell stay portable.
+  EXPECT_EQ(choose_fwd_path(s, DenseParams{}, true, 8, 0), FwdPath::kPortable);
+  EXPECT_EQ(choose_fwd_path(s, DenseParams{}, true, 8, 9), FwdPath::kPortable);
+  EXPECT_EQ(choose_fwd_path(s, DenseParams{}, true, 10, 0), FwdPath::kPortable);
+  // Tensors TMA cannot describe, and every policy but dense, stay portable.
+  EXPECT_EQ(choose_fwd_path(s, DenseParams{}, false, 9, 0), FwdPath::kPortable);
+  ExactGateParams gate;
+  gate.block_k = 128;
+  EXPECT_EQ(choose_fwd_path(s, gate, true, 9, 0), FwdPath::kPortable);
+  EXPECT_EQ(choose_fwd_path(s, SoftmaxSkipParams{}, true, 9, 0), FwdPath::kPortable);
+  EXPECT_EQ(choose_fwd_path(s, BlockSparseParams{}, true, 9, 0), FwdPath::kPortable);
+  EXPECT_EQ(choose_fwd_path(s, EstimateSelectParams{}, true, 9, 0), FwdPath::kPortable);
+}
+
+TEST(CudaPlan, TmaDescribesPositiveStridesBelow2To40Bytes) {
+  const test::Inputs in = test::random_inputs({{40, 40}, {17, 33}}, 4, 2, 64, DType::kBF16, 11, 1.0);
+  test::LayoutOptions varlen;
+  varlen.layout = test::Layout::kVarlen;
+  for (const test::TestProblem& tp : {test::build_problem(in), test::build_problem(in, varlen)}) {
+    const AttentionProblem base = tp.problem();
+    EXPECT_TRUE(tma_describable(base));
+    const int row = base.k.rank - 3, head = base.k.rank - 2;
+    AttentionProblem neg = base;
+    neg.k.stride[row] = -neg.k.stride[row];
+    EXPECT_FALSE(tma_describable(neg));
+    AttentionProblem huge = base;
+    huge.v.stride[head] = std::int64_t{1} << 39;  // 2^40 bytes of bf16
+    EXPECT_FALSE(tma_describable(huge));
+    AttentionProblem odd = base;
+    odd.q.stride[head] = 68;  // 136 bytes: not a multiple of 16
+    EXPECT_FALSE(tma_describable(odd));
+  }
+  // A dimension of extent 1 is never stepped over: its stride does not matter.
+  const test::Inputs one = test::random_inputs({{40, 40}}, 4, 1, 64, DType::kBF16, 12, 1.0);
+  const test::TestProblem tp = test::build_problem(one);
+  AttentionProblem single = tp.problem();
+  single.k.stride[single.k.rank - 2] = 3;
+  EXPECT_TRUE(tma_describable(single));
 }
 
 TEST(CudaPlan, CompactMaskPacksRowsInOrder) {

@@ -1,0 +1,464 @@
+// SPDX-License-Identifier: Apache-2.0
+// The Hopper (sm_90a) forward attention kernel, dense policy: a TMA producer warp streams Q and
+// 128-key K/V tiles through a 2-stage mbarrier pipeline; two consumer warpgroups of 64 query
+// rows each issue wgmma (S = Q·Kᵀ from shared memory, O += P·V with P in registers), overlap
+// the softmax of tile j with the P·V of tile j-1 and take turns issuing (ping-pong). Promoted
+// from dev/fwd_sm90_dense.cu v3. Included only by generated instance files.
+#pragma once
+
+#include <cuda.h>
+#include <cudaTypedefs.h>
+#include <cuda_runtime.h>
+
+#include <cmath>
+#include <cstdint>
+#include <vector>
+
+#include "core/geometry.h"
+#include "cuda/kernel/fwd_params.h"
+#include "cuda/kernel/ptx.cuh"
+#include "cuda/kernel/sm90/hopper.cuh"
+#include "cuda/kernel/softmax.cuh"
+
+namespace sparseprefill::cuda::sm90 {
+
+// Compile-time shape of one instance. A CTA is one query block of kBlockQ = 128 rows: warpgroup
+// 0 produces (one thread issues TMA), warpgroups 1 and 2 own rows 0..63 and 64..127. Tiles are
+// [128 rows][d] loaded as d / 64 boxes of [128][64] (one 128-byte swizzle row each).
+template <bool kBf16_, int kHeadDim_>
+struct FwdConfig {
+  static constexpr bool kBf16 = kBf16_;
+  static constexpr int kHeadDim = kHeadDim_;
+  static constexpr int kTileM = kBlockQ;
+  static constexpr int kTileN = 128;  // keys per K/V tile
+  static constexpr int kConsumers = 2;
+  static constexpr int kThreads = 128 * (1 + kConsumers);
+  static constexpr int kStages = 2;  // 3 measured slower (dev/ v4: 224 KB smem, 603-660 TFLOP/s vs 626-685)
+  static constexpr int kHalfDim = 64;
+  static constexpr int kHalves = kHeadDim / kHalfDim;
+  static constexpr int kRowBytes = kHalfDim * 2;      // 128: one swizzle row
+  static constexpr int kAtomBytes = 8 * kRowBytes;    // 1024: the 128B-swizzle period (8 rows)
+  static constexpr int kHalfBytes = kTileN * kRowBytes;  // one [128][64] box: 16 KB
+  static constexpr int kTileBytes = kHalves * kHalfBytes;
+  static constexpr int kDFrags = kHeadDim / 8;  // n8 fragments of an output row
+  static constexpr int kQkSteps = kHeadDim / 16;
+  static constexpr int kPvSteps = kTileN / 16;
+  // setmaxnreg budgets: 128·24 + 256·240 = 64512 <= 65536 registers of the SM.
+  static constexpr int kProducerRegs = 24;
+  static constexpr int kConsumerRegs = 240;
+  static_assert(kHeadDim == 64 || kHeadDim == 128, "d = 64 or 128");
+  static_assert(kTileM == kConsumers * 64, "each consumer warpgroup owns one m64 slab of Q");
+};
+
+template <class Cfg>
+struct alignas(1024) Smem {
+  // Tiles as TMA writes them with 128B swizzle: [d-half][row][64], rows of 128 bytes; each tile
+  // starts on a 1024-byte boundary (the swizzle is a function of the address bits).
+  std::uint8_t q[Cfg::kTileBytes];
+  std::uint8_t k[Cfg::kStages][Cfg::kTileBytes];
+  std::uint8_t v[Cfg::kStages][Cfg::kTileBytes];
+  // mbarriers, named after the event they signal.
+  std::uint64_t q_loaded;                 // TMA -> consumers, once
+  std::uint64_t k_loaded[Cfg::kStages];   // TMA -> consumers (transaction bytes)
+  std::uint64_t v_loaded[Cfg::kStages];
+  std::uint64_t k_free[Cfg::kStages];     // consumers -> producer: 8 warp arrivals, S read done
+  std::uint64_t v_free[Cfg::kStages];     // consumers -> producer: 8 warp arrivals, P·V read done
+};
+
+// Tensor maps of one sequence, in device memory: [batch] of these, 64-byte aligned.
+struct SeqMaps {
+  CUtensorMap q, k, v;
+};
+
+// ------------------------------------------------------------------ softmax pieces
+// Numerics as in softmax.cuh (RowStats and finalize_row are used as they are): raw
+// scores, the max in the log2 domain, a -inf running max exponentiated against 0.
+
+// Row maxima of a raw [64 x 128] score tile (the thread's rows g and g + 8), NaN-propagating,
+// reduced over the quad that shares the rows. The tree is written out stage by stage: the
+// generic row_max<1, 16> of softmax.cuh leaves its halving loop rolled at 16 fragments and
+// puts the tree in local memory (64-byte stack frame).
+__device__ __forceinline__ void row_max_tile(const float (&s)[1][16][4], float (&mx)[2]) {
+#pragma unroll
+  for (int half = 0; half < 2; ++half) {
+    float t[16];
+#pragma unroll
+    for (int j = 0; j < 16; ++j) t[j] = ptx::max_nan(s[0][j][2 * half], s[0][j][2 * half + 1]);
+#pragma unroll
+    for (int i = 0; i < 8; ++i) t[i] = ptx::max_nan(t[i], t[i + 8]);
+#pragma unroll
+    for (int i = 0; i < 4; ++i) t[i] = ptx::max_nan(t[i], t[i + 4]);
+#pragma unroll
+    for (int i = 0; i < 2; ++i) t[i] = ptx::max_nan(t[i], t[i + 2]);
+    mx[half] = ptx::max_nan(t[0], t[1]);
+  }
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    mx[r] = ptx::max_nan(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 1));
+    mx[r] = ptx::max_nan(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 2));
+  }
+}
+
+// Moves the running statistics to include a raw score tile s and turns s into
+// p = exp2(s·scale_log2 - m_use) in place, adding p to l. The output accumulator may still be
+// in flight (the previous P·V), so its factor alpha = exp2(m_old - m_use) is returned for
+// scale_acc once that P·V has completed. A row that has seen no key (m = -inf) gets alpha = 0
+// and p = 0.
+__device__ __forceinline__ void softmax_tile(float (&s)[1][16][4], RowStats<1>& st, float scale_log2,
+                                             float (&alpha)[2]) {
+  float mx[2];
+  row_max_tile(s, mx);
+  float m_use[2];
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    const float m_new = ptx::max_nan(st.m[r], mx[r] * scale_log2);
+    m_use[r] = m_new == -INFINITY ? 0.f : m_new;
+    alpha[r] = ptx::exp2f_fast(st.m[r] - m_use[r]);
+    st.m[r] = m_new;
+    st.l[r] *= alpha[r];
+  }
+#pragma unroll
+  for (int j = 0; j < 16; ++j) {
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      s[0][j][e] = ptx::exp2f_fast(fmaf(s[0][j][e], scale_log2, -m_use[e / 2]));
+      st.l[e / 2] += s[0][j][e];
+    }
+  }
+}
+
+template <int kDFrags>
+__device__ __forceinline__ void scale_acc(float (&o)[kDFrags][4], const float (&alpha)[2]) {
+#pragma unroll
+  for (int j = 0; j < kDFrags; ++j) {
+#pragma unroll
+    for (int e = 0; e < 4; ++e) o[j][e] *= alpha[e / 2];
+  }
+}
+
+// p (fp32, accumulator layout) -> 16-bit A fragments of P·V, one per k16 step of keys:
+// accumulator columns 16kk..16kk+15 are exactly the A fragment of step kk. P is rounded to the
+// input dtype here (the rounding docs/numerics.md allows for).
+template <bool kBf16>
+__device__ __forceinline__ void pack_p(const float (&s)[1][16][4], std::uint32_t (&p)[8][4]) {
+#pragma unroll
+  for (int kk = 0; kk < 8; ++kk) {
+    p[kk][0] = ptx::pack2<kBf16>(s[0][2 * kk][0], s[0][2 * kk][1]);
+    p[kk][1] = ptx::pack2<kBf16>(s[0][2 * kk][2], s[0][2 * kk][3]);
+    p[kk][2] = ptx::pack2<kBf16>(s[0][2 * kk + 1][0], s[0][2 * kk + 1][1]);
+    p[kk][3] = ptx::pack2<kBf16>(s[0][2 * kk + 1][2], s[0][2 * kk + 1][3]);
+  }
+}
+
+// Element mask of a partial or short key tile: key column c (tile-relative) is visible to the
+// thread's row r iff c <= limit[r], the row's last visible key relative to the tile (causal:
+// its position, bottom-right aligned; always: the sequence's last key), clamped to [-1, 128].
+// Keys past s_k were zero-filled by TMA; they get -inf here.
+__device__ __forceinline__ void mask_tile(float (&s)[1][16][4], const int (&limit)[2]) {
+  const int t = threadIdx.x % 4;
+#pragma unroll
+  for (int j = 0; j < 16; ++j) {
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      if (8 * j + 2 * t + e % 2 > limit[e / 2]) s[0][j][e] = -INFINITY;
+    }
+  }
+}
+
+// ------------------------------------------------------------------ the kernel
+// Grid: one CTA per (query block, batch, query head), heads fastest so that the query heads of
+// a KV group run on adjacent CTAs and share each K/V tile through L2, and the last query blocks
+// (the longest under causal) first. Key tiles are visited descending from the last visible one:
+// the partial (diagonal) and short (s_k tail) tiles come first, and only they are masked.
+template <class Cfg>
+__global__ void __launch_bounds__(Cfg::kThreads, 1)
+    fwd_kernel(const __grid_constant__ FwdParams p, const SeqMaps* __restrict__ maps) {
+  using S = Smem<Cfg>;
+  constexpr int kTileN = Cfg::kTileN, kHalfBytes = Cfg::kHalfBytes, kRowBytes = Cfg::kRowBytes;
+  extern __shared__ std::uint8_t smem_raw[];
+  const std::uint32_t raw = hw::smem_u32(smem_raw);
+  S& sm = *reinterpret_cast<S*>(smem_raw + ((1024 - (raw & 1023)) & 1023));
+
+  int tile_id = blockIdx.x;
+  const int h = tile_id % p.h_q;
+  tile_id /= p.h_q;
+  const int b = tile_id % p.batch;
+  const int qb_rev = tile_id / p.batch;
+  const int hk = h / p.group;
+  const SeqInfo seq = p.seqs[b];
+  const geom::BlockGeometry geo{{seq.s_q, seq.s_k, p.causal}, Cfg::kTileM, kTileN};
+  if (qb_rev >= geo.num_q_blocks()) return;
+  const int qb = geo.num_q_blocks() - 1 - qb_rev;
+  const std::int64_t row0 = geo.row_begin(qb);
+  const int rows_valid = static_cast<int>(geo.row_end(qb) - row0);
+  // Key tiles 0 .. n_tiles-1 are visible; tiles >= mask_lo are partial (causal band) or short
+  // (the s_k tail) and get an element mask. n_tiles = 0: every row of the block sees no key.
+  const int n_tiles = geo.visible_end(qb);
+  const int full_tiles = static_cast<int>(seq.s_k / kTileN);
+  const int mask_lo = geo.full_end(qb) < full_tiles ? geo.full_end(qb) : full_tiles;
+  const int warpgroup = threadIdx.x / 128;
+
+  if (threadIdx.x == 0) {
+    hw::mbar_init(hw::smem_u32(&sm.q_loaded), 1);
+#pragma unroll
+    for (int st = 0; st < Cfg::kStages; ++st) {
+      hw::mbar_init(hw::smem_u32(&sm.k_loaded[st]), 1);
+      hw::mbar_init(hw::smem_u32(&sm.v_loaded[st]), 1);
+      hw::mbar_init(hw::smem_u32(&sm.k_free[st]), 4 * Cfg::kConsumers);
+      hw::mbar_init(hw::smem_u32(&sm.v_free[st]), 4 * Cfg::kConsumers);
+    }
+    hw::fence_mbar_init();
+  }
+  __syncthreads();
+
+  if (warpgroup == 0) {
+    // ---------------------------------------------------------------- producer
+    hw::setmaxnreg_dec<Cfg::kProducerRegs>();
+    if (threadIdx.x == 0 && n_tiles > 0) {
+      const SeqMaps* m = maps + b;
+      hw::fence_tensormap(&m->q);
+      hw::fence_tensormap(&m->k);
+      hw::fence_tensormap(&m->v);
+      const std::uint32_t q_bar = hw::smem_u32(&sm.q_loaded);
+      hw::mbar_expect_tx(q_bar, Cfg::kTileBytes);
+      for (int half = 0; half < Cfg::kHalves; ++half) {
+        hw::tma_load_3d(hw::smem_u32(sm.q) + half * kHalfBytes, &m->q, q_bar, half * Cfg::kHalfDim, h,
+                        static_cast<int>(row0));
+      }
+      for (int it = 0; it < n_tiles; ++it) {
+        const int tile = n_tiles - 1 - it;
+        const int st = it % Cfg::kStages;
+        const std::uint32_t phase = (it / Cfg::kStages) & 1;
+        // Refills a stage once both consumer warpgroups are done reading its previous K (their
+        // S wgmma completed); likewise V after the P·V that read it.
+        hw::mbar_wait(hw::smem_u32(&sm.k_free[st]), phase ^ 1);
+        const std::uint32_t k_bar = hw::smem_u32(&sm.k_loaded[st]);
+        hw::mbar_expect_tx(k_bar, Cfg::kTileBytes);
+        for (int half = 0; half < Cfg::kHalves; ++half) {
+          hw::tma_load_3d(hw::smem_u32(sm.k[st]) + half * kHalfBytes, &m->k, k_bar, half * Cfg::kHalfDim, hk,
+                          tile * kTileN);
+        }
+        hw::mbar_wait(hw::smem_u32(&sm.v_free[st]), phase ^ 1);
+        const std::uint32_t v_bar = hw::smem_u32(&sm.v_loaded[st]);
+        hw::mbar_expect_tx(v_bar, Cfg::kTileBytes);
+        for (int half = 0; half < Cfg::kHalves; ++half) {
+          hw::tma_load_3d(hw::smem_u32(sm.v[st]) + half * kHalfBytes, &m->v, v_bar, half * Cfg::kHalfDim, hk,
+                          tile * kTileN);
+        }
+      }
+    }
+    return;
+  }
+
+  // ------------------------------------------------------------------ consumers
+  hw::setmaxnreg_inc<Cfg::kConsumerRegs>();
+  const int wg = warpgroup - 1;  // 0 or 1: query rows 64·wg .. 64·wg + 63 of the block
+  const int warp = (threadIdx.x / 32) % 4;
+  const int lane = threadIdx.x % 32;
+  const int r0 = wg * 64 + warp * 16 + lane / 4;  // the thread's first block row; also r0 + 8
+
+  // Descriptors. Q and K are K-major: rows of 64 elements (128 B), 8-row groups 1024 B apart
+  // (SBO), the k16 step kk at +32·(kk % 4) bytes inside d-half kk / 4. V is N-major for P·V: d
+  // runs along the 128-byte rows, the d-halves are N chunks of 64 one box apart (LBO), 8-key
+  // groups 1024 B apart (SBO); key step kk starts 16 rows = 2 KB further.
+  const std::uint64_t q_desc = hw::desc_sw128(hw::smem_u32(sm.q) + wg * 64 * kRowBytes, 16, Cfg::kAtomBytes);
+  auto k_desc = [&](int st) { return hw::desc_sw128(hw::smem_u32(sm.k[st]), 16, Cfg::kAtomBytes); };
+  auto v_desc = [&](int st) { return hw::desc_sw128(hw::smem_u32(sm.v[st]), kHalfBytes, Cfg::kAtomBytes); };
+  // Descriptor address fields are in 16-byte units.
+  auto k_step = [](int kk) { return static_cast<std::uint64_t>(((kk / 4) * kHalfBytes + (kk % 4) * 32) >> 4); };
+
+  float s[1][16][4];            // scores, then p: [64 x 128] per warpgroup
+  float o[Cfg::kDFrags][4];     // output accumulator [64 x d]
+  std::uint32_t pf[8][4];       // P as 16-bit A fragments
+  RowStats<1> stats;
+  init_row_stats(stats);
+  float alpha[2];
+#pragma unroll
+  for (int j = 0; j < Cfg::kDFrags; ++j) {
+#pragma unroll
+    for (int e = 0; e < 4; ++e) o[j][e] = 0.f;
+  }
+
+  auto issue_qk = [&](int st) {
+    const std::uint64_t kd = k_desc(st);
+    hw::wgmma_fence();
+#pragma unroll
+    for (int kk = 0; kk < Cfg::kQkSteps; ++kk) hw::wgmma_ss<Cfg::kBf16>(s[0], q_desc + k_step(kk), kd + k_step(kk), kk > 0);
+    hw::wgmma_commit();
+  };
+  auto issue_pv = [&](int st) {
+    const std::uint64_t vd = v_desc(st);
+    hw::wgmma_fence();
+#pragma unroll
+    for (int kk = 0; kk < Cfg::kPvSteps; ++kk) hw::wgmma_rs<Cfg::kBf16>(o, pf[kk], vd + ((kk * 16 * kRowBytes) >> 4));
+    hw::wgmma_commit();
+  };
+  // One arrival per warp on a free barrier: the warp's wgmma wait before it covered its lanes.
+  auto release = [&](std::uint64_t& bar) {
+    if (lane == 0) hw::mbar_arrive(hw::smem_u32(&bar));
+  };
+  // Masks tile `tile` if it is partial or short (uniform over the CTA: no divergence).
+  auto mask_if_needed = [&](int tile) {
+    if (tile < mask_lo) return;
+    const std::int64_t key0 = geo.key_begin(tile);
+    const std::int64_t end_limit = geo.key_end(tile) - 1 - key0;
+    const std::int64_t diag = row0 + geo.seq.offset() - key0;  // + block row: the row's position
+    int limit[2];
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      const std::int64_t lim = p.causal ? geom::min64(diag + r0 + 8 * r, end_limit) : end_limit;
+      limit[r] = static_cast<int>(geom::min64(geom::max64(lim, -1), kTileN));
+    }
+    mask_tile(s, limit);
+  };
+
+  const int my_turn = 1 + wg, other_turn = 2 - wg;
+  if (n_tiles > 0) {
+    if (wg == 1) hw::named_arrive(1);  // warpgroup 0 issues first
+    hw::mbar_wait(hw::smem_u32(&sm.q_loaded), 0);
+
+    // Prologue: the first tile's S and P; its P·V is issued in the first loop round.
+    hw::mbar_wait(hw::smem_u32(&sm.k_loaded[0]), 0);
+    hw::named_sync(my_turn);
+    issue_qk(0);
+    // The rounds balance: warpgroup 1 skips its last arrive, which warpgroup 0 would never consume.
+    if (wg == 0 || n_tiles > 1) hw::named_arrive(other_turn);
+    hw::wgmma_wait<0>();
+    hw::fence_regs(s[0]);
+    release(sm.k_free[0]);
+    mask_if_needed(n_tiles - 1);
+    softmax_tile(s, stats, p.scale_log2, alpha);  // alpha = 0 on the zero accumulator
+    pack_p<Cfg::kBf16>(s, pf);
+    for (int it = 1; it < n_tiles; ++it) {
+      const int st = it % Cfg::kStages;
+      const std::uint32_t phase = (it / Cfg::kStages) & 1;
+      const int st_prev = (it - 1) % Cfg::kStages;
+      const std::uint32_t phase_prev = ((it - 1) / Cfg::kStages) & 1;
+      hw::mbar_wait(hw::smem_u32(&sm.k_loaded[st]), phase);
+      // Ping-pong: wait for the other warpgroup to have issued its GEMMs of this round, issue
+      // ours, then let it go: its softmax overlaps our GEMMs and ours its next ones.
+      hw::named_sync(my_turn);
+      issue_qk(st);
+      scale_acc(o, alpha);  // the previous P·V completed at the end of the last round
+      hw::mbar_wait(hw::smem_u32(&sm.v_loaded[st_prev]), phase_prev);
+      issue_pv(st_prev);
+      if (wg == 0 || it + 1 < n_tiles) hw::named_arrive(other_turn);
+      hw::wgmma_wait<1>();  // S of this tile done; P·V of the previous one may still run
+      hw::fence_regs(s[0]);
+      release(sm.k_free[st]);
+      mask_if_needed(n_tiles - 1 - it);
+      softmax_tile(s, stats, p.scale_log2, alpha);
+      hw::wgmma_wait<0>();  // P·V done: its P registers and V stage are free
+      hw::fence_regs(o);
+      release(sm.v_free[st_prev]);
+      pack_p<Cfg::kBf16>(s, pf);
+    }
+    // The last tile's P·V.
+    const int st_last = (n_tiles - 1) % Cfg::kStages;
+    const std::uint32_t phase_last = ((n_tiles - 1) / Cfg::kStages) & 1;
+    scale_acc(o, alpha);
+    hw::mbar_wait(hw::smem_u32(&sm.v_loaded[st_last]), phase_last);
+    issue_pv(st_last);
+    hw::wgmma_wait<0>();
+    hw::fence_regs(o);
+    release(sm.v_free[st_last]);
+  }
+
+  // ---------------------------------------------------------------- epilogue: O and LSE
+  // Each row's l is spread over the quad of threads that hold it. Rows past s_q are not stored.
+  auto* o_base = static_cast<std::uint16_t*>(p.o) + seq.o_off + row0 * p.o_row_stride + h * p.o_head_stride;
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    float l = stats.l[r];
+    l += __shfl_xor_sync(0xffffffffu, l, 1);
+    l += __shfl_xor_sync(0xffffffffu, l, 2);
+    float o_scale, lse;
+    finalize_row(stats.m[r], l, &o_scale, &lse);
+    const int row = r0 + 8 * r;
+    if (row >= rows_valid) continue;
+    std::uint16_t* o_row = o_base + row * p.o_row_stride;
+#pragma unroll
+    for (int j = 0; j < Cfg::kDFrags; ++j) {
+      const int col = 8 * j + 2 * (lane % 4);
+      *reinterpret_cast<std::uint32_t*>(o_row + col) =
+          ptx::pack2<Cfg::kBf16>(o[j][2 * r] * o_scale, o[j][2 * r + 1] * o_scale);
+    }
+    if (p.lse != nullptr && lane % 4 == 0) {
+      p.lse[seq.lse_off + h * p.lse_head_stride + (row0 + row) * p.lse_row_stride] = lse;
+    }
+  }
+}
+
+// ------------------------------------------------------------------ host side
+// cuTensorMapEncodeTiled from the driver through the runtime's entry-point query (no -lcuda).
+inline PFN_cuTensorMapEncodeTiled_v12000 tensor_map_encoder() {
+  static const PFN_cuTensorMapEncodeTiled_v12000 fn = [] {
+    void* f = nullptr;
+    cudaDriverEntryPointQueryResult q{};
+    if (cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &f, 12000, cudaEnableDefault, &q) != cudaSuccess ||
+        q != cudaDriverEntryPointSuccess) {
+      return static_cast<PFN_cuTensorMapEncodeTiled_v12000>(nullptr);
+    }
+    return reinterpret_cast<PFN_cuTensorMapEncodeTiled_v12000>(f);
+  }();
+  return fn;
+}
+
+// 3-D map (d, head, row) over one sequence's rows of a [s, h, d] tensor with element strides;
+// boxes of [128 rows][64] with 128B swizzle; rows past `rows` read as zero. A dimension of extent
+// 1 is never stepped over, so its stride is replaced by a valid one (TMA wants multiples of 16).
+template <class Cfg>
+bool encode_map(CUtensorMap* map, const void* base, std::int64_t rows, int heads, std::int64_t row_stride,
+                std::int64_t head_stride) {
+  constexpr std::int64_t kElem = 2;
+  const std::int64_t row_bytes = Cfg::kHeadDim * kElem;
+  const cuuint64_t dims[3] = {static_cast<cuuint64_t>(Cfg::kHeadDim), static_cast<cuuint64_t>(heads),
+                              static_cast<cuuint64_t>(rows > 0 ? rows : 1)};
+  const cuuint64_t strides[2] = {static_cast<cuuint64_t>(heads > 1 ? head_stride * kElem : row_bytes),
+                                 static_cast<cuuint64_t>(rows > 1 ? row_stride * kElem : row_bytes * heads)};
+  const cuuint32_t box[3] = {Cfg::kHalfDim, 1, Cfg::kTileN};
+  const cuuint32_t elem_strides[3] = {1, 1, 1};
+  const CUresult r = tensor_map_encoder()(
+      map, Cfg::kBf16 ? CU_TENSOR_MAP_DATA_TYPE_BFLOAT16 : CU_TENSOR_MAP_DATA_TYPE_FLOAT16, 3, const_cast<void*>(base),
+      dims, strides, box, elem_strides, CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
+      CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+  return r == CUDA_SUCCESS;
+}
+
+// Host-side launch of one instance; returns a cudaError_t value (0 = success). `seqs` is the
+// host copy of p.seqs; `map_scratch` holds batch · sizeof(SeqMaps) bytes of device memory,
+// 64-byte aligned. Returns cudaErrorNotSupported, having enqueued nothing, when the driver
+// cannot encode a tensor map for these tensors (the dispatcher then takes the portable path).
+template <class Cfg>
+int launch_fwd(const FwdParams& p, const SeqInfo* seqs, void* map_scratch, void* stream) {
+  if (tensor_map_encoder() == nullptr) return static_cast<int>(cudaErrorNotSupported);
+  if (reinterpret_cast<std::uintptr_t>(map_scratch) % 64 != 0) return static_cast<int>(cudaErrorMisalignedAddress);
+  std::vector<SeqMaps> maps(static_cast<std::size_t>(p.batch));
+  for (int b = 0; b < p.batch; ++b) {
+    const SeqInfo& s = seqs[b];
+    SeqMaps& m = maps[static_cast<std::size_t>(b)];
+    const bool ok =
+        encode_map<Cfg>(&m.q, static_cast<const std::uint16_t*>(p.q) + s.q_off, s.s_q, p.h_q, p.q_row_stride,
+                        p.q_head_stride) &&
+        encode_map<Cfg>(&m.k, static_cast<const std::uint16_t*>(p.k) + s.k_off, s.s_k, p.h_kv, p.k_row_stride,
+                        p.k_head_stride) &&
+        encode_map<Cfg>(&m.v, static_cast<const std::uint16_t*>(p.v) + s.v_off, s.s_k, p.h_kv, p.v_row_stride,
+                        p.v_head_stride);
+    if (!ok) return static_cast<int>(cudaErrorNotSupported);
+  }
+  const auto st = static_cast<cudaStream_t>(stream);
+  const unsigned grid =
+      static_cast<unsigned>(p.num_q_blocks) * static_cast<unsigned>(p.batch) * static_cast<unsigned>(p.h_q);
+  if (grid == 0) return 0;
+  // Pageable source: the copy is staged before cudaMemcpyAsync returns, so `maps` may die.
+  cudaError_t err = cudaMemcpyAsync(map_scratch, maps.data(), maps.size() * sizeof(SeqMaps), cudaMemcpyHostToDevice, st);
+  if (err != cudaSuccess) return static_cast<int>(err);
+  auto* kernel = fwd_kernel<Cfg>;
+  const int smem = static_cast<int>(sizeof(Smem<Cfg>)) + 1024;  // + alignment slack
+  err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
+  if (err != cudaSuccess) return static_cast<int>(err);
+  kernel<<<grid, Cfg::kThreads, smem, st>>>(p, static_cast<const SeqMaps*>(map_scratch));
+  return static_cast<int>(cudaGetLastError());
+}
+
+}  // namespace sparseprefill::cuda::sm90
