@@ -119,18 +119,16 @@ def capturing(q: Any) -> bool:
 
 def execute(problem: tuple, handle: "_ext.PolicyHandle", q: Any, out: Any, lse: Any, backend: int,
             num_threads: int, want_stats: bool, layer: Optional[int]) -> Optional[_stats.CallStats]:
-    """One sp_run on q's device and current stream; records stats into open collectors."""
-    if capturing(q):
-        # The CUDA backend uploads per-call metadata (sequence table, masks) with
-        # cudaMemcpyAsync from host vectors freed when the call returns: a captured graph would
-        # replay those copies from freed memory (seen as illegal addresses on replay).
-        raise UnsupportedError(
-            "CUDA graph capture: the CUDA backend copies per-call metadata from transient host "
-            "memory, which a graph cannot replay (issue 3); run this call outside capture")
-    record = _stats.collecting()
+    """One sp_run on q's device and current stream; records stats into open collectors. Under
+    CUDA graph capture no statistics are read back (that would need a host synchronisation):
+    the call returns None and collectors record nothing. A captured call needs an earlier,
+    uncaptured call of the same shapes and tensors (its metadata is then cached on the device);
+    otherwise the library raises UnsupportedError."""
+    capture = capturing(q)
+    record = _stats.collecting() and not capture
     with device_guard(q) as stream:
         raw = _ext.run(problem, handle, descriptor(out, "out"), descriptor(lse, "lse"), backend,
-                       num_threads, stream, want_stats or record)
+                       num_threads, stream, (want_stats or record) and not capture)
     if raw is None:
         return None
     call = _stats.CallStats.from_ext(raw, layer, handle.describe())

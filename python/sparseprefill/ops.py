@@ -10,9 +10,10 @@ CUDA graphs: on this side a batched call whose policy needs no host data (dense,
 softmax_skip, estimate_select, permute_stop, exact_gate with its table already on the device)
 does nothing a capture forbids. Index tensors (cu_seqlens_*, seqused_k, block_table) are read
 by the library on the host: CUDA ones are copied to the host first, a synchronising copy that
-capture forbids, so varlen and paged calls can never be captured. The CUDA backend itself is
-not capturable yet (it uploads per-call metadata from transient host memory; issue 3), so
-every call under capture raises UnsupportedError (native.execute)."""
+capture forbids, so varlen and paged calls can never be captured. The CUDA backend keeps each
+call's small metadata on the device keyed by content: a captured call must follow one warm-up
+call of the same shapes and tensors outside capture, or it raises UnsupportedError before any
+CUDA work (native.execute reads no statistics under capture)."""
 
 from __future__ import annotations
 

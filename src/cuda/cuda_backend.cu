@@ -8,6 +8,7 @@
 #include <mutex>
 #include <string>
 #include <type_traits>
+#include <unordered_map>
 #include <utility>
 #include <variant>
 #include <vector>
@@ -70,11 +71,68 @@ class DeviceGuard {
   bool active_ = false;
 };
 
+// Small per-call metadata (the sequence table, the Hopper tensor maps) kept in device memory
+// keyed by its bytes and never freed. A call whose metadata repeats an earlier call's (the same
+// shapes and tensors, as every layer and step of a model repeats them) copies nothing, and a
+// call under CUDA graph capture reads memory that outlives the graph, so replays stay valid.
+// Metadata not seen before cannot be added during capture (that would record a copy from
+// transient host memory): the call is refused, and a warm-up call outside capture fixes it.
+class MetadataCache {
+ public:
+  static constexpr std::size_t kMaxEntryBytes = std::size_t{64} << 10;  // block masks are larger
+  static constexpr std::size_t kMaxTotalBytes = std::size_t{64} << 20;  // per device
+
+  // *device = the cached copy of host[0, bytes), added when allowed; nullptr when the entry is
+  // too large, the cache is full, or the stream is capturing (the caller decides what then).
+  Status find_or_add(int device, const void* host, std::size_t bytes, bool capturing, cudaStream_t stream,
+                     const void** out) {
+    *out = nullptr;
+    if (bytes == 0 || bytes > kMaxEntryBytes) return {};
+    std::string key(static_cast<const char*>(host), bytes);
+    std::lock_guard<std::mutex> lock(mutex_);
+    PerDevice& d = devices_[device];
+    const auto it = d.entries.find(key);
+    if (it != d.entries.end()) {
+      *out = it->second;
+      return {};
+    }
+    if (capturing || d.total + bytes > kMaxTotalBytes) return {};
+    void* ptr = nullptr;
+    SP_CUDA_TRY(cudaMalloc(&ptr, bytes), "cudaMalloc (metadata cache)");
+    // Complete before the entry is published: a call on another stream may use it at once.
+    cudaError_t err = cudaMemcpyAsync(ptr, host, bytes, cudaMemcpyHostToDevice, stream);
+    if (err == cudaSuccess) err = cudaStreamSynchronize(stream);
+    if (err != cudaSuccess) {
+      cudaFree(ptr);
+      return cuda_status(err, "cudaMemcpyAsync (metadata cache)");
+    }
+    d.total += bytes;
+    d.entries.emplace(std::move(key), ptr);
+    *out = ptr;
+    return {};
+  }
+
+ private:
+  struct PerDevice {
+    std::unordered_map<std::string, void*> entries;
+    std::size_t total = 0;
+  };
+  std::mutex mutex_;
+  std::unordered_map<int, PerDevice> devices_;
+};
+
+MetadataCache& metadata_cache() {
+  static MetadataCache cache;
+  return cache;
+}
+
 // Stream-ordered scratch of one call: allocated from the device's pool on the call's stream
-// and freed on it when the call returns (the frees are ordered after the kernels).
+// and freed on it when the call returns (the frees are ordered after the kernels). Under CUDA
+// graph capture these become the graph's allocation and free nodes.
 class Scratch {
  public:
-  Scratch(cudaStream_t stream, cudaMemPool_t pool) : stream_(stream), pool_(pool) {}
+  Scratch(cudaStream_t stream, cudaMemPool_t pool, int device, bool capturing)
+      : stream_(stream), pool_(pool), device_(device), capturing_(capturing) {}
   Scratch(const Scratch&) = delete;
   Scratch& operator=(const Scratch&) = delete;
   ~Scratch() {
@@ -97,17 +155,31 @@ class Scratch {
     if (count > 0) SP_CUDA_TRY(cudaMemsetAsync(*out, 0, count * sizeof(T), stream_), "cudaMemsetAsync");
     return {};
   }
-  // Copies a host vector to new device memory (pageable source: the copy is staged before the
-  // call returns, so the vector may die afterwards).
+  // Host bytes in device memory, 64-byte aligned: the metadata cache's copy when it has or can
+  // take one, else a per-call copy (pageable source: staged before cudaMemcpyAsync returns,
+  // so the host buffer may die afterwards) — which a capturing stream cannot record.
+  Status upload_bytes(const void* host, std::size_t bytes, const void** out) {
+    *out = nullptr;
+    if (bytes == 0) return {};
+    SP_RETURN_IF_ERROR(metadata_cache().find_or_add(device_, host, bytes, capturing_, stream_, out));
+    if (*out != nullptr) return {};
+    if (capturing_) {
+      return unsupported("cuda_stream: is capturing a CUDA graph, and this call's metadata (" + std::to_string(bytes) +
+                         " bytes: sequence table, tensor maps or block mask) was not uploaded by an earlier call; run "
+                         "the same call once outside capture first (block masks over 64 KiB cannot be captured)");
+    }
+    std::uint8_t* dev = nullptr;
+    SP_RETURN_IF_ERROR(alloc(bytes + 64, &dev));
+    dev += (64 - reinterpret_cast<std::uintptr_t>(dev) % 64) % 64;
+    SP_CUDA_TRY(cudaMemcpyAsync(dev, host, bytes, cudaMemcpyHostToDevice, stream_), "cudaMemcpyAsync (upload)");
+    *out = dev;
+    return {};
+  }
   template <class T>
   Status upload(const std::vector<T>& host, const T** out) {
-    T* dev = nullptr;
-    SP_RETURN_IF_ERROR(alloc(host.size(), &dev));
-    if (!host.empty()) {
-      SP_CUDA_TRY(cudaMemcpyAsync(dev, host.data(), host.size() * sizeof(T), cudaMemcpyHostToDevice, stream_),
-                  "cudaMemcpyAsync (upload)");
-    }
-    *out = dev;
+    const void* dev = nullptr;
+    SP_RETURN_IF_ERROR(upload_bytes(host.data(), host.size() * sizeof(T), &dev));
+    *out = static_cast<const T*>(dev);
     return {};
   }
   template <class T>
@@ -123,7 +195,23 @@ class Scratch {
  private:
   cudaStream_t stream_;
   cudaMemPool_t pool_;
+  int device_;
+  bool capturing_;
   std::vector<void*> owned_;
+};
+
+// The HostUpload the Hopper instances call for their tensor maps; a failure's Status is kept
+// here and the launch returns kUploadRefused.
+struct UploadContext {
+  Scratch* scratch;
+  Status status;
+  static int call(void* context, const void* host, std::size_t bytes, const void** device) {
+    auto* self = static_cast<UploadContext*>(context);
+    Status st = self->scratch->upload_bytes(host, bytes, device);
+    const int result = st.ok() ? 0 : kUploadRefused;
+    std::swap(self->status, st);  // (nvcc flags an assignment of a [[nodiscard]] type as discarded)
+    return result;
+  }
 };
 
 Status launch_status(int err, const char* name) {
@@ -174,15 +262,16 @@ Status run_cuda(const AttentionProblem& problem, const ProblemShape& shape, cons
   cudaMemPool_t pool = nullptr;
   SP_RETURN_IF_ERROR(pool_for(shape.device.index, &pool));
   const auto stream = static_cast<cudaStream_t>(options.cuda_stream);
-  // Per-call metadata (sequence table, masks) is uploaded from host vectors that die with this
-  // call; a captured graph would replay those copies from freed memory. Refuse instead.
+  // Under CUDA graph capture every device operation becomes a graph node; metadata comes from
+  // the cache (Scratch::upload_bytes), and nothing may be read back to the host.
   cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
   SP_CUDA_TRY(cudaStreamIsCapturing(stream, &capture), "cudaStreamIsCapturing");
-  if (capture != cudaStreamCaptureStatusNone) {
-    return unsupported("cuda_stream: is capturing a CUDA graph; run() uploads per-call metadata from host memory, "
-                       "which a graph cannot replay, so call it outside capture");
+  const bool capturing = capture != cudaStreamCaptureStatusNone;
+  if (capturing && decisions != nullptr) {
+    return unsupported("cuda_stream: is capturing a CUDA graph, so decisions and statistics cannot be read back; "
+                       "request none under capture");
   }
-  Scratch scratch(stream, pool);
+  Scratch scratch(stream, pool, shape.device.index, capturing);
 
   FwdParams p = make_fwd_params(problem, shape, output, block_k);
   const std::vector<SeqInfo> seqs = make_seq_infos(problem, shape, output);
@@ -318,11 +407,10 @@ Status run_cuda(const AttentionProblem& problem, const ProblemShape& shape, cons
   bool launched = false;
   if (path == FwdPath::kHopper) {
     const Fwd90Variant* fwd90 = find_fwd90(shape.dtype, shape.d);
-    // Per-sequence tensor maps (64-byte aligned: over-allocated and rounded up).
-    std::uint8_t* maps = nullptr;
-    SP_RETURN_IF_ERROR(scratch.alloc(seqs.size() * kFwd90MapBytesPerSeq + 64, &maps));
-    void* aligned = maps + (64 - reinterpret_cast<std::uintptr_t>(maps) % 64) % 64;
-    const int err = fwd90->launch(p, seqs.data(), aligned, stream);
+    UploadContext upload_context{&scratch, {}};
+    const HostUpload upload{&upload_context, &UploadContext::call};
+    const int err = fwd90->launch(p, seqs.data(), upload, stream);
+    if (err == kUploadRefused) return upload_context.status;
     // cudaErrorNotSupported: the driver cannot encode the tensor maps; nothing was enqueued.
     if (err != cudaErrorNotSupported) {
       SP_RETURN_IF_ERROR(launch_status(err, fwd90->name));

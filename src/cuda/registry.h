@@ -15,10 +15,22 @@ namespace sparseprefill::cuda {
 // Launch functions return a cudaError_t value (0 = success) and take a cudaStream_t as void*.
 using FwdLaunchFn = int (*)(const FwdParams& params, void* stream);
 using SelectLaunchFn = int (*)(const SelectParams& params, void* stream);
-// Hopper (sm_90a) forward instances also take the host copy of params.seqs and device scratch
-// of batch · kFwd90MapBytesPerSeq bytes (64-byte aligned) for the per-sequence TMA tensor maps.
+// Copies `bytes` of host memory into device memory that stays valid and unchanged until the
+// launch has run — and, under CUDA graph capture, for every replay — and returns it in
+// *device, 64-byte aligned. Returns a cudaError_t value (0 = success) or kUploadRefused.
+struct HostUpload {
+  void* context;
+  int (*fn)(void* context, const void* host, std::size_t bytes, const void** device);
+};
+// An upload the backend declined (new metadata while a graph is being captured); the launch
+// returns it unchanged and the backend reports why.
+constexpr int kUploadRefused = -1;
+
+// Hopper (sm_90a) forward instances also take the host copy of params.seqs and the uploader
+// for their per-sequence TMA tensor maps (batch · kFwd90MapBytesPerSeq bytes).
 // cudaErrorNotSupported means nothing was enqueued: the driver cannot describe the tensors.
-using Fwd90LaunchFn = int (*)(const FwdParams& params, const SeqInfo* host_seqs, void* map_scratch, void* stream);
+using Fwd90LaunchFn = int (*)(const FwdParams& params, const SeqInfo* host_seqs, const HostUpload& upload,
+                              void* stream);
 constexpr std::size_t kFwd90MapBytesPerSeq = 3 * 128;  // CUtensorMap of q, k and v
 
 struct FwdVariant {
@@ -45,7 +57,7 @@ struct SelectVariant {
 #define SP_FWD_VARIANT(fn, dtype, head_dim) int fn(const FwdParams& params, void* stream);
 #define SP_SELECT_VARIANT(fn, dtype, head_dim) int fn(const SelectParams& params, void* stream);
 #define SP_FWD90_VARIANT(fn, dtype, head_dim) \
-  int fn(const FwdParams& params, const SeqInfo* host_seqs, void* map_scratch, void* stream);
+  int fn(const FwdParams& params, const SeqInfo* host_seqs, const HostUpload& upload, void* stream);
 #include "cuda/instances/registry.inc"
 #undef SP_FWD_VARIANT
 #undef SP_SELECT_VARIANT

@@ -84,8 +84,8 @@ def expected_files():
                 + '#include "cuda/registry.h"\n\n'
                 + "namespace sparseprefill::cuda {\n\n"
                 + "static_assert(sizeof(sm90::SeqMaps) == kFwd90MapBytesPerSeq);\n\n"
-                + f"int {name}(const FwdParams& params, const SeqInfo* host_seqs, void* map_scratch, void* stream) {{\n"
-                + f"  return sm90::launch_fwd<sm90::FwdConfig<{is_bf16}, {d}>>(params, host_seqs, map_scratch, stream);\n"
+                + f"int {name}(const FwdParams& params, const SeqInfo* host_seqs, const HostUpload& upload, void* stream) {{\n"
+                + f"  return sm90::launch_fwd<sm90::FwdConfig<{is_bf16}, {d}>>(params, host_seqs, upload, stream);\n"
                 + "}\n\n}  // namespace sparseprefill::cuda\n"
             )
             registry.append(f"SP_FWD90_VARIANT({name}, {enum}, {d})\n")

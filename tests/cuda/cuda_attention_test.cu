@@ -10,6 +10,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <functional>
 #include <limits>
 #include <string>
@@ -658,6 +659,84 @@ TEST(CudaSupport, CanRunMatchesRun) {
   EXPECT_EQ(can_run(dev, PermuteStopParams{}, Backend::kCUDA).code(), StatusCode::kUnsupported);
   EXPECT_NE(build_info().find("fwd_sm80_bf16_hd128"), std::string::npos) << build_info();
   EXPECT_NE(build_info().find("fwd_sm90_bf16_hd128"), std::string::npos) << build_info();
+}
+
+// CUDA graphs: after one warm-up call outside capture, a captured call records only device
+// work (its metadata comes from the device-side cache), and replaying the graph on new
+// contents of the same buffers equals a direct call on those contents, bit for bit.
+TEST(CudaGraph, CaptureAfterWarmUpReplaysOnNewInputs) {
+  SP_REQUIRE_GPU();
+  const Inputs first = make_inputs({{300, 300}}, 8, 2, 64, 901);
+  const Inputs second = make_inputs({{300, 300}}, 8, 2, 64, 902);
+  TestProblem tp = make_problem(first);
+  TestProblem tp2 = make_problem(second);
+  DeviceBuffer q, k, v, o, lse;
+  AttentionProblem dev = tp.problem();
+  dev.q = to_device(tp.q, &q);
+  dev.k = to_device(tp.k, &k);
+  dev.v = to_device(tp.v, &v);
+  AttentionOutput out;
+  out.o = to_device(tp.o, &o);
+  out.lse = to_device(tp.lse, &lse);
+  cudaStream_t stream = nullptr;
+  SP_CUDA_CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+  RunOptions opt;
+  opt.backend = Backend::kCUDA;
+  opt.cuda_stream = stream;
+  for (const Policy& policy : {Policy{DenseParams{}}, Policy{skip_params(40.0, 64)}}) {
+    SCOPED_TRACE(policy_name(policy));
+    SP_CUDA_CHECK(cudaMemcpy(q.ptr, tp.q.data(), q.bytes, cudaMemcpyHostToDevice));
+    SP_CUDA_CHECK(cudaMemcpy(k.ptr, tp.k.data(), k.bytes, cudaMemcpyHostToDevice));
+    SP_CUDA_CHECK(cudaMemcpy(v.ptr, tp.v.data(), v.bytes, cudaMemcpyHostToDevice));
+    const Status warm = run(dev, policy, out, opt);  // warm-up: uploads the metadata once
+    ASSERT_TRUE(warm.ok()) << warm.to_string();
+    SP_CUDA_CHECK(cudaStreamSynchronize(stream));
+
+    cudaGraph_t graph = nullptr;
+    SP_CUDA_CHECK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
+    const Status captured = run(dev, policy, out, opt);
+    SP_CUDA_CHECK(cudaStreamEndCapture(stream, &graph));
+    ASSERT_TRUE(captured.ok()) << captured.to_string();
+    cudaGraphExec_t exec = nullptr;
+    SP_CUDA_CHECK(cudaGraphInstantiate(&exec, graph, 0));
+
+    // New contents in the captured buffers, poisoned outputs, replay.
+    SP_CUDA_CHECK(cudaMemcpy(q.ptr, tp2.q.data(), q.bytes, cudaMemcpyHostToDevice));
+    SP_CUDA_CHECK(cudaMemcpy(k.ptr, tp2.k.data(), k.bytes, cudaMemcpyHostToDevice));
+    SP_CUDA_CHECK(cudaMemcpy(v.ptr, tp2.v.data(), v.bytes, cudaMemcpyHostToDevice));
+    poison(&tp.o);
+    SP_CUDA_CHECK(cudaMemcpy(o.ptr, tp.o.data(), o.bytes, cudaMemcpyHostToDevice));
+    SP_CUDA_CHECK(cudaGraphLaunch(exec, stream));
+    SP_CUDA_CHECK(cudaStreamSynchronize(stream));
+    to_host(o, &tp.o);
+    to_host(lse, &tp.lse);
+    const GpuRun direct = run_gpu(&tp2, policy);
+    ASSERT_TRUE(direct.status.ok()) << direct.status.to_string();
+    EXPECT_EQ(std::memcmp(tp.o.data(), tp2.o.data(), tp.o.nbytes()), 0) << "replayed O differs from a direct call";
+    EXPECT_EQ(std::memcmp(tp.lse.data(), tp2.lse.data(), tp.lse.nbytes()), 0) << "replayed LSE differs";
+    SP_CUDA_CHECK(cudaGraphExecDestroy(exec));
+    SP_CUDA_CHECK(cudaGraphDestroy(graph));
+  }
+
+  // A shape never run before cannot be captured: refused before any CUDA work, and the
+  // capture still ends cleanly.
+  const Inputs fresh = make_inputs({{211, 211}}, 8, 2, 64, 903);
+  TestProblem tp3 = make_problem(fresh);
+  DeviceBuffer q3, k3, v3, o3;
+  AttentionProblem dev3 = tp3.problem();
+  dev3.q = to_device(tp3.q, &q3);
+  dev3.k = to_device(tp3.k, &k3);
+  dev3.v = to_device(tp3.v, &v3);
+  AttentionOutput out3;
+  out3.o = to_device(tp3.o, &o3);
+  cudaGraph_t graph = nullptr;
+  SP_CUDA_CHECK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
+  const Status refused = run(dev3, DenseParams{}, out3, opt);
+  SP_CUDA_CHECK(cudaStreamEndCapture(stream, &graph));
+  EXPECT_EQ(refused.code(), StatusCode::kUnsupported) << refused.to_string();
+  EXPECT_NE(refused.message().find("outside capture first"), std::string::npos) << refused.message();
+  SP_CUDA_CHECK(cudaGraphDestroy(graph));
+  SP_CUDA_CHECK(cudaStreamDestroy(stream));
 }
 
 }  // namespace

@@ -301,12 +301,13 @@ def test_opcheck(device):
 
 
 @pytest.mark.skipif(not CUDA, reason="CUDA graphs need a GPU")
-def test_capture_is_refused_cleanly():
-    # The CUDA backend cannot be captured yet (issue 3): the call raises before any CUDA work,
-    # the capture ends cleanly and the device stays usable.
+def test_capture_without_warm_up_is_refused_cleanly():
+    # Metadata a captured call needs must have been uploaded by an earlier uncaptured call of
+    # the same shapes: a first call under capture raises before any CUDA work, the capture ends
+    # cleanly and the device stays usable.
     q, k, v = qkv(50, 1, 256, 256, 4, 2, 64, torch.bfloat16, "cuda")
     graph = torch.cuda.CUDAGraph()
-    with pytest.raises(sp.UnsupportedError, match="CUDA graph capture"):
+    with pytest.raises(sp.UnsupportedError, match="capturing a CUDA graph"):
         with torch.cuda.graph(graph):
             flash_attn_func(q, k, v, causal=True)
     out = flash_attn_func(q, k, v, causal=True)
@@ -314,9 +315,6 @@ def test_capture_is_refused_cleanly():
     assert_calibrated(out, attention(q, k, v, True)[0], attention(q, k, v, True, low_precision=True)[0])
 
 
-# Strict: once the backend can be captured and native.execute stops refusing, this XPASSes and
-# fails, so the marker goes away with the limitation.
-@pytest.mark.xfail(CUDA, raises=sp.UnsupportedError, strict=True, reason="CUDA backend not capturable yet (issue 3)")
 @pytest.mark.skipif(not CUDA, reason="CUDA graphs need a GPU")
 def test_cuda_graph_replay():
     dtype, device, bl = torch.bfloat16, "cuda", POLICY_BLOCK["cuda"]

@@ -7,8 +7,8 @@ namespace sparseprefill::cuda {
 
 static_assert(sizeof(sm90::SeqMaps) == kFwd90MapBytesPerSeq);
 
-int fwd_sm90_fp16_hd64(const FwdParams& params, const SeqInfo* host_seqs, void* map_scratch, void* stream) {
-  return sm90::launch_fwd<sm90::FwdConfig<false, 64>>(params, host_seqs, map_scratch, stream);
+int fwd_sm90_fp16_hd64(const FwdParams& params, const SeqInfo* host_seqs, const HostUpload& upload, void* stream) {
+  return sm90::launch_fwd<sm90::FwdConfig<false, 64>>(params, host_seqs, upload, stream);
 }
 
 }  // namespace sparseprefill::cuda

@@ -19,6 +19,7 @@
 #include "cuda/kernel/ptx.cuh"
 #include "cuda/kernel/sm90/hopper.cuh"
 #include "cuda/kernel/softmax.cuh"
+#include "cuda/registry.h"  // HostUpload, kUploadRefused
 
 namespace sparseprefill::cuda::sm90 {
 
@@ -425,14 +426,14 @@ bool encode_map(CUtensorMap* map, const void* base, std::int64_t rows, int heads
   return r == CUDA_SUCCESS;
 }
 
-// Host-side launch of one instance; returns a cudaError_t value (0 = success). `seqs` is the
-// host copy of p.seqs; `map_scratch` holds batch · sizeof(SeqMaps) bytes of device memory,
-// 64-byte aligned. Returns cudaErrorNotSupported, having enqueued nothing, when the driver
-// cannot encode a tensor map for these tensors (the dispatcher then takes the portable path).
+// Host-side launch of one instance; returns a cudaError_t value (0 = success) or the
+// uploader's kUploadRefused. `seqs` is the host copy of p.seqs; `upload` places the tensor maps
+// (batch · sizeof(SeqMaps) bytes) in device memory. Returns cudaErrorNotSupported, having
+// enqueued nothing, when the driver cannot encode a tensor map for these tensors (the
+// dispatcher then takes the portable path).
 template <class Cfg>
-int launch_fwd(const FwdParams& p, const SeqInfo* seqs, void* map_scratch, void* stream) {
+int launch_fwd(const FwdParams& p, const SeqInfo* seqs, const HostUpload& upload, void* stream) {
   if (tensor_map_encoder() == nullptr) return static_cast<int>(cudaErrorNotSupported);
-  if (reinterpret_cast<std::uintptr_t>(map_scratch) % 64 != 0) return static_cast<int>(cudaErrorMisalignedAddress);
   std::vector<SeqMaps> maps(static_cast<std::size_t>(p.batch));
   for (int b = 0; b < p.batch; ++b) {
     const SeqInfo& s = seqs[b];
@@ -450,14 +451,16 @@ int launch_fwd(const FwdParams& p, const SeqInfo* seqs, void* map_scratch, void*
   const unsigned grid =
       static_cast<unsigned>(p.num_q_blocks) * static_cast<unsigned>(p.batch) * static_cast<unsigned>(p.h_q);
   if (grid == 0) return 0;
-  // Pageable source: the copy is staged before cudaMemcpyAsync returns, so `maps` may die.
-  cudaError_t err = cudaMemcpyAsync(map_scratch, maps.data(), maps.size() * sizeof(SeqMaps), cudaMemcpyHostToDevice, st);
-  if (err != cudaSuccess) return static_cast<int>(err);
+  const void* map_device = nullptr;
+  const int uploaded = upload.fn(upload.context, maps.data(), maps.size() * sizeof(SeqMaps), &map_device);
+  if (uploaded != 0) return uploaded;
+  // prefetch.tensormap and the TMA copies need each CUtensorMap 64-byte aligned.
+  if (reinterpret_cast<std::uintptr_t>(map_device) % 64 != 0) return static_cast<int>(cudaErrorMisalignedAddress);
   auto* kernel = fwd_kernel<Cfg>;
   const int smem = static_cast<int>(sizeof(Smem<Cfg>)) + 1024;  // + alignment slack
-  err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
+  cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
   if (err != cudaSuccess) return static_cast<int>(err);
-  kernel<<<grid, Cfg::kThreads, smem, st>>>(p, static_cast<const SeqMaps*>(map_scratch));
+  kernel<<<grid, Cfg::kThreads, smem, st>>>(p, static_cast<const SeqMaps*>(map_device));
   return static_cast<int>(cudaGetLastError());
 }
 
