@@ -18,7 +18,7 @@ __all__ = ["summarize", "render", "main"]
 
 POLICY_ORDER = ["dense", "exact_gate", "softmax_skip", "estimate_select", "estimate_select_mc", "permute_stop"]
 DISPLAY = {"estimate_select_mc": "estimate_select + mean correction"}
-DENSITY_GRID = [0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8]
+DENSITY_GRID = [0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9]
 PPL_TOLERANCE = 0.01  # the target: perplexity within 1% of dense
 
 
@@ -146,7 +146,7 @@ def render(doc: Dict[str, Any], source: str, images: Dict[str, str]) -> str:
         for r in (r for r in s["rows"] if r["length"] == int(L)):
             lines.append(f"| {r['label'].replace('estimate_select_mc', 'estimate_select+mc')} | "
                          f"{_fmt(r['pair_density'])} | {_fmt(r['density'])} | {100 * r['dppl']:+.2f} | "
-                         f"{r['kl']:.4f} | {_fmt(r['top1'])} | {_fmt(r['passkey'], 2)} | {r['seconds']:.0f} |")
+                         f"{r['kl']:.3g} | {_fmt(r['top1'])} | {_fmt(r['passkey'], 2)} | {r['seconds']:.0f} |")
         dense_ppl = next(r["ppl"] for r in s["rows"] if r["length"] == int(L) and r["policy"] == "dense")
         lines += ["", f"Dense perplexity at {L} tokens: {dense_ppl:.3f}. Time = wall seconds of the perplexity "
                   "windows and passkey prompts on the CPU backend (not a speed measurement).", ""]
@@ -168,7 +168,7 @@ def render(doc: Dict[str, Any], source: str, images: Dict[str, str]) -> str:
               "| density target | length | density | KL without | KL with | lower with MC | ΔPPL % without | ΔPPL % with |",
               "|---:|---:|---:|---:|---:|---|---:|---:|"]
     for r in s["mc"]:
-        lines.append(f"| {r['target']:g} | {r['length']} | {r['density']:.3f} | {r['kl']:.4f} | {r['kl_mc']:.4f} | "
+        lines.append(f"| {r['target']:g} | {r['length']} | {r['density']:.3f} | {r['kl']:.4g} | {r['kl_mc']:.4g} | "
                      f"{'yes' if r['kl_mc'] < r['kl'] else 'no'} | {100 * r['dppl']:+.2f} | {100 * r['dppl_mc']:+.2f} |")
     if s["mc"]:
         lower = sum(r["kl_mc"] < r["kl"] for r in s["mc"])
@@ -305,15 +305,19 @@ def plots(doc: Dict[str, Any], img_dir: str, prefix: str, rel_to: str) -> Dict[s
             ax.imshow(np.log10(shown), cmap="magma", vmin=-5, vmax=0)
             if k is not None:
                 k = np.array(k)
+                visible = np.tril(np.ones_like(k))
+                for i, j in zip(*np.nonzero(visible & (k == 0))):
+                    ax.add_patch(Rectangle((j - 0.5, i - 0.5), 1, 1, fc="0.85", ec="none", alpha=0.85))
                 for i, j in zip(*np.nonzero(k)):
-                    ax.add_patch(Rectangle((j - 0.5, i - 0.5), 1, 1, fill=False, ec="cyan", lw=0.5))
-                title = f"{title}: kept {int(k.sum())} of {int(np.tril(np.ones_like(k)).sum())} blocks"
+                    ax.add_patch(Rectangle((j - 0.5, i - 0.5), 1, 1, fill=False, ec="cyan", lw=0.4))
+                title = f"{title}: kept {int(k.sum())} of {int(visible.sum())} blocks"
             ax.set_title(title, fontsize=8)
             ax.set_xlabel("key block")
             ax.set_ylabel("query block")
         fig.suptitle(f"layer {amap['layer']}, head {amap['head']}, {amap['length']} tokens, "
-                     f"{amap['block']}×{amap['block']} blocks; colour: log10 mean attention mass per block", fontsize=9)
-        save(fig, "attention-map", "An attention map with each block policy's kept blocks (cyan)")
+                     f"{amap['block']}×{amap['block']} blocks; colour: log10 mean attention mass per block; "
+                     "kept blocks outlined, skipped blocks greyed", fontsize=9)
+        save(fig, "attention-map", "An attention map with each block policy's kept blocks")
     return out
 
 
