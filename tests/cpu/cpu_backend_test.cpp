@@ -13,6 +13,7 @@
 #include <string>
 #include <vector>
 
+#include "common/cases.h"
 #include "common/decisions.h"
 #include "common/inputs.h"
 #include "common/poison.h"
@@ -32,10 +33,6 @@ namespace {
 
 constexpr double kInf = std::numeric_limits<double>::infinity();
 constexpr double kNaN = std::numeric_limits<double>::quiet_NaN();
-// Parameters are accepted only if the oracle's decisions do not move when they are scaled by
-// 1 ± kMargin: then no observed ratio/gain/maximum lies within that band of the threshold, far
-// beyond the fp32-vs-fp64 differences of scores (~1e-6 relative).
-constexpr double kMargin = 1e-3;
 
 // ------------------------------------------------------------------ harness
 
@@ -62,13 +59,6 @@ CpuRun run_cpu_backend(TestProblem* tp, const Policy& policy, int threads = 2) {
   return r;
 }
 
-ref::Result oracle(const TestProblem& tp, const Policy& policy) {
-  ref::Result r;
-  const Status st = ref::run_reference(tp.problem(), policy, &r);
-  EXPECT_TRUE(st.ok()) << st.to_string();
-  return r;
-}
-
 // The CPU backend within the calibrated tolerance of the oracle, fully written, with exactly
 // the oracle's decisions. Returns the CPU run for further checks.
 CpuRun expect_matches_oracle(TestProblem* tp, const Policy& policy, int threads = 2) {
@@ -84,52 +74,6 @@ CpuRun expect_matches_oracle(TestProblem* tp, const Policy& policy, int threads 
 Inputs make_inputs(const std::vector<SeqLen>& lengths, int h_q, int h_kv, int d, std::uint64_t seed,
                    double scale = 1.5, DType dtype = DType::kBF16) {
   return random_inputs(lengths, h_q, h_kv, d, dtype, seed, scale);
-}
-
-TestProblem make_problem(const Inputs& in, bool causal = true, Layout layout = Layout::kBatched) {
-  LayoutOptions opt;
-  opt.layout = layout;
-  opt.causal = causal;
-  return build_problem(in, opt);
-}
-
-geom::BlockGeometry geometry(std::int64_t s_q, std::int64_t s_k, bool causal, int bq, int bk) {
-  geom::BlockGeometry g;
-  g.seq = {s_q, s_k, causal};
-  g.block_q = bq;
-  g.block_k = bk;
-  return g;
-}
-
-std::int64_t visible_blocks(const std::vector<SeqLen>& lengths, int heads, bool causal, int bq, int bk) {
-  std::int64_t n = 0;
-  for (const SeqLen& l : lengths) {
-    const geom::BlockGeometry g = geometry(l.s_q, l.s_k, causal, bq, bk);
-    for (int qb = 0; qb < g.num_q_blocks(); ++qb) n += g.visible_end(qb);
-  }
-  return n * heads;
-}
-
-// The first candidate whose oracle decisions are unchanged at candidate·(1 ± kMargin) and
-// satisfy `useful` (some work kept and some skipped); NaN when none does (the test then fails).
-double stable_parameter(const TestProblem& tp, const std::vector<double>& candidates,
-                        const std::function<Policy(double)>& make,
-                        const std::function<bool(const Decisions&)>& useful) {
-  for (double c : candidates) {
-    const ref::Result mid = oracle(tp, make(c));
-    if (!useful(mid.decisions)) continue;
-    if (!same_decisions(mid.decisions, oracle(tp, make(c * (1 - kMargin))).decisions)) continue;
-    if (!same_decisions(mid.decisions, oracle(tp, make(c * (1 + kMargin))).decisions)) continue;
-    return c;
-  }
-  return kNaN;
-}
-
-std::function<bool(const Decisions&)> some_skipped(std::int64_t visible) {
-  return [visible](const Decisions& d) {
-    const std::int64_t kept = d.kept.selected_blocks();
-    return kept > 0 && kept < visible;
-  };
 }
 
 // Rows r of sequence `in` as logical values.

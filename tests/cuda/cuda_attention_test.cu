@@ -17,6 +17,7 @@
 #include <utility>
 #include <vector>
 
+#include "common/cases.h"
 #include "common/decisions.h"
 #include "common/inputs.h"
 #include "common/poison.h"
@@ -33,10 +34,6 @@ namespace {
 
 constexpr double kInf = std::numeric_limits<double>::infinity();
 constexpr double kNaN = std::numeric_limits<double>::quiet_NaN();
-// A parameter is used only if the oracle's decisions do not move when it is scaled by
-// 1 ± kMargin: no observed quantity lies within that band of the threshold, far beyond the
-// fp32-vs-fp64 differences of the kernels' scores (~1e-6 relative).
-constexpr double kMargin = 1e-3;
 
 bool have_gpu() {
   int n = 0;
@@ -45,13 +42,6 @@ bool have_gpu() {
 
 #define SP_REQUIRE_GPU() \
   if (!have_gpu()) GTEST_SKIP() << "no CUDA device"
-
-ref::Result oracle(const TestProblem& tp, const Policy& policy) {
-  ref::Result r;
-  const Status st = ref::run_reference(tp.problem(), policy, &r);
-  EXPECT_TRUE(st.ok()) << st.to_string();
-  return r;
-}
 
 Decisions cpu_decisions(TestProblem* tp, const Policy& policy) {
   RunOptions opt;
@@ -126,52 +116,6 @@ std::vector<GpuRun> expect_dense_matches(TestProblem* tp) {
 Inputs make_inputs(const std::vector<SeqLen>& lengths, int h_q, int h_kv, int d, std::uint64_t seed,
                    DType dtype = DType::kBF16, double scale = 1.5) {
   return random_inputs(lengths, h_q, h_kv, d, dtype, seed, scale);
-}
-
-TestProblem make_problem(const Inputs& in, bool causal = true, Layout layout = Layout::kBatched) {
-  LayoutOptions opt;
-  opt.layout = layout;
-  opt.causal = causal;
-  return build_problem(in, opt);
-}
-
-geom::BlockGeometry geometry(std::int64_t s_q, std::int64_t s_k, bool causal, int bq, int bk) {
-  geom::BlockGeometry g;
-  g.seq = {s_q, s_k, causal};
-  g.block_q = bq;
-  g.block_k = bk;
-  return g;
-}
-
-std::int64_t visible_blocks(const std::vector<SeqLen>& lengths, int heads, bool causal, int bq, int bk) {
-  std::int64_t n = 0;
-  for (const SeqLen& l : lengths) {
-    const geom::BlockGeometry g = geometry(l.s_q, l.s_k, causal, bq, bk);
-    for (int qb = 0; qb < g.num_q_blocks(); ++qb) n += g.visible_end(qb);
-  }
-  return n * heads;
-}
-
-std::function<bool(const Decisions&)> some_skipped(std::int64_t visible) {
-  return [visible](const Decisions& d) {
-    const std::int64_t kept = d.kept.selected_blocks();
-    return kept > 0 && kept < visible;
-  };
-}
-
-// The first candidate whose oracle decisions are unchanged at candidate·(1 ± kMargin) and
-// satisfy `useful`; NaN when none does (the test then fails).
-double stable_parameter(const TestProblem& tp, const std::vector<double>& candidates,
-                        const std::function<Policy(double)>& make,
-                        const std::function<bool(const Decisions&)>& useful) {
-  for (double c : candidates) {
-    const ref::Result mid = oracle(tp, make(c));
-    if (!useful(mid.decisions)) continue;
-    if (!same_decisions(mid.decisions, oracle(tp, make(c * (1 - kMargin))).decisions)) continue;
-    if (!same_decisions(mid.decisions, oracle(tp, make(c * (1 + kMargin))).decisions)) continue;
-    return c;
-  }
-  return kNaN;
 }
 
 // Sets K or V of key positions [k0, k1) of KV head g in sequence b to NaN.
