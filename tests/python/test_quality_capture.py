@@ -106,3 +106,37 @@ def test_real_model_capture_gqa():
         model.model(torch.tensor([ids]), use_cache=False)
     assert len(seen) == model.config.num_hidden_layers == 30
     assert seen[0] == ((1, len(ids), 9, 64), (1, len(ids), 3, 64))
+
+
+def test_settings_map_to_per_layer_policies():
+    import argparse
+    import json
+
+    import sparseprefill as sp
+    from sparseprefill.quality import evaluate
+
+    cal = sp.Calibration(layers=2, gate_budgets=[4, 8], gate_block_q=32, gate_block_k=32,
+                         gate_values=np.arange(2 * 2 * 3 * 5, dtype=np.float32).reshape(2, 2, 3, 5),
+                         skip_targets=[0.5], skip_a=np.array([[7.0], [9.0]], np.float32), skip_block_q=32,
+                         skip_block_k=32, density_targets=[0.3, 0.6], alpha=np.array([[0.1, 0.01], [0.2, 0.02]], np.float32),
+                         estimate_base=sp.EstimateSelect(block=32, sink=1, window=2, tail=0))
+    args = argparse.Namespace(budgets=[8], skip_targets=[0.5], density_targets=[0.6], taus=[0.01], only="")
+    settings = evaluate.settings_from(args)
+    assert [s.label for s in settings] == ["dense", "exact_gate budget=8", "softmax_skip skip_target=0.5",
+                                           "estimate_select density_target=0.6",
+                                           "estimate_select_mc density_target=0.6", "permute_stop tau=0.01"]
+    config = {s.policy: evaluate.backend_config(s, cal, 2, 32, 256, 0) for s in settings}
+    gate = config["exact_gate"].policy_for(1, 4096)
+    np.testing.assert_array_equal(gate.table(), cal.gate_values[1, 1])
+    assert config["softmax_skip"].policy_for(0, 4096).a == pytest.approx(7.0)
+    plain, mc = config["estimate_select"].policy_for(1, 4096), config["estimate_select_mc"].policy_for(1, 4096)
+    assert plain.alpha == mc.alpha == pytest.approx(0.02) and (plain.mean_correction, mc.mean_correction) == (False, True)
+    assert plain.sink == 1 and plain.window == 2 and plain.block == 32
+    stop = config["permute_stop"].policy_for(0, 4096)
+    assert (stop.segment, stop.tau, stop.block_q) == (256, 0.01, 32)
+    assert isinstance(config["dense"].policy_for(1, 4096), sp.Dense)
+    only = evaluate.settings_from(argparse.Namespace(**{**vars(args), "only": "softmax_skip"}))
+    assert [s.policy for s in only] == ["dense", "softmax_skip"]
+    doc = {"a": [1, 2.5, -3e-05], "b": [[1, 2], [3, 4]], "c": {"d": "x", "e": 0.123456789}}
+    text = evaluate.dumps(doc)
+    assert "[1, 2.5, -3e-05]" in text and json.loads(text) == {**doc, "c": {"d": "x", "e": 0.123457}}

@@ -57,7 +57,7 @@ def test_summary_verdicts():
     assert abs(r["dppl"] - (9.045 / 9.0 - 1)) < 1e-12
     density, label, _ = s["targets"]["exact_gate"]
     assert label == "exact_gate budget=8" and density == 0.5  # the max over lengths
-    assert s["targets"]["estimate_select"] is None and s["targets"]["permute_stop"] is None
+    assert s["targets"]["estimate_select"] is None and "permute_stop" not in s["targets"]  # not measured
     mc = {(m["target"], m["length"]): m for m in s["mc"]}
     assert mc[(0.4, 1024)]["kl_mc"] < mc[(0.4, 1024)]["kl"] and mc[(0.4, 2048)]["kl_mc"] > mc[(0.4, 2048)]["kl"]
     assert sorted(s["op_mc"]) == sorted([(0.5, 0.4), (0.005, 0.006)] * 2)
@@ -74,4 +74,25 @@ def test_render_states_results(tmp_path):
     assert "| estimate_select | none of the measured settings |" in text
     assert "mean correction lowers KL in 1 of 2" in text
     assert "NOT MEASURED" in text
-    assert "| 0.5 | estimate_select (0.005;" in text
+    assert "| 0.5 | **estimate_select** 0.005 (then estimate_select + mean correction 0.006, exact_gate 0.0178) |" in text
+
+
+def test_main_with_a_separate_run(tmp_path):
+    import json
+
+    main, extra = doc(), doc()
+    extra["settings"] = [x for x in extra["settings"] if x["policy"] in ("dense", "exact_gate")]
+    for x in extra["settings"]:
+        x["lengths"] = {"8192": x["lengths"]["2048"]}
+    paths = []
+    for name, d in (("main", main), ("long", extra)):
+        paths.append(str(tmp_path / f"{name}.json"))
+        with open(paths[-1], "w") as f:
+            json.dump(d, f)
+    out = tmp_path / "docs" / "quality.md"
+    out.parent.mkdir()
+    assert report.main(paths + ["--output", str(out), "--img-dir", str(tmp_path / "docs" / "img")]) == 0
+    text = out.read_text()
+    assert "## Results at 8192 tokens (separate run" in text
+    assert text.count("| exact_gate | exact_gate budget=8 |") == 2
+    assert (tmp_path / "main.md").read_text().count("## Results at") == 3

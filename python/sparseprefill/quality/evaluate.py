@@ -14,6 +14,7 @@ import datetime
 import json
 import os
 import platform
+import re
 import subprocess
 import sys
 import tempfile
@@ -72,7 +73,7 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
                    help="layers whose Q/K/V are captured for the operator-level sweep")
     p.add_argument("--only", default="", help="comma-separated policy names to run (default: all)")
     p.add_argument("--cli", help="sparseprefill CLI for the kept-block map (optional)")
-    p.add_argument("--map-layer", type=int, default=15, help="layer of the attention map figure")
+    p.add_argument("--map-layer", type=int, default=15, help="layer of the attention map figure (-1: none)")
     p.add_argument("--device", default="cpu")
     p.add_argument("--dtype", default="auto")
     p.add_argument("--seed", type=int, default=7, help="passkey digits")
@@ -124,7 +125,7 @@ def operator_sweep(qkv: Dict[int, Any], cal: Any, block: int, segment: int) -> L
     alphas = [0.0003, 0.001, 0.003, 0.01, 0.03, 0.1, 0.3]
     taus = [0.0003, 0.001, 0.003, 0.01, 0.03, 0.1]
     points = []
-    grid = sum([len(cal.gate_budgets), len(cal.skip_targets), 2 * len(alphas), len(taus)], 0) * len(qkv)
+    grid = (len(cal.gate_budgets) + len(cal.skip_targets) + 2 * len(alphas) + len(taus)) * len(qkv)
     bar = data.progress(total=grid, desc="operator sweep")
     for layer, (q, k, v) in qkv.items():
         dense = sp.run(q, k, v, sp.Dense(), causal=True).out
@@ -145,8 +146,8 @@ def operator_sweep(qkv: Dict[int, Any], cal: Any, block: int, segment: int) -> L
     return points
 
 
-def attention_map(q: np.ndarray, k: np.ndarray, v: np.ndarray, layer: int, head: int, block: int, cal: Any,
-                  cal_path: str, cli: Optional[str], settings: List[Setting]) -> Dict[str, Any]:
+def attention_map(q: np.ndarray, k: np.ndarray, v: np.ndarray, layer: int, head: int, block: int, cal_path: str,
+                  cli: Optional[str], settings: List[Setting]) -> Dict[str, Any]:
     """Block-averaged attention probabilities of one head ([q_blocks, k_blocks]: mean over the
     block's rows of the block's probability mass) and the kept blocks of the block policies
     (read from `sparseprefill run`'s `kept` output)."""
@@ -249,7 +250,7 @@ def main(argv: Optional[List[str]] = None) -> int:
                     wanted = []
                     if st.policy == "dense" and wi == 0:
                         wanted = (args.operator_layers if length == max(args.lengths) else []) + \
-                            ([args.map_layer] if length == min(args.lengths) else [])
+                            ([args.map_layer] if length == min(args.lengths) and args.map_layer >= 0 else [])
                     captured: Dict[int, Any] = {}
                     with torch.no_grad(), capture.capturing(_op_sink(captured, wanted) if wanted else None):
                         logits = model(x, use_cache=False).logits[0, :-1]
@@ -268,7 +269,7 @@ def main(argv: Optional[List[str]] = None) -> int:
                     bar.update(1)
             t_ppl = time.time() - t0
             per_layer = metrics.layer_densities(log)
-            dens, pair = metrics.total_density(per_layer, log)
+            dens, pair = metrics.total_density(log)
             t0 = time.time()
             passkey = []
             for pr in (p for p in prompts if p.length == length):
@@ -298,7 +299,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     t_op = time.time() - t0
     amap = None
     if map_qkv is not None:
-        amap = attention_map(*map_qkv, layer=args.map_layer, head=0, block=block, cal=cal,
+        amap = attention_map(*map_qkv, layer=args.map_layer, head=0, block=block,
                              cal_path=args.calibration, cli=cli, settings=settings)
     doc = {
         "meta": {
@@ -333,10 +334,28 @@ def main(argv: Optional[List[str]] = None) -> int:
     doc["meta"]["seconds_total"] = round(time.time() - t_start, 1)
     os.makedirs(os.path.dirname(os.path.abspath(args.output)), exist_ok=True)
     with open(args.output, "w") as f:
-        json.dump(doc, f, indent=1)
-        f.write("\n")
+        f.write(dumps(doc))
     print(f"wrote {args.output} in {doc['meta']['seconds_total']:.0f} s", file=sys.stderr)
     return 0
+
+
+def _rounded(x: Any) -> Any:
+    """Floats to 6 significant digits (the measurements carry fewer), recursively."""
+    if isinstance(x, float):
+        return float(f"{x:.6g}")
+    if isinstance(x, dict):
+        return {k: _rounded(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [_rounded(v) for v in x]
+    return x
+
+
+def dumps(doc: Dict[str, Any]) -> str:
+    """JSON with one key per line but every list of numbers on one line (small, diffable);
+    floats rounded to 6 significant digits."""
+    text = json.dumps(_rounded(doc), indent=1)
+    flat = re.sub(r"\[\s+([-+0-9.eE, \n]+?)\s+\]", lambda m: "[" + re.sub(r"\s+", " ", m.group(1)) + "]", text)
+    return flat + "\n"
 
 
 def _op_sink(store: Dict[int, Any], layers: List[int]):

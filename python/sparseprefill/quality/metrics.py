@@ -10,7 +10,8 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
-__all__ = ["TokenSums", "token_sums", "relative_error", "layer_densities", "interpolate_at"]
+__all__ = ["TokenSums", "token_sums", "relative_error", "layer_densities", "total_density", "interpolate_at",
+           "curves"]
 
 
 class TokenSums:
@@ -83,7 +84,7 @@ def layer_densities(log: Any) -> Dict[int, Dict[str, Any]]:
     return out
 
 
-def total_density(per_layer: Dict[int, Dict[str, Any]], log: Any) -> Tuple[float, float]:
+def total_density(log: Any) -> Tuple[float, float]:
     """(block density, pair density) over every call of the log."""
     heads = np.sum([c.heads.sum(axis=(0, 1)) for c in log.calls], axis=0)
     return float(heads[1] / max(heads[0], 1)), float(heads[4] / max(heads[3], 1))

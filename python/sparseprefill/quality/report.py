@@ -10,7 +10,7 @@ import json
 import math
 import os
 import sys
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from . import metrics
 
@@ -46,7 +46,7 @@ def summarize(doc: Dict[str, Any]) -> Dict[str, Any]:
                          "seconds": r["seconds_ppl"] + r["seconds_passkey"]})
     # Target: every length within 1% perplexity and passkey equal to dense; the sparsest such setting.
     targets: Dict[str, Any] = {}
-    for policy in POLICY_ORDER[1:]:
+    for policy in (p for p in POLICY_ORDER[1:] if any(x["policy"] == p for x in settings)):
         ok = []
         for s in (x for x in settings if x["policy"] == policy):
             mine = [r for r in rows if r["label"] == s["label"]]
@@ -105,7 +105,46 @@ def _name(policy: str) -> str:
     return DISPLAY.get(policy, policy)
 
 
-def render(doc: Dict[str, Any], source: str, images: Dict[str, str]) -> str:
+def _ranking(best: Optional[str], vals: Dict[str, float]) -> str:
+    """'winner (value); then others (value), ...' or '–' when no policy's curve reaches there."""
+    if best is None:
+        return "–"
+    rest = ", ".join(f"{_name(p)} {v:.3g}" for p, v in sorted(vals.items(), key=lambda kv: kv[1]) if p != best)
+    return f"**{_name(best)}** {vals[best]:.3g}" + (f" (then {rest})" if rest else " (only policy measured there)")
+
+
+def _length_tables(s: Dict[str, Any], note: str) -> List[str]:
+    lines: List[str] = []
+    for L in s["lengths"]:
+        lines += [f"## Results at {L} tokens{note}", "",
+                  "| setting | density | block density | ΔPPL % | KL (nats) | top-1 agreement | passkey | time (s) |",
+                  "|---|---:|---:|---:|---:|---:|---:|---:|"]
+        for r in (r for r in s["rows"] if r["length"] == int(L)):
+            lines.append(f"| {r['label'].replace('estimate_select_mc', 'estimate_select+mc')} | "
+                         f"{_fmt(r['pair_density'])} | {_fmt(r['density'])} | {100 * r['dppl']:+.2f} | "
+                         f"{r['kl']:.3g} | {_fmt(r['top1'])} | {_fmt(r['passkey'], 2)} | {r['seconds']:.0f} |")
+        dense_ppl = next(r["ppl"] for r in s["rows"] if r["length"] == int(L) and r["policy"] == "dense")
+        lines += ["", f"Dense perplexity at {L} tokens: {dense_ppl:.3f}. Time = wall seconds of the perplexity "
+                  "windows and passkey prompts on the CPU backend (not a speed measurement).", ""]
+    return lines
+
+
+def _target_table(s: Dict[str, Any]) -> List[str]:
+    lines = ["| policy | setting | density (max over lengths) | ΔPPL % per length | passkey per length |",
+             "|---|---|---:|---|---|"]
+    for policy, t in s["targets"].items():
+        if t is None:
+            lines.append(f"| {_name(policy)} | none of the measured settings | – | – | – |")
+            continue
+        dmax, label, mine = t
+        lines.append(f"| {_name(policy)} | {label} | {dmax:.3f} | "
+                     + ", ".join(f"{r['length']}: {100 * r['dppl']:+.2f}" for r in mine) + " | "
+                     + ", ".join(f"{r['length']}: {_fmt(r['passkey'], 2)}" for r in mine) + " |")
+    return lines
+
+
+def render(doc: Dict[str, Any], source: str, images: Dict[str, str],
+           extras: Sequence[Tuple[Dict[str, Any], str]] = ()) -> str:
     s = summarize(doc)
     m = doc["meta"]
     lines = ["# Quality on a real model", "",
@@ -139,32 +178,18 @@ def render(doc: Dict[str, Any], source: str, images: Dict[str, str]) -> str:
               "about 0.5% perplexity or one passkey are within noise.",
               f"- Run time: {m['seconds_total']:.0f} s in total ({m['seconds_operator']:.0f} s of it the operator sweep); "
               f"{m['versions']}.", ""]
-    for L in s["lengths"]:
-        lines += [f"## Results at {L} tokens", "",
-                  "| setting | density | block density | ΔPPL % | KL (nats) | top-1 agreement | passkey | time (s) |",
-                  "|---|---:|---:|---:|---:|---:|---:|---:|"]
-        for r in (r for r in s["rows"] if r["length"] == int(L)):
-            lines.append(f"| {r['label'].replace('estimate_select_mc', 'estimate_select+mc')} | "
-                         f"{_fmt(r['pair_density'])} | {_fmt(r['density'])} | {100 * r['dppl']:+.2f} | "
-                         f"{r['kl']:.3g} | {_fmt(r['top1'])} | {_fmt(r['passkey'], 2)} | {r['seconds']:.0f} |")
-        dense_ppl = next(r["ppl"] for r in s["rows"] if r["length"] == int(L) and r["policy"] == "dense")
-        lines += ["", f"Dense perplexity at {L} tokens: {dense_ppl:.3f}. Time = wall seconds of the perplexity "
-                  "windows and passkey prompts on the CPU backend (not a speed measurement).", ""]
+    lines += _length_tables(s, "")
+    for extra, extra_source in extras:
+        lines += _length_tables(summarize(extra), f" (separate run, `{extra_source}`)")
     lines += ["## The issue's targets", "",
               "**Perplexity within 1% of dense and passkey accuracy equal to dense, at every measured length** — "
-              "the sparsest setting per policy that meets it:", "",
-              "| policy | setting | density (max over lengths) | ΔPPL % per length | passkey per length |",
-              "|---|---|---:|---|---|"]
-    for policy, t in s["targets"].items():
-        if t is None:
-            lines.append(f"| {_name(policy)} | none of the measured settings | – | – | – |")
-            continue
-        dmax, label, mine = t
-        lines.append(f"| {_name(policy)} | {label} | {dmax:.3f} | "
-                     + ", ".join(f"{r['length']}: {100 * r['dppl']:+.2f}" for r in mine) + " | "
-                     + ", ".join(f"{r['length']}: {_fmt(r['passkey'], 2)}" for r in mine) + " |")
-    lines += ["", "**Mean correction** (estimate_select with and without it at the same per-layer alpha — the "
-              "selection is identical, so the density is the same):", "",
+              "the sparsest setting per policy that meets it:", ""]
+    lines += _target_table(s)
+    for extra, extra_source in extras:
+        lines += ["", f"The same test on the separate run `{extra_source}` (lengths {', '.join(summarize(extra)['lengths'])}):", ""]
+        lines += _target_table(summarize(extra))
+    lines += ["", "**Mean correction** (estimate_select with and without it at the same per-layer alpha; end to end "
+              "the densities differ slightly because mean correction changes the inputs of later layers):", "",
               "| density target | length | density | KL without | KL with | lower with MC | ΔPPL % without | ΔPPL % with |",
               "|---:|---:|---:|---:|---:|---|---:|---:|"]
     for r in s["mc"]:
@@ -184,15 +209,8 @@ def render(doc: Dict[str, Any], source: str, images: Dict[str, str]) -> str:
               f"{doc['operator']['length']} tokens) | end to end: lowest KL at "
               + " / ".join(s["lengths"]) + " tokens |", "|---:|---|---|"]
     for d in DENSITY_GRID:
-        best, vals = s["winners_op"][d]
-        op_cell = f"{_name(best)} ({vals[best]:.3g}; " + ", ".join(
-            f"{_name(p)} {v:.3g}" for p, v in sorted(vals.items(), key=lambda kv: kv[1]) if p != best) + ")" \
-            if best else "–"
-        kl_cells = []
-        for L in s["lengths"]:
-            b, v = s["winners_kl"][L][d]
-            kl_cells.append(f"{_name(b)} ({v[b]:.3g}, of {len(v)})" if b else "–")
-        lines.append(f"| {d:.1f} | {op_cell} | {' / '.join(kl_cells)} |")
+        cells = [_ranking(*s["winners_op"][d])] + [_ranking(*s["winners_kl"][L][d]) for L in s["lengths"]]
+        lines.append(f"| {d:.1f} | {cells[0]} | {' / '.join(cells[1:])} |")
     lines += [""]
     if images:
         lines += ["## Plots", ""]
@@ -262,6 +280,7 @@ def plots(doc: Dict[str, Any], img_dir: str, prefix: str, rel_to: str) -> Dict[s
         if key == "kl":
             ax.set_yscale("log")
     axes[0].axhline(100 * PPL_TOLERANCE, color="grey", ls=":", lw=1)
+    axes[0].set_yscale("symlog", linthresh=1.0)
     axes[1].legend(fontsize=7, ncol=2)
     save(fig, "density-quality", "Density against ΔPPL and KL, per policy (solid: shortest length)")
 
@@ -323,20 +342,25 @@ def plots(doc: Dict[str, Any], img_dir: str, prefix: str, rel_to: str) -> Dict[s
 
 def main(argv: Optional[List[str]] = None) -> int:
     p = argparse.ArgumentParser(prog="python -m sparseprefill.quality.report", description=__doc__)
-    p.add_argument("results", help="results JSON from python -m sparseprefill.quality.evaluate")
+    p.add_argument("results", nargs="+",
+                   help="results JSON from python -m sparseprefill.quality.evaluate: the main run (plots, "
+                        "operator level), then optional separate runs (e.g. longer lengths) tabulated after it")
     p.add_argument("--output", default="docs/quality.md")
     p.add_argument("--img-dir", default="docs/img")
     args = p.parse_args(argv)
-    with open(args.results) as f:
-        doc = json.load(f)
-    prefix = "quality"
-    images = plots(doc, args.img_dir, prefix, os.path.dirname(os.path.abspath(args.output)))
-    text = render(doc, os.path.relpath(args.results), images)
+    docs = []
+    for path in args.results:
+        with open(path) as f:
+            docs.append(json.load(f))
+    images = plots(docs[0], args.img_dir, "quality", os.path.dirname(os.path.abspath(args.output)))
+    sources = [os.path.relpath(r) for r in args.results]
+    text = render(docs[0], " ".join(sources), images, list(zip(docs[1:], sources[1:])))
     with open(args.output, "w") as f:
         f.write(text)
-    md = os.path.splitext(args.results)[0] + ".md"
+    md = os.path.splitext(args.results[0])[0] + ".md"
+    rel = os.path.relpath(os.path.dirname(os.path.abspath(args.output)), os.path.dirname(os.path.abspath(md)))
     with open(md, "w") as f:
-        f.write(text.replace("](img/", "](../../docs/img/"))
+        f.write(text.replace("](img/", f"]({rel}/img/"))
     print(f"wrote {args.output} and {md} ({len(images)} plots)", file=sys.stderr)
     return 0
 
