@@ -387,11 +387,13 @@ class Reader {
     const auto it = file_.metadata.find(key);
     if (it == file_.metadata.end()) return corrupt_data("metadata '" + std::string(key) + "' is missing");
     const std::string& s = it->second;
+    // At most 9 digits, checked before accumulating: no overflow whatever the text.
     std::int64_t v = 0;
     bool ok = !s.empty() && s.size() <= 9;
-    for (const char ch : s) {
+    for (std::size_t i = 0; ok && i < s.size(); ++i) {
+      const char ch = s[i];
       if (ch < '0' || ch > '9') ok = false;
-      v = v * 10 + (ch - '0');
+      else v = v * 10 + (ch - '0');
     }
     if (!ok || v < min_value || v > kMaxDim) {
       return corrupt_data("metadata '" + std::string(key) + "': expected an integer in " +

@@ -286,6 +286,12 @@ TEST(CalibrationFile, LoadRejectsMissingExtraAndInconsistentData) {
        "metadata 'estimate_select.sink': expected an integer in 0 .. 1048576, got '99999999999'"},
       {[](sp::SafetensorsFile* f) { f->metadata["estimate_select.pack_gqa"] = "1"; },
        "metadata 'estimate_select.pack_gqa': expected 'true' or 'false', got '1'"},
+      // Found by the fuzzer: a long value once overflowed the digit accumulator (UB) before
+      // the length check rejected it.
+      {[](sp::SafetensorsFile* f) { f->metadata["layers"] = "2estimate_select.taildel"; },
+       "metadata 'layers': expected an integer in 0 .. 1048576, got '2estimate_select.taildel'"},
+      {[](sp::SafetensorsFile* f) { f->metadata["layers"] = "99999999999999999999999"; },
+       "metadata 'layers': expected an integer in 0 .. 1048576, got '99999999999999999999999'"},
   };
   const std::string path = temp_path("edited.safetensors");
   for (const Case& c : cases) {
