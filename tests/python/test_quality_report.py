@@ -96,3 +96,15 @@ def test_main_with_a_separate_run(tmp_path):
     assert "## Results at 8192 tokens (separate run" in text
     assert text.count("| exact_gate | exact_gate budget=8 |") == 2
     assert (tmp_path / "main.md").read_text().count("## Results at") == 3
+
+
+def test_timing_section():
+    d = doc()
+    assert "NOT MEASURED" in report.render(d, "r.json", {})
+    d["timing"] = {"repeats": 3, "seconds": {"torch sdpa": {"1024": 0.2, "2048": 0.5},
+                                             "dense": {"1024": 0.25, "2048": 0.6},
+                                             "exact_gate budget=8": {"1024": 0.125, "2048": 0.2}}}
+    text = report.render(d, "r.json", {})
+    assert "NOT MEASURED" not in text
+    assert "| exact_gate budget=8 | 125.0 | 2.00 | 1.60 | 200.0 | 3.00 | 2.50 |" in text
+    assert "not a speed result" in text

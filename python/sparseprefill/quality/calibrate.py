@@ -12,6 +12,7 @@ import argparse
 import datetime
 import glob
 import os
+import shlex
 import shutil
 import subprocess
 import sys
@@ -142,6 +143,8 @@ def main(argv: Optional[List[str]] = None) -> int:
         "qk_dtype": str(next(iter(model.parameters())).dtype).replace("torch.", ""),
         "device": args.device,
         "date": datetime.date.today().isoformat(),
+        "command": " ".join(shlex.quote(a) for a in ["python", "-m", "sparseprefill.quality.calibrate"]
+                            + (sys.argv[1:] if argv is None else argv)),
     }
     add_metadata(args.output, meta)
     from ..calibration import load_calibration

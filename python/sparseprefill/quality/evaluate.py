@@ -15,6 +15,7 @@ import json
 import os
 import platform
 import re
+import shlex
 import subprocess
 import sys
 import tempfile
@@ -74,6 +75,9 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     p.add_argument("--only", default="", help="comma-separated policy names to run (default: all)")
     p.add_argument("--cli", help="sparseprefill CLI for the kept-block map (optional)")
     p.add_argument("--map-layer", type=int, default=15, help="layer of the attention map figure (-1: none)")
+    p.add_argument("--timing-repeats", type=int, default=0,
+                   help="prefill timing: timed runs per setting and length after one warm-up (0: not measured; "
+                        "meant for the GPU, where torch SDPA with cuDNN is timed too)")
     p.add_argument("--device", default="cpu")
     p.add_argument("--dtype", default="auto")
     p.add_argument("--seed", type=int, default=7, help="passkey digits")
@@ -115,6 +119,47 @@ def backend_config(setting: Setting, cal: Any, layers: int, block: int, segment:
 
     return spt.BackendConfig(policy=sp.Dense(), dense_layers=dense_layers, min_sparse_len=1,
                              layer_policies={l: layer_policy(setting, cal, l, block, segment) for l in range(layers)})
+
+
+def prefill_times(model: Any, inputs: Dict[int, List[int]], settings: List[Setting], config_for: Any,
+                  repeats: int) -> Dict[str, Any]:
+    """Median wall time of the model's prefill (the decoder stack without the LM head, no KV cache)
+    per length: torch SDPA (default backend selection; on CUDA also cuDNN only), then every
+    setting through the sparseprefill backend. One warm-up run each; CUDA is synchronised."""
+    import torch
+
+    import sparseprefill.transformers as spt
+
+    cuda = model.device.type == "cuda"
+
+    def timed(x: Any) -> float:
+        samples = []
+        for i in range(repeats + 1):
+            if cuda:
+                torch.cuda.synchronize()
+            t = time.perf_counter()
+            with torch.no_grad():
+                model.model(x, use_cache=False)
+            if cuda:
+                torch.cuda.synchronize()
+            if i:
+                samples.append(time.perf_counter() - t)
+        return float(np.median(samples))
+
+    xs = {L: torch.tensor([ids], device=model.device) for L, ids in inputs.items()}
+    out: Dict[str, Any] = {"repeats": repeats, "seconds": {}}
+    model.set_attn_implementation("sdpa")
+    out["seconds"]["torch sdpa"] = {str(L): timed(x) for L, x in xs.items()}
+    if cuda:
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+
+        with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+            out["seconds"]["torch sdpa (cuDNN)"] = {str(L): timed(x) for L, x in xs.items()}
+    model.set_attn_implementation(capture.NAME)
+    for st in data.progress(settings, desc="prefill timing"):
+        spt.set_config(config_for(st))
+        out["seconds"][st.label] = {str(L): timed(x) for L, x in xs.items()}
+    return out
 
 
 def operator_sweep(qkv: Dict[int, Any], cal: Any, block: int, segment: int) -> List[Dict[str, Any]]:
@@ -294,6 +339,12 @@ def main(argv: Optional[List[str]] = None) -> int:
             entry["lengths"][str(length)] = row
         results.append(entry)
     bar.close()
+    timing = None
+    if args.timing_repeats > 0:
+        spt.set_config(spt.BackendConfig(min_sparse_len=1))
+        inputs = {L: ppl_windows[L][0][1] for L in args.lengths}
+        timing = prefill_times(model, inputs, settings, lambda st: backend_config(
+            st, cal, layers, block, args.segment, args.dense_layers), args.timing_repeats)
     t0 = time.time()
     op_points = operator_sweep(qkv, cal, block, args.segment)
     t_op = time.time() - t0
@@ -325,11 +376,14 @@ def main(argv: Optional[List[str]] = None) -> int:
                          "transformers": transformers.__version__, "python": platform.python_version()},
             "build_info": sp.build_info(),
             "date": datetime.date.today().isoformat(),
+            "command": " ".join(shlex.quote(a) for a in ["python", "-m", "sparseprefill.quality.evaluate"]
+                                + (sys.argv[1:] if argv is None else argv)),
             "seconds_total": None, "seconds_operator": round(t_op, 1),
         },
         "settings": results,
         "operator": {"length": max(args.lengths), "layers": sorted(qkv), "points": op_points},
         "attention_map": amap,
+        "timing": timing,
     }
     doc["meta"]["seconds_total"] = round(time.time() - t_start, 1)
     os.makedirs(os.path.dirname(os.path.abspath(args.output)), exist_ok=True)

