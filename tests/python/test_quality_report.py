@@ -56,7 +56,7 @@ def test_summary_verdicts():
     r = next(r for r in s["rows"] if r["label"] == "exact_gate budget=8" and r["length"] == 2048)
     assert abs(r["dppl"] - (9.045 / 9.0 - 1)) < 1e-12
     density, label, _ = s["targets"]["exact_gate"]
-    assert label == "exact_gate budget=8" and density == 0.5  # the max over lengths
+    assert label == "exact_gate budget=8" and density == 0.475  # the mean over lengths
     assert s["targets"]["estimate_select"] is None and "permute_stop" not in s["targets"]  # not measured
     mc = {(m["target"], m["length"]): m for m in s["mc"]}
     assert mc[(0.4, 1024)]["kl_mc"] < mc[(0.4, 1024)]["kl"] and mc[(0.4, 2048)]["kl_mc"] > mc[(0.4, 2048)]["kl"]
@@ -70,7 +70,8 @@ def test_summary_verdicts():
 
 def test_render_states_results(tmp_path):
     text = report.render(doc(), "r.json", {})
-    assert "| exact_gate | exact_gate budget=8 | 0.500 |" in text
+    assert "| exact_gate | exact_gate budget=8 | 1024: 0.500, 2048: 0.450 | 1024: +0.50, 2048: +0.50 | " \
+        "1024: 1.00 (1.00), 2048: 1.00 (1.00) |" in text
     assert "| estimate_select | none of the measured settings |" in text
     assert "mean correction lowers KL in 1 of 2" in text
     assert "NOT MEASURED" in text
