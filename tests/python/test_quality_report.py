@@ -75,6 +75,8 @@ def test_render_states_results(tmp_path):
     assert "| estimate_select | none of the measured settings |" in text
     assert "mean correction lowers KL in 1 of 2" in text
     assert "NOT MEASURED" in text
+    assert "exact_gate at `exact_gate budget=8` (density 0.50/0.45); not met by any measured setting: " \
+        "estimate_select, estimate_select + mean correction." in text
     assert "| 0.5 | **estimate_select** 0.005 (then estimate_select + mean correction 0.006, exact_gate 0.0178) |" in text
 
 

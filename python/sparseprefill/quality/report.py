@@ -30,7 +30,7 @@ SESSION_COMMANDS = {
                  "--output build/quality/cal-smollm2-b64.safetensors",
     "evaluate": "python -m sparseprefill.quality.evaluate --model build/models/smollm2/SmolLM2-135M-Instruct.Q4_1.gguf "
                 "--text build/models/text/policy.txt --calibration build/quality/cal-smollm2-b64.safetensors "
-                "--output bench/records/quality-2026-11-29-cpu-smollm2-b64.json --lengths 2048,4096 --windows 2,1 "
+                "--output bench/records/quality/2026-11-29-cpu-smollm2-b64.json --lengths 2048,4096 --windows 2,1 "
                 "--budgets 8,16,32 --skip-targets 0.2,0.4,0.6 --density-targets 0.5,0.7,0.85 --taus 0.001,0.003,0.01 "
                 "--segment 512 --operator-layers 2,10,20,29 --map-layer 15",
     "evaluate_long": "python -m sparseprefill.quality.evaluate ... (see the separate run's JSON)",
@@ -128,6 +128,58 @@ def _ranking(best: Optional[str], vals: Dict[str, float]) -> str:
     return f"**{_name(best)}** {vals[best]:.3g}" + (f" (then {rest})" if rest else " (only policy measured there)")
 
 
+def _densities(rows: List[Dict[str, Any]]) -> str:
+    return "/".join(f"{r['pair_density']:.2f}" for r in rows)
+
+
+def _bands(winners: Dict[float, Tuple[Optional[str], Dict[str, float]]]) -> str:
+    """'A at densities 0.3–0.6, B at 0.8' from per-density winners (grid order)."""
+    bands: List[Tuple[str, List[float]]] = []
+    for d, (best, vals) in winners.items():
+        if best is None:
+            continue
+        if len(vals) == 1:
+            best += " alone"
+        if bands and bands[-1][0] == best:
+            bands[-1][1].append(d)
+        else:
+            bands.append((best, [d]))
+    if not bands:
+        return "no density where two curves overlap"
+    return ", ".join(f"{_name(b.split()[0])}{' (the only curve there)' if b.endswith(' alone') else ''} at "
+                     f"{ds[0]:.1f}" + (f"–{ds[-1]:.1f}" if len(ds) > 1 else "") for b, ds in bands)
+
+
+def _summary(s: Dict[str, Any], extras: List[Tuple[Dict[str, Any], str]]) -> List[str]:
+    lengths = "/".join(s["lengths"])
+    met = [f"{_name(p)} at `{t[1]}` (density {_densities(t[2])})"
+           for p, t in s["targets"].items() if t]
+    missed = [_name(p) for p, t in s["targets"].items() if not t]
+    lines = ["## Summary", "",
+             f"- **Within 1% of dense perplexity with dense's passkey accuracy at {lengths} tokens**: "
+             + (", ".join(met) if met else "no policy") + (f"; not met by any measured setting: {', '.join(missed)}"
+                                                            if missed else "") + "."]
+    for x, src in extras:
+        lengths_x = "/".join(x["lengths"])
+        rows = [r for r in x["rows"] if r["policy"] != "dense"]
+        lines.append(f"- At {lengths_x} tokens (separate run, one setting per policy): "
+                     + "; ".join(f"{_name(r['policy'])} `{r['label']}` density {r['pair_density']:.2f}, ΔPPL "
+                                 f"{100 * r['dppl']:+.2f}%, passkey {_fmt(r['passkey'], 2)} (dense "
+                                 f"{_fmt(r['dense_passkey'], 2)}) — "
+                                 + ("meets" if r["dppl"] <= PPL_TOLERANCE and r["passkey"] == r["dense_passkey"]
+                                    else "misses") for r in rows) + ".")
+    lines.append(f"- **Lowest operator-level error at matched density** (real Q/K/V): {_bands(s['winners_op'])}.")
+    for L in s["lengths"]:
+        lines.append(f"- **Lowest end-to-end KL at matched density, {L} tokens**: {_bands(s['winners_kl'][L])}.")
+    if s["mc"]:
+        lower = sum(r["kl_mc"] < r["kl"] for r in s["mc"])
+        op = (f"; at the operator level it lowers the relative error in {sum(b < a for a, b in s['op_mc'])} of "
+              f"{len(s['op_mc'])} (alpha, layer) cases") if s["op_mc"] else ""
+        lines.append(f"- **Mean correction** (estimate_select, same alpha): lowers end-to-end KL in {lower} of "
+                     f"{len(s['mc'])} (target, length) pairs{op}.")
+    return lines + [""]
+
+
 def _length_tables(s: Dict[str, Any], note: str) -> List[str]:
     lines: List[str] = []
     for L in s["lengths"]:
@@ -194,8 +246,11 @@ def render(doc: Dict[str, Any], source: str, images: Dict[str, str],
               f"- **Sample sizes are small** (CPU session: {sum(len(v) for v in m['ppl_windows'].values())} "
               f"perplexity windows, {len(m['passkey']['depths'])} passkeys per length): differences below "
               "about 0.5% perplexity or one passkey are within noise.",
-              f"- Run time: {m['seconds_total']:.0f} s in total ({m['seconds_operator']:.0f} s of it the operator sweep); "
-              f"{m['versions']}.", ""]
+              f"- Run time: {m['seconds_total']:.0f} s in total ({m['seconds_operator']:.0f} s of it the operator sweep)"
+              + "".join(f"; separate run `{src}`: {x['meta']['seconds_total']:.0f} s" for x, src in extras)
+              + (" — wall time on a shared 2-core machine with other jobs running" if m["device"] == "cpu" else "")
+              + f"; {m['versions']}.", ""]
+    lines += _summary(s, [(summarize(extra), src) for extra, src in extras])
     lines += _length_tables(s, "")
     for extra, extra_source in extras:
         lines += _length_tables(summarize(extra), f" (separate run, `{extra_source}`)")
