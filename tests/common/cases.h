@@ -63,6 +63,21 @@ inline std::function<bool(const Decisions&)> some_skipped(std::int64_t visible) 
   };
 }
 
+// estimate_select with one-block sink, window and tail: small forced sets, so that small test
+// problems still leave blocks for the energy rule to decide.
+inline EstimateSelectParams small_estimate_select(double alpha, int block, bool correction = false,
+                                                  bool pack = false) {
+  EstimateSelectParams p;
+  p.block = block;
+  p.alpha = alpha;
+  p.sink = 1;
+  p.window = 1;
+  p.tail = 1;
+  p.mean_correction = correction;
+  p.pack_gqa = pack;
+  return p;
+}
+
 // The first candidate whose oracle decisions are unchanged at candidate·(1 ± kMargin) and
 // satisfy `useful`; NaN when none does (the test then fails).
 inline double stable_parameter(const TestProblem& tp, const std::vector<double>& candidates,

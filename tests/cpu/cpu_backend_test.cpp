@@ -454,17 +454,6 @@ TEST(CpuSoftmaxSkip, NaNValuesOfSkippedBlocksAreNeverRead) {
 
 // ------------------------------------------------------------------ estimate_select
 
-EstimateSelectParams select_params(double alpha, int block, bool correction, bool pack) {
-  EstimateSelectParams p;
-  p.block = block;
-  p.alpha = alpha;
-  p.sink = 1;
-  p.window = 1;
-  p.tail = 1;
-  p.mean_correction = correction;
-  p.pack_gqa = pack;
-  return p;
-}
 
 TEST(CpuEstimateSelect, StableAlphaAgainstOracle) {
   struct Case {
@@ -483,7 +472,7 @@ TEST(CpuEstimateSelect, StableAlphaAgainstOracle) {
     const Inputs in = make_inputs({c.len}, c.h_q, c.h_kv, 16, 61, c.input_scale);
     TestProblem tp = make_problem(in);
     const auto params = [&c](double alpha) {
-      EstimateSelectParams p = select_params(alpha, c.block, c.correction, c.pack);
+      EstimateSelectParams p = small_estimate_select(alpha, c.block, c.correction, c.pack);
       p.window = c.window;
       return p;
     };
@@ -515,7 +504,7 @@ TEST(CpuEstimateSelect, MeanCorrectionOfConstantBlocksEqualsDense) {
       }
     }
     TestProblem tp = make_problem(in);
-    const CpuRun r = run_cpu_backend(&tp, select_params(0.9, block, true, false));
+    const CpuRun r = run_cpu_backend(&tp, small_estimate_select(0.9, block, true, false));
     ASSERT_TRUE(r.status.ok()) << r.status.to_string();
     EXPECT_GT(r.decisions.corrected.selected_blocks(), 10);
     EXPECT_TRUE(matches_reference(tp.problem(), DenseParams{}, tp.output()));
@@ -532,7 +521,7 @@ TEST(CpuEstimateSelect, PlanMeansAreRoundedToTheInputDtype) {
     ProblemShape shape;
     ASSERT_TRUE(validate_problem(tp.problem(), nullptr, &shape).ok());
     cpu::EstimatePlan plan;
-    ASSERT_TRUE(cpu::estimate_select_plan(tp.problem(), shape, select_params(0.2, 8, true, false), 1, &plan).ok());
+    ASSERT_TRUE(cpu::estimate_select_plan(tp.problem(), shape, small_estimate_select(0.2, 8, true, false), 1, &plan).ok());
     const int nkb = 6;
     ASSERT_EQ(plan.k_mean[0].size(), static_cast<std::size_t>(in.h_kv * nkb * in.d));
     for (const bool value : {false, true}) {
@@ -562,7 +551,7 @@ TEST(CpuEstimateSelect, AttendReadsOnlyKeptBlocks) {
     Inputs in = make_inputs({len}, 2, 1, 16, 67, 2.5);
     TestProblem clean = make_problem(in);
     const auto params = [correction](double alpha) {
-      EstimateSelectParams p = select_params(alpha, 8, correction, false);
+      EstimateSelectParams p = small_estimate_select(alpha, 8, correction, false);
       p.tail = 0;
       return p;
     };
@@ -601,7 +590,7 @@ TEST(CpuEstimateSelect, AttendReadsOnlyKeptBlocks) {
 TEST(CpuEstimateSelect, RequiresCausal) {
   const Inputs in = make_inputs({{16, 16}}, 1, 1, 16, 69);
   TestProblem tp = make_problem(in, false);
-  const CpuRun r = run_cpu_backend(&tp, select_params(0.1, 4, false, false));
+  const CpuRun r = run_cpu_backend(&tp, small_estimate_select(0.1, 4, false, false));
   EXPECT_EQ(r.status.code(), StatusCode::kUnsupported);
 }
 
@@ -663,8 +652,8 @@ std::vector<Policy> every_policy(const HostTensor& thr) {
   return {DenseParams{},
           gate_params(thr, 8, 8),
           skip_params(0.3, 8, 8),
-          select_params(0.2, 8, true, false),
-          select_params(0.2, 8, false, true),
+          small_estimate_select(0.2, 8, true, false),
+          small_estimate_select(0.2, 8, false, true),
           permute_params(0.02, 24, 8, 8)};
 }
 

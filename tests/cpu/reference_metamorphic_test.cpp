@@ -12,6 +12,7 @@
 
 #include <gtest/gtest.h>
 
+#include "common/cases.h"
 #include "common/decisions.h"
 #include "common/inputs.h"
 #include "common/naive.h"
@@ -73,15 +74,7 @@ SoftmaxSkipParams skip(double a, int bq = 8, int bk = 8) {
 }
 
 EstimateSelectParams estimate(double alpha, int block = 8, bool correct = false, bool pack = false) {
-  EstimateSelectParams p;
-  p.block = block;
-  p.alpha = alpha;
-  p.sink = 1;
-  p.window = 1;
-  p.tail = 1;
-  p.mean_correction = correct;
-  p.pack_gqa = pack;
-  return p;
+  return sparseprefill::test::small_estimate_select(alpha, block, correct, pack);
 }
 
 PermuteStopParams permute(double tau, int segment = 16, int bq = 4, int bk = 8) {
