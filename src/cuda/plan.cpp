@@ -57,8 +57,8 @@ Status check_view(const char* name, const TensorView& t) {
 std::string support_summary() {
   return "compiled CUDA kernels (portable sm80 path): " + compiled_fwd_summary() +
          "; block_q 128, block_k 64 or 128; estimate_select block 128; policies dense, block_sparse, "
-         "exact_gate, softmax_skip, estimate_select; Hopper sm90 path (compute capability 9.0, dense only; "
-         "the other policies use the portable path there): " +
+         "exact_gate, softmax_skip, estimate_select; Hopper sm90 path (compute capability 9.0: dense and "
+         "every policy with 128-key blocks; block_k 64 uses the portable path there): " +
          compiled_fwd90_summary() + "; not on CUDA: permute_stop, paged K/V, fp32";
 }
 
@@ -74,11 +74,30 @@ bool tma_describable(const AttentionProblem& problem) {
   return true;
 }
 
+int hopper_block_k() { return 128; }
+
 FwdPath choose_fwd_path(const ProblemShape& shape, const Policy& policy, bool tma_ok, int cc_major, int cc_minor) {
   const bool hopper = cc_major == 9 && cc_minor == 0;
-  const bool dense = std::holds_alternative<DenseParams>(policy);
-  if (hopper && dense && tma_ok && find_fwd90(shape.dtype, shape.d) != nullptr) return FwdPath::kHopper;
-  return FwdPath::kPortable;
+  if (!hopper || !tma_ok || find_fwd90(shape.dtype, shape.d) == nullptr) return FwdPath::kPortable;
+  // The Hopper kernel's key tile is one 128-key block: dense (no blocks) and every policy with
+  // 128-key blocks run there; 64-key blocks keep the portable kernel's 64-key sub-tiles.
+  const bool served = std::visit(
+      [](const auto& p) {
+        using P = std::decay_t<decltype(p)>;
+        if constexpr (std::is_same_v<P, DenseParams>) {
+          return true;
+        } else if constexpr (std::is_same_v<P, BlockSparseParams>) {
+          return p.mask.block_k == hopper_block_k();
+        } else if constexpr (std::is_same_v<P, ExactGateParams> || std::is_same_v<P, SoftmaxSkipParams>) {
+          return p.block_k == hopper_block_k();
+        } else if constexpr (std::is_same_v<P, EstimateSelectParams>) {
+          return p.block == hopper_block_k();
+        } else {
+          return false;
+        }
+      },
+      policy);
+  return served ? FwdPath::kHopper : FwdPath::kPortable;
 }
 
 int dense_block_k(int head_dim) {

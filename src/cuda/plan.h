@@ -27,7 +27,7 @@ Status check_layout(const AttentionProblem& problem, const AttentionOutput& outp
 // The forward kernel family that serves a call.
 enum class FwdPath {
   kPortable,  // sm80 kernels (mma.sync, cp.async): every policy, every sm_80+ device
-  kHopper,    // sm90 kernel (TMA, wgmma; sm_90a code): dense only, compute capability 9.0 only
+  kHopper,    // sm90 kernel (TMA, wgmma; sm_90a code): 128-key blocks, compute capability 9.0 only
 };
 
 // Whether TMA tensor maps can describe q, k and v as (d, head, row) boxes: beyond
@@ -35,10 +35,15 @@ enum class FwdPath {
 // dimension with more than one element is positive and below 2^40 bytes.
 bool tma_describable(const AttentionProblem& problem);
 
+// The key-block size of the Hopper kernel (its key tile): policies with other blocks run the
+// portable kernel.
+int hopper_block_k();
+
 // The path of a call that check_support accepted, on a device of compute capability
-// (cc_major, cc_minor): Hopper for dense attention on 9.0 when an sm90 instance of (dtype,
-// head_dim) is compiled and the tensors are TMA-describable; portable otherwise (block_sparse,
-// the gates and estimate_select keep the portable kernel for now: issue #4).
+// (cc_major, cc_minor): Hopper on 9.0 when an sm90 instance of (dtype, head_dim) is compiled,
+// the tensors are TMA-describable and the policy is dense or works on hopper_block_k() key
+// blocks (block_sparse, exact_gate, softmax_skip, estimate_select); portable otherwise
+// (block_k 64, and every other device).
 FwdPath choose_fwd_path(const ProblemShape& shape, const Policy& policy, bool tma_ok, int cc_major, int cc_minor);
 
 // The key-block size dense attention runs with (a tuning value, no effect on results).

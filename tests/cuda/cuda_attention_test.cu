@@ -3,7 +3,8 @@
 // CPU backend's (and the oracle's) decisions exactly on inputs placed away from ties, poisoned
 // outputs fully written, NaN K/V in blocks that must not be read, odd lengths, s_q != s_k,
 // GQA groups 1/4/8, varlen, both dtypes and head dims, and clear errors for what is not built.
-// Dense runs on both forward paths: the Hopper kernel (on an sm_90 device) and the portable one.
+// Every case runs on both forward paths: the default one (on an sm_90 device the Hopper kernel
+// for dense and 128-key blocks) and the portable kernel (forced).
 #include <cuda_runtime.h>
 #include <gtest/gtest.h>
 
@@ -25,6 +26,7 @@
 #include "common/tolerance.h"
 #include "core/geometry.h"
 #include "cuda/cuda_backend.h"
+#include "cuda/plan.h"
 #include "gpu_harness.cuh"
 #include "reference/reference.h"
 #include "sparseprefill/attention.h"
@@ -52,28 +54,13 @@ Decisions cpu_decisions(TestProblem* tp, const Policy& policy) {
   return d;
 }
 
-// The GPU output within the calibrated tolerance of the oracle, every element written, and
-// exactly the oracle's and the CPU backend's decisions.
-GpuRun expect_gpu_matches(TestProblem* tp, const Policy& policy) {
-  GpuRun r = run_gpu(tp, policy);
-  EXPECT_TRUE(r.status.ok()) << r.status.to_string();
-  if (!r.status.ok()) return r;
-  ref::Result ref64;
-  EXPECT_TRUE(matches_reference(tp->problem(), policy, tp->output(), {}, &ref64));
-  EXPECT_TRUE(fully_written(r.out, ref64));
-  EXPECT_TRUE(same_decisions(ref64.decisions, r.decisions));
-  TestProblem copy = *tp;
-  EXPECT_TRUE(same_decisions(cpu_decisions(&copy, policy), r.decisions));
-  return r;
-}
-
-// Whether dense calls run the Hopper kernel here (sm_90a code: compute capability 9.0).
+// Whether the GPU runs the Hopper kernel here (sm_90a code: compute capability 9.0).
 bool hopper_device() {
   cudaDeviceProp prop;
   return cudaGetDeviceProperties(&prop, 0) == cudaSuccess && prop.major == 9 && prop.minor == 0;
 }
 
-// While alive, sends this thread's dense calls to the portable kernel.
+// While alive, sends this thread's calls to the portable kernel.
 class PortableOnly {
  public:
   explicit PortableOnly(bool on) { cuda::set_portable_only_for_testing(on); }
@@ -82,29 +69,42 @@ class PortableOnly {
   PortableOnly& operator=(const PortableOnly&) = delete;
 };
 
-// Dense through both forward paths: the default one (the Hopper kernel on an sm_90 device,
-// asserted through the instance that ran) and the portable kernel (forced). Each run is checked
-// as expect_gpu_matches checks it, against references computed once. The runs in that order.
-std::vector<GpuRun> expect_dense_matches(TestProblem* tp) {
-  const Policy dense = DenseParams{};
-  const ref::Result ref64 = oracle(*tp, dense);
+// The forward kernel family the default path must launch for (tp, policy) on this device: the
+// plan's choice (host-tested in cuda_plan_test) on an sm_90 device, the portable one elsewhere.
+std::string expected_instance_prefix(const TestProblem& tp, const Policy& policy) {
+  ProblemShape shape;
+  const Status st = validate_problem(tp.problem(), nullptr, &shape);
+  EXPECT_TRUE(st.ok()) << st.to_string();
+  const bool hopper = st.ok() && hopper_device() &&
+                      cuda::choose_fwd_path(shape, policy, true, 9, 0) == cuda::FwdPath::kHopper;
+  return hopper ? "fwd_sm90_" : "fwd_sm80_";
+}
+
+// The policy through both forward paths: the default one (on an sm_90 device the Hopper kernel
+// for dense and 128-key blocks, asserted through the instance that ran) and the portable
+// kernel (forced). Each run within the calibrated tolerance of the oracle, every element
+// written, and exactly the oracle's and the CPU backend's decisions; the references are
+// computed once. The runs in that order.
+std::vector<GpuRun> expect_both_paths_match(TestProblem* tp, const Policy& policy) {
+  const ref::Result ref64 = oracle(*tp, policy);
   ref::Result lowp;
-  const Status st = run_lowp_reference(tp->problem(), dense, ref64.decisions, &lowp);
+  const Status st = run_lowp_reference(tp->problem(), policy, ref64.decisions, &lowp);
   EXPECT_TRUE(st.ok()) << st.to_string();
   TestProblem copy = *tp;
-  const Decisions cpu = cpu_decisions(&copy, dense);
+  const Decisions cpu = cpu_decisions(&copy, policy);
+  const std::string default_prefix = expected_instance_prefix(*tp, policy);
   std::vector<GpuRun> runs;
   for (bool portable : {false, true}) {
     SCOPED_TRACE(portable ? "portable path" : "default path");
     const PortableOnly guard(portable);
-    GpuRun r = run_gpu(tp, dense);
+    GpuRun r = run_gpu(tp, policy);
     EXPECT_TRUE(r.status.ok()) << r.status.to_string();
     if (r.status.ok()) {
       EXPECT_TRUE(fully_written(r.out, ref64));
       EXPECT_TRUE(close_calibrated(tp->q.dtype(), r.out, ref64, lowp));
       EXPECT_TRUE(same_decisions(ref64.decisions, r.decisions));
       EXPECT_TRUE(same_decisions(cpu, r.decisions));
-      const std::string want = !portable && hopper_device() ? "fwd_sm90_" : "fwd_sm80_";
+      const std::string want = portable ? "fwd_sm80_" : default_prefix;
       const std::string ran = cuda::last_fwd_instance_for_testing();
       EXPECT_EQ(ran.rfind(want, 0), 0u) << "ran " << ran << ", expected " << want << "*";
     }
@@ -112,6 +112,11 @@ std::vector<GpuRun> expect_dense_matches(TestProblem* tp) {
   }
   return runs;
 }
+
+// As expect_both_paths_match; the default path's run.
+GpuRun expect_gpu_matches(TestProblem* tp, const Policy& policy) { return expect_both_paths_match(tp, policy).front(); }
+
+std::vector<GpuRun> expect_dense_matches(TestProblem* tp) { return expect_both_paths_match(tp, DenseParams{}); }
 
 Inputs make_inputs(const std::vector<SeqLen>& lengths, int h_q, int h_kv, int d, std::uint64_t seed,
                    DType dtype = DType::kBF16, double scale = 1.5) {
@@ -290,7 +295,8 @@ TEST(CudaBlockSparse, RandomMasksWithNaNInUnselectedBlocks) {
     bool per_kv, causal;
   };
   for (const Case& c : {Case{{700, 700}, 4, 1, 128, 64, false, true}, Case{{700, 1100}, 8, 2, 64, 128, true, true},
-                        Case{{333, 333}, 2, 2, 128, 128, false, false}, Case{{129, 900}, 4, 4, 64, 64, true, true}}) {
+                        Case{{333, 333}, 2, 2, 128, 128, false, false}, Case{{129, 900}, 4, 4, 64, 64, true, true},
+                        Case{{1023, 1023}, 4, 1, 128, 128, false, true}}) {
     SCOPED_TRACE(std::to_string(c.len.s_q) + "x" + std::to_string(c.len.s_k) + " block_k " + std::to_string(c.block_k) +
                  (c.per_kv ? " per kv head" : " per q head"));
     Inputs in = make_inputs({c.len}, c.h_q, c.h_kv, c.d, 500 + static_cast<std::uint64_t>(c.len.s_k));
@@ -332,10 +338,22 @@ TEST(CudaBlockSparse, AllVisibleMaskEqualsDenseBitwise) {
   p.mask = BlockMask::all_visible(shape, 128, 64, false);
   const GpuRun sparse = run_gpu(&tp, p);
   ASSERT_TRUE(sparse.status.ok()) << sparse.status.to_string();
-  const PortableOnly portable(true);  // the same kernel: the Hopper one tiles keys by 128
-  const GpuRun dense = run_gpu(&tp, DenseParams{});
-  ASSERT_TRUE(dense.status.ok()) << dense.status.to_string();
-  EXPECT_TRUE(same_result(sparse.out, dense.out, 0.0));
+  {
+    const PortableOnly portable(true);  // the same kernel: the Hopper one tiles keys by 128
+    const GpuRun dense = run_gpu(&tp, DenseParams{});
+    ASSERT_TRUE(dense.status.ok()) << dense.status.to_string();
+    EXPECT_TRUE(same_result(sparse.out, dense.out, 0.0));
+  }
+  if (!hopper_device()) return;
+  // block_k 128 on the Hopper kernel: the partial then the full list, each descending, are
+  // dense's descending tiles, through the same code.
+  p.mask = BlockMask::all_visible(shape, 128, 128, false);
+  const GpuRun sparse128 = run_gpu(&tp, p);
+  ASSERT_TRUE(sparse128.status.ok()) << sparse128.status.to_string();
+  EXPECT_EQ(cuda::last_fwd_instance_for_testing().rfind("fwd_sm90_", 0), 0u);
+  const GpuRun dense90 = run_gpu(&tp, DenseParams{});
+  ASSERT_TRUE(dense90.status.ok()) << dense90.status.to_string();
+  EXPECT_TRUE(same_result(sparse128.out, dense90.out, 0.0));
 }
 
 // ------------------------------------------------------------------ exact_gate
@@ -426,43 +444,60 @@ TEST(CudaExactGate, MinusInfinityKeepsAllAndEqualsDense) {
   TestProblem tp = make_problem(in);
   HostTensor thr(DType::kFP32, {4, 3});
   for (int i = 0; i < 12; ++i) thr.as<float>()[i] = -std::numeric_limits<float>::infinity();
-  const PortableOnly portable(true);  // the same kernel: the Hopper one tiles keys by 128
-  const GpuRun dense = run_gpu(&tp, DenseParams{});
-  // block_k 64: every block is one step with the same sums as dense; the two code paths may
-  // contract multiply-adds differently, so O may differ by one rounding of the dtype.
-  const GpuRun gate = run_gpu(&tp, gate_params(thr, 64));
-  ASSERT_TRUE(gate.status.ok()) << gate.status.to_string();
-  EXPECT_TRUE(same_result(gate.out, dense.out, 1e-3));
-  EXPECT_EQ(gate.decisions.kept.selected_blocks(), visible_blocks({{500, 700}}, 4, true, 128, 64));
-  // block_k 128 decides on whole blocks (one rescale per block): within the tolerance.
-  expect_gpu_matches(&tp, gate_params(thr, 128));
+  {
+    const PortableOnly portable(true);  // the same kernel: the Hopper one tiles keys by 128
+    const GpuRun dense = run_gpu(&tp, DenseParams{});
+    // block_k 64: every block is one step with the same sums as dense; the two code paths may
+    // contract multiply-adds differently, so O may differ by one rounding of the dtype.
+    const GpuRun gate = run_gpu(&tp, gate_params(thr, 64));
+    ASSERT_TRUE(gate.status.ok()) << gate.status.to_string();
+    EXPECT_TRUE(same_result(gate.out, dense.out, 1e-3));
+    EXPECT_EQ(gate.decisions.kept.selected_blocks(), visible_blocks({{500, 700}}, 4, true, 128, 64));
+  }
+  // block_k 128 decides on whole blocks (the portable kernel: one rescale per block): within
+  // the tolerance on both paths.
+  const GpuRun gate128 = expect_gpu_matches(&tp, gate_params(thr, 128));
+  EXPECT_EQ(gate128.decisions.kept.selected_blocks(), visible_blocks({{500, 700}}, 4, true, 128, 128));
+  if (!hopper_device()) return;
+  // The Hopper kernel gates 128-key tiles with dense's softmax steps: a kept-all gate is dense.
+  const GpuRun dense90 = run_gpu(&tp, DenseParams{});
+  ASSERT_TRUE(dense90.status.ok()) << dense90.status.to_string();
+  EXPECT_TRUE(same_result(gate128.out, dense90.out, 0.0));
 }
 
 TEST(CudaExactGate, NaNValuesOfSkippedBlocksAreNeverRead) {
   SP_REQUIRE_GPU();
   // One query block over a long prefix: every prefix block is full and gated. V of the blocks
-  // the gate skips for every head of the KV group is NaN (K stays: the gate reads it).
+  // the gate skips for every head of the KV group is NaN (K stays: the gate reads it). block_k
+  // 128 runs the Hopper kernel on an sm_90 device (its producer must not request those V tiles).
   const SeqLen len{100, 1400};
-  Inputs in = make_inputs({len}, 2, 2, 128, 900);
-  TestProblem clean = make_problem(in);
-  const HostTensor thr = midpoint_thresholds(in, true, 64, 0.3);
-  const GpuRun want = expect_gpu_matches(&clean, gate_params(thr, 64));
-  ASSERT_TRUE(want.status.ok());
-  const geom::BlockGeometry g = geometry(len.s_q, len.s_k, true, 128, 64);
-  int poisoned = 0;
-  for (int h = 0; h < in.h_q; ++h) {
-    for (int kb = 0; kb < g.visible_end(0); ++kb) {
-      if (!want.decisions.kept.contains(0, h, 0, kb)) {
-        poison_keys(&in, 0, true, h, g.key_begin(kb), g.key_end(kb));
-        ++poisoned;
+  for (int block_k : {64, 128}) {
+    SCOPED_TRACE("block_k " + std::to_string(block_k));
+    Inputs in = make_inputs({len}, 2, 2, 128, 900);
+    TestProblem clean = make_problem(in);
+    const HostTensor thr = midpoint_thresholds(in, true, block_k, 0.3);
+    const std::vector<GpuRun> want = expect_both_paths_match(&clean, gate_params(thr, block_k));
+    ASSERT_TRUE(want[0].status.ok() && want[1].status.ok());
+    const geom::BlockGeometry g = geometry(len.s_q, len.s_k, true, 128, block_k);
+    int poisoned = 0;
+    for (int h = 0; h < in.h_q; ++h) {
+      for (int kb = 0; kb < g.visible_end(0); ++kb) {
+        if (!want[0].decisions.kept.contains(0, h, 0, kb)) {
+          poison_keys(&in, 0, true, h, g.key_begin(kb), g.key_end(kb));
+          ++poisoned;
+        }
       }
     }
+    ASSERT_GT(poisoned, 0);
+    TestProblem dirty = make_problem(in);
+    for (bool portable : {false, true}) {
+      SCOPED_TRACE(portable ? "portable path" : "default path");
+      const PortableOnly guard(portable);
+      const GpuRun got = run_gpu(&dirty, gate_params(thr, block_k));
+      ASSERT_TRUE(got.status.ok());
+      EXPECT_TRUE(same_result(got.out, want[portable ? 1 : 0].out, 0.0));
+    }
   }
-  ASSERT_GT(poisoned, 0);
-  TestProblem dirty = make_problem(in);
-  const GpuRun got = run_gpu(&dirty, gate_params(thr, 64));
-  ASSERT_TRUE(got.status.ok());
-  EXPECT_TRUE(same_result(got.out, want.out, 0.0));
 }
 
 // ------------------------------------------------------------------ softmax_skip
@@ -489,7 +524,8 @@ TEST(CudaSoftmaxSkip, StableScaleFactorsAgainstOracle) {
     int h_q, h_kv, d, block_k;
   };
   for (const Case& c : {Case{{700, 700}, true, 4, 1, 128, 64}, Case{{150, 1200}, true, 2, 2, 64, 128},
-                        Case{{400, 400}, false, 4, 4, 64, 64}}) {
+                        Case{{400, 400}, false, 4, 4, 64, 64}, Case{{900, 900}, true, 4, 1, 128, 128},
+                        Case{{400, 700}, false, 4, 2, 128, 128}}) {
     SCOPED_TRACE(std::to_string(c.len.s_q) + "x" + std::to_string(c.len.s_k) + (c.causal ? " causal" : " non-causal"));
     Inputs in = make_inputs({c.len}, c.h_q, c.h_kv, c.d, 1000 + static_cast<std::uint64_t>(c.len.s_k), DType::kBF16, 3.0);
     scale_hot_keys(&in, 64, 0.1);
@@ -627,7 +663,7 @@ TEST(CudaGraph, CaptureAfterWarmUpReplaysOnNewInputs) {
   RunOptions opt;
   opt.backend = Backend::kCUDA;
   opt.cuda_stream = stream;
-  for (const Policy& policy : {Policy{DenseParams{}}, Policy{skip_params(40.0, 64)}}) {
+  for (const Policy& policy : {Policy{DenseParams{}}, Policy{skip_params(40.0, 64)}, Policy{skip_params(40.0, 128)}}) {
     SCOPED_TRACE(policy_name(policy));
     SP_CUDA_CHECK(cudaMemcpy(q.ptr, tp.q.data(), q.bytes, cudaMemcpyHostToDevice));
     SP_CUDA_CHECK(cudaMemcpy(k.ptr, tp.k.data(), k.bytes, cudaMemcpyHostToDevice));

@@ -64,22 +64,41 @@ TEST(CudaPlan, UnsupportedMessagesNameTheArgument) {
   expect_unsupported(shape_of(300, 300, 4, 1, 80), DenseParams{}, "head_dim 80");
 }
 
-TEST(CudaPlan, HopperPathForDenseOnComputeCapability90Only) {
+TEST(CudaPlan, HopperPathOnComputeCapability90For128KeyBlocks) {
   const ProblemShape s = shape_of(300, 300, 4, 1, 128);
   EXPECT_EQ(choose_fwd_path(s, DenseParams{}, true, 9, 0), FwdPath::kHopper);
   EXPECT_EQ(choose_fwd_path(shape_of(17, 40, 8, 8, 64, DType::kFP16), DenseParams{}, true, 9, 0), FwdPath::kHopper);
-  // sm_90a code runs on compute capability 9.0 alone: Ampere, Ada and Blackwell stay portable.
-  EXPECT_EQ(choose_fwd_path(s, DenseParams{}, true, 8, 0), FwdPath::kPortable);
-  EXPECT_EQ(choose_fwd_path(s, DenseParams{}, true, 8, 9), FwdPath::kPortable);
-  EXPECT_EQ(choose_fwd_path(s, DenseParams{}, true, 10, 0), FwdPath::kPortable);
-  // Tensors TMA cannot describe, and every policy but dense, stay portable.
-  EXPECT_EQ(choose_fwd_path(s, DenseParams{}, false, 9, 0), FwdPath::kPortable);
+  // Every policy with 128-key blocks runs there too; 64-key blocks keep the portable kernel.
+  ASSERT_EQ(hopper_block_k(), 128);
   ExactGateParams gate;
   gate.block_k = 128;
+  EXPECT_EQ(choose_fwd_path(s, gate, true, 9, 0), FwdPath::kHopper);
+  gate.block_k = 64;
   EXPECT_EQ(choose_fwd_path(s, gate, true, 9, 0), FwdPath::kPortable);
-  EXPECT_EQ(choose_fwd_path(s, SoftmaxSkipParams{}, true, 9, 0), FwdPath::kPortable);
-  EXPECT_EQ(choose_fwd_path(s, BlockSparseParams{}, true, 9, 0), FwdPath::kPortable);
-  EXPECT_EQ(choose_fwd_path(s, EstimateSelectParams{}, true, 9, 0), FwdPath::kPortable);
+  SoftmaxSkipParams skip;
+  skip.block_k = 128;
+  EXPECT_EQ(choose_fwd_path(s, skip, true, 9, 0), FwdPath::kHopper);
+  skip.block_k = 64;
+  EXPECT_EQ(choose_fwd_path(s, skip, true, 9, 0), FwdPath::kPortable);
+  BlockSparseParams mask;
+  mask.mask = BlockMask::empty(s, 128, 128, false);
+  EXPECT_EQ(choose_fwd_path(s, mask, true, 9, 0), FwdPath::kHopper);
+  mask.mask = BlockMask::empty(s, 128, 64, false);
+  EXPECT_EQ(choose_fwd_path(s, mask, true, 9, 0), FwdPath::kPortable);
+  EstimateSelectParams select;
+  select.block = 128;
+  EXPECT_EQ(choose_fwd_path(s, select, true, 9, 0), FwdPath::kHopper);
+  select.mean_correction = true;
+  EXPECT_EQ(choose_fwd_path(s, select, true, 9, 0), FwdPath::kHopper);
+  EXPECT_EQ(choose_fwd_path(s, PermuteStopParams{}, true, 9, 0), FwdPath::kPortable);
+  // sm_90a code runs on compute capability 9.0 alone: Ampere, Ada and Blackwell stay portable.
+  for (const Policy& policy : {Policy{DenseParams{}}, Policy{select}}) {
+    EXPECT_EQ(choose_fwd_path(s, policy, true, 8, 0), FwdPath::kPortable);
+    EXPECT_EQ(choose_fwd_path(s, policy, true, 8, 9), FwdPath::kPortable);
+    EXPECT_EQ(choose_fwd_path(s, policy, true, 10, 0), FwdPath::kPortable);
+    // Tensors TMA cannot describe stay portable.
+    EXPECT_EQ(choose_fwd_path(s, policy, false, 9, 0), FwdPath::kPortable);
+  }
 }
 
 TEST(CudaPlan, TmaDescribesPositiveStridesBelow2To40Bytes) {
