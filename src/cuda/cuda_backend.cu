@@ -219,7 +219,7 @@ Status launch_status(int err, const char* name) {
 }
 
 // Test hooks (cuda_backend.h): per calling thread, the forward instance last launched and
-// whether dense calls are sent to the portable path.
+// whether calls are sent to the portable path.
 thread_local std::string t_last_fwd_instance;
 thread_local bool t_portable_only = false;
 

@@ -21,9 +21,10 @@ Status can_run_cuda(const ProblemShape& shape, const Policy& policy);
 std::string cuda_build_info();
 
 // Test hooks (tests/cuda), per calling thread: the forward instance the last successful
-// run_cuda launched (e.g. "fwd_sm90_bf16_hd128"; "" before any), and a switch that sends dense
-// calls to the portable kernel where the Hopper one would serve them, so that both stay tested
-// on an H100/H200. Not an option for users: the plan (choose_fwd_path) decides.
+// run_cuda launched (e.g. "fwd_sm90_bf16_hd128"; "" before any), and a switch that sends every
+// call to the portable kernel where the Hopper one would serve it, so that both stay tested on
+// an H100/H200 (the GPU suite runs each case on both). Not an option for users: the plan
+// (choose_fwd_path) decides.
 std::string last_fwd_instance_for_testing();
 void set_portable_only_for_testing(bool portable_only);
 

@@ -13,8 +13,9 @@ Everything else (policy, causal, block_k 64 or 128, mean correction) is a runtim
 kernel branches on it once per block, outside the inner loops.
 
 Two kernel families: the portable sm80 path (FWD/SELECT, every architecture of
-SP_PORTABLE_ARCHS) and the Hopper sm90 path (FWD90: dense only, compiled for sm_90a alone; file
-names contain "sm90", which src/cuda/CMakeLists.txt uses to build them as their own target).
+SP_PORTABLE_ARCHS) and the Hopper sm90 path (FWD90: dense and every policy on 128-key blocks,
+compiled for sm_90a alone; file names contain "sm90", which src/cuda/CMakeLists.txt uses to
+build them as their own target).
 """
 
 import argparse

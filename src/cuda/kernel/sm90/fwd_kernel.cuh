@@ -279,11 +279,12 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
         hw::tma_load_3d(hw::smem_u32(sm.q) + half * kHalfBytes, &m->q, q_bar, half * Cfg::kHalfDim, h,
                         static_cast<int>(row0));
       }
-      // The K (value = false) or V tile of position j into `dst`, completing on `bar`.
-      auto load = [&](int j, bool value, std::uint32_t dst, std::uint32_t bar) {
+      // The K (value = false) or V tile of position j (key block kb) into `dst`, completing on
+      // `bar`.
+      auto load = [&](int j, int kb, bool value, std::uint32_t dst, std::uint32_t bar) {
         hw::mbar_expect_tx(bar, Cfg::kTileBytes);
         if (j < visit.n_reg) {
-          const int row = visit.block(j) * kTileN;
+          const int row = kb * kTileN;
           for (int half = 0; half < Cfg::kHalves; ++half) {
             hw::tma_load_3d(dst + half * kHalfBytes, value ? &m->v : &m->k, bar, half * Cfg::kHalfDim, hk, row);
           }
@@ -296,28 +297,33 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
         }
       };
       int v_count = 0;  // V tiles loaded: the V ring's position
-      auto load_v = [&](int j) {
+      auto load_v = [&](int j, int kb) {
         const int st = v_count % Cfg::kStages;
         // Refills a V stage once both consumer warpgroups' P·V that read it completed.
         hw::mbar_wait(hw::smem_u32(&sm.v_free[st]), ((v_count / Cfg::kStages) & 1) ^ 1);
-        load(j, true, hw::smem_u32(sm.v[st]), hw::smem_u32(&sm.v_loaded[st]));
+        load(j, kb, true, hw::smem_u32(sm.v[st]), hw::smem_u32(&sm.v_loaded[st]));
         ++v_count;
       };
-      int deferred = -1;  // a gated position whose V waits for its decision
+      // A block mask's indices are global loads: the next one is requested a position early.
+      int kb_next = visit.n_reg > 0 ? visit.block(0) : 0;
+      int deferred = -1, deferred_kb = 0;  // a gated position whose V waits for its decision
       for (int it = 0; it < n_visit; ++it) {
         const int st = it % Cfg::kStages;
+        const int kb = kb_next;
+        if (it + 1 < visit.n_reg) kb_next = visit.block(it + 1);
         // Refills a K stage once both consumer warpgroups' S wgmma that read it completed.
         hw::mbar_wait(hw::smem_u32(&sm.k_free[st]), ((it / Cfg::kStages) & 1) ^ 1);
-        load(it, false, hw::smem_u32(sm.k[st]), hw::smem_u32(&sm.k_loaded[st]));
-        if (deferred >= 0 && decision(deferred)) load_v(deferred);
+        load(it, kb, false, hw::smem_u32(sm.k[st]), hw::smem_u32(&sm.k_loaded[st]));
+        if (deferred >= 0 && decision(deferred)) load_v(deferred, deferred_kb);
         deferred = -1;
         if (gate.gated(it, visit.n_a)) {
           deferred = it;
+          deferred_kb = kb;
         } else {
-          load_v(it);
+          load_v(it, kb);
         }
       }
-      if (deferred >= 0 && decision(deferred)) load_v(deferred);
+      if (deferred >= 0 && decision(deferred)) load_v(deferred, deferred_kb);
     }
     return;
   }
@@ -413,9 +419,16 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
       const int v_st = v_count % Cfg::kStages;
       hw::mbar_wait(hw::smem_u32(&sm.k_loaded[st]), (it / Cfg::kStages) & 1);
       // Ping-pong: wait for the other warpgroup to have issued its GEMMs of this round, issue
-      // ours, then let it go: its softmax overlaps our GEMMs and ours its next ones.
+      // ours, then let it go: its softmax overlaps our GEMMs and ours its next ones. A gated
+      // tile's decision needs both warpgroups' S, so there the turn passes after Q·Kᵀ as well:
+      // the tensor cores run S0, S1, then both P·V while the vote and the softmax proceed.
+      const bool gated = gate.gated(it, visit.n_a);
       hw::named_sync(my_turn);
       issue_qk(st);
+      if (gated) {
+        hw::named_arrive(other_turn);
+        hw::named_sync(my_turn);
+      }
       if (pending) {
         hw::mbar_wait(hw::smem_u32(&sm.v_loaded[v_st]), (v_count / Cfg::kStages) & 1);
         issue_pv(v_st);
@@ -435,7 +448,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
       }
       float mx[2];
       row_max_tile(s, mx);
-      const bool keep = !gate.gated(it, visit.n_a) || vote(it, mx);
+      const bool keep = !gated || vote(it, mx);
       float alpha[2] = {1.f, 1.f};
       if (keep) softmax_tile(s, mx, stats, p.scale_log2, alpha);
       hw::wgmma_wait<0>();  // P·V done: its P registers and V stage are free
