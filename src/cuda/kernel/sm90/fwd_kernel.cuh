@@ -565,8 +565,11 @@ bool encode_mean_map(CUtensorMap* map, const void* base, int blocks, int heads, 
 template <class Cfg>
 int launch_fwd(const FwdParams& p, const SeqInfo* seqs, const HostUpload& upload, void* stream) {
   if (tensor_map_encoder() == nullptr) return static_cast<int>(cudaErrorNotSupported);
-  // Policies other than dense run on 128-key blocks, the kernel's tile (choose_fwd_path).
-  if (p.mode != PolicyMode::kDense && p.block_k != Cfg::kTileN) return static_cast<int>(cudaErrorNotSupported);
+  // Policies other than dense run on 128-key blocks, the kernel's tile, and K/V are contiguous
+  // (choose_fwd_path).
+  if ((p.mode != PolicyMode::kDense && p.block_k != Cfg::kTileN) || p.paged.block_table != nullptr) {
+    return static_cast<int>(cudaErrorNotSupported);
+  }
   MeanMaps mean_maps{};
   if (p.k_mean != nullptr &&
       !(encode_mean_map<Cfg>(&mean_maps.k, p.k_mean, p.mean_blocks, p.h_kv, p.batch) &&
