@@ -125,9 +125,16 @@ TEST(CudaPlan, PagedKvRunsEveryPolicyOnThePortablePath) {
     const Status st = check_support(s, policy, &n);
     EXPECT_TRUE(st.ok()) << policy_name(policy) << ": " << st.to_string();
   }
-  // Dense on compute capability 9.0 would take the Hopper kernel, whose tensor maps describe
-  // contiguous rows only: paged K/V stays on the portable kernel.
-  EXPECT_EQ(choose_fwd_path(s, DenseParams{}, true, 9, 0), FwdPath::kPortable);
+  // Dense and the 128-key-block policies on compute capability 9.0 would take the Hopper
+  // kernel, whose tensor maps describe contiguous rows only: paged K/V stays on the portable
+  // kernel.
+  ExactGateParams gate128;
+  gate128.block_k = 128;
+  EstimateSelectParams select;
+  select.block = 128;
+  for (const Policy& policy : {Policy{DenseParams{}}, Policy{gate128}, Policy{select}}) {
+    EXPECT_EQ(choose_fwd_path(s, policy, true, 9, 0), FwdPath::kPortable) << policy_name(policy);
+  }
   EXPECT_EQ(support_summary().find("paged K/V is not"), std::string::npos);
   EXPECT_NE(support_summary().find("paged K/V"), std::string::npos);
 }
