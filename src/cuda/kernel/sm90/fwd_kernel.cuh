@@ -420,8 +420,10 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
       hw::mbar_wait(hw::smem_u32(&sm.k_loaded[st]), (it / Cfg::kStages) & 1);
       // Ping-pong: wait for the other warpgroup to have issued its GEMMs of this round, issue
       // ours, then let it go: its softmax overlaps our GEMMs and ours its next ones. A gated
-      // tile's decision needs both warpgroups' S, so there the turn passes after Q·Kᵀ as well:
-      // the tensor cores run S0, S1, then both P·V while the vote and the softmax proceed.
+      // tile's decision needs both warpgroups' S, so there the turn passes after Q·Kᵀ as well
+      // (tensor order S0, S1, P·V0, P·V1: the vote waits for one Q·Kᵀ, not a P·V and a Q·Kᵀ);
+      // measured neutral within the run-to-run spread
+      // (bench/records/2026-11-29-h200-hopper-policies-kernel-tiles.md).
       const bool gated = gate.gated(it, visit.n_a);
       hw::named_sync(my_turn);
       issue_qk(st);
