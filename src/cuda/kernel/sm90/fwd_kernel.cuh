@@ -124,10 +124,10 @@ __device__ __forceinline__ void row_max_tile(const float (&s)[1][16][4], float (
 }
 
 // Moves the running statistics to include a raw score tile s whose row maxima are mx
-// (row_max_tile) and turns s into p = exp2(s·scale_log2 - m_use) in place, adding p to l. The output accumulator may still be
-// in flight (the previous P·V), so its factor alpha = exp2(m_old - m_use) is returned for
-// scale_acc once that P·V has completed. A row that has seen no key (m = -inf) gets alpha = 0
-// and p = 0.
+// (row_max_tile) and turns s into p = exp2(s·scale_log2 - m_use) in place, adding p to l. The
+// output accumulator may still be in flight (the previous P·V), so its factor
+// alpha = exp2(m_old - m_use) is returned for scale_acc once that P·V has completed. A row that
+// has seen no key (m = -inf) gets alpha = 0 and p = 0.
 __device__ __forceinline__ void softmax_tile(float (&s)[1][16][4], const float (&mx)[2], RowStats<1>& st,
                                              float scale_log2, float (&alpha)[2]) {
   float m_use[2];
