@@ -61,9 +61,9 @@ Status make_plan(const AttentionProblem& problem, const Policy& policy, const Ru
 // run() with a plan: the problem must have the plan's shape (every field of ProblemShape
 // except the scale; an error names the first difference), options.backend must be kAuto or the
 // plan's backend. Skips the policy's validation and, on CUDA, the mask's compaction and upload;
-// a captured CUDA graph may contain the call without an earlier warm-up when its output is
-// contiguous in q's layout and the path is the portable one (the Hopper dense path still
-// caches its tensor maps on a first uncaptured call: docs/cuda.md).
+// a captured CUDA graph may contain the call without an earlier warm-up call of its shape when
+// its output is contiguous in q's layout and the path is the portable one (the Hopper dense
+// path still caches its tensor maps on a first uncaptured call: docs/cuda.md).
 Status run(const Plan& plan, const AttentionProblem& problem, const AttentionOutput& output,
            const RunOptions& options = {}, RunStats* stats = nullptr, Decisions* decisions = nullptr);
 

@@ -349,8 +349,8 @@ class Plan:
     """A problem shape and a policy checked once (plan()), for many run(plan, q, k, v) calls:
     on CUDA a BlockSparse mask is compacted and uploaded once into device memory the plan owns,
     so a call does no host work on the mask, and a batched call with contiguous out and lse can
-    be captured into a CUDA graph without a warm-up call (dense on Hopper excepted: its tensor
-    maps are cached by a first uncaptured call). The plan keeps the policy and its threshold
+    be captured into a CUDA graph without a warm-up call of its shape (dense on Hopper
+    excepted: its tensor maps are cached by a first uncaptured call). The plan keeps the policy and its threshold
     table alive. Immutable; calls from several threads may share it."""
 
     def __init__(self, handle: "_ext.PlanHandle", geom: Geometry, policy: Policy, causal: bool, scale: float,

@@ -414,6 +414,10 @@ Status make_plan_state(const AttentionProblem& problem, const ProblemShape& shap
     return unsupported("cuda_stream: is capturing a CUDA graph; make the plan before capture (it allocates and "
                        "uploads device memory)");
   }
+  // The device's memory pool is created on its first use, which a capturing stream forbids:
+  // create it here, so that the plan's first run may be captured.
+  cudaMemPool_t pool = nullptr;
+  SP_RETURN_IF_ERROR(pool_for(shape.device.index, &pool));
   auto state = std::make_shared<PlanState>();
   state->device = shape.device.index;
   state->seqs_host = contiguous_output_seqs(problem, shape);
