@@ -210,7 +210,9 @@ Status select(const AttentionProblem& problem, const Policy& policy, const RunOp
   Decisions local;
   local.policy = policy_name(policy);
   if (std::holds_alternative<DenseParams>(policy)) {
-    local.kept = BlockMask::all_visible(shape, 128, 128, false);
+    // Dense has no block size: report it in the policies' default (policy.h) of 128 x 128.
+    constexpr int kDenseSelectBlock = 128;
+    local.kept = BlockMask::all_visible(shape, kDenseSelectBlock, kDenseSelectBlock, false);
   } else if (const auto* bs = std::get_if<BlockSparseParams>(&policy)) {
     local.kept = bs->mask;
   } else if (const auto* es = std::get_if<EstimateSelectParams>(&policy)) {
