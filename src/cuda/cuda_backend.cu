@@ -237,6 +237,24 @@ struct KeptBits {
   std::size_t words = 0;
 };
 
+// The call's small metadata on the device: the sequence table (`planned`, a plan's copy of the
+// same bytes, when given) and, for paged K/V, the used entries of the (validated, host) block
+// table, compacted and kept on the device like the other metadata: the kernels translate
+// every K/V row through it.
+Status upload_metadata(const AttentionProblem& problem, const ProblemShape& shape, const std::vector<SeqInfo>& seqs,
+                       const SeqInfo* planned, Scratch* scratch, FwdParams* p) {
+  if (planned != nullptr) {
+    p->seqs = planned;
+  } else {
+    SP_RETURN_IF_ERROR(scratch->upload(seqs, &p->seqs));
+  }
+  if (shape.kv_layout == KvLayout::kPaged) {
+    const std::vector<std::int32_t> table = compact_block_table(problem, shape);
+    SP_RETURN_IF_ERROR(scratch->upload(table, &p->paged.block_table));
+  }
+  return {};
+}
+
 // The estimate_select selector's device outputs for one call (SelectParams' output fields).
 struct Selection {
   SelectParams sp{};
@@ -258,6 +276,7 @@ Status launch_selection(const ProblemShape& shape, const FwdParams& p, const Est
   sp.v_row_stride = p.v_row_stride;
   sp.v_head_stride = p.v_head_stride;
   sp.seqs = p.seqs;
+  sp.paged = p.paged;
   sp.batch = shape.batch;
   sp.h_q = shape.h_q;
   sp.h_kv = shape.h_kv;
@@ -460,7 +479,7 @@ Status select_cuda(const AttentionProblem& problem, const ProblemShape& shape, c
   Scratch scratch(stream, pool, shape.device.index, capturing);
   FwdParams p = make_fwd_params(problem, shape, no_output, block_k);
   const std::vector<SeqInfo> seqs = make_seq_infos(problem, shape, no_output);
-  SP_RETURN_IF_ERROR(scratch.upload(seqs, &p.seqs));
+  SP_RETURN_IF_ERROR(upload_metadata(problem, shape, seqs, nullptr, &scratch, &p));
   Selection sel;
   SP_RETURN_IF_ERROR(launch_selection(shape, p, params, &scratch, stream, &sel));
   *decisions = Decisions{};
@@ -505,11 +524,9 @@ Status run_cuda(const AttentionProblem& problem, const ProblemShape& shape, cons
 
   FwdParams p = make_fwd_params(problem, shape, output, block_k);
   const std::vector<SeqInfo> seqs = make_seq_infos(problem, shape, output);
-  if (plan != nullptr && same_bytes(seqs, plan->seqs_host)) {
-    p.seqs = plan->seqs;
-  } else {
-    SP_RETURN_IF_ERROR(scratch.upload(seqs, &p.seqs));
-  }
+  SP_RETURN_IF_ERROR(upload_metadata(problem, shape, seqs,
+                                     plan != nullptr && same_bytes(seqs, plan->seqs_host) ? plan->seqs : nullptr,
+                                     &scratch, &p));
   int cc_major = 0, cc_minor = 0;
   SP_RETURN_IF_ERROR(compute_capability(shape.device.index, &cc_major, &cc_minor));
   const FwdPath path = t_portable_only ? FwdPath::kPortable
