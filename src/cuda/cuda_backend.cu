@@ -72,10 +72,11 @@ class DeviceGuard {
   bool active_ = false;
 };
 
-// Small per-call metadata (the sequence table, the Hopper tensor maps) kept in device memory
-// keyed by its bytes and never freed. A call whose metadata repeats an earlier call's (the same
-// shapes and tensors, as every layer and step of a model repeats them) copies nothing, and a
-// call under CUDA graph capture reads memory that outlives the graph, so replays stay valid.
+// Small per-call metadata (the sequence table, the paged block table, the Hopper tensor maps)
+// kept in device memory keyed by its bytes and never freed. A call whose metadata repeats an
+// earlier call's (the same shapes and tensors, as every layer and step of a model repeats
+// them) copies nothing, and a call under CUDA graph capture reads memory that outlives the
+// graph, so replays stay valid.
 // Metadata not seen before cannot be added during capture (that would record a copy from
 // transient host memory): the call is refused, and a warm-up call outside capture fixes it.
 class MetadataCache {
@@ -166,7 +167,7 @@ class Scratch {
     if (*out != nullptr) return {};
     if (capturing_) {
       return unsupported("cuda_stream: is capturing a CUDA graph, and this call's metadata (" + std::to_string(bytes) +
-                         " bytes: sequence table, tensor maps or block mask) was not uploaded by an earlier call; run "
+                         " bytes: sequence table, block table, tensor maps or block mask) was not uploaded by an earlier call; run "
                          "the same call once outside capture first (block masks over 64 KiB cannot be captured)");
     }
     std::uint8_t* dev = nullptr;
