@@ -168,7 +168,7 @@ class Scratch {
     if (capturing_) {
       return unsupported("cuda_stream: is capturing a CUDA graph, and this call's metadata (" + std::to_string(bytes) +
                          " bytes: sequence table, block table, tensor maps or block mask) was not uploaded by an earlier call; run "
-                         "the same call once outside capture first (block masks over 64 KiB cannot be captured)");
+                         "the same call once outside capture first (block masks over 64 KiB: run through a plan, make_plan)");
     }
     std::uint8_t* dev = nullptr;
     SP_RETURN_IF_ERROR(alloc(bytes + 64, &dev));
