@@ -232,6 +232,39 @@ Status compute_capability(int device, int* major, int* minor) {
   return {};
 }
 
+// For a plan: the Hopper instance's tensor maps of (problem, seqs) put into the metadata cache
+// now, outside capture, so that a captured first run of the plan finds them there (they hold
+// the tensors' addresses, so the plan's tensors are the ones cached). The instance encodes them
+// exactly as a run does and hands them to this uploader, which caches them and declines the
+// launch (kUploadRefused: nothing is enqueued). Nothing to do where the plan's calls take the
+// portable kernel.
+Status cache_hopper_maps(const AttentionProblem& problem, const ProblemShape& shape, const Policy& policy,
+                         const std::vector<SeqInfo>& seqs, cudaStream_t stream) {
+  int cc_major = 0, cc_minor = 0;
+  SP_RETURN_IF_ERROR(compute_capability(shape.device.index, &cc_major, &cc_minor));
+  if (choose_fwd_path(shape, policy, tma_describable(problem), cc_major, cc_minor) != FwdPath::kHopper) return {};
+  struct CacheOnly {
+    int device;
+    cudaStream_t stream;
+    Status status;
+    static int call(void* context, const void* host, std::size_t bytes, const void** device) {
+      auto* self = static_cast<CacheOnly*>(context);
+      Status st = metadata_cache().find_or_add(self->device, host, bytes, false, self->stream, device);
+      std::swap(self->status, st);  // (nvcc flags an assignment of a [[nodiscard]] type as discarded)
+      return kUploadRefused;
+    }
+  } cache_only{shape.device.index, stream, {}};
+  // The maps depend on q, k, v and the sequence table only: any output layout and the dense
+  // mode serve (mean-correction maps are kernel parameters, not cached).
+  const FwdParams p = make_fwd_params(problem, shape, AttentionOutput{problem.q, TensorView{}}, hopper_block_k());
+  const int err = find_fwd90(shape.dtype, shape.d)->launch(p, seqs.data(), {&cache_only, &CacheOnly::call}, stream);
+  SP_RETURN_IF_ERROR(cache_only.status);
+  // cudaErrorNotSupported: the driver cannot describe these tensors; the runs take the portable
+  // kernel, which needs no maps. 0: an empty grid, nothing to map.
+  if (err == kUploadRefused || err == cudaErrorNotSupported || err == 0) return {};
+  return launch_status(err, "the Hopper tensor maps of a plan");
+}
+
 // Shared by the gates: a zeroed kept bitmap the kernel fills, read back after the launch.
 struct KeptBits {
   std::uint32_t* dev = nullptr;
@@ -452,6 +485,7 @@ Status make_plan_state(const AttentionProblem& problem, const ProblemShape& shap
     SP_RETURN_IF_ERROR(state->copy(c.full_index, stream, &state->full_index));
     SP_RETURN_IF_ERROR(state->copy(c.partial_index, stream, &state->partial_index));
   }
+  SP_RETURN_IF_ERROR(cache_hopper_maps(problem, shape, policy, state->seqs_host, stream));
   // The host vectors die with this call: the copies must be complete before it returns.
   SP_CUDA_TRY(cudaStreamSynchronize(stream), "cudaStreamSynchronize (plan)");
   *out = std::move(state);

@@ -1008,7 +1008,9 @@ TEST(CudaSelect, EstimateSelectEqualsCpuSelect) {
 
 // A block_sparse plan on the device: run(plan) equals run() bit for bit, and a call made with
 // the plan is captured into a CUDA graph with no warm-up call of its shape (the plan holds the
-// mask and the sequence table), replaying on new inputs as a direct call does.
+// mask and the sequence table, and has cached the Hopper kernel's tensor maps of its tensors),
+// replaying on new inputs as a direct call does. block_k 128: the Hopper kernel on an sm_90
+// device.
 TEST(CudaPlan, BlockSparsePlanCapturesWithoutWarmUp) {
   SP_REQUIRE_GPU();
   {
@@ -1051,6 +1053,8 @@ TEST(CudaPlan, BlockSparsePlanCapturesWithoutWarmUp) {
   const Status captured = run(plan, dev, out, opt);
   SP_CUDA_CHECK(cudaStreamEndCapture(stream, &graph));
   ASSERT_TRUE(captured.ok()) << captured.to_string();
+  const std::string want = expected_instance_prefix(tp, policy);
+  EXPECT_EQ(cuda::last_fwd_instance_for_testing().rfind(want, 0), 0u) << "captured " << cuda::last_fwd_instance_for_testing();
   cudaGraphExec_t exec = nullptr;
   SP_CUDA_CHECK(cudaGraphInstantiate(&exec, graph, 0));
 
