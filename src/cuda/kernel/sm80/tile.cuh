@@ -36,22 +36,37 @@ struct TileSrc {
   int valid;
 };
 
-// Asynchronously copies a [kRows, kHeadDim] tile into swizzled smem; rows >= valid become
-// zeros without reading global memory. The caller commits the group. Thread tid copies chunk
+// Asynchronously copies a [kRows, kHeadDim] tile into swizzled smem, row r (< valid) from
+// row_ptr(r); rows >= valid become zeros without reading global memory (`safe` is the address
+// given to their zero-byte copies). The caller commits the group. Thread tid copies chunk
 // tid % kChunks of rows tid / kChunks + i·kRowStep: the row step is a multiple of 8, so the
-// swizzled chunk is the same for every i and addresses advance by constants.
-template <class Tile, int kRows>
-__device__ __forceinline__ void load_tile(std::uint32_t smem, const TileSrc& src, int tid) {
+// swizzled chunk is the same for every i.
+template <class Tile, int kRows, class RowPtr>
+__device__ __forceinline__ void load_rows(std::uint32_t smem, const RowPtr& row_ptr, int valid, const void* safe, int tid) {
   constexpr int kRowStep = Tile::kThreads / Tile::kChunks;
   static_assert(kRowStep % 8 == 0 && kRows % kRowStep == 0, "constant swizzle per thread");
   const int r0 = tid / Tile::kChunks, c = tid % Tile::kChunks;
   const std::uint32_t dst = smem + swizzle<Tile>(r0, c);
-  const std::uint16_t* g = src.ptr + r0 * src.stride + c * 8;
 #pragma unroll
   for (int i = 0; i < kRows / kRowStep; ++i) {
-    const bool ok = r0 + i * kRowStep < src.valid;
-    ptx::cp_async_16(dst + i * kRowStep * Tile::kRowBytes, ok ? g + i * kRowStep * src.stride : src.ptr, ok ? 16 : 0);
+    const int r = r0 + i * kRowStep;
+    const bool ok = r < valid;
+    ptx::cp_async_16(dst + i * kRowStep * Tile::kRowBytes, ok ? row_ptr(r) + c * 8 : safe, ok ? 16 : 0);
   }
+}
+
+// A tile of consecutive rows (`src`): addresses advance by constants.
+template <class Tile, int kRows>
+__device__ __forceinline__ void load_tile(std::uint32_t smem, const TileSrc& src, int tid) {
+  load_rows<Tile, kRows>(smem, [&](int r) { return src.ptr + r * src.stride; }, src.valid, src.ptr, tid);
+}
+
+// A gathered tile: row r is row index[r] of `base` (rows `stride` elements apart), for the
+// first `valid` rows; `index` may point to global or shared memory.
+template <class Tile, int kRows>
+__device__ __forceinline__ void load_tile_rows(std::uint32_t smem, const std::uint16_t* base, std::int64_t stride,
+                                               const std::int32_t* index, int valid, int tid) {
+  load_rows<Tile, kRows>(smem, [&](int r) { return base + index[r] * stride; }, valid, base, tid);
 }
 
 // A fragment of 16 rows starting at row0, head dims kk·16 .. kk·16 + 15 (ldmatrix.x4: lanes
