@@ -12,7 +12,8 @@ Implementations:
          full/partial split and a causal mask_mod).
   ours   through the C ABI (libsparseprefill_c, ctypes): dense; block_sparse on the SAME masks
          Flex gets; exact_gate with thresholds picked from sampled block maxima for ~20% and
-         ~50% density; softmax_skip and estimate_select with their default parameters.
+         ~50% density; softmax_skip and estimate_select with their default parameters;
+         permute_stop with segment 2048 and tau 0.005 (S2O's setting).
 
 Method:
   - The same inputs for every implementation: q, k, v drawn from randn (never zeros) in bf16,
@@ -79,6 +80,9 @@ def parse_args():
     ap.add_argument("--min-reps", type=int, default=3)
     ap.add_argument("--max-reps", type=int, default=100)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--impls", default="",
+                    help="comma-separated rows to run (impl names, e.g. sdpa_flash,ours_dense,"
+                         "ours_permute_stop); default every row")
     return ap.parse_args()
 
 
@@ -269,7 +273,12 @@ class Case:
         print(f"  {row['label']:<28} {shown:>14}  density {row.get('density')}  "
               f"err_sdpa {row.get('err_vs_sdpa')}  {row.get('note', '')}", flush=True)
 
+    def wanted(self, impl):
+        return not self.args.impls or impl in self.args.impls.split(",")
+
     def peer(self, impl, label, fn, backend=None, pairs=None, density=1.0, target=None):
+        if not self.wanted(impl):
+            return None
         row = {"impl": impl, "label": label, "family": "peer", "target": target,
                "density": density, "pairs": pairs or self.dense_pairs}
         try:
@@ -322,6 +331,8 @@ class Case:
 
     def ours(self, impl, label, policy, target=None, mask_pairs=None, mask_density=None,
              extra=None):
+        if not self.wanted(impl):
+            return None
         lib = self.lib
         row = {"impl": impl, "label": label, "family": "ours", "target": target,
                "params": policy.describe(), **(extra or {})}
@@ -389,16 +400,16 @@ class Case:
         self.ours("ours_dense", "ours dense", lib.policy("dense"))
         first = self.problem(self.sets[0])
         for m in masks:
-            if m.target is None:
+            if m.target is None or not self.wanted("ours_block_sparse"):
                 continue
             pol = lib.policy("block_sparse")
             pol.set_block_mask(first, BLOCK, BLOCK, m.indptr.data_ptr(), m.num_rows,
                                m.indices.data_ptr(), m.indices.numel())
             self.ours("ours_block_sparse", f"ours block_sparse {m.label}", pol, target=m.target,
                       mask_pairs=m.pairs, mask_density=m.density)
-        gate_targets = floats(self.args.gate_densities)
+        gate_targets = floats(self.args.gate_densities) if self.wanted("ours_exact_gate") else []
         thresholds = sample_gate_thresholds(self.sets[0], self.h_q, self.h_kv, self.d, self.n,
-                                            gate_targets, self.gen)
+                                            gate_targets, self.gen) if gate_targets else {}
         for t in gate_targets:
             pol = lib.policy("exact_gate", {"block_q": BLOCK, "block_k": BLOCK})
             table = torch.full((self.h_q, 1), thresholds[t], dtype=torch.float32, device=DEV)
@@ -408,6 +419,8 @@ class Case:
         self.ours("ours_softmax_skip", "ours softmax_skip (a=10)", lib.policy("softmax_skip"))
         self.ours("ours_estimate_select", "ours estimate_select (α=0.1)",
                   lib.policy("estimate_select"))
+        self.ours("ours_permute_stop", "ours permute_stop (τ=0.005)",
+                  lib.policy("permute_stop", {"segment": 2048, "tau": 0.005}))
 
     def run(self):
         nb = self.n // BLOCK
