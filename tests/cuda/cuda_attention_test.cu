@@ -584,6 +584,19 @@ bool stops_early(const Decisions& d) {
   return early && several;
 }
 
+// Structure for the ranking and the stop rule: every query element shifted by 0.5 and the hot
+// keys' (shift_hot_keys) by 1.0, so that the hot keys hold most of a row's mass, rank first,
+// and the chunks after them add little (iid keys give every chunk about the same gain).
+Inputs permute_inputs(const std::vector<SeqLen>& lengths, int h_q, int h_kv, int d, std::uint64_t seed,
+                      DType dtype = DType::kBF16) {
+  Inputs in = make_inputs(lengths, h_q, h_kv, d, seed, dtype, 2.5);
+  shift_hot_keys(&in, 64, 1.0);
+  for (SequenceData& s : in.seqs) {
+    for (std::int64_t i = 0; i < s.q.numel(); ++i) set(&s.q, i, get(s.q, i) + 0.5);
+  }
+  return in;
+}
+
 // A tau whose oracle decisions are stable (kMargin) and stop some tiles early.
 double stable_tau(const TestProblem& tp, int segment, int block_k) {
   return stable_parameter(tp, {0.05, 0.1, 0.02, 0.2, 0.03, 0.01, 0.3},
@@ -609,8 +622,7 @@ TEST(CudaPermuteStop, StableTauAgainstOracle) {
     SCOPED_TRACE(std::to_string(c.len.s_q) + "x" + std::to_string(c.len.s_k) + " d " + std::to_string(c.d) + " group " +
                  std::to_string(c.h_q / c.h_kv) + " segment " + std::to_string(c.segment) + " block_k " +
                  std::to_string(c.block_k));
-    Inputs in = make_inputs({c.len}, c.h_q, c.h_kv, c.d, 1700 + static_cast<std::uint64_t>(c.len.s_k), c.dtype, 2.5);
-    shift_hot_keys(&in, 64, 0.5);
+    const Inputs in = permute_inputs({c.len}, c.h_q, c.h_kv, c.d, 1700 + static_cast<std::uint64_t>(c.len.s_k), c.dtype);
     TestProblem tp = make_problem(in);
     const double tau = stable_tau(tp, c.segment, c.block_k);
     ASSERT_FALSE(std::isnan(tau)) << "no tau with a margin stops a tile early";
@@ -621,8 +633,7 @@ TEST(CudaPermuteStop, StableTauAgainstOracle) {
 TEST(CudaPermuteStop, VarlenWithEmptyRowsAndShortSequences) {
   SP_REQUIRE_GPU();
   const std::vector<SeqLen> lengths = {{1, 1}, {15, 40}, {300, 17}, {700, 900}, {113, 113}, {5, 0}};
-  Inputs in = make_inputs(lengths, 4, 2, 64, 1800, DType::kBF16, 2.5);
-  shift_hot_keys(&in, 64, 0.5);
+  const Inputs in = permute_inputs(lengths, 4, 2, 64, 1800);
   TestProblem tp = make_problem(in, true, Layout::kVarlen);
   const double tau = stable_tau(tp, 128, 64);
   ASSERT_FALSE(std::isnan(tau));
@@ -648,8 +659,7 @@ TEST(CudaPermuteStop, TauZeroVisitsEverythingAndEqualsDense) {
 TEST(CudaPermuteStop, NaNValuesOfUnvisitedChunksAreNeverRead) {
   SP_REQUIRE_GPU();
   const int segment = 256, block_k = 64;
-  Inputs in = make_inputs({{300, 1500}}, 4, 2, 128, 2000, DType::kBF16, 2.5);
-  shift_hot_keys(&in, 64, 0.5);
+  Inputs in = permute_inputs({{300, 1500}}, 4, 2, 128, 2000);
   TestProblem tp = make_problem(in);
   const double tau = stable_tau(tp, segment, block_k);
   ASSERT_FALSE(std::isnan(tau));
