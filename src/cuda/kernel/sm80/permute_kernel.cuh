@@ -243,24 +243,22 @@ __global__ void __launch_bounds__(Cfg::kThreads, 2) permute_kernel(const __grid_
   const int subs_per_chunk = pp.block_k / kBlockN;
   const int n_sub = n_own + n_rank;
   const std::int32_t* ranked = pp.ranked + pp.rank_offsets[item];
-  const auto* k_head = static_cast<const std::uint16_t*>(p.k) + seq.k_off + hk * p.k_head_stride;
-  const auto* v_head = static_cast<const std::uint16_t*>(p.v) + seq.v_off + hk * p.v_head_stride;
 
   const std::uint32_t s_q_tile = ptx::smem_addr(smem);
   const std::uint32_t s_k_tile = s_q_tile + Cfg::kQBytes;       // 2 stages
   const std::uint32_t s_v_tile = s_k_tile + 2 * Cfg::kKVBytes;  // 1 tile
 
   // Sub-tile u of K or V into smem: own keys are consecutive rows, ranked keys gathered.
+  const KvRows k_rows = contiguous_rows(static_cast<const std::uint16_t*>(p.k) + seq.k_off + hk * p.k_head_stride, p.k_row_stride);
+  const KvRows v_rows = contiguous_rows(static_cast<const std::uint16_t*>(p.v) + seq.v_off + hk * p.v_head_stride, p.v_row_stride);
   auto load_sub = [&](std::uint32_t dst, int u, bool value) {
-    const std::uint16_t* head = value ? v_head : k_head;
-    const std::int64_t stride = value ? p.v_row_stride : p.k_row_stride;
+    const KvRows& rows = value ? v_rows : k_rows;
     if (u < n_own) {
       const std::int64_t key0 = seg_k0 + static_cast<std::int64_t>(u) * kBlockN;
-      load_tile<Tile, kBlockN>(dst, TileSrc{head + key0 * stride, stride, static_cast<int>(geom::min64(kBlockN, own_end - key0))},
-                               tid);
+      load_tile<Tile, kBlockN>(dst, TileSrc{rows, key0, static_cast<int>(geom::min64(kBlockN, own_end - key0))}, tid);
     } else {
       const std::int64_t e = static_cast<std::int64_t>(u - n_own) * kBlockN;
-      load_tile_rows<Tile, kBlockN>(dst, head, stride, ranked + e, static_cast<int>(geom::min64(kBlockN, prefix - e)), tid);
+      load_tile_rows<Tile, kBlockN>(dst, rows, ranked + e, static_cast<int>(geom::min64(kBlockN, prefix - e)), tid);
     }
   };
 
@@ -275,8 +273,9 @@ __global__ void __launch_bounds__(Cfg::kThreads, 2) permute_kernel(const __grid_
   for (int r = 0; r < 2 * kM; ++r) rel_pos[r] = row_ok(r) ? static_cast<int>(s_rows[row_of(r)] + offset - seg_k0) : -1;
 
   // ---- prologue: the gathered Q rows and the first K sub-tile in one group.
-  load_tile_rows<Tile, kBlockM>(s_q_tile, static_cast<const std::uint16_t*>(p.q) + seq.q_off + h * p.q_head_stride,
-                                p.q_row_stride, s_rows, rows_valid, tid);
+  load_tile_rows<Tile, kBlockM>(
+      s_q_tile, contiguous_rows(static_cast<const std::uint16_t*>(p.q) + seq.q_off + h * p.q_head_stride, p.q_row_stride),
+      s_rows, rows_valid, tid);
   load_sub(s_k_tile, 0, false);  // n_own >= 1: every row sees the segment's first key
   ptx::cp_async_commit();
 
