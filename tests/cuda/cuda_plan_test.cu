@@ -5,12 +5,16 @@
 // back to BlockMasks.
 #include <gtest/gtest.h>
 
+#include <algorithm>
+#include <cmath>
 #include <cstdint>
+#include <limits>
 #include <string>
 #include <vector>
 
 #include "common/inputs.h"
 #include "core/geometry.h"
+#include "cuda/kernel/rank_key.h"
 #include "cuda/plan.h"
 #include "sparseprefill/attention.h"
 
@@ -324,6 +328,28 @@ TEST(CudaPlan, PermuteTilesMatchTheCpuBackendsTiles) {
   }
   // The slot arrays have the layout of Decisions::query_order.
   EXPECT_EQ(l.query_offsets.back(), static_cast<std::int32_t>(cpu.query_order.size()));
+}
+
+TEST(CudaPlan, RankKeysSortInTheOraclesRankingOrder) {
+  // Descending by score, NaN after every number, ties (+0 and -0 included) by lower index: the
+  // oracle's order, against a stable descending sort by rank_key (CUB's sort in the kernels).
+  constexpr double kInf = std::numeric_limits<double>::infinity();
+  const double nan = std::numeric_limits<double>::quiet_NaN();
+  std::vector<double> score = {0.5, -0.0, nan, -kInf, 0.0, 3.0, kInf, -2.5, nan, 0.5, -1e-300, 1e-300,
+                               -kInf, 3.0, std::numeric_limits<double>::max(), -std::numeric_limits<double>::max()};
+  test::Random rng(5);
+  for (int i = 0; i < 200; ++i) score.push_back(std::ldexp(rng.uniform(), static_cast<int>(rng.below(40)) - 20));
+  std::vector<std::size_t> want(score.size()), got(score.size());
+  for (std::size_t i = 0; i < score.size(); ++i) want[i] = got[i] = i;
+  std::stable_sort(want.begin(), want.end(), [&](std::size_t a, std::size_t b) {
+    const bool a_nan = std::isnan(score[a]), b_nan = std::isnan(score[b]);
+    if (a_nan != b_nan) return b_nan;
+    return !a_nan && score[a] > score[b];
+  });
+  std::stable_sort(got.begin(), got.end(), [&](std::size_t a, std::size_t b) { return rank_key(score[a]) > rank_key(score[b]); });
+  EXPECT_EQ(got, want);
+  EXPECT_EQ(rank_key(-0.0), rank_key(0.0));
+  EXPECT_LT(rank_key(nan), rank_key(-kInf));
 }
 
 }  // namespace

@@ -14,6 +14,7 @@
 #include "core/geometry.h"
 #include "cuda/kernel/fwd_params.h"
 #include "cuda/kernel/ptx.cuh"
+#include "cuda/kernel/rank_key.h"
 #include "cuda/kernel/sm80/fwd_kernel.cuh"
 #include "cuda/kernel/sm80/tile.cuh"
 #include "cuda/kernel/softmax.cuh"
@@ -32,16 +33,6 @@ struct PermuteConfig : FwdConfig<kBf16_, kHeadDim_> {
 };
 
 namespace permute {
-
-// A double as a 64-bit key whose unsigned order is the ranking order of DESIGN.md §3: numbers
-// descending when sorted descending; NaN below every number (0: it ranks last); -0 equal to +0
-// (so that the stable sort breaks the tie by index).
-__device__ __forceinline__ std::uint64_t ordered_key(double x) {
-  if (isnan(x)) return 0;
-  if (x == 0.0) x = 0.0;
-  const auto bits = static_cast<std::uint64_t>(__double_as_longlong(x));
-  return (bits >> 63) != 0 ? ~bits : bits | (std::uint64_t{1} << 63);
-}
 
 // a + b·c without fused multiply-add: the CPU backend's evaluation of its fp64 sums, so that the
 // scores (and the orders built from them) agree bit for bit where the CPU does not contract.
@@ -89,7 +80,7 @@ __global__ void __launch_bounds__(Cfg::kHeadDim) q_mean_kernel(const __grid_cons
   pp.q_mean[item * Cfg::kHeadDim + i] = sum / static_cast<double>(r1 - r0);
 }
 
-// Ranking keys of the prefix keys t < prefix(s): ordered(q̄·k_t) for every query head of a KV
+// Ranking keys of the prefix keys t < prefix(s): rank_key(q̄·k_t) for every query head of a KV
 // group, each key row read once for the group. Grid (max_segments · h_kv, key tiles of 128,
 // batch), one thread per key; the group's q̄ staged in smem 8 heads at a time.
 template <class Cfg>
@@ -136,14 +127,14 @@ __global__ void __launch_bounds__(128) prefix_scores_kernel(const __grid_constan
       if (j >= heads) continue;
       const std::int64_t item = (static_cast<std::int64_t>(b) * p.h_q + h0 + j) * pp.max_segments + slot;
       const std::int64_t at = pp.rank_offsets[item] + t;
-      pp.rank_keys[0][at] = ordered_key(dot[j]);
+      pp.rank_keys[0][at] = rank_key(dot[j]);
       pp.rank_index[0][at] = static_cast<std::int32_t>(t);
     }
   }
 }
 
 // The guide vector u of item (b, h, slot) (the mean of the top block_k ranked prefix keys, in
-// rank order) and the ranking keys ordered(q_r·u) of the segment's rows. A segment without a
+// rank order) and the ranking keys rank_key(q_r·u) of the segment's rows. A segment without a
 // prefix keeps keys 0: the identity order. Grid (max_segments, h_q, batch), one thread per
 // head-dim element for u, then per row.
 template <class Cfg>
@@ -172,7 +163,7 @@ __global__ void __launch_bounds__(Cfg::kHeadDim) guide_kernel(const __grid_const
     const std::uint16_t* row = q + r * p.q_row_stride;
     double dot = 0.0;
     for (int c = 0; c < kD; ++c) dot = add_product(dot, ptx::to_float<Cfg::kBf16>(row[c]), s_u[c]);
-    pp.query_keys[0][slots + r] = ordered_key(dot);
+    pp.query_keys[0][slots + r] = rank_key(dot);
   }
 }
 
