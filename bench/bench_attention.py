@@ -11,8 +11,11 @@ Implementations:
          FlexAttention given each random block mask (BlockMask.from_kv_blocks with the
          full/partial split and a causal mask_mod).
   ours   through the C ABI (libsparseprefill_c, ctypes): dense; block_sparse on the SAME masks
-         Flex gets; exact_gate with thresholds picked from sampled block maxima for ~20% and
-         ~50% density; softmax_skip and estimate_select with their default parameters.
+         Flex gets, each run through a plan (sp_plan_create once per mask, outside the timed
+         region; the timed calls are sp_plan_run: no mask validation, compaction or upload, as
+         Flex's BlockMask is also built outside its timed calls); exact_gate with thresholds
+         picked from sampled block maxima for ~20% and ~50% density; softmax_skip and
+         estimate_select with their default parameters.
          Serving layouts (issue 8): dense and exact_gate ~20% on paged K/V (pages of
          --page-sizes keys in a shuffled order, the same values) at --paged-lengths; and
          chunked prefill at --chunked-lengths: the prompt in chunks of --chunk queries, each
@@ -360,12 +363,15 @@ class Case:
         return p
 
     def ours(self, impl, label, policy, target=None, mask_pairs=None, mask_density=None,
-             extra=None, page=None, chunk=None):
+             extra=None, page=None, chunk=None, planned=False):
         """One row of ours: a call per input set, or with `chunk` the calls of a chunked
-        prefill (every chunk of the prompt, each writing its rows of one output)."""
+        prefill (every chunk of the prompt, each writing its rows of one output). planned: the
+        calls run sp_plans made once per call shape, outside the timed region (block_sparse:
+        the mask is validated, compacted and uploaded there, as a server would do once per
+        mask), instead of sp_run with the policy."""
         lib = self.lib
         row = {"impl": impl, "label": label, "family": "ours", "target": target,
-               "params": policy.describe(), **(extra or {})}
+               "params": policy.describe(), "planned": planned, **(extra or {})}
         if page is not None:
             row["page_size"] = page
         if chunk is not None:
@@ -386,13 +392,26 @@ class Case:
             row.update(status=lib.status_name(code), note=lib.last_error())
             self.add(row)
             return None
+        if planned:
+            try:
+                plans = [lib.plan(problem, policy, opts) for problem, _ in calls[0]]
+            except sp_ctypes.SparsePrefillError as e:
+                row.update(status=lib.status_name(e.code), note=str(e))
+                self.add(row)
+                return None
+
+            def run_one(j, problem, out, stats):
+                return lib.plan_run(plans[j], problem, out, opts, stats)
+        else:
+            def run_one(j, problem, out, stats):
+                return lib.run(problem, policy, out, opts, stats)
         # Warm-up and checked call(s), with statistics (they synchronise).
         o.fill_(float("nan"))
         notes = []
         totals = {"kept": 0, "visible": 0, "pairs": 0, "corrected": 0}
-        for problem, out in calls[0]:
+        for j, (problem, out) in enumerate(calls[0]):
             stats = sp_ctypes.Stats()
-            code = lib.run(problem, policy, out, opts, stats)
+            code = run_one(j, problem, out, stats)
             if code != sp_ctypes.OK:
                 break
             totals["kept"] += stats.total.kept_blocks
@@ -402,8 +421,8 @@ class Case:
         if code != sp_ctypes.OK:
             notes.append(f"statistics unavailable ({lib.status_name(code)}: {lib.last_error()})")
             o.fill_(float("nan"))
-            for problem, out in calls[0]:
-                code = lib.run(problem, policy, out, opts, None)
+            for j, (problem, out) in enumerate(calls[0]):
+                code = run_one(j, problem, out, None)
                 if code != sp_ctypes.OK:
                     row.update(status=lib.status_name(code), note=lib.last_error())
                     self.add(row)
@@ -422,8 +441,8 @@ class Case:
         codes = []
 
         def call(i):
-            for problem, out in calls[i]:
-                codes.append(lib.run(problem, policy, out, opts, None))
+            for j, (problem, out) in enumerate(calls[i]):
+                codes.append(run_one(j, problem, out, None))
 
         row["ms"], row["host_ms"], row["reps"] = time_calls(call, self.n_sets, self.args)
         failed = [c for c in codes if c != sp_ctypes.OK]
@@ -454,7 +473,7 @@ class Case:
             pol.set_block_mask(first, BLOCK, BLOCK, m.indptr.data_ptr(), m.num_rows,
                                m.indices.data_ptr(), m.indices.numel())
             self.ours("ours_block_sparse", f"ours block_sparse {m.label}", pol, target=m.target,
-                      mask_pairs=m.pairs, mask_density=m.density)
+                      mask_pairs=m.pairs, mask_density=m.density, planned=True)
         gate_targets = floats(self.args.gate_densities)
         thresholds = sample_gate_thresholds(self.sets[0], self.h_q, self.h_kv, self.d, self.n,
                                             gate_targets, self.gen)

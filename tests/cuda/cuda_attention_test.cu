@@ -28,6 +28,7 @@
 #include "gpu_harness.cuh"
 #include "reference/reference.h"
 #include "sparseprefill/attention.h"
+#include "sparseprefill/plan.h"
 
 namespace sparseprefill::test {
 namespace {
@@ -950,6 +951,129 @@ TEST(CudaGraph, CaptureAfterWarmUpReplaysOnNewInputs) {
   SP_CUDA_CHECK(cudaStreamEndCapture(stream, &graph));
   EXPECT_EQ(refused.code(), StatusCode::kUnsupported) << refused.to_string();
   EXPECT_NE(refused.message().find("outside capture first"), std::string::npos) << refused.message();
+  SP_CUDA_CHECK(cudaGraphDestroy(graph));
+  SP_CUDA_CHECK(cudaStreamDestroy(stream));
+}
+
+// ------------------------------------------------------------------ select() and plans
+
+// select() on the device returns the GPU selector's mask: exactly the CPU backend's selection
+// (inputs away from ties), with the same statistics.
+TEST(CudaSelect, EstimateSelectEqualsCpuSelect) {
+  SP_REQUIRE_GPU();
+  for (const bool pack : {false, true}) {
+    SCOPED_TRACE(pack ? "pack_gqa, corrected" : "per q head, corrected");
+    Inputs in = make_inputs({{1300, 1300}}, 4, 1, 128, 1700, DType::kBF16, 2.5);
+    shift_hot_keys(&in, 128, 1.5);
+    TestProblem tp = make_problem(in);
+    const int units = pack ? 1 : 4;
+    const double alpha = stable_parameter(tp, {0.3, 0.2, 0.5, 0.1},
+                                          [&](double x) -> Policy { return select_params(x, true, pack); },
+                                          some_skipped(visible_blocks({{1300, 1300}}, units, true, 128, 128)));
+    ASSERT_FALSE(std::isnan(alpha)) << "no alpha with a margin prunes anything";
+    const Policy policy = select_params(alpha, true, pack);
+    RunOptions cpu;
+    cpu.backend = Backend::kCPU;
+    Decisions expected, actual;
+    RunStats cpu_stats, gpu_stats;
+    ASSERT_TRUE(select(tp.problem(), policy, cpu, &expected, &cpu_stats).ok());
+    DeviceBuffer q, k, v;
+    AttentionProblem dev = tp.problem();
+    dev.q = to_device(tp.q, &q);
+    dev.k = to_device(tp.k, &k);
+    dev.v = to_device(tp.v, &v);
+    RunOptions gpu;
+    gpu.backend = Backend::kCUDA;
+    const Status st = select(dev, policy, gpu, &actual, &gpu_stats);
+    ASSERT_TRUE(st.ok()) << st.to_string();
+    EXPECT_TRUE(same_decisions(expected, actual));
+    EXPECT_GT(actual.corrected.selected_blocks(), 0);
+    EXPECT_EQ(gpu_stats.density(), cpu_stats.density());
+    EXPECT_LT(gpu_stats.density(), 1.0);
+  }
+}
+
+// A block_sparse plan on the device: run(plan) equals run() bit for bit, and a call made with
+// the plan is captured into a CUDA graph with no warm-up call of its shape (the plan holds the
+// mask and the sequence table), replaying on new inputs as a direct call does.
+TEST(CudaPlan, BlockSparsePlanCapturesWithoutWarmUp) {
+  SP_REQUIRE_GPU();
+  {
+    // One uncaptured call of another shape first: the process's first calls load the kernels
+    // (lazy module loading), which is not what this test is about.
+    TestProblem other = make_problem(make_inputs({{256, 256}}, 4, 2, 64, 1800));
+    ASSERT_TRUE(run_gpu(&other, DenseParams{}).status.ok());
+  }
+  // A shape no other test runs, so that no metadata of it is cached before the capture.
+  const std::vector<SeqLen> len = {{1411, 1411}};
+  const Inputs first = make_inputs(len, 4, 2, 64, 1801);
+  const Inputs second = make_inputs(len, 4, 2, 64, 1802);
+  TestProblem tp = make_problem(first);
+  TestProblem tp2 = make_problem(second);
+  ProblemShape shape;
+  ASSERT_TRUE(validate_problem(tp.problem(), nullptr, &shape).ok());
+  std::vector<std::vector<int>> dead;
+  BlockSparseParams policy;
+  policy.mask = random_mask(shape, 128, false, 1803, &dead);
+
+  DeviceBuffer q, k, v, o, lse;
+  AttentionProblem dev = tp.problem();
+  dev.q = to_device(tp.q, &q);
+  dev.k = to_device(tp.k, &k);
+  dev.v = to_device(tp.v, &v);
+  AttentionOutput out;
+  out.o = to_device(tp.o, &o);
+  out.lse = to_device(tp.lse, &lse);
+  cudaStream_t stream = nullptr;
+  SP_CUDA_CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+  RunOptions opt;
+  opt.backend = Backend::kCUDA;
+  opt.cuda_stream = stream;
+  Plan plan;
+  const Status made = make_plan(dev, policy, opt, &plan);
+  ASSERT_TRUE(made.ok()) << made.to_string();
+
+  cudaGraph_t graph = nullptr;
+  SP_CUDA_CHECK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
+  const Status captured = run(plan, dev, out, opt);
+  SP_CUDA_CHECK(cudaStreamEndCapture(stream, &graph));
+  ASSERT_TRUE(captured.ok()) << captured.to_string();
+  cudaGraphExec_t exec = nullptr;
+  SP_CUDA_CHECK(cudaGraphInstantiate(&exec, graph, 0));
+
+  for (const TestProblem* in : {&tp, &tp2}) {
+    SP_CUDA_CHECK(cudaMemcpy(q.ptr, in->q.data(), q.bytes, cudaMemcpyHostToDevice));
+    SP_CUDA_CHECK(cudaMemcpy(k.ptr, in->k.data(), k.bytes, cudaMemcpyHostToDevice));
+    SP_CUDA_CHECK(cudaMemcpy(v.ptr, in->v.data(), v.bytes, cudaMemcpyHostToDevice));
+    TestProblem replayed = *in;
+    poison(&replayed.o);
+    SP_CUDA_CHECK(cudaMemcpy(o.ptr, replayed.o.data(), o.bytes, cudaMemcpyHostToDevice));
+    SP_CUDA_CHECK(cudaGraphLaunch(exec, stream));
+    SP_CUDA_CHECK(cudaStreamSynchronize(stream));
+    to_host(o, &replayed.o);
+    to_host(lse, &replayed.lse);
+
+    TestProblem planned = *in;
+    poison(&planned.o);
+    SP_CUDA_CHECK(cudaMemcpy(o.ptr, planned.o.data(), o.bytes, cudaMemcpyHostToDevice));
+    const Status st = run(plan, dev, out, opt);
+    ASSERT_TRUE(st.ok()) << st.to_string();
+    SP_CUDA_CHECK(cudaStreamSynchronize(stream));
+    to_host(o, &planned.o);
+    to_host(lse, &planned.lse);
+
+    TestProblem direct = *in;
+    const GpuRun r = run_gpu(&direct, policy);
+    ASSERT_TRUE(r.status.ok()) << r.status.to_string();
+    ref::Result ref64;
+    EXPECT_TRUE(matches_reference(direct.problem(), policy, direct.output(), {}, &ref64));
+    EXPECT_TRUE(fully_written(r.out, ref64));
+    EXPECT_EQ(std::memcmp(planned.o.data(), direct.o.data(), direct.o.nbytes()), 0) << "run(plan) O differs from run()";
+    EXPECT_EQ(std::memcmp(planned.lse.data(), direct.lse.data(), direct.lse.nbytes()), 0);
+    EXPECT_EQ(std::memcmp(replayed.o.data(), direct.o.data(), direct.o.nbytes()), 0) << "replayed O differs";
+    EXPECT_EQ(std::memcmp(replayed.lse.data(), direct.lse.data(), direct.lse.nbytes()), 0);
+  }
+  SP_CUDA_CHECK(cudaGraphExecDestroy(exec));
   SP_CUDA_CHECK(cudaGraphDestroy(graph));
   SP_CUDA_CHECK(cudaStreamDestroy(stream));
 }
