@@ -15,7 +15,8 @@ Implementations:
          region; the timed calls are sp_plan_run: no mask validation, compaction or upload, as
          Flex's BlockMask is also built outside its timed calls); exact_gate with thresholds
          picked from sampled block maxima for ~20% and ~50% density; softmax_skip and
-         estimate_select with their default parameters.
+         estimate_select with their default parameters; permute_stop with segment 2048 and
+         tau 0.005 (S2O's setting).
          Serving layouts (issue 8): dense and exact_gate ~20% on paged K/V (pages of
          --page-sizes keys in a shuffled order, the same values) at --paged-lengths; and
          chunked prefill at --chunked-lengths: the prompt in chunks of --chunk queries, each
@@ -93,6 +94,9 @@ def parse_args():
     ap.add_argument("--min-reps", type=int, default=3)
     ap.add_argument("--max-reps", type=int, default=100)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--impls", default="",
+                    help="comma-separated rows to run (impl names, e.g. sdpa_flash,ours_dense,"
+                         "ours_permute_stop); default every row")
     return ap.parse_args()
 
 
@@ -301,7 +305,12 @@ class Case:
         print(f"  {row['label']:<28} {shown:>14}  density {row.get('density')}  "
               f"err_sdpa {row.get('err_vs_sdpa')}  {row.get('note', '')}", flush=True)
 
+    def wanted(self, impl):
+        return not self.args.impls or impl in self.args.impls.split(",")
+
     def peer(self, impl, label, fn, backend=None, pairs=None, density=1.0, target=None):
+        if not self.wanted(impl):
+            return None
         row = {"impl": impl, "label": label, "family": "peer", "target": target,
                "density": density, "pairs": pairs or self.dense_pairs}
         try:
@@ -369,6 +378,8 @@ class Case:
         calls run sp_plans made once per call shape, outside the timed region (block_sparse:
         the mask is validated, compacted and uploaded there, as a server would do once per
         mask), instead of sp_run with the policy."""
+        if not self.wanted(impl):
+            return None
         lib = self.lib
         row = {"impl": impl, "label": label, "family": "ours", "target": target,
                "params": policy.describe(), "planned": planned, **(extra or {})}
@@ -467,16 +478,16 @@ class Case:
         self.ours("ours_dense", "ours dense", lib.policy("dense"))
         first = self.problem(self.sets[0])
         for m in masks:
-            if m.target is None:
+            if m.target is None or not self.wanted("ours_block_sparse"):
                 continue
             pol = lib.policy("block_sparse")
             pol.set_block_mask(first, BLOCK, BLOCK, m.indptr.data_ptr(), m.num_rows,
                                m.indices.data_ptr(), m.indices.numel())
             self.ours("ours_block_sparse", f"ours block_sparse {m.label}", pol, target=m.target,
                       mask_pairs=m.pairs, mask_density=m.density, planned=True)
-        gate_targets = floats(self.args.gate_densities)
+        gate_targets = floats(self.args.gate_densities) if self.wanted("ours_exact_gate") else []
         thresholds = sample_gate_thresholds(self.sets[0], self.h_q, self.h_kv, self.d, self.n,
-                                            gate_targets, self.gen)
+                                            gate_targets, self.gen) if gate_targets else {}
         for t in gate_targets:
             pol = lib.policy("exact_gate", {"block_q": BLOCK, "block_k": BLOCK})
             table = torch.full((self.h_q, 1), thresholds[t], dtype=torch.float32, device=DEV)
@@ -486,6 +497,8 @@ class Case:
         self.ours("ours_softmax_skip", "ours softmax_skip (a=10)", lib.policy("softmax_skip"))
         self.ours("ours_estimate_select", "ours estimate_select (α=0.1)",
                   lib.policy("estimate_select"))
+        self.ours("ours_permute_stop", "ours permute_stop (τ=0.005)",
+                  lib.policy("permute_stop", {"segment": 2048, "tau": 0.005}))
         gate20 = None
         if 0.2 in thresholds:
             gate20 = lib.policy("exact_gate", {"block_q": BLOCK, "block_k": BLOCK})
@@ -509,6 +522,8 @@ class Case:
                       lib.policy("softmax_skip"), chunk=k)
             self.ours("ours_estimate_select_chunked", f"ours estimate_select (α=0.1) chunks of {k}",
                       lib.policy("estimate_select"), chunk=k)
+            self.ours("ours_permute_stop_chunked", f"ours permute_stop (τ=0.005) chunks of {k}",
+                      lib.policy("permute_stop", {"segment": 2048, "tau": 0.005}), chunk=k)
 
     def run(self):
         nb = self.n // BLOCK

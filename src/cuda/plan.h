@@ -75,6 +75,24 @@ struct CompactMask {
 };
 CompactMask compact_mask(const BlockMask& mask);
 
+// permute_stop's sizes and sort segments for a call (PermuteParams in kernel/fwd_params.h).
+struct PermuteLayout {
+  int max_segments = 0;       // segment slots per (b, h)
+  int tiles_per_segment = 0;  // ceil(min(segment, max s_q) / kBlockQ)
+  int max_s_q = 0;
+  int max_prefix = 0;
+  std::vector<std::int32_t> rank_offsets;   // [batch·h_q·max_segments + 1]: ranked keys per item
+  std::vector<std::int32_t> query_offsets;  // [batch·h_q·(max_segments + 2) + 1]: sort segments of the slots
+};
+// kUnsupported when the call has more ranked prefix keys or order slots than a CUB sort takes
+// (2^31 - 1), naming both.
+Status permute_layout(const ProblemShape& shape, const PermuteStopParams& params, PermuteLayout* out);
+
+// Decisions::tiles (sorted by batch, head, segment, tile) from the kernel's chunk counts
+// visited [batch·h_q·max_segments, tiles_per_segment].
+std::vector<PermuteTile> permute_tiles(const ProblemShape& shape, const PermuteStopParams& params,
+                                       const PermuteLayout& layout, const std::vector<std::int32_t>& visited);
+
 // Number of 32-bit words of one bitmap row over num_k_blocks blocks.
 int bitmap_words(int num_k_blocks);
 

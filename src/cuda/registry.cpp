@@ -12,30 +12,48 @@ namespace {
 constexpr FwdVariant kFwdVariants[] = {
 #define SP_FWD_VARIANT(fn, dtype, head_dim) {#fn, DType::dtype, head_dim, &fn},
 #define SP_SELECT_VARIANT(fn, dtype, head_dim)
+#define SP_PERMUTE_VARIANT(fn, dtype, head_dim)
 #define SP_FWD90_VARIANT(fn, dtype, head_dim)
 #include "cuda/instances/registry.inc"
 #undef SP_FWD_VARIANT
 #undef SP_SELECT_VARIANT
+#undef SP_PERMUTE_VARIANT
 #undef SP_FWD90_VARIANT
 };
 
 constexpr SelectVariant kSelectVariants[] = {
 #define SP_FWD_VARIANT(fn, dtype, head_dim)
 #define SP_SELECT_VARIANT(fn, dtype, head_dim) {#fn, DType::dtype, head_dim, &fn},
+#define SP_PERMUTE_VARIANT(fn, dtype, head_dim)
 #define SP_FWD90_VARIANT(fn, dtype, head_dim)
 #include "cuda/instances/registry.inc"
 #undef SP_FWD_VARIANT
 #undef SP_SELECT_VARIANT
+#undef SP_PERMUTE_VARIANT
 #undef SP_FWD90_VARIANT
 };
 
 constexpr Fwd90Variant kFwd90Variants[] = {
 #define SP_FWD_VARIANT(fn, dtype, head_dim)
 #define SP_SELECT_VARIANT(fn, dtype, head_dim)
+#define SP_PERMUTE_VARIANT(fn, dtype, head_dim)
 #define SP_FWD90_VARIANT(fn, dtype, head_dim) {#fn, DType::dtype, head_dim, &fn},
 #include "cuda/instances/registry.inc"
 #undef SP_FWD_VARIANT
 #undef SP_SELECT_VARIANT
+#undef SP_PERMUTE_VARIANT
+#undef SP_FWD90_VARIANT
+};
+
+constexpr PermuteVariant kPermuteVariants[] = {
+#define SP_FWD_VARIANT(fn, dtype, head_dim)
+#define SP_SELECT_VARIANT(fn, dtype, head_dim)
+#define SP_PERMUTE_VARIANT(fn, dtype, head_dim) {#fn, DType::dtype, head_dim, &fn},
+#define SP_FWD90_VARIANT(fn, dtype, head_dim)
+#include "cuda/instances/registry.inc"
+#undef SP_FWD_VARIANT
+#undef SP_SELECT_VARIANT
+#undef SP_PERMUTE_VARIANT
 #undef SP_FWD90_VARIANT
 };
 
@@ -50,6 +68,13 @@ const FwdVariant* find_fwd(DType dtype, int head_dim) {
 
 const SelectVariant* find_select(DType dtype, int head_dim) {
   for (const SelectVariant& v : kSelectVariants) {
+    if (v.dtype == dtype && v.head_dim == head_dim) return &v;
+  }
+  return nullptr;
+}
+
+const PermuteVariant* find_permute(DType dtype, int head_dim) {
+  for (const PermuteVariant& v : kPermuteVariants) {
     if (v.dtype == dtype && v.head_dim == head_dim) return &v;
   }
   return nullptr;
@@ -84,6 +109,7 @@ std::string compiled_instances() {
   std::ostringstream os;
   for (const FwdVariant& v : kFwdVariants) os << v.name << "\n";
   for (const SelectVariant& v : kSelectVariants) os << v.name << "\n";
+  for (const PermuteVariant& v : kPermuteVariants) os << v.name << "\n";
   for (const Fwd90Variant& v : kFwd90Variants) os << v.name << "\n";
   return os.str();
 }

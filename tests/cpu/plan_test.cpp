@@ -10,6 +10,7 @@
 #include <cmath>
 #include <cstring>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "common/cases.h"
@@ -258,6 +259,38 @@ TEST(Plan, InvalidPolicyFailsAtCreation) {
   const std::int64_t selected = policy.mask.selected_blocks();
   policy.mask = BlockMask{};
   EXPECT_EQ(std::get<BlockSparseParams>(plan.policy()).mask.selected_blocks(), selected);
+}
+
+// A plan is immutable: threads running one plan at once each get run()'s result for their own
+// inputs.
+TEST(Plan, ThreadsShareOnePlan) {
+  const TestProblem base = make_problem(inputs(40));
+  const BlockSparseParams policy = half_mask(base);
+  Plan plan;
+  ASSERT_TRUE(make_plan(base.problem(), policy, cpu_options(), &plan).ok());
+  constexpr int kThreads = 4;
+  std::vector<TestProblem> planned, direct;
+  for (int t = 0; t < kThreads; ++t) {
+    planned.push_back(make_problem(inputs(41 + static_cast<std::uint64_t>(t))));
+    direct.push_back(planned.back());
+  }
+  std::vector<Status> results(kThreads);
+  std::vector<std::thread> threads;
+  for (int t = 0; t < kThreads; ++t) {
+    threads.emplace_back([&, t] {
+      const auto u = static_cast<std::size_t>(t);
+      for (int repeat = 0; repeat < 3 && results[u].ok(); ++repeat) {
+        results[u] = run(plan, planned[u].problem(), planned[u].output(), cpu_options());
+      }
+    });
+  }
+  for (std::thread& th : threads) th.join();
+  for (int t = 0; t < kThreads; ++t) {
+    const auto u = static_cast<std::size_t>(t);
+    EXPECT_TRUE(results[u].ok()) << results[u].to_string();
+    ASSERT_TRUE(run(direct[u].problem(), policy, direct[u].output(), cpu_options()).ok());
+    EXPECT_EQ(std::memcmp(planned[u].o.data(), direct[u].o.data(), direct[u].o.nbytes()), 0) << "thread " << t;
+  }
 }
 
 }  // namespace

@@ -26,7 +26,9 @@
 #include "core/geometry.h"
 #include "cuda/cuda_backend.h"
 #include "gpu_harness.cuh"
+#include "reference/decide.h"
 #include "reference/reference.h"
+#include "reference/sequence.h"
 #include "sparseprefill/attention.h"
 #include "sparseprefill/plan.h"
 
@@ -562,6 +564,136 @@ TEST(CudaEstimateSelect, VarlenBatchOfTwo) {
   expect_gpu_matches(&tp, select_params(alpha, true, false));
 }
 
+// ------------------------------------------------------------------ permute_stop
+
+PermuteStopParams permute_params(double tau, int segment, int block_k) {
+  PermuteStopParams p;
+  p.tau = tau;
+  p.segment = segment;
+  p.block_q = 128;
+  p.block_k = block_k;
+  return p;
+}
+
+// Some tile stops before the end of its ranked prefix, and some visits at least two chunks.
+bool stops_early(const Decisions& d) {
+  bool early = false, several = false;
+  for (const PermuteTile& t : d.tiles) {
+    early |= t.chunks_visited < t.chunks_total;
+    several |= t.chunks_visited >= 2;
+  }
+  return early && several;
+}
+
+// Structure for the ranking and the stop rule: every query element shifted by 0.5 and the hot
+// keys' (shift_hot_keys) by 1.0, so that the hot keys hold most of a row's mass, rank first,
+// and the chunks after them add little (iid keys give every chunk about the same gain).
+Inputs permute_inputs(const std::vector<SeqLen>& lengths, int h_q, int h_kv, int d, std::uint64_t seed,
+                      DType dtype = DType::kBF16) {
+  Inputs in = make_inputs(lengths, h_q, h_kv, d, seed, dtype, 2.5);
+  shift_hot_keys(&in, 64, 1.0);
+  for (SequenceData& s : in.seqs) {
+    for (std::int64_t i = 0; i < s.q.numel(); ++i) set(&s.q, i, get(s.q, i) + 0.5);
+  }
+  return in;
+}
+
+// A tau whose oracle decisions are stable (kMargin) and stop some tiles early.
+double stable_tau(const TestProblem& tp, int segment, int block_k) {
+  return stable_parameter(tp, {0.05, 0.1, 0.02, 0.2, 0.03, 0.01, 0.3},
+                          [&](double x) -> Policy { return permute_params(x, segment, block_k); }, stops_early);
+}
+
+TEST(CudaPermuteStop, StableTauAgainstOracle) {
+  SP_REQUIRE_GPU();
+  struct Case {
+    SeqLen len;
+    int h_q, h_kv, d;
+    DType dtype;
+    int segment, block_k;
+  };
+  // GQA groups 4, 8 and 1; odd lengths; s_q < s_k (a cached prefix no segment of the call owns)
+  // and s_q > s_k (rows at negative positions: O = 0, LSE = -inf); segments that are and are
+  // not multiples of the 128-row tile.
+  for (const Case& c : {Case{{1300, 1300}, 4, 1, 128, DType::kBF16, 256, 128},
+                        Case{{1023, 1023}, 8, 1, 64, DType::kFP16, 320, 64},
+                        Case{{300, 1500}, 2, 2, 128, DType::kBF16, 384, 64},
+                        Case{{900, 700}, 4, 1, 64, DType::kBF16, 200, 128},
+                        Case{{2113, 2113}, 2, 1, 128, DType::kFP16, 1024, 128}}) {
+    SCOPED_TRACE(std::to_string(c.len.s_q) + "x" + std::to_string(c.len.s_k) + " d " + std::to_string(c.d) + " group " +
+                 std::to_string(c.h_q / c.h_kv) + " segment " + std::to_string(c.segment) + " block_k " +
+                 std::to_string(c.block_k));
+    const Inputs in = permute_inputs({c.len}, c.h_q, c.h_kv, c.d, 1700 + static_cast<std::uint64_t>(c.len.s_k), c.dtype);
+    TestProblem tp = make_problem(in);
+    const double tau = stable_tau(tp, c.segment, c.block_k);
+    ASSERT_FALSE(std::isnan(tau)) << "no tau with a margin stops a tile early";
+    expect_gpu_matches(&tp, permute_params(tau, c.segment, c.block_k));
+  }
+}
+
+TEST(CudaPermuteStop, VarlenWithEmptyRowsAndShortSequences) {
+  SP_REQUIRE_GPU();
+  const std::vector<SeqLen> lengths = {{1, 1}, {15, 40}, {300, 17}, {700, 900}, {113, 113}, {5, 0}};
+  const Inputs in = permute_inputs(lengths, 4, 2, 64, 1800);
+  TestProblem tp = make_problem(in, true, Layout::kVarlen);
+  const double tau = stable_tau(tp, 128, 64);
+  ASSERT_FALSE(std::isnan(tau));
+  expect_gpu_matches(&tp, permute_params(tau, 128, 64));
+}
+
+TEST(CudaPermuteStop, TauZeroVisitsEverythingAndEqualsDense) {
+  SP_REQUIRE_GPU();
+  const Inputs in = make_inputs({{777, 777}}, 4, 2, 128, 1900);
+  TestProblem tp = make_problem(in);
+  const GpuRun r = expect_gpu_matches(&tp, permute_params(0.0, 256, 128));
+  for (const PermuteTile& t : r.decisions.tiles) EXPECT_EQ(t.chunks_visited, t.chunks_total);
+  const ref::Result dense = oracle(tp, DenseParams{});
+  ref::Result lowp;
+  const Status st = run_lowp_reference(tp.problem(), DenseParams{}, dense.decisions, &lowp);
+  ASSERT_TRUE(st.ok()) << st.to_string();
+  EXPECT_TRUE(close_calibrated(tp.q.dtype(), r.out, dense, lowp));
+}
+
+// Keys of a cached prefix that no segment of the call owns are read only through pass 2: the
+// ones that no tile of any query head of their KV group visits get NaN values (V does not
+// move the decisions), and the output must not see them.
+TEST(CudaPermuteStop, NaNValuesOfUnvisitedChunksAreNeverRead) {
+  SP_REQUIRE_GPU();
+  const int segment = 256, block_k = 64;
+  Inputs in = permute_inputs({{300, 1500}}, 4, 2, 128, 2000);
+  TestProblem tp = make_problem(in);
+  const double tau = stable_tau(tp, segment, block_k);
+  ASSERT_FALSE(std::isnan(tau));
+  const PermuteStopParams params = permute_params(tau, segment, block_k);
+  const ref::Result before = oracle(tp, params);
+  ProblemShape shape;
+  ASSERT_TRUE(validate_problem(tp.problem(), nullptr, &shape).ok());
+  const ref::Sequence seq = ref::gather_sequence(tp.problem(), shape, 0);
+  const std::int64_t own_begin = (1500 - 300) / segment * segment;  // the first segment's first key
+  std::vector<std::vector<bool>> read(static_cast<std::size_t>(in.h_kv), std::vector<bool>(static_cast<std::size_t>(own_begin)));
+  for (const PermuteTile& t : before.decisions.tiles) {
+    const ref::SegmentOrder ord = ref::order_segment(seq, t.head, t.segment, params);
+    const std::int64_t n = geom::min64(static_cast<std::int64_t>(t.chunks_visited) * block_k, ord.prefix);
+    for (std::int64_t i = 0; i < n; ++i) {
+      const std::int64_t key = ord.ranked[static_cast<std::size_t>(i)];
+      if (key < own_begin) read[static_cast<std::size_t>(t.head / (in.h_q / in.h_kv))][static_cast<std::size_t>(key)] = true;
+    }
+  }
+  int poisoned = 0;
+  for (int g = 0; g < in.h_kv; ++g) {
+    for (std::int64_t key = 0; key < own_begin; ++key) {
+      if (read[static_cast<std::size_t>(g)][static_cast<std::size_t>(key)]) continue;
+      poison_keys(&in, 0, true, g, key, key + 1);
+      ++poisoned;
+    }
+  }
+  ASSERT_GT(poisoned, 0) << "every cached key is visited: the case tests nothing";
+  TestProblem poisoned_tp = make_problem(in);
+  const GpuRun r = expect_gpu_matches(&poisoned_tp, params);
+  EXPECT_TRUE(same_decisions(before.decisions, r.decisions));
+}
+
+
 // ------------------------------------------------------------------ paged K/V
 
 // Page sizes of the paged checks: one key per page, pages smaller than a 64-key sub-tile (a
@@ -839,9 +971,12 @@ TEST(CudaSupport, UnsupportedCombinationsSayWhatIsCompiled) {
   SP_REQUIRE_GPU();
   const Inputs in = make_inputs({{64, 64}}, 2, 1, 64, 1400);
   TestProblem tp = make_problem(in);
-  const GpuRun stop = run_gpu(&tp, PermuteStopParams{});
+  PermuteStopParams narrow;
+  narrow.block_k = 32;
+  const GpuRun stop = run_gpu(&tp, narrow);
   EXPECT_EQ(stop.status.code(), StatusCode::kUnsupported);
   EXPECT_NE(stop.status.message().find("permute_stop"), std::string::npos) << stop.status.message();
+  EXPECT_NE(stop.status.message().find("block_k = 32"), std::string::npos) << stop.status.message();
 
   SoftmaxSkipParams small;
   small.block_q = 64;
@@ -872,7 +1007,10 @@ TEST(CudaSupport, CanRunMatchesRun) {
   dev.k = to_device(tp.k, &k);
   dev.v = to_device(tp.v, &v);
   EXPECT_TRUE(can_run(dev, DenseParams{}, Backend::kCUDA).ok());
-  EXPECT_EQ(can_run(dev, PermuteStopParams{}, Backend::kCUDA).code(), StatusCode::kUnsupported);
+  EXPECT_TRUE(can_run(dev, PermuteStopParams{}, Backend::kCUDA).ok());
+  PermuteStopParams wide;
+  wide.block_q = 64;
+  EXPECT_EQ(can_run(dev, wide, Backend::kCUDA).code(), StatusCode::kUnsupported);
   EXPECT_NE(build_info().find("fwd_sm80_bf16_hd128"), std::string::npos) << build_info();
   EXPECT_NE(build_info().find("fwd_sm90_bf16_hd128"), std::string::npos) << build_info();
 }

@@ -59,6 +59,55 @@ struct FwdConfig {
   static_assert(kMeanChunk == kBlockN, "a mean-correction tile is one sub-tile of pooled blocks");
 };
 
+// S = Q·Kᵀ for one warp's kM m16 row groups (rows warp_row ..) against a [kBlockN, kHeadDim]
+// K tile: every K fragment loaded serves all kM row groups.
+template <class Cfg>
+__device__ __forceinline__ void warp_scores(std::uint32_t q_tile, std::uint32_t k_tile, int warp_row, int lane,
+                                            float (&s)[Cfg::kM][Cfg::kNFrags][4]) {
+  using Tile = typename Cfg::Tile;
+#pragma unroll
+  for (int mi = 0; mi < Cfg::kM; ++mi) {
+#pragma unroll
+    for (int nf = 0; nf < Cfg::kNFrags; ++nf) s[mi][nf][0] = s[mi][nf][1] = s[mi][nf][2] = s[mi][nf][3] = 0.f;
+  }
+#pragma unroll
+  for (int kk = 0; kk < Cfg::kKSteps; ++kk) {
+    std::uint32_t qa[Cfg::kM][4];
+#pragma unroll
+    for (int mi = 0; mi < Cfg::kM; ++mi) load_a_frag<Tile>(q_tile, warp_row + 16 * mi, kk, lane, qa[mi]);
+#pragma unroll
+    for (int np = 0; np < Cfg::kNFrags / 2; ++np) {
+      std::uint32_t bk[4];
+      load_k_frags<Tile>(k_tile, np * 16, kk, lane, bk);
+#pragma unroll
+      for (int mi = 0; mi < Cfg::kM; ++mi) {
+        ptx::mma_16816<Cfg::kBf16>(s[mi][2 * np], qa[mi], bk[0], bk[1]);
+        ptx::mma_16816<Cfg::kBf16>(s[mi][2 * np + 1], qa[mi], bk[2], bk[3]);
+      }
+    }
+  }
+}
+
+// O += P·V for one warp's rows: P as A fragments [kM][kPSteps][4], V a [kBlockN, kHeadDim] tile.
+template <class Cfg>
+__device__ __forceinline__ void warp_pv(std::uint32_t v_tile, int lane, const std::uint32_t (&pp)[Cfg::kM][Cfg::kPSteps][4],
+                                        float (&acc)[Cfg::kM][Cfg::kDFrags][4]) {
+  using Tile = typename Cfg::Tile;
+#pragma unroll
+  for (int kk = 0; kk < Cfg::kPSteps; ++kk) {
+#pragma unroll
+    for (int dp = 0; dp < Cfg::kDFrags / 2; ++dp) {
+      std::uint32_t bv[4];
+      load_v_frags<Tile>(v_tile, kk, dp, lane, bv);
+#pragma unroll
+      for (int mi = 0; mi < Cfg::kM; ++mi) {
+        ptx::mma_16816<Cfg::kBf16>(acc[mi][2 * dp], pp[mi][kk], bv[0], bv[1]);
+        ptx::mma_16816<Cfg::kBf16>(acc[mi][2 * dp + 1], pp[mi][kk], bv[2], bv[3]);
+      }
+    }
+  }
+}
+
 // The key blocks one CTA visits, in order: group A (never gated by exact_gate: the partial
 // blocks, or non-causal the last key block), then group B (the full blocks), each descending,
 // then the mean-correction tiles. Dense and the gates walk one descending range [0, a_hi); a
@@ -230,30 +279,9 @@ __global__ void __launch_bounds__(Cfg::kThreads, 2) fwd_kernel(const __grid_cons
   init_row_stats(st);
   float s[kM][kNFrags][4];  // raw scores of the current sub-tile
 
-  // S = Q·K(stage)ᵀ for the warp's 32 rows: every K fragment serves both m16 row groups.
+  // S = Q·K(stage)ᵀ for the warp's 32 rows.
   auto compute_scores = [&](int stage) {
-#pragma unroll
-    for (int mi = 0; mi < kM; ++mi) {
-#pragma unroll
-      for (int nf = 0; nf < kNFrags; ++nf) s[mi][nf][0] = s[mi][nf][1] = s[mi][nf][2] = s[mi][nf][3] = 0.f;
-    }
-    const std::uint32_t k_stage = s_k_tile + stage * Cfg::kKVBytes;
-#pragma unroll
-    for (int kk = 0; kk < Cfg::kKSteps; ++kk) {
-      std::uint32_t qa[kM][4];
-#pragma unroll
-      for (int mi = 0; mi < kM; ++mi) load_a_frag<Tile>(s_q_tile, warp_row + 16 * mi, kk, lane, qa[mi]);
-#pragma unroll
-      for (int np = 0; np < kNFrags / 2; ++np) {
-        std::uint32_t bk[4];
-        load_k_frags<Tile>(k_stage, np * 16, kk, lane, bk);
-#pragma unroll
-        for (int mi = 0; mi < kM; ++mi) {
-          ptx::mma_16816<Cfg::kBf16>(s[mi][2 * np], qa[mi], bk[0], bk[1]);
-          ptx::mma_16816<Cfg::kBf16>(s[mi][2 * np + 1], qa[mi], bk[2], bk[3]);
-        }
-      }
-    }
+    warp_scores<Cfg>(s_q_tile, s_k_tile + stage * Cfg::kKVBytes, warp_row, lane, s);
   };
 
   // Element masks of sub-tile `sub` of position j: the causal diagonal band and the sequence's
@@ -317,20 +345,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 2) fwd_kernel(const __grid_cons
 
   // O += P·V(slot) for the warp's rows.
   auto pv = [&](int slot, const std::uint32_t (&pp)[kM][Cfg::kPSteps][4]) {
-    const std::uint32_t v_slot = s_v_tile + slot * Cfg::kKVBytes;
-#pragma unroll
-    for (int kk = 0; kk < Cfg::kPSteps; ++kk) {
-#pragma unroll
-      for (int dp = 0; dp < kDFrags / 2; ++dp) {
-        std::uint32_t bv[4];
-        load_v_frags<Tile>(v_slot, kk, dp, lane, bv);
-#pragma unroll
-        for (int mi = 0; mi < kM; ++mi) {
-          ptx::mma_16816<Cfg::kBf16>(acc[mi][2 * dp], pp[mi][kk], bv[0], bv[1]);
-          ptx::mma_16816<Cfg::kBf16>(acc[mi][2 * dp + 1], pp[mi][kk], bv[2], bv[3]);
-        }
-      }
-    }
+    warp_pv<Cfg>(s_v_tile + slot * Cfg::kKVBytes, lane, pp, acc);
   };
 
   auto gated = [&](int j) { return (exact_gate && j >= visit.n_a) || (skip_gate && j > 0); };
