@@ -5,7 +5,10 @@
 # benchmarks; logs and tables go to OUTDIR. Usage: scripts/gpu_check.sh OUTDIR
 # Env: JOBS (default 16), SP_SKIP_BENCH=1, SP_SKIP_SANITIZER=1, SP_SKIP_TILES=1, SP_BENCH_ARGS
 #      (extra bench/run_benchmarks.sh args), SP_TEST_FILTER (ctest -R regex), SP_TEST_TIMEOUT
-#      (seconds per test, default 300). GoogleTest is taken from .carry/gtest when present.
+#      (seconds per test, default 300), SP_BENCH_SECONDS (default 420), SP_WITH_PYTHON=1 (also
+#      `pip install .` with CUDA, built beside the C++ build, then pytest over tests/python on
+#      the GPU: python/install.log, python/pytest.log; SP_PYTEST_SECONDS, default 240).
+#      GoogleTest is taken from .carry/gtest when present.
 #      Every step has a time limit so the whole stays < 10 min.
 set -uo pipefail
 if (($# < 1)); then
@@ -24,6 +27,13 @@ note() { echo "[$(($(date +%s) - t0)) s] $*" | tee -a "$summary"; }
 
 prefix=()
 [[ -d $root/.carry/gtest/usr ]] && prefix=(-DCMAKE_PREFIX_PATH="$root/.carry/gtest/usr")
+
+if [[ -n ${SP_WITH_PYTHON:-} ]]; then
+  note "pip install (CUDA), in the background"
+  mkdir -p "$out/python"
+  "$root/scripts/python_install_cuda.sh" "$out/python" >"$out/python/install.out" 2>&1 &
+  py_install=$!
+fi
 
 note "configure (h200 preset)"
 if ! cmake --preset h200 "${prefix[@]}" -DSP_CUDA_RESOURCE_USAGE=ON >"$out/build.log" 2>&1; then
@@ -74,6 +84,17 @@ test_bin=$build/tests/cuda/cuda_attention_test
   echo "racecheck rc=$?"
 } >"$out/sanitizer.log" 2>&1 && grep -E "rc=|ERROR SUMMARY|RACECHECK SUMMARY" "$out/sanitizer.log" | tee -a "$summary"
 
+if [[ -n ${SP_WITH_PYTHON:-} ]]; then
+  if wait "$py_install"; then
+    note "pytest (CUDA)"
+    (cd "$root" && SP_TEST_DEVICES=cuda timeout "${SP_PYTEST_SECONDS:-240}" "${PYTHON:-python3}" -m pytest -q \
+      -p no:cacheprovider --timeout=120 tests/python >"$out/python/pytest.log" 2>&1)
+    note "pytest rc=$?: $(tail -1 "$out/python/pytest.log")"
+  else
+    note "pip install FAILED: $(tail -3 "$out/python/install.out")"
+  fi
+fi
+
 if [[ -z ${SP_SKIP_TILES:-} && -x $build/src/cuda/sp_cuda_tiles ]]; then
   note "kernel tiles"
   timeout 120 "$build/src/cuda/sp_cuda_tiles" 2>&1 | tee -a "$summary"
@@ -82,7 +103,7 @@ fi
 if [[ -z ${SP_SKIP_BENCH:-} && -x $root/bench/run_benchmarks.sh ]]; then
   note "benchmarks"
   # shellcheck disable=SC2086
-  SP_BUILD_DIR=$build timeout 420 "$root/bench/run_benchmarks.sh" "$out/bench" ${SP_BENCH_ARGS:-} >/dev/null 2>&1
+  SP_BUILD_DIR=$build timeout "${SP_BENCH_SECONDS:-420}" "$root/bench/run_benchmarks.sh" "$out/bench" ${SP_BENCH_ARGS:-} >/dev/null 2>&1
   note "benchmarks rc=$?"
   [[ -f $out/bench/bench.md ]] && cat "$out/bench/bench.md" >>"$summary"
 fi
