@@ -50,6 +50,54 @@ Status load_calibration(const std::string& path, Calibration* calibration);
 // Parses an in-memory file (the fuzz target's entry point).
 Status parse_calibration(const std::uint8_t* data, std::size_t size, Calibration* calibration);
 
+// ------------------------------------------------------------------ calibration statistics
+// What the calibrators reduce, per causal sequence of one layer's sample. compute_*_statistics
+// fill them from host tensors (scores scale·q·k in fp64 with the oracle's summation order) or
+// from CUDA tensors (fp32 mma.sync scores on the GPU: seconds for a 128K-token sample; the
+// difference from the host values is bounded in docs/cuda.md "Calibration statistics"). Each
+// calibrator's add() is compute + add_statistics, so both routes share one reduction.
+
+// exact_gate and softmax_skip statistics of one sequence, over the blocks of
+// geom::BlockGeometry{(s_q, s_k, causal), block_q, block_k}.
+struct BlockStatistics {
+  std::int64_t s_q = 0, s_k = 0;
+  int heads = 0;  // query heads
+  int block_q = 0, block_k = 0;
+  // Both [heads, num_q_blocks, num_k_blocks]; empty when not requested.
+  // block_max: the maximum of scale·q·k over the block's pairs; defined for full blocks
+  // (kb < full_end(qb)), the exact_gate statistic; other entries are unspecified.
+  // skip_g: softmax_skip's g = max over rows of (tile_rowmax - m_run) + ln s_k of every
+  // visible block visited after the query block's first one in BLASST order (partial blocks,
+  // then full blocks, each descending); +inf where a row sees its first keys, -inf where no
+  // row has a say. The first visited block's entry and invisible blocks are unspecified.
+  std::vector<double> block_max, skip_g;
+};
+
+// One BlockStatistics per sequence of `sample` (host or CUDA tensors, causal, finite q/k;
+// v is not read). block_q, block_k: any size >= 1 on the host; 64 or 128 on CUDA (bf16/fp16,
+// d 64/128), which enqueues on cuda_stream and synchronises it.
+Status compute_block_statistics(const AttentionProblem& sample, int block_q, int block_k,
+                                bool block_max, bool skip_g, std::vector<BlockStatistics>* out,
+                                void* cuda_stream = nullptr);
+
+// estimate_select statistics of one sequence: per selection unit (query head, or KV head with
+// pack_gqa) and query tile i of `block` rows, the energy ratios E_j / max E of the scored
+// blocks j < (a_l + 1) / block (a_l: the tile's last absolute position), as the selector
+// computes them (block means rounded to the dtype, x = scale·q·k̄_j for pairs whose row sees
+// block j's first key).
+struct SelectStatistics {
+  std::int64_t s_q = 0, s_k = 0;
+  int units = 0;
+  int block = 0;
+  bool pack_gqa = false;
+  std::vector<double> ratio;  // [units, num_q_blocks, num_k_blocks]; unscored entries unspecified
+};
+
+// One SelectStatistics per sequence (host or CUDA tensors as above; CUDA: block 128, the GPU
+// selector's energies). Only base.block and base.pack_gqa are read.
+Status compute_select_statistics(const AttentionProblem& sample, const EstimateSelectParams& base,
+                                 std::vector<SelectStatistics>* out, void* cuda_stream = nullptr);
+
 // Accumulates exact_gate statistics sample by sample. For each sample, layer, query head and
 // absolute query block: the maxima of the full blocks, sorted descending; the threshold is
 // the midpoint of the k-th and (k+1)-th largest, -inf with at most k candidates; the table
@@ -57,13 +105,17 @@ Status parse_calibration(const std::uint8_t* data, std::size_t size, Calibration
 class ExactGateCalibrator {
  public:
   ExactGateCalibrator(int layers, int heads, std::vector<int> budgets, int block_q, int block_k);
-  // q, k of one layer (host tensors, any layout, causal); every sequence is one sample. A
-  // rejected call (bad layer, shape, non-finite q/k) leaves the calibrator unchanged.
-  Status add(int layer, const AttentionProblem& sample);
+  // q, k of one layer (host or CUDA tensors, any layout, causal); every sequence is one
+  // sample. A rejected call (bad layer, shape, non-finite q/k) leaves the calibrator unchanged.
+  Status add(int layer, const AttentionProblem& sample, void* cuda_stream = nullptr);
+  // The same from precomputed statistics (block_max, this calibrator's block sizes).
+  Status add_statistics(int layer, const std::vector<BlockStatistics>& sample);
   // positions = 1 + the largest absolute query block seen (0 before any sample).
   ThresholdTable finish() const;
 
  private:
+  Status check_config() const;
+
   int layers_, heads_, block_q_, block_k_;
   std::vector<int> budgets_;
   // [(layer, budget, head)][position] -> (sum of finite thresholds, count)
@@ -79,7 +131,9 @@ class ExactGateCalibrator {
 class SoftmaxSkipCalibrator {
  public:
   SoftmaxSkipCalibrator(int layers, int block_q, int block_k);
-  Status add(int layer, const AttentionProblem& sample);
+  Status add(int layer, const AttentionProblem& sample, void* cuda_stream = nullptr);
+  // The same from precomputed statistics (skip_g, this calibrator's block sizes).
+  Status add_statistics(int layer, const std::vector<BlockStatistics>& sample);
   // The fraction counts every visible block (the never-skippable first ones too). ln a lies
   // midway between neighbouring sorted statistics, and a never exceeds the shortest s_k seen
   // (skipping is off when s_k < a), so an unreachable target gives the largest reachable
@@ -99,7 +153,9 @@ class SoftmaxSkipCalibrator {
 class EstimateSelectCalibrator {
  public:
   EstimateSelectCalibrator(int layers, EstimateSelectParams base);
-  Status add(int layer, const AttentionProblem& sample);
+  Status add(int layer, const AttentionProblem& sample, void* cuda_stream = nullptr);
+  // The same from precomputed statistics (this calibrator's block and pack_gqa).
+  Status add_statistics(int layer, const std::vector<SelectStatistics>& sample);
   // alpha lies midway between neighbouring ratios, giving the reachable density nearest to the
   // target; 2 (above every ratio) when the forced blocks alone reach it. layer = -1 pools.
   Status alpha_for(double target_density, int layer, double* alpha) const;

@@ -13,30 +13,48 @@ constexpr FwdVariant kFwdVariants[] = {
 #define SP_FWD_VARIANT(fn, dtype, head_dim) {#fn, DType::dtype, head_dim, &fn},
 #define SP_SELECT_VARIANT(fn, dtype, head_dim)
 #define SP_FWD90_VARIANT(fn, dtype, head_dim)
+#define SP_CALIB_VARIANT(fn, dtype, head_dim)
 #include "cuda/instances/registry.inc"
 #undef SP_FWD_VARIANT
 #undef SP_SELECT_VARIANT
 #undef SP_FWD90_VARIANT
+#undef SP_CALIB_VARIANT
 };
 
 constexpr SelectVariant kSelectVariants[] = {
 #define SP_FWD_VARIANT(fn, dtype, head_dim)
 #define SP_SELECT_VARIANT(fn, dtype, head_dim) {#fn, DType::dtype, head_dim, &fn},
 #define SP_FWD90_VARIANT(fn, dtype, head_dim)
+#define SP_CALIB_VARIANT(fn, dtype, head_dim)
 #include "cuda/instances/registry.inc"
 #undef SP_FWD_VARIANT
 #undef SP_SELECT_VARIANT
 #undef SP_FWD90_VARIANT
+#undef SP_CALIB_VARIANT
 };
 
 constexpr Fwd90Variant kFwd90Variants[] = {
 #define SP_FWD_VARIANT(fn, dtype, head_dim)
 #define SP_SELECT_VARIANT(fn, dtype, head_dim)
 #define SP_FWD90_VARIANT(fn, dtype, head_dim) {#fn, DType::dtype, head_dim, &fn},
+#define SP_CALIB_VARIANT(fn, dtype, head_dim)
 #include "cuda/instances/registry.inc"
 #undef SP_FWD_VARIANT
 #undef SP_SELECT_VARIANT
 #undef SP_FWD90_VARIANT
+#undef SP_CALIB_VARIANT
+};
+
+constexpr CalibVariant kCalibVariants[] = {
+#define SP_FWD_VARIANT(fn, dtype, head_dim)
+#define SP_SELECT_VARIANT(fn, dtype, head_dim)
+#define SP_FWD90_VARIANT(fn, dtype, head_dim)
+#define SP_CALIB_VARIANT(fn, dtype, head_dim) {#fn, DType::dtype, head_dim, &fn},
+#include "cuda/instances/registry.inc"
+#undef SP_FWD_VARIANT
+#undef SP_SELECT_VARIANT
+#undef SP_FWD90_VARIANT
+#undef SP_CALIB_VARIANT
 };
 
 }  // namespace
@@ -57,6 +75,13 @@ const SelectVariant* find_select(DType dtype, int head_dim) {
 
 const Fwd90Variant* find_fwd90(DType dtype, int head_dim) {
   for (const Fwd90Variant& v : kFwd90Variants) {
+    if (v.dtype == dtype && v.head_dim == head_dim) return &v;
+  }
+  return nullptr;
+}
+
+const CalibVariant* find_calib(DType dtype, int head_dim) {
+  for (const CalibVariant& v : kCalibVariants) {
     if (v.dtype == dtype && v.head_dim == head_dim) return &v;
   }
   return nullptr;
@@ -85,6 +110,7 @@ std::string compiled_instances() {
   for (const FwdVariant& v : kFwdVariants) os << v.name << "\n";
   for (const SelectVariant& v : kSelectVariants) os << v.name << "\n";
   for (const Fwd90Variant& v : kFwd90Variants) os << v.name << "\n";
+  for (const CalibVariant& v : kCalibVariants) os << v.name << "\n";
   return os.str();
 }
 

@@ -15,6 +15,7 @@ namespace sparseprefill::cuda {
 // Launch functions return a cudaError_t value (0 = success) and take a cudaStream_t as void*.
 using FwdLaunchFn = int (*)(const FwdParams& params, void* stream);
 using SelectLaunchFn = int (*)(const SelectParams& params, void* stream);
+using CalibLaunchFn = int (*)(const CalibParams& params, void* stream);
 // Copies `bytes` of host memory into device memory that stays valid and unchanged until the
 // launch has run — and, under CUDA graph capture, for every replay — and returns it in
 // *device, 64-byte aligned. Returns a cudaError_t value (0 = success) or kUploadRefused.
@@ -54,19 +55,29 @@ struct SelectVariant {
   SelectLaunchFn launch;
 };
 
+struct CalibVariant {
+  const char* name;  // e.g. "calib_sm80_bf16_hd128"
+  DType dtype;
+  int head_dim;
+  CalibLaunchFn launch;
+};
+
 #define SP_FWD_VARIANT(fn, dtype, head_dim) int fn(const FwdParams& params, void* stream);
 #define SP_SELECT_VARIANT(fn, dtype, head_dim) int fn(const SelectParams& params, void* stream);
+#define SP_CALIB_VARIANT(fn, dtype, head_dim) int fn(const CalibParams& params, void* stream);
 #define SP_FWD90_VARIANT(fn, dtype, head_dim) \
   int fn(const FwdParams& params, const SeqInfo* host_seqs, const HostUpload& upload, void* stream);
 #include "cuda/instances/registry.inc"
 #undef SP_FWD_VARIANT
 #undef SP_SELECT_VARIANT
 #undef SP_FWD90_VARIANT
+#undef SP_CALIB_VARIANT
 
 // The instance for (dtype, head_dim), or nullptr when none is compiled.
 const FwdVariant* find_fwd(DType dtype, int head_dim);
 const SelectVariant* find_select(DType dtype, int head_dim);
 const Fwd90Variant* find_fwd90(DType dtype, int head_dim);
+const CalibVariant* find_calib(DType dtype, int head_dim);
 // "bf16 d=64, ..." for messages, and one instance name per line for build_info.
 std::string compiled_fwd_summary();
 std::string compiled_fwd90_summary();
