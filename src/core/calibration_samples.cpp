@@ -246,9 +246,10 @@ Status check_size(const char* who, const char* name, std::size_t b, std::size_t 
                           std::to_string(size));
 }
 
-Status non_finite_statistic(const char* who, const char* name, std::size_t b, std::size_t index) {
+Status non_finite_statistic(const char* who, const char* name, std::size_t b, std::size_t index, double value) {
   return invalid_argument(std::string(who) + ": statistics[" + std::to_string(b) + "]." + name + "[" +
-                          std::to_string(index) + "]: not a number (non-finite q or k?)");
+                          std::to_string(index) + "] is " + (std::isnan(value) ? "NaN" : "infinite") +
+                          " (non-finite q or k?)");
 }
 
 // The geometry of a statistics record, checked against a calibrator's block sizes.
@@ -265,6 +266,13 @@ Status check_block_record(const char* who, std::size_t b, const BlockStatistics&
   }
   *g = geom::BlockGeometry{{st.s_q, st.s_k, true}, block_q, block_k};
   return {};
+}
+
+// estimate_select's scored blocks of tile i: j < (a_l + 1) / block, a_l the tile's last
+// absolute position (0 when no row sees a key).
+int scored_blocks(const geom::BlockGeometry& g, int i) {
+  const std::int64_t a_l = g.seq.position(g.row_end(i) - 1);
+  return a_l < 0 ? 0 : static_cast<int>((a_l + 1) / g.block_k);
 }
 
 // BLASST visit order of query block qb: partial blocks, then full blocks, each descending.
@@ -397,9 +405,7 @@ SelectStatistics host_select_statistics(const SampleSeq& s, int bs, bool pack_gq
     const int hk = s.kv_head(h0);
     std::vector<double> x;
     for (int i = 0; i < tiles; ++i) {
-      const std::int64_t a_l = s.geo.position(g.row_end(i) - 1);
-      if (a_l < 0) continue;
-      const int scored = static_cast<int>((a_l + 1) / bs);
+      const int scored = scored_blocks(g, i);
       if (scored == 0) continue;
       // x[r, j] = scale · q_r · k̄_j for the pairs whose row sees block j's first key, in
       // the oracle's pair order (row, then head); other pairs add exp(-inf) = 0.
@@ -532,7 +538,7 @@ Status ExactGateCalibrator::add_statistics(int layer, const std::vector<BlockSta
       for (int qb = 0; qb < nqb; ++qb) {
         const std::size_t row = (static_cast<std::size_t>(h) * nqb + qb) * nkb;
         for (int kb = 0; kb < g.full_end(qb); ++kb) {
-          if (!std::isfinite(st.block_max[row + kb])) return non_finite_statistic(kWho, "block_max", b, row + kb);
+          if (!std::isfinite(st.block_max[row + kb])) return non_finite_statistic(kWho, "block_max", b, row + kb, st.block_max[row + kb]);
         }
       }
     }
@@ -621,10 +627,16 @@ Status SoftmaxSkipCalibrator::add_statistics(int layer, const std::vector<BlockS
     const BlockStatistics& st = sample[b];
     geom::BlockGeometry g;
     SP_RETURN_IF_ERROR(check_block_record(kWho, b, st, block_q_, block_k_, &g));
-    const std::size_t cells = static_cast<std::size_t>(st.heads) * g.num_q_blocks() * g.num_k_blocks();
-    SP_RETURN_IF_ERROR(check_size(kWho, "skip_g", b, st.skip_g.size(), cells));
-    for (std::size_t i = 0; i < cells; ++i) {
-      if (std::isnan(st.skip_g[i])) return non_finite_statistic(kWho, "skip_g", b, i);
+    const int nqb = g.num_q_blocks(), nkb = g.num_k_blocks();
+    SP_RETURN_IF_ERROR(check_size(kWho, "skip_g", b, st.skip_g.size(), static_cast<std::size_t>(st.heads) * nqb * nkb));
+    for (int h = 0; h < st.heads; ++h) {
+      for (int qb = 0; qb < nqb; ++qb) {
+        const std::size_t row = (static_cast<std::size_t>(h) * nqb + qb) * nkb;
+        // The entries read: every visible block but the first visited (the last visible).
+        for (int kb = 0; kb + 1 < g.visible_end(qb); ++kb) {
+          if (std::isnan(st.skip_g[row + kb])) return non_finite_statistic(kWho, "skip_g", b, row + kb, st.skip_g[row + kb]);
+        }
+      }
     }
   }
   const auto l = static_cast<std::size_t>(layer);
@@ -729,10 +741,15 @@ Status EstimateSelectCalibrator::add_statistics(int layer, const std::vector<Sel
                               "]: expected s_q, s_k >= 0 and units >= 1");
     }
     const geom::BlockGeometry g{{st.s_q, st.s_k, true}, bs, bs};
-    const std::size_t cells = static_cast<std::size_t>(st.units) * g.num_q_blocks() * g.num_k_blocks();
-    SP_RETURN_IF_ERROR(check_size(kWho, "ratio", b, st.ratio.size(), cells));
-    for (std::size_t i = 0; i < cells; ++i) {
-      if (std::isnan(st.ratio[i])) return non_finite_statistic(kWho, "ratio", b, i);
+    const int tiles = g.num_q_blocks(), blocks = g.num_k_blocks();
+    SP_RETURN_IF_ERROR(check_size(kWho, "ratio", b, st.ratio.size(), static_cast<std::size_t>(st.units) * tiles * blocks));
+    for (int unit = 0; unit < st.units; ++unit) {
+      for (int i = 0; i < tiles; ++i) {
+        const std::size_t row = (static_cast<std::size_t>(unit) * tiles + i) * blocks;
+        for (int j = 0; j < scored_blocks(g, i); ++j) {
+          if (std::isnan(st.ratio[row + j])) return non_finite_statistic(kWho, "ratio", b, row + j, st.ratio[row + j]);
+        }
+      }
     }
   }
   const auto l = static_cast<std::size_t>(layer);
@@ -745,7 +762,7 @@ Status EstimateSelectCalibrator::add_statistics(int layer, const std::vector<Sel
         const std::int64_t a_l = g.seq.position(g.row_end(i) - 1);
         if (a_l < 0) continue;
         const std::int64_t fqb = geom::floor_div(a_f, bs), lqb = a_l / bs;
-        const int scored = static_cast<int>((a_l + 1) / bs);
+        const int scored = scored_blocks(g, i);
         const bool tail_tile = i >= tiles - base_.tail;
         auto is_forced = [&](std::int64_t j) {
           return tail_tile || j < base_.sink || fqb - base_.window + 1 <= j;
