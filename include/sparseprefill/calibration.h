@@ -137,12 +137,14 @@ class SoftmaxSkipCalibrator {
   // The fraction counts every visible block (the never-skippable first ones too). ln a lies
   // midway between neighbouring sorted statistics, and a never exceeds the shortest s_k seen
   // (skipping is off when s_k < a), so an unreachable target gives the largest reachable
-  // fraction. layer = -1 pools every layer.
+  // fraction. layer = -1 pools every layer. Sorts the layer's statistics in place on first
+  // use: not to be called concurrently with any other call on this calibrator.
   Status factor_for(double target_skip_fraction, int layer, double* a) const;
 
  private:
   int layers_, block_q_, block_k_;
-  std::vector<std::vector<double>> g_;          // per layer
+  // Per layer, in the order added; factor_for sorts a layer in place (ranking is all it reads).
+  mutable std::vector<std::vector<double>> g_;
   std::vector<std::int64_t> never_skippable_;   // first visited blocks, per layer
   std::vector<std::int64_t> min_s_k_;           // shortest key length seen, per layer
 };
@@ -158,12 +160,14 @@ class EstimateSelectCalibrator {
   Status add_statistics(int layer, const std::vector<SelectStatistics>& sample);
   // alpha lies midway between neighbouring ratios, giving the reachable density nearest to the
   // target; 2 (above every ratio) when the forced blocks alone reach it. layer = -1 pools.
+  // Sorts in place on first use, as factor_for.
   Status alpha_for(double target_density, int layer, double* alpha) const;
 
  private:
   int layers_;
   EstimateSelectParams base_;
-  std::vector<std::vector<double>> ratios_;   // per layer
+  // Per layer, in the order added; alpha_for sorts a layer in place (ranking is all it reads).
+  mutable std::vector<std::vector<double>> ratios_;
   std::vector<std::int64_t> forced_, visible_;  // per layer
 };
 

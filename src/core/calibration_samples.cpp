@@ -221,13 +221,13 @@ Status check_target(double target, int layer, int layers, const char* name) {
 }
 
 // Among the counts n in [0, size] reachable by a threshold between distinct neighbours of
-// `sorted` (n = 0, n = size, or sorted[n-1] != sorted[n]), the one nearest to `wanted`
+// sorted[0, size) (n = 0, n = size, or sorted[n-1] != sorted[n]), the one nearest to `wanted`
 // (ties: the smaller n).
-std::size_t nearest_reachable(const std::vector<double>& sorted, double wanted) {
+std::size_t nearest_reachable(const double* sorted, std::size_t size, double wanted) {
   std::size_t best = 0;
   double best_dist = std::abs(wanted);
-  for (std::size_t n = 1; n <= sorted.size(); ++n) {
-    if (n < sorted.size() && sorted[n - 1] == sorted[n]) continue;
+  for (std::size_t n = 1; n <= size; ++n) {
+    if (n < size && sorted[n - 1] == sorted[n]) continue;
     const double dist = std::abs(static_cast<double>(n) - wanted);
     if (dist < best_dist) {
       best = n;
@@ -660,28 +660,29 @@ Status SoftmaxSkipCalibrator::add_statistics(int layer, const std::vector<BlockS
 
 Status SoftmaxSkipCalibrator::factor_for(double target_skip_fraction, int layer, double* a) const {
   SP_RETURN_IF_ERROR(check_target(target_skip_fraction, layer, layers_, "target_skip_fraction"));
-  std::vector<double> g;
+  std::vector<double> pooled;
   std::int64_t firsts = 0, min_s_k = std::numeric_limits<std::int64_t>::max();
   for (int l = 0; l < layers_; ++l) {
     if (layer != -1 && l != layer) continue;
     const auto u = static_cast<std::size_t>(l);
-    g.insert(g.end(), g_[u].begin(), g_[u].end());
+    if (layer == -1) pooled.insert(pooled.end(), g_[u].begin(), g_[u].end());
     firsts += never_skippable_[u];
     min_s_k = std::min(min_s_k, min_s_k_[u]);
   }
+  // One layer's statistics are sorted in place once (add_statistics appends unsorted).
+  std::vector<double>& g = layer == -1 ? pooled : g_[static_cast<std::size_t>(layer)];
   if (g.empty()) {
     return invalid_argument("layer " + std::to_string(layer) +
                             ": no skippable blocks seen (add samples first)");
   }
-  std::sort(g.begin(), g.end());
+  if (!std::is_sorted(g.begin(), g.end())) std::sort(g.begin(), g.end());
   // Skipping is off for a sample with s_k < a, so a stays <= the shortest s_k seen: only
   // statistics below ln(min s_k) can ever be skipped.
   const double ln_cap = std::log(static_cast<double>(min_s_k));
   const std::size_t skippable =
       static_cast<std::size_t>(std::lower_bound(g.begin(), g.end(), ln_cap) - g.begin());
-  std::vector<double> usable(g.begin(), g.begin() + static_cast<std::ptrdiff_t>(skippable));
   const double total = static_cast<double>(g.size()) + static_cast<double>(firsts);
-  const std::size_t n = nearest_reachable(usable, target_skip_fraction * total);
+  const std::size_t n = nearest_reachable(g.data(), skippable, target_skip_fraction * total);
   // ln a between the n-th and (n+1)-th smallest statistic: exactly n blocks have g < ln a.
   double ln_a = 0.0;
   if (n == 0) {
@@ -781,22 +782,24 @@ Status EstimateSelectCalibrator::add_statistics(int layer, const std::vector<Sel
 
 Status EstimateSelectCalibrator::alpha_for(double target_density, int layer, double* alpha) const {
   SP_RETURN_IF_ERROR(check_target(target_density, layer, layers_, "target_density"));
-  std::vector<double> r;
+  std::vector<double> pooled;
   std::int64_t forced = 0, visible = 0;
   for (int l = 0; l < layers_; ++l) {
     if (layer != -1 && l != layer) continue;
     const auto u = static_cast<std::size_t>(l);
-    r.insert(r.end(), ratios_[u].begin(), ratios_[u].end());
+    if (layer == -1) pooled.insert(pooled.end(), ratios_[u].begin(), ratios_[u].end());
     forced += forced_[u];
     visible += visible_[u];
   }
   if (visible == 0) {
     return invalid_argument("layer " + std::to_string(layer) + ": no blocks seen (add samples first)");
   }
-  // Descending: keeping the n largest ratios gives density (forced + n) / visible.
-  std::sort(r.begin(), r.end(), std::greater<double>());
+  // Descending: keeping the n largest ratios gives density (forced + n) / visible. One
+  // layer's ratios are sorted in place once (add_statistics appends unsorted).
+  std::vector<double>& r = layer == -1 ? pooled : ratios_[static_cast<std::size_t>(layer)];
+  if (!std::is_sorted(r.begin(), r.end(), std::greater<double>())) std::sort(r.begin(), r.end(), std::greater<double>());
   const double wanted = target_density * static_cast<double>(visible) - static_cast<double>(forced);
-  const std::size_t n = nearest_reachable(r, wanted);
+  const std::size_t n = nearest_reachable(r.data(), r.size(), wanted);
   if (n == 0) {
     // Every ratio is <= 1 (the peak's own ratio is 1), so 2 keeps none of them.
     *alpha = 2.0;
