@@ -5,6 +5,7 @@
 
 #include <cstdint>
 #include <map>
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -169,6 +170,42 @@ class EstimateSelectCalibrator {
   // Per layer, in the order added; alpha_for sorts a layer in place (ranking is all it reads).
   mutable std::vector<std::vector<double>> ratios_;
   std::vector<std::int64_t> forced_, visible_;  // per layer
+};
+
+// ------------------------------------------------------------------ one calibration run
+// What a run calibrates: empty target lists leave that policy out (at least one is needed).
+struct CalibrationTargets {
+  int layers = 0;
+  int heads = 0;                         // query heads (exact_gate)
+  int block_q = 128, block_k = 128;      // exact_gate and softmax_skip
+  std::vector<int> budgets;              // exact_gate budgets, ascending
+  std::vector<double> skip_targets;      // softmax_skip target skip fractions, ascending
+  std::vector<double> density_targets;   // estimate_select target densities, ascending
+  EstimateSelectParams estimate;         // estimate_select's non-alpha parameters
+};
+
+// The calibrators of one run, fed layer by layer (the CLI, the C ABI and Python use it): each
+// sample's block statistics are computed once for exact_gate and softmax_skip, on the GPU for
+// CUDA tensors; finish() fits every factor per layer into a Calibration.
+class CalibrationRun {
+ public:
+  // Checks the targets; *out receives the run.
+  static Status create(const CalibrationTargets& targets, std::unique_ptr<CalibrationRun>* out);
+  // q, k of `layer` (causal; v is not read). A sample rejected before its statistics exist
+  // (shape, layout, non-finite host q/k) changes nothing; one whose GPU statistics are not
+  // finite (non-finite CUDA q/k) may already be in some calibrators: discard the run then.
+  Status add(int layer, const AttentionProblem& sample, void* cuda_stream = nullptr);
+  // Thresholds, factors a and alphas of every layer and target (metadata left empty).
+  Status finish(Calibration* out) const;
+  const CalibrationTargets& targets() const { return targets_; }
+
+ private:
+  explicit CalibrationRun(const CalibrationTargets& targets);
+
+  CalibrationTargets targets_;
+  std::unique_ptr<ExactGateCalibrator> gate_;
+  std::unique_ptr<SoftmaxSkipCalibrator> skip_;
+  std::unique_ptr<EstimateSelectCalibrator> select_;
 };
 
 }  // namespace sparseprefill
