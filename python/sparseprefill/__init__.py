@@ -17,7 +17,7 @@ from ._ext import (
     InvalidArgumentError,
     UnsupportedError,
 )
-from .calibration import Calibration, load_calibration
+from .calibration import Calibration, Calibrator, load_calibration
 from .native import Result, build_info, can_run, run
 from .policy import BlockSparse, Dense, EstimateSelect, ExactGate, PermuteStop, Policy, SoftmaxSkip
 from .stats import CallStats, StatsLog, collect_stats
@@ -25,7 +25,7 @@ from .stats import CallStats, StatsLog, collect_stats
 __version__ = "0.1.0"
 
 __all__ = [
-    "BlockSparse", "Calibration", "CallStats", "CorruptDataError", "CudaError", "Dense", "Error",
+    "BlockSparse", "Calibration", "Calibrator", "CallStats", "CorruptDataError", "CudaError", "Dense", "Error",
     "EstimateSelect", "ExactGate", "FileError", "InternalError", "InvalidArgumentError",
     "PermuteStop", "Policy", "Result", "SoftmaxSkip", "StatsLog", "UnsupportedError",
     "build_info", "can_run", "collect_stats", "load_calibration", "run",
