@@ -13,6 +13,11 @@ Implementations:
   ours   through the C ABI (libsparseprefill_c, ctypes): dense; block_sparse on the SAME masks
          Flex gets; exact_gate with thresholds picked from sampled block maxima for ~20% and
          ~50% density; softmax_skip and estimate_select with their default parameters.
+         Serving layouts (issue 8): dense and exact_gate ~20% on paged K/V (pages of
+         --page-sizes keys in a shuffled order, the same values) at --paged-lengths; and
+         chunked prefill at --chunked-lengths: the prompt in chunks of --chunk queries, each
+         a call over the prefix so far plus itself (bottom-right causal), every policy, the
+         time of all chunks together against the one-shot rows.
 
 Method:
   - The same inputs for every implementation: q, k, v drawn from randn (never zeros) in bf16,
@@ -74,6 +79,12 @@ def parse_args():
     ap.add_argument("--small-lengths", default="8192", help="lengths of the SmolLM2 shape")
     ap.add_argument("--densities", default="0.05,0.2,0.5", help="random block-mask densities")
     ap.add_argument("--gate-densities", default="0.2,0.5", help="exact_gate target densities")
+    ap.add_argument("--paged-lengths", default="32768,131072",
+                    help="Llama-3.1-8B lengths with paged K/V rows (subset of --lengths)")
+    ap.add_argument("--page-sizes", default="16,64", help="page sizes of the paged rows")
+    ap.add_argument("--chunked-lengths", default="131072",
+                    help="Llama-3.1-8B lengths with chunked-prefill rows (subset of --lengths)")
+    ap.add_argument("--chunk", type=int, default=8192, help="queries per chunk of the chunked rows")
     ap.add_argument("--budget-ms", type=float, default=400.0,
                     help="device time per implementation and case for the repetitions")
     ap.add_argument("--min-reps", type=int, default=3)
@@ -118,7 +129,7 @@ def environment(lib):
 # ---------------------------------------------------------------- inputs and masks
 
 class InputSet:
-    """One draw of q, k, v in both layouts (same values)."""
+    """One draw of q, k, v in both layouts (same values); paged copies of k, v on demand."""
 
     def __init__(self, h_q, h_kv, d, n, gen):
         self.q_bshd = torch.randn(1, n, h_q, d, device=DEV, dtype=torch.bfloat16, generator=gen)
@@ -130,6 +141,24 @@ class InputSet:
         group = h_q // h_kv
         self.k_rep = self.k.repeat_interleave(group, 1)
         self.v_rep = self.v.repeat_interleave(group, 1)
+        self.paged = {}
+
+    def pages(self, page, gen):
+        """(k_pages, v_pages [n / page, page, h_kv, d], block_table [1, n / page] int32 on
+        the host, seqused_k [1]): key t in row t % page of page table[t // page], the pages
+        in a shuffled order."""
+        if page not in self.paged:
+            _, n, h_kv, d = self.k_bshd.shape
+            count = -(-n // page)
+            order = torch.randperm(count, device=DEV, generator=gen)
+            k_pages = torch.empty(count, page, h_kv, d, device=DEV, dtype=self.k_bshd.dtype)
+            v_pages = torch.empty_like(k_pages)
+            pad = count * page - n
+            k_pages[order] = F.pad(self.k_bshd[0], (0, 0, 0, 0, 0, pad)).view(count, page, h_kv, d)
+            v_pages[order] = F.pad(self.v_bshd[0], (0, 0, 0, 0, 0, pad)).view(count, page, h_kv, d)
+            table = order.to(torch.int32).view(1, count).cpu()
+            self.paged[page] = (k_pages, v_pages, table, torch.tensor([n], dtype=torch.int32))
+        return self.paged[page]
 
 
 def random_block_map(h, nb, density, gen):
@@ -311,60 +340,90 @@ class Case:
 
     # ---- ours
 
-    def problem(self, s):
+    def problem(self, s, page=None, rows=None):
+        """The problem of input set s: contiguous K/V, or paged with `page` keys per page;
+        rows = (c0, c1): the chunk of queries c0..c1-1 over keys 0..c1-1 (views, no copy)."""
+        c0, c1 = rows if rows is not None else (0, self.n)
         p = sp_ctypes.Problem()
-        p.q = sp_ctypes.tensor_from_torch(s.q_bshd)
-        p.k = sp_ctypes.tensor_from_torch(s.k_bshd)
-        p.v = sp_ctypes.tensor_from_torch(s.v_bshd)
+        p.q = sp_ctypes.tensor_from_torch(s.q_bshd[:, c0:c1])
+        if page is None:
+            p.k = sp_ctypes.tensor_from_torch(s.k_bshd[:, :c1])
+            p.v = sp_ctypes.tensor_from_torch(s.v_bshd[:, :c1])
+        else:
+            k_pages, v_pages, table, used = s.pages(page, self.gen)
+            p.k = sp_ctypes.tensor_from_torch(k_pages)
+            p.v = sp_ctypes.tensor_from_torch(v_pages)
+            p.block_table = sp_ctypes.tensor_from_torch(table)
+            p.seqused_k = sp_ctypes.tensor_from_torch(used)
         p.causal = 1
         p.scale = 0.0
         return p
 
     def ours(self, impl, label, policy, target=None, mask_pairs=None, mask_density=None,
-             extra=None):
+             extra=None, page=None, chunk=None):
+        """One row of ours: a call per input set, or with `chunk` the calls of a chunked
+        prefill (every chunk of the prompt, each writing its rows of one output)."""
         lib = self.lib
         row = {"impl": impl, "label": label, "family": "ours", "target": target,
                "params": policy.describe(), **(extra or {})}
-        problems = [self.problem(s) for s in self.sets]
+        if page is not None:
+            row["page_size"] = page
+        if chunk is not None:
+            row["chunk"] = chunk
+        spans = [(c0, min(self.n, c0 + chunk)) for c0 in range(0, self.n, chunk)] if chunk else [None]
         o = torch.empty_like(self.sets[0].q_bshd)
-        out = sp_ctypes.Output()
-        out.o = sp_ctypes.tensor_from_torch(o)
+        outs = []
+        for span in spans:
+            out = sp_ctypes.Output()
+            out.o = sp_ctypes.tensor_from_torch(o if span is None else o[:, span[0]:span[1]])
+            outs.append(out)
+        # Per input set, the (problem, output) of each call it takes.
+        calls = [[(self.problem(s, page, span), out) for span, out in zip(spans, outs)] for s in self.sets]
         opts = sp_ctypes.Options(sp_ctypes.BACKEND_CUDA, 0,
                                  torch.cuda.current_stream().cuda_stream)
-        code = lib.can_run(problems[0], policy, sp_ctypes.BACKEND_CUDA)
+        code = lib.can_run(calls[0][-1][0], policy, sp_ctypes.BACKEND_CUDA)
         if code != sp_ctypes.OK:
             row.update(status=lib.status_name(code), note=lib.last_error())
             self.add(row)
             return None
-        # Warm-up and checked call, with statistics (they synchronise).
+        # Warm-up and checked call(s), with statistics (they synchronise).
         o.fill_(float("nan"))
-        stats = sp_ctypes.Stats()
-        code = lib.run(problems[0], policy, out, opts, stats)
         notes = []
+        totals = {"kept": 0, "visible": 0, "pairs": 0, "corrected": 0}
+        for problem, out in calls[0]:
+            stats = sp_ctypes.Stats()
+            code = lib.run(problem, policy, out, opts, stats)
+            if code != sp_ctypes.OK:
+                break
+            totals["kept"] += stats.total.kept_blocks
+            totals["visible"] += stats.total.visible_blocks
+            totals["pairs"] += stats.total.computed_pairs
+            totals["corrected"] += stats.total.corrected_blocks
         if code != sp_ctypes.OK:
             notes.append(f"statistics unavailable ({lib.status_name(code)}: {lib.last_error()})")
             o.fill_(float("nan"))
-            code = lib.run(problems[0], policy, out, opts, None)
-            if code != sp_ctypes.OK:
-                row.update(status=lib.status_name(code), note=lib.last_error())
-                self.add(row)
-                return None
+            for problem, out in calls[0]:
+                code = lib.run(problem, policy, out, opts, None)
+                if code != sp_ctypes.OK:
+                    row.update(status=lib.status_name(code), note=lib.last_error())
+                    self.add(row)
+                    return None
             row["density"] = mask_density if mask_density is not None else None
             row["pairs"] = mask_pairs if mask_pairs is not None else self.dense_pairs
         else:
-            row["density"] = stats.density
-            row["pairs"] = stats.total.computed_pairs
-            row["corrected_blocks"] = stats.total.corrected_blocks
-            if mask_pairs is not None and stats.total.computed_pairs != mask_pairs:
-                notes.append(f"computed pairs {stats.total.computed_pairs} != mask pairs "
-                             f"{mask_pairs}")
+            row["density"] = totals["kept"] / totals["visible"] if totals["visible"] else 1.0
+            row["pairs"] = totals["pairs"]
+            row["corrected_blocks"] = totals["corrected"]
+            if mask_pairs is not None and totals["pairs"] != mask_pairs:
+                notes.append(f"computed pairs {totals['pairs']} != mask pairs {mask_pairs}")
         torch.cuda.synchronize()
         result = o.clone()
 
         codes = []
 
         def call(i):
-            codes.append(lib.run(problems[i], policy, out, opts, None))
+            for problem, out in calls[i]:
+                codes.append(lib.run(problem, policy, out, opts, None))
 
         row["ms"], row["host_ms"], row["reps"] = time_calls(call, self.n_sets, self.args)
         failed = [c for c in codes if c != sp_ctypes.OK]
@@ -408,6 +467,29 @@ class Case:
         self.ours("ours_softmax_skip", "ours softmax_skip (a=10)", lib.policy("softmax_skip"))
         self.ours("ours_estimate_select", "ours estimate_select (α=0.1)",
                   lib.policy("estimate_select"))
+        gate20 = None
+        if 0.2 in thresholds:
+            gate20 = lib.policy("exact_gate", {"block_q": BLOCK, "block_k": BLOCK})
+            table20 = torch.full((self.h_q, 1), thresholds[0.2], dtype=torch.float32, device=DEV)
+            gate20.set_thresholds(sp_ctypes.tensor_from_torch(table20), owner=table20)
+        if self.n in ints(self.args.paged_lengths):
+            for page in ints(self.args.page_sizes):
+                self.ours(f"ours_dense_paged{page}", f"ours dense paged {page}", lib.policy("dense"), page=page)
+                if gate20 is not None:
+                    self.ours(f"ours_exact_gate_paged{page}", f"ours exact_gate ~20% paged {page}", gate20,
+                              target=0.2, page=page, extra={"threshold": thresholds[0.2]})
+            for s in self.sets:
+                s.paged.clear()
+        if self.n in ints(self.args.chunked_lengths):
+            k = self.args.chunk
+            self.ours("ours_dense_chunked", f"ours dense chunks of {k}", lib.policy("dense"), chunk=k)
+            if gate20 is not None:
+                self.ours("ours_exact_gate_chunked", f"ours exact_gate ~20% chunks of {k}", gate20,
+                          target=0.2, chunk=k, extra={"threshold": thresholds[0.2]})
+            self.ours("ours_softmax_skip_chunked", f"ours softmax_skip (a=10) chunks of {k}",
+                      lib.policy("softmax_skip"), chunk=k)
+            self.ours("ours_estimate_select_chunked", f"ours estimate_select (α=0.1) chunks of {k}",
+                      lib.policy("estimate_select"), chunk=k)
 
     def run(self):
         nb = self.n // BLOCK

@@ -97,7 +97,7 @@ def summary_table(cases):
 
 
 def target_checks(cases):
-    """(target, case, value, required, verdict) for the benchmark targets of issues 3 and 4
+    """(target, case, value, required, verdict) for the benchmark targets of issues 3, 4 and 8
     (Llama-3.1-8B shape only); rows whose inputs are missing are left out."""
     checks = []
     llama = [c for c in cases if c["model"].startswith("llama")]
@@ -138,6 +138,40 @@ def target_checks(cases):
                     v = ratio(flex, r)
                     checks.append((f"#4 block_sparse ρ={rho:.2f}: ≥ 1.5× Flex, same mask", n,
                                    v, 1.5, v >= 1.5))
+        checks += serving_checks(c)
+    return checks
+
+
+# Chunked-prefill rows (bench_attention.py --chunked-lengths) and the one-shot row of the
+# same policy.
+CHUNKED = [("ours_exact_gate_chunked", "ours_exact_gate", 0.2),
+           ("ours_softmax_skip_chunked", "ours_softmax_skip", None),
+           ("ours_estimate_select_chunked", "ours_estimate_select", None)]
+
+
+def serving_checks(c):
+    """Issue 8's targets for one case: paged K/V at page size >= 16 costs at most 5% over the
+    same policy on contiguous K/V (dense: the contiguous row runs the Hopper kernel on
+    compute capability 9.0, the paged one the portable kernel); chunked prefill keeps at least
+    80% of each policy's one-shot speedup over dense."""
+    checks = []
+    n = c["n"]
+    for r in c["rows"]:
+        impl = r["impl"]
+        if r.get("status") != "ok" or "_paged" not in impl or r.get("page_size", 0) < 16:
+            continue
+        base = find(c, impl.split("_paged")[0], r.get("target"))
+        if base:
+            t = r["ms"] / base["ms"]
+            checks.append((f"#8 {impl}: time / contiguous ≤ 1.05", n, t, 1.05, t <= 1.05))
+    dense, dense_chunked = find(c, "ours_dense"), find(c, "ours_dense_chunked")
+    for chunked_impl, one_shot_impl, target in CHUNKED:
+        chunked, one_shot = find(c, chunked_impl, target), find(c, one_shot_impl, target)
+        if not (dense and dense_chunked and chunked and one_shot):
+            continue
+        kept = ratio(dense_chunked, chunked) / ratio(dense, one_shot)
+        checks.append((f"#8 {chunked_impl}: chunked speedup / one-shot speedup ≥ 0.8", n, kept, 0.8,
+                       kept >= 0.8))
     return checks
 
 
@@ -163,7 +197,7 @@ def render(result, heading_level=2):
              f"- command: `{result.get('command')}`",
              f"- ours: {'not run (--peers-only)' if result.get('peers_only') else 'libsparseprefill_c'}",
              "", f"{h} Summary (ms, median)", "", summary_table(result["cases"]), "",
-             f"{h} Targets (issues 3 and 4)", "", targets_table(result["cases"]), ""]
+             f"{h} Targets (issues 3, 4 and 8)", "", targets_table(result["cases"]), ""]
     for case in result["cases"]:
         parts += [f"{h}# {case_title(case)}", "", case_table(case), ""]
     return "\n".join(parts)

@@ -13,18 +13,9 @@ mkdir -p "$out"
 root=$(cd "$(dirname "$0")/.." && pwd)
 cd "$root"
 py=${PYTHON:-python3}
-export CMAKE_BUILD_PARALLEL_LEVEL=${CMAKE_BUILD_PARALLEL_LEVEL:-$(nproc)}
 export PYTHONUNBUFFERED=1
 
-start=$(date +%s)
-if ! "$py" -m pip install --no-index --no-build-isolation --no-deps -v \
-    -Ccmake.define.SP_ENABLE_CUDA=ON -Ccmake.define.SP_PORTABLE_ARCHS="${SP_PORTABLE_ARCHS:-90-real}" \
-    -Cbuild-dir="$root/build/python/gpu" . >"$out/install.log" 2>&1; then
-  tail -n 40 "$out/install.log"
-  echo "python_check: pip install failed (see install.log)"
-  exit 1
-fi
-echo "python_check: installed in $(( $(date +%s) - start )) s"
+scripts/python_install_cuda.sh "$out" || exit 1
 (cd /tmp && "$py" -c "import sparseprefill; print(sparseprefill.build_info())") | tee "$out/build_info.txt"
 
 # The CPU-device variants run wherever torch is installed without a GPU; here the CUDA ones.

@@ -276,6 +276,12 @@ Status run_cuda(const AttentionProblem& problem, const ProblemShape& shape, cons
   FwdParams p = make_fwd_params(problem, shape, output, block_k);
   const std::vector<SeqInfo> seqs = make_seq_infos(problem, shape, output);
   SP_RETURN_IF_ERROR(scratch.upload(seqs, &p.seqs));
+  if (shape.kv_layout == KvLayout::kPaged) {
+    // The used entries of the (validated, host) block table, compacted and kept on the device
+    // like the other metadata: the kernels translate every K/V row through it.
+    const std::vector<std::int32_t> table = compact_block_table(problem, shape);
+    SP_RETURN_IF_ERROR(scratch.upload(table, &p.paged.block_table));
+  }
   int cc_major = 0, cc_minor = 0;
   SP_RETURN_IF_ERROR(compute_capability(shape.device.index, &cc_major, &cc_minor));
   const FwdPath path = t_portable_only ? FwdPath::kPortable
@@ -342,6 +348,7 @@ Status run_cuda(const AttentionProblem& problem, const ProblemShape& shape, cons
           sp.v_row_stride = p.v_row_stride;
           sp.v_head_stride = p.v_head_stride;
           sp.seqs = p.seqs;
+          sp.paged = p.paged;
           sp.batch = shape.batch;
           sp.h_q = shape.h_q;
           sp.h_kv = shape.h_kv;

@@ -60,7 +60,8 @@ std::string support_summary() {
          "; block_q 128, block_k 64 or 128; estimate_select block 128; policies dense, block_sparse, "
          "exact_gate, softmax_skip, estimate_select; Hopper sm90 path (compute capability 9.0, dense only; "
          "the other policies use the portable path there): " +
-         compiled_fwd90_summary() + "; not on CUDA: permute_stop, paged K/V, fp32";
+         compiled_fwd90_summary() + "; paged K/V (any page size) on the portable path, every policy; not on CUDA: "
+         "permute_stop, fp32";
 }
 
 bool tma_describable(const AttentionProblem& problem) {
@@ -78,7 +79,10 @@ bool tma_describable(const AttentionProblem& problem) {
 FwdPath choose_fwd_path(const ProblemShape& shape, const Policy& policy, bool tma_ok, int cc_major, int cc_minor) {
   const bool hopper = cc_major == 9 && cc_minor == 0;
   const bool dense = std::holds_alternative<DenseParams>(policy);
-  if (hopper && dense && tma_ok && find_fwd90(shape.dtype, shape.d) != nullptr) return FwdPath::kHopper;
+  // The Hopper kernel's tensor maps describe contiguous K/V rows only: paged calls keep the
+  // portable kernel, whose loads go through the block table.
+  const bool paged = shape.kv_layout == KvLayout::kPaged;
+  if (hopper && dense && !paged && tma_ok && find_fwd90(shape.dtype, shape.d) != nullptr) return FwdPath::kHopper;
   return FwdPath::kPortable;
 }
 
@@ -93,9 +97,6 @@ Status check_support(const ProblemShape& shape, const Policy& policy, int* block
   if (shape.dtype != DType::kBF16 && shape.dtype != DType::kFP16) {
     return unsupported(std::string("q: dtype ") + dtype_name(shape.dtype) + " has no CUDA kernel; expected bf16 or fp16 (" +
                        support_summary() + ")");
-  }
-  if (shape.kv_layout == KvLayout::kPaged) {
-    return unsupported("block_table: paged K/V is not supported by the CUDA kernels yet (" + support_summary() + ")");
   }
   int n = 0;
   Status st = std::visit(
@@ -163,8 +164,10 @@ std::vector<SeqInfo> make_seq_infos(const AttentionProblem& problem, const Probl
     s.s_k = shape.seq_k[u];
     s.q_off = seq_offset(problem.q, b, shape.q_start[u]);
     s.o_off = seq_offset(output.o, b, shape.q_start[u]);
-    s.k_off = seq_offset(problem.k, b, shape.k_start[u]);
-    s.v_off = seq_offset(problem.v, b, shape.k_start[u]);
+    // Paged K/V: rows are found through the block table from the tensor's start.
+    const bool paged = shape.kv_layout == KvLayout::kPaged;
+    s.k_off = paged ? 0 : seq_offset(problem.k, b, shape.k_start[u]);
+    s.v_off = paged ? 0 : seq_offset(problem.v, b, shape.k_start[u]);
     const TensorView& l = output.lse;
     // LSE is [b, h_q, s_q] (batched) or [h_q, total_q] (varlen).
     s.lse_off = !l.defined() ? 0 : (l.rank == 3 ? b * l.stride[0] : shape.q_start[u] * l.stride[1]);
@@ -193,6 +196,12 @@ FwdParams make_fwd_params(const AttentionProblem& problem, const ProblemShape& s
     p.lse_head_stride = l.rank == 3 ? l.stride[1] : l.stride[0];
     p.lse_row_stride = l.rank == 3 ? l.stride[2] : l.stride[1];
   }
+  if (shape.kv_layout == KvLayout::kPaged) {
+    p.paged.table_stride = block_table_stride(shape);
+    p.paged.page_size = shape.page_size;
+    p.paged.k_page_stride = problem.k.stride[0];
+    p.paged.v_page_stride = problem.v.stride[0];
+  }
   p.batch = shape.batch;
   p.h_q = shape.h_q;
   p.h_kv = shape.h_kv;
@@ -204,6 +213,26 @@ FwdParams make_fwd_params(const AttentionProblem& problem, const ProblemShape& s
   p.mode = PolicyMode::kDense;
   p.block_k = block_k;
   return p;
+}
+
+std::int64_t block_table_stride(const ProblemShape& shape) {
+  std::int64_t pages = 1;  // never empty: a null table would read as contiguous K/V
+  for (std::int64_t s_k : shape.seq_k) pages = geom::max64(pages, geom::ceil_div(s_k, shape.page_size));
+  return pages;
+}
+
+std::vector<std::int32_t> compact_block_table(const AttentionProblem& problem, const ProblemShape& shape) {
+  const std::int64_t stride = block_table_stride(shape);
+  std::vector<std::int32_t> table(static_cast<std::size_t>(shape.batch * stride), 0);
+  const TensorView& t = problem.block_table;
+  const auto* src = static_cast<const std::int32_t*>(t.data);
+  for (int b = 0; b < shape.batch; ++b) {
+    const std::int64_t pages = geom::ceil_div(shape.seq_k[static_cast<std::size_t>(b)], shape.page_size);
+    for (std::int64_t i = 0; i < pages; ++i) {
+      table[static_cast<std::size_t>(b * stride + i)] = src[b * t.stride[0] + i * t.stride[1]];
+    }
+  }
+  return table;
 }
 
 CompactMask compact_mask(const BlockMask& mask) {

@@ -38,8 +38,9 @@ bool tma_describable(const AttentionProblem& problem);
 
 // The path of a call that check_support accepted, on a device of compute capability
 // (cc_major, cc_minor): Hopper for dense attention on 9.0 when an sm90 instance of (dtype,
-// head_dim) is compiled and the tensors are TMA-describable; portable otherwise (block_sparse,
-// the gates and estimate_select keep the portable kernel for now: issue #4).
+// head_dim) is compiled, K/V are not paged and the tensors are TMA-describable; portable
+// otherwise (block_sparse, the gates and estimate_select keep the portable kernel for now:
+// issue #4; paged K/V is read through the block table by the portable kernel only).
 FwdPath choose_fwd_path(const ProblemShape& shape, const Policy& policy, bool tma_ok, int cc_major, int cc_minor);
 
 // The key-block size dense attention runs with (a tuning value, no effect on results).
@@ -49,10 +50,19 @@ int dense_block_k(int head_dim);
 std::vector<SeqInfo> make_seq_infos(const AttentionProblem& problem, const ProblemShape& shape,
                                     const AttentionOutput& output);
 
-// FwdParams with every tensor, stride and size of the problem filled in; the policy fields are
-// dense and every device-side table pointer (seqs, masks, bitmaps) is null.
+// FwdParams with every tensor, stride and size of the problem filled in (paged: page size, page
+// strides and the stride of compact_block_table); the policy fields are dense and every
+// device-side table pointer (seqs, block table, masks, bitmaps) is null.
 FwdParams make_fwd_params(const AttentionProblem& problem, const ProblemShape& shape,
                           const AttentionOutput& output, int block_k);
+
+// Paged K/V: the block table the kernels read, [batch, block_table_stride(shape)] row-major,
+// holding each sequence's first ceil(seq_k / page_size) entries of problem.block_table (a
+// validated host tensor of any strides); the rest of a row is 0 and never read. The stride is
+// the most pages any sequence uses (at least 1), so that a table with spare capacity uploads
+// only what is read.
+std::int64_t block_table_stride(const ProblemShape& shape);
+std::vector<std::int32_t> compact_block_table(const AttentionProblem& problem, const ProblemShape& shape);
 
 // A BlockMask in the kernels' compact layout: counts as in the mask, each row's indices
 // packed after the previous row's (starts per row).

@@ -561,6 +561,254 @@ TEST(CudaEstimateSelect, VarlenBatchOfTwo) {
   expect_gpu_matches(&tp, select_params(alpha, true, false));
 }
 
+// ------------------------------------------------------------------ paged K/V
+
+// Page sizes of the paged checks: one key per page, pages smaller than a 64-key sub-tile (a
+// sub-tile spans pages: rows translated one by one), equal to it and larger than a 128-key
+// block (a sub-tile lies in one page: translated once).
+constexpr int kPageSizes[] = {1, 16, 64, 256};
+
+TestProblem paged_problem(const Inputs& in, int page_size, bool causal = true) {
+  LayoutOptions opt;
+  opt.layout = Layout::kPaged;
+  opt.page_size = page_size;
+  opt.page_seed = 40 + static_cast<std::uint64_t>(page_size);
+  opt.causal = causal;
+  return build_problem(in, opt);
+}
+
+// `policy` on paged K/V (shuffled pages, NaN in every storage no valid key uses) at every page
+// size of kPageSizes against the same call on contiguous varlen K/V on the portable kernel:
+// the same decisions (the oracle's and the CPU backend's too), O and LSE bit for bit (the same
+// tiles reach shared memory, only their addresses differ), every output written and within
+// the calibrated tolerance of the oracle. Paged calls must run the portable kernel.
+void expect_paged_equals_contiguous(const Inputs& in, const Policy& policy, bool causal = true) {
+  TestProblem contiguous = make_problem(in, causal, Layout::kVarlen);
+  const ref::Result ref64 = oracle(contiguous, policy);
+  ref::Result lowp;
+  const Status st = run_lowp_reference(contiguous.problem(), policy, ref64.decisions, &lowp);
+  ASSERT_TRUE(st.ok()) << st.to_string();
+  const GpuRun want = [&] {
+    const PortableOnly portable(true);  // dense on contiguous K/V would take the Hopper kernel
+    return run_gpu(&contiguous, policy);
+  }();
+  ASSERT_TRUE(want.status.ok()) << want.status.to_string();
+  EXPECT_TRUE(fully_written(want.out, ref64));
+  EXPECT_TRUE(close_calibrated(in.dtype, want.out, ref64, lowp));
+  EXPECT_TRUE(same_decisions(ref64.decisions, want.decisions));
+  TestProblem copy = contiguous;
+  EXPECT_TRUE(same_decisions(cpu_decisions(&copy, policy), want.decisions));
+  for (int page : kPageSizes) {
+    SCOPED_TRACE("page_size " + std::to_string(page));
+    TestProblem paged = paged_problem(in, page, causal);
+    const GpuRun got = run_gpu(&paged, policy);
+    ASSERT_TRUE(got.status.ok()) << got.status.to_string();
+    const std::string ran = cuda::last_fwd_instance_for_testing();
+    EXPECT_EQ(ran.rfind("fwd_sm80_", 0), 0u) << "paged K/V ran " << ran;
+    EXPECT_TRUE(fully_written(got.out, ref64));
+    EXPECT_TRUE(close_calibrated(in.dtype, got.out, ref64, lowp));
+    EXPECT_TRUE(same_decisions(want.decisions, got.decisions));
+    EXPECT_TRUE(same_result(got.out, want.out, 0.0));
+  }
+}
+
+TEST(CudaPaged, DenseEqualsContiguous) {
+  SP_REQUIRE_GPU();
+  // Several sequences (one with no keys, one with a single key, s_q > s_k and s_q < s_k),
+  // causal and not, both head dims.
+  const Inputs small = make_inputs({{300, 700}, {129, 129}, {1, 190}, {40, 0}, {200, 17}}, 4, 2, 64, 1600, DType::kFP16);
+  for (bool causal : {true, false}) {
+    SCOPED_TRACE(causal ? "causal" : "non-causal");
+    expect_paged_equals_contiguous(small, DenseParams{}, causal);
+  }
+  const Inputs wide = make_inputs({{700, 1300}}, 4, 2, 128, 1601);
+  expect_paged_equals_contiguous(wide, DenseParams{});
+}
+
+TEST(CudaPaged, BlockSparseEqualsContiguous) {
+  SP_REQUIRE_GPU();
+  const Inputs in = make_inputs({{300, 700}, {129, 129}, {500, 1100}}, 4, 2, 128, 1602);
+  const TestProblem tp = make_problem(in, true, Layout::kVarlen);
+  ProblemShape shape;
+  ASSERT_TRUE(validate_problem(tp.problem(), nullptr, &shape).ok());
+  std::vector<std::vector<int>> dead;
+  for (const auto& [block_k, per_kv] : {std::pair<int, bool>{64, false}, std::pair<int, bool>{128, true}}) {
+    SCOPED_TRACE("block_k " + std::to_string(block_k));
+    BlockSparseParams p;
+    p.mask = random_mask(shape, block_k, per_kv, 78, &dead);
+    expect_paged_equals_contiguous(in, p);
+  }
+}
+
+TEST(CudaPaged, ExactGateEqualsContiguous) {
+  SP_REQUIRE_GPU();
+  const Inputs in = make_inputs({{700, 1300}}, 4, 2, 128, 1603);
+  for (int block_k : {64, 128}) {
+    SCOPED_TRACE("block_k " + std::to_string(block_k));
+    const HostTensor thr = midpoint_thresholds(in, true, block_k, 0.4);
+    expect_paged_equals_contiguous(in, gate_params(thr, block_k));
+  }
+}
+
+TEST(CudaPaged, SoftmaxSkipEqualsContiguous) {
+  SP_REQUIRE_GPU();
+  Inputs in = make_inputs({{700, 1300}}, 4, 2, 64, 1604, DType::kBF16, 3.0);
+  scale_hot_keys(&in, 64, 0.1);
+  const TestProblem tp = make_problem(in, true, Layout::kVarlen);
+  const double a = stable_parameter(tp, scale_factors(1300), [](double x) -> Policy { return skip_params(x, 64); },
+                                    some_skipped(visible_blocks({{700, 1300}}, 4, true, 128, 64)));
+  ASSERT_FALSE(std::isnan(a)) << "no scale factor with a margin skips anything";
+  expect_paged_equals_contiguous(in, skip_params(a, 64));
+}
+
+TEST(CudaPaged, EstimateSelectEqualsContiguous) {
+  SP_REQUIRE_GPU();
+  // Two sequences (one block-table row each); plain per query head, and mean correction with
+  // pack_gqa (the block means are read through the table too).
+  Inputs in = make_inputs({{700, 900}, {1100, 1100}}, 4, 2, 64, 1605, DType::kFP16, 2.5);
+  shift_hot_keys(&in, 128, 1.5);
+  const TestProblem tp = make_problem(in, true, Layout::kVarlen);
+  for (bool corrected : {false, true}) {
+    SCOPED_TRACE(corrected ? "mean correction, pack_gqa" : "per query head");
+    const int units = corrected ? 2 : 4;
+    const double alpha = stable_parameter(tp, {0.3, 0.2, 0.5, 0.1},
+                                          [&](double x) -> Policy { return select_params(x, corrected, corrected); },
+                                          some_skipped(visible_blocks({{700, 900}, {1100, 1100}}, units, true, 128, 128)));
+    ASSERT_FALSE(std::isnan(alpha)) << "no alpha with a margin prunes anything";
+    expect_paged_equals_contiguous(in, select_params(alpha, corrected, corrected));
+  }
+}
+
+// ------------------------------------------------------------------ chunked prefill
+
+constexpr int kQueryBlock = 128;  // block_q of every policy on CUDA
+
+// Rows [c0, c1) of the queries and the first c1 keys and values of batch-1 inputs: the call a
+// chunked prefill makes for that chunk (a cached prefix of c0 keys plus the chunk itself).
+Inputs chunk_of(const Inputs& full, std::int64_t c0, std::int64_t c1) {
+  Inputs c = full;
+  const SequenceData& s = full.seqs[0];
+  SequenceData& t = c.seqs[0];
+  const auto rows = [&](const HostTensor& src, int heads, std::int64_t r0, std::int64_t r1) {
+    HostTensor out(src.dtype(), {r1 - r0, heads, full.d});
+    const std::size_t row_bytes = out.nbytes() / static_cast<std::size_t>(r1 - r0);
+    std::memcpy(out.data(), static_cast<const unsigned char*>(src.data()) + static_cast<std::size_t>(r0) * row_bytes,
+                out.nbytes());
+    return out;
+  };
+  t.q = rows(s.q, full.h_q, c0, c1);
+  t.k = rows(s.k, full.h_kv, 0, c1);
+  t.v = rows(s.v, full.h_kv, 0, c1);
+  return c;
+}
+
+// A prompt of `n` tokens prefilled in chunks of 512 and of 1024 queries, each chunk a paged
+// call (pages of 16 keys) over the prefix so far plus itself, against the one-shot call:
+// every chunk's decisions equal the one-shot oracle's rows exactly, and the chunks' outputs
+// put together are within the calibrated tolerance of the one-shot oracle. `chunk_policy`
+// gives the policy of the chunk ending at key c1 (softmax_skip rescales `a`: docs/cuda.md).
+void expect_chunks_equal_one_shot(const Inputs& full, const Policy& policy,
+                                  const std::function<Policy(std::int64_t)>& chunk_policy) {
+  const std::int64_t n = full.s_q(0);
+  const TestProblem one_shot = make_problem(full);
+  const ref::Result ref64 = oracle(one_shot, policy);
+  ref::Result lowp;
+  const Status st = run_lowp_reference(one_shot.problem(), policy, ref64.decisions, &lowp);
+  ASSERT_TRUE(st.ok()) << st.to_string();
+  const bool dense = std::holds_alternative<DenseParams>(policy);
+  for (std::int64_t chunk : {512, 1024}) {
+    SCOPED_TRACE("chunks of " + std::to_string(chunk));
+    ref::Result joined;
+    joined.o.assign(ref64.o.size(), kNaN);
+    joined.lse.assign(ref64.lse.size(), kNaN);
+    for (std::int64_t c0 = 0; c0 < n; c0 += chunk) {
+      const std::int64_t c1 = std::min(n, c0 + chunk);
+      SCOPED_TRACE("chunk [" + std::to_string(c0) + ", " + std::to_string(c1) + ")");
+      TestProblem tp = paged_problem(chunk_of(full, c0, c1), 16);
+      const GpuRun r = run_gpu(&tp, chunk_policy(c1));
+      ASSERT_TRUE(r.status.ok()) << r.status.to_string();
+      const std::int64_t rows = c1 - c0, row_elems = static_cast<std::int64_t>(full.h_q) * full.d;
+      std::copy(r.out.o.begin(), r.out.o.end(), joined.o.begin() + c0 * row_elems);
+      for (int h = 0; h < full.h_q; ++h) {
+        std::copy(r.out.lse.begin() + h * rows, r.out.lse.begin() + (h + 1) * rows, joined.lse.begin() + h * n + c0);
+      }
+      if (dense) continue;
+      const Decisions& d = r.decisions;
+      const int heads = d.kept.heads;
+      for (int h = 0; h < heads; ++h) {
+        for (int qb = 0; qb < d.kept.num_q_blocks; ++qb) {
+          const int qb_full = static_cast<int>(c0 / kQueryBlock) + qb;
+          EXPECT_EQ(kept_blocks(d.kept, 0, h, qb), kept_blocks(ref64.decisions.kept, 0, h, qb_full))
+              << "head " << h << " query block " << qb_full;
+          if (d.corrected.heads == 0) continue;
+          EXPECT_EQ(kept_blocks(d.corrected, 0, h, qb), kept_blocks(ref64.decisions.corrected, 0, h, qb_full))
+              << "corrected, head " << h << " query block " << qb_full;
+        }
+      }
+    }
+    EXPECT_TRUE(close_calibrated(full.dtype, joined, ref64, lowp));
+  }
+}
+
+// The chunked test prompt: 4096 tokens with hot key chunks of 128 (shifted: estimate_select's
+// means stand out) and cold ones scaled down (softmax_skip skips them).
+Inputs chunk_prompt() {
+  Inputs in = make_inputs({{4096, 4096}}, 2, 1, 64, 1700, DType::kBF16, 2.5);
+  shift_hot_keys(&in, 128, 1.5);
+  scale_hot_keys(&in, 128, 0.1);
+  return in;
+}
+
+TEST(CudaChunked, DenseEqualsOneShot) {
+  SP_REQUIRE_GPU();
+  const Inputs in = chunk_prompt();
+  expect_chunks_equal_one_shot(in, DenseParams{}, [](std::int64_t) -> Policy { return DenseParams{}; });
+}
+
+TEST(CudaChunked, ExactGateEqualsOneShot) {
+  SP_REQUIRE_GPU();
+  // Thresholds at absolute positions: every chunk reads the rows of its own query blocks.
+  const Inputs in = chunk_prompt();
+  const HostTensor thr = midpoint_thresholds(in, true, 128, 0.4);
+  const Policy gate = gate_params(thr, 128);
+  expect_chunks_equal_one_shot(in, gate, [&](std::int64_t) { return gate; });
+}
+
+TEST(CudaChunked, SoftmaxSkipEqualsOneShot) {
+  SP_REQUIRE_GPU();
+  // λ = a / s_k of the call: a chunk ending at key c1 decides as the one-shot call with
+  // a · c1 / n.
+  const Inputs in = chunk_prompt();
+  const std::int64_t n = in.s_k(0);
+  const double a = stable_parameter(make_problem(in), scale_factors(n), [](double x) -> Policy { return skip_params(x, 128); },
+                                    some_skipped(visible_blocks({{n, n}}, 2, true, 128, 128)));
+  ASSERT_FALSE(std::isnan(a)) << "no scale factor with a margin skips anything";
+  expect_chunks_equal_one_shot(in, skip_params(a, 128), [&](std::int64_t c1) -> Policy {
+    return skip_params(a * static_cast<double>(c1) / static_cast<double>(n), 128);
+  });
+}
+
+TEST(CudaChunked, EstimateSelectEqualsOneShot) {
+  SP_REQUIRE_GPU();
+  // tail = 0: the last `tail` query tiles of every call keep all their blocks, so with a tail
+  // each chunk's last tiles would differ from the one-shot call (docs/cuda.md).
+  const Inputs in = chunk_prompt();
+  const std::int64_t n = in.s_k(0);
+  for (bool corrected : {false, true}) {
+    SCOPED_TRACE(corrected ? "mean correction" : "no correction");
+    const auto make = [&](double alpha) -> Policy {
+      EstimateSelectParams p = select_params(alpha, corrected, false);
+      p.tail = 0;
+      return p;
+    };
+    const double alpha = stable_parameter(make_problem(in), {0.3, 0.2, 0.5, 0.1}, make,
+                                          some_skipped(visible_blocks({{n, n}}, 2, true, 128, 128)));
+    ASSERT_FALSE(std::isnan(alpha)) << "no alpha with a margin prunes anything";
+    const Policy p = make(alpha);
+    expect_chunks_equal_one_shot(in, p, [&](std::int64_t) { return p; });
+  }
+}
+
 // ------------------------------------------------------------------ what is not built
 
 TEST(CudaSupport, UnsupportedCombinationsSayWhatIsCompiled) {

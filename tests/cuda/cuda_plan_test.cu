@@ -1,8 +1,9 @@
 // SPDX-License-Identifier: Apache-2.0
 // The CUDA backend's pure host planning (no GPU needed): support checks and their messages,
-// the forward path (Hopper or portable) and TMA describability, the compact mask layout the
-// kernels read, bitmaps/arrays converted back to BlockMasks, and the calibration statistics
-// support checks and capacity-layout arrays split per sequence.
+// the forward path (Hopper or portable) and TMA describability, paged K/V parameters and the
+// compact block table, the compact mask layout the kernels read, bitmaps/arrays converted back
+// to BlockMasks, and the calibration statistics' support checks and capacity-layout arrays
+// split per sequence.
 #include <gtest/gtest.h>
 
 #include <cmath>
@@ -82,6 +83,93 @@ TEST(CudaPlan, HopperPathForDenseOnComputeCapability90Only) {
   EXPECT_EQ(choose_fwd_path(s, SoftmaxSkipParams{}, true, 9, 0), FwdPath::kPortable);
   EXPECT_EQ(choose_fwd_path(s, BlockSparseParams{}, true, 9, 0), FwdPath::kPortable);
   EXPECT_EQ(choose_fwd_path(s, EstimateSelectParams{}, true, 9, 0), FwdPath::kPortable);
+}
+
+// A paged problem (shuffled pages, NaN in every storage no valid key uses) and its shape.
+test::TestProblem paged_problem(int page_size, ProblemShape* shape) {
+  const test::Inputs in = test::random_inputs({{40, 70}, {17, 33}, {5, 0}}, 4, 2, 64, DType::kBF16, 13, 1.0);
+  test::LayoutOptions opt;
+  opt.layout = test::Layout::kPaged;
+  opt.page_size = page_size;
+  test::TestProblem tp = test::build_problem(in, opt);
+  EXPECT_TRUE(validate_problem(tp.problem(), nullptr, shape).ok());
+  return tp;
+}
+
+TEST(CudaPlan, PagedKvRunsEveryPolicyOnThePortablePath) {
+  ProblemShape s;
+  const test::TestProblem tp = paged_problem(16, &s);
+  ASSERT_EQ(s.kv_layout, KvLayout::kPaged);
+  int n = 0;
+  ExactGateParams gate;
+  gate.block_k = 64;
+  for (const Policy& policy : {Policy{DenseParams{}}, Policy{gate}, Policy{SoftmaxSkipParams{}},
+                               Policy{EstimateSelectParams{}}}) {
+    const Status st = check_support(s, policy, &n);
+    EXPECT_TRUE(st.ok()) << policy_name(policy) << ": " << st.to_string();
+  }
+  // Dense on compute capability 9.0 would take the Hopper kernel, whose tensor maps describe
+  // contiguous rows only: paged K/V stays on the portable kernel.
+  EXPECT_EQ(choose_fwd_path(s, DenseParams{}, true, 9, 0), FwdPath::kPortable);
+  EXPECT_EQ(support_summary().find("paged K/V is not"), std::string::npos);
+  EXPECT_NE(support_summary().find("paged K/V"), std::string::npos);
+}
+
+TEST(CudaPlan, PagedParamsAndTheCompactBlockTable) {
+  for (int page_size : {1, 3, 16, 64}) {
+    SCOPED_TRACE("page_size " + std::to_string(page_size));
+    ProblemShape s;
+    const test::TestProblem tp = paged_problem(page_size, &s);
+    const AttentionProblem problem = tp.problem();
+    const AttentionOutput out = tp.output();
+    // Rows are found through the table from the tensor's start: no per-sequence K/V offset.
+    for (const SeqInfo& info : make_seq_infos(problem, s, out)) {
+      EXPECT_EQ(info.k_off, 0);
+      EXPECT_EQ(info.v_off, 0);
+    }
+    const FwdParams p = make_fwd_params(problem, s, out, 64);
+    EXPECT_EQ(p.paged.block_table, nullptr);  // uploaded by the dispatcher
+    EXPECT_EQ(p.paged.page_size, page_size);
+    EXPECT_EQ(p.paged.k_page_stride, problem.k.stride[0]);
+    EXPECT_EQ(p.paged.v_page_stride, problem.v.stride[0]);
+    EXPECT_EQ(p.k_row_stride, problem.k.stride[1]);
+    EXPECT_EQ(p.k_head_stride, problem.k.stride[2]);
+    // [batch, most pages used]: each sequence's used entries, zeros after them.
+    const std::int64_t stride = (70 + page_size - 1) / page_size;
+    EXPECT_EQ(p.paged.table_stride, stride);
+    const std::vector<std::int32_t> table = compact_block_table(problem, s);
+    ASSERT_EQ(table.size(), static_cast<std::size_t>(3 * stride));
+    const auto* src = static_cast<const std::int32_t*>(problem.block_table.data);
+    for (int b = 0; b < 3; ++b) {
+      const std::int64_t used = (s.seq_k[static_cast<std::size_t>(b)] + page_size - 1) / page_size;
+      for (std::int64_t i = 0; i < stride; ++i) {
+        const std::int32_t want = i < used ? src[b * problem.block_table.stride[0] + i * problem.block_table.stride[1]] : 0;
+        EXPECT_EQ(table[static_cast<std::size_t>(b * stride + i)], want) << "b " << b << " page " << i;
+      }
+    }
+    // A strided (column-major) view of the same table compacts to the same entries.
+    const std::int64_t rows = problem.block_table.shape[0], cols = problem.block_table.shape[1];
+    std::vector<std::int32_t> transposed(static_cast<std::size_t>(rows * cols));
+    for (std::int64_t r = 0; r < rows; ++r) {
+      for (std::int64_t c = 0; c < cols; ++c) {
+        transposed[static_cast<std::size_t>(c * rows + r)] = src[r * problem.block_table.stride[0] + c * problem.block_table.stride[1]];
+      }
+    }
+    AttentionProblem strided = problem;
+    strided.block_table.data = transposed.data();
+    strided.block_table.stride[0] = 1;
+    strided.block_table.stride[1] = rows;
+    EXPECT_EQ(compact_block_table(strided, s), table);
+  }
+  // Every sequence empty: the table still has one entry per sequence (a null device table
+  // would read as contiguous K/V).
+  const test::Inputs in = test::random_inputs({{4, 0}}, 2, 1, 64, DType::kBF16, 14, 1.0);
+  test::LayoutOptions opt;
+  opt.layout = test::Layout::kPaged;
+  const test::TestProblem tp = test::build_problem(in, opt);
+  ProblemShape s;
+  ASSERT_TRUE(validate_problem(tp.problem(), nullptr, &s).ok());
+  EXPECT_EQ(compact_block_table(tp.problem(), s).size(), 1u);
 }
 
 TEST(CudaPlan, TmaDescribesPositiveStridesBelow2To40Bytes) {

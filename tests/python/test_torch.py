@@ -256,6 +256,54 @@ def test_policy_matches_oracle(device, dtype, name):
     assert_lse(lse, oracle.lse.to(torch.float64), tol=2e-2)
 
 
+@pytest.mark.parametrize("device,dtype", DEVICE_DTYPES, ids=ids(DEVICE_DTYPES))
+@pytest.mark.parametrize("name", POLICY_NAMES)
+def test_kvcache_paged_chunked_prefill_every_policy(device, dtype, name):
+    """A prompt prefilled in two chunks through flash_attn_with_kvcache into a paged cache
+    (pages of 16 keys, shuffled, NaN where nothing was written): each chunk appends its keys
+    and attends to the cached prefix plus itself, and matches the oracle of that call with
+    identical per-head work."""
+    bl = POLICY_BLOCK[device]
+    s, h_q, h_kv, d, page = 4 * bl + 17, 8, 2, 64, 16
+    q, k, v = structured(33, 1, s, s, h_q, h_kv, d, dtype, device, bl)
+    pages = -(-s // page) + 3
+    gen = torch.Generator().manual_seed(34)
+    table = torch.randperm(pages, generator=gen)[:pages - 3].to(torch.int32).reshape(1, -1).to(device)
+    k_cache = torch.full((pages, page, h_kv, d), math.nan, dtype=dtype, device=device)
+    v_cache = torch.full_like(k_cache, math.nan)
+    nb = -(-s // bl)
+    keep_all = (torch.rand((1, 2, nb, nb), generator=gen) < 0.5) | torch.eye(nb, dtype=torch.bool)
+    keep_all &= torch.ones(nb, nb, dtype=torch.bool).tril()
+    for c0, c1 in ((0, 2 * bl), (2 * bl, s)):
+        policy = policies(device)[name]
+        if name == "block_sparse":
+            # The one-shot mask's rows of this chunk's query blocks (bottom-right aligned:
+            # chunk block i is block c0 / bl + i of the prompt), over the chunk's key blocks.
+            rows = keep_all[:, :, c0 // bl:-(-c1 // bl), :-(-c1 // bl)]
+            policy = sp.BlockSparse(dense=rows.contiguous(), block_q=bl, block_k=bl, per_kv_head=True)
+        qc = q[:, c0:c1].contiguous()
+        skip_unless_runs(qc, k_cache, v_cache, policy, block_table=table.cpu(),
+                         seqused_k=torch.tensor([c1], dtype=torch.int32))
+        with sp.collect_stats() as log:
+            out, lse = flash_attn_with_kvcache(qc, k_cache, v_cache, k[:, c0:c1].contiguous(),
+                                               v[:, c0:c1].contiguous(),
+                                               cache_seqlens=torch.tensor([c0], dtype=torch.int32, device=device),
+                                               page_table=table, causal=True, policy=policy,
+                                               return_softmax_lse=True, layer=1)
+        oracle = sp.run(qc.cpu(), k[:, :c1].cpu(), v[:, :c1].cpu(), policy, causal=True, backend="reference")
+        assert len(log.calls) == 1
+        np.testing.assert_array_equal(log.calls[0].heads, oracle.stats.heads)
+        ks, vs = k[:, :c1], v[:, :c1]
+        dense_ref, _ = attention(qc, ks, vs, True)
+        dense_err = attention(qc, ks, vs, True, low_precision=True)[0].to(torch.float64) - dense_ref
+        ref = oracle.out.to(torch.float64).to(device)
+        assert_calibrated(out, ref, ref + dense_err, what=f"chunk [{c0}, {c1})")
+        assert_lse(lse, oracle.lse.to(torch.float64), tol=2e-2)
+    # The cache holds the prompt's keys and values, in the table's pages.
+    rows = table[0].long()
+    assert torch.equal(k_cache[rows].flatten(0, 1)[:s], k[0]) and torch.equal(v_cache[rows].flatten(0, 1)[:s], v[0])
+
+
 @pytest.mark.parametrize("device", DEVICES)
 def test_torch_compile_fullgraph(device):
     dtype = torch.bfloat16 if device == "cuda" else torch.float32

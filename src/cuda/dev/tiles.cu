@@ -3,9 +3,10 @@
 // each compiled instance on the Llama-3.1-8B and SmolLM2 shapes: dense; device-resident block
 // masks at 5/20/50% density (the kernel alone, no host-side mask handling); exact_gate (block_k
 // 64 and 128) with T = -inf (gate overhead, everything kept) and T = +inf (only the partial
-// blocks kept: the Q·Kᵀ-only floor of skipped blocks). The measurements behind docs/cuda.md.
-// `sp_cuda_tiles calib`: instead, the calibration statistics of one layer of a 128K-token
-// sample through the public API (calibration.h), each step timed on its own.
+// blocks kept: the Q·Kᵀ-only floor of skipped blocks); paged K/V (pages of 16 and 64 keys in a
+// shuffled order, dense and the 20% mask) against the same contiguous calls. The measurements
+// behind docs/cuda.md. `sp_cuda_tiles calib`: instead, the calibration statistics of one layer
+// of a 128K-token sample through the public API (calibration.h), each step timed on its own.
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -127,6 +128,33 @@ void run_shape(const Shape& sh) {
     const double dense = median_ms(*var, p, 7);
     std::printf("%-8s %s d=%3d s=%6lld dense %8.3f ms %6.1f TFLOP/s\n", sh.name, dtype_name(dtype), sh.d,
                 static_cast<long long>(sh.s), dense, flop / dense * 1e-9);
+    // The same call on K/V read as pages of `page` keys through a shuffled block table (the
+    // buffers are reinterpreted as [s / page, page, h_kv, d]; timing does not depend on values).
+    auto time_paged = [&](const FwdParams& base, const char* what, double contiguous) {
+      for (int page : {16, 64}) {
+        const std::int64_t pages = (sh.s + page - 1) / page;
+        std::vector<std::int32_t> table(static_cast<std::size_t>(pages));
+        for (std::int64_t i = 0; i < pages; ++i) table[static_cast<std::size_t>(i)] = static_cast<std::int32_t>(i);
+        std::uint64_t rng = 777;
+        for (std::int64_t i = pages - 1; i > 0; --i) {
+          rng = rng * 6364136223846793005ull + 1442695040888963407ull;
+          std::swap(table[static_cast<std::size_t>(i)], table[static_cast<std::size_t>((rng >> 33) % static_cast<std::uint64_t>(i + 1))]);
+        }
+        std::int32_t* table_d;
+        SP_DEV_CHECK(cudaMalloc(&table_d, table.size() * sizeof(std::int32_t)));
+        SP_DEV_CHECK(cudaMemcpy(table_d, table.data(), table.size() * sizeof(std::int32_t), cudaMemcpyHostToDevice));
+        FwdParams pp = base;
+        pp.paged.block_table = table_d;
+        pp.paged.table_stride = pages;
+        pp.paged.page_size = page;
+        pp.paged.k_page_stride = pp.paged.v_page_stride = static_cast<std::int64_t>(page) * p.k_row_stride;
+        const double t = median_ms(*var, pp, 7);
+        std::printf("%-8s %s d=%3d s=%6lld %s paged (page %3d): %8.3f ms (%.3f of contiguous)\n", sh.name,
+                    dtype_name(dtype), sh.d, static_cast<long long>(sh.s), what, page, t, t / contiguous);
+        SP_DEV_CHECK(cudaFree(table_d));
+      }
+    };
+    time_paged(p, "dense", dense);
     // Block masks built here (per query head: the diagonal blocks, block 0 and a random fraction
     // of the rest), uploaded once: the kernel's own time, without host-side mask handling.
     for (double density : {0.05, 0.2, 0.5}) {
@@ -186,6 +214,7 @@ void run_shape(const Shape& sh) {
       const double rho = static_cast<double>(kept) / static_cast<double>(visible);
       std::printf("%-8s %s d=%3d s=%6lld block mask density %.3f: %8.3f ms (%.3f of dense; target rho + 0.05 = %.3f)\n",
                   sh.name, dtype_name(dtype), sh.d, static_cast<long long>(sh.s), rho, t, t / dense, rho + 0.05);
+      if (density == 0.2) time_paged(m, "block mask 0.2", t);
       for (void* ptr : {static_cast<void*>(fc_d), static_cast<void*>(pc_d), static_cast<void*>(fi_d),
                         static_cast<void*>(pi_d), static_cast<void*>(fs_d), static_cast<void*>(ps_d)}) {
         SP_DEV_CHECK(cudaFree(ptr));

@@ -79,7 +79,7 @@ __global__ void __launch_bounds__(CalibConfig<kD>::kThreads) calib_kernel(const 
   };
   auto load_sub = [&](int v, int st, int stage) {
     const std::int64_t key0 = geo.key_begin(block_of(v)) + static_cast<std::int64_t>(st) * Cfg::kSub;
-    const sm80::TileSrc src{k_base + key0 * p.k_row_stride, p.k_row_stride,
+    const sm80::TileSrc src{sm80::contiguous_rows(k_base, p.k_row_stride), key0,
                             static_cast<int>(geom::min64(Cfg::kSub, seq.s_k - key0))};
     sm80::load_tile<Tile, Cfg::kSub>(s_k_tile + stage * Cfg::kSubBytes, src, tid);
     ptx::cp_async_commit();
@@ -99,8 +99,9 @@ __global__ void __launch_bounds__(CalibConfig<kD>::kThreads) calib_kernel(const 
 
   // Q once (rows past the sequence zero-filled), then the first K sub-tile.
   {
-    const sm80::TileSrc src{static_cast<const std::uint16_t*>(p.q) + seq.q_off + row0 * p.q_row_stride + h * p.q_head_stride,
-                            p.q_row_stride, rows_valid};
+    const sm80::TileSrc src{sm80::contiguous_rows(static_cast<const std::uint16_t*>(p.q) + seq.q_off + h * p.q_head_stride,
+                                                  p.q_row_stride),
+                            row0, rows_valid};
     sm80::load_tile<Tile, Cfg::kMaxHalves * Cfg::kHalf>(s_q_tile, src, tid);
     ptx::cp_async_commit();
   }

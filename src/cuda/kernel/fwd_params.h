@@ -31,9 +31,21 @@ struct SeqInfo {
   std::int64_t s_k;    // keys of the sequence
   std::int64_t q_off;  // q (and o: same layout, own offset below)
   std::int64_t o_off;
-  std::int64_t k_off;
+  std::int64_t k_off;  // 0 for paged K/V (rows are found through the block table)
   std::int64_t v_off;
   std::int64_t lse_off;  // lse element of (head 0, row 0)
+};
+
+// Paged K/V (DESIGN.md §2): k/v [num_pages, page_size, h_kv, d]; key t of sequence b is row
+// t % page_size of page block_table[b · table_stride + t / page_size]. block_table == nullptr:
+// contiguous rows from SeqInfo::k_off / v_off. Every K/V load goes through one addressor
+// (sm80::KvRows), whatever the layout.
+struct PagedKv {
+  const std::int32_t* block_table;  // [batch, table_stride] on the device, or nullptr
+  std::int64_t table_stride;        // entries per sequence
+  int page_size;                    // keys per page (any size >= 1)
+  std::int64_t k_page_stride;       // elements between pages of k
+  std::int64_t v_page_stride;       // and of v
 };
 
 struct FwdParams {
@@ -51,6 +63,7 @@ struct FwdParams {
   std::int64_t o_row_stride, o_head_stride;
   std::int64_t lse_head_stride, lse_row_stride;  // elements
   const SeqInfo* seqs;  // [batch], device
+  PagedKv paged;        // block_table == nullptr: contiguous K/V
 
   int batch;
   int h_q;
@@ -113,6 +126,7 @@ struct SelectParams {
   std::int64_t k_row_stride, k_head_stride;
   std::int64_t v_row_stride, v_head_stride;
   const SeqInfo* seqs;  // [batch], device
+  PagedKv paged;        // as FwdParams::paged
   int batch;
   int h_q;
   int h_kv;

@@ -27,12 +27,16 @@ __global__ void __launch_bounds__(kD) block_means_kernel(const __grid_constant__
   const std::int64_t key0 = static_cast<std::int64_t>(j) * p.block;
   if (key0 >= seq.s_k) return;  // past this sequence's last block: never read
   const std::int64_t len = geom::min64(p.block, seq.s_k - key0);
-  const auto* k = static_cast<const std::uint16_t*>(p.k) + seq.k_off + key0 * p.k_row_stride + hk * p.k_head_stride + i;
-  const auto* v = static_cast<const std::uint16_t*>(p.v) + seq.v_off + key0 * p.v_row_stride + hk * p.v_head_stride + i;
+  // The keys' rows through the forward kernel's addressor (contiguous or paged).
+  const auto* k = static_cast<const std::uint16_t*>(p.k) + seq.k_off + hk * p.k_head_stride;
+  const auto* v = static_cast<const std::uint16_t*>(p.v) + seq.v_off + hk * p.v_head_stride;
+  const std::int32_t* pages = p.paged.block_table == nullptr ? nullptr : p.paged.block_table + b * p.paged.table_stride;
+  const sm80::KvRows k_rows{k, p.k_row_stride, pages, p.paged.page_size, p.paged.k_page_stride};
+  const sm80::KvRows v_rows{v, p.v_row_stride, pages, p.paged.page_size, p.paged.v_page_stride};
   double k_sum = 0.0, v_sum = 0.0;
-  for (std::int64_t t = 0; t < len; ++t) {
-    k_sum += ptx::to_float<kBf16>(k[t * p.k_row_stride]);
-    v_sum += ptx::to_float<kBf16>(v[t * p.v_row_stride]);
+  for (std::int64_t t = key0; t < key0 + len; ++t) {
+    k_sum += ptx::to_float<kBf16>(k_rows.row(t)[i]);
+    v_sum += ptx::to_float<kBf16>(v_rows.row(t)[i]);
   }
   const std::int64_t out = ((static_cast<std::int64_t>(b) * p.h_kv + hk) * p.num_k_blocks + j) * kD + i;
   static_cast<std::uint16_t*>(p.k_mean)[out] = ptx::from_float<kBf16>(static_cast<float>(k_sum / static_cast<double>(len)));
@@ -112,8 +116,9 @@ __global__ void __launch_bounds__(SelectConfig<kBf16, kD>::kThreads, 1)
   std::uint32_t qf[Cfg::kKSteps][4];
   auto load_q = [&](int h) {
     __syncthreads();  // every warp is done with the previous Q tile
-    const sm80::TileSrc src{static_cast<const std::uint16_t*>(p.q) + seq.q_off + row0 * p.q_row_stride + h * p.q_head_stride,
-                            p.q_row_stride, rows_valid};
+    const sm80::TileSrc src{
+        sm80::contiguous_rows(static_cast<const std::uint16_t*>(p.q) + seq.q_off + h * p.q_head_stride, p.q_row_stride),
+        row0, rows_valid};
     sm80::load_tile<Tile, Cfg::kRows>(s_q_tile, src, tid);
     ptx::cp_async_commit();
     ptx::cp_async_wait<0>();
@@ -124,7 +129,8 @@ __global__ void __launch_bounds__(SelectConfig<kBf16, kD>::kThreads, 1)
   auto scores = [&](int c) {
     __syncthreads();  // every warp is done with the previous chunk
     const int valid = scored - c * kChunk;
-    const sm80::TileSrc src{mean + static_cast<std::int64_t>(c) * kChunk * kD, kD, valid < kChunk ? valid : kChunk};
+    const sm80::TileSrc src{sm80::contiguous_rows(mean + static_cast<std::int64_t>(c) * kChunk * kD, kD), 0,
+                            valid < kChunk ? valid : kChunk};
     sm80::load_tile<Tile, kChunk>(s_k_tile, src, tid);
     ptx::cp_async_commit();
     ptx::cp_async_wait<0>();

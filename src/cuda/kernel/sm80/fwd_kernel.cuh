@@ -2,7 +2,8 @@
 // The portable forward attention kernel (mma.sync m16n8k16, ldmatrix, cp.async; sm_80 and
 // newer): one CTA of 4 warps per (query block of 128 rows, batch, query head), online softmax
 // over the key blocks a policy selects in 64-key sub-tiles, in-loop gates (exact_gate,
-// softmax_skip) on whole blocks, block-mask execution and mean-correction pseudo-tokens.
+// softmax_skip) on whole blocks, block-mask execution and mean-correction pseudo-tokens. K/V
+// rows are contiguous or paged (through the block table, KvRows in tile.cuh).
 // Included only by generated instance files.
 #pragma once
 
@@ -176,8 +177,15 @@ __global__ void __launch_bounds__(Cfg::kThreads, 2) fwd_kernel(const __grid_cons
   auto row_of = [&](int r) { return warp_row + 16 * (r / 2) + g + 8 * (r % 2); };
   auto row_ok = [&](int r) { return row_of(r) < rows_valid; };
 
-  const auto* k_base = static_cast<const std::uint16_t*>(p.k) + seq.k_off + hk * p.k_head_stride;
-  const auto* v_base = static_cast<const std::uint16_t*>(p.v) + seq.v_off + hk * p.v_head_stride;
+  // K or V rows of this sequence and KV head, contiguous or through the block table.
+  auto kv_rows = [&](bool value) -> KvRows {
+    const auto* base = static_cast<const std::uint16_t*>(value ? p.v : p.k) + (value ? seq.v_off : seq.k_off) +
+                       hk * (value ? p.v_head_stride : p.k_head_stride);
+    const std::int64_t stride = value ? p.v_row_stride : p.k_row_stride;
+    if (p.paged.block_table == nullptr) return contiguous_rows(base, stride);
+    return {base, stride, p.paged.block_table + b * p.paged.table_stride, p.paged.page_size,
+            value ? p.paged.v_page_stride : p.paged.k_page_stride};
+  };
   const std::int64_t mean_base = (static_cast<std::int64_t>(b) * p.h_kv + hk) * p.mean_blocks * static_cast<std::int64_t>(kD);
 
   // 64-key sub-tiles of visit position j: one or two for a key block, one for a mean tile.
@@ -191,20 +199,20 @@ __global__ void __launch_bounds__(Cfg::kThreads, 2) fwd_kernel(const __grid_cons
     if (j < visit.n_reg) {
       const int kb = visit.block(j);
       const std::int64_t key0 = geo.key_begin(kb) + sub * kBlockN;
-      const std::int64_t stride = value ? p.v_row_stride : p.k_row_stride;
       const std::int64_t valid = geom::min64(kBlockN, geo.key_end(kb) - key0);
-      return {(value ? v_base : k_base) + key0 * stride, stride, static_cast<int>(valid)};
+      return tile_src(kv_rows(value), key0, static_cast<int>(valid));
     }
     const int c = s_chunks[j - visit.n_reg];
     const auto* mean = static_cast<const std::uint16_t*>(value ? p.v_mean : p.k_mean);
     const int valid = mean_blocks_seq - c * kMeanChunk;
-    return {mean + mean_base + static_cast<std::int64_t>(c) * kMeanChunk * kD, kD, valid < kMeanChunk ? valid : kMeanChunk};
+    return {contiguous_rows(mean + mean_base + static_cast<std::int64_t>(c) * kMeanChunk * kD, kD), 0,
+            valid < kMeanChunk ? valid : kMeanChunk};
   };
 
   // ---- prologue: Q and the first K sub-tile in one group.
   {
-    const TileSrc q_src{static_cast<const std::uint16_t*>(p.q) + seq.q_off + row0 * p.q_row_stride + h * p.q_head_stride,
-                        p.q_row_stride, rows_valid};
+    const TileSrc q_src{contiguous_rows(static_cast<const std::uint16_t*>(p.q) + seq.q_off + h * p.q_head_stride, p.q_row_stride),
+                        row0, rows_valid};
     load_tile<Tile, kBlockM>(s_q_tile, q_src, tid);
   }
   __syncthreads();  // publishes s_chunks / s_num_chunks

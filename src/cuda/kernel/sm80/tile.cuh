@@ -1,7 +1,7 @@
 // SPDX-License-Identifier: Apache-2.0
 // Shared-memory tiles of the portable kernels: [rows, head_dim] 16-bit tiles with an XOR
-// swizzle, filled by cp.async with zero rows past a sequence's end, and the ldmatrix addressing
-// of mma.sync m16n8k16 fragments. Device-only; included by kernel headers.
+// swizzle, filled by cp.async with zero rows past a sequence's end from contiguous or paged
+// rows (one addressor, KvRows), and the ldmatrix addressing of mma.sync m16n8k16 fragments. Device-only; included by kernel headers.
 #pragma once
 
 #include <cstdint>
@@ -28,29 +28,76 @@ __device__ __forceinline__ std::uint32_t swizzle(int r, int c) {
   return static_cast<std::uint32_t>(r * Tile::kRowBytes + ((c ^ (r & 7)) << 4));
 }
 
-// Where one tile comes from: rows of head_dim elements at `ptr`, `stride` elements apart, of
-// which the first `valid` exist (the rest are zero-filled).
+// The one row addressor of every tile load: where row t of a [rows, head_dim] source lives.
+// Contiguous (pages == nullptr): base + t · row_stride. Paged K/V: row t % page_size of page
+// pages[t / page_size], pages page_stride elements apart (base is page 0's row 0, head offset
+// included). Rows are keys at absolute positions of one sequence and KV head for K/V, query
+// rows or pooled blocks (always contiguous) otherwise.
+struct KvRows {
+  const std::uint16_t* base;
+  std::int64_t row_stride;
+  const std::int32_t* pages;  // the sequence's block-table row, or nullptr
+  int page_size;
+  std::int64_t page_stride;
+
+  __device__ __forceinline__ const std::uint16_t* row(std::int64_t t) const {
+    if (pages == nullptr) return base + t * row_stride;
+    const int t32 = static_cast<int>(t);  // keys of a sequence fit int32 (seqused_k is int32)
+    return base + static_cast<std::int64_t>(pages[t32 / page_size]) * page_stride +
+           static_cast<std::int64_t>(t32 % page_size) * row_stride;
+  }
+};
+
+__device__ __forceinline__ KvRows contiguous_rows(const std::uint16_t* base, std::int64_t row_stride) {
+  return {base, row_stride, nullptr, 1, 0};
+}
+
+// Where one tile comes from: rows first .. first + valid - 1 of `rows` (the tile's rows past
+// `valid` are zero-filled).
 struct TileSrc {
-  const std::uint16_t* ptr;
-  std::int64_t stride;
+  KvRows rows;
+  std::int64_t first;
   int valid;
 };
+
+// The tile of rows first .. first + valid - 1 (valid <= the tile's rows). Rows inside one page
+// are contiguous, so a tile within one page (every 64-key sub-tile when page_size is a multiple
+// of 64) becomes a contiguous run with the page translated once here; only a tile that spans
+// pages translates row by row in load_tile.
+__device__ __forceinline__ TileSrc tile_src(const KvRows& rows, std::int64_t first, int valid) {
+  if (rows.pages == nullptr || valid <= 0) return {rows, first, valid};
+  const int p0 = static_cast<int>(first) / rows.page_size;
+  if (p0 != static_cast<int>(first + valid - 1) / rows.page_size) return {rows, first, valid};
+  return {contiguous_rows(rows.row(first), rows.row_stride), 0, valid};
+}
 
 // Asynchronously copies a [kRows, kHeadDim] tile into swizzled smem; rows >= valid become
 // zeros without reading global memory. The caller commits the group. Thread tid copies chunk
 // tid % kChunks of rows tid / kChunks + i·kRowStep: the row step is a multiple of 8, so the
-// swizzled chunk is the same for every i and addresses advance by constants.
+// swizzled chunk is the same for every i and addresses advance by constants (contiguous rows)
+// or come from the addressor (rows spanning pages).
 template <class Tile, int kRows>
 __device__ __forceinline__ void load_tile(std::uint32_t smem, const TileSrc& src, int tid) {
   constexpr int kRowStep = Tile::kThreads / Tile::kChunks;
   static_assert(kRowStep % 8 == 0 && kRows % kRowStep == 0, "constant swizzle per thread");
   const int r0 = tid / Tile::kChunks, c = tid % Tile::kChunks;
   const std::uint32_t dst = smem + swizzle<Tile>(r0, c);
-  const std::uint16_t* g = src.ptr + r0 * src.stride + c * 8;
+  if (src.rows.pages == nullptr) {
+    const std::uint16_t* g = src.rows.row(src.first + r0) + c * 8;
+#pragma unroll
+    for (int i = 0; i < kRows / kRowStep; ++i) {
+      const bool ok = r0 + i * kRowStep < src.valid;
+      ptx::cp_async_16(dst + i * kRowStep * Tile::kRowBytes, ok ? g + i * kRowStep * src.rows.row_stride : src.rows.base,
+                       ok ? 16 : 0);
+    }
+    return;
+  }
 #pragma unroll
   for (int i = 0; i < kRows / kRowStep; ++i) {
-    const bool ok = r0 + i * kRowStep < src.valid;
-    ptx::cp_async_16(dst + i * kRowStep * Tile::kRowBytes, ok ? g + i * kRowStep * src.stride : src.ptr, ok ? 16 : 0);
+    const int r = r0 + i * kRowStep;
+    const bool ok = r < src.valid;
+    ptx::cp_async_16(dst + i * kRowStep * Tile::kRowBytes, ok ? src.rows.row(src.first + r) + c * 8 : src.rows.base,
+                     ok ? 16 : 0);
   }
 }
 
