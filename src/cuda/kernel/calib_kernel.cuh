@@ -155,7 +155,7 @@ __global__ void __launch_bounds__(CalibConfig<kD>::kThreads) calib_kernel(const 
         for (int nf = 0; nf < Cfg::kSub / 8; ++nf) s[f][nf][0] = s[f][nf][1] = s[f][nf][2] = s[f][nf][3] = 0.f;
       }
       // Key pairs outer, head-dim steps inner: each K fragment is used as soon as it is loaded
-      // (ptxas -v, sm_90, d = 128: 255 registers and no spill; head-dim steps outer spilled).
+      // (ptxas -v, sm_90, d = 128: 254 registers and no spill; head-dim steps outer spilled).
 #pragma unroll
       for (int np = 0; np < Cfg::kSub / 16; ++np) {
 #pragma unroll
