@@ -9,6 +9,7 @@
 #include <atomic>
 #include <cmath>
 #include <cstdint>
+#include <functional>
 #include <limits>
 #include <string>
 #include <thread>
@@ -45,6 +46,32 @@ void parallel_for(int n, const Fn& fn) {
     });
   }
   for (std::thread& th : pool) th.join();
+}
+
+// Sorts v by `less` like std::sort (the same sorted sequence), on up to hardware_concurrency
+// threads: chunks sorted in parallel, then merged pairwise in parallel rounds. A 128K-token
+// sample gives ~17 M statistics per layer to rank (bench/records/2026-11-29-h200-calib-statistics.md:
+// the single-threaded sorts were most of the 4.6 s of host reductions per Llama layer).
+template <class Less>
+void parallel_sort(std::vector<double>* v, Less less) {
+  const std::size_t n = v->size();
+  const int chunks = std::max(1, static_cast<int>(std::thread::hardware_concurrency()));
+  if (chunks == 1 || n < (std::size_t{1} << 16)) {
+    std::sort(v->begin(), v->end(), less);
+    return;
+  }
+  std::vector<std::ptrdiff_t> bound(static_cast<std::size_t>(chunks) + 1);
+  for (int i = 0; i <= chunks; ++i) {
+    bound[static_cast<std::size_t>(i)] = static_cast<std::ptrdiff_t>(n * static_cast<std::size_t>(i) / static_cast<std::size_t>(chunks));
+  }
+  const auto at = [&](int i) { return v->begin() + bound[static_cast<std::size_t>(std::min(i, chunks))]; };
+  parallel_for(chunks, [&](int i) { std::sort(at(i), at(i + 1), less); });
+  for (int width = 1; width < chunks; width *= 2) {
+    parallel_for((chunks + 2 * width - 1) / (2 * width), [&](int pair) {
+      const int lo = pair * 2 * width;
+      if (lo + width < chunks) std::inplace_merge(at(lo), at(lo + width), at(lo + 2 * width), less);
+    });
+  }
 }
 
 // One sequence of a sample: q [s_q, h_q, d] and k [s_k, h_kv, d] as exact doubles, and each
@@ -675,7 +702,7 @@ Status SoftmaxSkipCalibrator::factor_for(double target_skip_fraction, int layer,
     return invalid_argument("layer " + std::to_string(layer) +
                             ": no skippable blocks seen (add samples first)");
   }
-  if (!std::is_sorted(g.begin(), g.end())) std::sort(g.begin(), g.end());
+  if (!std::is_sorted(g.begin(), g.end())) parallel_sort(&g, std::less<double>());
   // Skipping is off for a sample with s_k < a, so a stays <= the shortest s_k seen: only
   // statistics below ln(min s_k) can ever be skipped.
   const double ln_cap = std::log(static_cast<double>(min_s_k));
@@ -797,7 +824,7 @@ Status EstimateSelectCalibrator::alpha_for(double target_density, int layer, dou
   // Descending: keeping the n largest ratios gives density (forced + n) / visible. One
   // layer's ratios are sorted in place once (add_statistics appends unsorted).
   std::vector<double>& r = layer == -1 ? pooled : ratios_[static_cast<std::size_t>(layer)];
-  if (!std::is_sorted(r.begin(), r.end(), std::greater<double>())) std::sort(r.begin(), r.end(), std::greater<double>());
+  if (!std::is_sorted(r.begin(), r.end(), std::greater<double>())) parallel_sort(&r, std::greater<double>());
   const double wanted = target_density * static_cast<double>(visible) - static_cast<double>(forced);
   const std::size_t n = nearest_reachable(r.data(), r.size(), wanted);
   if (n == 0) {

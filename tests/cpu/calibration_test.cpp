@@ -9,6 +9,7 @@
 #include <dirent.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -931,6 +932,72 @@ TEST(CalibrationStatistics, BadRecordsAreRejectedWithoutChangingTheCalibrator) {
   EXPECT_EQ(sel.add_statistics(0, {packed}).message(),
             "EstimateSelectCalibrator: statistics[0]: block 4 pack_gqa, calibrator expects block 4");
   EXPECT_FALSE(sel.alpha_for(0.5, 0, &a).ok());
+}
+
+// Enough statistics (about 80K per calibrator) for the multi-threaded ranking: the factors are
+// the midpoints of neighbours in a plain full sort of the statistics read.
+TEST(CalibrationStatistics, RankingOfManyStatisticsMatchesAFullSort) {
+  constexpr int kBlocks = 400, kB = 128;
+  std::uint64_t state = 7;
+  const auto uniform = [&]() {  // (0, 1), distinct with overwhelming probability
+    state = state * 6364136223846793005ull + 1442695040888963407ull;
+    return (static_cast<double>(state >> 11) + 0.5) * 0x1.0p-53;
+  };
+  sp::BlockStatistics st;
+  st.s_q = st.s_k = static_cast<std::int64_t>(kBlocks) * kB;
+  st.heads = 1;
+  st.block_q = st.block_k = kB;
+  st.skip_g.assign(static_cast<std::size_t>(kBlocks) * kBlocks, std::nan(""));
+  std::vector<double> read;
+  for (int qb = 0; qb < kBlocks; ++qb) {
+    for (int kb = 0; kb < qb; ++kb) {  // visible 0..qb; the first visited (qb) is not read
+      const double g = 22.0 * uniform() - 20.0;
+      st.skip_g[static_cast<std::size_t>(qb) * kBlocks + kb] = g;
+      read.push_back(g);
+    }
+  }
+  sp::SoftmaxSkipCalibrator skip(1, kB, kB);
+  ASSERT_TRUE(skip.add_statistics(0, {st}).ok());
+  std::sort(read.begin(), read.end());
+  const double total = static_cast<double>(read.size() + kBlocks);
+  for (double target : {0.1, 0.3}) {
+    const auto n = static_cast<std::size_t>(std::ceil(target * total - 0.5));
+    double a = 0;
+    ASSERT_TRUE(skip.factor_for(target, 0, &a).ok());
+    EXPECT_NEAR(std::log(a), 0.5 * (read[n - 1] + read[n]), 1e-12) << target;
+  }
+
+  sp::SelectStatistics r;
+  r.s_q = r.s_k = st.s_q;
+  r.units = 1;
+  r.block = kB;
+  r.ratio.assign(static_cast<std::size_t>(kBlocks) * kBlocks, 1.0);
+  std::vector<double> ratios;
+  std::int64_t forced = 0, visible = 0;
+  for (int i = 0; i < kBlocks; ++i) {
+    visible += i + 1;
+    for (int j = 0; j <= i; ++j) {
+      if (j == 0 || j == i || i == kBlocks - 1) {  // sink 1, window 1, tail 1
+        ++forced;
+        continue;
+      }
+      const double x = uniform();
+      r.ratio[static_cast<std::size_t>(i) * kBlocks + j] = x;
+      ratios.push_back(x);
+    }
+  }
+  sp::EstimateSelectParams base;
+  base.block = kB;
+  base.sink = base.window = base.tail = 1;
+  sp::EstimateSelectCalibrator sel(1, base);
+  ASSERT_TRUE(sel.add_statistics(0, {r}).ok());
+  std::sort(ratios.begin(), ratios.end(), std::greater<double>());
+  for (double target : {0.2, 0.6}) {
+    const auto n = static_cast<std::size_t>(std::ceil(target * static_cast<double>(visible) - static_cast<double>(forced) - 0.5));
+    double alpha = 0;
+    ASSERT_TRUE(sel.alpha_for(target, 0, &alpha).ok());
+    EXPECT_EQ(alpha, 0.5 * (ratios[n - 1] + ratios[n])) << target;
+  }
 }
 
 }  // namespace
