@@ -176,7 +176,6 @@ void block_row_max(const SampleSeq& s, int h, std::int64_t r0, int rows, const d
   }
 }
 
-
 // Validates a calibration sample and resolves its shape: causal, host or CUDA tensors.
 Status check_sample(const char* who, const AttentionProblem& sample, ProblemShape* shape) {
   Status st = validate_problem(sample, nullptr, shape);
@@ -264,7 +263,6 @@ std::size_t nearest_reachable(const double* sorted, std::size_t size, double wan
   return best;
 }
 
-
 // A statistics array of one sequence must hold [heads, q_blocks, k_blocks] values.
 Status check_size(const char* who, const char* name, std::size_t b, std::size_t size, std::size_t expected) {
   if (size == expected) return {};
@@ -311,7 +309,7 @@ std::vector<int> blasst_order(const geom::BlockGeometry& g, int qb) {
 }
 
 // The host route of compute_block_statistics: fp64 scores in the oracle's order.
-BlockStatistics host_block_statistics(const SampleSeq& s, int block_q, int block_k, bool want_max, bool want_g) {
+BlockStatistics host_block_statistics(SampleSeq& s, int block_q, int block_k, bool want_max, bool want_g) {
   const geom::BlockGeometry g{s.geo, block_q, block_k};
   BlockStatistics st;
   st.s_q = s.geo.s_q;
@@ -325,6 +323,7 @@ BlockStatistics host_block_statistics(const SampleSeq& s, int block_q, int block
   if (want_g) st.skip_g.assign(cells, kNegInf);
   if (cells == 0) return st;
   const Transposed kt = transpose_keys(s, block_k);
+  std::vector<double>().swap(s.k);  // only the transposed copy is read from here on
   const double ln_s_k = std::log(static_cast<double>(s.geo.s_k));
   parallel_for(s.h_q, [&](int h) {
     const int hk = s.kv_head(h);
