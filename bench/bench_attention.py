@@ -11,8 +11,12 @@ Implementations:
          FlexAttention given each random block mask (BlockMask.from_kv_blocks with the
          full/partial split and a causal mask_mod).
   ours   through the C ABI (libsparseprefill_c, ctypes): dense; block_sparse on the SAME masks
-         Flex gets; exact_gate with thresholds picked from sampled block maxima for ~20% and
-         ~50% density; softmax_skip and estimate_select with their default parameters.
+         Flex gets, each run through a plan (sp_plan_create once per mask, outside the timed
+         region; the timed calls are sp_plan_run: no mask validation, compaction or upload, as
+         Flex's BlockMask is also built outside its timed calls); exact_gate with thresholds
+         picked from sampled block maxima for ~20% and ~50% density; softmax_skip and
+         estimate_select with their default parameters; permute_stop with segment 2048 and
+         tau 0.005 (S2O's setting).
          Serving layouts (issue 8): dense and exact_gate ~20% on paged K/V (pages of
          --page-sizes keys in a shuffled order, the same values) at --paged-lengths; and
          chunked prefill at --chunked-lengths: the prompt in chunks of --chunk queries, each
@@ -90,6 +94,9 @@ def parse_args():
     ap.add_argument("--min-reps", type=int, default=3)
     ap.add_argument("--max-reps", type=int, default=100)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--impls", default="",
+                    help="comma-separated rows to run (impl names, e.g. sdpa_flash,ours_dense,"
+                         "ours_permute_stop); default every row")
     return ap.parse_args()
 
 
@@ -298,7 +305,12 @@ class Case:
         print(f"  {row['label']:<28} {shown:>14}  density {row.get('density')}  "
               f"err_sdpa {row.get('err_vs_sdpa')}  {row.get('note', '')}", flush=True)
 
+    def wanted(self, impl):
+        return not self.args.impls or impl in self.args.impls.split(",")
+
     def peer(self, impl, label, fn, backend=None, pairs=None, density=1.0, target=None):
+        if not self.wanted(impl):
+            return None
         row = {"impl": impl, "label": label, "family": "peer", "target": target,
                "density": density, "pairs": pairs or self.dense_pairs}
         try:
@@ -360,12 +372,17 @@ class Case:
         return p
 
     def ours(self, impl, label, policy, target=None, mask_pairs=None, mask_density=None,
-             extra=None, page=None, chunk=None):
+             extra=None, page=None, chunk=None, planned=False):
         """One row of ours: a call per input set, or with `chunk` the calls of a chunked
-        prefill (every chunk of the prompt, each writing its rows of one output)."""
+        prefill (every chunk of the prompt, each writing its rows of one output). planned: the
+        calls run sp_plans made once per call shape, outside the timed region (block_sparse:
+        the mask is validated, compacted and uploaded there, as a server would do once per
+        mask), instead of sp_run with the policy."""
+        if not self.wanted(impl):
+            return None
         lib = self.lib
         row = {"impl": impl, "label": label, "family": "ours", "target": target,
-               "params": policy.describe(), **(extra or {})}
+               "params": policy.describe(), "planned": planned, **(extra or {})}
         if page is not None:
             row["page_size"] = page
         if chunk is not None:
@@ -386,13 +403,26 @@ class Case:
             row.update(status=lib.status_name(code), note=lib.last_error())
             self.add(row)
             return None
+        if planned:
+            try:
+                plans = [lib.plan(problem, policy, opts) for problem, _ in calls[0]]
+            except sp_ctypes.SparsePrefillError as e:
+                row.update(status=lib.status_name(e.code), note=str(e))
+                self.add(row)
+                return None
+
+            def run_one(j, problem, out, stats):
+                return lib.plan_run(plans[j], problem, out, opts, stats)
+        else:
+            def run_one(j, problem, out, stats):
+                return lib.run(problem, policy, out, opts, stats)
         # Warm-up and checked call(s), with statistics (they synchronise).
         o.fill_(float("nan"))
         notes = []
         totals = {"kept": 0, "visible": 0, "pairs": 0, "corrected": 0}
-        for problem, out in calls[0]:
+        for j, (problem, out) in enumerate(calls[0]):
             stats = sp_ctypes.Stats()
-            code = lib.run(problem, policy, out, opts, stats)
+            code = run_one(j, problem, out, stats)
             if code != sp_ctypes.OK:
                 break
             totals["kept"] += stats.total.kept_blocks
@@ -402,8 +432,8 @@ class Case:
         if code != sp_ctypes.OK:
             notes.append(f"statistics unavailable ({lib.status_name(code)}: {lib.last_error()})")
             o.fill_(float("nan"))
-            for problem, out in calls[0]:
-                code = lib.run(problem, policy, out, opts, None)
+            for j, (problem, out) in enumerate(calls[0]):
+                code = run_one(j, problem, out, None)
                 if code != sp_ctypes.OK:
                     row.update(status=lib.status_name(code), note=lib.last_error())
                     self.add(row)
@@ -422,8 +452,8 @@ class Case:
         codes = []
 
         def call(i):
-            for problem, out in calls[i]:
-                codes.append(lib.run(problem, policy, out, opts, None))
+            for j, (problem, out) in enumerate(calls[i]):
+                codes.append(run_one(j, problem, out, None))
 
         row["ms"], row["host_ms"], row["reps"] = time_calls(call, self.n_sets, self.args)
         failed = [c for c in codes if c != sp_ctypes.OK]
@@ -448,16 +478,16 @@ class Case:
         self.ours("ours_dense", "ours dense", lib.policy("dense"))
         first = self.problem(self.sets[0])
         for m in masks:
-            if m.target is None:
+            if m.target is None or not self.wanted("ours_block_sparse"):
                 continue
             pol = lib.policy("block_sparse")
             pol.set_block_mask(first, BLOCK, BLOCK, m.indptr.data_ptr(), m.num_rows,
                                m.indices.data_ptr(), m.indices.numel())
             self.ours("ours_block_sparse", f"ours block_sparse {m.label}", pol, target=m.target,
-                      mask_pairs=m.pairs, mask_density=m.density)
-        gate_targets = floats(self.args.gate_densities)
+                      mask_pairs=m.pairs, mask_density=m.density, planned=True)
+        gate_targets = floats(self.args.gate_densities) if self.wanted("ours_exact_gate") else []
         thresholds = sample_gate_thresholds(self.sets[0], self.h_q, self.h_kv, self.d, self.n,
-                                            gate_targets, self.gen)
+                                            gate_targets, self.gen) if gate_targets else {}
         for t in gate_targets:
             pol = lib.policy("exact_gate", {"block_q": BLOCK, "block_k": BLOCK})
             table = torch.full((self.h_q, 1), thresholds[t], dtype=torch.float32, device=DEV)
@@ -467,6 +497,8 @@ class Case:
         self.ours("ours_softmax_skip", "ours softmax_skip (a=10)", lib.policy("softmax_skip"))
         self.ours("ours_estimate_select", "ours estimate_select (α=0.1)",
                   lib.policy("estimate_select"))
+        self.ours("ours_permute_stop", "ours permute_stop (τ=0.005)",
+                  lib.policy("permute_stop", {"segment": 2048, "tau": 0.005}))
         gate20 = None
         if 0.2 in thresholds:
             gate20 = lib.policy("exact_gate", {"block_q": BLOCK, "block_k": BLOCK})
@@ -490,6 +522,8 @@ class Case:
                       lib.policy("softmax_skip"), chunk=k)
             self.ours("ours_estimate_select_chunked", f"ours estimate_select (α=0.1) chunks of {k}",
                       lib.policy("estimate_select"), chunk=k)
+            self.ours("ours_permute_stop_chunked", f"ours permute_stop (τ=0.005) chunks of {k}",
+                      lib.policy("permute_stop", {"segment": 2048, "tau": 0.005}), chunk=k)
 
     def run(self):
         nb = self.n // BLOCK

@@ -79,6 +79,39 @@ def main():
     assert err < 1e-4, f"block_sparse: max error {err}"
     assert stats.total.kept_blocks == keep.sum(), (stats.total.kept_blocks, keep.sum())
 
+    # The same mask through a plan: identical bits, decisions with the mask's CSR.
+    plan = lib.plan(problem, pol, opts)
+    assert plan.describe() == pol.describe()
+    expected = o.copy()
+    o.fill(np.nan)
+    decisions = sp_ctypes.Decisions(lib)
+    lib.check(lib.plan_run(plan, problem, out, opts, stats, decisions))
+    assert np.array_equal(o, expected), "plan: output differs from run"
+    kept_view = decisions.mask(sp_ctypes.MASK_KEPT)
+    assert (kept_view.batch, kept_view.heads, kept_view.num_q_blocks, kept_view.num_k_blocks,
+            kept_view.block_q) == (1, h_q, nb, nb, block)
+    assert kept_view.num_rows == h_q * nb and kept_view.num_indices == indices.size
+    assert [kept_view.indptr[i] for i in range(kept_view.num_rows + 1)] == indptr.tolist()
+    assert [kept_view.indices[i] for i in range(kept_view.num_indices)] == indices.tolist()
+    assert decisions.mask(sp_ctypes.MASK_CORRECTED).num_rows == 0 and decisions.policy() == "block_sparse"
+    bad_shape = sp_ctypes.Problem.from_buffer_copy(problem)
+    bad_shape.k.shape[1] = bad_shape.v.shape[1] = s - 1
+    code = lib.plan_run(plan, bad_shape, out, opts)
+    assert code == sp_ctypes.ERR_INVALID_ARGUMENT and "does not match the plan" in lib.last_error(), lib.last_error()
+
+    # estimate_select's selection alone, with mean correction; permute_stop's tiles from a run.
+    est = lib.policy("estimate_select", {"block": block, "alpha": 0.9, "sink": 1, "window": 1, "tail": 1,
+                                         "mean_correction": "true"})
+    sel = lib.select(problem, est, opts, stats)
+    kept, corrected = sel.mask(sp_ctypes.MASK_KEPT), sel.mask(sp_ctypes.MASK_CORRECTED)
+    assert sel.policy() == "estimate_select" and kept.per_kv_head == 0 and corrected.num_rows == h_q * nb
+    assert kept.num_indices == stats.total.kept_blocks and 0 < stats.density < 1, (kept.num_indices, stats.density)
+    stop = lib.policy("permute_stop", {"segment": 16, "block_q": block, "block_k": block, "tau": 0.05})
+    lib.check(lib.dll.sp_run_decisions(ctypes.byref(problem), stop.handle, ctypes.byref(out), ctypes.byref(opts),
+                                       None, sel.handle))
+    tiles = sel.tiles()
+    assert tiles and all(0 <= t.chunks_visited <= t.chunks_total for t in tiles) and sel.mask().num_rows == 0
+
     table = np.full((h_q, 1), np.inf, dtype=np.float32)  # keeps partial blocks only
     gate = lib.policy("exact_gate", {"block_q": block, "block_k": block})
     gate.set_thresholds(view(table), owner=table)

@@ -62,6 +62,22 @@ class BlockMaskCsr(ctypes.Structure):
                 ("indices", ctypes.c_void_p)]
 
 
+class BlockMaskView(ctypes.Structure):
+    _fields_ = [("batch", ctypes.c_int32), ("heads", ctypes.c_int32), ("num_q_blocks", ctypes.c_int32),
+                ("num_k_blocks", ctypes.c_int32), ("block_q", ctypes.c_int32), ("block_k", ctypes.c_int32),
+                ("per_kv_head", ctypes.c_int32), ("num_rows", ctypes.c_int64),
+                ("indptr", ctypes.POINTER(ctypes.c_int32)), ("num_indices", ctypes.c_int64),
+                ("indices", ctypes.POINTER(ctypes.c_int32))]
+
+
+class PermuteTile(ctypes.Structure):
+    _fields_ = [("batch", ctypes.c_int32), ("head", ctypes.c_int32), ("segment", ctypes.c_int32),
+                ("tile", ctypes.c_int32), ("chunks_visited", ctypes.c_int32), ("chunks_total", ctypes.c_int32)]
+
+
+MASK_KEPT, MASK_CORRECTED = 0, 1
+
+
 class SparsePrefillError(RuntimeError):
     def __init__(self, code, name, message):
         super().__init__(f"{name}: {message}")
@@ -127,6 +143,51 @@ class Policy:
             self.handle = ctypes.c_void_p()
 
 
+class Decisions:
+    """An sp_decisions handle (filled by Library.select / run_decisions / plan_run)."""
+
+    def __init__(self, lib):
+        self._lib = lib
+        self.handle = ctypes.c_void_p()
+        lib.check(lib.dll.sp_decisions_create(ctypes.byref(self.handle)))
+
+    def policy(self):
+        return self._lib.dll.sp_decisions_policy(self.handle).decode()
+
+    def mask(self, which=MASK_KEPT):
+        """A BlockMaskView into memory the handle owns (num_rows 0 when absent)."""
+        view = BlockMaskView()
+        self._lib.check(self._lib.dll.sp_decisions_mask(self.handle, which, ctypes.byref(view)))
+        return view
+
+    def tiles(self):
+        ptr, n = ctypes.POINTER(PermuteTile)(), ctypes.c_int64()
+        self._lib.check(self._lib.dll.sp_decisions_tiles(self.handle, ctypes.byref(ptr), ctypes.byref(n)))
+        return [ptr[i] for i in range(n.value)]
+
+    def __del__(self):
+        if self.handle:
+            self._lib.dll.sp_decisions_destroy(self.handle)
+            self.handle = ctypes.c_void_p()
+
+
+class Plan:
+    """An sp_plan handle (Library.plan); destroyed with the object."""
+
+    def __init__(self, lib, handle, policy):
+        self._lib = lib
+        self.handle = handle
+        self.keep_alive = policy.keep_alive  # the plan views the policy's threshold table
+
+    def describe(self):
+        return self._lib.dll.sp_plan_describe(self.handle).decode()
+
+    def __del__(self):
+        if self.handle:
+            self._lib.dll.sp_plan_destroy(self.handle)
+            self.handle = ctypes.c_void_p()
+
+
 class Library:
     def __init__(self, path):
         self.dll = ctypes.CDLL(os.path.abspath(path))
@@ -158,6 +219,34 @@ class Library:
         d.sp_status_name.argtypes = [ctypes.c_int32]
         d.sp_build_info.restype = ctypes.c_char_p
         d.sp_build_info.argtypes = []
+        # Select, plan, run and decisions.
+        d.sp_decisions_create.restype = ctypes.c_int
+        d.sp_decisions_create.argtypes = [ctypes.POINTER(ctypes.c_void_p)]
+        d.sp_decisions_destroy.restype = None
+        d.sp_decisions_destroy.argtypes = [ctypes.c_void_p]
+        d.sp_decisions_policy.restype = ctypes.c_char_p
+        d.sp_decisions_policy.argtypes = [ctypes.c_void_p]
+        d.sp_decisions_mask.restype = ctypes.c_int
+        d.sp_decisions_mask.argtypes = [ctypes.c_void_p, ctypes.c_int32, ctypes.POINTER(BlockMaskView)]
+        d.sp_decisions_tiles.restype = ctypes.c_int
+        d.sp_decisions_tiles.argtypes = [ctypes.c_void_p, ctypes.POINTER(ctypes.POINTER(PermuteTile)),
+                                         ctypes.POINTER(ctypes.c_int64)]
+        d.sp_select.restype = ctypes.c_int
+        d.sp_select.argtypes = [ctypes.POINTER(Problem), ctypes.c_void_p, ctypes.POINTER(Options), ctypes.c_void_p,
+                                ctypes.POINTER(Stats)]
+        d.sp_run_decisions.restype = ctypes.c_int
+        d.sp_run_decisions.argtypes = [ctypes.POINTER(Problem), ctypes.c_void_p, ctypes.POINTER(Output),
+                                       ctypes.POINTER(Options), ctypes.POINTER(Stats), ctypes.c_void_p]
+        d.sp_plan_create.restype = ctypes.c_int
+        d.sp_plan_create.argtypes = [ctypes.POINTER(Problem), ctypes.c_void_p, ctypes.POINTER(Options),
+                                     ctypes.POINTER(ctypes.c_void_p)]
+        d.sp_plan_destroy.restype = None
+        d.sp_plan_destroy.argtypes = [ctypes.c_void_p]
+        d.sp_plan_describe.restype = ctypes.c_char_p
+        d.sp_plan_describe.argtypes = [ctypes.c_void_p]
+        d.sp_plan_run.restype = ctypes.c_int
+        d.sp_plan_run.argtypes = [ctypes.c_void_p, ctypes.POINTER(Problem), ctypes.POINTER(Output),
+                                  ctypes.POINTER(Options), ctypes.POINTER(Stats), ctypes.c_void_p]
 
     def check(self, code):
         if code != OK:
@@ -175,6 +264,29 @@ class Library:
         return self.dll.sp_run(ctypes.byref(problem), policy.handle, ctypes.byref(output),
                                ctypes.byref(options) if options is not None else None,
                                ctypes.byref(stats) if stats is not None else None)
+
+    def select(self, problem, policy, options=None, stats=None):
+        """The policy's selection alone (sp_select) as a Decisions; raises on failure."""
+        decisions = Decisions(self)
+        self.check(self.dll.sp_select(ctypes.byref(problem), policy.handle,
+                                      ctypes.byref(options) if options is not None else None, decisions.handle,
+                                      ctypes.byref(stats) if stats is not None else None))
+        return decisions
+
+    def plan(self, problem, policy, options=None):
+        """An sp_plan for problems shaped like `problem` (raises on failure)."""
+        handle = ctypes.c_void_p()
+        self.check(self.dll.sp_plan_create(ctypes.byref(problem), policy.handle,
+                                           ctypes.byref(options) if options is not None else None,
+                                           ctypes.byref(handle)))
+        return Plan(self, handle, policy)
+
+    def plan_run(self, plan, problem, output, options=None, stats=None, decisions=None):
+        """Returns the status code (no exception), as run()."""
+        return self.dll.sp_plan_run(plan.handle, ctypes.byref(problem), ctypes.byref(output),
+                                    ctypes.byref(options) if options is not None else None,
+                                    ctypes.byref(stats) if stats is not None else None,
+                                    decisions.handle if decisions is not None else None)
 
     def can_run(self, problem, policy, backend):
         return self.dll.sp_can_run(ctypes.byref(problem), policy.handle, backend)

@@ -163,6 +163,99 @@ SP_C_API const char* sp_policy_describe(const sp_policy* policy);
 SP_C_API int sp_run(const sp_problem* problem, const sp_policy* policy, const sp_output* output,
                     const sp_options* options, sp_stats* stats);
 
+/* ---- Select, plan, run (include/sparseprefill/plan.h) and decisions ----------------------
+ *
+ * Ownership: everything a call returns lives in a library-owned handle the caller creates
+ * and destroys (sp_decisions, sp_plan); views into an sp_decisions stay valid until the handle
+ * is filled again or destroyed. Nothing is freed by the caller except through *_destroy. */
+
+/* What a policy decided (sparseprefill::Decisions): kept blocks (and estimate_select's mean-
+ * correction blocks) as CSR masks, permute_stop's tiles and query order. Filled by sp_select,
+ * sp_run_decisions and sp_plan_run; empty until then. */
+typedef struct sp_decisions sp_decisions;
+
+typedef enum sp_mask_kind {
+  SP_MASK_KEPT = 0,     /* blocks whose keys entered the softmax */
+  SP_MASK_CORRECTED = 1 /* estimate_select with mean correction: blocks added as pseudo-tokens */
+} sp_mask_kind;
+
+/* A BlockMask as CSR, read-only, in memory the sp_decisions owns: rows (b, h, qb) row-major,
+ * num_rows = batch * heads * num_q_blocks (heads = h_q, or h_kv when per_kv_head), indptr
+ * [num_rows + 1], each row's key-block indices ascending (full and partial merged). A mask the
+ * policy does not produce (corrected without mean correction, any mask of permute_stop) has
+ * num_rows = 0 and NULL pointers, as does a dense run (nothing to record: every visible block was
+ * computed). */
+typedef struct sp_block_mask_view {
+  int32_t batch;
+  int32_t heads;
+  int32_t num_q_blocks;
+  int32_t num_k_blocks;
+  int32_t block_q;
+  int32_t block_k;
+  int32_t per_kv_head;
+  int64_t num_rows;
+  const int32_t* indptr;
+  int64_t num_indices;
+  const int32_t* indices;
+} sp_block_mask_view;
+
+/* permute_stop's decision for one query tile (sparseprefill::PermuteTile). */
+typedef struct sp_permute_tile {
+  int32_t batch;
+  int32_t head;
+  int32_t segment;
+  int32_t tile;
+  int32_t chunks_visited;
+  int32_t chunks_total;
+} sp_permute_tile;
+
+SP_C_API int sp_decisions_create(sp_decisions** out);
+SP_C_API void sp_decisions_destroy(sp_decisions* decisions);
+/* The policy name of the last fill ("" before any); owned by the handle. */
+SP_C_API const char* sp_decisions_policy(const sp_decisions* decisions);
+/* *out receives a view of mask `which` (an sp_mask_kind). */
+SP_C_API int sp_decisions_mask(const sp_decisions* decisions, int32_t which, sp_block_mask_view* out);
+/* permute_stop: tiles sorted by (batch, head, segment, tile); NULL and 0 for other policies. */
+SP_C_API int sp_decisions_tiles(const sp_decisions* decisions, const sp_permute_tile** tiles, int64_t* count);
+/* permute_stop: [batch, h_q, max s_q], for each slot the call-relative row it holds (-1 past a
+ * sequence's end); NULL and 0 for other policies. */
+SP_C_API int sp_decisions_query_order(const sp_decisions* decisions, const int32_t** order, int64_t* count);
+
+/* Runs the policy's selector alone (no attention) into `decisions`; `stats` (may be NULL)
+ * receives the work attending with the selection would do. dense: every visible block as a
+ * 128 x 128 mask; block_sparse: its mask; estimate_select: the selector's mask (on CUDA the GPU
+ * selector's device mask, copied back: synchronises options->cuda_stream). exact_gate,
+ * softmax_skip and permute_stop decide during attention: SP_ERR_UNSUPPORTED (use
+ * sp_run_decisions). options and stats may be NULL. */
+SP_C_API int sp_select(const sp_problem* problem, const sp_policy* policy, const sp_options* options,
+                       sp_decisions* decisions, sp_stats* stats);
+
+/* sp_run that also fills `decisions` (when non-NULL; on CUDA that synchronises the stream and
+ * is refused under graph capture). */
+SP_C_API int sp_run_decisions(const sp_problem* problem, const sp_policy* policy, const sp_output* output,
+                              const sp_options* options, sp_stats* stats, sp_decisions* decisions);
+
+/* A plan: the problem's shape and the policy checked once (a block_sparse mask validated, and
+ * on CUDA compacted and uploaded into device memory the plan owns), for many sp_plan_run
+ * calls. The plan copies the policy (later changes to the sp_policy do not reach it) but only
+ * views an exact_gate threshold table, which must outlive the plan. Only the shapes, layout
+ * and index tensors of `problem` are read. options->backend picks the backend and
+ * options->cuda_stream orders the uploads (complete when the call returns); NULL options: auto.
+ * Immutable: several threads may run one plan at once. */
+typedef struct sp_plan sp_plan;
+SP_C_API int sp_plan_create(const sp_problem* problem, const sp_policy* policy, const sp_options* options,
+                            sp_plan** out);
+/* On CUDA, frees the plan's device memory (after work already enqueued with it completes);
+ * a captured CUDA graph that used the plan must not be replayed afterwards. */
+SP_C_API void sp_plan_destroy(sp_plan* plan);
+/* The plan's policy, as sp_policy_describe. */
+SP_C_API const char* sp_plan_describe(const sp_plan* plan);
+/* sp_run with the plan's policy, skipping its validation and (CUDA) the mask upload. The
+ * problem must have the plan's shape (SP_ERR_INVALID_ARGUMENT names the first difference);
+ * options->backend must be AUTO or the plan's. options, stats and decisions may be NULL. */
+SP_C_API int sp_plan_run(const sp_plan* plan, const sp_problem* problem, const sp_output* output,
+                         const sp_options* options, sp_stats* stats, sp_decisions* decisions);
+
 /* SP_OK when `backend` (an sp_backend) can run the combination; otherwise the code and a
  * message that says what is compiled. */
 SP_C_API int sp_can_run(const sp_problem* problem, const sp_policy* policy, int32_t backend);

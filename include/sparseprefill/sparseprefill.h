@@ -6,6 +6,7 @@
 #include "sparseprefill/block_mask.h"
 #include "sparseprefill/calibration.h"
 #include "sparseprefill/generator.h"
+#include "sparseprefill/plan.h"
 #include "sparseprefill/policy.h"
 #include "sparseprefill/problem.h"
 #include "sparseprefill/safetensors.h"

@@ -2,7 +2,9 @@
 """sparseprefill: sparse prefill attention with FlashAttention's layouts.
 
 Three ways to call it:
-  * sparseprefill.run(q, k, v, policy) -> (out, lse, stats): NumPy arrays or torch tensors;
+  * native: sparseprefill.run(q, k, v, policy) -> (out, lse, stats, decisions) on NumPy arrays or
+    torch tensors; select(q, k, v, policy) -> the selection alone (BlockMask, density);
+    plan(q, k, v, policy) once, then run(plan, q, k, v) per call;
   * sparseprefill.flash_attn_interface: flash_attn_func, flash_attn_varlen_func,
     flash_attn_with_kvcache with FlashAttention's names and a policy= argument (torch);
   * sparseprefill.transformers.register(): attn_implementation="sparseprefill".
@@ -18,15 +20,15 @@ from ._ext import (
     UnsupportedError,
 )
 from .calibration import Calibration, Calibrator, load_calibration
-from .native import Result, build_info, can_run, run
+from .native import BlockMask, Decisions, Plan, Result, Selection, build_info, can_run, plan, run, select
 from .policy import BlockSparse, Dense, EstimateSelect, ExactGate, PermuteStop, Policy, SoftmaxSkip
 from .stats import CallStats, StatsLog, collect_stats
 
 __version__ = "0.1.0"
 
 __all__ = [
-    "BlockSparse", "Calibration", "Calibrator", "CallStats", "CorruptDataError", "CudaError", "Dense", "Error",
-    "EstimateSelect", "ExactGate", "FileError", "InternalError", "InvalidArgumentError",
-    "PermuteStop", "Policy", "Result", "SoftmaxSkip", "StatsLog", "UnsupportedError",
-    "build_info", "can_run", "collect_stats", "load_calibration", "run",
+    "BlockMask", "BlockSparse", "Calibration", "Calibrator", "CallStats", "CorruptDataError", "CudaError",
+    "Decisions", "Dense", "Error", "EstimateSelect", "ExactGate", "FileError", "InternalError", "InvalidArgumentError",
+    "PermuteStop", "Plan", "Policy", "Result", "Selection", "SoftmaxSkip", "StatsLog", "UnsupportedError",
+    "build_info", "can_run", "collect_stats", "load_calibration", "plan", "run", "select",
 ]

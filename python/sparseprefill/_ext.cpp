@@ -147,46 +147,199 @@ std::int64_t head_count(const sp_problem& p) {
   return batch > 0 && h_q > 0 ? batch * h_q : 0;
 }
 
-// Runs one call. Returns None, or with want_stats a dict: density, pair_density, batch, h_q,
-// total (5 counters) and heads (a list of batch * h_q counter tuples, row-major [b, h_q]);
-// counters are (visible_blocks, kept_blocks, corrected_blocks, visible_pairs, computed_pairs).
-py::object run(const py::tuple& problem, const PolicyHandle& policy, py::handle o, py::handle lse,
-               int backend, int num_threads, std::uintptr_t stream, bool want_stats) {
-  const sp_problem p = to_problem(problem);
-  sp_output out{};
-  out.o = to_tensor(o, "out");
-  out.lse = to_tensor(lse, "lse");
-  sp_options options{};
-  options.backend = backend;
-  options.num_threads = num_threads;
-  options.cuda_stream = reinterpret_cast<void*>(stream);
+// sp_stats with a per-head buffer sized for `p` (when wanted), and its conversion to a dict:
+// density, pair_density, batch, h_q, total (5 counters) and heads (a list of batch * h_q
+// counter tuples, row-major [b, h_q]); counters are (visible_blocks, kept_blocks,
+// corrected_blocks, visible_pairs, computed_pairs).
+struct StatsBuffer {
   sp_stats stats{};
   std::vector<sp_head_stats> heads;
-  if (want_stats) {
+  bool wanted = false;
+
+  StatsBuffer(const sp_problem& p, bool want) : wanted(want) {
+    if (!want) return;
     heads.resize(static_cast<std::size_t>(head_count(p)));
     stats.heads = heads.data();
     stats.heads_capacity = static_cast<std::int64_t>(heads.size());
   }
+  sp_stats* get() { return wanted ? &stats : nullptr; }
+  py::object to_python() const {
+    if (!wanted) return py::none();
+    py::list per_head;
+    if (stats.num_heads <= static_cast<std::int64_t>(heads.size())) {
+      for (std::int64_t i = 0; i < stats.num_heads; ++i) per_head.append(head_tuple(heads[static_cast<std::size_t>(i)]));
+    }
+    py::dict d;
+    d["density"] = stats.density;
+    d["pair_density"] = stats.pair_density;
+    d["batch"] = stats.batch;
+    d["h_q"] = stats.h_q;
+    d["total"] = head_tuple(stats.total);
+    d["heads"] = per_head;
+    return std::move(d);
+  }
+};
+
+sp_options make_options(int backend, int num_threads, std::uintptr_t stream) {
+  sp_options options{};
+  options.backend = backend;
+  options.num_threads = num_threads;
+  options.cuda_stream = reinterpret_cast<void*>(stream);
+  return options;
+}
+
+sp_output make_output(py::handle o, py::handle lse) {
+  sp_output out{};
+  out.o = to_tensor(o, "out");
+  out.lse = to_tensor(lse, "lse");
+  return out;
+}
+
+// An sp_decisions owned by the binding for one call.
+class DecisionsBuffer {
+ public:
+  explicit DecisionsBuffer(bool want) {
+    if (want) check(sp_decisions_create(&handle_));
+  }
+  ~DecisionsBuffer() { sp_decisions_destroy(handle_); }
+  DecisionsBuffer(const DecisionsBuffer&) = delete;
+  DecisionsBuffer& operator=(const DecisionsBuffer&) = delete;
+  sp_decisions* get() { return handle_; }
+
+  // None, or a dict: policy, kept and corrected (None or a mask dict: batch, heads,
+  // num_q_blocks, num_k_blocks, block_q, block_k, per_kv_head, and indptr / indices as bytes of
+  // int32), tiles (bytes of int32 [n, 6]: batch, head, segment, tile, chunks_visited,
+  // chunks_total) and query_order (bytes of int32).
+  py::object to_python() const {
+    if (handle_ == nullptr) return py::none();
+    py::dict d;
+    d["policy"] = std::string(sp_decisions_policy(handle_));
+    d["kept"] = mask(SP_MASK_KEPT);
+    d["corrected"] = mask(SP_MASK_CORRECTED);
+    const sp_permute_tile* tiles = nullptr;
+    std::int64_t count = 0;
+    check(sp_decisions_tiles(handle_, &tiles, &count));
+    static_assert(sizeof(sp_permute_tile) == 6 * sizeof(std::int32_t), "tiles are read as int32 [n, 6]");
+    d["tiles"] = py::bytes(reinterpret_cast<const char*>(tiles), static_cast<std::size_t>(count) * sizeof(sp_permute_tile));
+    const std::int32_t* order = nullptr;
+    check(sp_decisions_query_order(handle_, &order, &count));
+    d["query_order"] = py::bytes(reinterpret_cast<const char*>(order), static_cast<std::size_t>(count) * sizeof(std::int32_t));
+    return std::move(d);
+  }
+
+ private:
+  py::object mask(int which) const {
+    sp_block_mask_view v{};
+    check(sp_decisions_mask(handle_, which, &v));
+    if (v.num_rows == 0) return py::none();
+    py::dict m;
+    m["batch"] = v.batch;
+    m["heads"] = v.heads;
+    m["num_q_blocks"] = v.num_q_blocks;
+    m["num_k_blocks"] = v.num_k_blocks;
+    m["block_q"] = v.block_q;
+    m["block_k"] = v.block_k;
+    m["per_kv_head"] = v.per_kv_head != 0;
+    m["indptr"] = py::bytes(reinterpret_cast<const char*>(v.indptr), static_cast<std::size_t>(v.num_rows + 1) * 4);
+    m["indices"] = py::bytes(reinterpret_cast<const char*>(v.indices), static_cast<std::size_t>(v.num_indices) * 4);
+    return std::move(m);
+  }
+
+  sp_decisions* handle_ = nullptr;
+};
+
+// Runs one call. Returns None, or with want_stats the StatsBuffer dict.
+py::object run(const py::tuple& problem, const PolicyHandle& policy, py::handle o, py::handle lse,
+               int backend, int num_threads, std::uintptr_t stream, bool want_stats) {
+  const sp_problem p = to_problem(problem);
+  const sp_output out = make_output(o, lse);
+  const sp_options options = make_options(backend, num_threads, stream);
+  StatsBuffer stats(p, want_stats);
   int code;
   {
     py::gil_scoped_release release;
-    code = sp_run(&p, policy.get(), &out, &options, want_stats ? &stats : nullptr);
+    code = sp_run(&p, policy.get(), &out, &options, stats.get());
   }
   check(code);
-  if (!want_stats) return py::none();
-  py::list per_head;
-  if (stats.num_heads <= static_cast<std::int64_t>(heads.size())) {
-    for (std::int64_t i = 0; i < stats.num_heads; ++i) per_head.append(head_tuple(heads[static_cast<std::size_t>(i)]));
-  }
-  py::dict d;
-  d["density"] = stats.density;
-  d["pair_density"] = stats.pair_density;
-  d["batch"] = stats.batch;
-  d["h_q"] = stats.h_q;
-  d["total"] = head_tuple(stats.total);
-  d["heads"] = per_head;
-  return std::move(d);
+  return stats.to_python();
 }
+
+// Runs one call and returns (stats dict or None, decisions dict).
+py::tuple run_decisions(const py::tuple& problem, const PolicyHandle& policy, py::handle o, py::handle lse,
+                        int backend, int num_threads, std::uintptr_t stream, bool want_stats) {
+  const sp_problem p = to_problem(problem);
+  const sp_output out = make_output(o, lse);
+  const sp_options options = make_options(backend, num_threads, stream);
+  StatsBuffer stats(p, want_stats);
+  DecisionsBuffer decisions(true);
+  int code;
+  {
+    py::gil_scoped_release release;
+    code = sp_run_decisions(&p, policy.get(), &out, &options, stats.get(), decisions.get());
+  }
+  check(code);
+  return py::make_tuple(stats.to_python(), decisions.to_python());
+}
+
+// The policy's selector alone: (stats dict, decisions dict).
+py::tuple select_blocks(const py::tuple& problem, const PolicyHandle& policy, int backend, int num_threads,
+                 std::uintptr_t stream) {
+  const sp_problem p = to_problem(problem);
+  const sp_options options = make_options(backend, num_threads, stream);
+  StatsBuffer stats(p, true);
+  DecisionsBuffer decisions(true);
+  int code;
+  {
+    py::gil_scoped_release release;
+    code = sp_select(&p, policy.get(), &options, decisions.get(), stats.get());
+  }
+  check(code);
+  return py::make_tuple(stats.to_python(), decisions.to_python());
+}
+
+// An owned sp_plan. The plan copies the policy; `owner` keeps alive what the policy only views
+// (exact_gate's threshold table).
+class PlanHandle {
+ public:
+  PlanHandle(const py::tuple& problem, const PolicyHandle& policy, int backend, std::uintptr_t stream,
+             py::object owner)
+      : owner_(std::move(owner)) {
+    const sp_problem p = to_problem(problem);
+    const sp_options options = make_options(backend, 0, stream);
+    int code;
+    {
+      py::gil_scoped_release release;
+      code = sp_plan_create(&p, policy.get(), &options, &plan_);
+    }
+    check(code);
+  }
+  ~PlanHandle() { sp_plan_destroy(plan_); }
+  PlanHandle(const PlanHandle&) = delete;
+  PlanHandle& operator=(const PlanHandle&) = delete;
+
+  // (stats dict or None, decisions dict or None).
+  py::tuple run(const py::tuple& problem, py::handle o, py::handle lse, int backend, int num_threads,
+                std::uintptr_t stream, bool want_stats, bool want_decisions) {
+    const sp_problem p = to_problem(problem);
+    const sp_output out = make_output(o, lse);
+    const sp_options options = make_options(backend, num_threads, stream);
+    StatsBuffer stats(p, want_stats);
+    DecisionsBuffer decisions(want_decisions);
+    int code;
+    {
+      py::gil_scoped_release release;
+      code = sp_plan_run(plan_, &p, &out, &options, stats.get(), decisions.get());
+    }
+    check(code);
+    return py::make_tuple(stats.to_python(), decisions.to_python());
+  }
+
+  std::string describe() const { return sp_plan_describe(plan_); }
+
+ private:
+  sp_plan* plan_ = nullptr;
+  py::object owner_;
+};
 
 // (code, message): code 0 when `backend` can run the combination.
 py::tuple can_run(const py::tuple& problem, const PolicyHandle& policy, int backend) {
@@ -308,6 +461,18 @@ PYBIND11_MODULE(_ext, m) {
 
   m.def("run", &run, py::arg("problem"), py::arg("policy"), py::arg("out"), py::arg("lse"),
         py::arg("backend"), py::arg("num_threads"), py::arg("stream"), py::arg("want_stats"));
+
+  // Select, plan, run (sp_select, sp_run_decisions, sp_plan_*).
+  m.def("run_decisions", &run_decisions, py::arg("problem"), py::arg("policy"), py::arg("out"), py::arg("lse"),
+        py::arg("backend"), py::arg("num_threads"), py::arg("stream"), py::arg("want_stats"));
+  m.def("select", &select_blocks, py::arg("problem"), py::arg("policy"), py::arg("backend"), py::arg("num_threads"),
+        py::arg("stream"));
+  py::class_<PlanHandle>(m, "PlanHandle")
+      .def(py::init<const py::tuple&, const PolicyHandle&, int, std::uintptr_t, py::object>(), py::arg("problem"),
+           py::arg("policy"), py::arg("backend"), py::arg("stream"), py::arg("owner"))
+      .def("run", &PlanHandle::run, py::arg("problem"), py::arg("out"), py::arg("lse"), py::arg("backend"),
+           py::arg("num_threads"), py::arg("stream"), py::arg("want_stats"), py::arg("want_decisions"))
+      .def("describe", &PlanHandle::describe);
   m.def("can_run", &can_run, py::arg("problem"), py::arg("policy"), py::arg("backend"));
   m.def("build_info", []() { return std::string(sp_build_info()); });
   m.def("abi_version", []() { return sp_abi_version(); });

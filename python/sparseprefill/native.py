@@ -1,28 +1,118 @@
 # SPDX-License-Identifier: Apache-2.0
-"""The native call: run(q, k, v, policy) -> (out, lse, stats) on NumPy arrays (CPU backend)
-or torch tensors (CPU or CUDA, on the current stream), plus the pieces the torch ops and the
+"""The native calls on NumPy arrays (CPU backend) or torch tensors (CPU or CUDA, on the current
+stream): run(q, k, v, policy) -> (out, lse, stats, decisions); select(q, k, v, policy) -> the
+policy's selection alone (BlockMask) with its density; plan(q, k, v, policy) -> a Plan checked
+once and run(plan, q, k, v) many times. Plus the pieces the torch ops and the
 FlashAttention-style functions share: host copies of index tensors, policy handles."""
 
 from __future__ import annotations
 
 import contextlib
 import math
+from dataclasses import dataclass
 from typing import Any, NamedTuple, Optional, Tuple
 
 import numpy as np
 
 from . import _ext, stats as _stats
-from ._core import Geometry, InvalidArgumentError, backend_code, check_problem, check_scale, descriptor, is_torch
+from ._core import (Geometry, InvalidArgumentError, backend_code, check_problem, check_scale, descriptor,
+                    device_of, is_torch)
 from ._ext import UnsupportedError
 from .policy import BlockSparse, Dense, ExactGate, Policy
 
-__all__ = ["Result", "run", "can_run", "build_info"]
+__all__ = ["BlockMask", "Decisions", "Plan", "Result", "Selection", "build_info", "can_run", "plan", "run",
+           "select"]
+
+
+@dataclass(frozen=True, eq=False)
+class BlockMask:
+    """A selection of key blocks as CSR over rows (b, h, q_block) in row-major order: indptr
+    int32 [rows + 1], indices int32 (each row's key blocks ascending), rows = batch * heads *
+    num_q_blocks, heads = h_q, or h_kv with per_kv_head. density is kept / causally visible
+    blocks of the call that produced the mask (None when not known)."""
+
+    indptr: np.ndarray
+    indices: np.ndarray
+    batch: int
+    heads: int
+    num_q_blocks: int
+    num_k_blocks: int
+    block_q: int
+    block_k: int
+    per_kv_head: bool
+    density: Optional[float] = None
+
+    @classmethod
+    def from_ext(cls, raw: Optional[dict], density: Optional[float] = None) -> Optional["BlockMask"]:
+        if raw is None:
+            return None
+        return cls(np.frombuffer(raw["indptr"], dtype=np.int32).copy(),
+                   np.frombuffer(raw["indices"], dtype=np.int32).copy(), int(raw["batch"]), int(raw["heads"]),
+                   int(raw["num_q_blocks"]), int(raw["num_k_blocks"]), int(raw["block_q"]), int(raw["block_k"]),
+                   bool(raw["per_kv_head"]), density)
+
+    def counts(self) -> np.ndarray:
+        """int32 [batch, heads, num_q_blocks]: blocks selected per row."""
+        return np.diff(self.indptr).astype(np.int32).reshape(self.batch, self.heads, self.num_q_blocks)
+
+    def to_dense(self) -> np.ndarray:
+        """bool [batch, heads, num_q_blocks, num_k_blocks]: True where a block is selected."""
+        dense = np.zeros((self.batch * self.heads * self.num_q_blocks, self.num_k_blocks), dtype=bool)
+        rows = np.repeat(np.arange(dense.shape[0]), np.diff(self.indptr))
+        dense[rows, self.indices] = True
+        return dense.reshape(self.batch, self.heads, self.num_q_blocks, self.num_k_blocks)
+
+    def to_policy(self) -> BlockSparse:
+        """A BlockSparse policy that runs exactly this selection."""
+        return BlockSparse(indptr=self.indptr, indices=self.indices, block_q=self.block_q, block_k=self.block_k,
+                           per_kv_head=self.per_kv_head)
+
+
+# Columns of Decisions.tiles (sparseprefill::PermuteTile).
+TILE_COLUMNS = ("batch", "head", "segment", "tile", "chunks_visited", "chunks_total")
+
+
+class Decisions(NamedTuple):
+    """What a policy decided (sparseprefill::Decisions). kept: the blocks whose keys entered the
+    softmax (None for dense runs and for permute_stop); corrected: estimate_select's mean-
+    correction blocks (else None); tiles: permute_stop's int32 [n, 6] with TILE_COLUMNS;
+    query_order: permute_stop's int32 [batch, h_q, max s_q] (each slot's call-relative row, -1
+    past a sequence's end). Both are empty for other policies."""
+
+    policy: str
+    kept: Optional[BlockMask]
+    corrected: Optional[BlockMask]
+    tiles: np.ndarray
+    query_order: np.ndarray
+
+    @classmethod
+    def from_ext(cls, raw: Optional[dict], geom: Geometry, seq_q_max: int,
+                 density: Optional[float] = None) -> Optional["Decisions"]:
+        if raw is None:
+            return None
+        order = np.frombuffer(raw["query_order"], dtype=np.int32).copy()
+        if order.size and order.size == geom.batch * geom.h_q * seq_q_max:
+            order = order.reshape(geom.batch, geom.h_q, seq_q_max)
+        tiles = np.frombuffer(raw["tiles"], dtype=np.int32).copy().reshape(-1, len(TILE_COLUMNS))
+        return cls(raw["policy"], BlockMask.from_ext(raw["kept"], density), BlockMask.from_ext(raw["corrected"]),
+                   tiles, order)
 
 
 class Result(NamedTuple):
     out: Any
     lse: Any
     stats: Optional[_stats.CallStats]
+    decisions: Optional[Decisions] = None
+
+
+class Selection(NamedTuple):
+    """select()'s answer: the selected blocks (mask.density = kept / visible blocks), the
+    mean-correction blocks (estimate_select with mean_correction, else None) and the work
+    statistics attending with the selection would have."""
+
+    mask: BlockMask
+    corrected: Optional[BlockMask]
+    stats: _stats.CallStats
 
 
 def build_info() -> str:
@@ -117,6 +207,26 @@ def capturing(q: Any) -> bool:
     return False
 
 
+def _call(q: Any, want_stats: bool, want_decisions: bool, layer: Optional[int], describe: Any,
+          launch: Any) -> Tuple[Optional[_stats.CallStats], Optional[dict]]:
+    """Runs launch(stream, read_stats) on q's device and current stream, where launch returns
+    (raw stats or None, raw decisions or None); records the stats into open collectors. Under
+    CUDA graph capture nothing is read back (that would need a host synchronisation): no
+    statistics, collectors record nothing, and decisions raise UnsupportedError."""
+    capture = capturing(q)
+    if capture and want_decisions:
+        raise UnsupportedError("decisions: cannot be read back while a CUDA graph is being captured")
+    record = _stats.collecting() and not capture
+    with device_guard(q) as stream:
+        raw, decisions = launch(stream, (want_stats or record) and not capture)
+    if raw is None:
+        return None, decisions
+    call = _stats.CallStats.from_ext(raw, layer, describe())
+    if record:
+        _stats.record(call)
+    return (call if want_stats else None), decisions
+
+
 def execute(problem: tuple, handle: "_ext.PolicyHandle", q: Any, out: Any, lse: Any, backend: int,
             num_threads: int, want_stats: bool, layer: Optional[int]) -> Optional[_stats.CallStats]:
     """One sp_run on q's device and current stream; records stats into open collectors. Under
@@ -124,17 +234,11 @@ def execute(problem: tuple, handle: "_ext.PolicyHandle", q: Any, out: Any, lse: 
     the call returns None and collectors record nothing. A captured call needs an earlier,
     uncaptured call of the same shapes and tensors (its metadata is then cached on the device);
     otherwise the library raises UnsupportedError."""
-    capture = capturing(q)
-    record = _stats.collecting() and not capture
-    with device_guard(q) as stream:
-        raw = _ext.run(problem, handle, descriptor(out, "out"), descriptor(lse, "lse"), backend,
-                       num_threads, stream, (want_stats or record) and not capture)
-    if raw is None:
-        return None
-    call = _stats.CallStats.from_ext(raw, layer, handle.describe())
-    if record:
-        _stats.record(call)
-    return call if want_stats else None
+    def launch(stream: int, read_stats: bool) -> tuple:
+        return _ext.run(problem, handle, descriptor(out, "out"), descriptor(lse, "lse"), backend, num_threads,
+                        stream, read_stats), None
+
+    return _call(q, want_stats, False, layer, handle.describe, launch)[0]
 
 
 def _empty(like: Any, shape: Tuple[int, ...], float32: bool) -> Any:
@@ -145,32 +249,162 @@ def _empty(like: Any, shape: Tuple[int, ...], float32: bool) -> Any:
     return np.empty(shape, dtype=np.float32 if float32 else like.dtype)
 
 
-def run(q: Any, k: Any, v: Any, policy: Optional[Policy] = None, *, causal: bool = True,
-        softmax_scale: Optional[float] = None, cu_seqlens_q: Any = None, cu_seqlens_k: Any = None,
-        seqused_k: Any = None, block_table: Any = None, out: Any = None, lse: Any = None,
-        backend: str = "auto", num_threads: int = 0, stats: bool = True,
-        layer: Optional[int] = None) -> Result:
-    """Attention under `policy` (Dense() by default) in FlashAttention's layouts:
-    batched q [b, s_q, h_q, d] with k, v [b, s_k, h_kv, d]; varlen q [total_q, h_q, d] with
-    cu_seqlens_q, and k, v [total_k, h_kv, d] with cu_seqlens_k or paged
-    [num_pages, page_size, h_kv, d] with block_table and seqused_k. Causal is bottom-right
-    aligned. Returns (out, lse, stats): out in q's layout and dtype, lse float32 [b, h_q, s_q]
-    (varlen: [h_q, total_q]), stats a CallStats (None with stats=False). backend is "auto",
-    "reference" (the fp64 oracle), "cpu" or "cuda"."""
+def _prepare(q: Any, k: Any, v: Any, policy: Optional[Policy], causal: bool, softmax_scale: Optional[float],
+             cu_seqlens_q: Any, cu_seqlens_k: Any, seqused_k: Any, block_table: Any, out: Any = None,
+             lse: Any = None) -> tuple:
+    """(geometry, problem tuple, policy handle, host index copies, thresholds, max s_q): the
+    checks and conversions every native entry point runs first."""
     policy = Dense() if policy is None else policy
     geom = check_problem(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, block_table, out, lse)
     scale = check_scale(softmax_scale)
-    code = backend_code(backend)
+    hosts = tuple(host_index(x) for x in (cu_seqlens_q, cu_seqlens_k, seqused_k, block_table))
+    problem = problem_tuple(q, k, v, *hosts, causal, scale)
+    seq_q_max = max_seq_q(q, hosts[0])
+    thresholds, mask = policy_parts(policy, q, geom, seq_q_max)
+    handle = make_handle(policy.name, policy.settings(), problem, thresholds, mask)
+    return geom, problem, handle, hosts, thresholds, seq_q_max
+
+
+def _threads(num_threads: int) -> int:
     if int(num_threads) < 0:
         raise InvalidArgumentError(f"num_threads: expected >= 0 (0 = every core), got {num_threads}")
-    cu_q, cu_k, used, table = (host_index(x) for x in (cu_seqlens_q, cu_seqlens_k, seqused_k, block_table))
-    out = _empty(q, tuple(q.shape), False) if out is None else out
-    lse = _empty(q, geom.lse_shape, True) if lse is None else lse
-    problem = problem_tuple(q, k, v, cu_q, cu_k, used, table, causal, scale)
-    thresholds, mask = policy_parts(policy, q, geom, max_seq_q(q, cu_q))
-    handle = make_handle(policy.name, policy.settings(), problem, thresholds, mask)
-    call = execute(problem, handle, q, out, lse, code, int(num_threads), stats, layer)
-    return Result(out, lse, call)
+    return int(num_threads)
+
+
+def _outputs(q: Any, geom: Geometry, out: Any, lse: Any) -> Tuple[Any, Any]:
+    return (_empty(q, tuple(q.shape), False) if out is None else out,
+            _empty(q, geom.lse_shape, True) if lse is None else lse)
+
+
+def _run(q: Any, k: Any, v: Any, policy: Optional[Policy] = None, *, causal: bool = True,
+         softmax_scale: Optional[float] = None, cu_seqlens_q: Any = None, cu_seqlens_k: Any = None,
+         seqused_k: Any = None, block_table: Any = None, out: Any = None, lse: Any = None,
+         backend: str = "auto", num_threads: int = 0, stats: bool = True, decisions: bool = False,
+         layer: Optional[int] = None) -> Result:
+    code = backend_code(backend)
+    threads = _threads(num_threads)
+    geom, problem, handle, _, _, seq_q_max = _prepare(q, k, v, policy, causal, softmax_scale, cu_seqlens_q,
+                                                      cu_seqlens_k, seqused_k, block_table, out, lse)
+    out, lse = _outputs(q, geom, out, lse)
+    if not decisions:
+        return Result(out, lse, execute(problem, handle, q, out, lse, code, threads, stats, layer))
+
+    def launch(stream: int, read_stats: bool) -> tuple:
+        return _ext.run_decisions(problem, handle, descriptor(out, "out"), descriptor(lse, "lse"), code, threads,
+                                  stream, read_stats)
+
+    call, raw = _call(q, stats, True, layer, handle.describe, launch)
+    return Result(out, lse, call, Decisions.from_ext(raw, geom, seq_q_max, call.density if call else None))
+
+
+def run(*args: Any, **kwargs: Any) -> Result:
+    """Attention, in two call styles:
+
+    run(q, k, v, policy=None, *, causal=True, softmax_scale=None, cu_seqlens_q=None,
+        cu_seqlens_k=None, seqused_k=None, block_table=None, out=None, lse=None, backend="auto",
+        num_threads=0, stats=True, decisions=False, layer=None)
+      under `policy` (Dense() by default) in FlashAttention's layouts: batched q [b, s_q, h_q, d]
+      with k, v [b, s_k, h_kv, d]; varlen q [total_q, h_q, d] with cu_seqlens_q, and k, v
+      [total_k, h_kv, d] with cu_seqlens_k or paged [num_pages, page_size, h_kv, d] with
+      block_table and seqused_k. Causal is bottom-right aligned. backend is "auto",
+      "reference" (the fp64 oracle), "cpu" or "cuda".
+
+    run(plan, q, k, v, *, cu_seqlens_q=None, ..., out=None, lse=None, num_threads=0,
+        stats=True, decisions=False, layer=None)
+      with a Plan from plan(): same shapes as the plan's (checked), the plan's policy, causal,
+      scale and backend, no re-validation of the policy and (CUDA) no mask upload.
+
+    Returns (out, lse, stats, decisions): out in q's layout and dtype, lse float32 [b, h_q, s_q]
+    (varlen: [h_q, total_q]), stats a CallStats (None with stats=False or under CUDA graph
+    capture), decisions a Decisions with decisions=True (reading them back synchronises the
+    CUDA stream, and is refused under capture), else None."""
+    if args and isinstance(args[0], Plan):
+        return args[0].run(*args[1:], **kwargs)
+    return _run(*args, **kwargs)
+
+
+def select(q: Any, k: Any, v: Any, policy: Optional[Policy] = None, *, causal: bool = True,
+           softmax_scale: Optional[float] = None, cu_seqlens_q: Any = None, cu_seqlens_k: Any = None,
+           seqused_k: Any = None, block_table: Any = None, backend: str = "auto", num_threads: int = 0,
+           layer: Optional[int] = None) -> Selection:
+    """The policy's selector alone, no attention: Selection(mask, corrected, stats). Dense
+    selects every visible block (128 x 128 blocks), BlockSparse its own mask, EstimateSelect
+    what its selector keeps (on CUDA the GPU selector's device mask, copied back: this
+    synchronises the stream). ExactGate, SoftmaxSkip and PermuteStop decide during attention:
+    UnsupportedError (use run(..., decisions=True)). Arguments as run()."""
+    code = backend_code(backend)
+    threads = _threads(num_threads)
+    geom, problem, handle, _, _, seq_q_max = _prepare(q, k, v, policy, causal, softmax_scale, cu_seqlens_q,
+                                                      cu_seqlens_k, seqused_k, block_table)
+    if capturing(q):
+        raise UnsupportedError("select: reads its mask back to the host, which CUDA graph capture forbids")
+    with device_guard(q) as stream:
+        raw_stats, raw = _ext.select(problem, handle, code, threads, stream)
+    call = _stats.CallStats.from_ext(raw_stats, layer, handle.describe())
+    found = Decisions.from_ext(raw, geom, seq_q_max, call.density)
+    return Selection(found.kept, found.corrected, call)
+
+
+class Plan:
+    """A problem shape and a policy checked once (plan()), for many run(plan, q, k, v) calls:
+    on CUDA a BlockSparse mask is compacted and uploaded once into device memory the plan owns,
+    so a call does no host work on the mask, and a batched call with contiguous out and lse can
+    be captured into a CUDA graph without a warm-up call of its shape (dense on Hopper
+    excepted: its tensor maps are cached by a first uncaptured call). The plan keeps the policy and its threshold
+    table alive. Immutable; calls from several threads may share it."""
+
+    def __init__(self, handle: "_ext.PlanHandle", geom: Geometry, policy: Policy, causal: bool, scale: float,
+                 backend: int, device: Tuple[str, int]) -> None:
+        self._handle = handle
+        self._geom = geom
+        self.policy = policy
+        self.causal = causal
+        self._scale = scale
+        self._backend = backend
+        self._device = device
+
+    def describe(self) -> str:
+        """The plan's policy in one line (its name and every parameter)."""
+        return self._handle.describe()
+
+    def run(self, q: Any, k: Any, v: Any, *, cu_seqlens_q: Any = None, cu_seqlens_k: Any = None,
+            seqused_k: Any = None, block_table: Any = None, out: Any = None, lse: Any = None,
+            num_threads: int = 0, stats: bool = True, decisions: bool = False,
+            layer: Optional[int] = None) -> Result:
+        """run(plan, q, k, v, ...): see run()."""
+        threads = _threads(num_threads)
+        geom = check_problem(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, block_table, out, lse)
+        if device_of(q) != self._device:
+            raise InvalidArgumentError(f"q: the plan was made for device {self._device}, got {device_of(q)}")
+        hosts = tuple(host_index(x) for x in (cu_seqlens_q, cu_seqlens_k, seqused_k, block_table))
+        problem = problem_tuple(q, k, v, *hosts, self.causal, self._scale)
+        out, lse = _outputs(q, geom, out, lse)
+
+        def launch(stream: int, read_stats: bool) -> tuple:
+            return self._handle.run(problem, descriptor(out, "out"), descriptor(lse, "lse"), self._backend, threads,
+                                    stream, read_stats, decisions)
+
+        call, raw = _call(q, stats, decisions, layer, self._handle.describe, launch)
+        found = Decisions.from_ext(raw, geom, max_seq_q(q, hosts[0]), call.density if call else None)
+        return Result(out, lse, call, found)
+
+
+def plan(q: Any, k: Any, v: Any, policy: Optional[Policy] = None, *, causal: bool = True,
+         softmax_scale: Optional[float] = None, cu_seqlens_q: Any = None, cu_seqlens_k: Any = None,
+         seqused_k: Any = None, block_table: Any = None, backend: str = "auto") -> Plan:
+    """A Plan for calls shaped like (q, k, v) under `policy`: shapes, layout, sequence lengths,
+    dtype and device are fixed (run(plan, ...) checks them and names the first difference);
+    the tensors' contents are not read. Arguments as run(). Make plans outside CUDA graph
+    capture."""
+    code = backend_code(backend)
+    scale = check_scale(softmax_scale)
+    geom, problem, handle, _, thresholds, _ = _prepare(q, k, v, policy, causal, softmax_scale, cu_seqlens_q,
+                                                       cu_seqlens_k, seqused_k, block_table)
+    if capturing(q):
+        raise UnsupportedError("plan: allocates and uploads device memory; make plans before CUDA graph capture")
+    with device_guard(q) as stream:
+        plan_handle = _ext.PlanHandle(problem, handle, code, stream, thresholds)
+    return Plan(plan_handle, geom, Dense() if policy is None else policy, bool(causal), scale, code, device_of(q))
 
 
 def can_run(q: Any, k: Any, v: Any, policy: Optional[Policy] = None, *, causal: bool = True,

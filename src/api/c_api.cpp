@@ -15,12 +15,30 @@
 #include "sparseprefill/attention.h"
 #include "sparseprefill/block_mask.h"
 #include "sparseprefill/calibration.h"
+#include "sparseprefill/plan.h"
 #include "sparseprefill/policy.h"
 #include "sparseprefill/problem.h"
 #include "sparseprefill/types.h"
 
 struct sp_policy {
   sparseprefill::Policy policy;
+  std::string description;
+};
+
+// Decisions with their masks converted to CSR once, so views stay valid until the next fill.
+struct sp_decisions {
+  sparseprefill::Decisions decisions;
+  struct Csr {
+    std::vector<std::int32_t> indptr;
+    std::vector<std::int32_t> indices;
+  };
+  Csr kept;
+  Csr corrected;
+  std::vector<sp_permute_tile> tiles;
+};
+
+struct sp_plan {
+  sparseprefill::Plan plan;
   std::string description;
 };
 
@@ -173,6 +191,59 @@ void fill_stats(const sparseprefill::RunStats& rs, sp_stats* out) {
   }
 }
 
+Status to_options(const sp_options* options, sparseprefill::RunOptions* out) {
+  *out = sparseprefill::RunOptions{};
+  if (options == nullptr) return Status::ok_status();
+  SP_RETURN_IF_ERROR(to_backend(options->backend, &out->backend));
+  if (options->num_threads < 0) {
+    return sparseprefill::invalid_argument("options.num_threads: expected >= 0, got " +
+                                           std::to_string(options->num_threads));
+  }
+  out->num_threads = options->num_threads;
+  out->cuda_stream = options->cuda_stream;
+  return Status::ok_status();
+}
+
+Status to_output(const sp_output* output, sparseprefill::AttentionOutput* out) {
+  if (output == nullptr) return sparseprefill::invalid_argument("output: expected non-NULL");
+  SP_RETURN_IF_ERROR(to_view(output->o, "o", &out->o));
+  return to_view(output->lse, "lse", &out->lse);
+}
+
+Status check_stats(const sp_stats* stats) {
+  if (stats != nullptr && stats->heads_capacity < 0) {
+    return sparseprefill::invalid_argument("stats.heads_capacity: expected >= 0, got " +
+                                           std::to_string(stats->heads_capacity));
+  }
+  return Status::ok_status();
+}
+
+// Moves `d` into the handle and builds the CSR views of its masks.
+void fill_decisions(sparseprefill::Decisions&& d, sp_decisions* out) {
+  out->decisions = std::move(d);
+  const sparseprefill::Decisions& dec = out->decisions;
+  auto csr = [](const sparseprefill::BlockMask& m, sp_decisions::Csr* c) {
+    c->indptr.clear();
+    c->indices.clear();
+    if (!m.full_count.empty()) m.to_csr(&c->indptr, &c->indices);
+  };
+  csr(dec.kept, &out->kept);
+  csr(dec.corrected, &out->corrected);
+  out->tiles.clear();
+  out->tiles.reserve(dec.tiles.size());
+  for (const auto& t : dec.tiles) {
+    out->tiles.push_back(sp_permute_tile{t.batch, t.head, t.segment, t.tile, t.chunks_visited, t.chunks_total});
+  }
+}
+
+// The optional outputs of a run or a select: stats and decisions requested when non-NULL.
+Status finish_run(const sparseprefill::RunStats& rs, sparseprefill::Decisions&& d, sp_stats* stats,
+                  sp_decisions* decisions) {
+  if (stats != nullptr) fill_stats(rs, stats);
+  if (decisions != nullptr) fill_decisions(std::move(d), decisions);
+  return Status::ok_status();
+}
+
 }  // namespace
 
 extern "C" {
@@ -265,33 +336,150 @@ const char* sp_policy_describe(const sp_policy* policy) {
 
 int sp_run(const sp_problem* problem, const sp_policy* policy, const sp_output* output,
            const sp_options* options, sp_stats* stats) {
+  return sp_run_decisions(problem, policy, output, options, stats, nullptr);
+}
+
+int sp_run_decisions(const sp_problem* problem, const sp_policy* policy, const sp_output* output,
+                     const sp_options* options, sp_stats* stats, sp_decisions* decisions) {
   return guarded([&]() -> Status {
     sparseprefill::AttentionProblem p;
     SP_RETURN_IF_ERROR(to_problem(problem, &p));
     SP_RETURN_IF_ERROR(check_policy(policy));
-    if (output == nullptr) return sparseprefill::invalid_argument("output: expected non-NULL");
     sparseprefill::AttentionOutput out;
-    SP_RETURN_IF_ERROR(to_view(output->o, "o", &out.o));
-    SP_RETURN_IF_ERROR(to_view(output->lse, "lse", &out.lse));
+    SP_RETURN_IF_ERROR(to_output(output, &out));
     sparseprefill::RunOptions opts;
-    if (options != nullptr) {
-      SP_RETURN_IF_ERROR(to_backend(options->backend, &opts.backend));
-      if (options->num_threads < 0) {
-        return sparseprefill::invalid_argument("options.num_threads: expected >= 0, got " +
-                                               std::to_string(options->num_threads));
-      }
-      opts.num_threads = options->num_threads;
-      opts.cuda_stream = options->cuda_stream;
-    }
-    if (stats == nullptr) return sparseprefill::run(p, policy->policy, out, opts);
-    if (stats->heads_capacity < 0) {
-      return sparseprefill::invalid_argument("stats.heads_capacity: expected >= 0, got " +
-                                             std::to_string(stats->heads_capacity));
-    }
+    SP_RETURN_IF_ERROR(to_options(options, &opts));
+    SP_RETURN_IF_ERROR(check_stats(stats));
     sparseprefill::RunStats rs;
-    SP_RETURN_IF_ERROR(sparseprefill::run(p, policy->policy, out, opts, &rs));
-    fill_stats(rs, stats);
+    sparseprefill::Decisions d;
+    SP_RETURN_IF_ERROR(sparseprefill::run(p, policy->policy, out, opts, stats != nullptr ? &rs : nullptr,
+                                          decisions != nullptr ? &d : nullptr));
+    return finish_run(rs, std::move(d), stats, decisions);
+  });
+}
+
+int sp_select(const sp_problem* problem, const sp_policy* policy, const sp_options* options,
+              sp_decisions* decisions, sp_stats* stats) {
+  return guarded([&]() -> Status {
+    sparseprefill::AttentionProblem p;
+    SP_RETURN_IF_ERROR(to_problem(problem, &p));
+    SP_RETURN_IF_ERROR(check_policy(policy));
+    if (decisions == nullptr) {
+      return sparseprefill::invalid_argument("decisions: expected a handle from sp_decisions_create");
+    }
+    sparseprefill::RunOptions opts;
+    SP_RETURN_IF_ERROR(to_options(options, &opts));
+    SP_RETURN_IF_ERROR(check_stats(stats));
+    sparseprefill::RunStats rs;
+    sparseprefill::Decisions d;
+    SP_RETURN_IF_ERROR(sparseprefill::select(p, policy->policy, opts, &d, stats != nullptr ? &rs : nullptr));
+    return finish_run(rs, std::move(d), stats, decisions);
+  });
+}
+
+int sp_decisions_create(sp_decisions** out) {
+  return guarded([&]() -> Status {
+    if (out == nullptr) return sparseprefill::invalid_argument("out: expected non-NULL");
+    *out = new sp_decisions();
     return Status::ok_status();
+  });
+}
+
+void sp_decisions_destroy(sp_decisions* decisions) { delete decisions; }
+
+const char* sp_decisions_policy(const sp_decisions* decisions) {
+  return decisions == nullptr ? "" : decisions->decisions.policy.c_str();
+}
+
+int sp_decisions_mask(const sp_decisions* decisions, int32_t which, sp_block_mask_view* out) {
+  return guarded([&]() -> Status {
+    if (decisions == nullptr) return sparseprefill::invalid_argument("decisions: expected non-NULL");
+    if (out == nullptr) return sparseprefill::invalid_argument("out: expected non-NULL");
+    if (which != SP_MASK_KEPT && which != SP_MASK_CORRECTED) {
+      return sparseprefill::invalid_argument("which: expected SP_MASK_KEPT (0) or SP_MASK_CORRECTED (1), got " +
+                                             std::to_string(which));
+    }
+    const bool kept = which == SP_MASK_KEPT;
+    const sparseprefill::BlockMask& m = kept ? decisions->decisions.kept : decisions->decisions.corrected;
+    const sp_decisions::Csr& c = kept ? decisions->kept : decisions->corrected;
+    *out = sp_block_mask_view{};
+    if (c.indptr.empty()) return Status::ok_status();
+    out->batch = m.batch;
+    out->heads = m.heads;
+    out->num_q_blocks = m.num_q_blocks;
+    out->num_k_blocks = m.num_k_blocks;
+    out->block_q = m.block_q;
+    out->block_k = m.block_k;
+    out->per_kv_head = m.per_kv_head ? 1 : 0;
+    out->num_rows = static_cast<std::int64_t>(c.indptr.size()) - 1;
+    out->indptr = c.indptr.data();
+    out->num_indices = static_cast<std::int64_t>(c.indices.size());
+    out->indices = c.indices.empty() ? nullptr : c.indices.data();
+    return Status::ok_status();
+  });
+}
+
+int sp_decisions_tiles(const sp_decisions* decisions, const sp_permute_tile** tiles, int64_t* count) {
+  return guarded([&]() -> Status {
+    if (decisions == nullptr || tiles == nullptr || count == nullptr) {
+      return sparseprefill::invalid_argument("decisions, tiles, count: expected non-NULL");
+    }
+    *tiles = decisions->tiles.empty() ? nullptr : decisions->tiles.data();
+    *count = static_cast<std::int64_t>(decisions->tiles.size());
+    return Status::ok_status();
+  });
+}
+
+int sp_decisions_query_order(const sp_decisions* decisions, const int32_t** order, int64_t* count) {
+  return guarded([&]() -> Status {
+    if (decisions == nullptr || order == nullptr || count == nullptr) {
+      return sparseprefill::invalid_argument("decisions, order, count: expected non-NULL");
+    }
+    const auto& q = decisions->decisions.query_order;
+    *order = q.empty() ? nullptr : q.data();
+    *count = static_cast<std::int64_t>(q.size());
+    return Status::ok_status();
+  });
+}
+
+int sp_plan_create(const sp_problem* problem, const sp_policy* policy, const sp_options* options,
+                   sp_plan** out) {
+  return guarded([&]() -> Status {
+    if (out == nullptr) return sparseprefill::invalid_argument("out: expected non-NULL");
+    *out = nullptr;
+    sparseprefill::AttentionProblem p;
+    SP_RETURN_IF_ERROR(to_problem(problem, &p));
+    SP_RETURN_IF_ERROR(check_policy(policy));
+    sparseprefill::RunOptions opts;
+    SP_RETURN_IF_ERROR(to_options(options, &opts));
+    auto handle = std::make_unique<sp_plan>();
+    SP_RETURN_IF_ERROR(sparseprefill::make_plan(p, policy->policy, opts, &handle->plan));
+    handle->description = policy->description;
+    *out = handle.release();
+    return Status::ok_status();
+  });
+}
+
+void sp_plan_destroy(sp_plan* plan) { delete plan; }
+
+const char* sp_plan_describe(const sp_plan* plan) { return plan == nullptr ? "" : plan->description.c_str(); }
+
+int sp_plan_run(const sp_plan* plan, const sp_problem* problem, const sp_output* output,
+                const sp_options* options, sp_stats* stats, sp_decisions* decisions) {
+  return guarded([&]() -> Status {
+    if (plan == nullptr) return sparseprefill::invalid_argument("plan: expected a handle from sp_plan_create");
+    sparseprefill::AttentionProblem p;
+    SP_RETURN_IF_ERROR(to_problem(problem, &p));
+    sparseprefill::AttentionOutput out;
+    SP_RETURN_IF_ERROR(to_output(output, &out));
+    sparseprefill::RunOptions opts;
+    SP_RETURN_IF_ERROR(to_options(options, &opts));
+    SP_RETURN_IF_ERROR(check_stats(stats));
+    sparseprefill::RunStats rs;
+    sparseprefill::Decisions d;
+    SP_RETURN_IF_ERROR(sparseprefill::run(plan->plan, p, out, opts, stats != nullptr ? &rs : nullptr,
+                                          decisions != nullptr ? &d : nullptr));
+    return finish_run(rs, std::move(d), stats, decisions);
   });
 }
 
@@ -300,7 +488,7 @@ int sp_can_run(const sp_problem* problem, const sp_policy* policy, int32_t backe
     sparseprefill::AttentionProblem p;
     SP_RETURN_IF_ERROR(to_problem(problem, &p));
     SP_RETURN_IF_ERROR(check_policy(policy));
-    sparseprefill::Backend b;
+    sparseprefill::Backend b = sparseprefill::Backend::kAuto;
     SP_RETURN_IF_ERROR(to_backend(backend, &b));
     return sparseprefill::can_run(p, policy->policy, b);
   });

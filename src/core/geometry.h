@@ -91,4 +91,24 @@ struct BlockGeometry {
   }
 };
 
+// permute_stop's segments of one causal sequence (DESIGN.md §3): segment s holds the rows at
+// absolute positions [s·len, (s+1)·len). Rows before first_row() sit at negative positions,
+// see no key and join no segment; the others fall in segments first() .. last() (count() of
+// them, 0 when no row sees a key).
+struct SegmentGeometry {
+  SeqGeometry seq;
+  std::int64_t len = 2048;
+
+  SP_HD std::int64_t first_row() const { return min64(max64(0, -seq.offset()), seq.s_q); }
+  SP_HD std::int64_t first() const { return max64(seq.offset(), 0) / len; }
+  SP_HD std::int64_t last() const { return (seq.s_k - 1) / len; }  // the last row's position is s_k - 1
+  SP_HD std::int64_t count() const { return first_row() < seq.s_q ? last() - first() + 1 : 0; }
+  // Call-relative rows [row_begin, row_end) of segment s.
+  SP_HD std::int64_t row_begin(std::int64_t s) const { return min64(max64(s * len - seq.offset(), 0), seq.s_q); }
+  SP_HD std::int64_t row_end(std::int64_t s) const { return min64(max64((s + 1) * len - seq.offset(), 0), seq.s_q); }
+  // Keys t < prefix(s) are ranked (pass 2); keys prefix(s) .. key_end(s)-1 are the segment's own (pass 1).
+  SP_HD std::int64_t prefix(std::int64_t s) const { return min64(s * len, seq.s_k); }
+  SP_HD std::int64_t key_end(std::int64_t s) const { return min64((s + 1) * len, seq.s_k); }
+};
+
 }  // namespace sparseprefill::geom

@@ -101,13 +101,12 @@ void permute_stop_stats(const ProblemShape& s, const PermuteStopParams& p, const
     for (int h = 0; h < s.h_q; ++h) out->heads[static_cast<std::size_t>(b) * s.h_q + h].visible_pairs = pairs;
   }
   for (const PermuteTile& t : d.tiles) {
-    const geom::SeqGeometry seq{s.seq_q[static_cast<std::size_t>(t.batch)], s.seq_k[static_cast<std::size_t>(t.batch)], true};
-    const std::int64_t seg0 = static_cast<std::int64_t>(t.segment) * p.segment;
-    const std::int64_t row0 = std::max<std::int64_t>(0, seg0 - seq.offset());
-    const std::int64_t row1 = std::min<std::int64_t>(seq.s_q, seg0 + p.segment - seq.offset());
+    const geom::SegmentGeometry segs{
+        {s.seq_q[static_cast<std::size_t>(t.batch)], s.seq_k[static_cast<std::size_t>(t.batch)], true}, p.segment};
+    const std::int64_t row0 = segs.row_begin(t.segment), row1 = segs.row_end(t.segment);
     const std::int64_t rows_in_tile = std::min<std::int64_t>(p.block_q, row1 - row0 - static_cast<std::int64_t>(t.tile) * p.block_q);
-    const std::int64_t prefix = std::min<std::int64_t>(seg0, seq.s_k);
-    const std::int64_t seg_keys = std::min<std::int64_t>(seg0 + p.segment, seq.s_k) - seg0;
+    const std::int64_t prefix = segs.prefix(t.segment);
+    const std::int64_t seg_keys = segs.key_end(t.segment) - prefix;
     const std::int64_t pass1_chunks = geom::ceil_div(seg_keys, p.block_k);
     HeadStats& hs = out->heads[static_cast<std::size_t>(t.batch) * s.h_q + t.head];
     hs.visible_blocks += t.chunks_total + pass1_chunks;

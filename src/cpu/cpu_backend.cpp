@@ -478,21 +478,17 @@ Status run_permute_stop(Context& ctx, const PermuteStopParams& params, Decisions
     const geom::SeqGeometry& seq = sq.seq;
     // Segments cover absolute positions >= 0. Rows before the first key (s_q > s_k) see
     // nothing: they keep their place in the order and get O = 0, LSE = -inf.
-    const Index empty = std::clamp<Index>(-seq.offset(), 0, seq.s_q);
+    const geom::SegmentGeometry segs{seq, seg_len};
+    const Index empty = segs.first_row();
     for (int h = 0; h < s.h_q; ++h) {
       for (Index r = 0; r < empty; ++r) {
         decisions->query_order[sz((Index{b} * s.h_q + h) * max_s_q + r)] = static_cast<std::int32_t>(r);
         sq.lse[sz(Index{h} * seq.s_q + r)] = -kInf;
       }
     }
-    if (empty == seq.s_q) continue;
-    const Index first = geom::floor_div(seq.position(empty), seg_len);
-    const Index last = geom::floor_div(seq.position(seq.s_q - 1), seg_len);
     for (int h = 0; h < s.h_q; ++h) {
-      for (Index sg = first; sg <= last; ++sg) {
-        const Index r0 = std::max<Index>(0, sg * seg_len - seq.offset());
-        const Index r1 = std::min<Index>(seq.s_q, (sg + 1) * seg_len - seq.offset());
-        items.push_back({b, h, sg, r0, r1});
+      for (Index sg = segs.first(); sg < segs.first() + segs.count(); ++sg) {
+        items.push_back({b, h, sg, segs.row_begin(sg), segs.row_end(sg)});
       }
     }
   }
@@ -515,7 +511,8 @@ Status run_permute_stop(Context& ctx, const PermuteStopParams& params, Decisions
     Sequence& sq = ctx.seqs[sz(it.b)];
     const int g = it.h / s.group(), d = ctx.d;
     const Index n_rows = it.row1 - it.row0;
-    const Index prefix = std::clamp<Index>(it.segment * seg_len, 0, sq.seq.s_k);
+    const geom::SegmentGeometry segs{sq.seq, seg_len};
+    const Index prefix = segs.prefix(it.segment);
 
     // Ranking (fp64 from the exact inputs: a selection, not attention arithmetic).
     std::vector<double> qbar(sz(d), 0.0);
@@ -556,8 +553,8 @@ Status run_permute_stop(Context& ctx, const PermuteStopParams& params, Decisions
     for (Index i = 0; i < n_rows; ++i) slots[it.row0 + i] = static_cast<std::int32_t>(perm[sz(i)]);
 
     // Key tiles: the segment's own keys (positions ascending), then the ranked prefix.
-    const Index seg_k0 = std::clamp<Index>(it.segment * seg_len, 0, sq.seq.s_k);
-    const Index seg_k1 = std::clamp<Index>((it.segment + 1) * seg_len, 0, sq.seq.s_k);
+    const Index seg_k0 = prefix;
+    const Index seg_k1 = segs.key_end(it.segment);
     const Index own_chunks = geom::ceil_div(seg_k1 - seg_k0, params.block_k);
     // Ranked chunks must start on a chunk boundary: pad the own keys' last chunk.
     std::vector<Index> idx;

@@ -5,6 +5,7 @@
 #include <cuda_runtime.h>
 
 #include <cstdint>
+#include <cstring>
 #include <mutex>
 #include <string>
 #include <type_traits>
@@ -71,10 +72,11 @@ class DeviceGuard {
   bool active_ = false;
 };
 
-// Small per-call metadata (the sequence table, the Hopper tensor maps) kept in device memory
-// keyed by its bytes and never freed. A call whose metadata repeats an earlier call's (the same
-// shapes and tensors, as every layer and step of a model repeats them) copies nothing, and a
-// call under CUDA graph capture reads memory that outlives the graph, so replays stay valid.
+// Small per-call metadata (the sequence table, the paged block table, the Hopper tensor maps)
+// kept in device memory keyed by its bytes and never freed. A call whose metadata repeats an
+// earlier call's (the same shapes and tensors, as every layer and step of a model repeats
+// them) copies nothing, and a call under CUDA graph capture reads memory that outlives the
+// graph, so replays stay valid.
 // Metadata not seen before cannot be added during capture (that would record a copy from
 // transient host memory): the call is refused, and a warm-up call outside capture fixes it.
 class MetadataCache {
@@ -165,8 +167,8 @@ class Scratch {
     if (*out != nullptr) return {};
     if (capturing_) {
       return unsupported("cuda_stream: is capturing a CUDA graph, and this call's metadata (" + std::to_string(bytes) +
-                         " bytes: sequence table, tensor maps or block mask) was not uploaded by an earlier call; run "
-                         "the same call once outside capture first (block masks over 64 KiB cannot be captured)");
+                         " bytes: sequence table, block table, tensor maps or block mask) was not uploaded by an earlier call; run "
+                         "the same call once outside capture first (block masks over 64 KiB: run through a plan, make_plan)");
     }
     std::uint8_t* dev = nullptr;
     SP_RETURN_IF_ERROR(alloc(bytes + 64, &dev));
@@ -219,7 +221,7 @@ Status launch_status(int err, const char* name) {
 }
 
 // Test hooks (cuda_backend.h): per calling thread, the forward instance last launched and
-// whether dense calls are sent to the portable path.
+// whether calls are sent to the portable path.
 thread_local std::string t_last_fwd_instance;
 thread_local bool t_portable_only = false;
 
@@ -230,13 +232,354 @@ Status compute_capability(int device, int* major, int* minor) {
   return {};
 }
 
+// For a plan: the Hopper instance's tensor maps of (problem, seqs) put into the metadata cache
+// now, outside capture, so that a captured first run of the plan finds them there (they hold
+// the tensors' addresses, so the plan's tensors are the ones cached). The instance encodes them
+// exactly as a run does and hands them to this uploader, which caches them and declines the
+// launch (kUploadRefused: nothing is enqueued). Nothing to do where the plan's calls take the
+// portable kernel.
+Status cache_hopper_maps(const AttentionProblem& problem, const ProblemShape& shape, const Policy& policy,
+                         const std::vector<SeqInfo>& seqs, cudaStream_t stream) {
+  int cc_major = 0, cc_minor = 0;
+  SP_RETURN_IF_ERROR(compute_capability(shape.device.index, &cc_major, &cc_minor));
+  if (choose_fwd_path(shape, policy, tma_describable(problem), cc_major, cc_minor) != FwdPath::kHopper) return {};
+  struct CacheOnly {
+    int device;
+    cudaStream_t stream;
+    Status status;
+    static int call(void* context, const void* host, std::size_t bytes, const void** device) {
+      auto* self = static_cast<CacheOnly*>(context);
+      Status st = metadata_cache().find_or_add(self->device, host, bytes, false, self->stream, device);
+      std::swap(self->status, st);  // (nvcc flags an assignment of a [[nodiscard]] type as discarded)
+      return kUploadRefused;
+    }
+  } cache_only{shape.device.index, stream, {}};
+  // The maps depend on q, k, v and the sequence table only: any output layout and the dense
+  // mode serve (mean-correction maps are kernel parameters, not cached).
+  const FwdParams p = make_fwd_params(problem, shape, AttentionOutput{problem.q, TensorView{}}, hopper_block_k());
+  const int err = find_fwd90(shape.dtype, shape.d)->launch(p, seqs.data(), {&cache_only, &CacheOnly::call}, stream);
+  SP_RETURN_IF_ERROR(cache_only.status);
+  // cudaErrorNotSupported: the driver cannot describe these tensors; the runs take the portable
+  // kernel, which needs no maps. 0: an empty grid, nothing to map.
+  if (err == kUploadRefused || err == cudaErrorNotSupported || err == 0) return {};
+  return launch_status(err, "the Hopper tensor maps of a plan");
+}
+
 // Shared by the gates: a zeroed kept bitmap the kernel fills, read back after the launch.
 struct KeptBits {
   std::uint32_t* dev = nullptr;
   std::size_t words = 0;
 };
 
+// permute_stop: ranking, sorts and attention enqueued by the instance (no synchronisation);
+// decisions copied back only when requested.
+Status run_permute_stop(const ProblemShape& shape, const PermuteStopParams& pol, const FwdParams& fwd,
+                        Scratch& scratch, cudaStream_t stream, Decisions* decisions) {
+  const PermuteVariant* variant = find_permute(shape.dtype, shape.d);
+  PermuteLayout layout;
+  SP_RETURN_IF_ERROR(permute_layout(shape, pol, &layout));
+  PermuteParams pp{};
+  pp.fwd = fwd;
+  pp.segment = pol.segment;
+  pp.tau = static_cast<float>(pol.tau);
+  pp.block_k = pol.block_k;
+  pp.max_segments = layout.max_segments;
+  pp.tiles_per_segment = layout.tiles_per_segment;
+  pp.max_s_q = layout.max_s_q;
+  pp.max_prefix = layout.max_prefix;
+  pp.rank_items = layout.rank_offsets.back();
+  pp.rank_segments = static_cast<int>(layout.rank_offsets.size()) - 1;
+  pp.query_items = layout.query_offsets.back();
+  pp.query_segments = static_cast<int>(layout.query_offsets.size()) - 1;
+  SP_RETURN_IF_ERROR(scratch.upload(layout.rank_offsets, &pp.rank_offsets));
+  SP_RETURN_IF_ERROR(scratch.upload(layout.query_offsets, &pp.query_offsets));
+  const auto rank_items = static_cast<std::size_t>(pp.rank_items);
+  const auto query_items = static_cast<std::size_t>(pp.query_items);
+  SP_RETURN_IF_ERROR(scratch.alloc(static_cast<std::size_t>(pp.rank_segments) * static_cast<std::size_t>(shape.d), &pp.q_mean));
+  for (int i = 0; i < 2; ++i) {
+    SP_RETURN_IF_ERROR(scratch.alloc(rank_items, &pp.rank_keys[i]));
+    SP_RETURN_IF_ERROR(scratch.alloc(rank_items, &pp.rank_index[i]));
+    SP_RETURN_IF_ERROR(scratch.alloc(query_items, &pp.query_keys[i]));
+    SP_RETURN_IF_ERROR(scratch.alloc(query_items, &pp.query_rows[i]));
+  }
+  // One temporary buffer for both sorts: the larger of their sizes (host-side queries).
+  std::size_t temp = 0;
+  for (const bool rank : {true, false}) {
+    const SortPairs sizes{{nullptr, nullptr}, {nullptr, nullptr}, rank ? pp.rank_items : pp.query_items,
+                          rank ? pp.rank_segments : pp.query_segments, nullptr, nullptr, 0};
+    std::size_t bytes = 0;
+    int current = 0;
+    SP_RETURN_IF_ERROR(cuda_status(static_cast<cudaError_t>(permute_sort_pairs(sizes, &bytes, &current, stream)),
+                                   "permute_stop sort (temporary storage size)"));
+    temp = temp > bytes ? temp : bytes;
+  }
+  std::uint8_t* sort_temp = nullptr;
+  SP_RETURN_IF_ERROR(scratch.alloc(temp, &sort_temp));
+  pp.sort_temp = sort_temp;
+  pp.sort_temp_bytes = temp;
+  const std::size_t tiles = static_cast<std::size_t>(pp.rank_segments) * static_cast<std::size_t>(pp.tiles_per_segment);
+  if (decisions != nullptr) SP_RETURN_IF_ERROR(scratch.zeros(tiles, &pp.visited));
+  SP_RETURN_IF_ERROR(launch_status(variant->launch(pp, stream), variant->name));
+  t_last_fwd_instance = variant->name;
+  if (decisions == nullptr) return {};
+  std::vector<std::int32_t> visited;
+  SP_RETURN_IF_ERROR(scratch.download(pp.visited, tiles, &visited));
+  SP_RETURN_IF_ERROR(scratch.download(pp.query_order, query_items, &decisions->query_order));
+  SP_CUDA_TRY(cudaStreamSynchronize(stream), "cudaStreamSynchronize (decisions)");
+  decisions->tiles = permute_tiles(shape, pol, layout, visited);
+  return {};
+}
+
+// The call's small metadata on the device: the sequence table (`planned`, a plan's copy of the
+// same bytes, when given) and, for paged K/V, the used entries of the (validated, host) block
+// table, compacted and kept on the device like the other metadata: the kernels translate
+// every K/V row through it.
+Status upload_metadata(const AttentionProblem& problem, const ProblemShape& shape, const std::vector<SeqInfo>& seqs,
+                       const SeqInfo* planned, Scratch* scratch, FwdParams* p) {
+  if (planned != nullptr) {
+    p->seqs = planned;
+  } else {
+    SP_RETURN_IF_ERROR(scratch->upload(seqs, &p->seqs));
+  }
+  if (shape.kv_layout == KvLayout::kPaged) {
+    const std::vector<std::int32_t> table = compact_block_table(problem, shape);
+    SP_RETURN_IF_ERROR(scratch->upload(table, &p->paged.block_table));
+  }
+  return {};
+}
+
+// The estimate_select selector's device outputs for one call (SelectParams' output fields).
+struct Selection {
+  SelectParams sp{};
+  std::size_t rows = 0;  // batch * units * num_q_blocks, units = h_kv with pack_gqa, else h_q
+};
+
+// Fills sel->sp from the call's parameters `p` (tensors, strides, sequence table) and `pol`,
+// allocates the selector's outputs from `scratch` and launches it on `stream`.
+Status launch_selection(const ProblemShape& shape, const FwdParams& p, const EstimateSelectParams& pol,
+                        Scratch* scratch, cudaStream_t stream, Selection* sel) {
+  SelectParams& sp = sel->sp;
+  sp.q = p.q;
+  sp.k = p.k;
+  sp.v = p.v;
+  sp.q_row_stride = p.q_row_stride;
+  sp.q_head_stride = p.q_head_stride;
+  sp.k_row_stride = p.k_row_stride;
+  sp.k_head_stride = p.k_head_stride;
+  sp.v_row_stride = p.v_row_stride;
+  sp.v_head_stride = p.v_head_stride;
+  sp.seqs = p.seqs;
+  sp.paged = p.paged;
+  sp.batch = shape.batch;
+  sp.h_q = shape.h_q;
+  sp.h_kv = shape.h_kv;
+  sp.group = shape.group();
+  sp.scale = p.scale;
+  sp.block = pol.block;
+  sp.num_q_blocks = static_cast<int>(geom::ceil_div(shape.max_seq_q(), pol.block));
+  sp.num_k_blocks = static_cast<int>(geom::ceil_div(shape.max_seq_k(), pol.block));
+  sp.alpha = static_cast<float>(pol.alpha);
+  sp.sink = pol.sink;
+  sp.window = pol.window;
+  sp.tail = pol.tail;
+  sp.pack_gqa = pol.pack_gqa;
+  sp.mean_correction = pol.mean_correction;
+  const int units = pol.pack_gqa ? shape.h_kv : shape.h_q;
+  sel->rows = static_cast<std::size_t>(shape.batch) * static_cast<std::size_t>(units) *
+              static_cast<std::size_t>(sp.num_q_blocks);
+  const std::size_t means = static_cast<std::size_t>(shape.batch) * static_cast<std::size_t>(shape.h_kv) *
+                            static_cast<std::size_t>(sp.num_k_blocks) * static_cast<std::size_t>(shape.d);
+  std::uint16_t* k_mean = nullptr;
+  std::uint16_t* v_mean = nullptr;
+  SP_RETURN_IF_ERROR(scratch->alloc(means, &k_mean));
+  SP_RETURN_IF_ERROR(scratch->alloc(means, &v_mean));
+  sp.k_mean = k_mean;
+  sp.v_mean = v_mean;
+  SP_RETURN_IF_ERROR(scratch->zeros(sel->rows, &sp.full_count));
+  SP_RETURN_IF_ERROR(scratch->zeros(sel->rows, &sp.partial_count));
+  const std::size_t cap = sel->rows * static_cast<std::size_t>(sp.num_k_blocks);
+  SP_RETURN_IF_ERROR(scratch->alloc(cap, &sp.full_index));
+  SP_RETURN_IF_ERROR(scratch->alloc(cap, &sp.partial_index));
+  if (pol.mean_correction) {
+    sp.corrected_words = bitmap_words(sp.num_k_blocks);
+    SP_RETURN_IF_ERROR(scratch->zeros(sel->rows * static_cast<std::size_t>(sp.corrected_words), &sp.corrected_bits));
+  }
+  const SelectVariant* select = find_select(shape.dtype, shape.d);
+  return launch_status(select->launch(sp, stream), select->name);
+}
+
+// Copies a launched selection back into `out` (kept, and corrected with mean correction);
+// synchronises the stream.
+Status read_selection(const ProblemShape& shape, const EstimateSelectParams& es, const Selection& sel,
+                      Scratch* scratch, cudaStream_t stream, Decisions* out) {
+  const SelectParams& sp = sel.sp;
+  const std::size_t cap = sel.rows * static_cast<std::size_t>(sp.num_k_blocks);
+  std::vector<std::int32_t> full_count, full_index, partial_count, partial_index;
+  std::vector<std::uint32_t> corrected;
+  SP_RETURN_IF_ERROR(scratch->download(sp.full_count, sel.rows, &full_count));
+  SP_RETURN_IF_ERROR(scratch->download(sp.full_index, cap, &full_index));
+  SP_RETURN_IF_ERROR(scratch->download(sp.partial_count, sel.rows, &partial_count));
+  SP_RETURN_IF_ERROR(scratch->download(sp.partial_index, cap, &partial_index));
+  if (es.mean_correction) {
+    SP_RETURN_IF_ERROR(scratch->download(sp.corrected_bits, sel.rows * static_cast<std::size_t>(sp.corrected_words), &corrected));
+  }
+  SP_CUDA_TRY(cudaStreamSynchronize(stream), "cudaStreamSynchronize (decisions)");
+  SP_RETURN_IF_ERROR(mask_from_arrays(shape, es.block, es.pack_gqa, full_count, full_index, partial_count,
+                                      partial_index, &out->kept));
+  if (es.mean_correction) {
+    SP_RETURN_IF_ERROR(mask_from_bits(shape, es.block, es.block, es.pack_gqa, corrected, &out->corrected));
+  }
+  return {};
+}
+
+// Whether the stream is capturing a CUDA graph.
+Status is_capturing(cudaStream_t stream, bool* capturing) {
+  cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
+  SP_CUDA_TRY(cudaStreamIsCapturing(stream, &capture), "cudaStreamIsCapturing");
+  *capturing = capture != cudaStreamCaptureStatusNone;
+  return {};
+}
+
+// The output view of a plan's per-sequence table, and of the selector alone (which writes no
+// output): O contiguous in q's shape, LSE contiguous ([b, h_q, s_q] or [h_q, total_q]).
+std::vector<SeqInfo> contiguous_output_seqs(const AttentionProblem& problem, const ProblemShape& shape) {
+  AttentionOutput out;
+  out.o = problem.q;
+  out.o.data = nullptr;
+  std::int64_t step = 1;
+  for (int i = out.o.rank - 1; i >= 0; --i) {
+    out.o.stride[i] = step;
+    step *= out.o.shape[i];
+  }
+  out.lse.dtype = DType::kFP32;
+  out.lse.device = shape.device;
+  out.lse.rank = shape.varlen_q ? 2 : 3;
+  if (shape.varlen_q) {
+    out.lse.shape[0] = shape.h_q;
+    out.lse.shape[1] = shape.total_q();
+    out.lse.stride[0] = shape.total_q();
+    out.lse.stride[1] = 1;
+  } else {
+    out.lse.shape[0] = shape.batch;
+    out.lse.shape[1] = shape.h_q;
+    out.lse.shape[2] = shape.max_seq_q();
+    out.lse.stride[0] = shape.h_q * shape.max_seq_q();
+    out.lse.stride[1] = shape.max_seq_q();
+    out.lse.stride[2] = 1;
+  }
+  return make_seq_infos(problem, shape, out);
+}
+
+bool same_bytes(const std::vector<SeqInfo>& a, const std::vector<SeqInfo>& b) {
+  return a.size() == b.size() && (a.empty() || std::memcmp(a.data(), b.data(), a.size() * sizeof(SeqInfo)) == 0);
+}
+
 }  // namespace
+
+struct PlanState {
+  int device = 0;
+  std::vector<void*> owned;  // cudaMalloc'd, freed with the state
+  bool has_mask = false;     // block_sparse: the compacted mask below
+  const std::int32_t* full_count = nullptr;
+  const std::int32_t* partial_count = nullptr;
+  const std::int64_t* full_start = nullptr;
+  const std::int64_t* partial_start = nullptr;
+  const std::int32_t* full_index = nullptr;
+  const std::int32_t* partial_index = nullptr;
+  std::vector<SeqInfo> seqs_host;  // the table of a contiguous output ...
+  const SeqInfo* seqs = nullptr;   // ... and its device copy
+
+  PlanState() = default;
+  PlanState(const PlanState&) = delete;
+  PlanState& operator=(const PlanState&) = delete;
+  ~PlanState() {
+    DeviceGuard guard;
+    if (!guard.enter(device).ok()) return;
+    for (void* ptr : owned) cudaFree(ptr);  // synchronises with work that may still read it
+  }
+
+  // A device copy of host[0, count) owned by the state; null for an empty vector.
+  template <class T>
+  Status copy(const std::vector<T>& host, cudaStream_t stream, const T** out) {
+    *out = nullptr;
+    if (host.empty()) return {};
+    void* ptr = nullptr;
+    SP_CUDA_TRY(cudaMalloc(&ptr, host.size() * sizeof(T)), "cudaMalloc (plan)");
+    owned.push_back(ptr);
+    SP_CUDA_TRY(cudaMemcpyAsync(ptr, host.data(), host.size() * sizeof(T), cudaMemcpyHostToDevice, stream),
+                "cudaMemcpyAsync (plan)");
+    *out = static_cast<const T*>(ptr);
+    return {};
+  }
+};
+
+Status make_plan_state(const AttentionProblem& problem, const ProblemShape& shape, const Policy& policy,
+                       const RunOptions& options, std::shared_ptr<const PlanState>* out) {
+  int block_k = 0;
+  SP_RETURN_IF_ERROR(check_support(shape, policy, &block_k));
+  DeviceGuard guard;
+  SP_RETURN_IF_ERROR(guard.enter(shape.device.index));
+  const auto stream = static_cast<cudaStream_t>(options.cuda_stream);
+  bool capturing = false;
+  SP_RETURN_IF_ERROR(is_capturing(stream, &capturing));
+  if (capturing) {
+    return unsupported("cuda_stream: is capturing a CUDA graph; make the plan before capture (it allocates and "
+                       "uploads device memory)");
+  }
+  // The device's memory pool is created on its first use, which a capturing stream forbids:
+  // create it here, so that the plan's first run may be captured.
+  cudaMemPool_t pool = nullptr;
+  SP_RETURN_IF_ERROR(pool_for(shape.device.index, &pool));
+  auto state = std::make_shared<PlanState>();
+  state->device = shape.device.index;
+  state->seqs_host = contiguous_output_seqs(problem, shape);
+  SP_RETURN_IF_ERROR(state->copy(state->seqs_host, stream, &state->seqs));
+  if (const auto* bs = std::get_if<BlockSparseParams>(&policy)) {
+    const CompactMask c = compact_mask(bs->mask);
+    state->has_mask = true;
+    SP_RETURN_IF_ERROR(state->copy(c.full_count, stream, &state->full_count));
+    SP_RETURN_IF_ERROR(state->copy(c.partial_count, stream, &state->partial_count));
+    SP_RETURN_IF_ERROR(state->copy(c.full_start, stream, &state->full_start));
+    SP_RETURN_IF_ERROR(state->copy(c.partial_start, stream, &state->partial_start));
+    SP_RETURN_IF_ERROR(state->copy(c.full_index, stream, &state->full_index));
+    SP_RETURN_IF_ERROR(state->copy(c.partial_index, stream, &state->partial_index));
+  }
+  SP_RETURN_IF_ERROR(cache_hopper_maps(problem, shape, policy, state->seqs_host, stream));
+  // The host vectors die with this call: the copies must be complete before it returns.
+  SP_CUDA_TRY(cudaStreamSynchronize(stream), "cudaStreamSynchronize (plan)");
+  *out = std::move(state);
+  return {};
+}
+
+Status select_cuda(const AttentionProblem& problem, const ProblemShape& shape, const EstimateSelectParams& params,
+                   const RunOptions& options, Decisions* decisions) {
+  const Policy policy = params;
+  int block_k = 0;
+  SP_RETURN_IF_ERROR(check_support(shape, policy, &block_k));
+  // The selector writes no output: q's layout stands in for O so the shared builders apply.
+  const AttentionOutput no_output{problem.q, TensorView{}};
+  SP_RETURN_IF_ERROR(check_layout(problem, no_output));
+  DeviceGuard guard;
+  SP_RETURN_IF_ERROR(guard.enter(shape.device.index));
+  cudaMemPool_t pool = nullptr;
+  SP_RETURN_IF_ERROR(pool_for(shape.device.index, &pool));
+  const auto stream = static_cast<cudaStream_t>(options.cuda_stream);
+  bool capturing = false;
+  SP_RETURN_IF_ERROR(is_capturing(stream, &capturing));
+  if (capturing) {
+    return unsupported("cuda_stream: is capturing a CUDA graph, and select() reads its mask back to the host; "
+                       "select outside capture");
+  }
+  Scratch scratch(stream, pool, shape.device.index, capturing);
+  FwdParams p = make_fwd_params(problem, shape, no_output, block_k);
+  const std::vector<SeqInfo> seqs = make_seq_infos(problem, shape, no_output);
+  SP_RETURN_IF_ERROR(upload_metadata(problem, shape, seqs, nullptr, &scratch, &p));
+  Selection sel;
+  SP_RETURN_IF_ERROR(launch_selection(shape, p, params, &scratch, stream, &sel));
+  *decisions = Decisions{};
+  decisions->policy = policy_name(policy);
+  return read_selection(shape, params, sel, &scratch, stream, decisions);
+}
 
 Status can_run_cuda(const ProblemShape& shape, const Policy& policy) {
   int block_k = 0;
@@ -252,7 +595,8 @@ std::string cuda_build_info() {
 }
 
 Status run_cuda(const AttentionProblem& problem, const ProblemShape& shape, const Policy& policy,
-                const AttentionOutput& output, const RunOptions& options, Decisions* decisions) {
+                const AttentionOutput& output, const RunOptions& options, Decisions* decisions,
+                const PlanState* plan) {
   int block_k = 0;
   SP_RETURN_IF_ERROR(check_support(shape, policy, &block_k));
   SP_RETURN_IF_ERROR(check_layout(problem, output));
@@ -264,9 +608,8 @@ Status run_cuda(const AttentionProblem& problem, const ProblemShape& shape, cons
   const auto stream = static_cast<cudaStream_t>(options.cuda_stream);
   // Under CUDA graph capture every device operation becomes a graph node; metadata comes from
   // the cache (Scratch::upload_bytes), and nothing may be read back to the host.
-  cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
-  SP_CUDA_TRY(cudaStreamIsCapturing(stream, &capture), "cudaStreamIsCapturing");
-  const bool capturing = capture != cudaStreamCaptureStatusNone;
+  bool capturing = false;
+  SP_RETURN_IF_ERROR(is_capturing(stream, &capturing));
   if (capturing && decisions != nullptr) {
     return unsupported("cuda_stream: is capturing a CUDA graph, so decisions and statistics cannot be read back; "
                        "request none under capture");
@@ -275,13 +618,9 @@ Status run_cuda(const AttentionProblem& problem, const ProblemShape& shape, cons
 
   FwdParams p = make_fwd_params(problem, shape, output, block_k);
   const std::vector<SeqInfo> seqs = make_seq_infos(problem, shape, output);
-  SP_RETURN_IF_ERROR(scratch.upload(seqs, &p.seqs));
-  if (shape.kv_layout == KvLayout::kPaged) {
-    // The used entries of the (validated, host) block table, compacted and kept on the device
-    // like the other metadata: the kernels translate every K/V row through it.
-    const std::vector<std::int32_t> table = compact_block_table(problem, shape);
-    SP_RETURN_IF_ERROR(scratch.upload(table, &p.paged.block_table));
-  }
+  SP_RETURN_IF_ERROR(upload_metadata(problem, shape, seqs,
+                                     plan != nullptr && same_bytes(seqs, plan->seqs_host) ? plan->seqs : nullptr,
+                                     &scratch, &p));
   int cc_major = 0, cc_minor = 0;
   SP_RETURN_IF_ERROR(compute_capability(shape.device.index, &cc_major, &cc_minor));
   const FwdPath path = t_portable_only ? FwdPath::kPortable
@@ -289,14 +628,15 @@ Status run_cuda(const AttentionProblem& problem, const ProblemShape& shape, cons
   const bool want = decisions != nullptr;
   Decisions local;
   local.policy = policy_name(policy);
+  if (const auto* ps = std::get_if<PermuteStopParams>(&policy)) {
+    SP_RETURN_IF_ERROR(run_permute_stop(shape, *ps, p, scratch, stream, want ? &local : nullptr));
+    if (want) *decisions = std::move(local);
+    return {};
+  }
   KeptBits kept;
   const int kept_k_blocks = static_cast<int>(geom::ceil_div(shape.max_seq_k(), block_k));
 
-  // Device-side selection of estimate_select, read back for decisions.
-  struct Selection {
-    SelectParams sp{};
-    std::size_t rows = 0;
-  } sel;
+  Selection sel;  // estimate_select's device-side selection, read back for decisions
 
   Status st = std::visit(
       [&](const auto& pol) -> Status {
@@ -305,14 +645,23 @@ Status run_cuda(const AttentionProblem& problem, const ProblemShape& shape, cons
           p.mode = PolicyMode::kDense;
         } else if constexpr (std::is_same_v<P, BlockSparseParams>) {
           const BlockMask& m = pol.mask;
-          const CompactMask c = compact_mask(m);
           p.mode = PolicyMode::kBlockMask;
-          SP_RETURN_IF_ERROR(scratch.upload(c.full_count, &p.full_count));
-          SP_RETURN_IF_ERROR(scratch.upload(c.partial_count, &p.partial_count));
-          SP_RETURN_IF_ERROR(scratch.upload(c.full_start, &p.full_start));
-          SP_RETURN_IF_ERROR(scratch.upload(c.partial_start, &p.partial_start));
-          SP_RETURN_IF_ERROR(scratch.upload(c.full_index, &p.full_index));
-          SP_RETURN_IF_ERROR(scratch.upload(c.partial_index, &p.partial_index));
+          if (plan != nullptr && plan->has_mask) {
+            p.full_count = plan->full_count;
+            p.partial_count = plan->partial_count;
+            p.full_start = plan->full_start;
+            p.partial_start = plan->partial_start;
+            p.full_index = plan->full_index;
+            p.partial_index = plan->partial_index;
+          } else {
+            const CompactMask c = compact_mask(m);
+            SP_RETURN_IF_ERROR(scratch.upload(c.full_count, &p.full_count));
+            SP_RETURN_IF_ERROR(scratch.upload(c.partial_count, &p.partial_count));
+            SP_RETURN_IF_ERROR(scratch.upload(c.full_start, &p.full_start));
+            SP_RETURN_IF_ERROR(scratch.upload(c.partial_start, &p.partial_start));
+            SP_RETURN_IF_ERROR(scratch.upload(c.full_index, &p.full_index));
+            SP_RETURN_IF_ERROR(scratch.upload(c.partial_index, &p.partial_index));
+          }
           p.mask_heads = m.heads;
           p.mask_per_kv_head = m.per_kv_head;
           p.mask_q_blocks = m.num_q_blocks;
@@ -337,55 +686,9 @@ Status run_cuda(const AttentionProblem& problem, const ProblemShape& shape, cons
             p.kept_bits = kept.dev;
           }
         } else if constexpr (std::is_same_v<P, EstimateSelectParams>) {
-          SelectParams& sp = sel.sp;
-          sp.q = p.q;
-          sp.k = p.k;
-          sp.v = p.v;
-          sp.q_row_stride = p.q_row_stride;
-          sp.q_head_stride = p.q_head_stride;
-          sp.k_row_stride = p.k_row_stride;
-          sp.k_head_stride = p.k_head_stride;
-          sp.v_row_stride = p.v_row_stride;
-          sp.v_head_stride = p.v_head_stride;
-          sp.seqs = p.seqs;
-          sp.paged = p.paged;
-          sp.batch = shape.batch;
-          sp.h_q = shape.h_q;
-          sp.h_kv = shape.h_kv;
-          sp.group = shape.group();
-          sp.scale = p.scale;
-          sp.block = pol.block;
-          sp.num_q_blocks = static_cast<int>(geom::ceil_div(shape.max_seq_q(), pol.block));
-          sp.num_k_blocks = static_cast<int>(geom::ceil_div(shape.max_seq_k(), pol.block));
-          sp.alpha = static_cast<float>(pol.alpha);
-          sp.sink = pol.sink;
-          sp.window = pol.window;
-          sp.tail = pol.tail;
-          sp.pack_gqa = pol.pack_gqa;
-          sp.mean_correction = pol.mean_correction;
+          SP_RETURN_IF_ERROR(launch_selection(shape, p, pol, &scratch, stream, &sel));
+          const SelectParams& sp = sel.sp;
           const int units = pol.pack_gqa ? shape.h_kv : shape.h_q;
-          sel.rows = static_cast<std::size_t>(shape.batch) * static_cast<std::size_t>(units) *
-                     static_cast<std::size_t>(sp.num_q_blocks);
-          const std::size_t means = static_cast<std::size_t>(shape.batch) * static_cast<std::size_t>(shape.h_kv) *
-                                    static_cast<std::size_t>(sp.num_k_blocks) * static_cast<std::size_t>(shape.d);
-          std::uint16_t* k_mean = nullptr;
-          std::uint16_t* v_mean = nullptr;
-          SP_RETURN_IF_ERROR(scratch.alloc(means, &k_mean));
-          SP_RETURN_IF_ERROR(scratch.alloc(means, &v_mean));
-          sp.k_mean = k_mean;
-          sp.v_mean = v_mean;
-          SP_RETURN_IF_ERROR(scratch.zeros(sel.rows, &sp.full_count));
-          SP_RETURN_IF_ERROR(scratch.zeros(sel.rows, &sp.partial_count));
-          const std::size_t cap = sel.rows * static_cast<std::size_t>(sp.num_k_blocks);
-          SP_RETURN_IF_ERROR(scratch.alloc(cap, &sp.full_index));
-          SP_RETURN_IF_ERROR(scratch.alloc(cap, &sp.partial_index));
-          if (pol.mean_correction) {
-            sp.corrected_words = bitmap_words(sp.num_k_blocks);
-            SP_RETURN_IF_ERROR(scratch.zeros(sel.rows * static_cast<std::size_t>(sp.corrected_words), &sp.corrected_bits));
-          }
-          const SelectVariant* select = find_select(shape.dtype, shape.d);
-          SP_RETURN_IF_ERROR(launch_status(select->launch(sp, stream), select->name));
-
           p.mode = PolicyMode::kBlockMask;
           p.full_count = sp.full_count;
           p.full_index = sp.full_index;
@@ -396,8 +699,8 @@ Status run_cuda(const AttentionProblem& problem, const ProblemShape& shape, cons
           p.mask_q_blocks = sp.num_q_blocks;
           p.mask_k_blocks = sp.num_k_blocks;
           if (pol.mean_correction) {
-            p.k_mean = k_mean;
-            p.v_mean = v_mean;
+            p.k_mean = sp.k_mean;
+            p.v_mean = sp.v_mean;
             p.corrected_bits = sp.corrected_bits;
             p.mean_blocks = sp.num_k_blocks;
             p.mean_block = pol.block;
@@ -438,23 +741,7 @@ Status run_cuda(const AttentionProblem& problem, const ProblemShape& shape, cons
     SP_CUDA_TRY(cudaStreamSynchronize(stream), "cudaStreamSynchronize (decisions)");
     SP_RETURN_IF_ERROR(mask_from_bits(shape, kBlockQ, block_k, false, bits, &local.kept));
   } else if (const auto* es = std::get_if<EstimateSelectParams>(&policy)) {
-    const SelectParams& sp = sel.sp;
-    const std::size_t cap = sel.rows * static_cast<std::size_t>(sp.num_k_blocks);
-    std::vector<std::int32_t> full_count, full_index, partial_count, partial_index;
-    std::vector<std::uint32_t> corrected;
-    SP_RETURN_IF_ERROR(scratch.download(sp.full_count, sel.rows, &full_count));
-    SP_RETURN_IF_ERROR(scratch.download(sp.full_index, cap, &full_index));
-    SP_RETURN_IF_ERROR(scratch.download(sp.partial_count, sel.rows, &partial_count));
-    SP_RETURN_IF_ERROR(scratch.download(sp.partial_index, cap, &partial_index));
-    if (es->mean_correction) {
-      SP_RETURN_IF_ERROR(scratch.download(sp.corrected_bits, sel.rows * static_cast<std::size_t>(sp.corrected_words), &corrected));
-    }
-    SP_CUDA_TRY(cudaStreamSynchronize(stream), "cudaStreamSynchronize (decisions)");
-    SP_RETURN_IF_ERROR(mask_from_arrays(shape, es->block, es->pack_gqa, full_count, full_index, partial_count,
-                                        partial_index, &local.kept));
-    if (es->mean_correction) {
-      SP_RETURN_IF_ERROR(mask_from_bits(shape, es->block, es->block, es->pack_gqa, corrected, &local.corrected));
-    }
+    SP_RETURN_IF_ERROR(read_selection(shape, *es, sel, &scratch, stream, &local));
   }
   *decisions = std::move(local);
   return {};

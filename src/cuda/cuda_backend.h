@@ -3,6 +3,7 @@
 // headers (src/core/attention.cpp includes this file only when built with SP_WITH_CUDA).
 #pragma once
 
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -11,10 +12,27 @@
 
 namespace sparseprefill::cuda {
 
+// What a Plan (plan.h) keeps on the device: a block_sparse mask compacted and uploaded once,
+// and the per-sequence table of the plan's problem with a contiguous output. Owns its device
+// memory (freed when the last reference goes). Defined in cuda_backend.cu.
+struct PlanState;
+
+// Builds the device state of a plan for (problem, shape, policy); enqueues its uploads on
+// options.cuda_stream and waits for them.
+Status make_plan_state(const AttentionProblem& problem, const ProblemShape& shape, const Policy& policy,
+                       const RunOptions& options, std::shared_ptr<const PlanState>* out);
+
 // `shape` is validate_problem's result (index tensors already read on the host). Enqueues on
-// options.cuda_stream; fills `decisions` only when it is non-null (that synchronises).
+// options.cuda_stream; fills `decisions` only when it is non-null (that synchronises). With a
+// plan's state, its device mask and sequence table replace the per-call uploads.
 Status run_cuda(const AttentionProblem& problem, const ProblemShape& shape, const Policy& policy,
-                const AttentionOutput& output, const RunOptions& options, Decisions* decisions);
+                const AttentionOutput& output, const RunOptions& options, Decisions* decisions,
+                const PlanState* plan = nullptr);
+
+// estimate_select's GPU selector alone: launches it on options.cuda_stream, copies the device
+// mask (and the mean-correction bitmap) back into `decisions` and synchronises.
+Status select_cuda(const AttentionProblem& problem, const ProblemShape& shape,
+                   const EstimateSelectParams& params, const RunOptions& options, Decisions* decisions);
 
 // Whether a compiled kernel serves this combination; the message lists what is compiled.
 Status can_run_cuda(const ProblemShape& shape, const Policy& policy);
@@ -31,9 +49,10 @@ Status select_statistics_cuda(const AttentionProblem& sample, const ProblemShape
 std::string cuda_build_info();
 
 // Test hooks (tests/cuda), per calling thread: the forward instance the last successful
-// run_cuda launched (e.g. "fwd_sm90_bf16_hd128"; "" before any), and a switch that sends dense
-// calls to the portable kernel where the Hopper one would serve them, so that both stay tested
-// on an H100/H200. Not an option for users: the plan (choose_fwd_path) decides.
+// run_cuda launched (e.g. "fwd_sm90_bf16_hd128"; "" before any), and a switch that sends every
+// call to the portable kernel where the Hopper one would serve it, so that both stay tested on
+// an H100/H200 (the GPU suite runs each case on both). Not an option for users: the plan
+// (choose_fwd_path) decides.
 std::string last_fwd_instance_for_testing();
 void set_portable_only_for_testing(bool portable_only);
 

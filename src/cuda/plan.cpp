@@ -7,7 +7,9 @@
 #include <cstdint>
 #include <string>
 #include <type_traits>
+#include <utility>
 #include <variant>
+#include <vector>
 
 #include "core/geometry.h"
 #include "cuda/registry.h"
@@ -58,10 +60,12 @@ Status check_view(const char* name, const TensorView& t) {
 std::string support_summary() {
   return "compiled CUDA kernels (portable sm80 path): " + compiled_fwd_summary() +
          "; block_q 128, block_k 64 or 128; estimate_select block 128; policies dense, block_sparse, "
-         "exact_gate, softmax_skip, estimate_select; Hopper sm90 path (compute capability 9.0, dense only; "
-         "the other policies use the portable path there): " +
-         compiled_fwd90_summary() + "; paged K/V (any page size) on the portable path, every policy; not on CUDA: "
-         "permute_stop, fp32";
+         "exact_gate, softmax_skip, estimate_select, permute_stop (block_q 128, block_k 64 or 128, at most 2^31 - 1 "
+         "ranked prefix keys per call); Hopper sm90 path (compute capability 9.0: dense and every policy but "
+         "permute_stop with 128-key blocks on contiguous K/V; block_k 64 and paged K/V use the portable path "
+         "there): " +
+         compiled_fwd90_summary() + "; paged K/V (any page size) on the portable path, every policy but permute_stop; "
+         "not on CUDA: fp32";
 }
 
 bool tma_describable(const AttentionProblem& problem) {
@@ -76,14 +80,33 @@ bool tma_describable(const AttentionProblem& problem) {
   return true;
 }
 
+int hopper_block_k() { return 128; }
+
 FwdPath choose_fwd_path(const ProblemShape& shape, const Policy& policy, bool tma_ok, int cc_major, int cc_minor) {
   const bool hopper = cc_major == 9 && cc_minor == 0;
-  const bool dense = std::holds_alternative<DenseParams>(policy);
   // The Hopper kernel's tensor maps describe contiguous K/V rows only: paged calls keep the
   // portable kernel, whose loads go through the block table.
   const bool paged = shape.kv_layout == KvLayout::kPaged;
-  if (hopper && dense && !paged && tma_ok && find_fwd90(shape.dtype, shape.d) != nullptr) return FwdPath::kHopper;
-  return FwdPath::kPortable;
+  if (!hopper || paged || !tma_ok || find_fwd90(shape.dtype, shape.d) == nullptr) return FwdPath::kPortable;
+  // The Hopper kernel's key tile is one 128-key block: dense (no blocks) and every policy with
+  // 128-key blocks run there; 64-key blocks keep the portable kernel's 64-key sub-tiles.
+  const bool served = std::visit(
+      [](const auto& p) {
+        using P = std::decay_t<decltype(p)>;
+        if constexpr (std::is_same_v<P, DenseParams>) {
+          return true;
+        } else if constexpr (std::is_same_v<P, BlockSparseParams>) {
+          return p.mask.block_k == hopper_block_k();
+        } else if constexpr (std::is_same_v<P, ExactGateParams> || std::is_same_v<P, SoftmaxSkipParams>) {
+          return p.block_k == hopper_block_k();
+        } else if constexpr (std::is_same_v<P, EstimateSelectParams>) {
+          return p.block == hopper_block_k();
+        } else {
+          return false;
+        }
+      },
+      policy);
+  return served ? FwdPath::kHopper : FwdPath::kPortable;
 }
 
 int dense_block_k(int head_dim) {
@@ -130,6 +153,19 @@ Status check_support(const ProblemShape& shape, const Policy& policy, int* block
             return unsupported(std::string("estimate_select: no compiled selector for ") + dtype_name(shape.dtype) +
                                " head_dim " + std::to_string(shape.d) + " (" + support_summary() + ")");
           }
+        } else if constexpr (std::is_same_v<P, PermuteStopParams>) {
+          SP_RETURN_IF_ERROR(check_blocks("permute_stop", p.block_q, p.block_k));
+          if (shape.kv_layout == KvLayout::kPaged) {
+            return unsupported("permute_stop: paged K/V is not supported by the CUDA permute_stop kernels yet (contiguous "
+                               "or varlen K/V only; " + support_summary() + ")");
+          }
+          if (find_permute(shape.dtype, shape.d) == nullptr) {
+            return unsupported(std::string("permute_stop: no compiled kernel for ") + dtype_name(shape.dtype) +
+                               " head_dim " + std::to_string(shape.d) + " (" + support_summary() + ")");
+          }
+          PermuteLayout layout;
+          SP_RETURN_IF_ERROR(permute_layout(shape, p, &layout));
+          n = p.block_k;
         } else {
           return unsupported(std::string(policy_name(policy)) +
                              ": not implemented on CUDA yet (the cpu and reference backends run it)");
@@ -252,6 +288,81 @@ CompactMask compact_mask(const BlockMask& mask) {
                            mask.partial_index.begin() + static_cast<std::ptrdiff_t>(base) + mask.partial_count[r]);
   }
   return c;
+}
+
+Status permute_layout(const ProblemShape& shape, const PermuteStopParams& params, PermuteLayout* out) {
+  constexpr std::int64_t kMaxItems = 2147483647;  // CUB's segmented sort counts items in int
+  std::int64_t max_segments = 0, max_prefix = 0;
+  const auto seg_geo = [&](int b) {
+    const auto u = static_cast<std::size_t>(b);
+    return geom::SegmentGeometry{{shape.seq_q[u], shape.seq_k[u], true}, params.segment};
+  };
+  for (int b = 0; b < shape.batch; ++b) max_segments = geom::max64(max_segments, seg_geo(b).count());
+  const std::int64_t max_s_q = shape.max_seq_q();
+  const std::int64_t slots = std::int64_t{shape.batch} * shape.h_q * max_s_q;
+  PermuteLayout l;
+  l.rank_offsets.reserve(static_cast<std::size_t>(std::int64_t{shape.batch} * shape.h_q * max_segments + 1));
+  l.query_offsets.reserve(static_cast<std::size_t>(std::int64_t{shape.batch} * shape.h_q * (max_segments + 2) + 1));
+  std::int64_t ranked = 0;
+  l.rank_offsets.push_back(0);
+  l.query_offsets.push_back(0);
+  for (int b = 0; b < shape.batch; ++b) {
+    const geom::SegmentGeometry sg = seg_geo(b);
+    for (int h = 0; h < shape.h_q; ++h) {
+      const std::int64_t base = (std::int64_t{b} * shape.h_q + h) * max_s_q;
+      l.query_offsets.push_back(static_cast<std::int32_t>(base + sg.first_row()));
+      for (std::int64_t slot = 0; slot < max_segments; ++slot) {
+        const bool real = slot < sg.count();
+        const std::int64_t prefix = real ? sg.prefix(sg.first() + slot) : 0;
+        max_prefix = geom::max64(max_prefix, prefix);
+        ranked += prefix;
+        if (ranked > kMaxItems) break;
+        l.rank_offsets.push_back(static_cast<std::int32_t>(ranked));
+        l.query_offsets.push_back(static_cast<std::int32_t>(base + (real ? sg.row_end(sg.first() + slot) : sg.seq.s_q)));
+      }
+      if (ranked > kMaxItems || slots > kMaxItems) {
+        return unsupported("permute_stop: the CUDA sorts take at most 2^31 - 1 items; this call has " +
+                           (ranked > kMaxItems ? std::string("more") : std::to_string(ranked)) +
+                           " ranked prefix keys (per sequence, query head and segment: the keys before the "
+                           "segment) and " + std::to_string(slots) + " query slots (batch · h_q · max s_q); " +
+                           "use a longer segment or fewer tokens per call");
+      }
+      l.query_offsets.push_back(static_cast<std::int32_t>(base + max_s_q));
+    }
+  }
+  l.max_segments = static_cast<int>(max_segments);
+  l.max_s_q = static_cast<int>(max_s_q);
+  l.max_prefix = static_cast<int>(max_prefix);
+  l.tiles_per_segment = static_cast<int>(geom::ceil_div(geom::min64(params.segment, max_s_q), kBlockQ));
+  *out = std::move(l);
+  return {};
+}
+
+std::vector<PermuteTile> permute_tiles(const ProblemShape& shape, const PermuteStopParams& params,
+                                       const PermuteLayout& layout, const std::vector<std::int32_t>& visited) {
+  std::vector<PermuteTile> tiles;
+  for (int b = 0; b < shape.batch; ++b) {
+    const auto u = static_cast<std::size_t>(b);
+    const geom::SegmentGeometry sg{{shape.seq_q[u], shape.seq_k[u], true}, params.segment};
+    for (int h = 0; h < shape.h_q; ++h) {
+      for (std::int64_t slot = 0; slot < sg.count(); ++slot) {
+        const std::int64_t s = sg.first() + slot;
+        const std::int64_t item = (std::int64_t{b} * shape.h_q + h) * layout.max_segments + slot;
+        const std::int64_t n_tiles = geom::ceil_div(sg.row_end(s) - sg.row_begin(s), kBlockQ);
+        for (std::int64_t t = 0; t < n_tiles; ++t) {
+          PermuteTile pt;
+          pt.batch = b;
+          pt.head = h;
+          pt.segment = static_cast<int>(s);
+          pt.tile = static_cast<int>(t);
+          pt.chunks_visited = visited[static_cast<std::size_t>(item * layout.tiles_per_segment + t)];
+          pt.chunks_total = static_cast<int>(geom::ceil_div(sg.prefix(s), params.block_k));
+          tiles.push_back(pt);
+        }
+      }
+    }
+  }
+  return tiles;
 }
 
 int bitmap_words(int num_k_blocks) { return (num_k_blocks + 31) / 32; }

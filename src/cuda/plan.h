@@ -28,7 +28,7 @@ Status check_layout(const AttentionProblem& problem, const AttentionOutput& outp
 // The forward kernel family that serves a call.
 enum class FwdPath {
   kPortable,  // sm80 kernels (mma.sync, cp.async): every policy, every sm_80+ device
-  kHopper,    // sm90 kernel (TMA, wgmma; sm_90a code): dense only, compute capability 9.0 only
+  kHopper,    // sm90 kernel (TMA, wgmma; sm_90a code): 128-key blocks, compute capability 9.0 only
 };
 
 // Whether TMA tensor maps can describe q, k and v as (d, head, row) boxes: beyond
@@ -36,11 +36,16 @@ enum class FwdPath {
 // dimension with more than one element is positive and below 2^40 bytes.
 bool tma_describable(const AttentionProblem& problem);
 
+// The key-block size of the Hopper kernel (its key tile): policies with other blocks run the
+// portable kernel.
+int hopper_block_k();
+
 // The path of a call that check_support accepted, on a device of compute capability
-// (cc_major, cc_minor): Hopper for dense attention on 9.0 when an sm90 instance of (dtype,
-// head_dim) is compiled, K/V are not paged and the tensors are TMA-describable; portable
-// otherwise (block_sparse, the gates and estimate_select keep the portable kernel for now:
-// issue #4; paged K/V is read through the block table by the portable kernel only).
+// (cc_major, cc_minor): Hopper on 9.0 when an sm90 instance of (dtype, head_dim) is compiled,
+// K/V are not paged, the tensors are TMA-describable and the policy is dense or works on
+// hopper_block_k() key blocks (block_sparse, exact_gate, softmax_skip, estimate_select);
+// portable otherwise (block_k 64; paged K/V, read through the block table by the portable
+// kernel only; every other device).
 FwdPath choose_fwd_path(const ProblemShape& shape, const Policy& policy, bool tma_ok, int cc_major, int cc_minor);
 
 // The key-block size dense attention runs with (a tuning value, no effect on results).
@@ -75,6 +80,24 @@ struct CompactMask {
   std::vector<std::int32_t> partial_index;  // [sum of partial counts]
 };
 CompactMask compact_mask(const BlockMask& mask);
+
+// permute_stop's sizes and sort segments for a call (PermuteParams in kernel/fwd_params.h).
+struct PermuteLayout {
+  int max_segments = 0;       // segment slots per (b, h)
+  int tiles_per_segment = 0;  // ceil(min(segment, max s_q) / kBlockQ)
+  int max_s_q = 0;
+  int max_prefix = 0;
+  std::vector<std::int32_t> rank_offsets;   // [batch·h_q·max_segments + 1]: ranked keys per item
+  std::vector<std::int32_t> query_offsets;  // [batch·h_q·(max_segments + 2) + 1]: sort segments of the slots
+};
+// kUnsupported when the call has more ranked prefix keys or order slots than a CUB sort takes
+// (2^31 - 1), naming both.
+Status permute_layout(const ProblemShape& shape, const PermuteStopParams& params, PermuteLayout* out);
+
+// Decisions::tiles (sorted by batch, head, segment, tile) from the kernel's chunk counts
+// visited [batch·h_q·max_segments, tiles_per_segment].
+std::vector<PermuteTile> permute_tiles(const ProblemShape& shape, const PermuteStopParams& params,
+                                       const PermuteLayout& layout, const std::vector<std::int32_t>& visited);
 
 // Number of 32-bit words of one bitmap row over num_k_blocks blocks.
 int bitmap_words(int num_k_blocks);

@@ -12,11 +12,13 @@ namespace {
 constexpr FwdVariant kFwdVariants[] = {
 #define SP_FWD_VARIANT(fn, dtype, head_dim) {#fn, DType::dtype, head_dim, &fn},
 #define SP_SELECT_VARIANT(fn, dtype, head_dim)
+#define SP_PERMUTE_VARIANT(fn, dtype, head_dim)
 #define SP_FWD90_VARIANT(fn, dtype, head_dim)
 #define SP_CALIB_VARIANT(fn, dtype, head_dim)
 #include "cuda/instances/registry.inc"
 #undef SP_FWD_VARIANT
 #undef SP_SELECT_VARIANT
+#undef SP_PERMUTE_VARIANT
 #undef SP_FWD90_VARIANT
 #undef SP_CALIB_VARIANT
 };
@@ -24,11 +26,13 @@ constexpr FwdVariant kFwdVariants[] = {
 constexpr SelectVariant kSelectVariants[] = {
 #define SP_FWD_VARIANT(fn, dtype, head_dim)
 #define SP_SELECT_VARIANT(fn, dtype, head_dim) {#fn, DType::dtype, head_dim, &fn},
+#define SP_PERMUTE_VARIANT(fn, dtype, head_dim)
 #define SP_FWD90_VARIANT(fn, dtype, head_dim)
 #define SP_CALIB_VARIANT(fn, dtype, head_dim)
 #include "cuda/instances/registry.inc"
 #undef SP_FWD_VARIANT
 #undef SP_SELECT_VARIANT
+#undef SP_PERMUTE_VARIANT
 #undef SP_FWD90_VARIANT
 #undef SP_CALIB_VARIANT
 };
@@ -36,11 +40,27 @@ constexpr SelectVariant kSelectVariants[] = {
 constexpr Fwd90Variant kFwd90Variants[] = {
 #define SP_FWD_VARIANT(fn, dtype, head_dim)
 #define SP_SELECT_VARIANT(fn, dtype, head_dim)
+#define SP_PERMUTE_VARIANT(fn, dtype, head_dim)
 #define SP_FWD90_VARIANT(fn, dtype, head_dim) {#fn, DType::dtype, head_dim, &fn},
 #define SP_CALIB_VARIANT(fn, dtype, head_dim)
 #include "cuda/instances/registry.inc"
 #undef SP_FWD_VARIANT
 #undef SP_SELECT_VARIANT
+#undef SP_PERMUTE_VARIANT
+#undef SP_FWD90_VARIANT
+#undef SP_CALIB_VARIANT
+};
+
+constexpr PermuteVariant kPermuteVariants[] = {
+#define SP_FWD_VARIANT(fn, dtype, head_dim)
+#define SP_SELECT_VARIANT(fn, dtype, head_dim)
+#define SP_PERMUTE_VARIANT(fn, dtype, head_dim) {#fn, DType::dtype, head_dim, &fn},
+#define SP_FWD90_VARIANT(fn, dtype, head_dim)
+#define SP_CALIB_VARIANT(fn, dtype, head_dim)
+#include "cuda/instances/registry.inc"
+#undef SP_FWD_VARIANT
+#undef SP_SELECT_VARIANT
+#undef SP_PERMUTE_VARIANT
 #undef SP_FWD90_VARIANT
 #undef SP_CALIB_VARIANT
 };
@@ -48,11 +68,13 @@ constexpr Fwd90Variant kFwd90Variants[] = {
 constexpr CalibVariant kCalibVariants[] = {
 #define SP_FWD_VARIANT(fn, dtype, head_dim)
 #define SP_SELECT_VARIANT(fn, dtype, head_dim)
+#define SP_PERMUTE_VARIANT(fn, dtype, head_dim)
 #define SP_FWD90_VARIANT(fn, dtype, head_dim)
 #define SP_CALIB_VARIANT(fn, dtype, head_dim) {#fn, DType::dtype, head_dim, &fn},
 #include "cuda/instances/registry.inc"
 #undef SP_FWD_VARIANT
 #undef SP_SELECT_VARIANT
+#undef SP_PERMUTE_VARIANT
 #undef SP_FWD90_VARIANT
 #undef SP_CALIB_VARIANT
 };
@@ -68,6 +90,13 @@ const FwdVariant* find_fwd(DType dtype, int head_dim) {
 
 const SelectVariant* find_select(DType dtype, int head_dim) {
   for (const SelectVariant& v : kSelectVariants) {
+    if (v.dtype == dtype && v.head_dim == head_dim) return &v;
+  }
+  return nullptr;
+}
+
+const PermuteVariant* find_permute(DType dtype, int head_dim) {
+  for (const PermuteVariant& v : kPermuteVariants) {
     if (v.dtype == dtype && v.head_dim == head_dim) return &v;
   }
   return nullptr;
@@ -109,6 +138,7 @@ std::string compiled_instances() {
   std::ostringstream os;
   for (const FwdVariant& v : kFwdVariants) os << v.name << "\n";
   for (const SelectVariant& v : kSelectVariants) os << v.name << "\n";
+  for (const PermuteVariant& v : kPermuteVariants) os << v.name << "\n";
   for (const Fwd90Variant& v : kFwd90Variants) os << v.name << "\n";
   for (const CalibVariant& v : kCalibVariants) os << v.name << "\n";
   return os.str();

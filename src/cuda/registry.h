@@ -5,6 +5,7 @@
 #pragma once
 
 #include <cstddef>
+#include <cstdint>
 #include <string>
 
 #include "cuda/kernel/fwd_params.h"
@@ -16,6 +17,24 @@ namespace sparseprefill::cuda {
 using FwdLaunchFn = int (*)(const FwdParams& params, void* stream);
 using SelectLaunchFn = int (*)(const SelectParams& params, void* stream);
 using CalibLaunchFn = int (*)(const CalibParams& params, void* stream);
+// permute_stop: ranking, sorts and attention in one enqueued sequence; sets params.ranked and
+// params.query_order to the sort buffers holding the results.
+using PermuteLaunchFn = int (*)(PermuteParams& params, void* stream);
+
+// One segmented sort of permute_stop (kernel/permute_sort.cuh): descending, stable, 64-bit
+// keys with int32 values, buffers in CUB double-buffer pairs ([0] holds the input).
+struct SortPairs {
+  std::uint64_t* keys[2];
+  std::int32_t* values[2];
+  int items;
+  int segments;
+  const std::int32_t* offsets;  // [segments + 1]
+  void* temp;                   // nullptr: size query only
+  std::size_t temp_bytes;
+};
+// Sorts (or, with s.temp == nullptr, sets *temp_bytes only, enqueuing nothing); *current is the
+// pair index holding the result. Returns a cudaError_t value. One instance, every dtype.
+int permute_sort_pairs(const SortPairs& s, std::size_t* temp_bytes, int* current, void* stream);
 // Copies `bytes` of host memory into device memory that stays valid and unchanged until the
 // launch has run — and, under CUDA graph capture, for every replay — and returns it in
 // *device, 64-byte aligned. Returns a cudaError_t value (0 = success) or kUploadRefused.
@@ -48,6 +67,13 @@ struct Fwd90Variant {
   Fwd90LaunchFn launch;
 };
 
+struct PermuteVariant {
+  const char* name;  // e.g. "permute_sm80_bf16_hd128"
+  DType dtype;
+  int head_dim;
+  PermuteLaunchFn launch;
+};
+
 struct SelectVariant {
   const char* name;  // e.g. "select_sm80_bf16_hd128"
   DType dtype;
@@ -65,17 +91,20 @@ struct CalibVariant {
 #define SP_FWD_VARIANT(fn, dtype, head_dim) int fn(const FwdParams& params, void* stream);
 #define SP_SELECT_VARIANT(fn, dtype, head_dim) int fn(const SelectParams& params, void* stream);
 #define SP_CALIB_VARIANT(fn, dtype, head_dim) int fn(const CalibParams& params, void* stream);
+#define SP_PERMUTE_VARIANT(fn, dtype, head_dim) int fn(PermuteParams& params, void* stream);
 #define SP_FWD90_VARIANT(fn, dtype, head_dim) \
   int fn(const FwdParams& params, const SeqInfo* host_seqs, const HostUpload& upload, void* stream);
 #include "cuda/instances/registry.inc"
 #undef SP_FWD_VARIANT
 #undef SP_SELECT_VARIANT
+#undef SP_PERMUTE_VARIANT
 #undef SP_FWD90_VARIANT
 #undef SP_CALIB_VARIANT
 
 // The instance for (dtype, head_dim), or nullptr when none is compiled.
 const FwdVariant* find_fwd(DType dtype, int head_dim);
 const SelectVariant* find_select(DType dtype, int head_dim);
+const PermuteVariant* find_permute(DType dtype, int head_dim);
 const Fwd90Variant* find_fwd90(DType dtype, int head_dim);
 const CalibVariant* find_calib(DType dtype, int head_dim);
 // "bf16 d=64, ..." for messages, and one instance name per line for build_info.

@@ -12,9 +12,11 @@ Axes (each one multiplies the compile time of CI's 2 cores; add one only with a 
 Everything else (policy, causal, block_k 64 or 128, mean correction) is a runtime value: the
 kernel branches on it once per block, outside the inner loops.
 
-Two kernel families: the portable sm80 path (FWD/SELECT/CALIB, every architecture of
-SP_PORTABLE_ARCHS) and the Hopper sm90 path (FWD90: dense only, compiled for sm_90a alone; file
-names contain "sm90", which src/cuda/CMakeLists.txt uses to build them as their own target).
+Two kernel families: the portable sm80 path (FWD/SELECT/PERMUTE/CALIB plus permute_stop's one
+dtype-free sort instance, every architecture of SP_PORTABLE_ARCHS) and the Hopper sm90 path
+(FWD90: dense and every policy but permute_stop on 128-key blocks, compiled for sm_90a alone;
+file names contain "sm90", which src/cuda/CMakeLists.txt uses to build them as their own
+target).
 """
 
 import argparse
@@ -37,6 +39,14 @@ def select_name(dtype, d):
     return f"select_sm80_{dtype}_hd{d}"
 
 
+def permute_name(dtype, d):
+    return f"permute_sm80_{dtype}_hd{d}"
+
+
+# permute_stop's segmented sorts are dtype-free: one CUB instance for every variant.
+PERMUTE_SORT = "permute_sort_sm80"
+
+
 def calib_name(dtype, d):
     return f"calib_sm80_{dtype}_hd{d}"
 
@@ -53,6 +63,7 @@ def expected_files():
     files = {}
     registry = [HEADER, "// SP_FWD_VARIANT(launch function, DType enumerator, head_dim)\n",
                 "// SP_SELECT_VARIANT(launch function, DType enumerator, head_dim)\n",
+                "// SP_PERMUTE_VARIANT(launch function, DType enumerator, head_dim)\n",
                 "// SP_FWD90_VARIANT(launch function, DType enumerator, head_dim)\n",
                 "// SP_CALIB_VARIANT(launch function, DType enumerator, head_dim)\n"]
     for dtype, (enum, is_bf16) in DTYPES.items():
@@ -79,6 +90,17 @@ def expected_files():
                 + "}\n\n}  // namespace sparseprefill::cuda\n"
             )
             registry.append(f"SP_SELECT_VARIANT({name}, {enum}, {d})\n")
+            name = permute_name(dtype, d)
+            files[f"{name}.cu"] = (
+                HEADER
+                + '#include "cuda/kernel/sm80/permute_kernel.cuh"\n'
+                + '#include "cuda/registry.h"\n\n'
+                + "namespace sparseprefill::cuda {\n\n"
+                + f"int {name}(PermuteParams& params, void* stream) {{\n"
+                + f"  return sm80::launch_permute<sm80::PermuteConfig<{is_bf16}, {d}>>(params, stream);\n"
+                + "}\n\n}  // namespace sparseprefill::cuda\n"
+            )
+            registry.append(f"SP_PERMUTE_VARIANT({name}, {enum}, {d})\n")
             name = calib_name(dtype, d)
             files[f"{name}.cu"] = (
                 HEADER
@@ -90,6 +112,15 @@ def expected_files():
                 + "}\n\n}  // namespace sparseprefill::cuda\n"
             )
             registry.append(f"SP_CALIB_VARIANT({name}, {enum}, {d})\n")
+    files[f"{PERMUTE_SORT}.cu"] = (
+        HEADER
+        + '#include "cuda/kernel/permute_sort.cuh"\n'
+        + '#include "cuda/registry.h"\n\n'
+        + "namespace sparseprefill::cuda {\n\n"
+        + "int permute_sort_pairs(const SortPairs& s, std::size_t* temp_bytes, int* current, void* stream) {\n"
+        + "  return permute::sort_pairs_descending(s, temp_bytes, current, stream);\n"
+        + "}\n\n}  // namespace sparseprefill::cuda\n"
+    )
     for dtype in SM90_DTYPES:
         enum, is_bf16 = DTYPES[dtype]
         for d in SM90_HEAD_DIMS:

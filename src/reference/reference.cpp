@@ -148,18 +148,22 @@ Status attend_decisions(const AttentionProblem& problem, const Policy& policy,
   return {};
 }
 
-Status run_reference(const AttentionProblem& problem, const Policy& policy, Result* result) {
+Status decide_reference(const AttentionProblem& problem, const Policy& policy, Decisions* decisions) {
   ProblemShape shape;
   SP_RETURN_IF_ERROR(validate_problem(problem, nullptr, &shape));
   SP_RETURN_IF_ERROR(check_host(shape));
   SP_RETURN_IF_ERROR(validate_policy(policy));
   SP_RETURN_IF_ERROR(check_policy_for(shape, policy));
-
-  Decisions decisions;
-  init_decisions(shape, policy, &decisions);
+  init_decisions(shape, policy, decisions);
   for (int b = 0; b < shape.batch; ++b) {
-    SP_RETURN_IF_ERROR(decide(gather_sequence(problem, shape, b), shape, policy, &decisions));
+    SP_RETURN_IF_ERROR(decide(gather_sequence(problem, shape, b), shape, policy, decisions));
   }
+  return {};
+}
+
+Status run_reference(const AttentionProblem& problem, const Policy& policy, Result* result) {
+  Decisions decisions;
+  SP_RETURN_IF_ERROR(decide_reference(problem, policy, &decisions));
   SP_RETURN_IF_ERROR(attend_decisions(problem, policy, decisions, result));
   result->decisions = std::move(decisions);
   return {};

@@ -18,6 +18,10 @@ struct Result {
   Decisions decisions;
 };
 
+// Validates and decides only (decide_reference then attend_decisions is run_reference): the
+// oracle's Decisions for every policy, in the layout init_decisions sizes.
+Status decide_reference(const AttentionProblem& problem, const Policy& policy, Decisions* decisions);
+
 // Validates, decides and computes. Inputs are read exactly (bf16/fp16/fp32 -> double).
 Status run_reference(const AttentionProblem& problem, const Policy& policy, Result* result);
 

@@ -14,6 +14,7 @@
 #include <memory>
 #include <string>
 #include <thread>
+#include <tuple>
 #include <vector>
 
 #include "sparseprefill/sparseprefill.h"
@@ -456,6 +457,206 @@ TEST(CApi, CanRunAndInfo) {
   }
   EXPECT_STREQ(sp_status_name(-1), "unknown");
   EXPECT_STREQ(sp_status_name(99), "unknown");
+}
+
+// An sp_decisions handle released at scope exit.
+struct DecisionsHandle {
+  sp_decisions* handle = nullptr;
+  DecisionsHandle() { EXPECT_EQ(sp_decisions_create(&handle), SP_OK) << sp_last_error(); }
+  ~DecisionsHandle() { sp_decisions_destroy(handle); }
+  DecisionsHandle(const DecisionsHandle&) = delete;
+  DecisionsHandle& operator=(const DecisionsHandle&) = delete;
+};
+
+// The view of mask `which` equals `expected` (geometry and CSR), or is absent when `expected`
+// has no rows.
+void expect_mask(const sp_decisions* d, int32_t which, const sp::BlockMask& expected) {
+  sp_block_mask_view view{};
+  ASSERT_EQ(sp_decisions_mask(d, which, &view), SP_OK) << sp_last_error();
+  if (expected.full_count.empty()) {
+    EXPECT_EQ(view.num_rows, 0);
+    EXPECT_EQ(view.indptr, nullptr);
+    return;
+  }
+  std::vector<std::int32_t> indptr, indices;
+  expected.to_csr(&indptr, &indices);
+  EXPECT_EQ(view.batch, expected.batch);
+  EXPECT_EQ(view.heads, expected.heads);
+  EXPECT_EQ(view.num_q_blocks, expected.num_q_blocks);
+  EXPECT_EQ(view.num_k_blocks, expected.num_k_blocks);
+  EXPECT_EQ(view.block_q, expected.block_q);
+  EXPECT_EQ(view.block_k, expected.block_k);
+  EXPECT_EQ(view.per_kv_head, expected.per_kv_head ? 1 : 0);
+  ASSERT_EQ(view.num_rows + 1, static_cast<int64_t>(indptr.size()));
+  ASSERT_EQ(view.num_indices, static_cast<int64_t>(indices.size()));
+  EXPECT_EQ(std::vector<std::int32_t>(view.indptr, view.indptr + indptr.size()), indptr);
+  if (!indices.empty()) {
+    EXPECT_EQ(std::vector<std::int32_t>(view.indices, view.indices + indices.size()), indices);
+  }
+}
+
+TEST(CApi, SelectReturnsTheSelection) {
+  Batched in;
+  std::vector<sp_setting> est = {{"block", "8"},  {"alpha", "0.95"}, {"sink", "1"},
+                                 {"window", "1"}, {"tail", "1"},     {"mean_correction", "true"}};
+  PolicyHandle h("estimate_select", est);
+  sp_problem cp = to_c(in.problem());
+  sp_options copts{SP_BACKEND_CPU, 1, nullptr};
+  DecisionsHandle d;
+  std::vector<sp_head_stats> heads(8);
+  sp_stats stats{};
+  stats.heads = heads.data();
+  stats.heads_capacity = 8;
+  ASSERT_EQ(sp_select(&cp, h.handle, &copts, d.handle, &stats), SP_OK) << sp_last_error();
+  EXPECT_STREQ(sp_decisions_policy(d.handle), "estimate_select");
+
+  sp::Decisions expected;
+  sp::RunStats rs;
+  sp::RunOptions opts;
+  opts.backend = sp::Backend::kCPU;
+  ASSERT_TRUE(sp::select(in.problem(), parse("estimate_select", est), opts, &expected, &rs).ok());
+  ASSERT_GT(expected.corrected.selected_blocks(), 0) << "mean correction must have something to add";
+  expect_mask(d.handle, SP_MASK_KEPT, expected.kept);
+  expect_mask(d.handle, SP_MASK_CORRECTED, expected.corrected);
+  EXPECT_DOUBLE_EQ(stats.density, rs.density());
+  EXPECT_LT(stats.density, 1.0);
+  ASSERT_EQ(stats.num_heads, 8);
+  for (int i = 0; i < 8; ++i) EXPECT_EQ(heads[i].kept_blocks, rs.heads[i].kept_blocks) << "head " << i;
+
+  // Gates and permute_stop decide during attention: unsupported, with the reason.
+  PolicyHandle skip("softmax_skip", {});
+  EXPECT_EQ(sp_select(&cp, skip.handle, &copts, d.handle, nullptr), SP_ERR_UNSUPPORTED);
+  EXPECT_NE(std::string(sp_last_error()).find("softmax_skip"), std::string::npos) << sp_last_error();
+  // The failed call left the previous fill in place.
+  expect_mask(d.handle, SP_MASK_KEPT, expected.kept);
+  EXPECT_EQ(sp_select(&cp, h.handle, &copts, nullptr, nullptr), SP_ERR_INVALID_ARGUMENT);
+  EXPECT_NE(std::string(sp_last_error()).find("decisions"), std::string::npos);
+  sp_block_mask_view view{};
+  EXPECT_EQ(sp_decisions_mask(d.handle, 2, &view), SP_ERR_INVALID_ARGUMENT);
+  EXPECT_EQ(sp_decisions_mask(nullptr, SP_MASK_KEPT, &view), SP_ERR_INVALID_ARGUMENT);
+  EXPECT_EQ(sp_decisions_create(nullptr), SP_ERR_INVALID_ARGUMENT);
+  sp_decisions_destroy(nullptr);
+}
+
+TEST(CApi, RunDecisionsMirrorRun) {
+  Batched in;
+  sp_problem cp = to_c(in.problem());
+  sp_options copts{SP_BACKEND_CPU, 1, nullptr};
+  sp::RunOptions opts;
+  opts.backend = sp::Backend::kCPU;
+  opts.num_threads = 1;
+
+  std::vector<sp_setting> skip = {{"block_q", "8"}, {"block_k", "8"}, {"a", "3"}};
+  PolicyHandle hs("softmax_skip", skip);
+  std::vector<sp_setting> stop = {{"segment", "16"}, {"block_q", "8"}, {"block_k", "8"}, {"tau", "0.05"}};
+  PolicyHandle hp("permute_stop", stop);
+  for (const auto& [name, settings, handle] :
+       {std::tuple{"softmax_skip", skip, hs.handle}, std::tuple{"permute_stop", stop, hp.handle}}) {
+    SCOPED_TRACE(name);
+    sp::HostTensor o = in.new_o();
+    sp::Decisions expected;
+    ASSERT_TRUE(sp::run(in.problem(), parse(name, settings), {o.view(), {}}, opts, nullptr, &expected).ok());
+    sp_output out{to_c(o.view()), {}};
+    DecisionsHandle d;
+    ASSERT_EQ(sp_run_decisions(&cp, handle, &out, &copts, nullptr, d.handle), SP_OK) << sp_last_error();
+    EXPECT_STREQ(sp_decisions_policy(d.handle), name);
+    expect_mask(d.handle, SP_MASK_KEPT, expected.kept);
+    expect_mask(d.handle, SP_MASK_CORRECTED, expected.corrected);
+    const sp_permute_tile* tiles = nullptr;
+    int64_t count = -1;
+    ASSERT_EQ(sp_decisions_tiles(d.handle, &tiles, &count), SP_OK);
+    ASSERT_EQ(count, static_cast<int64_t>(expected.tiles.size()));
+    for (int64_t i = 0; i < count; ++i) {
+      const sp::PermuteTile& t = expected.tiles[static_cast<std::size_t>(i)];
+      EXPECT_EQ(tiles[i].batch, t.batch);
+      EXPECT_EQ(tiles[i].head, t.head);
+      EXPECT_EQ(tiles[i].segment, t.segment);
+      EXPECT_EQ(tiles[i].tile, t.tile);
+      EXPECT_EQ(tiles[i].chunks_visited, t.chunks_visited);
+      EXPECT_EQ(tiles[i].chunks_total, t.chunks_total);
+    }
+    const int32_t* order = nullptr;
+    ASSERT_EQ(sp_decisions_query_order(d.handle, &order, &count), SP_OK);
+    ASSERT_EQ(count, static_cast<int64_t>(expected.query_order.size()));
+    if (count > 0) EXPECT_EQ(std::vector<int32_t>(order, order + count), expected.query_order);
+  }
+}
+
+TEST(CApi, PlanRunsLikeRun) {
+  Batched in;
+  sp::AttentionProblem problem = in.problem();
+  sp::ProblemShape shape;
+  ASSERT_TRUE(sp::validate_problem(problem, nullptr, &shape).ok());
+  sp::BlockMask all = sp::BlockMask::all_visible(shape, 8, 8, false);
+  std::vector<std::int32_t> indptr, indices, kept_ptr = {0}, kept_idx;
+  all.to_csr(&indptr, &indices);
+  for (std::size_t r = 0; r + 1 < indptr.size(); ++r) {
+    for (std::int32_t i = indptr[r]; i < indptr[r + 1]; ++i) {
+      if ((indices[i] + static_cast<std::int32_t>(r)) % 3 != 0) kept_idx.push_back(indices[i]);
+    }
+    kept_ptr.push_back(static_cast<std::int32_t>(kept_idx.size()));
+  }
+  sp_problem cp = to_c(problem);
+  sp_block_mask_csr csr{8, 8, 0, static_cast<int64_t>(kept_ptr.size() - 1), kept_ptr.data(),
+                        static_cast<int64_t>(kept_idx.size()), kept_idx.data()};
+  sp_options copts{SP_BACKEND_CPU, 1, nullptr};
+  sp_plan* plan = nullptr;
+  sp::HostTensor o_run = in.new_o(), lse_run = in.new_lse();
+  {
+    PolicyHandle h("block_sparse", {});
+    ASSERT_EQ(sp_policy_set_block_mask(h.handle, &cp, &csr), SP_OK) << sp_last_error();
+    ASSERT_EQ(sp_plan_create(&cp, h.handle, &copts, &plan), SP_OK) << sp_last_error();
+    EXPECT_STREQ(sp_plan_describe(plan), sp_policy_describe(h.handle));
+    sp_output out{to_c(o_run.view()), to_c(lse_run.view())};
+    ASSERT_EQ(sp_run(&cp, h.handle, &out, &copts, nullptr), SP_OK) << sp_last_error();
+  }  // the plan holds its own copy of the policy
+  for (int repeat = 0; repeat < 2; ++repeat) {
+    sp::HostTensor o = in.new_o(), lse = in.new_lse();
+    poison(&o);
+    poison(&lse);
+    sp_output out{to_c(o.view()), to_c(lse.view())};
+    sp_stats stats{};
+    DecisionsHandle d;
+    ASSERT_EQ(sp_plan_run(plan, &cp, &out, &copts, &stats, d.handle), SP_OK) << sp_last_error();
+    EXPECT_EQ(std::memcmp(o.data(), o_run.data(), o.nbytes()), 0);
+    EXPECT_EQ(std::memcmp(lse.data(), lse_run.data(), lse.nbytes()), 0);
+    EXPECT_DOUBLE_EQ(stats.density, static_cast<double>(kept_idx.size()) / static_cast<double>(indices.size()));
+    sp_block_mask_view view{};
+    ASSERT_EQ(sp_decisions_mask(d.handle, SP_MASK_KEPT, &view), SP_OK);
+    ASSERT_EQ(view.num_indices, static_cast<int64_t>(kept_idx.size()));
+    EXPECT_EQ(std::vector<int32_t>(view.indices, view.indices + view.num_indices), kept_idx);
+  }
+  // A problem of another shape is refused, naming the difference.
+  sp::HostTensor q2 = random_bf16({2, 36, 4, 16}, 11);
+  sp::AttentionProblem other = problem;
+  other.q = q2.view();
+  sp_problem cp2 = to_c(other);
+  sp::HostTensor o2(sp::DType::kBF16, {2, 36, 4, 16});
+  sp_output out2{to_c(o2.view()), {}};
+  EXPECT_EQ(sp_plan_run(plan, &cp2, &out2, &copts, nullptr, nullptr), SP_ERR_INVALID_ARGUMENT);
+  EXPECT_NE(std::string(sp_last_error()).find("does not match the plan: query lengths"), std::string::npos)
+      << sp_last_error();
+  sp_options reference{SP_BACKEND_REFERENCE, 0, nullptr};
+  sp::HostTensor o = in.new_o();
+  sp_output out{to_c(o.view()), {}};
+  EXPECT_EQ(sp_plan_run(plan, &cp, &out, &reference, nullptr, nullptr), SP_ERR_INVALID_ARGUMENT);
+  EXPECT_NE(std::string(sp_last_error()).find("backend"), std::string::npos);
+  EXPECT_EQ(sp_plan_run(nullptr, &cp, &out, nullptr, nullptr, nullptr), SP_ERR_INVALID_ARGUMENT);
+  EXPECT_EQ(sp_plan_run(plan, &cp, nullptr, nullptr, nullptr, nullptr), SP_ERR_INVALID_ARGUMENT);
+  sp_plan_destroy(plan);
+  sp_plan_destroy(nullptr);
+
+  // Creation validates once: a mask for another geometry never makes a plan.
+  PolicyHandle wrong("block_sparse", {});
+  ASSERT_EQ(sp_policy_set_block_mask(wrong.handle, &cp, &csr), SP_OK);
+  sp::HostTensor q3 = random_bf16({2, 20, 4, 16}, 11);
+  sp::AttentionProblem shorter = problem;
+  shorter.q = q3.view();
+  sp_problem cp3 = to_c(shorter);
+  plan = reinterpret_cast<sp_plan*>(&o);  // must be reset to NULL
+  EXPECT_EQ(sp_plan_create(&cp3, wrong.handle, &copts, &plan), SP_ERR_INVALID_ARGUMENT);
+  EXPECT_EQ(plan, nullptr);
+  EXPECT_NE(std::string(sp_last_error()).find("mask"), std::string::npos) << sp_last_error();
 }
 
 TEST(CApi, CalibratorWritesWhatCalibrationRunMakes) {

@@ -3,13 +3,16 @@
 // names its argument), BlockMask invariants and conversions, policy parsing, stats.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <limits>
+#include <string>
 #include <vector>
 
 #include "core/geometry.h"
 #include "core/stats.h"
+#include "reference/decide.h"
 #include "sparseprefill/sparseprefill.h"
 
 namespace sp = sparseprefill;
@@ -99,6 +102,37 @@ TEST(Geometry, NonCausalEverythingFull) {
     EXPECT_EQ(g.full_end(qb), 3);
   }
   EXPECT_EQ(g.visible_pairs(1, 2), 1);  // one row (4) × one key (8)
+}
+
+// permute_stop's segments as the CPU backend and the CUDA kernels see them
+// (geom::SegmentGeometry) against the oracle's own definition (reference/decide.h), over
+// square, chunked-prefill (s_q < s_k), empty-row (s_q > s_k) and empty shapes.
+TEST(Geometry, SegmentsMatchTheOraclesDefinition) {
+  for (std::int64_t s_q : {0, 1, 15, 17, 100, 300}) {
+    for (std::int64_t s_k : {0, 1, 16, 50, 300, 513}) {
+      for (int len : {1, 7, 16, 128, 1000}) {
+        const sp::geom::SeqGeometry seq{s_q, s_k, true};
+        const sp::geom::SegmentGeometry sg{seq, len};
+        std::int64_t first = 0, last = -1;
+        sp::ref::segment_range(seq, len, &first, &last);
+        const std::string what = std::to_string(s_q) + "x" + std::to_string(s_k) + " len " + std::to_string(len);
+        ASSERT_EQ(sg.count(), last - first + 1) << what;
+        EXPECT_EQ(sg.first_row(), std::min(std::max<std::int64_t>(0, s_q - s_k), s_q)) << what;
+        if (sg.count() == 0) continue;
+        EXPECT_EQ(sg.first(), first) << what;
+        EXPECT_EQ(sg.last(), last) << what;
+        for (std::int64_t s = first; s <= last; ++s) {
+          const sp::ref::SegmentRows rows = sp::ref::segment_rows(seq, len, s);
+          EXPECT_EQ(sg.row_begin(s), rows.begin) << what << " segment " << s;
+          EXPECT_EQ(sg.row_end(s), rows.end) << what << " segment " << s;
+          EXPECT_EQ(sg.prefix(s), s * len) << what << " segment " << s;  // its rows see every earlier key
+          EXPECT_EQ(sg.key_end(s), std::min<std::int64_t>((s + 1) * len, s_k)) << what << " segment " << s;
+        }
+        EXPECT_EQ(sg.row_begin(first), sg.first_row()) << what;
+        EXPECT_EQ(sg.row_end(last), s_q) << what;
+      }
+    }
+  }
 }
 
 // A tiny batched problem over owned host storage.

@@ -3,7 +3,8 @@
 // CPU backend's (and the oracle's) decisions exactly on inputs placed away from ties, poisoned
 // outputs fully written, NaN K/V in blocks that must not be read, odd lengths, s_q != s_k,
 // GQA groups 1/4/8, varlen, both dtypes and head dims, and clear errors for what is not built.
-// Dense runs on both forward paths: the Hopper kernel (on an sm_90 device) and the portable one.
+// Every case runs on both forward paths: the default one (on an sm_90 device the Hopper kernel
+// for dense and 128-key blocks) and the portable kernel (forced).
 #include <cuda_runtime.h>
 #include <gtest/gtest.h>
 
@@ -25,9 +26,13 @@
 #include "common/tolerance.h"
 #include "core/geometry.h"
 #include "cuda/cuda_backend.h"
+#include "cuda/plan.h"
 #include "gpu_harness.cuh"
+#include "reference/decide.h"
 #include "reference/reference.h"
+#include "reference/sequence.h"
 #include "sparseprefill/attention.h"
+#include "sparseprefill/plan.h"
 
 namespace sparseprefill::test {
 namespace {
@@ -52,28 +57,13 @@ Decisions cpu_decisions(TestProblem* tp, const Policy& policy) {
   return d;
 }
 
-// The GPU output within the calibrated tolerance of the oracle, every element written, and
-// exactly the oracle's and the CPU backend's decisions.
-GpuRun expect_gpu_matches(TestProblem* tp, const Policy& policy) {
-  GpuRun r = run_gpu(tp, policy);
-  EXPECT_TRUE(r.status.ok()) << r.status.to_string();
-  if (!r.status.ok()) return r;
-  ref::Result ref64;
-  EXPECT_TRUE(matches_reference(tp->problem(), policy, tp->output(), {}, &ref64));
-  EXPECT_TRUE(fully_written(r.out, ref64));
-  EXPECT_TRUE(same_decisions(ref64.decisions, r.decisions));
-  TestProblem copy = *tp;
-  EXPECT_TRUE(same_decisions(cpu_decisions(&copy, policy), r.decisions));
-  return r;
-}
-
-// Whether dense calls run the Hopper kernel here (sm_90a code: compute capability 9.0).
+// Whether the GPU runs the Hopper kernel here (sm_90a code: compute capability 9.0).
 bool hopper_device() {
   cudaDeviceProp prop;
   return cudaGetDeviceProperties(&prop, 0) == cudaSuccess && prop.major == 9 && prop.minor == 0;
 }
 
-// While alive, sends this thread's dense calls to the portable kernel.
+// While alive, sends this thread's calls to the portable kernel.
 class PortableOnly {
  public:
   explicit PortableOnly(bool on) { cuda::set_portable_only_for_testing(on); }
@@ -82,29 +72,42 @@ class PortableOnly {
   PortableOnly& operator=(const PortableOnly&) = delete;
 };
 
-// Dense through both forward paths: the default one (the Hopper kernel on an sm_90 device,
-// asserted through the instance that ran) and the portable kernel (forced). Each run is checked
-// as expect_gpu_matches checks it, against references computed once. The runs in that order.
-std::vector<GpuRun> expect_dense_matches(TestProblem* tp) {
-  const Policy dense = DenseParams{};
-  const ref::Result ref64 = oracle(*tp, dense);
+// The forward kernel family the default path must launch for (tp, policy) on this device: the
+// plan's choice (host-tested in cuda_plan_test) on an sm_90 device, the portable one elsewhere.
+std::string expected_instance_prefix(const TestProblem& tp, const Policy& policy) {
+  ProblemShape shape;
+  const Status st = validate_problem(tp.problem(), nullptr, &shape);
+  EXPECT_TRUE(st.ok()) << st.to_string();
+  const bool hopper = st.ok() && hopper_device() &&
+                      cuda::choose_fwd_path(shape, policy, true, 9, 0) == cuda::FwdPath::kHopper;
+  return hopper ? "fwd_sm90_" : "fwd_sm80_";
+}
+
+// The policy through both forward paths: the default one (on an sm_90 device the Hopper kernel
+// for dense and 128-key blocks, asserted through the instance that ran) and the portable
+// kernel (forced). Each run within the calibrated tolerance of the oracle, every element
+// written, and exactly the oracle's and the CPU backend's decisions; the references are
+// computed once. The runs in that order.
+std::vector<GpuRun> expect_both_paths_match(TestProblem* tp, const Policy& policy) {
+  const ref::Result ref64 = oracle(*tp, policy);
   ref::Result lowp;
-  const Status st = run_lowp_reference(tp->problem(), dense, ref64.decisions, &lowp);
+  const Status st = run_lowp_reference(tp->problem(), policy, ref64.decisions, &lowp);
   EXPECT_TRUE(st.ok()) << st.to_string();
   TestProblem copy = *tp;
-  const Decisions cpu = cpu_decisions(&copy, dense);
+  const Decisions cpu = cpu_decisions(&copy, policy);
+  const std::string default_prefix = expected_instance_prefix(*tp, policy);
   std::vector<GpuRun> runs;
   for (bool portable : {false, true}) {
     SCOPED_TRACE(portable ? "portable path" : "default path");
     const PortableOnly guard(portable);
-    GpuRun r = run_gpu(tp, dense);
+    GpuRun r = run_gpu(tp, policy);
     EXPECT_TRUE(r.status.ok()) << r.status.to_string();
     if (r.status.ok()) {
       EXPECT_TRUE(fully_written(r.out, ref64));
       EXPECT_TRUE(close_calibrated(tp->q.dtype(), r.out, ref64, lowp));
       EXPECT_TRUE(same_decisions(ref64.decisions, r.decisions));
       EXPECT_TRUE(same_decisions(cpu, r.decisions));
-      const std::string want = !portable && hopper_device() ? "fwd_sm90_" : "fwd_sm80_";
+      const std::string want = portable ? "fwd_sm80_" : default_prefix;
       const std::string ran = cuda::last_fwd_instance_for_testing();
       EXPECT_EQ(ran.rfind(want, 0), 0u) << "ran " << ran << ", expected " << want << "*";
     }
@@ -112,6 +115,11 @@ std::vector<GpuRun> expect_dense_matches(TestProblem* tp) {
   }
   return runs;
 }
+
+// As expect_both_paths_match; the default path's run.
+GpuRun expect_gpu_matches(TestProblem* tp, const Policy& policy) { return expect_both_paths_match(tp, policy).front(); }
+
+std::vector<GpuRun> expect_dense_matches(TestProblem* tp) { return expect_both_paths_match(tp, DenseParams{}); }
 
 Inputs make_inputs(const std::vector<SeqLen>& lengths, int h_q, int h_kv, int d, std::uint64_t seed,
                    DType dtype = DType::kBF16, double scale = 1.5) {
@@ -290,7 +298,8 @@ TEST(CudaBlockSparse, RandomMasksWithNaNInUnselectedBlocks) {
     bool per_kv, causal;
   };
   for (const Case& c : {Case{{700, 700}, 4, 1, 128, 64, false, true}, Case{{700, 1100}, 8, 2, 64, 128, true, true},
-                        Case{{333, 333}, 2, 2, 128, 128, false, false}, Case{{129, 900}, 4, 4, 64, 64, true, true}}) {
+                        Case{{333, 333}, 2, 2, 128, 128, false, false}, Case{{129, 900}, 4, 4, 64, 64, true, true},
+                        Case{{1023, 1023}, 4, 1, 128, 128, false, true}}) {
     SCOPED_TRACE(std::to_string(c.len.s_q) + "x" + std::to_string(c.len.s_k) + " block_k " + std::to_string(c.block_k) +
                  (c.per_kv ? " per kv head" : " per q head"));
     Inputs in = make_inputs({c.len}, c.h_q, c.h_kv, c.d, 500 + static_cast<std::uint64_t>(c.len.s_k));
@@ -332,10 +341,22 @@ TEST(CudaBlockSparse, AllVisibleMaskEqualsDenseBitwise) {
   p.mask = BlockMask::all_visible(shape, 128, 64, false);
   const GpuRun sparse = run_gpu(&tp, p);
   ASSERT_TRUE(sparse.status.ok()) << sparse.status.to_string();
-  const PortableOnly portable(true);  // the same kernel: the Hopper one tiles keys by 128
-  const GpuRun dense = run_gpu(&tp, DenseParams{});
-  ASSERT_TRUE(dense.status.ok()) << dense.status.to_string();
-  EXPECT_TRUE(same_result(sparse.out, dense.out, 0.0));
+  {
+    const PortableOnly portable(true);  // the same kernel: the Hopper one tiles keys by 128
+    const GpuRun dense = run_gpu(&tp, DenseParams{});
+    ASSERT_TRUE(dense.status.ok()) << dense.status.to_string();
+    EXPECT_TRUE(same_result(sparse.out, dense.out, 0.0));
+  }
+  if (!hopper_device()) return;
+  // block_k 128 on the Hopper kernel: the partial then the full list, each descending, are
+  // dense's descending tiles, through the same code.
+  p.mask = BlockMask::all_visible(shape, 128, 128, false);
+  const GpuRun sparse128 = run_gpu(&tp, p);
+  ASSERT_TRUE(sparse128.status.ok()) << sparse128.status.to_string();
+  EXPECT_EQ(cuda::last_fwd_instance_for_testing().rfind("fwd_sm90_", 0), 0u);
+  const GpuRun dense90 = run_gpu(&tp, DenseParams{});
+  ASSERT_TRUE(dense90.status.ok()) << dense90.status.to_string();
+  EXPECT_TRUE(same_result(sparse128.out, dense90.out, 0.0));
 }
 
 // ------------------------------------------------------------------ exact_gate
@@ -426,43 +447,60 @@ TEST(CudaExactGate, MinusInfinityKeepsAllAndEqualsDense) {
   TestProblem tp = make_problem(in);
   HostTensor thr(DType::kFP32, {4, 3});
   for (int i = 0; i < 12; ++i) thr.as<float>()[i] = -std::numeric_limits<float>::infinity();
-  const PortableOnly portable(true);  // the same kernel: the Hopper one tiles keys by 128
-  const GpuRun dense = run_gpu(&tp, DenseParams{});
-  // block_k 64: every block is one step with the same sums as dense; the two code paths may
-  // contract multiply-adds differently, so O may differ by one rounding of the dtype.
-  const GpuRun gate = run_gpu(&tp, gate_params(thr, 64));
-  ASSERT_TRUE(gate.status.ok()) << gate.status.to_string();
-  EXPECT_TRUE(same_result(gate.out, dense.out, 1e-3));
-  EXPECT_EQ(gate.decisions.kept.selected_blocks(), visible_blocks({{500, 700}}, 4, true, 128, 64));
-  // block_k 128 decides on whole blocks (one rescale per block): within the tolerance.
-  expect_gpu_matches(&tp, gate_params(thr, 128));
+  {
+    const PortableOnly portable(true);  // the same kernel: the Hopper one tiles keys by 128
+    const GpuRun dense = run_gpu(&tp, DenseParams{});
+    // block_k 64: every block is one step with the same sums as dense; the two code paths may
+    // contract multiply-adds differently, so O may differ by one rounding of the dtype.
+    const GpuRun gate = run_gpu(&tp, gate_params(thr, 64));
+    ASSERT_TRUE(gate.status.ok()) << gate.status.to_string();
+    EXPECT_TRUE(same_result(gate.out, dense.out, 1e-3));
+    EXPECT_EQ(gate.decisions.kept.selected_blocks(), visible_blocks({{500, 700}}, 4, true, 128, 64));
+  }
+  // block_k 128 decides on whole blocks (the portable kernel: one rescale per block): within
+  // the tolerance on both paths.
+  const GpuRun gate128 = expect_gpu_matches(&tp, gate_params(thr, 128));
+  EXPECT_EQ(gate128.decisions.kept.selected_blocks(), visible_blocks({{500, 700}}, 4, true, 128, 128));
+  if (!hopper_device()) return;
+  // The Hopper kernel gates 128-key tiles with dense's softmax steps: a kept-all gate is dense.
+  const GpuRun dense90 = run_gpu(&tp, DenseParams{});
+  ASSERT_TRUE(dense90.status.ok()) << dense90.status.to_string();
+  EXPECT_TRUE(same_result(gate128.out, dense90.out, 0.0));
 }
 
 TEST(CudaExactGate, NaNValuesOfSkippedBlocksAreNeverRead) {
   SP_REQUIRE_GPU();
   // One query block over a long prefix: every prefix block is full and gated. V of the blocks
-  // the gate skips for every head of the KV group is NaN (K stays: the gate reads it).
+  // the gate skips for every head of the KV group is NaN (K stays: the gate reads it). block_k
+  // 128 runs the Hopper kernel on an sm_90 device (its producer must not request those V tiles).
   const SeqLen len{100, 1400};
-  Inputs in = make_inputs({len}, 2, 2, 128, 900);
-  TestProblem clean = make_problem(in);
-  const HostTensor thr = midpoint_thresholds(in, true, 64, 0.3);
-  const GpuRun want = expect_gpu_matches(&clean, gate_params(thr, 64));
-  ASSERT_TRUE(want.status.ok());
-  const geom::BlockGeometry g = geometry(len.s_q, len.s_k, true, 128, 64);
-  int poisoned = 0;
-  for (int h = 0; h < in.h_q; ++h) {
-    for (int kb = 0; kb < g.visible_end(0); ++kb) {
-      if (!want.decisions.kept.contains(0, h, 0, kb)) {
-        poison_keys(&in, 0, true, h, g.key_begin(kb), g.key_end(kb));
-        ++poisoned;
+  for (int block_k : {64, 128}) {
+    SCOPED_TRACE("block_k " + std::to_string(block_k));
+    Inputs in = make_inputs({len}, 2, 2, 128, 900);
+    TestProblem clean = make_problem(in);
+    const HostTensor thr = midpoint_thresholds(in, true, block_k, 0.3);
+    const std::vector<GpuRun> want = expect_both_paths_match(&clean, gate_params(thr, block_k));
+    ASSERT_TRUE(want[0].status.ok() && want[1].status.ok());
+    const geom::BlockGeometry g = geometry(len.s_q, len.s_k, true, 128, block_k);
+    int poisoned = 0;
+    for (int h = 0; h < in.h_q; ++h) {
+      for (int kb = 0; kb < g.visible_end(0); ++kb) {
+        if (!want[0].decisions.kept.contains(0, h, 0, kb)) {
+          poison_keys(&in, 0, true, h, g.key_begin(kb), g.key_end(kb));
+          ++poisoned;
+        }
       }
     }
+    ASSERT_GT(poisoned, 0);
+    TestProblem dirty = make_problem(in);
+    for (bool portable : {false, true}) {
+      SCOPED_TRACE(portable ? "portable path" : "default path");
+      const PortableOnly guard(portable);
+      const GpuRun got = run_gpu(&dirty, gate_params(thr, block_k));
+      ASSERT_TRUE(got.status.ok());
+      EXPECT_TRUE(same_result(got.out, want[portable ? 1 : 0].out, 0.0));
+    }
   }
-  ASSERT_GT(poisoned, 0);
-  TestProblem dirty = make_problem(in);
-  const GpuRun got = run_gpu(&dirty, gate_params(thr, 64));
-  ASSERT_TRUE(got.status.ok());
-  EXPECT_TRUE(same_result(got.out, want.out, 0.0));
 }
 
 // ------------------------------------------------------------------ softmax_skip
@@ -489,7 +527,8 @@ TEST(CudaSoftmaxSkip, StableScaleFactorsAgainstOracle) {
     int h_q, h_kv, d, block_k;
   };
   for (const Case& c : {Case{{700, 700}, true, 4, 1, 128, 64}, Case{{150, 1200}, true, 2, 2, 64, 128},
-                        Case{{400, 400}, false, 4, 4, 64, 64}}) {
+                        Case{{400, 400}, false, 4, 4, 64, 64}, Case{{900, 900}, true, 4, 1, 128, 128},
+                        Case{{400, 700}, false, 4, 2, 128, 128}}) {
     SCOPED_TRACE(std::to_string(c.len.s_q) + "x" + std::to_string(c.len.s_k) + (c.causal ? " causal" : " non-causal"));
     Inputs in = make_inputs({c.len}, c.h_q, c.h_kv, c.d, 1000 + static_cast<std::uint64_t>(c.len.s_k), DType::kBF16, 3.0);
     scale_hot_keys(&in, 64, 0.1);
@@ -560,6 +599,136 @@ TEST(CudaEstimateSelect, VarlenBatchOfTwo) {
   ASSERT_FALSE(std::isnan(alpha));
   expect_gpu_matches(&tp, select_params(alpha, true, false));
 }
+
+// ------------------------------------------------------------------ permute_stop
+
+PermuteStopParams permute_params(double tau, int segment, int block_k) {
+  PermuteStopParams p;
+  p.tau = tau;
+  p.segment = segment;
+  p.block_q = 128;
+  p.block_k = block_k;
+  return p;
+}
+
+// Some tile stops before the end of its ranked prefix, and some visits at least two chunks.
+bool stops_early(const Decisions& d) {
+  bool early = false, several = false;
+  for (const PermuteTile& t : d.tiles) {
+    early |= t.chunks_visited < t.chunks_total;
+    several |= t.chunks_visited >= 2;
+  }
+  return early && several;
+}
+
+// Structure for the ranking and the stop rule: every query element shifted by 0.5 and the hot
+// keys' (shift_hot_keys) by 1.0, so that the hot keys hold most of a row's mass, rank first,
+// and the chunks after them add little (iid keys give every chunk about the same gain).
+Inputs permute_inputs(const std::vector<SeqLen>& lengths, int h_q, int h_kv, int d, std::uint64_t seed,
+                      DType dtype = DType::kBF16) {
+  Inputs in = make_inputs(lengths, h_q, h_kv, d, seed, dtype, 2.5);
+  shift_hot_keys(&in, 64, 1.0);
+  for (SequenceData& s : in.seqs) {
+    for (std::int64_t i = 0; i < s.q.numel(); ++i) set(&s.q, i, get(s.q, i) + 0.5);
+  }
+  return in;
+}
+
+// A tau whose oracle decisions are stable (kMargin) and stop some tiles early.
+double stable_tau(const TestProblem& tp, int segment, int block_k) {
+  return stable_parameter(tp, {0.05, 0.1, 0.02, 0.2, 0.03, 0.01, 0.3},
+                          [&](double x) -> Policy { return permute_params(x, segment, block_k); }, stops_early);
+}
+
+TEST(CudaPermuteStop, StableTauAgainstOracle) {
+  SP_REQUIRE_GPU();
+  struct Case {
+    SeqLen len;
+    int h_q, h_kv, d;
+    DType dtype;
+    int segment, block_k;
+  };
+  // GQA groups 4, 8 and 1; odd lengths; s_q < s_k (a cached prefix no segment of the call owns)
+  // and s_q > s_k (rows at negative positions: O = 0, LSE = -inf); segments that are and are
+  // not multiples of the 128-row tile.
+  for (const Case& c : {Case{{1300, 1300}, 4, 1, 128, DType::kBF16, 256, 128},
+                        Case{{1023, 1023}, 8, 1, 64, DType::kFP16, 320, 64},
+                        Case{{300, 1500}, 2, 2, 128, DType::kBF16, 384, 64},
+                        Case{{900, 700}, 4, 1, 64, DType::kBF16, 200, 128},
+                        Case{{2113, 2113}, 2, 1, 128, DType::kFP16, 1024, 128}}) {
+    SCOPED_TRACE(std::to_string(c.len.s_q) + "x" + std::to_string(c.len.s_k) + " d " + std::to_string(c.d) + " group " +
+                 std::to_string(c.h_q / c.h_kv) + " segment " + std::to_string(c.segment) + " block_k " +
+                 std::to_string(c.block_k));
+    const Inputs in = permute_inputs({c.len}, c.h_q, c.h_kv, c.d, 1700 + static_cast<std::uint64_t>(c.len.s_k), c.dtype);
+    TestProblem tp = make_problem(in);
+    const double tau = stable_tau(tp, c.segment, c.block_k);
+    ASSERT_FALSE(std::isnan(tau)) << "no tau with a margin stops a tile early";
+    expect_gpu_matches(&tp, permute_params(tau, c.segment, c.block_k));
+  }
+}
+
+TEST(CudaPermuteStop, VarlenWithEmptyRowsAndShortSequences) {
+  SP_REQUIRE_GPU();
+  const std::vector<SeqLen> lengths = {{1, 1}, {15, 40}, {300, 17}, {700, 900}, {113, 113}, {5, 0}};
+  const Inputs in = permute_inputs(lengths, 4, 2, 64, 1800);
+  TestProblem tp = make_problem(in, true, Layout::kVarlen);
+  const double tau = stable_tau(tp, 128, 64);
+  ASSERT_FALSE(std::isnan(tau));
+  expect_gpu_matches(&tp, permute_params(tau, 128, 64));
+}
+
+TEST(CudaPermuteStop, TauZeroVisitsEverythingAndEqualsDense) {
+  SP_REQUIRE_GPU();
+  const Inputs in = make_inputs({{777, 777}}, 4, 2, 128, 1900);
+  TestProblem tp = make_problem(in);
+  const GpuRun r = expect_gpu_matches(&tp, permute_params(0.0, 256, 128));
+  for (const PermuteTile& t : r.decisions.tiles) EXPECT_EQ(t.chunks_visited, t.chunks_total);
+  const ref::Result dense = oracle(tp, DenseParams{});
+  ref::Result lowp;
+  const Status st = run_lowp_reference(tp.problem(), DenseParams{}, dense.decisions, &lowp);
+  ASSERT_TRUE(st.ok()) << st.to_string();
+  EXPECT_TRUE(close_calibrated(tp.q.dtype(), r.out, dense, lowp));
+}
+
+// Keys of a cached prefix that no segment of the call owns are read only through pass 2: the
+// ones that no tile of any query head of their KV group visits get NaN values (V does not
+// move the decisions), and the output must not see them.
+TEST(CudaPermuteStop, NaNValuesOfUnvisitedChunksAreNeverRead) {
+  SP_REQUIRE_GPU();
+  const int segment = 256, block_k = 64;
+  Inputs in = permute_inputs({{300, 1500}}, 4, 2, 128, 2000);
+  TestProblem tp = make_problem(in);
+  const double tau = stable_tau(tp, segment, block_k);
+  ASSERT_FALSE(std::isnan(tau));
+  const PermuteStopParams params = permute_params(tau, segment, block_k);
+  const ref::Result before = oracle(tp, params);
+  ProblemShape shape;
+  ASSERT_TRUE(validate_problem(tp.problem(), nullptr, &shape).ok());
+  const ref::Sequence seq = ref::gather_sequence(tp.problem(), shape, 0);
+  const std::int64_t own_begin = (1500 - 300) / segment * segment;  // the first segment's first key
+  std::vector<std::vector<bool>> read(static_cast<std::size_t>(in.h_kv), std::vector<bool>(static_cast<std::size_t>(own_begin)));
+  for (const PermuteTile& t : before.decisions.tiles) {
+    const ref::SegmentOrder ord = ref::order_segment(seq, t.head, t.segment, params);
+    const std::int64_t n = geom::min64(static_cast<std::int64_t>(t.chunks_visited) * block_k, ord.prefix);
+    for (std::int64_t i = 0; i < n; ++i) {
+      const std::int64_t key = ord.ranked[static_cast<std::size_t>(i)];
+      if (key < own_begin) read[static_cast<std::size_t>(t.head / (in.h_q / in.h_kv))][static_cast<std::size_t>(key)] = true;
+    }
+  }
+  int poisoned = 0;
+  for (int g = 0; g < in.h_kv; ++g) {
+    for (std::int64_t key = 0; key < own_begin; ++key) {
+      if (read[static_cast<std::size_t>(g)][static_cast<std::size_t>(key)]) continue;
+      poison_keys(&in, 0, true, g, key, key + 1);
+      ++poisoned;
+    }
+  }
+  ASSERT_GT(poisoned, 0) << "every cached key is visited: the case tests nothing";
+  TestProblem poisoned_tp = make_problem(in);
+  const GpuRun r = expect_gpu_matches(&poisoned_tp, params);
+  EXPECT_TRUE(same_decisions(before.decisions, r.decisions));
+}
+
 
 // ------------------------------------------------------------------ paged K/V
 
@@ -636,7 +805,30 @@ TEST(CudaPaged, BlockSparseEqualsContiguous) {
     SCOPED_TRACE("block_k " + std::to_string(block_k));
     BlockSparseParams p;
     p.mask = random_mask(shape, block_k, per_kv, 78, &dead);
-    expect_paged_equals_contiguous(in, p);
+    // K and V of the blocks no query head of a KV group selects are NaN in every sequence
+    // (with per-KV-head masks: a third of the blocks), so reading a skipped page shows.
+    Inputs dirty = in;
+    int poisoned = 0;
+    for (int b = 0; b < shape.batch; ++b) {
+      const geom::BlockGeometry g =
+          geometry(shape.seq_q[static_cast<std::size_t>(b)], shape.seq_k[static_cast<std::size_t>(b)], true, 128, block_k);
+      for (int kvh = 0; kvh < in.h_kv; ++kvh) {
+        for (int kb = 0; kb < g.num_k_blocks(); ++kb) {
+          bool all_dead = true;
+          const int group = in.h_q / in.h_kv;
+          for (int h = 0; h < (per_kv ? 1 : group); ++h) {
+            const auto& list = dead[static_cast<std::size_t>(per_kv ? kvh : kvh * group + h)];
+            all_dead &= std::find(list.begin(), list.end(), kb) != list.end();
+          }
+          if (!all_dead) continue;
+          poison_keys(&dirty, b, false, kvh, g.key_begin(kb), g.key_end(kb));
+          poison_keys(&dirty, b, true, kvh, g.key_begin(kb), g.key_end(kb));
+          ++poisoned;
+        }
+      }
+    }
+    if (per_kv) EXPECT_GT(poisoned, 0);
+    expect_paged_equals_contiguous(dirty, p);
   }
 }
 
@@ -815,9 +1007,12 @@ TEST(CudaSupport, UnsupportedCombinationsSayWhatIsCompiled) {
   SP_REQUIRE_GPU();
   const Inputs in = make_inputs({{64, 64}}, 2, 1, 64, 1400);
   TestProblem tp = make_problem(in);
-  const GpuRun stop = run_gpu(&tp, PermuteStopParams{});
+  PermuteStopParams narrow;
+  narrow.block_k = 32;
+  const GpuRun stop = run_gpu(&tp, narrow);
   EXPECT_EQ(stop.status.code(), StatusCode::kUnsupported);
   EXPECT_NE(stop.status.message().find("permute_stop"), std::string::npos) << stop.status.message();
+  EXPECT_NE(stop.status.message().find("block_k = 32"), std::string::npos) << stop.status.message();
 
   SoftmaxSkipParams small;
   small.block_q = 64;
@@ -848,7 +1043,10 @@ TEST(CudaSupport, CanRunMatchesRun) {
   dev.k = to_device(tp.k, &k);
   dev.v = to_device(tp.v, &v);
   EXPECT_TRUE(can_run(dev, DenseParams{}, Backend::kCUDA).ok());
-  EXPECT_EQ(can_run(dev, PermuteStopParams{}, Backend::kCUDA).code(), StatusCode::kUnsupported);
+  EXPECT_TRUE(can_run(dev, PermuteStopParams{}, Backend::kCUDA).ok());
+  PermuteStopParams wide;
+  wide.block_q = 64;
+  EXPECT_EQ(can_run(dev, wide, Backend::kCUDA).code(), StatusCode::kUnsupported);
   EXPECT_NE(build_info().find("fwd_sm80_bf16_hd128"), std::string::npos) << build_info();
   EXPECT_NE(build_info().find("fwd_sm90_bf16_hd128"), std::string::npos) << build_info();
 }
@@ -875,7 +1073,7 @@ TEST(CudaGraph, CaptureAfterWarmUpReplaysOnNewInputs) {
   RunOptions opt;
   opt.backend = Backend::kCUDA;
   opt.cuda_stream = stream;
-  for (const Policy& policy : {Policy{DenseParams{}}, Policy{skip_params(40.0, 64)}}) {
+  for (const Policy& policy : {Policy{DenseParams{}}, Policy{skip_params(40.0, 64)}, Policy{skip_params(40.0, 128)}}) {
     SCOPED_TRACE(policy_name(policy));
     SP_CUDA_CHECK(cudaMemcpy(q.ptr, tp.q.data(), q.bytes, cudaMemcpyHostToDevice));
     SP_CUDA_CHECK(cudaMemcpy(k.ptr, tp.k.data(), k.bytes, cudaMemcpyHostToDevice));
@@ -927,6 +1125,133 @@ TEST(CudaGraph, CaptureAfterWarmUpReplaysOnNewInputs) {
   SP_CUDA_CHECK(cudaStreamEndCapture(stream, &graph));
   EXPECT_EQ(refused.code(), StatusCode::kUnsupported) << refused.to_string();
   EXPECT_NE(refused.message().find("outside capture first"), std::string::npos) << refused.message();
+  SP_CUDA_CHECK(cudaGraphDestroy(graph));
+  SP_CUDA_CHECK(cudaStreamDestroy(stream));
+}
+
+// ------------------------------------------------------------------ select() and plans
+
+// select() on the device returns the GPU selector's mask: exactly the CPU backend's selection
+// (inputs away from ties), with the same statistics.
+TEST(CudaSelect, EstimateSelectEqualsCpuSelect) {
+  SP_REQUIRE_GPU();
+  for (const bool pack : {false, true}) {
+    SCOPED_TRACE(pack ? "pack_gqa, corrected" : "per q head, corrected");
+    Inputs in = make_inputs({{1300, 1300}}, 4, 1, 128, 1700, DType::kBF16, 2.5);
+    shift_hot_keys(&in, 128, 1.5);
+    TestProblem tp = make_problem(in);
+    const int units = pack ? 1 : 4;
+    const double alpha = stable_parameter(tp, {0.3, 0.2, 0.5, 0.1},
+                                          [&](double x) -> Policy { return select_params(x, true, pack); },
+                                          some_skipped(visible_blocks({{1300, 1300}}, units, true, 128, 128)));
+    ASSERT_FALSE(std::isnan(alpha)) << "no alpha with a margin prunes anything";
+    const Policy policy = select_params(alpha, true, pack);
+    RunOptions cpu;
+    cpu.backend = Backend::kCPU;
+    Decisions expected, actual;
+    RunStats cpu_stats, gpu_stats;
+    ASSERT_TRUE(select(tp.problem(), policy, cpu, &expected, &cpu_stats).ok());
+    DeviceBuffer q, k, v;
+    AttentionProblem dev = tp.problem();
+    dev.q = to_device(tp.q, &q);
+    dev.k = to_device(tp.k, &k);
+    dev.v = to_device(tp.v, &v);
+    RunOptions gpu;
+    gpu.backend = Backend::kCUDA;
+    const Status st = select(dev, policy, gpu, &actual, &gpu_stats);
+    ASSERT_TRUE(st.ok()) << st.to_string();
+    EXPECT_TRUE(same_decisions(expected, actual));
+    EXPECT_GT(actual.corrected.selected_blocks(), 0);
+    EXPECT_EQ(gpu_stats.density(), cpu_stats.density());
+    EXPECT_LT(gpu_stats.density(), 1.0);
+  }
+}
+
+// A block_sparse plan on the device: run(plan) equals run() bit for bit, and a call made with
+// the plan is captured into a CUDA graph with no warm-up call of its shape (the plan holds the
+// mask and the sequence table, and has cached the Hopper kernel's tensor maps of its tensors),
+// replaying on new inputs as a direct call does. block_k 128: the Hopper kernel on an sm_90
+// device.
+TEST(CudaPlan, BlockSparsePlanCapturesWithoutWarmUp) {
+  SP_REQUIRE_GPU();
+  {
+    // One uncaptured call of another shape first: the process's first calls load the kernels
+    // (lazy module loading), which is not what this test is about.
+    TestProblem other = make_problem(make_inputs({{256, 256}}, 4, 2, 64, 1800));
+    ASSERT_TRUE(run_gpu(&other, DenseParams{}).status.ok());
+  }
+  // A shape no other test runs, so that no metadata of it is cached before the capture.
+  const std::vector<SeqLen> len = {{1411, 1411}};
+  const Inputs first = make_inputs(len, 4, 2, 64, 1801);
+  const Inputs second = make_inputs(len, 4, 2, 64, 1802);
+  TestProblem tp = make_problem(first);
+  TestProblem tp2 = make_problem(second);
+  ProblemShape shape;
+  ASSERT_TRUE(validate_problem(tp.problem(), nullptr, &shape).ok());
+  std::vector<std::vector<int>> dead;
+  BlockSparseParams policy;
+  policy.mask = random_mask(shape, 128, false, 1803, &dead);
+
+  DeviceBuffer q, k, v, o, lse;
+  AttentionProblem dev = tp.problem();
+  dev.q = to_device(tp.q, &q);
+  dev.k = to_device(tp.k, &k);
+  dev.v = to_device(tp.v, &v);
+  AttentionOutput out;
+  out.o = to_device(tp.o, &o);
+  out.lse = to_device(tp.lse, &lse);
+  cudaStream_t stream = nullptr;
+  SP_CUDA_CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+  RunOptions opt;
+  opt.backend = Backend::kCUDA;
+  opt.cuda_stream = stream;
+  Plan plan;
+  const Status made = make_plan(dev, policy, opt, &plan);
+  ASSERT_TRUE(made.ok()) << made.to_string();
+
+  cudaGraph_t graph = nullptr;
+  SP_CUDA_CHECK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
+  const Status captured = run(plan, dev, out, opt);
+  SP_CUDA_CHECK(cudaStreamEndCapture(stream, &graph));
+  ASSERT_TRUE(captured.ok()) << captured.to_string();
+  const std::string want = expected_instance_prefix(tp, policy);
+  EXPECT_EQ(cuda::last_fwd_instance_for_testing().rfind(want, 0), 0u) << "captured " << cuda::last_fwd_instance_for_testing();
+  cudaGraphExec_t exec = nullptr;
+  SP_CUDA_CHECK(cudaGraphInstantiate(&exec, graph, 0));
+
+  for (const TestProblem* in : {&tp, &tp2}) {
+    SP_CUDA_CHECK(cudaMemcpy(q.ptr, in->q.data(), q.bytes, cudaMemcpyHostToDevice));
+    SP_CUDA_CHECK(cudaMemcpy(k.ptr, in->k.data(), k.bytes, cudaMemcpyHostToDevice));
+    SP_CUDA_CHECK(cudaMemcpy(v.ptr, in->v.data(), v.bytes, cudaMemcpyHostToDevice));
+    TestProblem replayed = *in;
+    poison(&replayed.o);
+    SP_CUDA_CHECK(cudaMemcpy(o.ptr, replayed.o.data(), o.bytes, cudaMemcpyHostToDevice));
+    SP_CUDA_CHECK(cudaGraphLaunch(exec, stream));
+    SP_CUDA_CHECK(cudaStreamSynchronize(stream));
+    to_host(o, &replayed.o);
+    to_host(lse, &replayed.lse);
+
+    TestProblem planned = *in;
+    poison(&planned.o);
+    SP_CUDA_CHECK(cudaMemcpy(o.ptr, planned.o.data(), o.bytes, cudaMemcpyHostToDevice));
+    const Status st = run(plan, dev, out, opt);
+    ASSERT_TRUE(st.ok()) << st.to_string();
+    SP_CUDA_CHECK(cudaStreamSynchronize(stream));
+    to_host(o, &planned.o);
+    to_host(lse, &planned.lse);
+
+    TestProblem direct = *in;
+    const GpuRun r = run_gpu(&direct, policy);
+    ASSERT_TRUE(r.status.ok()) << r.status.to_string();
+    ref::Result ref64;
+    EXPECT_TRUE(matches_reference(direct.problem(), policy, direct.output(), {}, &ref64));
+    EXPECT_TRUE(fully_written(r.out, ref64));
+    EXPECT_EQ(std::memcmp(planned.o.data(), direct.o.data(), direct.o.nbytes()), 0) << "run(plan) O differs from run()";
+    EXPECT_EQ(std::memcmp(planned.lse.data(), direct.lse.data(), direct.lse.nbytes()), 0);
+    EXPECT_EQ(std::memcmp(replayed.o.data(), direct.o.data(), direct.o.nbytes()), 0) << "replayed O differs";
+    EXPECT_EQ(std::memcmp(replayed.lse.data(), direct.lse.data(), direct.lse.nbytes()), 0);
+  }
+  SP_CUDA_CHECK(cudaGraphExecDestroy(exec));
   SP_CUDA_CHECK(cudaGraphDestroy(graph));
   SP_CUDA_CHECK(cudaStreamDestroy(stream));
 }

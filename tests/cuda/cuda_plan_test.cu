@@ -6,12 +6,16 @@
 // split per sequence.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <limits>
 #include <string>
 #include <vector>
 
 #include "common/inputs.h"
+#include "core/geometry.h"
+#include "cuda/kernel/rank_key.h"
 #include "cuda/plan.h"
 #include "sparseprefill/attention.h"
 
@@ -63,26 +67,50 @@ TEST(CudaPlan, UnsupportedMessagesNameTheArgument) {
   EstimateSelectParams select;
   select.block = 64;
   expect_unsupported(s, select, "block = 128");
-  expect_unsupported(s, PermuteStopParams{}, "permute_stop");
+  PermuteStopParams stop;
+  stop.block_k = 32;
+  expect_unsupported(s, stop, "permute_stop");
+  PermuteStopParams tiny;
+  tiny.segment = 16;  // 32 heads × 2^20 positions in 16-key segments: ~1.8e13 ranked keys
+  expect_unsupported(shape_of(std::int64_t{1} << 20, std::int64_t{1} << 20, 32, 8, 128), tiny, "2^31 - 1");
   expect_unsupported(shape_of(300, 300, 4, 1, 80), DenseParams{}, "head_dim 80");
 }
 
-TEST(CudaPlan, HopperPathForDenseOnComputeCapability90Only) {
+TEST(CudaPlan, HopperPathOnComputeCapability90For128KeyBlocks) {
   const ProblemShape s = shape_of(300, 300, 4, 1, 128);
   EXPECT_EQ(choose_fwd_path(s, DenseParams{}, true, 9, 0), FwdPath::kHopper);
   EXPECT_EQ(choose_fwd_path(shape_of(17, 40, 8, 8, 64, DType::kFP16), DenseParams{}, true, 9, 0), FwdPath::kHopper);
-  // sm_90a code runs on compute capability 9.0 alone: Ampere, Ada and Blackwell stay portable.
-  EXPECT_EQ(choose_fwd_path(s, DenseParams{}, true, 8, 0), FwdPath::kPortable);
-  EXPECT_EQ(choose_fwd_path(s, DenseParams{}, true, 8, 9), FwdPath::kPortable);
-  EXPECT_EQ(choose_fwd_path(s, DenseParams{}, true, 10, 0), FwdPath::kPortable);
-  // Tensors TMA cannot describe, and every policy but dense, stay portable.
-  EXPECT_EQ(choose_fwd_path(s, DenseParams{}, false, 9, 0), FwdPath::kPortable);
+  // Every policy with 128-key blocks runs there too; 64-key blocks keep the portable kernel.
+  ASSERT_EQ(hopper_block_k(), 128);
   ExactGateParams gate;
   gate.block_k = 128;
+  EXPECT_EQ(choose_fwd_path(s, gate, true, 9, 0), FwdPath::kHopper);
+  gate.block_k = 64;
   EXPECT_EQ(choose_fwd_path(s, gate, true, 9, 0), FwdPath::kPortable);
-  EXPECT_EQ(choose_fwd_path(s, SoftmaxSkipParams{}, true, 9, 0), FwdPath::kPortable);
-  EXPECT_EQ(choose_fwd_path(s, BlockSparseParams{}, true, 9, 0), FwdPath::kPortable);
-  EXPECT_EQ(choose_fwd_path(s, EstimateSelectParams{}, true, 9, 0), FwdPath::kPortable);
+  SoftmaxSkipParams skip;
+  skip.block_k = 128;
+  EXPECT_EQ(choose_fwd_path(s, skip, true, 9, 0), FwdPath::kHopper);
+  skip.block_k = 64;
+  EXPECT_EQ(choose_fwd_path(s, skip, true, 9, 0), FwdPath::kPortable);
+  BlockSparseParams mask;
+  mask.mask = BlockMask::empty(s, 128, 128, false);
+  EXPECT_EQ(choose_fwd_path(s, mask, true, 9, 0), FwdPath::kHopper);
+  mask.mask = BlockMask::empty(s, 128, 64, false);
+  EXPECT_EQ(choose_fwd_path(s, mask, true, 9, 0), FwdPath::kPortable);
+  EstimateSelectParams select;
+  select.block = 128;
+  EXPECT_EQ(choose_fwd_path(s, select, true, 9, 0), FwdPath::kHopper);
+  select.mean_correction = true;
+  EXPECT_EQ(choose_fwd_path(s, select, true, 9, 0), FwdPath::kHopper);
+  EXPECT_EQ(choose_fwd_path(s, PermuteStopParams{}, true, 9, 0), FwdPath::kPortable);
+  // sm_90a code runs on compute capability 9.0 alone: Ampere, Ada and Blackwell stay portable.
+  for (const Policy& policy : {Policy{DenseParams{}}, Policy{select}}) {
+    EXPECT_EQ(choose_fwd_path(s, policy, true, 8, 0), FwdPath::kPortable);
+    EXPECT_EQ(choose_fwd_path(s, policy, true, 8, 9), FwdPath::kPortable);
+    EXPECT_EQ(choose_fwd_path(s, policy, true, 10, 0), FwdPath::kPortable);
+    // Tensors TMA cannot describe stay portable.
+    EXPECT_EQ(choose_fwd_path(s, policy, false, 9, 0), FwdPath::kPortable);
+  }
 }
 
 // A paged problem (shuffled pages, NaN in every storage no valid key uses) and its shape.
@@ -96,7 +124,7 @@ test::TestProblem paged_problem(int page_size, ProblemShape* shape) {
   return tp;
 }
 
-TEST(CudaPlan, PagedKvRunsEveryPolicyOnThePortablePath) {
+TEST(CudaPlan, PagedKvRunsEveryPolicyButPermuteStopOnThePortablePath) {
   ProblemShape s;
   const test::TestProblem tp = paged_problem(16, &s);
   ASSERT_EQ(s.kv_layout, KvLayout::kPaged);
@@ -108,9 +136,20 @@ TEST(CudaPlan, PagedKvRunsEveryPolicyOnThePortablePath) {
     const Status st = check_support(s, policy, &n);
     EXPECT_TRUE(st.ok()) << policy_name(policy) << ": " << st.to_string();
   }
-  // Dense on compute capability 9.0 would take the Hopper kernel, whose tensor maps describe
-  // contiguous rows only: paged K/V stays on the portable kernel.
-  EXPECT_EQ(choose_fwd_path(s, DenseParams{}, true, 9, 0), FwdPath::kPortable);
+  // permute_stop's kernels address contiguous K/V only.
+  const Status stop = check_support(s, PermuteStopParams{}, &n);
+  EXPECT_EQ(stop.code(), StatusCode::kUnsupported);
+  EXPECT_NE(stop.message().find("paged K/V"), std::string::npos) << stop.message();
+  // Dense and the 128-key-block policies on compute capability 9.0 would take the Hopper
+  // kernel, whose tensor maps describe contiguous rows only: paged K/V stays on the portable
+  // kernel.
+  ExactGateParams gate128;
+  gate128.block_k = 128;
+  EstimateSelectParams select;
+  select.block = 128;
+  for (const Policy& policy : {Policy{DenseParams{}}, Policy{gate128}, Policy{select}}) {
+    EXPECT_EQ(choose_fwd_path(s, policy, true, 9, 0), FwdPath::kPortable) << policy_name(policy);
+  }
   EXPECT_EQ(support_summary().find("paged K/V is not"), std::string::npos);
   EXPECT_NE(support_summary().find("paged K/V"), std::string::npos);
 }
@@ -240,6 +279,104 @@ TEST(CudaPlan, BitsAndArraysBecomeMasks) {
   pi[r * cap] = 2;
   ASSERT_TRUE(mask_from_arrays(s, 128, false, fc, fi, pc, pi, &got).ok());
   EXPECT_EQ(got.to_dense(), want.to_dense());
+}
+
+TEST(CudaPlan, PermuteLayoutSlotsSegmentsAndPrefixes) {
+  // Three sequences, segment 128: 300 x 300 (segments 0-2), 100 x 500 (rows at positions
+  // 400..499: segment 3 alone, prefix 384), 200 x 50 (rows 0..149 at negative positions).
+  ProblemShape s = shape_of(300, 300, 1, 1, 64);
+  s.batch = 3;
+  s.seq_q = {300, 100, 200};
+  s.seq_k = {300, 500, 50};
+  s.q_start = {0, 300, 400};
+  s.k_start = {0, 300, 800};
+  PermuteStopParams p;
+  p.segment = 128;
+  p.block_k = 64;
+  PermuteLayout l;
+  ASSERT_TRUE(permute_layout(s, p, &l).ok());
+  EXPECT_EQ(l.max_segments, 3);
+  EXPECT_EQ(l.max_s_q, 300);
+  EXPECT_EQ(l.max_prefix, 384);
+  EXPECT_EQ(l.tiles_per_segment, 1);
+  EXPECT_EQ(l.rank_offsets, (std::vector<std::int32_t>{0, 0, 128, 384, 768, 768, 768, 768, 768, 768}));
+  // Per (b, h): negative-position rows, each segment's rows (padded), slots past s_q.
+  EXPECT_EQ(l.query_offsets, (std::vector<std::int32_t>{0, 0, 128, 256, 300, 300, 300, 400, 400, 400, 600, 750, 800,
+                                                        800, 800, 900}));
+  // Tiles in (batch, head, segment, tile) order with their counts and totals.
+  const std::vector<std::int32_t> visited = {0, 1, 2, 3, 0, 0, 6, 0, 0};
+  const std::vector<PermuteTile> tiles = permute_tiles(s, p, l, visited);
+  ASSERT_EQ(tiles.size(), 5u);
+  const int want[5][4] = {{0, 0, 0, 0}, {0, 1, 1, 2}, {0, 2, 2, 4}, {1, 3, 3, 6}, {2, 0, 6, 0}};
+  for (std::size_t i = 0; i < tiles.size(); ++i) {
+    EXPECT_EQ(tiles[i].batch, want[i][0]) << i;
+    EXPECT_EQ(tiles[i].segment, want[i][1]) << i;
+    EXPECT_EQ(tiles[i].chunks_visited, want[i][2]) << i;
+    EXPECT_EQ(tiles[i].chunks_total, want[i][3]) << i;
+    EXPECT_EQ(tiles[i].tile, 0) << i;
+  }
+}
+
+TEST(CudaPlan, PermuteTilesMatchTheCpuBackendsTiles) {
+  // The kernel's (item, tile) counts mapped back give the CPU backend's tile list exactly.
+  const test::Inputs in = test::random_inputs({{700, 900}, {15, 40}, {300, 17}}, 2, 1, 64, DType::kBF16, 21, 1.0);
+  test::LayoutOptions varlen;
+  varlen.layout = test::Layout::kVarlen;
+  test::TestProblem tp = test::build_problem(in, varlen);
+  ProblemShape s;
+  ASSERT_TRUE(validate_problem(tp.problem(), nullptr, &s).ok());
+  PermuteStopParams p;
+  p.segment = 200;
+  p.block_k = 64;
+  p.tau = 0.05;
+  RunOptions opt;
+  opt.backend = Backend::kCPU;
+  Decisions cpu;
+  ASSERT_TRUE(run(tp.problem(), p, tp.output(), opt, nullptr, &cpu).ok());
+  PermuteLayout l;
+  ASSERT_TRUE(permute_layout(s, p, &l).ok());
+  std::vector<std::int32_t> visited(static_cast<std::size_t>(l.rank_offsets.size() - 1) *
+                                    static_cast<std::size_t>(l.tiles_per_segment), -1);
+  for (const PermuteTile& t : cpu.tiles) {
+    const geom::SegmentGeometry sg{{s.seq_q[static_cast<std::size_t>(t.batch)], s.seq_k[static_cast<std::size_t>(t.batch)], true},
+                                   p.segment};
+    const std::int64_t item = (std::int64_t{t.batch} * s.h_q + t.head) * l.max_segments + (t.segment - sg.first());
+    visited[static_cast<std::size_t>(item * l.tiles_per_segment + t.tile)] = t.chunks_visited;
+  }
+  const std::vector<PermuteTile> tiles = permute_tiles(s, p, l, visited);
+  ASSERT_EQ(tiles.size(), cpu.tiles.size());
+  for (std::size_t i = 0; i < tiles.size(); ++i) {
+    EXPECT_EQ(tiles[i].batch, cpu.tiles[i].batch) << i;
+    EXPECT_EQ(tiles[i].head, cpu.tiles[i].head) << i;
+    EXPECT_EQ(tiles[i].segment, cpu.tiles[i].segment) << i;
+    EXPECT_EQ(tiles[i].tile, cpu.tiles[i].tile) << i;
+    EXPECT_EQ(tiles[i].chunks_visited, cpu.tiles[i].chunks_visited) << i;
+    EXPECT_EQ(tiles[i].chunks_total, cpu.tiles[i].chunks_total) << i;
+  }
+  // The slot arrays have the layout of Decisions::query_order.
+  EXPECT_EQ(l.query_offsets.back(), static_cast<std::int32_t>(cpu.query_order.size()));
+}
+
+TEST(CudaPlan, RankKeysSortInTheOraclesRankingOrder) {
+  // Descending by score, NaN after every number, ties (+0 and -0 included) by lower index: the
+  // oracle's order, against a stable descending sort by rank_key (CUB's sort in the kernels).
+  constexpr double kInf = std::numeric_limits<double>::infinity();
+  const double nan = std::numeric_limits<double>::quiet_NaN();
+  std::vector<double> score = {0.5, -0.0, nan, -kInf, 0.0, 3.0, kInf, -2.5, nan, 0.5, -1e-300, 1e-300,
+                               -kInf, 3.0, std::numeric_limits<double>::max(), -std::numeric_limits<double>::max()};
+  test::Random rng(5);
+  for (int i = 0; i < 200; ++i) score.push_back(std::ldexp(rng.uniform(), static_cast<int>(rng.below(40)) - 20));
+  std::vector<std::size_t> want(score.size()), got(score.size());
+  for (std::size_t i = 0; i < score.size(); ++i) want[i] = got[i] = i;
+  std::stable_sort(want.begin(), want.end(), [&](std::size_t a, std::size_t b) {
+    const bool a_nan = std::isnan(score[a]), b_nan = std::isnan(score[b]);
+    if (a_nan != b_nan) return b_nan;
+    return !a_nan && score[a] > score[b];
+  });
+  std::stable_sort(got.begin(), got.end(), [&](std::size_t a, std::size_t b) { return rank_key(score[a]) > rank_key(score[b]); });
+  EXPECT_EQ(got, want);
+  EXPECT_EQ(rank_key(-0.0), rank_key(0.0));
+  EXPECT_LT(rank_key(nan), rank_key(-kInf));
 }
 
 TEST(CudaPlan, CalibrationStatisticsSupport) {

@@ -493,3 +493,61 @@ def test_native_run_on_torch_returns_stats():
     assert torch.allclose(r.out, flash_attn_func(q, k, v, causal=True,
                                                  policy=sp.EstimateSelect(block=16, alpha=0.5, sink=1, window=1,
                                                                           tail=1)))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_native_select_plan_run(device):
+    dtype, bl = (torch.bfloat16, POLICY_BLOCK["cuda"]) if device == "cuda" else (torch.float32, 16)
+    q, k, v = structured(51, 2, 5 * bl + 3, 6 * bl + 1, 8, 2, 64, dtype, device, bl)
+    policy = sp.EstimateSelect(block=bl, alpha=0.5, sink=1, window=1, tail=1, mean_correction=True)
+    sel = sp.select(q, k, v, policy)
+    assert 0 < sel.mask.density < 1 and sel.corrected is not None
+    # The device's selection is the CPU backend's (the banded inputs sit far from every tie).
+    host = sp.select(q.cpu(), k.cpu(), v.cpu(), policy, backend="cpu")
+    np.testing.assert_array_equal(sel.mask.indptr, host.mask.indptr)
+    np.testing.assert_array_equal(sel.mask.indices, host.mask.indices)
+    np.testing.assert_array_equal(sel.corrected.indices, host.corrected.indices)
+    np.testing.assert_array_equal(sel.stats.heads, host.stats.heads)
+    ran = sp.run(q, k, v, policy, decisions=True)
+    np.testing.assert_array_equal(ran.decisions.kept.indices, sel.mask.indices)
+    # The selection as a block mask, planned once and run twice, equals the one-shot call.
+    mask_policy = sp.select(q, k, v, sp.EstimateSelect(block=bl, alpha=0.5, sink=1, window=1, tail=1)).mask.to_policy()
+    plan = sp.plan(q, k, v, mask_policy)
+    direct = sp.run(q, k, v, mask_policy)
+    for _ in range(2):
+        planned = sp.run(plan, q, k, v)
+        assert torch.equal(planned.out, direct.out) and torch.equal(planned.lse, direct.lse)
+        np.testing.assert_array_equal(planned.stats.heads, direct.stats.heads)
+    with pytest.raises(sp.InvalidArgumentError, match="does not match the plan"):
+        sp.run(plan, q[:, :-1], k, v)
+
+
+@pytest.mark.skipif(not CUDA, reason="CUDA graphs need a GPU")
+def test_native_plan_captures_without_warm_up():
+    # A shape no other test runs: nothing of it is cached on the device before the capture;
+    # the plan holds the mask and the sequence table, so the first call may be captured.
+    dtype, device, bl = torch.bfloat16, "cuda", POLICY_BLOCK["cuda"]
+    s = 7 * bl + 5
+    q, k, v = structured(52, 2, s, s, 8, 2, 64, dtype, device, bl)
+    vis = np.tril(np.ones((8, 8), dtype=bool))
+    dense = vis & (np.add.outer(np.arange(8), np.arange(8)) % 3 != 1)
+    policy = sp.BlockSparse(dense=dense[None, None], block_q=bl, block_k=bl)
+    static = [x.clone() for x in (q, k, v)]
+    out, lse = torch.empty_like(q), torch.empty((2, 8, s), dtype=torch.float32, device=device)
+    plan = sp.plan(*static, policy)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        r = sp.run(plan, *static, out=out, lse=lse)
+    assert r.stats is None  # nothing is read back under capture
+    q2, k2, v2 = structured(53, 2, s, s, 8, 2, 64, dtype, device, bl)
+    for dst, src in zip(static, (q2, k2, v2)):
+        dst.copy_(src)
+    out.fill_(math.nan)
+    graph.replay()
+    torch.cuda.synchronize()
+    want = sp.run(q2, k2, v2, policy)
+    assert torch.equal(out, want.out) and torch.equal(lse, want.lse)
+    mask = torch.from_numpy(dense).repeat_interleave(bl, 0).repeat_interleave(bl, 1)[:s, :s].to(device)
+    full = mask[None, None].expand(2, 8, s, s)
+    assert_calibrated(out, attention(q2, k2, v2, True, mask=full)[0],
+                      attention(q2, k2, v2, True, mask=full, low_precision=True)[0])

@@ -4,6 +4,7 @@
 // translation units (g++) fill it and kernel translation units read it.
 #pragma once
 
+#include <cstddef>
 #include <cstdint>
 
 namespace sparseprefill::cuda {
@@ -183,6 +184,43 @@ struct CalibParams {
   //   the host).
   float* block_max;
   float* skip_g;
+};
+
+// permute_stop on the GPU (DESIGN.md §3, our definition of S2O). Segment slot `slot` of
+// sequence b is its absolute segment first(b) + slot, first(b) = max(s_k - s_q, 0) / S (the
+// segment of the first row at a position >= 0); item (b, h, slot) = (b·h_q + h)·max_segments
+// + slot. Ranking arrays hold each item's prefix keys t < min(segment·S, s_k) contiguously
+// (rank_offsets); the slot arrays are [batch, h_q, max_s_q] (Decisions::query_order's layout),
+// cut into max_segments + 2 sort segments per (b, h): the rows at negative positions, each
+// segment's rows, the slots past s_q (query_offsets).
+struct PermuteParams {
+  FwdParams fwd;          // tensors, strides, sequences, heads and scale (policy fields unused)
+  int segment;            // S: absolute query positions per segment
+  float tau;              // stop after a chunk whose largest row gain Δl / l' is below tau
+  int block_k;            // keys per ranked chunk: 64 or 128 (one or two 64-key sub-tiles)
+  int max_segments;       // segment slots per (b, h)
+  int tiles_per_segment;  // query tiles of kBlockQ rows per segment slot: ceil(min(S, max s_q) / 128)
+  int max_s_q;            // slots per (b, h) of the order arrays
+  int max_prefix;         // the longest prefix of any item (grid extent of the score kernel)
+  int rank_items;         // prefix keys over all items (CUB: int)
+  int rank_segments;      // batch · h_q · max_segments
+  int query_items;        // batch · h_q · max_s_q
+  int query_segments;     // batch · h_q · (max_segments + 2)
+  const std::int32_t* rank_offsets;   // [rank_segments + 1]
+  const std::int32_t* query_offsets;  // [query_segments + 1]
+
+  // Scratch. Sort buffers come in pairs (CUB double buffers); the launch sets `ranked` and
+  // `query_order` to the buffer of each pair that holds the sorted result.
+  double* q_mean;                // [rank_segments, d]: q̄ per item, fp64
+  std::uint64_t* rank_keys[2];   // [rank_items]: rank_key(q̄·k_t) (kernel/rank_key.h)
+  std::int32_t* rank_index[2];   // [rank_items]: t
+  std::uint64_t* query_keys[2];  // [query_items]: rank_key(q·u) (0 where the order stays)
+  std::int32_t* query_rows[2];   // [query_items]: call-relative rows; -1 past s_q
+  void* sort_temp;
+  std::size_t sort_temp_bytes;
+  const std::int32_t* ranked;       // set by the launch: prefix keys of each item, best first
+  const std::int32_t* query_order;  // set by the launch: rows in visit order per (b, h)
+  std::int32_t* visited;  // [rank_segments, tiles_per_segment] chunks visited; nullptr = not recorded
 };
 
 }  // namespace sparseprefill::cuda

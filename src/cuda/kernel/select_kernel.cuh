@@ -25,7 +25,14 @@ __global__ void __launch_bounds__(kD) block_means_kernel(const __grid_constant__
   const int j = blockIdx.x, hk = blockIdx.y, b = blockIdx.z, i = threadIdx.x;
   const SeqInfo seq = p.seqs[b];
   const std::int64_t key0 = static_cast<std::int64_t>(j) * p.block;
-  if (key0 >= seq.s_k) return;  // past this sequence's last block: never read
+  const std::int64_t out = ((static_cast<std::int64_t>(b) * p.h_kv + hk) * p.num_k_blocks + j) * kD + i;
+  if (key0 >= seq.s_k) {
+    // Past this sequence's last block: masked out wherever it is read (the Hopper kernel loads
+    // whole 128-block tiles of means), but its P·V term is 0 · v̄ only if v̄ is finite.
+    static_cast<std::uint16_t*>(p.k_mean)[out] = 0;
+    static_cast<std::uint16_t*>(p.v_mean)[out] = 0;
+    return;
+  }
   const std::int64_t len = geom::min64(p.block, seq.s_k - key0);
   // The keys' rows through the forward kernel's addressor (contiguous or paged).
   const auto* k = static_cast<const std::uint16_t*>(p.k) + seq.k_off + hk * p.k_head_stride;
@@ -38,7 +45,6 @@ __global__ void __launch_bounds__(kD) block_means_kernel(const __grid_constant__
     k_sum += ptx::to_float<kBf16>(k_rows.row(t)[i]);
     v_sum += ptx::to_float<kBf16>(v_rows.row(t)[i]);
   }
-  const std::int64_t out = ((static_cast<std::int64_t>(b) * p.h_kv + hk) * p.num_k_blocks + j) * kD + i;
   static_cast<std::uint16_t*>(p.k_mean)[out] = ptx::from_float<kBf16>(static_cast<float>(k_sum / static_cast<double>(len)));
   static_cast<std::uint16_t*>(p.v_mean)[out] = ptx::from_float<kBf16>(static_cast<float>(v_sum / static_cast<double>(len)));
 }

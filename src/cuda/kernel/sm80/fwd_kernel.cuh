@@ -14,6 +14,7 @@
 
 #include "core/geometry.h"
 #include "cuda/kernel/fwd_params.h"
+#include "cuda/kernel/policy.cuh"
 #include "cuda/kernel/ptx.cuh"
 #include "cuda/kernel/sm80/tile.cuh"
 #include "cuda/kernel/softmax.cuh"
@@ -59,23 +60,54 @@ struct FwdConfig {
   static_assert(kMeanChunk == kBlockN, "a mean-correction tile is one sub-tile of pooled blocks");
 };
 
-// The key blocks one CTA visits, in order: group A (never gated by exact_gate: the partial
-// blocks, or non-causal the last key block), then group B (the full blocks), each descending,
-// then the mean-correction tiles. Dense and the gates walk one descending range [0, a_hi); a
-// block mask walks its partial list then its full list.
-struct VisitList {
-  bool lists = false;    // mask mode (else range mode)
-  int n_a = 0;           // group A entries
-  int n_reg = 0;         // A + B entries (real key blocks)
-  int a_hi = 0;          // range mode: first visited block + 1
-  const std::int32_t* a_list = nullptr;  // mask mode: ascending partial indices
-  const std::int32_t* b_list = nullptr;  // mask mode: ascending full indices
-
-  __device__ __forceinline__ int block(int j) const {
-    if (!lists) return a_hi - 1 - j;
-    return j < n_a ? a_list[n_a - 1 - j] : b_list[n_reg - 1 - j];
+// S = Q·Kᵀ for one warp's kM m16 row groups (rows warp_row ..) against a [kBlockN, kHeadDim]
+// K tile: every K fragment loaded serves all kM row groups.
+template <class Cfg>
+__device__ __forceinline__ void warp_scores(std::uint32_t q_tile, std::uint32_t k_tile, int warp_row, int lane,
+                                            float (&s)[Cfg::kM][Cfg::kNFrags][4]) {
+  using Tile = typename Cfg::Tile;
+#pragma unroll
+  for (int mi = 0; mi < Cfg::kM; ++mi) {
+#pragma unroll
+    for (int nf = 0; nf < Cfg::kNFrags; ++nf) s[mi][nf][0] = s[mi][nf][1] = s[mi][nf][2] = s[mi][nf][3] = 0.f;
   }
-};
+#pragma unroll
+  for (int kk = 0; kk < Cfg::kKSteps; ++kk) {
+    std::uint32_t qa[Cfg::kM][4];
+#pragma unroll
+    for (int mi = 0; mi < Cfg::kM; ++mi) load_a_frag<Tile>(q_tile, warp_row + 16 * mi, kk, lane, qa[mi]);
+#pragma unroll
+    for (int np = 0; np < Cfg::kNFrags / 2; ++np) {
+      std::uint32_t bk[4];
+      load_k_frags<Tile>(k_tile, np * 16, kk, lane, bk);
+#pragma unroll
+      for (int mi = 0; mi < Cfg::kM; ++mi) {
+        ptx::mma_16816<Cfg::kBf16>(s[mi][2 * np], qa[mi], bk[0], bk[1]);
+        ptx::mma_16816<Cfg::kBf16>(s[mi][2 * np + 1], qa[mi], bk[2], bk[3]);
+      }
+    }
+  }
+}
+
+// O += P·V for one warp's rows: P as A fragments [kM][kPSteps][4], V a [kBlockN, kHeadDim] tile.
+template <class Cfg>
+__device__ __forceinline__ void warp_pv(std::uint32_t v_tile, int lane, const std::uint32_t (&pp)[Cfg::kM][Cfg::kPSteps][4],
+                                        float (&acc)[Cfg::kM][Cfg::kDFrags][4]) {
+  using Tile = typename Cfg::Tile;
+#pragma unroll
+  for (int kk = 0; kk < Cfg::kPSteps; ++kk) {
+#pragma unroll
+    for (int dp = 0; dp < Cfg::kDFrags / 2; ++dp) {
+      std::uint32_t bv[4];
+      load_v_frags<Tile>(v_tile, kk, dp, lane, bv);
+#pragma unroll
+      for (int mi = 0; mi < Cfg::kM; ++mi) {
+        ptx::mma_16816<Cfg::kBf16>(acc[mi][2 * dp], pp[mi][kk], bv[0], bv[1]);
+        ptx::mma_16816<Cfg::kBf16>(acc[mi][2 * dp + 1], pp[mi][kk], bv[2], bv[3]);
+      }
+    }
+  }
+}
 
 template <class Cfg>
 __global__ void __launch_bounds__(Cfg::kThreads, 2) fwd_kernel(const __grid_constant__ FwdParams p) {
@@ -115,63 +147,22 @@ __global__ void __launch_bounds__(Cfg::kThreads, 2) fwd_kernel(const __grid_cons
   auto* stash = reinterpret_cast<float4*>(smem + Cfg::kQBytes + 2 * Cfg::kKVBytes);
 
   // ---- visit list
-  VisitList visit;
-  const int h_mask = p.mask_per_kv_head ? hk : h;
-  const std::int64_t mask_row = (static_cast<std::int64_t>(b) * p.mask_heads + h_mask) * p.mask_q_blocks + qb;
-  if (p.mode == PolicyMode::kBlockMask) {
-    visit.lists = true;
-    visit.n_a = p.partial_count[mask_row];
-    visit.n_reg = visit.n_a + p.full_count[mask_row];
-    visit.a_list = p.partial_index + (p.partial_start != nullptr ? p.partial_start[mask_row] : mask_row * p.mask_k_blocks);
-    visit.b_list = p.full_index + (p.full_start != nullptr ? p.full_start[mask_row] : mask_row * p.mask_k_blocks);
-  } else {
-    visit.a_hi = geo.visible_end(qb);
-    // Causal: the partial blocks [full_end, visible_end). Non-causal: every block is full and
-    // the last one is the forced one.
-    const int a_lo = p.causal ? geo.full_end(qb) : geo.visible_end(qb) - 1;
-    visit.n_a = visit.a_hi - (a_lo < 0 ? 0 : a_lo);
-    visit.n_reg = visit.a_hi;
-  }
+  const std::int64_t mask_row = mask_row_of(p, b, h, qb);
+  const VisitList visit = make_visit_list(p, geo, qb, mask_row);
   // Mean-correction tiles: chunks of kMeanChunk consecutive pooled blocks holding at least one
   // block marked in this row's bitmap.
   const bool means = p.mode == PolicyMode::kBlockMask && p.k_mean != nullptr;
-  const int mean_blocks_seq = means ? static_cast<int>(geom::ceil_div(seq.s_k, p.mean_block)) : 0;
+  const int mean_blocks_seq = means ? mean_blocks_of(p, seq.s_k) : 0;
+  const std::uint32_t* mean_bits = means ? p.corrected_bits + mask_row * p.corrected_words : nullptr;
   if (means && warp == 0) {
-    const std::uint32_t* bits = p.corrected_bits + mask_row * p.corrected_words;
-    const int chunks = (mean_blocks_seq + kMeanChunk - 1) / kMeanChunk;
-    int count = 0;
-    for (int c0 = 0; c0 < chunks; c0 += 32) {
-      const int c = c0 + lane;
-      bool any = false;
-      if (c < chunks) {
-#pragma unroll
-        for (int w = 0; w < kMeanChunk / 32; ++w) {
-          const int word = c * (kMeanChunk / 32) + w;
-          any |= word < p.corrected_words && bits[word] != 0u;
-        }
-      }
-      const unsigned ballot = __ballot_sync(0xffffffffu, any);
-      if (any) s_chunks[count + __popc(ballot & ((1u << lane) - 1u))] = c;
-      count += __popc(ballot);
-    }
+    const int count = collect_mean_tiles<kMeanChunk>(p, mean_bits, mean_blocks_seq, lane, s_chunks);
     if (lane == 0) s_num_chunks = count;
   }
   // Published by the first __syncthreads below (before any thread reads them).
 
   // ---- per-CTA policy constants
-  const bool exact_gate = p.mode == PolicyMode::kExactGate;
-  const bool skip_gate = p.mode == PolicyMode::kSoftmaxSkip && !(static_cast<float>(seq.s_k) < p.skip_a);
-  float threshold = 0.f;
-  if (exact_gate) {
-    const int pos = geo.threshold_position(qb, p.thr_positions);
-    threshold = p.thresholds[h * p.thr_head_stride + pos * p.thr_pos_stride];
-  }
-  // log2 λ = log2(a / s_k): the BLASST test in the exp2 domain of the running max.
-  const float log2_lambda = skip_gate ? __log2f(p.skip_a / static_cast<float>(seq.s_k)) : 0.f;
-  std::uint32_t* kept_row =
-      p.kept_bits == nullptr
-          ? nullptr
-          : p.kept_bits + ((static_cast<std::int64_t>(b) * p.h_q + h) * p.num_q_blocks + qb) * p.kept_words;
+  const Gate gate = make_gate(p, geo, qb, h);
+  std::uint32_t* kept_row = kept_row_of(p, b, h, qb);
 
   // The thread's rows r = 2·mi + (e / 2) are query-block rows warp_row + 16·mi + g + 8·(e / 2).
   auto row_of = [&](int r) { return warp_row + 16 * (r / 2) + g + 8 * (r % 2); };
@@ -230,30 +221,9 @@ __global__ void __launch_bounds__(Cfg::kThreads, 2) fwd_kernel(const __grid_cons
   init_row_stats(st);
   float s[kM][kNFrags][4];  // raw scores of the current sub-tile
 
-  // S = Q·K(stage)ᵀ for the warp's 32 rows: every K fragment serves both m16 row groups.
+  // S = Q·K(stage)ᵀ for the warp's 32 rows.
   auto compute_scores = [&](int stage) {
-#pragma unroll
-    for (int mi = 0; mi < kM; ++mi) {
-#pragma unroll
-      for (int nf = 0; nf < kNFrags; ++nf) s[mi][nf][0] = s[mi][nf][1] = s[mi][nf][2] = s[mi][nf][3] = 0.f;
-    }
-    const std::uint32_t k_stage = s_k_tile + stage * Cfg::kKVBytes;
-#pragma unroll
-    for (int kk = 0; kk < Cfg::kKSteps; ++kk) {
-      std::uint32_t qa[kM][4];
-#pragma unroll
-      for (int mi = 0; mi < kM; ++mi) load_a_frag<Tile>(s_q_tile, warp_row + 16 * mi, kk, lane, qa[mi]);
-#pragma unroll
-      for (int np = 0; np < kNFrags / 2; ++np) {
-        std::uint32_t bk[4];
-        load_k_frags<Tile>(k_stage, np * 16, kk, lane, bk);
-#pragma unroll
-        for (int mi = 0; mi < kM; ++mi) {
-          ptx::mma_16816<Cfg::kBf16>(s[mi][2 * np], qa[mi], bk[0], bk[1]);
-          ptx::mma_16816<Cfg::kBf16>(s[mi][2 * np + 1], qa[mi], bk[2], bk[3]);
-        }
-      }
-    }
+    warp_scores<Cfg>(s_q_tile, s_k_tile + stage * Cfg::kKVBytes, warp_row, lane, s);
   };
 
   // Element masks of sub-tile `sub` of position j: the causal diagonal band and the sequence's
@@ -287,76 +257,24 @@ __global__ void __launch_bounds__(Cfg::kThreads, 2) fwd_kernel(const __grid_cons
       }
       return;
     }
-    // Pooled blocks: a marked block adds one pseudo-token of weight n_j, i.e. score
-    // s̄ + ln n_j; stored as a raw score shifted by log2(n_j) / scale_log2 so that the softmax's
-    // exp2(raw · scale_log2 - m) yields n_j · e^{s̄ - max}. Unmarked columns: -inf.
-    const int c = s_chunks[j - visit.n_reg];
-    const std::uint32_t* bits = p.corrected_bits + mask_row * p.corrected_words + c * (kMeanChunk / 32);
-    // Every pooled block holds mean_block keys except the sequence's last one.
-    const int last = mean_blocks_seq - 1 - c * kMeanChunk;
-    const float shift_full = __log2f(static_cast<float>(p.mean_block)) / p.scale_log2;
-    const float shift_last =
-        __log2f(static_cast<float>(seq.s_k - static_cast<std::int64_t>(mean_blocks_seq - 1) * p.mean_block)) / p.scale_log2;
-#pragma unroll
-    for (int w = 0; w < kMeanChunk / 32; ++w) {
-      const std::uint32_t word = c * (kMeanChunk / 32) + w < p.corrected_words ? bits[w] : 0u;
-#pragma unroll
-      for (int nf = 4 * w; nf < 4 * w + 4; ++nf) {
-#pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          const int col = nf * 8 + 2 * t4 + (e & 1);
-          const bool marked = (word >> (col % 32)) & 1u;  // never set past the last block
-#pragma unroll
-          for (int mi = 0; mi < kM; ++mi) {
-            s[mi][nf][e] = marked ? s[mi][nf][e] + (col == last ? shift_last : shift_full) : -INFINITY;
-          }
-        }
-      }
-    }
+    mask_mean_tile(p, s, mean_bits, s_chunks[j - visit.n_reg], seq.s_k, mean_blocks_seq);
   };
 
   // O += P·V(slot) for the warp's rows.
   auto pv = [&](int slot, const std::uint32_t (&pp)[kM][Cfg::kPSteps][4]) {
-    const std::uint32_t v_slot = s_v_tile + slot * Cfg::kKVBytes;
-#pragma unroll
-    for (int kk = 0; kk < Cfg::kPSteps; ++kk) {
-#pragma unroll
-      for (int dp = 0; dp < kDFrags / 2; ++dp) {
-        std::uint32_t bv[4];
-        load_v_frags<Tile>(v_slot, kk, dp, lane, bv);
-#pragma unroll
-        for (int mi = 0; mi < kM; ++mi) {
-          ptx::mma_16816<Cfg::kBf16>(acc[mi][2 * dp], pp[mi][kk], bv[0], bv[1]);
-          ptx::mma_16816<Cfg::kBf16>(acc[mi][2 * dp + 1], pp[mi][kk], bv[2], bv[3]);
-        }
-      }
-    }
+    warp_pv<Cfg>(s_v_tile + slot * Cfg::kKVBytes, lane, pp, acc);
   };
 
-  auto gated = [&](int j) { return (exact_gate && j >= visit.n_a) || (skip_gate && j > 0); };
+  auto gated = [&](int j) { return gate.gated(j, visit.n_a); };
   // The gate of a block from its row maxima over all its sub-tiles, as one CTA-wide vote.
   auto vote = [&](const float (&mx)[2 * kM]) -> bool {
     bool keep = false;
 #pragma unroll
-    for (int r = 0; r < 2 * kM; ++r) {
-      if (exact_gate) {
-        // keep iff !(max s < T) over the valid rows: ties keep, T = -inf keeps, NaN keeps.
-        keep |= row_ok(r) && !(mx[r] * p.scale < threshold);
-      } else {
-        // BLASST per row: skip iff tile_max - m_run < ln λ. A row that sees no key of the
-        // block (tile max -inf) skips, or has no say if it has seen none before either; a row
-        // seeing its first keys keeps; NaN fails the strict test and keeps.
-        const float tmax = mx[r] * p.scale_log2;
-        keep |= row_ok(r) && tmax != -INFINITY && (st.m[r] == -INFINITY || !(tmax - st.m[r] < log2_lambda));
-      }
-    }
+    for (int r = 0; r < 2 * kM; ++r) keep |= gate.keeps_row(mx[r], st.m[r], row_ok(r), p.scale, p.scale_log2);
     return __syncthreads_or(keep) != 0;
   };
   auto record = [&](int j) {
-    if (kept_row != nullptr && tid == 0 && j < visit.n_reg) {
-      const int kb = visit.block(j);
-      atomicOr(kept_row + kb / 32, 1u << (kb % 32));
-    }
+    if (kept_row != nullptr && tid == 0 && j < visit.n_reg) record_kept(kept_row, visit.block(j));
   };
 
   // ---- main loop over positions. Invariant at the top of each sub-tile: the only cp.async

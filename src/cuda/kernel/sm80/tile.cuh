@@ -1,7 +1,8 @@
 // SPDX-License-Identifier: Apache-2.0
 // Shared-memory tiles of the portable kernels: [rows, head_dim] 16-bit tiles with an XOR
 // swizzle, filled by cp.async with zero rows past a sequence's end from contiguous or paged
-// rows (one addressor, KvRows), and the ldmatrix addressing of mma.sync m16n8k16 fragments. Device-only; included by kernel headers.
+// rows (one addressor, KvRows) or gathered through an index list, and the ldmatrix addressing
+// of mma.sync m16n8k16 fragments. Device-only; included by kernel headers.
 #pragma once
 
 #include <cstdint>
@@ -71,18 +72,34 @@ __device__ __forceinline__ TileSrc tile_src(const KvRows& rows, std::int64_t fir
   return {contiguous_rows(rows.row(first), rows.row_stride), 0, valid};
 }
 
-// Asynchronously copies a [kRows, kHeadDim] tile into swizzled smem; rows >= valid become
-// zeros without reading global memory. The caller commits the group. Thread tid copies chunk
+// Asynchronously copies a [kRows, kHeadDim] tile into swizzled smem, row r (< valid) from
+// row_ptr(r); rows >= valid become zeros without reading global memory (`safe` is the address
+// given to their zero-byte copies). The caller commits the group. Thread tid copies chunk
 // tid % kChunks of rows tid / kChunks + i·kRowStep: the row step is a multiple of 8, so the
-// swizzled chunk is the same for every i and addresses advance by constants (contiguous rows)
-// or come from the addressor (rows spanning pages).
-template <class Tile, int kRows>
-__device__ __forceinline__ void load_tile(std::uint32_t smem, const TileSrc& src, int tid) {
+// swizzled chunk is the same for every i. Rows addressed one by one: paged and gathered tiles.
+template <class Tile, int kRows, class RowPtr>
+__device__ __forceinline__ void load_rows(std::uint32_t smem, const RowPtr& row_ptr, int valid, const void* safe, int tid) {
   constexpr int kRowStep = Tile::kThreads / Tile::kChunks;
   static_assert(kRowStep % 8 == 0 && kRows % kRowStep == 0, "constant swizzle per thread");
   const int r0 = tid / Tile::kChunks, c = tid % Tile::kChunks;
   const std::uint32_t dst = smem + swizzle<Tile>(r0, c);
+#pragma unroll
+  for (int i = 0; i < kRows / kRowStep; ++i) {
+    const int r = r0 + i * kRowStep;
+    const bool ok = r < valid;
+    ptx::cp_async_16(dst + i * kRowStep * Tile::kRowBytes, ok ? row_ptr(r) + c * 8 : safe, ok ? 16 : 0);
+  }
+}
+
+// The tile of `src` (as load_rows): addresses advance by constants for contiguous rows and come
+// from the addressor for rows spanning pages.
+template <class Tile, int kRows>
+__device__ __forceinline__ void load_tile(std::uint32_t smem, const TileSrc& src, int tid) {
   if (src.rows.pages == nullptr) {
+    constexpr int kRowStep = Tile::kThreads / Tile::kChunks;
+    static_assert(kRowStep % 8 == 0 && kRows % kRowStep == 0, "constant swizzle per thread");
+    const int r0 = tid / Tile::kChunks, c = tid % Tile::kChunks;
+    const std::uint32_t dst = smem + swizzle<Tile>(r0, c);
     const std::uint16_t* g = src.rows.row(src.first + r0) + c * 8;
 #pragma unroll
     for (int i = 0; i < kRows / kRowStep; ++i) {
@@ -92,13 +109,15 @@ __device__ __forceinline__ void load_tile(std::uint32_t smem, const TileSrc& src
     }
     return;
   }
-#pragma unroll
-  for (int i = 0; i < kRows / kRowStep; ++i) {
-    const int r = r0 + i * kRowStep;
-    const bool ok = r < src.valid;
-    ptx::cp_async_16(dst + i * kRowStep * Tile::kRowBytes, ok ? src.rows.row(src.first + r) + c * 8 : src.rows.base,
-                     ok ? 16 : 0);
-  }
+  load_rows<Tile, kRows>(smem, [&](int r) { return src.rows.row(src.first + r); }, src.valid, src.rows.base, tid);
+}
+
+// A gathered tile: row r (< valid) is row index[r] of `rows` (permute_stop's permuted queries
+// and ranked keys); `index` may point to global or shared memory.
+template <class Tile, int kRows>
+__device__ __forceinline__ void load_tile_rows(std::uint32_t smem, const KvRows& rows, const std::int32_t* index, int valid,
+                                               int tid) {
+  load_rows<Tile, kRows>(smem, [&](int r) { return rows.row(index[r]); }, valid, rows.base, tid);
 }
 
 // A fragment of 16 rows starting at row0, head dims kk·16 .. kk·16 + 15 (ldmatrix.x4: lanes

@@ -1,8 +1,10 @@
 // SPDX-License-Identifier: Apache-2.0
-// The Hopper (sm_90a) forward attention kernel, dense policy: a TMA producer warp streams Q and
-// 128-key K/V tiles through a 2-stage mbarrier pipeline; two consumer warpgroups of 64 query
-// rows each issue wgmma (S = Q·Kᵀ from shared memory, O += P·V with P in registers), overlap
-// the softmax of tile j with the P·V of tile j-1 and take turns issuing (ping-pong). Promoted
+// The Hopper (sm_90a) forward attention kernel: a TMA producer warp streams Q and 128-key K/V
+// tiles through a 2-stage mbarrier pipeline; two consumer warpgroups of 64 query rows each
+// issue wgmma (S = Q·Kᵀ from shared memory, O += P·V with P in registers), overlap the softmax
+// of tile j with the P·V of tile j-1 and take turns issuing (ping-pong). Every policy of the
+// portable kernel with 128-key blocks: dense, block masks (with mean-correction tiles) and the
+// exact_gate / softmax_skip gates, whose skipped blocks never have their V requested. Promoted
 // from dev/fwd_sm90_dense.cu v3. Included only by generated instance files.
 #pragma once
 
@@ -16,6 +18,7 @@
 
 #include "core/geometry.h"
 #include "cuda/kernel/fwd_params.h"
+#include "cuda/kernel/policy.cuh"
 #include "cuda/kernel/ptx.cuh"
 #include "cuda/kernel/sm90/hopper.cuh"
 #include "cuda/kernel/softmax.cuh"
@@ -47,6 +50,11 @@ struct FwdConfig {
   // setmaxnreg budgets: 128·24 + 256·240 = 64512 <= 65536 registers of the SM.
   static constexpr int kProducerRegs = 24;
   static constexpr int kConsumerRegs = 240;
+  // Gate decisions in flight: a slot is rewritten 4 gated blocks later, when every reader
+  // (both consumer warpgroups, at most one ping-pong round apart, and the producer) is past it.
+  static constexpr int kVoteSlots = 4;
+  // Mean-correction tiles of kTileN pooled blocks one query block can visit.
+  static constexpr int kMaxMeanTiles = kMaxMeanChunks * kMeanChunk / kTileN;
   static_assert(kHeadDim == 64 || kHeadDim == 128, "d = 64 or 128");
   static_assert(kTileM == kConsumers * 64, "each consumer warpgroup owns one m64 slab of Q");
 };
@@ -64,11 +72,26 @@ struct alignas(1024) Smem {
   std::uint64_t v_loaded[Cfg::kStages];
   std::uint64_t k_free[Cfg::kStages];     // consumers -> producer: 8 warp arrivals, S read done
   std::uint64_t v_free[Cfg::kStages];     // consumers -> producer: 8 warp arrivals, P·V read done
+  // Gated blocks: each consumer warp writes its vote (any of its rows keeps) to its byte of
+  // votes[slot] and arrives on decided[slot] (8 arrivals); the consumers and the producer (which
+  // loads V only for a kept block) wait on it and read all 8 bytes.
+  std::uint64_t decided[Cfg::kVoteSlots];
+  alignas(8) std::uint8_t votes[Cfg::kVoteSlots][8];
+  // Mean-correction tiles to visit (ascending tile indices), written by warp 1 before the start.
+  int mean_tiles[Cfg::kMaxMeanTiles];
+  int num_mean_tiles;
 };
 
 // Tensor maps of one sequence, in device memory: [batch] of these, 64-byte aligned.
 struct SeqMaps {
   CUtensorMap q, k, v;
+};
+
+// Tensor maps of the block means k̄/v̄ [batch, h_kv, mean_blocks, d] (mean correction), passed
+// by value as a kernel parameter: the means live in per-call scratch, so their maps must not
+// go through the metadata cache (a new address each call). Zero when there is no correction.
+struct MeanMaps {
+  CUtensorMap k, v;
 };
 
 // ------------------------------------------------------------------ softmax pieces
@@ -100,15 +123,13 @@ __device__ __forceinline__ void row_max_tile(const float (&s)[1][16][4], float (
   }
 }
 
-// Moves the running statistics to include a raw score tile s and turns s into
-// p = exp2(s·scale_log2 - m_use) in place, adding p to l. The output accumulator may still be
-// in flight (the previous P·V), so its factor alpha = exp2(m_old - m_use) is returned for
-// scale_acc once that P·V has completed. A row that has seen no key (m = -inf) gets alpha = 0
-// and p = 0.
-__device__ __forceinline__ void softmax_tile(float (&s)[1][16][4], RowStats<1>& st, float scale_log2,
-                                             float (&alpha)[2]) {
-  float mx[2];
-  row_max_tile(s, mx);
+// Moves the running statistics to include a raw score tile s whose row maxima are mx
+// (row_max_tile) and turns s into p = exp2(s·scale_log2 - m_use) in place, adding p to l. The
+// output accumulator may still be in flight (the previous P·V), so its factor
+// alpha = exp2(m_old - m_use) is returned for scale_acc once that P·V has completed. A row that
+// has seen no key (m = -inf) gets alpha = 0 and p = 0.
+__device__ __forceinline__ void softmax_tile(float (&s)[1][16][4], const float (&mx)[2], RowStats<1>& st,
+                                             float scale_log2, float (&alpha)[2]) {
   float m_use[2];
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
@@ -169,11 +190,20 @@ __device__ __forceinline__ void mask_tile(float (&s)[1][16][4], const int (&limi
 // ------------------------------------------------------------------ the kernel
 // Grid: one CTA per (query block, batch, query head), heads fastest so that the query heads of
 // a KV group run on adjacent CTAs and share each K/V tile through L2, and the last query blocks
-// (the longest under causal) first. Key tiles are visited descending from the last visible one:
-// the partial (diagonal) and short (s_k tail) tiles come first, and only they are masked.
+// (the longest under causal) first. The CTA visits the positions of its VisitList (policy.cuh,
+// over 128-key blocks: dense and the gates descend from the last visible block, a block mask
+// walks its partial then its full list), then its mean-correction tiles. Only partial (causal
+// band) and short (s_k tail) key tiles are masked.
+//
+// Gated positions (exact_gate's full blocks, softmax_skip's after the first): once S is in
+// registers, every consumer warp votes (policy.cuh's per-row rule over its rows) and all wait
+// for the 8 votes; a skipped block does no softmax and no P·V and leaves m, l and O untouched.
+// The producer loads K one position ahead of the decision and V only after it, for kept blocks;
+// the V ring therefore advances per loaded V tile, on both sides.
 template <class Cfg>
 __global__ void __launch_bounds__(Cfg::kThreads, 1)
-    fwd_kernel(const __grid_constant__ FwdParams p, const SeqMaps* __restrict__ maps) {
+    fwd_kernel(const __grid_constant__ FwdParams p, const SeqMaps* __restrict__ maps,
+               const __grid_constant__ MeanMaps mean_maps) {
   using S = Smem<Cfg>;
   constexpr int kTileN = Cfg::kTileN, kHalfBytes = Cfg::kHalfBytes, kRowBytes = Cfg::kRowBytes;
   extern __shared__ std::uint8_t smem_raw[];
@@ -192,12 +222,19 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
   const int qb = geo.num_q_blocks() - 1 - qb_rev;
   const std::int64_t row0 = geo.row_begin(qb);
   const int rows_valid = static_cast<int>(geo.row_end(qb) - row0);
-  // Key tiles 0 .. n_tiles-1 are visible; tiles >= mask_lo are partial (causal band) or short
-  // (the s_k tail) and get an element mask. n_tiles = 0: every row of the block sees no key.
-  const int n_tiles = geo.visible_end(qb);
+  // Key tiles >= mask_lo are partial (causal band) or short (the s_k tail) and get an element
+  // mask; the ones below are full.
   const int full_tiles = static_cast<int>(seq.s_k / kTileN);
   const int mask_lo = geo.full_end(qb) < full_tiles ? geo.full_end(qb) : full_tiles;
   const int warpgroup = threadIdx.x / 128;
+
+  const std::int64_t mask_row = mask_row_of(p, b, h, qb);
+  const VisitList visit = make_visit_list(p, geo, qb, mask_row);
+  const Gate gate = make_gate(p, geo, qb, h);
+  const int first_gated = gate.first_gated(visit.n_a);
+  const bool means = p.mode == PolicyMode::kBlockMask && p.k_mean != nullptr;
+  const int mean_blocks_seq = means ? mean_blocks_of(p, seq.s_k) : 0;
+  const std::uint32_t* mean_bits = means ? p.corrected_bits + mask_row * p.corrected_words : nullptr;
 
   if (threadIdx.x == 0) {
     hw::mbar_init(hw::smem_u32(&sm.q_loaded), 1);
@@ -208,14 +245,30 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
       hw::mbar_init(hw::smem_u32(&sm.k_free[st]), 4 * Cfg::kConsumers);
       hw::mbar_init(hw::smem_u32(&sm.v_free[st]), 4 * Cfg::kConsumers);
     }
+#pragma unroll
+    for (int slot = 0; slot < Cfg::kVoteSlots; ++slot) hw::mbar_init(hw::smem_u32(&sm.decided[slot]), 4 * Cfg::kConsumers);
     hw::fence_mbar_init();
   }
+  if (threadIdx.x / 32 == 1) {
+    const int count = means ? collect_mean_tiles<kTileN>(p, mean_bits, mean_blocks_seq, threadIdx.x % 32, sm.mean_tiles) : 0;
+    if (threadIdx.x % 32 == 0) sm.num_mean_tiles = count;
+  }
   __syncthreads();
+  // Positions 0 .. n_reg-1 are key blocks, then the mean tiles. n_visit = 0: every row of the
+  // block sees no key (or the mask selects none).
+  const int n_visit = visit.n_reg + sm.num_mean_tiles;
+
+  // The decision of gated position j (all 8 consumer warps have voted), as every thread reads it.
+  auto decision = [&](int j) -> bool {
+    const int g = j - first_gated;
+    hw::mbar_wait(hw::smem_u32(&sm.decided[g % Cfg::kVoteSlots]), (g / Cfg::kVoteSlots) & 1);
+    return *reinterpret_cast<volatile std::uint64_t*>(sm.votes[g % Cfg::kVoteSlots]) != 0u;
+  };
 
   if (warpgroup == 0) {
     // ---------------------------------------------------------------- producer
     hw::setmaxnreg_dec<Cfg::kProducerRegs>();
-    if (threadIdx.x == 0 && n_tiles > 0) {
+    if (threadIdx.x == 0 && n_visit > 0) {
       const SeqMaps* m = maps + b;
       hw::fence_tensormap(&m->q);
       hw::fence_tensormap(&m->k);
@@ -226,27 +279,51 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
         hw::tma_load_3d(hw::smem_u32(sm.q) + half * kHalfBytes, &m->q, q_bar, half * Cfg::kHalfDim, h,
                         static_cast<int>(row0));
       }
-      for (int it = 0; it < n_tiles; ++it) {
-        const int tile = n_tiles - 1 - it;
-        const int st = it % Cfg::kStages;
-        const std::uint32_t phase = (it / Cfg::kStages) & 1;
-        // Refills a stage once both consumer warpgroups are done reading its previous K (their
-        // S wgmma completed); likewise V after the P·V that read it.
-        hw::mbar_wait(hw::smem_u32(&sm.k_free[st]), phase ^ 1);
-        const std::uint32_t k_bar = hw::smem_u32(&sm.k_loaded[st]);
-        hw::mbar_expect_tx(k_bar, Cfg::kTileBytes);
-        for (int half = 0; half < Cfg::kHalves; ++half) {
-          hw::tma_load_3d(hw::smem_u32(sm.k[st]) + half * kHalfBytes, &m->k, k_bar, half * Cfg::kHalfDim, hk,
-                          tile * kTileN);
+      // The K (value = false) or V tile of position j (key block kb) into `dst`, completing on
+      // `bar`.
+      auto load = [&](int j, int kb, bool value, std::uint32_t dst, std::uint32_t bar) {
+        hw::mbar_expect_tx(bar, Cfg::kTileBytes);
+        if (j < visit.n_reg) {
+          const int row = kb * kTileN;
+          for (int half = 0; half < Cfg::kHalves; ++half) {
+            hw::tma_load_3d(dst + half * kHalfBytes, value ? &m->v : &m->k, bar, half * Cfg::kHalfDim, hk, row);
+          }
+        } else {
+          const int row = sm.mean_tiles[j - visit.n_reg] * kTileN;
+          for (int half = 0; half < Cfg::kHalves; ++half) {
+            hw::tma_load_4d(dst + half * kHalfBytes, value ? &mean_maps.v : &mean_maps.k, bar, half * Cfg::kHalfDim, row,
+                            hk, b);
+          }
         }
-        hw::mbar_wait(hw::smem_u32(&sm.v_free[st]), phase ^ 1);
-        const std::uint32_t v_bar = hw::smem_u32(&sm.v_loaded[st]);
-        hw::mbar_expect_tx(v_bar, Cfg::kTileBytes);
-        for (int half = 0; half < Cfg::kHalves; ++half) {
-          hw::tma_load_3d(hw::smem_u32(sm.v[st]) + half * kHalfBytes, &m->v, v_bar, half * Cfg::kHalfDim, hk,
-                          tile * kTileN);
+      };
+      int v_count = 0;  // V tiles loaded: the V ring's position
+      auto load_v = [&](int j, int kb) {
+        const int st = v_count % Cfg::kStages;
+        // Refills a V stage once both consumer warpgroups' P·V that read it completed.
+        hw::mbar_wait(hw::smem_u32(&sm.v_free[st]), ((v_count / Cfg::kStages) & 1) ^ 1);
+        load(j, kb, true, hw::smem_u32(sm.v[st]), hw::smem_u32(&sm.v_loaded[st]));
+        ++v_count;
+      };
+      // A block mask's indices are global loads: the next one is requested a position early.
+      int kb_next = visit.n_reg > 0 ? visit.block(0) : 0;
+      int deferred = -1, deferred_kb = 0;  // a gated position whose V waits for its decision
+      for (int it = 0; it < n_visit; ++it) {
+        const int st = it % Cfg::kStages;
+        const int kb = kb_next;
+        if (it + 1 < visit.n_reg) kb_next = visit.block(it + 1);
+        // Refills a K stage once both consumer warpgroups' S wgmma that read it completed.
+        hw::mbar_wait(hw::smem_u32(&sm.k_free[st]), ((it / Cfg::kStages) & 1) ^ 1);
+        load(it, kb, false, hw::smem_u32(sm.k[st]), hw::smem_u32(&sm.k_loaded[st]));
+        if (deferred >= 0 && decision(deferred)) load_v(deferred, deferred_kb);
+        deferred = -1;
+        if (gate.gated(it, visit.n_a)) {
+          deferred = it;
+          deferred_kb = kb;
+        } else {
+          load_v(it, kb);
         }
       }
+      if (deferred >= 0 && decision(deferred)) load_v(deferred, deferred_kb);
     }
     return;
   }
@@ -257,6 +334,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
   const int warp = (threadIdx.x / 32) % 4;
   const int lane = threadIdx.x % 32;
   const int r0 = wg * 64 + warp * 16 + lane / 4;  // the thread's first block row; also r0 + 8
+  std::uint32_t* kept_row = wg == 0 && warp == 0 && lane == 0 ? kept_row_of(p, b, h, qb) : nullptr;
 
   // Descriptors. Q and K are K-major: rows of 64 elements (128 B), 8-row groups 1024 B apart
   // (SBO), the k16 step kk at +32·(kk % 4) bytes inside d-half kk / 4. V is N-major for P·V: d
@@ -273,7 +351,6 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
   std::uint32_t pf[8][4];       // P as 16-bit A fragments
   RowStats<1> stats;
   init_row_stats(stats);
-  float alpha[2];
 #pragma unroll
   for (int j = 0; j < Cfg::kDFrags; ++j) {
 #pragma unroll
@@ -298,11 +375,11 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
   auto release = [&](std::uint64_t& bar) {
     if (lane == 0) hw::mbar_arrive(hw::smem_u32(&bar));
   };
-  // Masks tile `tile` if it is partial or short (uniform over the CTA: no divergence).
-  auto mask_if_needed = [&](int tile) {
-    if (tile < mask_lo) return;
-    const std::int64_t key0 = geo.key_begin(tile);
-    const std::int64_t end_limit = geo.key_end(tile) - 1 - key0;
+  // Masks key block `kb` if it is partial or short (uniform over the CTA: no divergence).
+  auto mask_if_needed = [&](int kb) {
+    if (kb < mask_lo) return;
+    const std::int64_t key0 = geo.key_begin(kb);
+    const std::int64_t end_limit = geo.key_end(kb) - 1 - key0;
     const std::int64_t diag = row0 + geo.seq.offset() - key0;  // + block row: the row's position
     int limit[2];
 #pragma unroll
@@ -312,57 +389,94 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
     }
     mask_tile(s, limit);
   };
+  // This warp's vote on gated position j from its rows' maxima (before the softmax moves m),
+  // then the CTA's decision.
+  auto vote = [&](int j, const float (&mx)[2]) -> bool {
+    bool keep = false;
+#pragma unroll
+    for (int r = 0; r < 2; ++r) keep |= gate.keeps_row(mx[r], stats.m[r], r0 + 8 * r < rows_valid, p.scale, p.scale_log2);
+    keep = __any_sync(0xffffffffu, keep);
+    const int g = j - first_gated;
+    if (lane == 0) {
+      sm.votes[g % Cfg::kVoteSlots][wg * 4 + warp] = keep ? 1 : 0;
+      hw::mbar_arrive(hw::smem_u32(&sm.decided[g % Cfg::kVoteSlots]));  // release: orders the vote byte
+    }
+    return decision(j);
+  };
 
   const int my_turn = 1 + wg, other_turn = 2 - wg;
-  if (n_tiles > 0) {
+  if (n_visit > 0) {
     if (wg == 1) hw::named_arrive(1);  // warpgroup 0 issues first
     hw::mbar_wait(hw::smem_u32(&sm.q_loaded), 0);
-
-    // Prologue: the first tile's S and P; its P·V is issued in the first loop round.
-    hw::mbar_wait(hw::smem_u32(&sm.k_loaded[0]), 0);
-    hw::named_sync(my_turn);
-    issue_qk(0);
-    // The rounds balance: warpgroup 1 skips its last arrive, which warpgroup 0 would never consume.
-    if (wg == 0 || n_tiles > 1) hw::named_arrive(other_turn);
-    hw::wgmma_wait<0>();
-    hw::fence_regs(s[0]);
-    release(sm.k_free[0]);
-    mask_if_needed(n_tiles - 1);
-    softmax_tile(s, stats, p.scale_log2, alpha);  // alpha = 0 on the zero accumulator
-    pack_p<Cfg::kBf16>(s, pf);
-    for (int it = 1; it < n_tiles; ++it) {
+    // A kept tile's P waits in pf for its P·V, issued in the next round with the next S
+    // (pending); alpha rescales O just before it. A skipped tile leaves m, l, O and alpha as
+    // they were.
+    bool pending = false;
+    int v_count = 0;  // V tiles consumed: the V ring's position
+    for (int it = 0; it < n_visit; ++it) {
       const int st = it % Cfg::kStages;
-      const std::uint32_t phase = (it / Cfg::kStages) & 1;
-      const int st_prev = (it - 1) % Cfg::kStages;
-      const std::uint32_t phase_prev = ((it - 1) / Cfg::kStages) & 1;
-      hw::mbar_wait(hw::smem_u32(&sm.k_loaded[st]), phase);
+      const int kb = it < visit.n_reg ? visit.block(it) : -1;  // mask mode: a global load, issued early
+      const int v_st = v_count % Cfg::kStages;
+      hw::mbar_wait(hw::smem_u32(&sm.k_loaded[st]), (it / Cfg::kStages) & 1);
       // Ping-pong: wait for the other warpgroup to have issued its GEMMs of this round, issue
-      // ours, then let it go: its softmax overlaps our GEMMs and ours its next ones.
+      // ours, then let it go: its softmax overlaps our GEMMs and ours its next ones. A gated
+      // tile's decision needs both warpgroups' S, so there the turn passes after Q·Kᵀ as well
+      // (tensor order S0, S1, P·V0, P·V1: the vote waits for one Q·Kᵀ, not a P·V and a Q·Kᵀ);
+      // measured neutral within the run-to-run spread
+      // (bench/records/2026-11-29-h200-hopper-policies-kernel-tiles.md).
+      const bool gated = gate.gated(it, visit.n_a);
       hw::named_sync(my_turn);
       issue_qk(st);
-      scale_acc(o, alpha);  // the previous P·V completed at the end of the last round
-      hw::mbar_wait(hw::smem_u32(&sm.v_loaded[st_prev]), phase_prev);
-      issue_pv(st_prev);
-      if (wg == 0 || it + 1 < n_tiles) hw::named_arrive(other_turn);
-      hw::wgmma_wait<1>();  // S of this tile done; P·V of the previous one may still run
+      if (gated) {
+        hw::named_arrive(other_turn);
+        hw::named_sync(my_turn);
+      }
+      if (pending) {
+        hw::mbar_wait(hw::smem_u32(&sm.v_loaded[v_st]), (v_count / Cfg::kStages) & 1);
+        issue_pv(v_st);
+      } else {
+        hw::wgmma_fence();
+        hw::wgmma_commit();  // an empty group: the waits below count the same groups either way
+      }
+      // The rounds balance: warpgroup 1 skips its last arrive, which warpgroup 0 would never consume.
+      if (wg == 0 || it + 1 < n_visit) hw::named_arrive(other_turn);
+      hw::wgmma_wait<1>();  // S of this tile done; the P·V may still run
       hw::fence_regs(s[0]);
       release(sm.k_free[st]);
-      mask_if_needed(n_tiles - 1 - it);
-      softmax_tile(s, stats, p.scale_log2, alpha);
+      if (it < visit.n_reg) {
+        mask_if_needed(kb);
+      } else {
+        mask_mean_tile(p, s, mean_bits, sm.mean_tiles[it - visit.n_reg], seq.s_k, mean_blocks_seq);
+      }
+      float mx[2];
+      row_max_tile(s, mx);
+      const bool keep = !gated || vote(it, mx);
+      float alpha[2] = {1.f, 1.f};
+      if (keep) softmax_tile(s, mx, stats, p.scale_log2, alpha);
       hw::wgmma_wait<0>();  // P·V done: its P registers and V stage are free
       hw::fence_regs(o);
-      release(sm.v_free[st_prev]);
+      scale_acc(o, alpha);  // for this tile's P·V, next round
+      if (pending) {
+        release(sm.v_free[v_st]);
+        ++v_count;
+      }
+      // Packed whether kept or not (a skipped tile's pf is never read): a conditional write of
+      // the P·V A-operand registers makes ptxas serialise every wgmma (C7518, measured on the
+      // build: "WG.DP in divergent path").
+      pending = keep;
       pack_p<Cfg::kBf16>(s, pf);
+      if (keep) {
+        if (it < visit.n_reg) record_kept(kept_row, kb);
+      }
     }
-    // The last tile's P·V.
-    const int st_last = (n_tiles - 1) % Cfg::kStages;
-    const std::uint32_t phase_last = ((n_tiles - 1) / Cfg::kStages) & 1;
-    scale_acc(o, alpha);
-    hw::mbar_wait(hw::smem_u32(&sm.v_loaded[st_last]), phase_last);
-    issue_pv(st_last);
-    hw::wgmma_wait<0>();
-    hw::fence_regs(o);
-    release(sm.v_free[st_last]);
+    if (pending) {  // the last kept tile's P·V
+      const int v_st = v_count % Cfg::kStages;
+      hw::mbar_wait(hw::smem_u32(&sm.v_loaded[v_st]), (v_count / Cfg::kStages) & 1);
+      issue_pv(v_st);
+      hw::wgmma_wait<0>();
+      hw::fence_regs(o);
+      release(sm.v_free[v_st]);
+    }
   }
 
   // ---------------------------------------------------------------- epilogue: O and LSE
@@ -426,6 +540,25 @@ bool encode_map(CUtensorMap* map, const void* base, std::int64_t rows, int heads
   return r == CUDA_SUCCESS;
 }
 
+// 4-D map (d, block, head, batch) over the block means [batch, heads, blocks, d] (contiguous,
+// written by the block-means kernel); boxes of [128 blocks][64] with 128B swizzle; blocks past
+// the capacity read as zero (the means kernel zeroes each sequence's unused blocks).
+template <class Cfg>
+bool encode_mean_map(CUtensorMap* map, const void* base, int blocks, int heads, int batch) {
+  constexpr std::int64_t kRowBytes = Cfg::kHeadDim * 2;
+  const cuuint64_t dims[4] = {static_cast<cuuint64_t>(Cfg::kHeadDim), static_cast<cuuint64_t>(blocks),
+                              static_cast<cuuint64_t>(heads), static_cast<cuuint64_t>(batch)};
+  const cuuint64_t strides[3] = {static_cast<cuuint64_t>(kRowBytes), static_cast<cuuint64_t>(kRowBytes * blocks),
+                                 static_cast<cuuint64_t>(kRowBytes * blocks * heads)};
+  const cuuint32_t box[4] = {Cfg::kHalfDim, Cfg::kTileN, 1, 1};
+  const cuuint32_t elem_strides[4] = {1, 1, 1, 1};
+  const CUresult r = tensor_map_encoder()(
+      map, Cfg::kBf16 ? CU_TENSOR_MAP_DATA_TYPE_BFLOAT16 : CU_TENSOR_MAP_DATA_TYPE_FLOAT16, 4, const_cast<void*>(base),
+      dims, strides, box, elem_strides, CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
+      CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+  return r == CUDA_SUCCESS;
+}
+
 // Host-side launch of one instance; returns a cudaError_t value (0 = success) or the
 // uploader's kUploadRefused. `seqs` is the host copy of p.seqs; `upload` places the tensor maps
 // (batch · sizeof(SeqMaps) bytes) in device memory. Returns cudaErrorNotSupported, having
@@ -434,6 +567,17 @@ bool encode_map(CUtensorMap* map, const void* base, std::int64_t rows, int heads
 template <class Cfg>
 int launch_fwd(const FwdParams& p, const SeqInfo* seqs, const HostUpload& upload, void* stream) {
   if (tensor_map_encoder() == nullptr) return static_cast<int>(cudaErrorNotSupported);
+  // Policies other than dense run on 128-key blocks, the kernel's tile, and K/V are contiguous
+  // (choose_fwd_path).
+  if ((p.mode != PolicyMode::kDense && p.block_k != Cfg::kTileN) || p.paged.block_table != nullptr) {
+    return static_cast<int>(cudaErrorNotSupported);
+  }
+  MeanMaps mean_maps{};
+  if (p.k_mean != nullptr &&
+      !(encode_mean_map<Cfg>(&mean_maps.k, p.k_mean, p.mean_blocks, p.h_kv, p.batch) &&
+        encode_mean_map<Cfg>(&mean_maps.v, p.v_mean, p.mean_blocks, p.h_kv, p.batch))) {
+    return static_cast<int>(cudaErrorNotSupported);
+  }
   std::vector<SeqMaps> maps(static_cast<std::size_t>(p.batch));
   for (int b = 0; b < p.batch; ++b) {
     const SeqInfo& s = seqs[b];
@@ -460,7 +604,7 @@ int launch_fwd(const FwdParams& p, const SeqInfo* seqs, const HostUpload& upload
   const int smem = static_cast<int>(sizeof(Smem<Cfg>)) + 1024;  // + alignment slack
   cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
   if (err != cudaSuccess) return static_cast<int>(err);
-  kernel<<<grid, Cfg::kThreads, smem, st>>>(p, static_cast<const SeqMaps*>(map_device));
+  kernel<<<grid, Cfg::kThreads, smem, st>>>(p, static_cast<const SeqMaps*>(map_device), mean_maps);
   return static_cast<int>(cudaGetLastError());
 }
 

@@ -61,6 +61,16 @@ __device__ __forceinline__ void tma_load_3d(std::uint32_t dst, const CUtensorMap
       : "memory");
 }
 
+// One [rows][64] box of a 4-D tensor map (d, row, head, batch): the block means k̄/v̄.
+__device__ __forceinline__ void tma_load_4d(std::uint32_t dst, const CUtensorMap* map, std::uint32_t bar, int c_d,
+                                            int c_row, int c_head, int c_batch) {
+  asm volatile(
+      "cp.async.bulk.tensor.4d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%3, %4, %5, %6}], "
+      "[%2];\n" ::"r"(dst),
+      "l"(reinterpret_cast<std::uint64_t>(map)), "r"(bar), "r"(c_d), "r"(c_row), "r"(c_head), "r"(c_batch)
+      : "memory");
+}
+
 template <int kRegs>
 __device__ __forceinline__ void setmaxnreg_inc() {
   asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(kRegs));

@@ -1,0 +1,25 @@
+// SPDX-License-Identifier: Apache-2.0
+// permute_stop's ranking order (DESIGN.md §3) as a sort key: a pure function compiled for the
+// host (tested in cuda_plan_test) and for the kernels, which sort by it with CUB. No CUDA
+// headers.
+#pragma once
+
+#include <cstdint>
+#include <cstring>
+
+#include "core/geometry.h"
+
+namespace sparseprefill::cuda {
+
+// A score as a 64-bit key whose unsigned order is the ranking order: numbers by value; NaN
+// below every number (0: it ranks last in a descending sort); -0 equal to +0 (the stable sort
+// then breaks the tie by index, as for any other tie).
+SP_HD std::uint64_t rank_key(double x) {
+  if (x != x) return 0;
+  if (x == 0.0) x = 0.0;
+  std::uint64_t bits = 0;
+  std::memcpy(&bits, &x, sizeof bits);
+  return (bits >> 63) != 0 ? ~bits : bits | (std::uint64_t{1} << 63);
+}
+
+}  // namespace sparseprefill::cuda

@@ -1,0 +1,456 @@
+// SPDX-License-Identifier: Apache-2.0
+// permute_stop (DESIGN.md §3, our definition of S2O) on the portable path: the ranking kernels
+// (segment means q̄, prefix scores q̄·k, guide vector u and query scores q·u, in fp64 as the
+// CPU backend computes them), the two segmented sorts (permute_sort_pairs) and the attention
+// kernel over permuted query tiles (mma.sync, the forward kernel's warp layout). Enqueued in
+// one sequence with no host synchronisation. Included only by generated instance files.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cmath>
+#include <cstdint>
+
+#include "core/geometry.h"
+#include "cuda/kernel/fwd_params.h"
+#include "cuda/kernel/ptx.cuh"
+#include "cuda/kernel/rank_key.h"
+#include "cuda/kernel/sm80/fwd_kernel.cuh"
+#include "cuda/kernel/sm80/tile.cuh"
+#include "cuda/kernel/softmax.cuh"
+#include "cuda/registry.h"
+
+namespace sparseprefill::cuda::sm80 {
+
+// The forward kernel's tile shape (4 warps of 32 rows, 64-key sub-tiles). Shared memory: Q
+// (gathered rows; reused to stage O), K double-buffered, one V tile: 80 KB at d = 128, so two
+// CTAs share an SM as in the forward kernel.
+template <bool kBf16_, int kHeadDim_>
+struct PermuteConfig : FwdConfig<kBf16_, kHeadDim_> {
+  using Base = FwdConfig<kBf16_, kHeadDim_>;
+  static constexpr int kSmemBytes = Base::kQBytes + 3 * Base::kKVBytes;
+  static_assert(Base::kThreads == Base::kBlockM, "one thread per query row of the tile");
+};
+
+namespace permute {
+
+// a + b·c without fused multiply-add: the CPU backend's evaluation of its fp64 sums, so that the
+// scores (and the orders built from them) agree bit for bit where the CPU does not contract.
+__device__ __forceinline__ double add_product(double a, double b, double c) { return __dadd_rn(a, __dmul_rn(b, c)); }
+
+__device__ __forceinline__ geom::SegmentGeometry segments(const SeqInfo& seq, int len) {
+  return {{seq.s_q, seq.s_k, true}, len};
+}
+
+// Slot arrays before the query sort: keys 0 (the order stays) and the identity rows (-1 past
+// s_q). Rows at negative positions join no segment and see no key: O = 0, LSE = -inf here.
+// Grid (ceil(max_s_q / 128), h_q, batch), 128 threads.
+template <class Cfg>
+__global__ void __launch_bounds__(128) order_init_kernel(const __grid_constant__ PermuteParams pp) {
+  const FwdParams& p = pp.fwd;
+  const int h = blockIdx.y, b = blockIdx.z;
+  const std::int64_t r = static_cast<std::int64_t>(blockIdx.x) * 128 + threadIdx.x;
+  if (r >= pp.max_s_q) return;
+  const SeqInfo seq = p.seqs[b];
+  const std::int64_t slot = (static_cast<std::int64_t>(b) * p.h_q + h) * pp.max_s_q + r;
+  pp.query_keys[0][slot] = 0;
+  pp.query_rows[0][slot] = r < seq.s_q ? static_cast<std::int32_t>(r) : -1;
+  if (r >= segments(seq, pp.segment).first_row()) return;
+  auto* o = static_cast<std::uint16_t*>(p.o) + seq.o_off + r * p.o_row_stride + h * p.o_head_stride;
+#pragma unroll
+  for (int c = 0; c < Cfg::kHeadDim / 8; ++c) reinterpret_cast<uint4*>(o)[c] = make_uint4(0, 0, 0, 0);
+  if (p.lse != nullptr) p.lse[seq.lse_off + h * p.lse_head_stride + r * p.lse_row_stride] = -INFINITY;
+}
+
+// q̄ of item (b, h, slot): the mean of the segment's rows, summed in row order in fp64 (the CPU
+// backend's order). Grid (max_segments, h_q, batch), one thread per head-dim element.
+template <class Cfg>
+__global__ void __launch_bounds__(Cfg::kHeadDim) q_mean_kernel(const __grid_constant__ PermuteParams pp) {
+  const FwdParams& p = pp.fwd;
+  const int slot = blockIdx.x, h = blockIdx.y, b = blockIdx.z, i = threadIdx.x;
+  const SeqInfo seq = p.seqs[b];
+  const geom::SegmentGeometry sg = segments(seq, pp.segment);
+  if (slot >= sg.count()) return;
+  const std::int64_t s = sg.first() + slot;
+  const std::int64_t r0 = sg.row_begin(s), r1 = sg.row_end(s);
+  const auto* q = static_cast<const std::uint16_t*>(p.q) + seq.q_off + h * p.q_head_stride + i;
+  double sum = 0.0;
+  for (std::int64_t r = r0; r < r1; ++r) sum += ptx::to_float<Cfg::kBf16>(q[r * p.q_row_stride]);
+  const std::int64_t item = (static_cast<std::int64_t>(b) * p.h_q + h) * pp.max_segments + slot;
+  pp.q_mean[item * Cfg::kHeadDim + i] = sum / static_cast<double>(r1 - r0);
+}
+
+// Ranking keys of the prefix keys t < prefix(s): rank_key(q̄·k_t) for every query head of a KV
+// group, each key row read once for the group. Grid (max_segments · h_kv, key tiles of 128,
+// batch), one thread per key; the group's q̄ staged in smem 8 heads at a time.
+template <class Cfg>
+__global__ void __launch_bounds__(128) prefix_scores_kernel(const __grid_constant__ PermuteParams pp) {
+  constexpr int kD = Cfg::kHeadDim, kHeads = 8;
+  __shared__ double s_mean[kHeads][kD];
+  const FwdParams& p = pp.fwd;
+  const int slot = blockIdx.x / p.h_kv, hk = blockIdx.x % p.h_kv, b = blockIdx.z;
+  const SeqInfo seq = p.seqs[b];
+  const geom::SegmentGeometry sg = segments(seq, pp.segment);
+  if (slot >= sg.count()) return;
+  const std::int64_t prefix = sg.prefix(sg.first() + slot);
+  const std::int64_t t0 = static_cast<std::int64_t>(blockIdx.y) * 128;
+  if (t0 >= prefix) return;
+  const std::int64_t t = t0 + threadIdx.x;
+  const bool valid = t < prefix;
+  const auto* k = static_cast<const std::uint16_t*>(p.k) + seq.k_off + (valid ? t : 0) * p.k_row_stride + hk * p.k_head_stride;
+  for (int h0 = hk * p.group; h0 < (hk + 1) * p.group; h0 += kHeads) {
+    const int heads = min(kHeads, (hk + 1) * p.group - h0);
+    __syncthreads();  // the previous heads' means are no longer read
+    for (int e = threadIdx.x; e < heads * kD; e += 128) {
+      const std::int64_t item = (static_cast<std::int64_t>(b) * p.h_q + h0 + e / kD) * pp.max_segments + slot;
+      s_mean[e / kD][e % kD] = pp.q_mean[item * kD + e % kD];
+    }
+    __syncthreads();
+    if (!valid) continue;
+    double dot[kHeads];
+#pragma unroll
+    for (int j = 0; j < kHeads; ++j) dot[j] = 0.0;
+    for (int c = 0; c < kD; c += 8) {
+      const uint4 raw = *reinterpret_cast<const uint4*>(k + c);
+      const std::uint16_t* x = reinterpret_cast<const std::uint16_t*>(&raw);
+#pragma unroll
+      for (int e = 0; e < 8; ++e) {
+        const double kv = ptx::to_float<Cfg::kBf16>(x[e]);
+#pragma unroll
+        for (int j = 0; j < kHeads; ++j) {
+          if (j < heads) dot[j] = add_product(dot[j], s_mean[j][c + e], kv);
+        }
+      }
+    }
+#pragma unroll
+    for (int j = 0; j < kHeads; ++j) {
+      if (j >= heads) continue;
+      const std::int64_t item = (static_cast<std::int64_t>(b) * p.h_q + h0 + j) * pp.max_segments + slot;
+      const std::int64_t at = pp.rank_offsets[item] + t;
+      pp.rank_keys[0][at] = rank_key(dot[j]);
+      pp.rank_index[0][at] = static_cast<std::int32_t>(t);
+    }
+  }
+}
+
+// The guide vector u of item (b, h, slot) (the mean of the top block_k ranked prefix keys, in
+// rank order) and the ranking keys rank_key(q_r·u) of the segment's rows. A segment without a
+// prefix keeps keys 0: the identity order. Grid (max_segments, h_q, batch), one thread per
+// head-dim element for u, then per row.
+template <class Cfg>
+__global__ void __launch_bounds__(Cfg::kHeadDim) guide_kernel(const __grid_constant__ PermuteParams pp) {
+  constexpr int kD = Cfg::kHeadDim;
+  __shared__ double s_u[kD];
+  const FwdParams& p = pp.fwd;
+  const int slot = blockIdx.x, h = blockIdx.y, b = blockIdx.z, i = threadIdx.x;
+  const SeqInfo seq = p.seqs[b];
+  const geom::SegmentGeometry sg = segments(seq, pp.segment);
+  if (slot >= sg.count()) return;
+  const std::int64_t s = sg.first() + slot;
+  const std::int64_t prefix = sg.prefix(s);
+  if (prefix == 0) return;
+  const std::int64_t item = (static_cast<std::int64_t>(b) * p.h_q + h) * pp.max_segments + slot;
+  const std::int32_t* ranked = pp.ranked + pp.rank_offsets[item];
+  const std::int64_t top = geom::min64(pp.block_k, prefix);
+  const auto* k = static_cast<const std::uint16_t*>(p.k) + seq.k_off + (h / p.group) * p.k_head_stride + i;
+  double u = 0.0;
+  for (std::int64_t n = 0; n < top; ++n) u += ptx::to_float<Cfg::kBf16>(k[ranked[n] * p.k_row_stride]);
+  s_u[i] = u / static_cast<double>(top);
+  __syncthreads();
+  const auto* q = static_cast<const std::uint16_t*>(p.q) + seq.q_off + h * p.q_head_stride;
+  const std::int64_t slots = (static_cast<std::int64_t>(b) * p.h_q + h) * pp.max_s_q;
+  for (std::int64_t r = sg.row_begin(s) + i; r < sg.row_end(s); r += kD) {
+    const std::uint16_t* row = q + r * p.q_row_stride;
+    double dot = 0.0;
+    for (int c = 0; c < kD; ++c) dot = add_product(dot, ptx::to_float<Cfg::kBf16>(row[c]), s_u[c]);
+    pp.query_keys[0][slots + r] = rank_key(dot);
+  }
+}
+
+}  // namespace permute
+
+// One CTA per query tile: kBlockQ consecutive entries of a segment's permuted order (gathered Q
+// rows). Pass 1 attends to the segment's own keys in 64-key sub-tiles with the causal mask of
+// each row's original position; pass 2 walks the ranked prefix keys (gathered K/V rows) in
+// chunks of block_k keys and stops after a chunk whose largest row gain Δl / l' is below tau
+// (one CTA-wide vote per chunk); O and LSE are scattered back to the original rows.
+//
+// Scheduling: grid order puts heads fastest (a KV group's heads share K/V through L2, as in the
+// forward kernel), then batch, then the tile, then the segment from the last one down: the
+// later a segment, the longer its prefix and the more chunks pass 2 can visit, so the longest
+// expected work starts first. The hardware dispatches CTAs in this order as SMs free up, which
+// is the greedy longest-first list schedule an atomic work counter would give, without the
+// counter's reset per call or a persistent loop's extra registers in a kernel already at 255.
+template <class Cfg>
+__global__ void __launch_bounds__(Cfg::kThreads, 2) permute_kernel(const __grid_constant__ PermuteParams pp) {
+  using Tile = typename Cfg::Tile;
+  constexpr int kBlockM = Cfg::kBlockM, kBlockN = Cfg::kBlockN;
+  constexpr int kM = Cfg::kM, kNFrags = Cfg::kNFrags;
+  extern __shared__ __align__(128) unsigned char smem[];
+  __shared__ std::int32_t s_rows[kBlockM];  // the tile's call-relative rows, in visit order
+  __shared__ int s_last_row;                // the tile's latest row (its last visible key)
+  const FwdParams& p = pp.fwd;
+
+  const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
+  const int g = lane / 4, t4 = lane % 4;
+  int w = blockIdx.x;
+  const int h = w % p.h_q;
+  w /= p.h_q;
+  const int b = w % p.batch;
+  w /= p.batch;
+  const int tile = w % pp.tiles_per_segment;
+  const int slot_rev = w / pp.tiles_per_segment;
+  const int hk = h / p.group;
+  const SeqInfo seq = p.seqs[b];
+  const geom::SegmentGeometry sg = permute::segments(seq, pp.segment);
+  if (slot_rev >= sg.count()) return;
+  const std::int64_t slot = sg.count() - 1 - slot_rev;
+  const std::int64_t s = sg.first() + slot;
+  const std::int64_t r0 = sg.row_begin(s), n_rows = sg.row_end(s) - r0;
+  const std::int64_t e0 = static_cast<std::int64_t>(tile) * kBlockM;
+  if (e0 >= n_rows) return;
+  const int rows_valid = static_cast<int>(geom::min64(kBlockM, n_rows - e0));
+  const std::int64_t item = (static_cast<std::int64_t>(b) * p.h_q + h) * pp.max_segments + slot;
+  const std::int64_t offset = seq.s_k - seq.s_q;
+  const int warp_row = warp * 16 * kM;
+
+  if (tid == 0) s_last_row = -1;
+  __syncthreads();
+  if (tid < rows_valid) {
+    const std::int32_t r = pp.query_order[(static_cast<std::int64_t>(b) * p.h_q + h) * pp.max_s_q + r0 + e0 + tid];
+    s_rows[tid] = r;
+    atomicMax(&s_last_row, r);
+  }
+  __syncthreads();
+
+  // Keys. Pass 1: the segment's own keys seg_k0 .. own_end-1 (own_end: one past the latest
+  // row's position; never beyond the segment's keys, since every row of it lies before them).
+  // Pass 2: the ranked prefix (prefix = seg_k0 keys), 64 entries per sub-tile, block_k per chunk.
+  const std::int64_t seg_k0 = sg.prefix(s);
+  const std::int64_t own_end = s_last_row + offset + 1;
+  const int n_own = static_cast<int>(geom::ceil_div(own_end - seg_k0, kBlockN));
+  const std::int64_t prefix = seg_k0;
+  const int n_rank = static_cast<int>(geom::ceil_div(prefix, kBlockN));
+  const int subs_per_chunk = pp.block_k / kBlockN;
+  const int n_sub = n_own + n_rank;
+  const std::int32_t* ranked = pp.ranked + pp.rank_offsets[item];
+
+  const std::uint32_t s_q_tile = ptx::smem_addr(smem);
+  const std::uint32_t s_k_tile = s_q_tile + Cfg::kQBytes;       // 2 stages
+  const std::uint32_t s_v_tile = s_k_tile + 2 * Cfg::kKVBytes;  // 1 tile
+
+  // Sub-tile u of K or V into smem: own keys are consecutive rows, ranked keys gathered.
+  const KvRows k_rows = contiguous_rows(static_cast<const std::uint16_t*>(p.k) + seq.k_off + hk * p.k_head_stride, p.k_row_stride);
+  const KvRows v_rows = contiguous_rows(static_cast<const std::uint16_t*>(p.v) + seq.v_off + hk * p.v_head_stride, p.v_row_stride);
+  auto load_sub = [&](std::uint32_t dst, int u, bool value) {
+    const KvRows& rows = value ? v_rows : k_rows;
+    if (u < n_own) {
+      const std::int64_t key0 = seg_k0 + static_cast<std::int64_t>(u) * kBlockN;
+      load_tile<Tile, kBlockN>(dst, TileSrc{rows, key0, static_cast<int>(geom::min64(kBlockN, own_end - key0))}, tid);
+    } else {
+      const std::int64_t e = static_cast<std::int64_t>(u - n_own) * kBlockN;
+      load_tile_rows<Tile, kBlockN>(dst, rows, ranked + e, static_cast<int>(geom::min64(kBlockN, prefix - e)), tid);
+    }
+  };
+
+  // Rows this thread holds: r = 2·mi + i is tile row warp_row + 16·mi + g + 8·i. Padding rows of
+  // a short last tile (zero Q) take part in the arithmetic but never vote or get stored.
+  auto row_of = [&](int r) { return warp_row + 16 * (r / 2) + g + 8 * (r % 2); };
+  auto row_ok = [&](int r) { return row_of(r) < rows_valid; };
+  // Per row: its position relative to the segment's first key (-1: a padding row, sees nothing
+  // in pass 1).
+  int rel_pos[2 * kM];
+#pragma unroll
+  for (int r = 0; r < 2 * kM; ++r) rel_pos[r] = row_ok(r) ? static_cast<int>(s_rows[row_of(r)] + offset - seg_k0) : -1;
+
+  // ---- prologue: the gathered Q rows and the first K sub-tile in one group.
+  load_tile_rows<Tile, kBlockM>(
+      s_q_tile, contiguous_rows(static_cast<const std::uint16_t*>(p.q) + seq.q_off + h * p.q_head_stride, p.q_row_stride),
+      s_rows, rows_valid, tid);
+  load_sub(s_k_tile, 0, false);  // n_own >= 1: every row sees the segment's first key
+  ptx::cp_async_commit();
+
+  float acc[kM][Cfg::kDFrags][4];
+#pragma unroll
+  for (int mi = 0; mi < kM; ++mi) {
+#pragma unroll
+    for (int df = 0; df < Cfg::kDFrags; ++df) acc[mi][df][0] = acc[mi][df][1] = acc[mi][df][2] = acc[mi][df][3] = 0.f;
+  }
+  RowStats<kM> st;
+  init_row_stats(st);
+  float dl[2 * kM];  // this thread's part of Δl over the current chunk, relative to the running max
+#pragma unroll
+  for (int r = 0; r < 2 * kM; ++r) dl[r] = 0.f;
+  float sc[kM][kNFrags][4];
+  int visited = 0;
+
+  // ---- main loop over sub-tiles, FlashAttention-2 order (as the forward kernel's ungated
+  // blocks). Invariant at the top: the only cp.async group in flight is K(u) in `stage`.
+  int stage = 0;
+  for (int u = 0; u < n_sub; ++u) {
+    const bool ranked_sub = u >= n_own;
+    ptx::cp_async_wait<0>();  // K(u) has landed for this thread...
+    __syncthreads();          // ...for all; every warp is done with the previous sub-tile
+    load_sub(s_v_tile, u, true);
+    ptx::cp_async_commit();  // group V(u)
+    // K(u + 1), also across a chunk boundary before the stop decision: only a K load is
+    // speculative, never a V load.
+    if (u + 1 < n_sub) load_sub(s_k_tile + (stage ^ 1) * Cfg::kKVBytes, u + 1, false);
+    ptx::cp_async_commit();  // group K(u + 1)
+    warp_scores<Cfg>(s_q_tile, s_k_tile + stage * Cfg::kKVBytes, warp_row, lane, sc);
+    // Masks: pass 1 the causal limit of each row's position; pass 2 only the short last sub-tile
+    // (every prefix key is visible to every row of the segment).
+    const int limit_base = ranked_sub ? -1 : u * kBlockN;
+    const int rank_valid = ranked_sub ? static_cast<int>(geom::min64(kBlockN, prefix - static_cast<std::int64_t>(u - n_own) * kBlockN))
+                                      : kBlockN;
+#pragma unroll
+    for (int mi = 0; mi < kM; ++mi) {
+#pragma unroll
+      for (int nf = 0; nf < kNFrags; ++nf) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const int col = nf * 8 + 2 * t4 + (e & 1);
+          const bool hidden = ranked_sub ? col >= rank_valid : limit_base + col > rel_pos[2 * mi + e / 2];
+          if (hidden) sc[mi][nf][e] = -INFINITY;
+        }
+      }
+    }
+    float mx[2 * kM], m_use[2 * kM], m_old[2 * kM], part[2 * kM];
+    row_max(sc, mx);
+#pragma unroll
+    for (int r = 0; r < 2 * kM; ++r) {
+      m_old[r] = st.m[r];
+      part[r] = 0.f;
+    }
+    rescale(st, mx, p.scale_log2, acc, m_use);
+    std::uint32_t pf[kM][Cfg::kPSteps][4];
+    exp_pack<Cfg::kBf16>(sc, m_use, p.scale_log2, part, pf);
+#pragma unroll
+    for (int r = 0; r < 2 * kM; ++r) {
+      st.l[r] += part[r];
+      // Δl follows the running max like l (the same factor rescale applied).
+      if (ranked_sub) dl[r] = dl[r] * ptx::exp2f_fast(m_old[r] - m_use[r]) + part[r];
+    }
+    ptx::cp_async_wait<1>();  // V(u) landed (K(u + 1) may still be in flight)...
+    __syncthreads();          // ...for every thread
+    warp_pv<Cfg>(s_v_tile, lane, pf, acc);
+    stage ^= 1;
+
+    if (!ranked_sub) continue;
+    const int v = u - n_own;
+    if ((v + 1) % subs_per_chunk != 0 && v + 1 != n_rank) continue;
+    // End of a chunk: it is kept; another follows iff some valid row has gain Δl / l' >= tau
+    // (a NaN gain continues, as in the oracle).
+    ++visited;
+    bool more = false;
+#pragma unroll
+    for (int r = 0; r < 2 * kM; ++r) {
+      float l = st.l[r], d = dl[r];
+      l += __shfl_xor_sync(0xffffffffu, l, 1);
+      l += __shfl_xor_sync(0xffffffffu, l, 2);
+      d += __shfl_xor_sync(0xffffffffu, d, 1);
+      d += __shfl_xor_sync(0xffffffffu, d, 2);
+      more |= row_ok(r) && !(d / l < pp.tau);
+      dl[r] = 0.f;
+    }
+    if (__syncthreads_or(more) == 0) break;
+  }
+  ptx::cp_async_wait<0>();  // a K sub-tile prefetched past the stop
+
+  // ---- epilogue: O = acc / l through smem (the Q tile; each warp reads and writes only its own
+  // rows of it) as 16-byte row stores to the original rows; LSE by the first thread of a quad.
+  float o_scale[2 * kM], lse[2 * kM];
+#pragma unroll
+  for (int r = 0; r < 2 * kM; ++r) {
+    float l = st.l[r];
+    l += __shfl_xor_sync(0xffffffffu, l, 1);
+    l += __shfl_xor_sync(0xffffffffu, l, 2);
+    finalize_row(st.m[r], l, &o_scale[r], &lse[r]);
+  }
+  __syncwarp();  // the warp's last Q fragment reads are done before its rows are overwritten
+  auto* s_o = reinterpret_cast<std::uint32_t*>(smem);
+#pragma unroll
+  for (int mi = 0; mi < kM; ++mi) {
+#pragma unroll
+    for (int df = 0; df < Cfg::kDFrags; ++df) {
+#pragma unroll
+      for (int i = 0; i < 2; ++i) {
+        const int r = warp_row + 16 * mi + g + 8 * i;
+        const std::uint32_t byte = swizzle<Tile>(r, df) + t4 * 4;
+        const float f = o_scale[2 * mi + i];
+        s_o[byte / 4] = ptx::pack2<Cfg::kBf16>(acc[mi][df][2 * i] * f, acc[mi][df][2 * i + 1] * f);
+      }
+    }
+  }
+  __syncwarp();  // each warp stores only the rows it wrote
+  auto* o_head = static_cast<std::uint16_t*>(p.o) + seq.o_off + h * p.o_head_stride;
+#pragma unroll
+  for (int i = 0; i < 16 * kM * Tile::kChunks / 32; ++i) {
+    const int idx = lane + 32 * i;
+    const int r = warp_row + idx / Tile::kChunks, c = idx % Tile::kChunks;
+    if (r < rows_valid) {
+      const uint4 val = *reinterpret_cast<const uint4*>(smem + swizzle<Tile>(r, c));
+      *reinterpret_cast<uint4*>(o_head + s_rows[r] * p.o_row_stride + c * 8) = val;
+    }
+  }
+  if (p.lse != nullptr && t4 == 0) {
+#pragma unroll
+    for (int r = 0; r < 2 * kM; ++r) {
+      if (row_ok(r)) p.lse[seq.lse_off + h * p.lse_head_stride + s_rows[row_of(r)] * p.lse_row_stride] = lse[r];
+    }
+  }
+  if (pp.visited != nullptr && tid == 0) pp.visited[item * pp.tiles_per_segment + tile] = visited;
+}
+
+// Host-side launch of the whole sequence: slot arrays, q̄, prefix scores, ranking sort, guide
+// and query keys, query sort, attention. Sets pp.ranked and pp.query_order. Returns a
+// cudaError_t value (0 = success).
+template <class Cfg>
+int launch_permute(PermuteParams& pp, void* stream) {
+  const auto st = static_cast<cudaStream_t>(stream);
+  const FwdParams& p = pp.fwd;
+  pp.ranked = pp.rank_index[0];
+  pp.query_order = pp.query_rows[0];
+  if (p.batch == 0 || pp.max_s_q == 0) return 0;
+  auto check = [] { return static_cast<int>(cudaGetLastError()); };
+  const dim3 items(static_cast<unsigned>(pp.max_segments), static_cast<unsigned>(p.h_q), static_cast<unsigned>(p.batch));
+  permute::order_init_kernel<Cfg>
+      <<<dim3(static_cast<unsigned>((pp.max_s_q + 127) / 128), static_cast<unsigned>(p.h_q), static_cast<unsigned>(p.batch)), 128, 0,
+         st>>>(pp);
+  if (int err = check()) return err;
+  if (pp.max_segments == 0) return 0;
+  permute::q_mean_kernel<Cfg><<<items, Cfg::kHeadDim, 0, st>>>(pp);
+  if (int err = check()) return err;
+  // Key tiles of 128 over the longest prefix.
+  const int max_key_tiles = static_cast<int>((static_cast<std::int64_t>(pp.max_prefix) + 127) / 128);
+  if (max_key_tiles > 0) {
+    permute::prefix_scores_kernel<Cfg><<<dim3(static_cast<unsigned>(pp.max_segments) * static_cast<unsigned>(p.h_kv),
+                                              static_cast<unsigned>(max_key_tiles), static_cast<unsigned>(p.batch)),
+                                         128, 0, st>>>(pp);
+    if (int err = check()) return err;
+  }
+  SortPairs rank{{pp.rank_keys[0], pp.rank_keys[1]}, {pp.rank_index[0], pp.rank_index[1]}, pp.rank_items,
+                 pp.rank_segments, pp.rank_offsets, pp.sort_temp, pp.sort_temp_bytes};
+  std::size_t bytes = 0;
+  int current = 0;
+  if (pp.rank_items > 0) {
+    if (int err = permute_sort_pairs(rank, &bytes, &current, stream)) return err;
+  }
+  pp.ranked = pp.rank_index[current];
+  permute::guide_kernel<Cfg><<<items, Cfg::kHeadDim, 0, st>>>(pp);
+  if (int err = check()) return err;
+  SortPairs query{{pp.query_keys[0], pp.query_keys[1]}, {pp.query_rows[0], pp.query_rows[1]}, pp.query_items,
+                  pp.query_segments, pp.query_offsets, pp.sort_temp, pp.sort_temp_bytes};
+  if (int err = permute_sort_pairs(query, &bytes, &current, stream)) return err;
+  pp.query_order = pp.query_rows[current];
+
+  auto* kernel = permute_kernel<Cfg>;
+  cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Cfg::kSmemBytes);
+  if (err != cudaSuccess) return static_cast<int>(err);
+  const unsigned grid = static_cast<unsigned>(pp.max_segments) * static_cast<unsigned>(pp.tiles_per_segment) *
+                        static_cast<unsigned>(p.batch) * static_cast<unsigned>(p.h_q);
+  kernel<<<grid, Cfg::kThreads, Cfg::kSmemBytes, st>>>(pp);
+  return check();
+}
+
+}  // namespace sparseprefill::cuda::sm80
