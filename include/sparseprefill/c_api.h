@@ -260,6 +260,41 @@ SP_C_API int sp_plan_run(const sp_plan* plan, const sp_problem* problem, const s
  * message that says what is compiled. */
 SP_C_API int sp_can_run(const sp_problem* problem, const sp_policy* policy, int32_t backend);
 
+/* ---- Calibration: one sparseprefill::CalibrationRun (calibration.h). Each layer's q and k go
+ * in with sp_calibrator_add: CUDA tensors are reduced to statistics on the GPU (bf16/fp16,
+ * d 64/128, exact_gate/softmax_skip blocks 64 or 128, estimate_select block 128), host tensors
+ * on the CPU; sp_calibrator_save fits every factor and writes the calibration file. Opaque;
+ * one thread at a time per handle. */
+typedef struct sp_calibrator sp_calibrator;
+
+/* What to calibrate; a list of length 0 leaves its policy out (at least one is needed).
+ * estimate_select's other parameters (sink, window, tail, no correction, per query head) are
+ * the policy's defaults, as `sparseprefill calibrate` uses them. */
+typedef struct sp_calibration_targets {
+  int32_t layers;
+  int32_t heads;        /* query heads; required with budgets */
+  int32_t block_q;      /* exact_gate and softmax_skip blocks */
+  int32_t block_k;
+  int32_t select_block; /* estimate_select block */
+  const int32_t* budgets; /* exact_gate budgets, ascending */
+  int32_t num_budgets;
+  const double* skip_targets; /* softmax_skip target skip fractions, ascending */
+  int32_t num_skip_targets;
+  const double* density_targets; /* estimate_select target densities, ascending */
+  int32_t num_density_targets;
+} sp_calibration_targets;
+
+SP_C_API int sp_calibrator_create(const sp_calibration_targets* targets, sp_calibrator** out);
+SP_C_API void sp_calibrator_destroy(sp_calibrator* calibrator);
+/* Adds q and k of `layer` (causal; sample->v is not read and may repeat k). CUDA work runs on
+ * options->cuda_stream (options NULL: the default stream), which is synchronised. */
+SP_C_API int sp_calibrator_add(sp_calibrator* calibrator, int32_t layer, const sp_problem* sample,
+                               const sp_options* options);
+/* Fits every factor per layer and target and writes the calibration file at `path`, with the
+ * metadata pairs (keys the format reserves are rejected). */
+SP_C_API int sp_calibrator_save(const sp_calibrator* calibrator, const char* path,
+                                const sp_setting* metadata, int32_t num_metadata);
+
 /* The message of the last call on this thread that failed; "" after a call that succeeded.
  * Valid until the thread's next call into this library. */
 SP_C_API const char* sp_last_error(void);

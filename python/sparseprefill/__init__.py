@@ -19,7 +19,7 @@ from ._ext import (
     InvalidArgumentError,
     UnsupportedError,
 )
-from .calibration import Calibration, load_calibration
+from .calibration import Calibration, Calibrator, load_calibration
 from .native import BlockMask, Decisions, Plan, Result, Selection, build_info, can_run, plan, run, select
 from .policy import BlockSparse, Dense, EstimateSelect, ExactGate, PermuteStop, Policy, SoftmaxSkip
 from .stats import CallStats, StatsLog, collect_stats
@@ -27,8 +27,8 @@ from .stats import CallStats, StatsLog, collect_stats
 __version__ = "0.1.0"
 
 __all__ = [
-    "BlockMask", "BlockSparse", "Calibration", "CallStats", "CorruptDataError", "CudaError", "Decisions", "Dense",
-    "Error", "EstimateSelect", "ExactGate", "FileError", "InternalError", "InvalidArgumentError",
+    "BlockMask", "BlockSparse", "Calibration", "Calibrator", "CallStats", "CorruptDataError", "CudaError",
+    "Decisions", "Dense", "Error", "EstimateSelect", "ExactGate", "FileError", "InternalError", "InvalidArgumentError",
     "PermuteStop", "Plan", "Policy", "Result", "Selection", "SoftmaxSkip", "StatsLog", "UnsupportedError",
     "build_info", "can_run", "collect_stats", "load_calibration", "plan", "run", "select",
 ]

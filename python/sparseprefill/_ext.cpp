@@ -348,6 +348,53 @@ py::tuple can_run(const py::tuple& problem, const PolicyHandle& policy, int back
   return py::make_tuple(code, std::string(code == SP_OK ? "" : sp_last_error()));
 }
 
+// ---- Calibration (sp_calibrator_*): one run fed layer by layer, written with save().
+class CalibratorHandle {
+ public:
+  CalibratorHandle(int layers, int heads, int block_q, int block_k, int select_block, const std::vector<std::int32_t>& budgets,
+                   const std::vector<double>& skip_targets, const std::vector<double>& density_targets) {
+    sp_calibration_targets t{};
+    t.layers = layers;
+    t.heads = heads;
+    t.block_q = block_q;
+    t.block_k = block_k;
+    t.select_block = select_block;
+    t.budgets = budgets.data();
+    t.num_budgets = static_cast<std::int32_t>(budgets.size());
+    t.skip_targets = skip_targets.data();
+    t.num_skip_targets = static_cast<std::int32_t>(skip_targets.size());
+    t.density_targets = density_targets.data();
+    t.num_density_targets = static_cast<std::int32_t>(density_targets.size());
+    check(sp_calibrator_create(&t, &calibrator_));
+  }
+  ~CalibratorHandle() { sp_calibrator_destroy(calibrator_); }
+  CalibratorHandle(const CalibratorHandle&) = delete;
+  CalibratorHandle& operator=(const CalibratorHandle&) = delete;
+
+  // q, k of one layer (the problem tuple of run(); v may repeat k); synchronises `stream`.
+  void add(int layer, const py::tuple& problem, std::uintptr_t stream) {
+    const sp_problem p = to_problem(problem);
+    sp_options options{};
+    options.cuda_stream = reinterpret_cast<void*>(stream);
+    int code;
+    {
+      py::gil_scoped_release release;
+      code = sp_calibrator_add(calibrator_, layer, &p, &options);
+    }
+    check(code);
+  }
+
+  void save(const std::string& path, const std::vector<std::pair<std::string, std::string>>& metadata) {
+    std::vector<sp_setting> raw;
+    raw.reserve(metadata.size());
+    for (const auto& [key, value] : metadata) raw.push_back(sp_setting{key.c_str(), value.c_str()});
+    check(sp_calibrator_save(calibrator_, path.c_str(), raw.data(), static_cast<std::int32_t>(raw.size())));
+  }
+
+ private:
+  sp_calibrator* calibrator_ = nullptr;
+};
+
 py::object new_exception(py::module_& m, const char* name, py::handle bases, const char* doc) {
   const std::string qualified = std::string("sparseprefill.") + name;
   PyObject* cls = PyErr_NewExceptionWithDoc(qualified.c_str(), doc, bases.ptr(), nullptr);
@@ -403,6 +450,14 @@ PYBIND11_MODULE(_ext, m) {
            py::arg("block_q"), py::arg("block_k"), py::arg("per_kv_head"), py::arg("num_rows"),
            py::arg("indptr"), py::arg("num_indices"), py::arg("indices"))
       .def("describe", &PolicyHandle::describe);
+
+  py::class_<CalibratorHandle>(m, "CalibratorHandle")
+      .def(py::init<int, int, int, int, int, const std::vector<std::int32_t>&, const std::vector<double>&,
+                    const std::vector<double>&>(),
+           py::arg("layers"), py::arg("heads"), py::arg("block_q"), py::arg("block_k"), py::arg("select_block"),
+           py::arg("budgets"), py::arg("skip_targets"), py::arg("density_targets"))
+      .def("add", &CalibratorHandle::add, py::arg("layer"), py::arg("problem"), py::arg("stream"))
+      .def("save", &CalibratorHandle::save, py::arg("path"), py::arg("metadata"));
 
   m.def("run", &run, py::arg("problem"), py::arg("policy"), py::arg("out"), py::arg("lse"),
         py::arg("backend"), py::arg("num_threads"), py::arg("stream"), py::arg("want_stats"));

@@ -2,7 +2,9 @@
 """Reads the calibration files the C++ library writes (src/core/calibration.cpp): a
 safetensors file with metadata format=sparseprefill.calibration, format_version=1, and up to
 three sections (exact_gate thresholds, softmax_skip factors, estimate_select alphas). Every
-malformed, truncated or inconsistent file raises CorruptDataError saying what is wrong."""
+malformed, truncated or inconsistent file raises CorruptDataError saying what is wrong.
+Calibrator writes them: it feeds each layer's q/k to the library's calibrators (on the GPU for
+CUDA tensors, seconds for a 128K-token sample; on the CPU for NumPy arrays and CPU tensors)."""
 
 from __future__ import annotations
 
@@ -11,14 +13,15 @@ import math
 import os
 import struct
 from dataclasses import dataclass, field
-from typing import Dict, List, Optional, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
+from . import _ext
 from ._ext import CorruptDataError, FileError, InvalidArgumentError
 from .policy import EstimateSelect, ExactGate, SoftmaxSkip
 
-__all__ = ["Calibration", "load_calibration", "read_safetensors"]
+__all__ = ["Calibration", "Calibrator", "load_calibration", "read_safetensors"]
 
 _FORMAT = "sparseprefill.calibration"
 _VERSION = "1"
@@ -265,3 +268,29 @@ def load_calibration(path: "str | os.PathLike[str]") -> Calibration:
         raise CorruptDataError(f"{path}: {e}") from None
     _CACHE[key] = cal
     return cal
+
+
+class Calibrator:
+    """One calibration run (the library's CalibrationRun through the C ABI): add(layer, q, k)
+    for every layer of every sample, then save(path). q [b, s, h_q, d] and k [b, s_k, h_kv, d]
+    (causal, the model's layout after RoPE) as torch tensors (CUDA: statistics on the GPU, on
+    the current stream, which is synchronised) or NumPy arrays / CPU tensors (CPU route).
+    Empty target lists leave their policy out; estimate_select's other parameters are the
+    policy defaults (as `sparseprefill calibrate`)."""
+
+    def __init__(self, layers: int, heads: int, *, budgets: Sequence[int] = (), skip_targets: Sequence[float] = (),
+                 density_targets: Sequence[float] = (), block_q: int = 128, block_k: int = 128,
+                 select_block: int = 128):
+        self._handle = _ext.CalibratorHandle(int(layers), int(heads), int(block_q), int(block_k), int(select_block),
+                                             [int(b) for b in budgets], [float(t) for t in skip_targets],
+                                             [float(t) for t in density_targets])
+
+    def add(self, layer: int, q: Any, k: Any) -> None:
+        from .native import device_guard, problem_tuple
+
+        problem = problem_tuple(q, k, k, None, None, None, None, True, 0.0)
+        with device_guard(q) as stream:
+            self._handle.add(int(layer), problem, stream)
+
+    def save(self, path: "str | os.PathLike[str]", metadata: Optional[Dict[str, str]] = None) -> None:
+        self._handle.save(os.fspath(path), [(str(k), str(v)) for k, v in (metadata or {}).items()])

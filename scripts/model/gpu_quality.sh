@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # SPDX-License-Identifier: Apache-2.0
 # Issue #7 on the GPU machine, in one call after scripts/model/assemble.sh: installs the package
-# with CUDA, builds the CLI (host calibrators), calibrates at block 128 in bf16 on the GPU and
+# with CUDA, builds the CLI (the evaluation's kept-block map), calibrates at block 128 in bf16
+# on the GPU (q/k statistics computed on the GPU by sparseprefill.Calibrator) and
 # evaluates every policy at 2K/4K/8K with end-to-end prefill timing (SDPA cuDNN, our dense,
 # every setting). Results, calibration file and logs go to OUTDIR; bench/records/quality/ and
 # docs/quality.md are made from them here (python -m sparseprefill.quality.report).
@@ -26,14 +27,14 @@ note() { echo "[$(($(date +%s) - t0)) s] $*" | tee -a "$out/summary.txt"; }
 
 note "pip install (CUDA)"
 scripts/python_install_cuda.sh "$out" || exit 1
-note "CLI (cpu preset: the calibrators are host code)"
+note "CLI (cpu preset: the evaluation's kept-block map)"
 { cmake --preset cpu -DSP_BUILD_BENCH=OFF -DSP_BUILD_TESTS=OFF && cmake --build build/cpu -j"$(nproc)" --target sparseprefill_cli; } \
   >"$out/cli_build.log" 2>&1 || { tail -30 "$out/cli_build.log"; exit 1; }
 
 note "calibrate"
 # Run from /tmp so the installed package, not the source tree, is imported.
 (cd /tmp && "$py" -m sparseprefill.quality.calibrate --model "$root/$model" --text "$root/$text" \
-  --cli "$root/build/cpu/tools/cli/sparseprefill" --device cuda --dtype bfloat16 \
+  --device cuda --dtype bfloat16 \
   --samples "${SP_QUALITY_SAMPLES:-8}" --length 8192 --block 128 --budgets 4,8,16,32 \
   --skip-targets 0.2,0.4,0.6,0.8 --density-targets 0.3,0.5,0.7,0.85 --output "$cal") \
   >"$out/calibrate.log" 2>&1 || { tail -30 "$out/calibrate.log"; note "calibrate FAILED"; exit 1; }

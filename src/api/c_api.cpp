@@ -14,6 +14,7 @@
 
 #include "sparseprefill/attention.h"
 #include "sparseprefill/block_mask.h"
+#include "sparseprefill/calibration.h"
 #include "sparseprefill/plan.h"
 #include "sparseprefill/policy.h"
 #include "sparseprefill/problem.h"
@@ -39,6 +40,10 @@ struct sp_decisions {
 struct sp_plan {
   sparseprefill::Plan plan;
   std::string description;
+};
+
+struct sp_calibrator {
+  std::unique_ptr<sparseprefill::CalibrationRun> run;
 };
 
 namespace {
@@ -486,6 +491,76 @@ int sp_can_run(const sp_problem* problem, const sp_policy* policy, int32_t backe
     sparseprefill::Backend b = sparseprefill::Backend::kAuto;
     SP_RETURN_IF_ERROR(to_backend(backend, &b));
     return sparseprefill::can_run(p, policy->policy, b);
+  });
+}
+
+// ---------------------------------------------------------------- calibration
+
+int sp_calibrator_create(const sp_calibration_targets* targets, sp_calibrator** out) {
+  return guarded([&]() -> Status {
+    if (out == nullptr) return sparseprefill::invalid_argument("out: expected non-NULL");
+    *out = nullptr;
+    if (targets == nullptr) return sparseprefill::invalid_argument("targets: expected non-NULL");
+    const sp_calibration_targets& t = *targets;
+    const std::pair<const char*, std::pair<const void*, int32_t>> lists[] = {
+        {"budgets", {t.budgets, t.num_budgets}},
+        {"skip_targets", {t.skip_targets, t.num_skip_targets}},
+        {"density_targets", {t.density_targets, t.num_density_targets}}};
+    for (const auto& [name, list] : lists) {
+      if (list.second < 0 || (list.second > 0 && list.first == nullptr)) {
+        return sparseprefill::invalid_argument(std::string("targets.") + name +
+                                               ": expected a length >= 0 and a non-NULL array when it is positive");
+      }
+    }
+    sparseprefill::CalibrationTargets c;
+    c.layers = t.layers;
+    c.heads = t.heads;
+    c.block_q = t.block_q;
+    c.block_k = t.block_k;
+    c.estimate.block = t.select_block;
+    c.budgets.assign(t.budgets, t.budgets + t.num_budgets);
+    c.skip_targets.assign(t.skip_targets, t.skip_targets + t.num_skip_targets);
+    c.density_targets.assign(t.density_targets, t.density_targets + t.num_density_targets);
+    auto handle = std::make_unique<sp_calibrator>();
+    SP_RETURN_IF_ERROR(sparseprefill::CalibrationRun::create(c, &handle->run));
+    *out = handle.release();
+    return Status::ok_status();
+  });
+}
+
+void sp_calibrator_destroy(sp_calibrator* calibrator) { delete calibrator; }
+
+int sp_calibrator_add(sp_calibrator* calibrator, int32_t layer, const sp_problem* sample, const sp_options* options) {
+  return guarded([&]() -> Status {
+    if (calibrator == nullptr) {
+      return sparseprefill::invalid_argument("calibrator: expected a handle from sp_calibrator_create");
+    }
+    sparseprefill::AttentionProblem p;
+    SP_RETURN_IF_ERROR(to_problem(sample, &p));
+    return calibrator->run->add(layer, p, options != nullptr ? options->cuda_stream : nullptr);
+  });
+}
+
+int sp_calibrator_save(const sp_calibrator* calibrator, const char* path, const sp_setting* metadata,
+                       int32_t num_metadata) {
+  return guarded([&]() -> Status {
+    if (calibrator == nullptr) {
+      return sparseprefill::invalid_argument("calibrator: expected a handle from sp_calibrator_create");
+    }
+    if (path == nullptr) return sparseprefill::invalid_argument("path: expected non-NULL");
+    if (num_metadata < 0 || (num_metadata > 0 && metadata == nullptr)) {
+      return sparseprefill::invalid_argument(
+          "metadata: expected num_metadata >= 0 and a non-NULL array when it is positive");
+    }
+    sparseprefill::Calibration cal;
+    SP_RETURN_IF_ERROR(calibrator->run->finish(&cal));
+    for (int32_t i = 0; i < num_metadata; ++i) {
+      if (metadata[i].key == nullptr || metadata[i].value == nullptr) {
+        return sparseprefill::invalid_argument("metadata[" + std::to_string(i) + "]: expected non-NULL key and value");
+      }
+      cal.metadata[metadata[i].key] = metadata[i].value;
+    }
+    return sparseprefill::save_calibration(path, cal);
   });
 }
 

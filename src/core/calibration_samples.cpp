@@ -1,13 +1,15 @@
 // SPDX-License-Identifier: Apache-2.0
-// The calibrators of calibration.h: statistics gathered from Q/K samples on the CPU (exact
-// block maxima for exact_gate, the BLASST skip statistic for softmax_skip, relative block
-// energies for estimate_select) and the factors that hit a target budget, skip fraction or
-// density. Scores are scale·q·k in double with the oracle's summation order, so a statistic
+// The calibrators of calibration.h: statistics gathered from Q/K samples (exact block maxima
+// for exact_gate, the BLASST skip statistic for softmax_skip, relative block energies for
+// estimate_select) on the CPU, or on the GPU for CUDA tensors (src/cuda), and the one
+// reduction of both routes to the factors that hit a target budget, skip fraction or density.
+// Host scores are scale·q·k in double with the oracle's summation order, so a host statistic
 // equals what the oracle's decision rule compares.
 #include <algorithm>
 #include <atomic>
 #include <cmath>
 #include <cstdint>
+#include <functional>
 #include <limits>
 #include <string>
 #include <thread>
@@ -17,6 +19,9 @@
 #include "core/geometry.h"
 #include "core/tensor_access.h"
 #include "sparseprefill/calibration.h"
+#if defined(SP_WITH_CUDA)
+#include "cuda/cuda_backend.h"
+#endif
 
 namespace sparseprefill {
 
@@ -41,6 +46,32 @@ void parallel_for(int n, const Fn& fn) {
     });
   }
   for (std::thread& th : pool) th.join();
+}
+
+// Sorts v by `less` like std::sort (the same sorted sequence), on up to hardware_concurrency
+// threads: chunks sorted in parallel, then merged pairwise in parallel rounds. A 128K-token
+// sample gives ~17 M statistics per layer to rank (bench/records/2026-11-29-h200-calib-statistics.md:
+// the single-threaded sorts were most of the 4.6 s of host reductions per Llama layer).
+template <class Less>
+void parallel_sort(std::vector<double>* v, Less less) {
+  const std::size_t n = v->size();
+  const int chunks = std::max(1, static_cast<int>(std::thread::hardware_concurrency()));
+  if (chunks == 1 || n < (std::size_t{1} << 16)) {
+    std::sort(v->begin(), v->end(), less);
+    return;
+  }
+  std::vector<std::ptrdiff_t> bound(static_cast<std::size_t>(chunks) + 1);
+  for (int i = 0; i <= chunks; ++i) {
+    bound[static_cast<std::size_t>(i)] = static_cast<std::ptrdiff_t>(n * static_cast<std::size_t>(i) / static_cast<std::size_t>(chunks));
+  }
+  const auto at = [&](int i) { return v->begin() + bound[static_cast<std::size_t>(std::min(i, chunks))]; };
+  parallel_for(chunks, [&](int i) { std::sort(at(i), at(i + 1), less); });
+  for (int width = 1; width < chunks; width *= 2) {
+    parallel_for((chunks + 2 * width - 1) / (2 * width), [&](int pair) {
+      const int lo = pair * 2 * width;
+      if (lo + width < chunks) std::inplace_merge(at(lo), at(lo + width), at(lo + 2 * width), less);
+    });
+  }
 }
 
 // One sequence of a sample: q [s_q, h_q, d] and k [s_k, h_kv, d] as exact doubles, and each
@@ -145,22 +176,21 @@ void block_row_max(const SampleSeq& s, int h, std::int64_t r0, int rows, const d
   }
 }
 
-// Validates a calibration sample and resolves its shape: host tensors, causal, finite q/k.
-Status check_sample(const char* who, int layer, int layers, const AttentionProblem& sample,
-                    ProblemShape* shape) {
-  if (layer < 0 || layer >= layers) {
-    return invalid_argument(std::string(who) + ": layer: expected 0 .. " + std::to_string(layers - 1) +
-                            ", got " + std::to_string(layer));
-  }
+// Validates a calibration sample and resolves its shape: causal, host or CUDA tensors.
+Status check_sample(const char* who, const AttentionProblem& sample, ProblemShape* shape) {
   Status st = validate_problem(sample, nullptr, shape);
   if (!st.ok()) return Status(st.code(), std::string(who) + ": sample: " + st.message());
-  if (shape->device.kind != DeviceKind::kCPU) {
-    return invalid_argument(std::string(who) + ": sample: calibration reads host tensors, got q " +
-                            describe(sample.q));
-  }
   if (!shape->causal) {
     return invalid_argument(std::string(who) + ": sample.causal: calibration expects causal "
                             "(prefill) samples");
+  }
+  return {};
+}
+
+Status check_layer(const char* who, int layer, int layers) {
+  if (layer < 0 || layer >= layers) {
+    return invalid_argument(std::string(who) + ": layer: expected 0 .. " + std::to_string(layers - 1) +
+                            ", got " + std::to_string(layer));
   }
   return {};
 }
@@ -217,13 +247,13 @@ Status check_target(double target, int layer, int layers, const char* name) {
 }
 
 // Among the counts n in [0, size] reachable by a threshold between distinct neighbours of
-// `sorted` (n = 0, n = size, or sorted[n-1] != sorted[n]), the one nearest to `wanted`
+// sorted[0, size) (n = 0, n = size, or sorted[n-1] != sorted[n]), the one nearest to `wanted`
 // (ties: the smaller n).
-std::size_t nearest_reachable(const std::vector<double>& sorted, double wanted) {
+std::size_t nearest_reachable(const double* sorted, std::size_t size, double wanted) {
   std::size_t best = 0;
   double best_dist = std::abs(wanted);
-  for (std::size_t n = 1; n <= sorted.size(); ++n) {
-    if (n < sorted.size() && sorted[n - 1] == sorted[n]) continue;
+  for (std::size_t n = 1; n <= size; ++n) {
+    if (n < size && sorted[n - 1] == sorted[n]) continue;
     const double dist = std::abs(static_cast<double>(n) - wanted);
     if (dist < best_dist) {
       best = n;
@@ -233,7 +263,245 @@ std::size_t nearest_reachable(const std::vector<double>& sorted, double wanted) 
   return best;
 }
 
+// A statistics array of one sequence must hold [heads, q_blocks, k_blocks] values.
+Status check_size(const char* who, const char* name, std::size_t b, std::size_t size, std::size_t expected) {
+  if (size == expected) return {};
+  return invalid_argument(std::string(who) + ": statistics[" + std::to_string(b) + "]." + name + ": expected " +
+                          std::to_string(expected) + " values [heads, q_blocks, k_blocks], got " +
+                          std::to_string(size));
+}
+
+Status non_finite_statistic(const char* who, const char* name, std::size_t b, std::size_t index, double value) {
+  return invalid_argument(std::string(who) + ": statistics[" + std::to_string(b) + "]." + name + "[" +
+                          std::to_string(index) + "] is " + (std::isnan(value) ? "NaN" : "infinite") +
+                          " (non-finite q or k?)");
+}
+
+// The geometry of a statistics record, checked against a calibrator's block sizes.
+Status check_block_record(const char* who, std::size_t b, const BlockStatistics& st, int block_q, int block_k,
+                          geom::BlockGeometry* g) {
+  if (st.block_q != block_q || st.block_k != block_k) {
+    return invalid_argument(std::string(who) + ": statistics[" + std::to_string(b) + "]: block " +
+                            std::to_string(st.block_q) + "x" + std::to_string(st.block_k) + ", calibrator expects " +
+                            std::to_string(block_q) + "x" + std::to_string(block_k));
+  }
+  if (st.s_q < 0 || st.s_k < 0 || st.heads < 1) {
+    return invalid_argument(std::string(who) + ": statistics[" + std::to_string(b) +
+                            "]: expected s_q, s_k >= 0 and heads >= 1");
+  }
+  *g = geom::BlockGeometry{{st.s_q, st.s_k, true}, block_q, block_k};
+  return {};
+}
+
+// estimate_select's scored blocks of tile i: j < (a_l + 1) / block, a_l the tile's last
+// absolute position (0 when no row sees a key).
+int scored_blocks(const geom::BlockGeometry& g, int i) {
+  const std::int64_t a_l = g.seq.position(g.row_end(i) - 1);
+  return a_l < 0 ? 0 : static_cast<int>((a_l + 1) / g.block_k);
+}
+
+// BLASST visit order of query block qb: partial blocks, then full blocks, each descending.
+std::vector<int> blasst_order(const geom::BlockGeometry& g, int qb) {
+  std::vector<int> order;
+  for (int kb = g.visible_end(qb) - 1; kb >= g.full_end(qb); --kb) order.push_back(kb);
+  for (int kb = g.full_end(qb) - 1; kb >= 0; --kb) order.push_back(kb);
+  return order;
+}
+
+// The host route of compute_block_statistics: fp64 scores in the oracle's order.
+BlockStatistics host_block_statistics(SampleSeq& s, int block_q, int block_k, bool want_max, bool want_g) {
+  const geom::BlockGeometry g{s.geo, block_q, block_k};
+  BlockStatistics st;
+  st.s_q = s.geo.s_q;
+  st.s_k = s.geo.s_k;
+  st.heads = s.h_q;
+  st.block_q = block_q;
+  st.block_k = block_k;
+  const int nqb = g.num_q_blocks(), nkb = g.num_k_blocks();
+  const std::size_t cells = static_cast<std::size_t>(s.h_q) * nqb * nkb;
+  if (want_max) st.block_max.assign(cells, kNegInf);
+  if (want_g) st.skip_g.assign(cells, kNegInf);
+  if (cells == 0) return st;
+  const Transposed kt = transpose_keys(s, block_k);
+  std::vector<double>().swap(s.k);  // only the transposed copy is read from here on
+  const double ln_s_k = std::log(static_cast<double>(s.geo.s_k));
+  parallel_for(s.h_q, [&](int h) {
+    const int hk = s.kv_head(h);
+    std::vector<double> m_run(static_cast<std::size_t>(block_q)), tile(static_cast<std::size_t>(block_q));
+    std::vector<std::int64_t> seen(static_cast<std::size_t>(block_q));
+    for (int qb = 0; qb < nqb; ++qb) {
+      const std::size_t row = (static_cast<std::size_t>(h) * nqb + qb) * nkb;
+      double* bmax = want_max ? &st.block_max[row] : nullptr;
+      double* gs = want_g ? &st.skip_g[row] : nullptr;
+      const std::int64_t r0 = g.row_begin(qb);
+      const int rows = static_cast<int>(g.row_end(qb) - r0);
+      // Without g only the full blocks are needed, in any order.
+      const std::vector<int> order = want_g ? blasst_order(g, qb) : [&] {
+        std::vector<int> full(static_cast<std::size_t>(g.full_end(qb)));
+        for (int kb = 0; kb < g.full_end(qb); ++kb) full[static_cast<std::size_t>(kb)] = kb;
+        return full;
+      }();
+      std::fill(m_run.begin(), m_run.begin() + rows, kNegInf);
+      for (std::size_t visit = 0; visit < order.size(); ++visit) {
+        const int kb = order[visit];
+        for (int i = 0; i < rows; ++i) seen[static_cast<std::size_t>(i)] = seen_in_block(g, r0 + i, kb);
+        block_row_max(s, h, r0, rows, kt.block(hk, kb), kt.kpad, seen.data(), tile.data());
+        if (bmax != nullptr) bmax[kb] = *std::max_element(tile.begin(), tile.begin() + rows);
+        if (gs == nullptr) continue;
+        if (visit > 0) {
+          // g = max over the rows that have a say of (tile_rowmax - m_run) + ln s_k: a row
+          // seeing its first keys here can never skip (+inf); a row seeing none of this
+          // block's keys after earlier ones always skips (-inf); a row that has seen
+          // nothing and sees nothing has no say.
+          double stat = kNegInf;
+          for (int i = 0; i < rows; ++i) {
+            const auto u = static_cast<std::size_t>(i);
+            const bool before = m_run[u] != kNegInf, here = seen[u] > 0;
+            if (!before && !here) continue;
+            const double diff = !before ? kPosInf : (here ? tile[u] - m_run[u] : kNegInf);
+            stat = std::max(stat, diff);
+          }
+          gs[kb] = stat + ln_s_k;
+        }
+        // The dense running max: skipping never lowers it while a <= s_k (a skipped
+        // block's row maxima lie below m_run + ln(a / s_k) <= m_run).
+        for (int i = 0; i < rows; ++i) {
+          const auto u = static_cast<std::size_t>(i);
+          if (seen[u] > 0) m_run[u] = std::max(m_run[u], tile[u]);
+        }
+      }
+    }
+  });
+  return st;
+}
+
+Status block_statistics(const char* who, const AttentionProblem& sample, int block_q, int block_k, bool want_max,
+                        bool want_g, void* cuda_stream, std::vector<BlockStatistics>* out) {
+  if (block_q < 1 || block_k < 1) return invalid_argument(std::string(who) + ": block sizes must be >= 1");
+  ProblemShape shape;
+  SP_RETURN_IF_ERROR(check_sample(who, sample, &shape));
+  if (shape.device.kind == DeviceKind::kCUDA) {
+#if defined(SP_WITH_CUDA)
+    const Status st = cuda::block_statistics_cuda(sample, shape, block_q, block_k, want_max, want_g, cuda_stream, out);
+    if (!st.ok()) return Status(st.code(), std::string(who) + ": " + st.message());
+    return {};
+#else
+    (void)cuda_stream;
+    return unsupported(std::string(who) + ": sample: CUDA tensors, but this build has no CUDA backend");
+#endif
+  }
+  SP_RETURN_IF_ERROR(check_all_sequences(who, sample, shape));
+  out->clear();
+  for (int b = 0; b < shape.batch; ++b) {
+    SampleSeq s;
+    SP_RETURN_IF_ERROR(gather_seq(who, sample, shape, b, &s));
+    out->push_back(host_block_statistics(s, block_q, block_k, want_max, want_g));
+  }
+  return {};
+}
+
+// The host route of compute_select_statistics: fp64 scores against the dtype-rounded means.
+SelectStatistics host_select_statistics(const SampleSeq& s, int bs, bool pack_gqa) {
+  const geom::BlockGeometry g{s.geo, bs, bs};
+  const int blocks = g.num_k_blocks();
+  // Mean keys per block and KV head, accumulated in double and rounded to fp32 and then to
+  // the input dtype: what a kernel stores and scores with (the oracle does the same).
+  std::vector<double> means(static_cast<std::size_t>(blocks) * s.h_kv * s.d);
+  for (int j = 0; j < blocks; ++j) {
+    const auto len = static_cast<double>(g.key_end(j) - g.key_begin(j));
+    for (int hk = 0; hk < s.h_kv; ++hk) {
+      double* m = &means[(static_cast<std::size_t>(j) * s.h_kv + hk) * s.d];
+      for (std::int64_t t = g.key_begin(j); t < g.key_end(j); ++t) {
+        for (int i = 0; i < s.d; ++i) m[i] += s.k_row(t, hk)[i];
+      }
+      for (int i = 0; i < s.d; ++i) m[i] = round_to(s.dtype, static_cast<float>(m[i] / len));
+    }
+  }
+  SelectStatistics st;
+  st.s_q = s.geo.s_q;
+  st.s_k = s.geo.s_k;
+  st.units = pack_gqa ? s.h_kv : s.h_q;
+  st.block = bs;
+  st.pack_gqa = pack_gqa;
+  const int heads_per_unit = pack_gqa ? s.h_q / s.h_kv : 1;
+  const int tiles = g.num_q_blocks();
+  st.ratio.assign(static_cast<std::size_t>(st.units) * tiles * blocks, 0.0);
+  parallel_for(st.units, [&](int unit) {
+    const int h0 = unit * heads_per_unit;
+    const int hk = s.kv_head(h0);
+    std::vector<double> x;
+    for (int i = 0; i < tiles; ++i) {
+      const int scored = scored_blocks(g, i);
+      if (scored == 0) continue;
+      // x[r, j] = scale · q_r · k̄_j for the pairs whose row sees block j's first key, in
+      // the oracle's pair order (row, then head); other pairs add exp(-inf) = 0.
+      const std::size_t pairs = static_cast<std::size_t>(g.row_end(i) - g.row_begin(i)) * heads_per_unit;
+      x.assign(static_cast<std::size_t>(scored) * pairs, kNegInf);
+      double x_max = kNegInf;
+      for (int j = 0; j < scored; ++j) {
+        const double* kbar = &means[(static_cast<std::size_t>(j) * s.h_kv + hk) * s.d];
+        std::size_t n = static_cast<std::size_t>(j) * pairs;
+        for (std::int64_t r = g.row_begin(i); r < g.row_end(i); ++r) {
+          for (int h = h0; h < h0 + heads_per_unit; ++h, ++n) {
+            if (s.geo.position(r) < static_cast<std::int64_t>(j) * bs) continue;
+            const double* q = s.q_row(r, h);
+            double acc = 0.0;
+            for (int dd = 0; dd < s.d; ++dd) acc += q[dd] * kbar[dd];
+            x[n] = s.scale * acc;
+            x_max = std::max(x_max, x[n]);
+          }
+        }
+      }
+      double* ratio = &st.ratio[(static_cast<std::size_t>(unit) * tiles + i) * blocks];
+      double e_max = kNegInf;
+      for (int j = 0; j < scored; ++j) {
+        double e = 0.0;
+        for (std::size_t n = 0; n < pairs; ++n) e += std::exp(x[static_cast<std::size_t>(j) * pairs + n] - x_max);
+        ratio[j] = e;
+        e_max = std::max(e_max, e);
+      }
+      for (int j = 0; j < scored; ++j) ratio[j] /= e_max;
+    }
+  });
+  return st;
+}
+
+Status select_statistics(const char* who, const AttentionProblem& sample, const EstimateSelectParams& base,
+                         void* cuda_stream, std::vector<SelectStatistics>* out) {
+  if (base.block < 1) return invalid_argument(std::string(who) + ": base.block must be >= 1");
+  ProblemShape shape;
+  SP_RETURN_IF_ERROR(check_sample(who, sample, &shape));
+  if (shape.device.kind == DeviceKind::kCUDA) {
+#if defined(SP_WITH_CUDA)
+    const Status st = cuda::select_statistics_cuda(sample, shape, base, cuda_stream, out);
+    if (!st.ok()) return Status(st.code(), std::string(who) + ": " + st.message());
+    return {};
+#else
+    (void)cuda_stream;
+    return unsupported(std::string(who) + ": sample: CUDA tensors, but this build has no CUDA backend");
+#endif
+  }
+  SP_RETURN_IF_ERROR(check_all_sequences(who, sample, shape));
+  out->clear();
+  for (int b = 0; b < shape.batch; ++b) {
+    SampleSeq s;
+    SP_RETURN_IF_ERROR(gather_seq(who, sample, shape, b, &s));
+    out->push_back(host_select_statistics(s, base.block, base.pack_gqa));
+  }
+  return {};
+}
+
 }  // namespace
+
+Status compute_block_statistics(const AttentionProblem& sample, int block_q, int block_k, bool block_max,
+                                bool skip_g, std::vector<BlockStatistics>* out, void* cuda_stream) {
+  return block_statistics("compute_block_statistics", sample, block_q, block_k, block_max, skip_g, cuda_stream, out);
+}
+
+Status compute_select_statistics(const AttentionProblem& sample, const EstimateSelectParams& base,
+                                 std::vector<SelectStatistics>* out, void* cuda_stream) {
+  return select_statistics("compute_select_statistics", sample, base, cuda_stream, out);
+}
 
 // ---------------------------------------------------------------- exact_gate
 
@@ -247,7 +515,7 @@ ExactGateCalibrator::ExactGateCalibrator(int layers, int heads, std::vector<int>
   count_.resize(rows);
 }
 
-Status ExactGateCalibrator::add(int layer, const AttentionProblem& sample) {
+Status ExactGateCalibrator::check_config() const {
   constexpr const char* kWho = "ExactGateCalibrator";
   if (layers_ < 1 || heads_ < 1 || block_q_ < 1 || block_k_ < 1 || budgets_.empty()) {
     return invalid_argument(std::string(kWho) + ": layers, heads, block sizes must be >= 1 and "
@@ -258,37 +526,61 @@ Status ExactGateCalibrator::add(int layer, const AttentionProblem& sample) {
       return invalid_argument(std::string(kWho) + ": budgets: expected strictly ascending values >= 1");
     }
   }
+  return {};
+}
+
+Status ExactGateCalibrator::add(int layer, const AttentionProblem& sample, void* cuda_stream) {
+  constexpr const char* kWho = "ExactGateCalibrator";
+  SP_RETURN_IF_ERROR(check_config());
+  SP_RETURN_IF_ERROR(check_layer(kWho, layer, layers_));
   ProblemShape shape;
-  SP_RETURN_IF_ERROR(check_sample(kWho, layer, layers_, sample, &shape));
+  SP_RETURN_IF_ERROR(check_sample(kWho, sample, &shape));
   if (shape.h_q != heads_) {
     return invalid_argument(std::string(kWho) + ": sample.q: expected " + std::to_string(heads_) +
                             " query heads, got " + std::to_string(shape.h_q));
   }
-  SP_RETURN_IF_ERROR(check_all_sequences(kWho, sample, shape));
+  std::vector<BlockStatistics> stats;
+  SP_RETURN_IF_ERROR(block_statistics(kWho, sample, block_q_, block_k_, true, false, cuda_stream, &stats));
+  return add_statistics(layer, stats);
+}
+
+Status ExactGateCalibrator::add_statistics(int layer, const std::vector<BlockStatistics>& sample) {
+  constexpr const char* kWho = "ExactGateCalibrator";
+  SP_RETURN_IF_ERROR(check_config());
+  SP_RETURN_IF_ERROR(check_layer(kWho, layer, layers_));
+  // Everything is checked before anything accumulates: a rejected call changes nothing.
+  for (std::size_t b = 0; b < sample.size(); ++b) {
+    const BlockStatistics& st = sample[b];
+    geom::BlockGeometry g;
+    SP_RETURN_IF_ERROR(check_block_record(kWho, b, st, block_q_, block_k_, &g));
+    if (st.heads != heads_) {
+      return invalid_argument(std::string(kWho) + ": statistics[" + std::to_string(b) + "]: expected " +
+                              std::to_string(heads_) + " query heads, got " + std::to_string(st.heads));
+    }
+    const int nqb = g.num_q_blocks(), nkb = g.num_k_blocks();
+    SP_RETURN_IF_ERROR(check_size(kWho, "block_max", b, st.block_max.size(),
+                                  static_cast<std::size_t>(heads_) * nqb * nkb));
+    for (int h = 0; h < heads_; ++h) {
+      for (int qb = 0; qb < nqb; ++qb) {
+        const std::size_t row = (static_cast<std::size_t>(h) * nqb + qb) * nkb;
+        for (int kb = 0; kb < g.full_end(qb); ++kb) {
+          if (!std::isfinite(st.block_max[row + kb])) return non_finite_statistic(kWho, "block_max", b, row + kb, st.block_max[row + kb]);
+        }
+      }
+    }
+  }
   const std::size_t nb = budgets_.size();
-  for (int b = 0; b < shape.batch; ++b) {
-    SampleSeq s;
-    SP_RETURN_IF_ERROR(gather_seq(kWho, sample, shape, b, &s));
-    const Transposed kt = transpose_keys(s, block_k_);
-    std::vector<double>().swap(s.k);  // only the transposed copy is read from here on
-    const geom::BlockGeometry g{s.geo, block_q_, block_k_};
+  for (const BlockStatistics& st : sample) {
+    const geom::BlockGeometry g{{st.s_q, st.s_k, true}, block_q_, block_k_};
+    const int nqb = g.num_q_blocks(), nkb = g.num_k_blocks();
     // Every sequence is one sample: each (head, absolute position) gets at most one value.
     parallel_for(heads_, [&](int h) {
-      const int hk = s.kv_head(h);
-      std::vector<double> row_max(static_cast<std::size_t>(block_q_));
-      std::vector<std::int64_t> seen(static_cast<std::size_t>(block_q_));
       std::vector<double> maxima;
-      for (int qb = 0; qb < g.num_q_blocks(); ++qb) {
+      for (int qb = 0; qb < nqb; ++qb) {
         const int full = g.full_end(qb);
         if (full <= budgets_.front()) continue;  // -inf for every budget: not averaged
-        const std::int64_t r0 = g.row_begin(qb);
-        const int rows = static_cast<int>(g.row_end(qb) - r0);
-        maxima.clear();
-        for (int kb = 0; kb < full; ++kb) {
-          std::fill(seen.begin(), seen.begin() + rows, g.key_end(kb) - g.key_begin(kb));
-          block_row_max(s, h, r0, rows, kt.block(hk, kb), kt.kpad, seen.data(), row_max.data());
-          maxima.push_back(*std::max_element(row_max.begin(), row_max.begin() + rows));
-        }
+        const double* bmax = &st.block_max[(static_cast<std::size_t>(h) * nqb + qb) * nkb];
+        maxima.assign(bmax, bmax + full);
         std::sort(maxima.begin(), maxima.end(), std::greater<double>());
         const auto pos = static_cast<std::size_t>(g.threshold_position(qb, std::numeric_limits<int>::max()));
         for (std::size_t bi = 0; bi < nb; ++bi) {
@@ -305,9 +597,7 @@ Status ExactGateCalibrator::add(int layer, const AttentionProblem& sample) {
       }
     });
     // A position is covered once any query block sat there, even with -inf thresholds.
-    const int last = g.num_q_blocks() > 0
-                         ? g.threshold_position(g.num_q_blocks() - 1, std::numeric_limits<int>::max())
-                         : -1;
+    const int last = nqb > 0 ? g.threshold_position(nqb - 1, std::numeric_limits<int>::max()) : -1;
     positions_seen_ = std::max(positions_seen_, last + 1);
   }
   return {};
@@ -342,102 +632,83 @@ SoftmaxSkipCalibrator::SoftmaxSkipCalibrator(int layers, int block_q, int block_
       never_skippable_(static_cast<std::size_t>(std::max(0, layers)), 0),
       min_s_k_(static_cast<std::size_t>(std::max(0, layers)), std::numeric_limits<std::int64_t>::max()) {}
 
-Status SoftmaxSkipCalibrator::add(int layer, const AttentionProblem& sample) {
+Status SoftmaxSkipCalibrator::add(int layer, const AttentionProblem& sample, void* cuda_stream) {
   constexpr const char* kWho = "SoftmaxSkipCalibrator";
   if (block_q_ < 1 || block_k_ < 1) {
     return invalid_argument(std::string(kWho) + ": block sizes must be >= 1");
   }
-  ProblemShape shape;
-  SP_RETURN_IF_ERROR(check_sample(kWho, layer, layers_, sample, &shape));
-  SP_RETURN_IF_ERROR(check_all_sequences(kWho, sample, shape));
-  const auto l = static_cast<std::size_t>(layer);
-  for (int b = 0; b < shape.batch; ++b) {
-    SampleSeq s;
-    SP_RETURN_IF_ERROR(gather_seq(kWho, sample, shape, b, &s));
-    if (s.geo.s_k < 1) continue;
-    const Transposed kt = transpose_keys(s, block_k_);
-    std::vector<double>().swap(s.k);  // only the transposed copy is read from here on
-    const geom::BlockGeometry g{s.geo, block_q_, block_k_};
-    const double ln_s_k = std::log(static_cast<double>(s.geo.s_k));
-    std::vector<std::vector<double>> per_head(static_cast<std::size_t>(s.h_q));
-    std::vector<std::int64_t> firsts(static_cast<std::size_t>(s.h_q), 0);
-    parallel_for(s.h_q, [&](int h) {
-      const int hk = s.kv_head(h);
-      std::vector<double>& out = per_head[static_cast<std::size_t>(h)];
-      std::vector<double> m_run(static_cast<std::size_t>(block_q_)), tile(static_cast<std::size_t>(block_q_));
-      std::vector<std::int64_t> seen(static_cast<std::size_t>(block_q_));
-      for (int qb = 0; qb < g.num_q_blocks(); ++qb) {
-        // BLASST order: partial blocks, then full blocks, each descending.
-        std::vector<int> order;
-        for (int kb = g.visible_end(qb) - 1; kb >= g.full_end(qb); --kb) order.push_back(kb);
-        for (int kb = g.full_end(qb) - 1; kb >= 0; --kb) order.push_back(kb);
-        if (order.empty()) continue;
-        firsts[static_cast<std::size_t>(h)] += 1;
-        const std::int64_t r0 = g.row_begin(qb);
-        const int rows = static_cast<int>(g.row_end(qb) - r0);
-        std::fill(m_run.begin(), m_run.begin() + rows, kNegInf);
-        for (std::size_t visit = 0; visit < order.size(); ++visit) {
-          const int kb = order[visit];
-          for (int i = 0; i < rows; ++i) seen[static_cast<std::size_t>(i)] = seen_in_block(g, r0 + i, kb);
-          block_row_max(s, h, r0, rows, kt.block(hk, kb), kt.kpad, seen.data(), tile.data());
-          if (visit > 0) {
-            // g = max over the rows that have a say of (tile_rowmax - m_run) + ln s_k: a row
-            // seeing its first keys here can never skip (+inf); a row seeing none of this
-            // block's keys after earlier ones always skips (-inf); a row that has seen
-            // nothing and sees nothing has no say.
-            double stat = kNegInf;
-            for (int i = 0; i < rows; ++i) {
-              const auto u = static_cast<std::size_t>(i);
-              const bool before = m_run[u] != kNegInf, here = seen[u] > 0;
-              if (!before && !here) continue;
-              const double diff = !before ? kPosInf : (here ? tile[u] - m_run[u] : kNegInf);
-              stat = std::max(stat, diff);
-            }
-            out.push_back(stat + ln_s_k);
-          }
-          // The dense running max: skipping never lowers it while a <= s_k (a skipped
-          // block's row maxima lie below m_run + ln(a / s_k) <= m_run).
-          for (int i = 0; i < rows; ++i) {
-            const auto u = static_cast<std::size_t>(i);
-            if (seen[u] > 0) m_run[u] = std::max(m_run[u], tile[u]);
-          }
+  SP_RETURN_IF_ERROR(check_layer(kWho, layer, layers_));
+  std::vector<BlockStatistics> stats;
+  SP_RETURN_IF_ERROR(block_statistics(kWho, sample, block_q_, block_k_, false, true, cuda_stream, &stats));
+  return add_statistics(layer, stats);
+}
+
+Status SoftmaxSkipCalibrator::add_statistics(int layer, const std::vector<BlockStatistics>& sample) {
+  constexpr const char* kWho = "SoftmaxSkipCalibrator";
+  if (block_q_ < 1 || block_k_ < 1) {
+    return invalid_argument(std::string(kWho) + ": block sizes must be >= 1");
+  }
+  SP_RETURN_IF_ERROR(check_layer(kWho, layer, layers_));
+  for (std::size_t b = 0; b < sample.size(); ++b) {
+    const BlockStatistics& st = sample[b];
+    geom::BlockGeometry g;
+    SP_RETURN_IF_ERROR(check_block_record(kWho, b, st, block_q_, block_k_, &g));
+    const int nqb = g.num_q_blocks(), nkb = g.num_k_blocks();
+    SP_RETURN_IF_ERROR(check_size(kWho, "skip_g", b, st.skip_g.size(), static_cast<std::size_t>(st.heads) * nqb * nkb));
+    for (int h = 0; h < st.heads; ++h) {
+      for (int qb = 0; qb < nqb; ++qb) {
+        const std::size_t row = (static_cast<std::size_t>(h) * nqb + qb) * nkb;
+        // The entries read: every visible block but the first visited (the last visible).
+        for (int kb = 0; kb + 1 < g.visible_end(qb); ++kb) {
+          if (std::isnan(st.skip_g[row + kb])) return non_finite_statistic(kWho, "skip_g", b, row + kb, st.skip_g[row + kb]);
         }
       }
-    });
-    for (int h = 0; h < s.h_q; ++h) {
-      const auto& v = per_head[static_cast<std::size_t>(h)];
-      g_[l].insert(g_[l].end(), v.begin(), v.end());
-      never_skippable_[l] += firsts[static_cast<std::size_t>(h)];
     }
-    min_s_k_[l] = std::min(min_s_k_[l], s.geo.s_k);
+  }
+  const auto l = static_cast<std::size_t>(layer);
+  for (const BlockStatistics& st : sample) {
+    if (st.s_k < 1) continue;
+    const geom::BlockGeometry g{{st.s_q, st.s_k, true}, block_q_, block_k_};
+    const int nqb = g.num_q_blocks(), nkb = g.num_k_blocks();
+    for (int h = 0; h < st.heads; ++h) {
+      for (int qb = 0; qb < nqb; ++qb) {
+        const std::vector<int> order = blasst_order(g, qb);
+        if (order.empty()) continue;
+        never_skippable_[l] += 1;
+        const double* gs = &st.skip_g[(static_cast<std::size_t>(h) * nqb + qb) * nkb];
+        for (std::size_t visit = 1; visit < order.size(); ++visit) g_[l].push_back(gs[order[visit]]);
+      }
+    }
+    min_s_k_[l] = std::min(min_s_k_[l], st.s_k);
   }
   return {};
 }
 
 Status SoftmaxSkipCalibrator::factor_for(double target_skip_fraction, int layer, double* a) const {
   SP_RETURN_IF_ERROR(check_target(target_skip_fraction, layer, layers_, "target_skip_fraction"));
-  std::vector<double> g;
+  std::vector<double> pooled;
   std::int64_t firsts = 0, min_s_k = std::numeric_limits<std::int64_t>::max();
   for (int l = 0; l < layers_; ++l) {
     if (layer != -1 && l != layer) continue;
     const auto u = static_cast<std::size_t>(l);
-    g.insert(g.end(), g_[u].begin(), g_[u].end());
+    if (layer == -1) pooled.insert(pooled.end(), g_[u].begin(), g_[u].end());
     firsts += never_skippable_[u];
     min_s_k = std::min(min_s_k, min_s_k_[u]);
   }
+  // One layer's statistics are sorted in place once (add_statistics appends unsorted).
+  std::vector<double>& g = layer == -1 ? pooled : g_[static_cast<std::size_t>(layer)];
   if (g.empty()) {
     return invalid_argument("layer " + std::to_string(layer) +
                             ": no skippable blocks seen (add samples first)");
   }
-  std::sort(g.begin(), g.end());
+  if (!std::is_sorted(g.begin(), g.end())) parallel_sort(&g, std::less<double>());
   // Skipping is off for a sample with s_k < a, so a stays <= the shortest s_k seen: only
   // statistics below ln(min s_k) can ever be skipped.
   const double ln_cap = std::log(static_cast<double>(min_s_k));
   const std::size_t skippable =
       static_cast<std::size_t>(std::lower_bound(g.begin(), g.end(), ln_cap) - g.begin());
-  std::vector<double> usable(g.begin(), g.begin() + static_cast<std::ptrdiff_t>(skippable));
   const double total = static_cast<double>(g.size()) + static_cast<double>(firsts);
-  const std::size_t n = nearest_reachable(usable, target_skip_fraction * total);
+  const std::size_t n = nearest_reachable(g.data(), skippable, target_skip_fraction * total);
   // ln a between the n-th and (n+1)-th smallest statistic: exactly n blocks have g < ln a.
   double ln_a = 0.0;
   if (n == 0) {
@@ -456,6 +727,7 @@ Status SoftmaxSkipCalibrator::factor_for(double target_skip_fraction, int layer,
   return {};
 }
 
+
 // ---------------------------------------------------------------- estimate_select
 
 EstimateSelectCalibrator::EstimateSelectCalibrator(int layers, EstimateSelectParams base)
@@ -463,96 +735,72 @@ EstimateSelectCalibrator::EstimateSelectCalibrator(int layers, EstimateSelectPar
       forced_(static_cast<std::size_t>(std::max(0, layers)), 0),
       visible_(static_cast<std::size_t>(std::max(0, layers)), 0) {}
 
-Status EstimateSelectCalibrator::add(int layer, const AttentionProblem& sample) {
+Status EstimateSelectCalibrator::add(int layer, const AttentionProblem& sample, void* cuda_stream) {
   constexpr const char* kWho = "EstimateSelectCalibrator";
   {
     const Status st = validate_policy(base_);
     if (!st.ok()) return invalid_argument(std::string(kWho) + ": base: " + st.message());
   }
-  ProblemShape shape;
-  SP_RETURN_IF_ERROR(check_sample(kWho, layer, layers_, sample, &shape));
-  SP_RETURN_IF_ERROR(check_all_sequences(kWho, sample, shape));
-  const auto l = static_cast<std::size_t>(layer);
+  SP_RETURN_IF_ERROR(check_layer(kWho, layer, layers_));
+  std::vector<SelectStatistics> stats;
+  SP_RETURN_IF_ERROR(select_statistics(kWho, sample, base_, cuda_stream, &stats));
+  return add_statistics(layer, stats);
+}
+
+Status EstimateSelectCalibrator::add_statistics(int layer, const std::vector<SelectStatistics>& sample) {
+  constexpr const char* kWho = "EstimateSelectCalibrator";
+  {
+    const Status st = validate_policy(base_);
+    if (!st.ok()) return invalid_argument(std::string(kWho) + ": base: " + st.message());
+  }
+  SP_RETURN_IF_ERROR(check_layer(kWho, layer, layers_));
   const int bs = base_.block;
-  for (int b = 0; b < shape.batch; ++b) {
-    SampleSeq s;
-    SP_RETURN_IF_ERROR(gather_seq(kWho, sample, shape, b, &s));
-    const geom::BlockGeometry g{s.geo, bs, bs};
-    const int blocks = g.num_k_blocks();
-    // Mean keys per block and KV head, accumulated in double and rounded to fp32 and then to
-    // the input dtype: what a kernel stores and scores with (the oracle does the same).
-    std::vector<double> means(static_cast<std::size_t>(blocks) * s.h_kv * s.d);
-    for (int j = 0; j < blocks; ++j) {
-      const auto len = static_cast<double>(g.key_end(j) - g.key_begin(j));
-      for (int hk = 0; hk < s.h_kv; ++hk) {
-        double* m = &means[(static_cast<std::size_t>(j) * s.h_kv + hk) * s.d];
-        for (std::int64_t t = g.key_begin(j); t < g.key_end(j); ++t) {
-          for (int i = 0; i < s.d; ++i) m[i] += s.k_row(t, hk)[i];
+  for (std::size_t b = 0; b < sample.size(); ++b) {
+    const SelectStatistics& st = sample[b];
+    if (st.block != bs || st.pack_gqa != base_.pack_gqa) {
+      return invalid_argument(std::string(kWho) + ": statistics[" + std::to_string(b) + "]: block " +
+                              std::to_string(st.block) + (st.pack_gqa ? " pack_gqa" : "") +
+                              ", calibrator expects block " + std::to_string(bs) +
+                              (base_.pack_gqa ? " pack_gqa" : ""));
+    }
+    if (st.s_q < 0 || st.s_k < 0 || st.units < 1) {
+      return invalid_argument(std::string(kWho) + ": statistics[" + std::to_string(b) +
+                              "]: expected s_q, s_k >= 0 and units >= 1");
+    }
+    const geom::BlockGeometry g{{st.s_q, st.s_k, true}, bs, bs};
+    const int tiles = g.num_q_blocks(), blocks = g.num_k_blocks();
+    SP_RETURN_IF_ERROR(check_size(kWho, "ratio", b, st.ratio.size(), static_cast<std::size_t>(st.units) * tiles * blocks));
+    for (int unit = 0; unit < st.units; ++unit) {
+      for (int i = 0; i < tiles; ++i) {
+        const std::size_t row = (static_cast<std::size_t>(unit) * tiles + i) * blocks;
+        for (int j = 0; j < scored_blocks(g, i); ++j) {
+          if (std::isnan(st.ratio[row + j])) return non_finite_statistic(kWho, "ratio", b, row + j, st.ratio[row + j]);
         }
-        for (int i = 0; i < s.d; ++i) m[i] = round_to(s.dtype, static_cast<float>(m[i] / len));
       }
     }
-    const int units = base_.pack_gqa ? s.h_kv : s.h_q;
-    const int heads_per_unit = base_.pack_gqa ? s.h_q / s.h_kv : 1;
-    const int tiles = g.num_q_blocks();
-    std::vector<std::vector<double>> per_unit(static_cast<std::size_t>(units));
-    std::vector<std::int64_t> forced(static_cast<std::size_t>(units), 0), visible(forced);
-    parallel_for(units, [&](int unit) {
-      const int h0 = unit * heads_per_unit;
-      const int hk = s.kv_head(h0);
-      std::vector<double> x, energy;
+  }
+  const auto l = static_cast<std::size_t>(layer);
+  for (const SelectStatistics& st : sample) {
+    const geom::BlockGeometry g{{st.s_q, st.s_k, true}, bs, bs};
+    const int tiles = g.num_q_blocks(), blocks = g.num_k_blocks();
+    for (int unit = 0; unit < st.units; ++unit) {
       for (int i = 0; i < tiles; ++i) {
-        const std::int64_t a_f = s.geo.position(g.row_begin(i));
-        const std::int64_t a_l = s.geo.position(g.row_end(i) - 1);
+        const std::int64_t a_f = g.seq.position(g.row_begin(i));
+        const std::int64_t a_l = g.seq.position(g.row_end(i) - 1);
         if (a_l < 0) continue;
         const std::int64_t fqb = geom::floor_div(a_f, bs), lqb = a_l / bs;
-        const int scored = static_cast<int>((a_l + 1) / bs);
+        const int scored = scored_blocks(g, i);
         const bool tail_tile = i >= tiles - base_.tail;
         auto is_forced = [&](std::int64_t j) {
           return tail_tile || j < base_.sink || fqb - base_.window + 1 <= j;
         };
-        std::int64_t n_forced = 0;
-        for (std::int64_t j = 0; j <= lqb; ++j) n_forced += is_forced(j);
-        forced[static_cast<std::size_t>(unit)] += n_forced;
-        visible[static_cast<std::size_t>(unit)] += lqb + 1;
-        if (scored == 0) continue;
-        // x[r, j] = scale · q_r · k̄_j for the pairs whose row sees block j's first key, in
-        // the oracle's pair order (row, then head); other pairs add exp(-inf) = 0.
-        const std::size_t pairs = static_cast<std::size_t>(g.row_end(i) - g.row_begin(i)) * heads_per_unit;
-        x.assign(static_cast<std::size_t>(scored) * pairs, kNegInf);
-        double x_max = kNegInf;
+        for (std::int64_t j = 0; j <= lqb; ++j) forced_[l] += is_forced(j);
+        visible_[l] += lqb + 1;
+        const double* ratio = &st.ratio[(static_cast<std::size_t>(unit) * tiles + i) * blocks];
         for (int j = 0; j < scored; ++j) {
-          const double* kbar = &means[(static_cast<std::size_t>(j) * s.h_kv + hk) * s.d];
-          std::size_t n = static_cast<std::size_t>(j) * pairs;
-          for (std::int64_t r = g.row_begin(i); r < g.row_end(i); ++r) {
-            for (int h = h0; h < h0 + heads_per_unit; ++h, ++n) {
-              if (s.geo.position(r) < static_cast<std::int64_t>(j) * bs) continue;
-              const double* q = s.q_row(r, h);
-              double acc = 0.0;
-              for (int dd = 0; dd < s.d; ++dd) acc += q[dd] * kbar[dd];
-              x[n] = s.scale * acc;
-              x_max = std::max(x_max, x[n]);
-            }
-          }
-        }
-        energy.assign(static_cast<std::size_t>(scored), 0.0);
-        double e_max = kNegInf;
-        for (int j = 0; j < scored; ++j) {
-          double e = 0.0;
-          for (std::size_t n = 0; n < pairs; ++n) e += std::exp(x[static_cast<std::size_t>(j) * pairs + n] - x_max);
-          energy[static_cast<std::size_t>(j)] = e;
-          e_max = std::max(e_max, e);
-        }
-        for (int j = 0; j < scored; ++j) {
-          if (!is_forced(j)) per_unit[static_cast<std::size_t>(unit)].push_back(energy[static_cast<std::size_t>(j)] / e_max);
+          if (!is_forced(j)) ratios_[l].push_back(ratio[j]);
         }
       }
-    });
-    for (int u = 0; u < units; ++u) {
-      const auto& v = per_unit[static_cast<std::size_t>(u)];
-      ratios_[l].insert(ratios_[l].end(), v.begin(), v.end());
-      forced_[l] += forced[static_cast<std::size_t>(u)];
-      visible_[l] += visible[static_cast<std::size_t>(u)];
     }
   }
   return {};
@@ -560,22 +808,24 @@ Status EstimateSelectCalibrator::add(int layer, const AttentionProblem& sample) 
 
 Status EstimateSelectCalibrator::alpha_for(double target_density, int layer, double* alpha) const {
   SP_RETURN_IF_ERROR(check_target(target_density, layer, layers_, "target_density"));
-  std::vector<double> r;
+  std::vector<double> pooled;
   std::int64_t forced = 0, visible = 0;
   for (int l = 0; l < layers_; ++l) {
     if (layer != -1 && l != layer) continue;
     const auto u = static_cast<std::size_t>(l);
-    r.insert(r.end(), ratios_[u].begin(), ratios_[u].end());
+    if (layer == -1) pooled.insert(pooled.end(), ratios_[u].begin(), ratios_[u].end());
     forced += forced_[u];
     visible += visible_[u];
   }
   if (visible == 0) {
     return invalid_argument("layer " + std::to_string(layer) + ": no blocks seen (add samples first)");
   }
-  // Descending: keeping the n largest ratios gives density (forced + n) / visible.
-  std::sort(r.begin(), r.end(), std::greater<double>());
+  // Descending: keeping the n largest ratios gives density (forced + n) / visible. One
+  // layer's ratios are sorted in place once (add_statistics appends unsorted).
+  std::vector<double>& r = layer == -1 ? pooled : ratios_[static_cast<std::size_t>(layer)];
+  if (!std::is_sorted(r.begin(), r.end(), std::greater<double>())) parallel_sort(&r, std::greater<double>());
   const double wanted = target_density * static_cast<double>(visible) - static_cast<double>(forced);
-  const std::size_t n = nearest_reachable(r, wanted);
+  const std::size_t n = nearest_reachable(r.data(), r.size(), wanted);
   if (n == 0) {
     // Every ratio is <= 1 (the peak's own ratio is 1), so 2 keeps none of them.
     *alpha = 2.0;

@@ -5,8 +5,10 @@
 
 #include <memory>
 #include <string>
+#include <vector>
 
 #include "sparseprefill/attention.h"
+#include "sparseprefill/calibration.h"
 
 namespace sparseprefill::cuda {
 
@@ -34,6 +36,14 @@ Status select_cuda(const AttentionProblem& problem, const ProblemShape& shape,
 
 // Whether a compiled kernel serves this combination; the message lists what is compiled.
 Status can_run_cuda(const ProblemShape& shape, const Policy& policy);
+
+// Calibration statistics of a CUDA sample (compute_block_statistics /
+// compute_select_statistics, calibration.h); `shape` is validate_problem's result. Enqueues on
+// cuda_stream, copies the statistics back and synchronises it.
+Status block_statistics_cuda(const AttentionProblem& sample, const ProblemShape& shape, int block_q, int block_k,
+                             bool want_max, bool want_g, void* cuda_stream, std::vector<BlockStatistics>* out);
+Status select_statistics_cuda(const AttentionProblem& sample, const ProblemShape& shape,
+                              const EstimateSelectParams& base, void* cuda_stream, std::vector<SelectStatistics>* out);
 
 // Compiled architectures and kernel variants, one per line.
 std::string cuda_build_info();

@@ -3,6 +3,7 @@
 // BlockMask conversions. Pure host code (g++), no CUDA headers.
 #include "cuda/plan.h"
 
+#include <cmath>
 #include <cstdint>
 #include <string>
 #include <type_traits>
@@ -419,6 +420,164 @@ Status mask_from_arrays(const ProblemShape& shape, int block, bool per_kv_head,
   if (!st.ok()) return {StatusCode::kInternal, "CUDA selector produced an invalid mask: " + st.message()};
   *out = std::move(m);
   return {};
+}
+
+Status check_calib_support(const ProblemShape& shape, int block_q, int block_k) {
+  if (shape.dtype != DType::kBF16 && shape.dtype != DType::kFP16) {
+    return unsupported(std::string("calibration statistics: q: dtype ") + dtype_name(shape.dtype) +
+                       " has no CUDA kernel; expected bf16 or fp16");
+  }
+  if (shape.kv_layout == KvLayout::kPaged) {
+    return unsupported("calibration statistics: paged K/V is not supported on CUDA");
+  }
+  if (!is_supported_block_k(block_q) || !is_supported_block_k(block_k)) {
+    return unsupported("calibration statistics: the CUDA kernel needs block_q and block_k of 64 or 128, got " +
+                       std::to_string(block_q) + " x " + std::to_string(block_k));
+  }
+  if (find_calib(shape.dtype, shape.d) == nullptr) {
+    return unsupported(std::string("calibration statistics: no compiled CUDA kernel for ") + dtype_name(shape.dtype) +
+                       " head_dim " + std::to_string(shape.d) + " (" + support_summary() + ")");
+  }
+  return {};
+}
+
+Status check_select_statistics_support(const ProblemShape& shape, const EstimateSelectParams& base) {
+  if (shape.kv_layout == KvLayout::kPaged) {
+    return unsupported("estimate_select statistics: paged K/V is not supported on CUDA");
+  }
+  if (shape.dtype != DType::kBF16 && shape.dtype != DType::kFP16) {
+    return unsupported(std::string("estimate_select statistics: q: dtype ") + dtype_name(shape.dtype) +
+                       " has no CUDA selector; expected bf16 or fp16");
+  }
+  if (base.block != kBlockQ) {
+    return unsupported("estimate_select statistics: the CUDA selector needs block = 128, got " +
+                       std::to_string(base.block));
+  }
+  if (max_blocks(shape, base.block) > kMaxSelectBlocks) {
+    return unsupported("estimate_select statistics: the CUDA selector handles at most " +
+                       std::to_string(kMaxSelectBlocks) + " key blocks, got " +
+                       std::to_string(max_blocks(shape, base.block)));
+  }
+  if (find_select(shape.dtype, shape.d) == nullptr) {
+    return unsupported(std::string("estimate_select statistics: no compiled selector for ") + dtype_name(shape.dtype) +
+                       " head_dim " + std::to_string(shape.d) + " (" + support_summary() + ")");
+  }
+  return {};
+}
+
+Status check_qk_layout(const AttentionProblem& problem) {
+  SP_RETURN_IF_ERROR(check_view("q", problem.q));
+  SP_RETURN_IF_ERROR(check_view("k", problem.k));
+  return {};
+}
+
+CalibParams make_calib_params(const AttentionProblem& problem, const ProblemShape& shape, int block_q, int block_k) {
+  CalibParams p{};
+  p.q = problem.q.data;
+  p.k = problem.k.data;
+  p.q_row_stride = row_stride(problem.q);
+  p.q_head_stride = head_stride(problem.q);
+  p.k_row_stride = row_stride(problem.k);
+  p.k_head_stride = head_stride(problem.k);
+  p.batch = shape.batch;
+  p.h_q = shape.h_q;
+  p.group = shape.group();
+  p.scale = static_cast<float>(shape.scale);
+  p.block_q = block_q;
+  p.block_k = block_k;
+  p.num_q_blocks = static_cast<int>(geom::ceil_div(shape.max_seq_q(), block_q));
+  p.num_k_blocks = static_cast<int>(geom::ceil_div(shape.max_seq_k(), block_k));
+  return p;
+}
+
+SelectParams make_select_statistics_params(const AttentionProblem& problem, const ProblemShape& shape,
+                                           const EstimateSelectParams& base) {
+  SelectParams sp{};
+  sp.q = problem.q.data;
+  sp.k = problem.k.data;
+  sp.v = problem.k.data;
+  sp.q_row_stride = row_stride(problem.q);
+  sp.q_head_stride = head_stride(problem.q);
+  sp.k_row_stride = row_stride(problem.k);
+  sp.k_head_stride = head_stride(problem.k);
+  sp.v_row_stride = sp.k_row_stride;
+  sp.v_head_stride = sp.k_head_stride;
+  sp.batch = shape.batch;
+  sp.h_q = shape.h_q;
+  sp.h_kv = shape.h_kv;
+  sp.group = shape.group();
+  sp.scale = static_cast<float>(shape.scale);
+  sp.block = base.block;
+  sp.num_q_blocks = static_cast<int>(geom::ceil_div(shape.max_seq_q(), base.block));
+  sp.num_k_blocks = static_cast<int>(geom::ceil_div(shape.max_seq_k(), base.block));
+  sp.alpha = 1.0f;  // no mask is written
+  sp.pack_gqa = base.pack_gqa;
+  return sp;
+}
+
+namespace {
+
+// Copies a sequence's [heads, nqb, nkb] corner out of a capacity-layout [batch, heads, cap_q,
+// cap_k] array, applying fn to each value.
+template <class Fn>
+std::vector<double> corner(const std::vector<float>& a, int b, int heads, int cap_q, int cap_k, int nqb, int nkb,
+                           const Fn& fn) {
+  std::vector<double> out(static_cast<std::size_t>(heads) * nqb * nkb);
+  for (int h = 0; h < heads; ++h) {
+    for (int qb = 0; qb < nqb; ++qb) {
+      const std::size_t src = ((static_cast<std::size_t>(b) * heads + h) * cap_q + qb) * cap_k;
+      const std::size_t dst = (static_cast<std::size_t>(h) * nqb + qb) * nkb;
+      for (int kb = 0; kb < nkb; ++kb) out[dst + kb] = fn(static_cast<double>(a[src + kb]));
+    }
+  }
+  return out;
+}
+
+}  // namespace
+
+std::vector<BlockStatistics> block_statistics_from_device(const ProblemShape& shape, int block_q, int block_k,
+                                                          int num_q_blocks, int num_k_blocks,
+                                                          const std::vector<float>& block_max,
+                                                          const std::vector<float>& skip_g) {
+  std::vector<BlockStatistics> out(static_cast<std::size_t>(shape.batch));
+  for (int b = 0; b < shape.batch; ++b) {
+    BlockStatistics& st = out[static_cast<std::size_t>(b)];
+    st.s_q = shape.seq_q[static_cast<std::size_t>(b)];
+    st.s_k = shape.seq_k[static_cast<std::size_t>(b)];
+    st.heads = shape.h_q;
+    st.block_q = block_q;
+    st.block_k = block_k;
+    const geom::BlockGeometry g{{st.s_q, st.s_k, true}, block_q, block_k};
+    const int nqb = g.num_q_blocks(), nkb = g.num_k_blocks();
+    if (!block_max.empty()) {
+      st.block_max = corner(block_max, b, shape.h_q, num_q_blocks, num_k_blocks, nqb, nkb, [](double x) { return x; });
+    }
+    if (!skip_g.empty()) {
+      const double ln_s_k = st.s_k > 0 ? std::log(static_cast<double>(st.s_k)) : 0.0;
+      st.skip_g = corner(skip_g, b, shape.h_q, num_q_blocks, num_k_blocks, nqb, nkb,
+                         [ln_s_k](double x) { return x + ln_s_k; });
+    }
+  }
+  return out;
+}
+
+std::vector<SelectStatistics> select_statistics_from_device(const ProblemShape& shape, const EstimateSelectParams& base,
+                                                            int num_q_blocks, int num_k_blocks,
+                                                            const std::vector<float>& ratio) {
+  const int units = base.pack_gqa ? shape.h_kv : shape.h_q;
+  std::vector<SelectStatistics> out(static_cast<std::size_t>(shape.batch));
+  for (int b = 0; b < shape.batch; ++b) {
+    SelectStatistics& st = out[static_cast<std::size_t>(b)];
+    st.s_q = shape.seq_q[static_cast<std::size_t>(b)];
+    st.s_k = shape.seq_k[static_cast<std::size_t>(b)];
+    st.units = units;
+    st.block = base.block;
+    st.pack_gqa = base.pack_gqa;
+    const geom::BlockGeometry g{{st.s_q, st.s_k, true}, base.block, base.block};
+    st.ratio = corner(ratio, b, units, num_q_blocks, num_k_blocks, g.num_q_blocks(), g.num_k_blocks(),
+                      [](double x) { return x; });
+  }
+  return out;
 }
 
 }  // namespace sparseprefill::cuda

@@ -10,6 +10,7 @@
 
 #include "cuda/kernel/fwd_params.h"
 #include "sparseprefill/attention.h"
+#include "sparseprefill/calibration.h"
 
 namespace sparseprefill::cuda {
 
@@ -112,5 +113,34 @@ Status mask_from_arrays(const ProblemShape& shape, int block, bool per_kv_head,
                         const std::vector<std::int32_t>& full_index,
                         const std::vector<std::int32_t>& partial_count,
                         const std::vector<std::int32_t>& partial_index, BlockMask* out);
+
+// ---- Calibration statistics (compute_block_statistics / compute_select_statistics on CUDA).
+
+// Whether the calibration kernel serves (shape, block_q, block_k): bf16/fp16, a compiled
+// (dtype, head_dim), block sizes 64 or 128, no paged K/V. The message names what is missing.
+Status check_calib_support(const ProblemShape& shape, int block_q, int block_k);
+// Whether the selector's statistics serve (shape, base): as estimate_select's support on CUDA
+// (block 128, at most kMaxSelectBlocks key blocks, a compiled selector).
+Status check_select_statistics_support(const ProblemShape& shape, const EstimateSelectParams& base);
+// Pointer alignment and strides of q and k (as check_layout).
+Status check_qk_layout(const AttentionProblem& problem);
+
+// CalibParams with the tensors, strides and sizes of the problem; outputs and seqs null.
+CalibParams make_calib_params(const AttentionProblem& problem, const ProblemShape& shape, int block_q, int block_k);
+// SelectParams for statistics only: the selector's inputs (v = k: the means of v are unused),
+// base's block and pack_gqa, no mask outputs; means, ratios and seqs null.
+SelectParams make_select_statistics_params(const AttentionProblem& problem, const ProblemShape& shape,
+                                           const EstimateSelectParams& base);
+
+// The kernels' fp32 arrays [batch, heads, num_q_blocks, num_k_blocks] (capacity layout, max
+// over the batch) as one record per sequence [heads, q_blocks, k_blocks] of its own geometry.
+// g gets + ln s_k (the kernel writes max(tile_rowmax - m_run)). Either array may be empty.
+std::vector<BlockStatistics> block_statistics_from_device(const ProblemShape& shape, int block_q, int block_k,
+                                                          int num_q_blocks, int num_k_blocks,
+                                                          const std::vector<float>& block_max,
+                                                          const std::vector<float>& skip_g);
+std::vector<SelectStatistics> select_statistics_from_device(const ProblemShape& shape, const EstimateSelectParams& base,
+                                                            int num_q_blocks, int num_k_blocks,
+                                                            const std::vector<float>& ratio);
 
 }  // namespace sparseprefill::cuda

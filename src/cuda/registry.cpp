@@ -14,11 +14,13 @@ constexpr FwdVariant kFwdVariants[] = {
 #define SP_SELECT_VARIANT(fn, dtype, head_dim)
 #define SP_PERMUTE_VARIANT(fn, dtype, head_dim)
 #define SP_FWD90_VARIANT(fn, dtype, head_dim)
+#define SP_CALIB_VARIANT(fn, dtype, head_dim)
 #include "cuda/instances/registry.inc"
 #undef SP_FWD_VARIANT
 #undef SP_SELECT_VARIANT
 #undef SP_PERMUTE_VARIANT
 #undef SP_FWD90_VARIANT
+#undef SP_CALIB_VARIANT
 };
 
 constexpr SelectVariant kSelectVariants[] = {
@@ -26,11 +28,13 @@ constexpr SelectVariant kSelectVariants[] = {
 #define SP_SELECT_VARIANT(fn, dtype, head_dim) {#fn, DType::dtype, head_dim, &fn},
 #define SP_PERMUTE_VARIANT(fn, dtype, head_dim)
 #define SP_FWD90_VARIANT(fn, dtype, head_dim)
+#define SP_CALIB_VARIANT(fn, dtype, head_dim)
 #include "cuda/instances/registry.inc"
 #undef SP_FWD_VARIANT
 #undef SP_SELECT_VARIANT
 #undef SP_PERMUTE_VARIANT
 #undef SP_FWD90_VARIANT
+#undef SP_CALIB_VARIANT
 };
 
 constexpr Fwd90Variant kFwd90Variants[] = {
@@ -38,11 +42,13 @@ constexpr Fwd90Variant kFwd90Variants[] = {
 #define SP_SELECT_VARIANT(fn, dtype, head_dim)
 #define SP_PERMUTE_VARIANT(fn, dtype, head_dim)
 #define SP_FWD90_VARIANT(fn, dtype, head_dim) {#fn, DType::dtype, head_dim, &fn},
+#define SP_CALIB_VARIANT(fn, dtype, head_dim)
 #include "cuda/instances/registry.inc"
 #undef SP_FWD_VARIANT
 #undef SP_SELECT_VARIANT
 #undef SP_PERMUTE_VARIANT
 #undef SP_FWD90_VARIANT
+#undef SP_CALIB_VARIANT
 };
 
 constexpr PermuteVariant kPermuteVariants[] = {
@@ -50,11 +56,27 @@ constexpr PermuteVariant kPermuteVariants[] = {
 #define SP_SELECT_VARIANT(fn, dtype, head_dim)
 #define SP_PERMUTE_VARIANT(fn, dtype, head_dim) {#fn, DType::dtype, head_dim, &fn},
 #define SP_FWD90_VARIANT(fn, dtype, head_dim)
+#define SP_CALIB_VARIANT(fn, dtype, head_dim)
 #include "cuda/instances/registry.inc"
 #undef SP_FWD_VARIANT
 #undef SP_SELECT_VARIANT
 #undef SP_PERMUTE_VARIANT
 #undef SP_FWD90_VARIANT
+#undef SP_CALIB_VARIANT
+};
+
+constexpr CalibVariant kCalibVariants[] = {
+#define SP_FWD_VARIANT(fn, dtype, head_dim)
+#define SP_SELECT_VARIANT(fn, dtype, head_dim)
+#define SP_PERMUTE_VARIANT(fn, dtype, head_dim)
+#define SP_FWD90_VARIANT(fn, dtype, head_dim)
+#define SP_CALIB_VARIANT(fn, dtype, head_dim) {#fn, DType::dtype, head_dim, &fn},
+#include "cuda/instances/registry.inc"
+#undef SP_FWD_VARIANT
+#undef SP_SELECT_VARIANT
+#undef SP_PERMUTE_VARIANT
+#undef SP_FWD90_VARIANT
+#undef SP_CALIB_VARIANT
 };
 
 }  // namespace
@@ -87,6 +109,13 @@ const Fwd90Variant* find_fwd90(DType dtype, int head_dim) {
   return nullptr;
 }
 
+const CalibVariant* find_calib(DType dtype, int head_dim) {
+  for (const CalibVariant& v : kCalibVariants) {
+    if (v.dtype == dtype && v.head_dim == head_dim) return &v;
+  }
+  return nullptr;
+}
+
 std::string compiled_fwd_summary() {
   std::ostringstream os;
   for (std::size_t i = 0; i < std::size(kFwdVariants); ++i) {
@@ -111,6 +140,7 @@ std::string compiled_instances() {
   for (const SelectVariant& v : kSelectVariants) os << v.name << "\n";
   for (const PermuteVariant& v : kPermuteVariants) os << v.name << "\n";
   for (const Fwd90Variant& v : kFwd90Variants) os << v.name << "\n";
+  for (const CalibVariant& v : kCalibVariants) os << v.name << "\n";
   return os.str();
 }
 

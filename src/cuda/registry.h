@@ -16,6 +16,7 @@ namespace sparseprefill::cuda {
 // Launch functions return a cudaError_t value (0 = success) and take a cudaStream_t as void*.
 using FwdLaunchFn = int (*)(const FwdParams& params, void* stream);
 using SelectLaunchFn = int (*)(const SelectParams& params, void* stream);
+using CalibLaunchFn = int (*)(const CalibParams& params, void* stream);
 // permute_stop: ranking, sorts and attention in one enqueued sequence; sets params.ranked and
 // params.query_order to the sort buffers holding the results.
 using PermuteLaunchFn = int (*)(PermuteParams& params, void* stream);
@@ -80,8 +81,16 @@ struct SelectVariant {
   SelectLaunchFn launch;
 };
 
+struct CalibVariant {
+  const char* name;  // e.g. "calib_sm80_bf16_hd128"
+  DType dtype;
+  int head_dim;
+  CalibLaunchFn launch;
+};
+
 #define SP_FWD_VARIANT(fn, dtype, head_dim) int fn(const FwdParams& params, void* stream);
 #define SP_SELECT_VARIANT(fn, dtype, head_dim) int fn(const SelectParams& params, void* stream);
+#define SP_CALIB_VARIANT(fn, dtype, head_dim) int fn(const CalibParams& params, void* stream);
 #define SP_PERMUTE_VARIANT(fn, dtype, head_dim) int fn(PermuteParams& params, void* stream);
 #define SP_FWD90_VARIANT(fn, dtype, head_dim) \
   int fn(const FwdParams& params, const SeqInfo* host_seqs, const HostUpload& upload, void* stream);
@@ -90,12 +99,14 @@ struct SelectVariant {
 #undef SP_SELECT_VARIANT
 #undef SP_PERMUTE_VARIANT
 #undef SP_FWD90_VARIANT
+#undef SP_CALIB_VARIANT
 
 // The instance for (dtype, head_dim), or nullptr when none is compiled.
 const FwdVariant* find_fwd(DType dtype, int head_dim);
 const SelectVariant* find_select(DType dtype, int head_dim);
 const PermuteVariant* find_permute(DType dtype, int head_dim);
 const Fwd90Variant* find_fwd90(DType dtype, int head_dim);
+const CalibVariant* find_calib(DType dtype, int head_dim);
 // "bf16 d=64, ..." for messages, and one instance name per line for build_info.
 std::string compiled_fwd_summary();
 std::string compiled_fwd90_summary();

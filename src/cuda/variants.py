@@ -12,7 +12,7 @@ Axes (each one multiplies the compile time of CI's 2 cores; add one only with a 
 Everything else (policy, causal, block_k 64 or 128, mean correction) is a runtime value: the
 kernel branches on it once per block, outside the inner loops.
 
-Two kernel families: the portable sm80 path (FWD/SELECT/PERMUTE plus permute_stop's one
+Two kernel families: the portable sm80 path (FWD/SELECT/PERMUTE/CALIB plus permute_stop's one
 dtype-free sort instance, every architecture of SP_PORTABLE_ARCHS) and the Hopper sm90 path
 (FWD90: dense and every policy but permute_stop on 128-key blocks, compiled for sm_90a alone;
 file names contain "sm90", which src/cuda/CMakeLists.txt uses to build them as their own
@@ -47,6 +47,10 @@ def permute_name(dtype, d):
 PERMUTE_SORT = "permute_sort_sm80"
 
 
+def calib_name(dtype, d):
+    return f"calib_sm80_{dtype}_hd{d}"
+
+
 SM90_DTYPES = ("bf16", "fp16")
 SM90_HEAD_DIMS = (64, 128)
 
@@ -60,7 +64,8 @@ def expected_files():
     registry = [HEADER, "// SP_FWD_VARIANT(launch function, DType enumerator, head_dim)\n",
                 "// SP_SELECT_VARIANT(launch function, DType enumerator, head_dim)\n",
                 "// SP_PERMUTE_VARIANT(launch function, DType enumerator, head_dim)\n",
-                "// SP_FWD90_VARIANT(launch function, DType enumerator, head_dim)\n"]
+                "// SP_FWD90_VARIANT(launch function, DType enumerator, head_dim)\n",
+                "// SP_CALIB_VARIANT(launch function, DType enumerator, head_dim)\n"]
     for dtype, (enum, is_bf16) in DTYPES.items():
         for d in HEAD_DIMS:
             name = fwd_name(dtype, d)
@@ -96,6 +101,17 @@ def expected_files():
                 + "}\n\n}  // namespace sparseprefill::cuda\n"
             )
             registry.append(f"SP_PERMUTE_VARIANT({name}, {enum}, {d})\n")
+            name = calib_name(dtype, d)
+            files[f"{name}.cu"] = (
+                HEADER
+                + '#include "cuda/kernel/calib_kernel.cuh"\n'
+                + '#include "cuda/registry.h"\n\n'
+                + "namespace sparseprefill::cuda {\n\n"
+                + f"int {name}(const CalibParams& params, void* stream) {{\n"
+                + f"  return calib::launch_calib<{is_bf16}, {d}>(params, stream);\n"
+                + "}\n\n}  // namespace sparseprefill::cuda\n"
+            )
+            registry.append(f"SP_CALIB_VARIANT({name}, {enum}, {d})\n")
     files[f"{PERMUTE_SORT}.cu"] = (
         HEADER
         + '#include "cuda/kernel/permute_sort.cuh"\n'

@@ -1,7 +1,8 @@
 // SPDX-License-Identifier: Apache-2.0
 // The C ABI (libsparseprefill_c) against the C++ API on host tensors: every policy and layout
 // that crosses the ABI gives bit-identical O/LSE and identical statistics to run(), and every
-// malformed argument comes back as a status code with a message naming it.
+// malformed argument comes back as a status code with a message naming it; a calibration run
+// through the ABI writes the file CalibrationRun makes.
 #include "sparseprefill/c_api.h"
 
 #include <gtest/gtest.h>
@@ -10,6 +11,7 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <memory>
 #include <string>
 #include <thread>
 #include <tuple>
@@ -655,6 +657,83 @@ TEST(CApi, PlanRunsLikeRun) {
   EXPECT_EQ(sp_plan_create(&cp3, wrong.handle, &copts, &plan), SP_ERR_INVALID_ARGUMENT);
   EXPECT_EQ(plan, nullptr);
   EXPECT_NE(std::string(sp_last_error()).find("mask"), std::string::npos) << sp_last_error();
+}
+
+TEST(CApi, CalibratorWritesWhatCalibrationRunMakes) {
+  // Two layers, GQA 4:2, one 300-token sample each; host tensors (the CPU statistics route).
+  std::vector<sp::HostTensor> q, k;
+  for (int l = 0; l < 2; ++l) {
+    q.push_back(random_bf16({1, 300, 4, 64}, 100 + l));
+    k.push_back(random_bf16({1, 300, 2, 64}, 200 + l));
+  }
+  const std::vector<std::int32_t> budgets = {1, 2};
+  const std::vector<double> skip = {0.2, 0.5}, density = {0.5, 0.8};
+  sp_calibration_targets t{};
+  t.layers = 2;
+  t.heads = 4;
+  t.block_q = t.block_k = 64;
+  t.select_block = 64;
+  t.budgets = budgets.data();
+  t.num_budgets = 2;
+  t.skip_targets = skip.data();
+  t.num_skip_targets = 2;
+  t.density_targets = density.data();
+  t.num_density_targets = 2;
+  sp_calibrator* cal = nullptr;
+  ASSERT_EQ(sp_calibrator_create(&t, &cal), SP_OK) << sp_last_error();
+
+  sp::CalibrationTargets ct;
+  ct.layers = 2;
+  ct.heads = 4;
+  ct.block_q = ct.block_k = 64;
+  ct.estimate.block = 64;
+  ct.budgets = {1, 2};
+  ct.skip_targets = skip;
+  ct.density_targets = density;
+  std::unique_ptr<sp::CalibrationRun> run;
+  ASSERT_TRUE(sp::CalibrationRun::create(ct, &run).ok());
+  for (int l = 0; l < 2; ++l) {
+    sp::AttentionProblem p;
+    p.q = q[static_cast<std::size_t>(l)].view();
+    p.k = k[static_cast<std::size_t>(l)].view();
+    p.v = p.k;
+    const sp_problem cp = to_c(p);
+    ASSERT_EQ(sp_calibrator_add(cal, l, &cp, nullptr), SP_OK) << sp_last_error();
+    ASSERT_TRUE(run->add(l, p).ok());
+  }
+  const std::string path = ::testing::TempDir() + "sp_c_api_calibration.safetensors";
+  const sp_setting meta[] = {{"model", "c-api-test"}};
+  ASSERT_EQ(sp_calibrator_save(cal, path.c_str(), meta, 1), SP_OK) << sp_last_error();
+  sp::Calibration loaded, expected;
+  ASSERT_TRUE(sp::load_calibration(path, &loaded).ok());
+  ASSERT_TRUE(run->finish(&expected).ok());
+  EXPECT_EQ(loaded.metadata.at("model"), "c-api-test");
+  EXPECT_EQ(loaded.exact_gate.values, expected.exact_gate.values);
+  EXPECT_EQ(loaded.skip_a, expected.skip_a);
+  EXPECT_EQ(loaded.alpha, expected.alpha);
+  EXPECT_EQ(loaded.layers, 2);
+
+  // Malformed arguments name themselves; the handle stays usable.
+  sp::AttentionProblem p;
+  p.q = q[0].view();
+  p.k = k[0].view();
+  p.v = p.k;
+  const sp_problem cp = to_c(p);
+  EXPECT_EQ(sp_calibrator_add(cal, 2, &cp, nullptr), SP_ERR_INVALID_ARGUMENT);
+  EXPECT_STREQ(sp_last_error(), "CalibrationRun: layer: expected 0 .. 1, got 2");
+  EXPECT_EQ(sp_calibrator_add(nullptr, 0, &cp, nullptr), SP_ERR_INVALID_ARGUMENT);
+  const sp_setting reserved[] = {{"format", "x"}};
+  EXPECT_EQ(sp_calibrator_save(cal, path.c_str(), reserved, 1), SP_ERR_INVALID_ARGUMENT);
+  EXPECT_NE(std::string(sp_last_error()).find("reserved"), std::string::npos) << sp_last_error();
+  sp_calibrator_destroy(cal);
+
+  t.num_budgets = t.num_skip_targets = t.num_density_targets = 0;
+  EXPECT_EQ(sp_calibrator_create(&t, &cal), SP_ERR_INVALID_ARGUMENT);
+  EXPECT_EQ(cal, nullptr);
+  t.num_budgets = 1;
+  t.budgets = nullptr;
+  EXPECT_EQ(sp_calibrator_create(&t, &cal), SP_ERR_INVALID_ARGUMENT);
+  EXPECT_STREQ(sp_last_error(), "targets.budgets: expected a length >= 0 and a non-NULL array when it is positive");
 }
 
 }  // namespace

@@ -9,6 +9,7 @@
 #include <dirent.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -702,6 +703,301 @@ TEST(EstimateSelectCalibrator, RejectsBadInputs) {
   EXPECT_EQ(st.message(), "layer 0: no blocks seen (add samples first)");
   st = cal.alpha_for(std::nan(""), 0, &alpha);
   EXPECT_EQ(st.message(), "target_density: expected a fraction in [0, 1], got nan");
+}
+
+// ---------------------------------------------------------------- statistics (host and GPU routes)
+
+// scale · q_r · k_t summed over d in order from 0.0, as the oracle's dot().
+double score(const test::Inputs& in, int b, std::int64_t r, int h, std::int64_t t) {
+  const test::SequenceData& s = in.seqs[static_cast<std::size_t>(b)];
+  const int hk = h / (in.h_q / in.h_kv);
+  double acc = 0.0;
+  for (int i = 0; i < in.d; ++i) {
+    acc += test::get(s.q, (r * in.h_q + h) * in.d + i) * test::get(s.k, (t * in.h_kv + hk) * in.d + i);
+  }
+  return acc / std::sqrt(static_cast<double>(in.d));
+}
+
+TEST(CalibrationStatistics, HostStatisticsFollowTheirDefinitions) {
+  // A chunk (offset 25), GQA 3:1, blocks 8 x 16 (query blocks straddle key blocks).
+  const test::Inputs in = test::random_inputs({{45, 70}}, 3, 1, 16, sp::DType::kFP32, 31, 1.0,
+                                              test::Distribution::kNormal);
+  const test::TestProblem tp = test::build_problem(in);
+  std::vector<sp::BlockStatistics> stats;
+  ASSERT_TRUE(sp::compute_block_statistics(tp.problem(), 8, 16, true, true, &stats).ok());
+  ASSERT_EQ(stats.size(), 1u);
+  const sp::BlockStatistics& st = stats[0];
+  const sp::geom::BlockGeometry g{{45, 70, true}, 8, 16};
+  const int nqb = g.num_q_blocks(), nkb = g.num_k_blocks();
+  ASSERT_EQ(st.block_max.size(), static_cast<std::size_t>(3 * nqb * nkb));
+  ASSERT_EQ(st.skip_g.size(), st.block_max.size());
+  const double inf = std::numeric_limits<double>::infinity();
+  int plus_inf = 0;
+  for (int h = 0; h < 3; ++h) {
+    for (int qb = 0; qb < nqb; ++qb) {
+      const std::size_t row = (static_cast<std::size_t>(h) * nqb + qb) * nkb;
+      // Per row and visible block: the max over the keys the row sees (-inf when none).
+      std::vector<std::vector<double>> tile(static_cast<std::size_t>(nkb));
+      for (int kb = 0; kb < g.visible_end(qb); ++kb) {
+        double block = -inf;
+        for (std::int64_t r = g.row_begin(qb); r < g.row_end(qb); ++r) {
+          double m = -inf;
+          for (std::int64_t t = g.key_begin(kb); t < std::min(g.key_end(kb), g.seq.keys_seen(r)); ++t) {
+            m = std::max(m, score(in, 0, r, h, t));
+          }
+          tile[static_cast<std::size_t>(kb)].push_back(m);
+          block = std::max(block, m);
+        }
+        if (kb < g.full_end(qb)) EXPECT_EQ(st.block_max[row + kb], block) << h << " " << qb << " " << kb;
+      }
+      // BLASST order with the running max of every row.
+      std::vector<double> m_run(static_cast<std::size_t>(g.row_end(qb) - g.row_begin(qb)), -inf);
+      int visit = 0;
+      for (int kb : [&] {
+             std::vector<int> order;
+             for (int k = g.visible_end(qb) - 1; k >= g.full_end(qb); --k) order.push_back(k);
+             for (int k = g.full_end(qb) - 1; k >= 0; --k) order.push_back(k);
+             return order;
+           }()) {
+        double stat = -inf;
+        for (std::size_t i = 0; i < m_run.size(); ++i) {
+          const double x = tile[static_cast<std::size_t>(kb)][i];
+          if (x != -inf) stat = std::max(stat, m_run[i] == -inf ? inf : x - m_run[i]);
+          m_run[i] = std::max(m_run[i], x);
+        }
+        if (visit++ > 0) {
+          EXPECT_EQ(st.skip_g[row + kb], stat + std::log(70.0)) << h << " " << qb << " " << kb;
+          plus_inf += stat == inf;
+        }
+      }
+    }
+  }
+  EXPECT_GT(plus_inf, 0);  // 8-row query blocks meet 16-key blocks mid-way: rows see first keys late
+}
+
+TEST(CalibrationStatistics, CalibratorsReduceStatisticsExactlyLikeSamples) {
+  const test::Inputs in = test::random_inputs({{96, 96}, {70, 121}}, 4, 2, 16, sp::DType::kBF16, 8, 1.0,
+                                              test::Distribution::kNormal);
+  test::LayoutOptions opt;
+  opt.layout = test::Layout::kVarlen;
+  const test::TestProblem tp = test::build_problem(in, opt);
+  std::vector<sp::BlockStatistics> blocks;
+  ASSERT_TRUE(sp::compute_block_statistics(tp.problem(), 8, 16, true, true, &blocks).ok());
+  sp::EstimateSelectParams base;
+  base.block = 8;
+  base.sink = 1;
+  base.window = 1;
+  base.tail = 1;
+  std::vector<sp::SelectStatistics> select;
+  ASSERT_TRUE(sp::compute_select_statistics(tp.problem(), base, &select).ok());
+
+  sp::ExactGateCalibrator gate_a(1, 4, {1, 2}, 8, 16), gate_b(1, 4, {1, 2}, 8, 16);
+  ASSERT_TRUE(gate_a.add(0, tp.problem()).ok());
+  ASSERT_TRUE(gate_b.add_statistics(0, blocks).ok());
+  EXPECT_EQ(gate_a.finish().values, gate_b.finish().values);
+  EXPECT_EQ(gate_a.finish().positions, gate_b.finish().positions);
+  sp::SoftmaxSkipCalibrator skip_a(1, 8, 16), skip_b(1, 8, 16);
+  ASSERT_TRUE(skip_a.add(0, tp.problem()).ok());
+  ASSERT_TRUE(skip_b.add_statistics(0, blocks).ok());
+  sp::EstimateSelectCalibrator sel_a(1, base), sel_b(1, base);
+  ASSERT_TRUE(sel_a.add(0, tp.problem()).ok());
+  ASSERT_TRUE(sel_b.add_statistics(0, select).ok());
+  for (double target : {0.1, 0.3, 0.6}) {
+    double a = 0, b = 0;
+    ASSERT_TRUE(skip_a.factor_for(target, 0, &a).ok());
+    ASSERT_TRUE(skip_b.factor_for(target, 0, &b).ok());
+    EXPECT_EQ(a, b);
+    ASSERT_TRUE(sel_a.alpha_for(target + 0.3, 0, &a).ok());
+    ASSERT_TRUE(sel_b.alpha_for(target + 0.3, 0, &b).ok());
+    EXPECT_EQ(a, b);
+  }
+}
+
+// Hand-made records: the reduction reads exactly the documented entries (unread ones NaN).
+TEST(CalibrationStatistics, HandMadeStatisticsReduceAsDocumented) {
+  const double nan = std::numeric_limits<double>::quiet_NaN();
+  auto record = [&](std::int64_t s_q, std::int64_t s_k) {
+    sp::BlockStatistics st;
+    st.s_q = s_q;
+    st.s_k = s_k;
+    st.heads = 1;
+    st.block_q = st.block_k = 4;
+    const sp::geom::BlockGeometry g{{s_q, s_k, true}, 4, 4};
+    st.block_max.assign(static_cast<std::size_t>(g.num_q_blocks() * g.num_k_blocks()), nan);
+    st.skip_g = st.block_max;
+    return st;
+  };
+  // 12 x 12: query block 2 has full blocks {0, 1}; a 4 x 12 chunk: its one query block sits at
+  // position 2 with full blocks {0, 1}. Budget 1: midpoints 2 and 3, mean 2.5 at position 2.
+  sp::BlockStatistics a = record(12, 12), c = record(4, 12);
+  a.block_max[2 * 3 + 0] = 3;
+  a.block_max[2 * 3 + 1] = 1;
+  a.block_max[1 * 3 + 0] = 7;  // query block 1: one full block, not above budget 1
+  c.block_max[0] = 5;
+  c.block_max[1] = 1;
+  sp::ExactGateCalibrator gate(1, 1, {1}, 4, 4);
+  ASSERT_TRUE(gate.add_statistics(0, {a, c}).ok());
+  const sp::ThresholdTable t = gate.finish();
+  ASSERT_EQ(t.positions, 3);
+  EXPECT_EQ(t.at(0, 0, 0, 0), kNegInf);
+  EXPECT_EQ(t.at(0, 0, 0, 1), kNegInf);
+  EXPECT_EQ(t.at(0, 0, 0, 2), 2.5f);
+
+  // softmax_skip on 12 x 12: visits (qb 0: 0), (qb 1: 1, 0), (qb 2: 2, 1, 0); g is read at
+  // (1, 0), (2, 1), (2, 0): 3 statistics and 3 first blocks; ln(12) ~ 2.48 caps ln a.
+  a.skip_g[1 * 3 + 0] = -3;
+  a.skip_g[2 * 3 + 1] = -1;
+  a.skip_g[2 * 3 + 0] = 5;
+  sp::SoftmaxSkipCalibrator skip(1, 4, 4);
+  ASSERT_TRUE(skip.add_statistics(0, {a}).ok());
+  double f = 0;
+  ASSERT_TRUE(skip.factor_for(1.0 / 6, 0, &f).ok());
+  EXPECT_DOUBLE_EQ(std::log(f), -2.0);
+  ASSERT_TRUE(skip.factor_for(2.0 / 6, 0, &f).ok());
+  EXPECT_DOUBLE_EQ(std::log(f), 2.0);
+
+  // estimate_select, block 4 over 24 x 24, sink/window/tail 1: ratios are read for the
+  // non-forced scored blocks (tile, block) = (2, 1), (3, 1), (3, 2), (4, 1), (4, 2), (4, 3);
+  // 21 visible blocks of which 15 forced.
+  sp::SelectStatistics r;
+  r.s_q = r.s_k = 24;
+  r.units = 1;
+  r.block = 4;
+  r.ratio.assign(36, nan);
+  const double ratios[][3] = {{2, 1, 0.9}, {3, 1, 0.8}, {3, 2, 0.7}, {4, 1, 0.6}, {4, 2, 0.5}, {4, 3, 0.4}};
+  for (const auto& x : ratios) r.ratio[static_cast<std::size_t>(x[0] * 6 + x[1])] = x[2];
+  // Forced blocks (sink 0, window i, every block of the tail tile 5) are scored but never
+  // ranked; unscored entries (j > i) stay NaN.
+  for (int i = 0; i < 6; ++i) {
+    for (int j = 0; j <= i; ++j) {
+      if (j == 0 || j == i || i == 5) r.ratio[static_cast<std::size_t>(i * 6 + j)] = 1.0;
+    }
+  }
+  sp::EstimateSelectParams base;
+  base.block = 4;
+  base.sink = 1;
+  base.window = 1;
+  base.tail = 1;
+  sp::EstimateSelectCalibrator sel(1, base);
+  ASSERT_TRUE(sel.add_statistics(0, {r}).ok());
+  double alpha = 0;
+  ASSERT_TRUE(sel.alpha_for(17.0 / 21, 0, &alpha).ok());
+  EXPECT_DOUBLE_EQ(alpha, 0.75);
+  ASSERT_TRUE(sel.alpha_for(15.0 / 21, 0, &alpha).ok());
+  EXPECT_EQ(alpha, 2.0);
+}
+
+TEST(CalibrationStatistics, BadRecordsAreRejectedWithoutChangingTheCalibrator) {
+  sp::BlockStatistics st;
+  st.s_q = st.s_k = 12;
+  st.heads = 1;
+  st.block_q = st.block_k = 4;
+  st.block_max.assign(9, 1.0);
+  st.skip_g.assign(9, 1.0);
+  sp::ExactGateCalibrator gate(1, 1, {1}, 4, 4);
+  sp::BlockStatistics bad = st;
+  bad.block_max.pop_back();
+  EXPECT_EQ(gate.add_statistics(0, {st, bad}).message(),
+            "ExactGateCalibrator: statistics[1].block_max: expected 9 values [heads, q_blocks, k_blocks], got 8");
+  bad = st;
+  bad.block_k = 8;
+  EXPECT_EQ(gate.add_statistics(0, {bad}).message(),
+            "ExactGateCalibrator: statistics[0]: block 4x8, calibrator expects 4x4");
+  bad = st;
+  bad.heads = 2;
+  EXPECT_EQ(gate.add_statistics(0, {bad}).message(), "ExactGateCalibrator: statistics[0]: expected 1 query heads, got 2");
+  bad = st;
+  bad.block_max[2 * 3 + 1] = std::numeric_limits<double>::infinity();
+  EXPECT_EQ(gate.add_statistics(0, {st, bad}).message(),
+            "ExactGateCalibrator: statistics[1].block_max[7] is infinite (non-finite q or k?)");
+  EXPECT_EQ(gate.add_statistics(1, {st}).message(), "ExactGateCalibrator: layer: expected 0 .. 0, got 1");
+  EXPECT_EQ(gate.finish().positions, 0);  // nothing accumulated
+  sp::SoftmaxSkipCalibrator skip(1, 4, 4);
+  bad = st;
+  bad.skip_g[1 * 3 + 0] = std::nan("");
+  EXPECT_EQ(skip.add_statistics(0, {bad}).message(),
+            "SoftmaxSkipCalibrator: statistics[0].skip_g[3] is NaN (non-finite q or k?)");
+  double a = 0;
+  EXPECT_FALSE(skip.factor_for(0.5, 0, &a).ok());
+  sp::SelectStatistics r;
+  r.s_q = r.s_k = 12;
+  r.units = 1;
+  r.block = 4;
+  r.ratio.assign(9, 1.0);
+  sp::EstimateSelectParams base;
+  base.block = 4;
+  sp::EstimateSelectCalibrator sel(1, base);
+  sp::SelectStatistics packed = r;
+  packed.pack_gqa = true;
+  EXPECT_EQ(sel.add_statistics(0, {packed}).message(),
+            "EstimateSelectCalibrator: statistics[0]: block 4 pack_gqa, calibrator expects block 4");
+  EXPECT_FALSE(sel.alpha_for(0.5, 0, &a).ok());
+}
+
+// Enough statistics (about 80K per calibrator) for the multi-threaded ranking: the factors are
+// the midpoints of neighbours in a plain full sort of the statistics read.
+TEST(CalibrationStatistics, RankingOfManyStatisticsMatchesAFullSort) {
+  constexpr int kBlocks = 400, kB = 128;
+  std::uint64_t state = 7;
+  const auto uniform = [&]() {  // (0, 1), distinct with overwhelming probability
+    state = state * 6364136223846793005ull + 1442695040888963407ull;
+    return (static_cast<double>(state >> 11) + 0.5) * 0x1.0p-53;
+  };
+  sp::BlockStatistics st;
+  st.s_q = st.s_k = static_cast<std::int64_t>(kBlocks) * kB;
+  st.heads = 1;
+  st.block_q = st.block_k = kB;
+  st.skip_g.assign(static_cast<std::size_t>(kBlocks) * kBlocks, std::nan(""));
+  std::vector<double> read;
+  for (int qb = 0; qb < kBlocks; ++qb) {
+    for (int kb = 0; kb < qb; ++kb) {  // visible 0..qb; the first visited (qb) is not read
+      const double g = 22.0 * uniform() - 20.0;
+      st.skip_g[static_cast<std::size_t>(qb) * kBlocks + kb] = g;
+      read.push_back(g);
+    }
+  }
+  sp::SoftmaxSkipCalibrator skip(1, kB, kB);
+  ASSERT_TRUE(skip.add_statistics(0, {st}).ok());
+  std::sort(read.begin(), read.end());
+  const double total = static_cast<double>(read.size() + kBlocks);
+  for (double target : {0.1, 0.3}) {
+    const auto n = static_cast<std::size_t>(std::ceil(target * total - 0.5));
+    double a = 0;
+    ASSERT_TRUE(skip.factor_for(target, 0, &a).ok());
+    EXPECT_NEAR(std::log(a), 0.5 * (read[n - 1] + read[n]), 1e-12) << target;
+  }
+
+  sp::SelectStatistics r;
+  r.s_q = r.s_k = st.s_q;
+  r.units = 1;
+  r.block = kB;
+  r.ratio.assign(static_cast<std::size_t>(kBlocks) * kBlocks, 1.0);
+  std::vector<double> ratios;
+  std::int64_t forced = 0, visible = 0;
+  for (int i = 0; i < kBlocks; ++i) {
+    visible += i + 1;
+    for (int j = 0; j <= i; ++j) {
+      if (j == 0 || j == i || i == kBlocks - 1) {  // sink 1, window 1, tail 1
+        ++forced;
+        continue;
+      }
+      const double x = uniform();
+      r.ratio[static_cast<std::size_t>(i) * kBlocks + j] = x;
+      ratios.push_back(x);
+    }
+  }
+  sp::EstimateSelectParams base;
+  base.block = kB;
+  base.sink = base.window = base.tail = 1;
+  sp::EstimateSelectCalibrator sel(1, base);
+  ASSERT_TRUE(sel.add_statistics(0, {r}).ok());
+  std::sort(ratios.begin(), ratios.end(), std::greater<double>());
+  for (double target : {0.2, 0.6}) {
+    const auto n = static_cast<std::size_t>(std::ceil(target * static_cast<double>(visible) - static_cast<double>(forced) - 0.5));
+    double alpha = 0;
+    ASSERT_TRUE(sel.alpha_for(target, 0, &alpha).ok());
+    EXPECT_EQ(alpha, 0.5 * (ratios[n - 1] + ratios[n])) << target;
+  }
 }
 
 }  // namespace

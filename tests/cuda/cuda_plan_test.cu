@@ -1,8 +1,9 @@
 // SPDX-License-Identifier: Apache-2.0
 // The CUDA backend's pure host planning (no GPU needed): support checks and their messages,
 // the forward path (Hopper or portable) and TMA describability, paged K/V parameters and the
-// compact block table, the compact mask layout the kernels read, and bitmaps/arrays converted
-// back to BlockMasks.
+// compact block table, the compact mask layout the kernels read, bitmaps/arrays converted back
+// to BlockMasks, and the calibration statistics' support checks and capacity-layout arrays
+// split per sequence.
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -376,6 +377,63 @@ TEST(CudaPlan, RankKeysSortInTheOraclesRankingOrder) {
   EXPECT_EQ(got, want);
   EXPECT_EQ(rank_key(-0.0), rank_key(0.0));
   EXPECT_LT(rank_key(nan), rank_key(-kInf));
+}
+
+TEST(CudaPlan, CalibrationStatisticsSupport) {
+  const ProblemShape s = shape_of(300, 300, 4, 1, 128);
+  EXPECT_TRUE(check_calib_support(s, 128, 64).ok());
+  EXPECT_TRUE(check_calib_support(s, 64, 128).ok());
+  const Status blocks = check_calib_support(s, 32, 128);
+  EXPECT_EQ(blocks.code(), StatusCode::kUnsupported);
+  EXPECT_EQ(blocks.message(), "calibration statistics: the CUDA kernel needs block_q and block_k of 64 or 128, got 32 x 128");
+  const Status dim = check_calib_support(shape_of(300, 300, 4, 1, 96), 128, 128);
+  EXPECT_NE(dim.message().find("no compiled CUDA kernel for bf16 head_dim 96"), std::string::npos) << dim.message();
+  const Status fp32 = check_calib_support(shape_of(300, 300, 4, 1, 64, DType::kFP32), 128, 128);
+  EXPECT_NE(fp32.message().find("dtype fp32"), std::string::npos) << fp32.message();
+  EstimateSelectParams base;
+  base.block = 128;
+  EXPECT_TRUE(check_select_statistics_support(s, base).ok());
+  base.block = 64;
+  const Status select = check_select_statistics_support(s, base);
+  EXPECT_EQ(select.message(), "estimate_select statistics: the CUDA selector needs block = 128, got 64");
+}
+
+// Two sequences (300 x 300 and 100 x 200) in a [batch, heads, 3, 3] capacity layout of block
+// 128: each record gets its own corner, and g gets + ln s_k.
+TEST(CudaPlan, StatisticsArraysSplitPerSequence) {
+  ProblemShape s = shape_of(300, 300, 2, 1, 64);
+  s.batch = 2;
+  s.seq_q = {300, 100};
+  s.seq_k = {300, 200};
+  s.q_start = {0, 300};
+  s.k_start = {0, 300};
+  const CalibParams p = make_calib_params(AttentionProblem{}, s, 128, 128);
+  ASSERT_EQ(p.num_q_blocks, 3);
+  ASSERT_EQ(p.num_k_blocks, 3);
+  std::vector<float> block_max(2 * 2 * 3 * 3), skip_g(block_max.size());
+  for (std::size_t i = 0; i < block_max.size(); ++i) {
+    block_max[i] = static_cast<float>(i);
+    skip_g[i] = -static_cast<float>(i);
+  }
+  const std::vector<BlockStatistics> st = block_statistics_from_device(s, 128, 128, 3, 3, block_max, skip_g);
+  ASSERT_EQ(st.size(), 2u);
+  EXPECT_EQ(st[0].s_q, 300);
+  EXPECT_EQ(st[0].block_max.size(), 2u * 3 * 3);
+  EXPECT_EQ(st[0].block_max[1 * 9 + 2 * 3 + 1], 1 * 9 + 2 * 3 + 1);  // head 1, qb 2, kb 1
+  EXPECT_DOUBLE_EQ(st[0].skip_g[5], -5.0 + std::log(300.0));
+  // Sequence 1: 1 query block x 2 key blocks; (head h, kb) from [1][h][0][kb].
+  EXPECT_EQ(st[1].s_k, 200);
+  ASSERT_EQ(st[1].block_max.size(), 2u * 1 * 2);
+  EXPECT_EQ(st[1].block_max[1 * 2 + 1], 18 + 9 + 1);
+  EXPECT_DOUBLE_EQ(st[1].skip_g[1], -19.0 + std::log(200.0));
+  EstimateSelectParams base;
+  base.block = 128;
+  base.pack_gqa = true;
+  const std::vector<SelectStatistics> sel = select_statistics_from_device(s, base, 3, 3, std::vector<float>(2 * 1 * 9, 0.5f));
+  ASSERT_EQ(sel.size(), 2u);
+  EXPECT_EQ(sel[1].units, 1);
+  EXPECT_TRUE(sel[1].pack_gqa);
+  EXPECT_EQ(sel[1].ratio, std::vector<double>(2, 0.5));
 }
 
 }  // namespace

@@ -2,7 +2,8 @@
 """The binding on NumPy arrays (CPU backend; no torch needed): dense attention in every layout
 against float64 NumPy, every policy against the fp64 oracle backend with identical work
 statistics, block masks in their three forms against the expanded-mask reference,
-calibration files, statistics collection, and the errors of bad arguments."""
+calibration files (read, and written by Calibrator), statistics collection, and the errors of
+bad arguments."""
 
 import math
 import struct
@@ -382,3 +383,28 @@ def test_unsupported_combination_raises_unsupported():
 def test_build_info_lists_backends():
     info = sp.build_info()
     assert "backend cpu" in info and "backend reference" in info
+
+
+def test_calibrator_writes_a_file_the_package_reads(tmp_path):
+    """The CPU route of Calibrator: two layers of one structured sample, every section, the
+    metadata kept; thresholds keep budget k at the last position (it has enough full blocks);
+    bad layers and reserved metadata keys raise with the library's message."""
+    cal = sp.Calibrator(2, 4, budgets=[1, 2], skip_targets=[0.3, 0.6], density_targets=[0.5],
+                        block_q=16, block_k=16, select_block=16)
+    for layer in range(2):
+        q, k, _ = structured_qkv(40 + layer, 1, 96, 96, 4, 2, 32, block=16)
+        cal.add(layer, q, k)
+    path = tmp_path / "cal.safetensors"
+    cal.save(path, {"model": "numpy-test"})
+    c = sp.load_calibration(path)
+    assert c.layers == 2 and c.gate_budgets == [1, 2] and c.gate_block_q == 16
+    assert c.gate_values.shape == (2, 2, 4, 6)
+    assert np.all(np.isfinite(c.gate_values[:, :, :, 5])) and np.all(np.isneginf(c.gate_values[:, :, :, :2]))
+    assert c.skip_a.shape == (2, 2) and np.all(c.skip_a > 0) and np.all(c.skip_a[:, 0] <= c.skip_a[:, 1])
+    assert c.metadata["model"] == "numpy-test"
+    with pytest.raises(sp.InvalidArgumentError, match="layer: expected 0 .. 1, got 2"):
+        cal.add(2, q, k)
+    with pytest.raises(sp.InvalidArgumentError, match="reserved"):
+        cal.save(path, {"format": "x"})
+    with pytest.raises(sp.InvalidArgumentError, match="at least one of budgets"):
+        sp.Calibrator(1, 4)

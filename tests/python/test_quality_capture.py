@@ -2,8 +2,10 @@
 """sparseprefill.quality on a tiny random Llama (GQA): the capture attention hands over Q after
 RoPE [b, s, h_q, d] and K/V with h_kv heads, its logits equal sdpa's, the calibration sample file
 holds q_<layer>/k_<layer> for every layer, and (when the CLI is built) the calibrate step turns
-samples into a calibration file the package reads. The real-model test runs only where
-scripts/model/fetch.sh has put the model into build/models/."""
+samples into a calibration file the package reads; on CUDA the calibrate route that feeds q/k
+straight to Calibrator (GPU statistics) gives the CPU route's tables within the statistics'
+tolerance. The real-model test runs only where scripts/model/fetch.sh has put the model into
+build/models/."""
 
 import os
 
@@ -89,6 +91,39 @@ def test_calibration_sample_and_cli(tmp_path):
     assert cal.layers == 2 and cal.gate_budgets == [1, 2] and cal.gate_block_q == 16
     assert cal.metadata["text"] == "random ids" and cal.metadata["model"] == "tiny"
     assert cal.gate_values.shape == (2, 2, 4, 6)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the GPU statistics need CUDA")
+def test_gpu_calibration_matches_the_cpu_route(tmp_path):
+    import sparseprefill as sp
+
+    spt.register(spt.BackendConfig())
+    config = transformers.LlamaConfig(vocab_size=256, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2, head_dim=64,
+                                      max_position_embeddings=2048)
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(config).eval().to("cuda", torch.bfloat16)
+    model.set_attn_implementation(capture.register())
+    targets = dict(budgets=[1, 2], skip_targets=[0.3, 0.6], density_targets=[0.5, 0.8], block_q=64, block_k=64,
+                   select_block=128)
+    gpu, cpu = sp.Calibrator(2, 4, **targets), sp.Calibrator(2, 4, **targets)
+
+    def sink(layer, q, k, v):
+        gpu.add(layer, q, k)
+        cpu.add(layer, q.cpu(), k.cpu())
+
+    ids = torch.randint(0, 256, (1, 700), generator=torch.Generator().manual_seed(3)).cuda()
+    with torch.no_grad(), capture.capturing(sink):
+        model.model(ids, use_cache=False)
+    gpu.save(tmp_path / "gpu.safetensors")
+    cpu.save(tmp_path / "cpu.safetensors")
+    g, c = sp.load_calibration(tmp_path / "gpu.safetensors"), sp.load_calibration(tmp_path / "cpu.safetensors")
+    assert np.array_equal(np.isneginf(g.gate_values), np.isneginf(c.gate_values))
+    finite = np.isfinite(c.gate_values)
+    assert finite.any()
+    np.testing.assert_allclose(g.gate_values[finite], c.gate_values[finite], rtol=1e-3, atol=1e-3)
+    np.testing.assert_allclose(np.log(g.skip_a), np.log(c.skip_a), atol=2e-3)
+    np.testing.assert_allclose(g.alpha, c.alpha, rtol=2e-3)
 
 
 @pytest.mark.skipif(not os.path.isfile(GGUF), reason="model not fetched (scripts/model/fetch.sh)")

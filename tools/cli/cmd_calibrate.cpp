@@ -215,15 +215,18 @@ Status calibrate_command(const Args& args) {
     heads = shape.h_q;
   }
 
-  std::unique_ptr<ExactGateCalibrator> gate;
-  std::unique_ptr<SoftmaxSkipCalibrator> skip;
-  std::unique_ptr<EstimateSelectCalibrator> select;
-  if (!budgets.empty())
-    gate = std::make_unique<ExactGateCalibrator>(layers, heads, budgets, block_q, block_k);
-  if (!skip_targets.empty())
-    skip = std::make_unique<SoftmaxSkipCalibrator>(layers, block_q, block_k);
-  if (!density_targets.empty())
-    select = std::make_unique<EstimateSelectCalibrator>(layers, estimate);
+  CalibrationTargets targets;
+  targets.layers = layers;
+  targets.heads = heads;
+  targets.block_q = block_q;
+  targets.block_k = block_k;
+  targets.budgets = budgets;
+  targets.skip_targets = skip_targets;
+  targets.density_targets = density_targets;
+  targets.estimate = estimate;
+  std::unique_ptr<CalibrationRun> run;
+  SP_RETURN_IF_ERROR(CalibrationRun::create(targets, &run));
+  const bool gate = !budgets.empty(), skip = !skip_targets.empty(), select = !density_targets.empty();
 
   Progress progress("calibrate", samples * layers);
   for (int s = 0; s < samples; ++s) {
@@ -243,43 +246,17 @@ Status calibrate_command(const Args& args) {
         p.k = k.view();
         p.v = v.view();
       }
-      if (gate) SP_RETURN_IF_ERROR(gate->add(l, p));
-      if (skip) SP_RETURN_IF_ERROR(skip->add(l, p));
-      if (select) SP_RETURN_IF_ERROR(select->add(l, p));
+      SP_RETURN_IF_ERROR(run->add(l, p));
     }
   }
   progress.done();
 
   Calibration cal;
-  cal.layers = layers;
+  SP_RETURN_IF_ERROR(run->finish(&cal));
   cal.metadata["source"] = args.has("input") ? "files" : "generator " + args.get("generate");
   cal.metadata["samples"] = std::to_string(samples);
   cal.metadata["tool"] = std::string("sparseprefill calibrate ") + SPARSEPREFILL_VERSION_STRING;
   if (args.has("model")) cal.metadata["model"] = args.get("model");
-  if (gate) cal.exact_gate = gate->finish();
-  if (skip) {
-    cal.skip_block_q = block_q;
-    cal.skip_block_k = block_k;
-    for (double t : skip_targets) cal.skip_targets.push_back(static_cast<float>(t));
-    for (int l = 0; l < layers; ++l) {
-      for (double t : skip_targets) {
-        double a = 0;
-        SP_RETURN_IF_ERROR(skip->factor_for(t, l, &a));
-        cal.skip_a.push_back(static_cast<float>(a));
-      }
-    }
-  }
-  if (select) {
-    cal.estimate_base = estimate;
-    for (double t : density_targets) cal.density_targets.push_back(static_cast<float>(t));
-    for (int l = 0; l < layers; ++l) {
-      for (double t : density_targets) {
-        double alpha = 0;
-        SP_RETURN_IF_ERROR(select->alpha_for(t, l, &alpha));
-        cal.alpha.push_back(static_cast<float>(alpha));
-      }
-    }
-  }
   const std::string output = args.get("output");
   SP_RETURN_IF_ERROR(save_calibration(output, cal));
 

@@ -1,10 +1,12 @@
 # SPDX-License-Identifier: Apache-2.0
 """python -m sparseprefill.quality.calibrate: runs a model on the calibration part of a text,
 captures every layer's Q (after RoPE) and K, and fits exact_gate threshold tables, softmax_skip
-factors and estimate_select alphas with the library's calibrators (`sparseprefill calibrate
---input`, which reads one safetensors sample per window: q_<layer> [1, s, h_q, d],
-k_<layer> [1, s, h_kv, d]). Writes one calibration file whose metadata names the model, the
-text and its character range; block sizes are in the file's reserved keys."""
+factors and estimate_select alphas with the library's calibrators. With the model on CUDA each
+layer's q/k go straight into sparseprefill.Calibrator, whose statistics are computed on the GPU
+(seconds for a 128K-token window); on the CPU the windows are written as safetensors samples
+(q_<layer> [1, s, h_q, d], k_<layer> [1, s, h_kv, d]) for `sparseprefill calibrate --input`.
+Writes one calibration file whose metadata names the model, the text and its character range;
+block sizes are in the file's reserved keys."""
 
 from __future__ import annotations
 
@@ -66,10 +68,11 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     p.add_argument("--density-targets", type=_floats, default=[0.3, 0.4, 0.5, 0.7],
                    help="estimate_select target densities")
     p.add_argument("--output", required=True, help="the calibration file to write")
-    p.add_argument("--cli", help="path of the sparseprefill CLI")
+    p.add_argument("--cli", help="path of the sparseprefill CLI (CPU route)")
     p.add_argument("--device", default="cpu")
     p.add_argument("--dtype", default="auto", help="model dtype: auto (fp32 on CPU, bf16 on CUDA), float32, bfloat16")
-    p.add_argument("--workdir", help="folder for the Q/K sample files (default: a temporary folder, removed)")
+    p.add_argument("--workdir", help="CPU route: folder for the Q/K sample files (default: a temporary folder, "
+                                     "removed)")
     return p.parse_args(argv)
 
 
@@ -89,6 +92,27 @@ def capture_sample(model, ids, path: str) -> None:
     save_file(tensors, path)
 
 
+def calibrate_on_gpu(model, wins, args: argparse.Namespace, output: str, metadata: Dict[str, str]) -> None:
+    """The CUDA route: every window's q/k of every layer into one Calibrator (statistics on the
+    GPU, reductions on the host), then the file with `metadata`."""
+    import torch
+
+    from ..calibration import Calibrator
+
+    config = model.config
+    cal = Calibrator(config.num_hidden_layers, config.num_attention_heads, budgets=args.budgets,
+                     skip_targets=args.skip_targets, density_targets=args.density_targets,
+                     block_q=args.block, block_k=args.block, select_block=args.block)
+
+    def sink(layer, q, k, v):
+        cal.add(layer, q.detach(), k.detach())
+
+    with torch.no_grad(), capture.capturing(sink):
+        for _, ids in data.progress(wins, desc="calibrate (GPU statistics)"):
+            model.model(torch.tensor([ids], device=model.device), use_cache=False)
+    cal.save(output, metadata)
+
+
 def add_metadata(path: str, extra: Dict[str, str]) -> None:
     """Rewrites a calibration file with `extra` added to its free-form metadata."""
     from safetensors import safe_open
@@ -105,7 +129,8 @@ def add_metadata(path: str, extra: Dict[str, str]) -> None:
 
 def main(argv: Optional[List[str]] = None) -> int:
     args = parse_args(argv)
-    cli = find_cli(args.cli)
+    on_gpu = args.device.startswith("cuda")
+    cli = None if on_gpu else find_cli(args.cli)
     t0 = time.time()
     from .. import transformers as spt
 
@@ -115,26 +140,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     split = data.read_split(args.text, args.split_fraction)
     tokens = tokenizer(split.calibration, add_special_tokens=False).input_ids
     wins = data.windows(tokens, args.length, args.samples)
-    work = args.workdir or tempfile.mkdtemp(prefix="sp-calibrate-")
-    os.makedirs(work, exist_ok=True)
-    paths = []
-    try:
-        for i, (_, ids) in enumerate(data.progress(wins, desc="capture Q/K")):
-            paths.append(os.path.join(work, f"sample_{i}.safetensors"))
-            capture_sample(model, ids, paths[-1])
-        t_capture = time.time() - t0
-        b = str(args.block)
-        cmd = [cli, "calibrate", "--output", args.output, "--block-q", b, "--block-k", b, "--block", b,
-               "--model", args.model_name or os.path.basename(os.path.normpath(args.model)),
-               "--budgets", ",".join(map(str, args.budgets)),
-               "--skip-targets", ",".join(map(str, args.skip_targets)),
-               "--density-targets", ",".join(map(str, args.density_targets))]
-        for path in paths:
-            cmd += ["--input", path]
-        subprocess.run(cmd, check=True, stdout=sys.stderr)
-    finally:
-        if not args.workdir:
-            shutil.rmtree(work, ignore_errors=True)
+    model_name = args.model_name or os.path.basename(os.path.normpath(args.model))
     meta = {
         "model_sha256": data.file_sha256(args.model) if os.path.isfile(args.model) else "",
         "text": os.path.basename(args.text), "text_sha256": split.sha256,
@@ -142,18 +148,46 @@ def main(argv: Optional[List[str]] = None) -> int:
         "sample_tokens": f"{args.samples} windows x {args.length} tokens from token 0 of the calibration part",
         "qk_dtype": str(next(iter(model.parameters())).dtype).replace("torch.", ""),
         "device": args.device,
+        "statistics": "gpu" if on_gpu else "cpu",
         "date": datetime.date.today().isoformat(),
         "command": " ".join(shlex.quote(a) for a in ["python", "-m", "sparseprefill.quality.calibrate"]
                             + (sys.argv[1:] if argv is None else argv)),
     }
-    add_metadata(args.output, meta)
+    if on_gpu:
+        calibrate_on_gpu(model, wins, args, args.output, dict(meta, model=model_name,
+                                                              source="python -m sparseprefill.quality.calibrate",
+                                                              samples=str(args.samples)))
+        t_capture = time.time() - t0
+    else:
+        work = args.workdir or tempfile.mkdtemp(prefix="sp-calibrate-")
+        os.makedirs(work, exist_ok=True)
+        paths = []
+        try:
+            for i, (_, ids) in enumerate(data.progress(wins, desc="capture Q/K")):
+                paths.append(os.path.join(work, f"sample_{i}.safetensors"))
+                capture_sample(model, ids, paths[-1])
+            t_capture = time.time() - t0
+            b = str(args.block)
+            cmd = [cli, "calibrate", "--output", args.output, "--block-q", b, "--block-k", b, "--block", b,
+                   "--model", model_name,
+                   "--budgets", ",".join(map(str, args.budgets)),
+                   "--skip-targets", ",".join(map(str, args.skip_targets)),
+                   "--density-targets", ",".join(map(str, args.density_targets))]
+            for path in paths:
+                cmd += ["--input", path]
+            subprocess.run(cmd, check=True, stdout=sys.stderr)
+        finally:
+            if not args.workdir:
+                shutil.rmtree(work, ignore_errors=True)
+        add_metadata(args.output, meta)
     from ..calibration import load_calibration
 
     cal = load_calibration(args.output)
     print(f"wrote {args.output}: {cal.layers} layers, exact_gate budgets {cal.gate_budgets}, "
           f"softmax_skip targets {[round(t, 6) for t in cal.skip_targets]}, "
           f"estimate_select targets {[round(t, 6) for t in cal.density_targets]}; "
-          f"capture {t_capture:.0f} s, total {time.time() - t0:.0f} s", file=sys.stderr)
+          f"{'capture + GPU statistics' if on_gpu else 'capture'} {t_capture:.0f} s, "
+          f"total {time.time() - t0:.0f} s", file=sys.stderr)
     return 0
 
 

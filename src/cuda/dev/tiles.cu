@@ -6,10 +6,13 @@
 // Q·Kᵀ-only floor of skipped blocks), block_k 64 and 128 on the portable kernel and 128 on the
 // Hopper kernel (which runs when the device is compute capability 9.0); paged K/V on the
 // portable kernel (pages of 16 and 64 keys in a shuffled order, dense and the 20% mask) against
-// the same contiguous calls. The measurements behind docs/cuda.md.
+// the same contiguous calls. The measurements behind docs/cuda.md. `sp_cuda_tiles calib`:
+// instead, the calibration statistics of one layer of a 128K-token sample through the public
+// API (calibration.h), each step timed on its own.
 #include <cuda_runtime.h>
 
 #include <algorithm>
+#include <chrono>
 #include <cmath>
 #include <cstdint>
 #include <cstdio>
@@ -22,6 +25,7 @@
 #include "cuda/kernel/ptx.cuh"
 #include "cuda/plan.h"
 #include "cuda/registry.h"
+#include "sparseprefill/calibration.h"
 
 namespace sparseprefill::cuda {
 namespace {
@@ -298,11 +302,118 @@ void run_shape(const Shape& sh) {
   if (maps.dev != nullptr) SP_DEV_CHECK(cudaFree(maps.dev));
 }
 
+double seconds_since(std::chrono::steady_clock::time_point t0) {
+  return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+}
+
+#define SP_DEV_OK(expr)                                                              \
+  do {                                                                               \
+    const Status st_ = (expr);                                                       \
+    if (!st_.ok()) {                                                                 \
+      std::fprintf(stderr, "%s:%d %s\n", __FILE__, __LINE__, st_.to_string().c_str()); \
+      std::exit(1);                                                                  \
+    }                                                                                \
+  } while (0)
+
+// One layer of a calibration sample of sh.s tokens (bf16, causal, batch 1): the calib kernel
+// alone (block 128 x 128 and 64 x 64), then the public calls a calibration run makes per layer:
+// compute_block_statistics (kernel, copy back, per-sequence records), compute_select_statistics
+// (means + selector, copy back) and the three calibrators' add_statistics plus their factors.
+void time_calibration(const Shape& sh) {
+  const std::int64_t nq = sh.s * sh.h_q * sh.d, nk = sh.s * sh.h_kv * sh.d;
+  std::uint16_t *q, *k;
+  SP_DEV_CHECK(cudaMalloc(&q, nq * 2));
+  SP_DEV_CHECK(cudaMalloc(&k, nk * 2));
+  fill_kernel<<<1024, 256>>>(q, nq, 1, true);
+  fill_kernel<<<1024, 256>>>(k, nk, 2, true);
+  SP_DEV_CHECK(cudaDeviceSynchronize());
+  const Device gpu{DeviceKind::kCUDA, 0};
+  AttentionProblem p;
+  p.q = TensorView::contiguous(q, DType::kBF16, {1, sh.s, sh.h_q, sh.d}, gpu);
+  p.k = TensorView::contiguous(k, DType::kBF16, {1, sh.s, sh.h_kv, sh.d}, gpu);
+  p.v = p.k;
+  ProblemShape shape;
+  SP_DEV_OK(validate_problem(p, nullptr, &shape));
+
+  for (int block : {128, 64}) {
+    CalibParams cp = make_calib_params(p, shape, block, block);
+    const std::size_t cells = static_cast<std::size_t>(sh.h_q) * cp.num_q_blocks * cp.num_k_blocks;
+    SeqInfo seq{sh.s, sh.s, 0, 0, 0, 0, 0};
+    SeqInfo* d_seq;
+    SP_DEV_CHECK(cudaMalloc(&d_seq, sizeof(SeqInfo)));
+    SP_DEV_CHECK(cudaMemcpy(d_seq, &seq, sizeof(SeqInfo), cudaMemcpyHostToDevice));
+    cp.seqs = d_seq;
+    SP_DEV_CHECK(cudaMalloc(&cp.block_max, cells * sizeof(float)));
+    SP_DEV_CHECK(cudaMalloc(&cp.skip_g, cells * sizeof(float)));
+    const CalibVariant* var = find_calib(DType::kBF16, sh.d);
+    cudaEvent_t a, b;
+    SP_DEV_CHECK(cudaEventCreate(&a));
+    SP_DEV_CHECK(cudaEventCreate(&b));
+    SP_DEV_CHECK(static_cast<cudaError_t>(var->launch(cp, nullptr)));  // warm-up
+    std::vector<float> ms;
+    for (int i = 0; i < 3; ++i) {
+      SP_DEV_CHECK(cudaEventRecord(a));
+      SP_DEV_CHECK(static_cast<cudaError_t>(var->launch(cp, nullptr)));
+      SP_DEV_CHECK(cudaEventRecord(b));
+      SP_DEV_CHECK(cudaEventSynchronize(b));
+      float t = 0.f;
+      SP_DEV_CHECK(cudaEventElapsedTime(&t, a, b));
+      ms.push_back(t);
+    }
+    std::sort(ms.begin(), ms.end());
+    // Q·Kᵀ over the causal pairs of every visible block: 2·d FLOP per pair (masked pairs of
+    // partial blocks are computed too and not counted).
+    const double flop = 2.0 * sh.d * static_cast<double>(sh.s) * static_cast<double>(sh.s + 1) / 2.0 * sh.h_q;
+    std::printf("calib %-8s bf16 d=%-3d s=%-6lld block %dx%d: calib kernel %.1f ms (%.0f TFLOP/s over causal pairs)\n",
+                sh.name, sh.d, static_cast<long long>(sh.s), block, block, ms[1], flop / (ms[1] * 1e-3) / 1e12);
+    SP_DEV_CHECK(cudaEventDestroy(a));
+    SP_DEV_CHECK(cudaEventDestroy(b));
+    SP_DEV_CHECK(cudaFree(cp.block_max));
+    SP_DEV_CHECK(cudaFree(cp.skip_g));
+    SP_DEV_CHECK(cudaFree(d_seq));
+  }
+
+  std::vector<BlockStatistics> blocks;
+  std::vector<SelectStatistics> select;
+  EstimateSelectParams base;  // block 128, the defaults calibrate.py uses
+  SP_DEV_OK(compute_block_statistics(p, 128, 128, true, true, &blocks));  // warm-up (pools, metadata)
+  auto t0 = std::chrono::steady_clock::now();
+  SP_DEV_OK(compute_block_statistics(p, 128, 128, true, true, &blocks));
+  const double t_blocks = seconds_since(t0);
+  t0 = std::chrono::steady_clock::now();
+  SP_DEV_OK(compute_select_statistics(p, base, &select));
+  const double t_select = seconds_since(t0);
+  t0 = std::chrono::steady_clock::now();
+  ExactGateCalibrator gate(1, sh.h_q, {2, 4, 8, 16}, 128, 128);
+  SoftmaxSkipCalibrator skip(1, 128, 128);
+  EstimateSelectCalibrator sel(1, base);
+  SP_DEV_OK(gate.add_statistics(0, blocks));
+  SP_DEV_OK(skip.add_statistics(0, blocks));
+  SP_DEV_OK(sel.add_statistics(0, select));
+  const ThresholdTable table = gate.finish();
+  double x = 0;
+  for (double target : {0.2, 0.4, 0.6, 0.8}) SP_DEV_OK(skip.factor_for(target, 0, &x));
+  for (double target : {0.3, 0.4, 0.5, 0.7}) SP_DEV_OK(sel.alpha_for(target, 0, &x));
+  const double t_reduce = seconds_since(t0);
+  std::printf("calib %-8s bf16 d=%-3d s=%-6lld block 128: block statistics %.2f s, select statistics %.2f s, "
+              "reductions + factors %.2f s (host), per layer %.2f s; %zu table values\n",
+              sh.name, sh.d, static_cast<long long>(sh.s), t_blocks, t_select, t_reduce, t_blocks + t_select + t_reduce,
+              table.values.size());
+  SP_DEV_CHECK(cudaFree(q));
+  SP_DEV_CHECK(cudaFree(k));
+}
+
 }  // namespace
 }  // namespace sparseprefill::cuda
 
-int main() {
+int main(int argc, char** argv) {
   using sparseprefill::cuda::Shape;
+  if (argc > 1 && std::strcmp(argv[1], "calib") == 0) {
+    for (const Shape& sh : {Shape{"llama", 32, 8, 128, 131072}, Shape{"smollm2", 9, 3, 64, 131072}}) {
+      sparseprefill::cuda::time_calibration(sh);
+    }
+    return 0;
+  }
   for (const Shape& sh : {Shape{"llama", 32, 8, 128, 16384}, Shape{"llama", 32, 8, 128, 32768},
                           Shape{"smollm2", 9, 3, 64, 8192}}) {
     sparseprefill::cuda::run_shape(sh);

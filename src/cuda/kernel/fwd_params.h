@@ -155,6 +155,35 @@ struct SelectParams {
   std::int32_t* partial_index;
   std::uint32_t* corrected_bits;  // [batch, units, num_q_blocks, corrected_words] or nullptr
   int corrected_words;
+  // Calibration (compute_select_statistics): E_j / max E of every scored block j of each
+  // mask row, [batch, units, num_q_blocks, num_k_blocks]; nullptr = not written.
+  float* energy_ratio;
+};
+
+// Parameters of the calibration statistics kernel (compute_block_statistics): the q/k of one
+// layer, causal, and the per-block statistics it writes.
+struct CalibParams {
+  const void* q;
+  const void* k;
+  std::int64_t q_row_stride, q_head_stride;
+  std::int64_t k_row_stride, k_head_stride;
+  const SeqInfo* seqs;  // [batch], device
+  int batch;
+  int h_q;
+  int group;          // h_q / h_kv
+  float scale;        // natural-log domain
+  int block_q;        // 64 or 128 query rows per block (one or two 64-row halves per CTA)
+  int block_k;        // 64 or 128 keys per block (one or two 64-key sub-tiles)
+  int num_q_blocks;   // max over the batch: the grid's extent and the capacity of the q axis
+  int num_k_blocks;   // max over the batch: the capacity of the k axis
+  // Outputs [batch, h_q, num_q_blocks, num_k_blocks], fp32; nullptr = not requested. Written
+  // for every visible block; others are left as the host initialised them.
+  // block_max: max of scale·q·k over the block's visible pairs.
+  // skip_g: for every block visited after the first (BLASST order), the max over rows of
+  //   scale·(tile_rowmax - m_run), +inf for a row seeing its first keys (ln s_k is added on
+  //   the host).
+  float* block_max;
+  float* skip_g;
 };
 
 // permute_stop on the GPU (DESIGN.md §3, our definition of S2O). Segment slot `slot` of

@@ -219,8 +219,15 @@ __global__ void __launch_bounds__(SelectConfig<kBf16, kD>::kThreads, 1)
 #pragma unroll
   for (int w = 1; w < Cfg::kWarps; ++w) e_max = ptx::max_nan(e_max, s_red[w]);
 
-  // Keep rule per block j <= lqb, and the ascending lists via a CTA-wide ballot scan.
   const std::int64_t mask_row = (static_cast<std::int64_t>(b) * units + unit) * p.num_q_blocks + i;
+  // Calibration: the ratios E_j / max E of the scored blocks; without a mask to write
+  // (full_index null) that is all the launch is for.
+  if (p.energy_ratio != nullptr) {
+    for (int j = tid; j < scored; j += Cfg::kThreads) p.energy_ratio[mask_row * p.num_k_blocks + j] = energy[j] / e_max;
+  }
+  if (p.full_index == nullptr) return;
+
+  // Keep rule per block j <= lqb, and the ascending lists via a CTA-wide ballot scan.
   std::int32_t* full_idx = p.full_index + mask_row * p.num_k_blocks;
   std::int32_t* part_idx = p.partial_index + mask_row * p.num_k_blocks;
   const bool tail_tile = i >= tiles - p.tail;
