@@ -101,9 +101,14 @@ if [[ -z ${SP_SKIP_TILES:-} && -x $build/src/cuda/sp_cuda_tiles ]]; then
 fi
 
 if [[ -z ${SP_SKIP_BENCH:-} && -x $root/bench/run_benchmarks.sh ]]; then
-  note "benchmarks"
+  bench_s=${SP_BENCH_SECONDS:-420}
+  if [[ -n ${SP_DEADLINE_S:-} ]]; then
+    left=$((SP_DEADLINE_S - ($(date +%s) - t0) - 10))
+    ((left < bench_s)) && bench_s=$left
+  fi
+  note "benchmarks (at most $bench_s s)"
   # shellcheck disable=SC2086
-  SP_BUILD_DIR=$build timeout "${SP_BENCH_SECONDS:-420}" "$root/bench/run_benchmarks.sh" "$out/bench" ${SP_BENCH_ARGS:-} >/dev/null 2>&1
+  SP_BUILD_DIR=$build timeout "$bench_s" "$root/bench/run_benchmarks.sh" "$out/bench" ${SP_BENCH_ARGS:-} >/dev/null 2>&1
   note "benchmarks rc=$?"
   [[ -f $out/bench/bench.md ]] && cat "$out/bench/bench.md" >>"$summary"
 fi
