@@ -74,7 +74,10 @@ class PortableOnly {
 
 // The forward kernel family the default path must launch for (tp, policy) on this device: the
 // plan's choice (host-tested in cuda_plan_test) on an sm_90 device, the portable one elsewhere.
-std::string expected_instance_prefix(const TestProblem& tp, const Policy& policy) {
+std::string expected_instance_prefix(const TestProblem& tp, const Policy& policy, bool portable) {
+  // permute_stop has its own kernel family (gathered, permuted tiles) on every device.
+  if (std::holds_alternative<PermuteStopParams>(policy)) return "permute_sm80_";
+  if (portable) return "fwd_sm80_";
   ProblemShape shape;
   const Status st = validate_problem(tp.problem(), nullptr, &shape);
   EXPECT_TRUE(st.ok()) << st.to_string();
@@ -95,7 +98,6 @@ std::vector<GpuRun> expect_both_paths_match(TestProblem* tp, const Policy& polic
   EXPECT_TRUE(st.ok()) << st.to_string();
   TestProblem copy = *tp;
   const Decisions cpu = cpu_decisions(&copy, policy);
-  const std::string default_prefix = expected_instance_prefix(*tp, policy);
   std::vector<GpuRun> runs;
   for (bool portable : {false, true}) {
     SCOPED_TRACE(portable ? "portable path" : "default path");
@@ -107,7 +109,7 @@ std::vector<GpuRun> expect_both_paths_match(TestProblem* tp, const Policy& polic
       EXPECT_TRUE(close_calibrated(tp->q.dtype(), r.out, ref64, lowp));
       EXPECT_TRUE(same_decisions(ref64.decisions, r.decisions));
       EXPECT_TRUE(same_decisions(cpu, r.decisions));
-      const std::string want = portable ? "fwd_sm80_" : default_prefix;
+      const std::string want = expected_instance_prefix(*tp, policy, portable);
       const std::string ran = cuda::last_fwd_instance_for_testing();
       EXPECT_EQ(ran.rfind(want, 0), 0u) << "ran " << ran << ", expected " << want << "*";
     }
@@ -1214,7 +1216,7 @@ TEST(CudaPlan, BlockSparsePlanCapturesWithoutWarmUp) {
   const Status captured = run(plan, dev, out, opt);
   SP_CUDA_CHECK(cudaStreamEndCapture(stream, &graph));
   ASSERT_TRUE(captured.ok()) << captured.to_string();
-  const std::string want = expected_instance_prefix(tp, policy);
+  const std::string want = expected_instance_prefix(tp, policy, false);
   EXPECT_EQ(cuda::last_fwd_instance_for_testing().rfind(want, 0), 0u) << "captured " << cuda::last_fwd_instance_for_testing();
   cudaGraphExec_t exec = nullptr;
   SP_CUDA_CHECK(cudaGraphInstantiate(&exec, graph, 0));
