@@ -111,3 +111,27 @@ def test_timing_section():
     assert "NOT MEASURED" not in text
     assert "| exact_gate budget=8 | 125.0 | 2.00 | 1.60 | 200.0 | 3.00 | 2.50 |" in text
     assert "not a speed result" in text
+
+
+def test_per_length_targets():
+    d = doc()
+    for x in d["settings"]:  # estimate_select: within 1% at 2048 (+0.2%), not at 1024 (+3%)
+        if x["policy"] == "estimate_select":
+            x["lengths"]["2048"]["ppl"] = 9.018
+    s = report.summarize(d)
+    per = s["per_length"]["estimate_select"]
+    assert per[1024] is None and per[2048]["label"] == "estimate_select density_target=0.4"
+    assert "exact_gate" not in s["per_length"]  # one setting serves every length
+    text = report.render(d, "r.json", {})
+    assert "- estimate_select, length by length: at 1024 no setting (best passkey 1.00, dense 1.00); at 2048 " \
+        "`estimate_select density_target=0.4` (density 0.40, ΔPPL +0.20%)." in text
+
+
+def test_timing_host_bound_note():
+    d = doc()
+    d["meta"]["device"] = "cuda"
+    d["timing"] = {"repeats": 3, "seconds": {"torch sdpa": {"1024": 0.03, "2048": 0.03},
+                                             "dense": {"1024": 0.05, "2048": 0.051}}}
+    assert "bound by per-call host work" in report.render(d, "r.json", {})  # 4x the work, 1.02x the time
+    d["timing"]["seconds"]["dense"]["2048"] = 0.19
+    assert "bound by per-call host work" not in report.render(d, "r.json", {})

@@ -68,6 +68,15 @@ def summarize(doc: Dict[str, Any]) -> Dict[str, Any]:
             if all(r["dppl"] <= PPL_TOLERANCE and r["passkey"] == r["dense_passkey"] for r in mine):
                 ok.append((sum(r["pair_density"] for r in mine) / len(mine), s["label"], mine))
         targets[policy] = min(ok, key=lambda t: t[0]) if ok else None
+    # The same rule length by length (the sparsest setting meeting it at that length), for the
+    # policies no single setting serves at every length.
+    per_length: Dict[str, Dict[int, Any]] = {}
+    for policy in (p for p, t in targets.items() if t is None):
+        per_length[policy] = {}
+        for L in lengths:
+            good = [r for r in rows if r["policy"] == policy and r["length"] == int(L)
+                    and r["dppl"] <= PPL_TOLERANCE and r["passkey"] == r["dense_passkey"]]
+            per_length[policy][int(L)] = min(good, key=lambda r: r["pair_density"]) if good else None
     # Mean correction: KL at the same alpha (same selection, so the same density).
     mc = []
     for s in (x for x in settings if x["policy"] == "estimate_select"):
@@ -93,8 +102,8 @@ def summarize(doc: Dict[str, Any]) -> Dict[str, Any]:
         pts = [{"policy": r["policy"], "pair_density": r["pair_density"], "kl": r["kl"]}
                for r in rows if r["length"] == int(L) and r["policy"] != "dense"]
         winners_kl[L] = _winners(pts, "kl")
-    return {"rows": rows, "lengths": lengths, "targets": targets, "mc": mc, "op_mc": op_mc,
-            "winners_op": winners_op, "winners_kl": winners_kl}
+    return {"rows": rows, "lengths": lengths, "targets": targets, "per_length": per_length, "mc": mc,
+            "op_mc": op_mc, "winners_op": winners_op, "winners_kl": winners_kl, "device": doc["meta"]["device"]}
 
 
 def _mean_over_layers(points: List[Dict[str, Any]]) -> List[Dict[str, Any]]:
@@ -159,6 +168,13 @@ def _summary(s: Dict[str, Any], extras: List[Tuple[Dict[str, Any], str]]) -> Lis
              f"- **Within 1% of dense perplexity with dense's passkey accuracy at {lengths} tokens**: "
              + (", ".join(met) if met else "no policy") + (f"; not met by any measured setting: {', '.join(missed)}"
                                                             if missed else "") + "."]
+    for policy, per in s["per_length"].items():
+        lines.append(f"- {_name(policy)}, length by length: " + "; ".join(
+            f"at {L} `{r['label']}` (density {r['pair_density']:.2f}, ΔPPL {100 * r['dppl']:+.2f}%)" if r else
+            f"at {L} no setting (best passkey "
+            f"{_fmt(max(x['passkey'] for x in s['rows'] if x['policy'] == policy and x['length'] == L), 2)}, dense "
+            f"{_fmt(next(x['dense_passkey'] for x in s['rows'] if x['length'] == L), 2)})"
+            for L, r in per.items()) + ".")
     for x, src in extras:
         lengths_x = "/".join(x["lengths"])
         rows = [r for r in x["rows"] if r["policy"] != "dense"]
@@ -192,8 +208,9 @@ def _length_tables(s: Dict[str, Any], note: str) -> List[str]:
                          f"{r['kl']:.3g} | {_fmt(r['top1'])} | {_fmt(r['passkey'], 2)} | {r['seconds']:.0f} |")
         dense_ppl = next(r["ppl"] for r in s["rows"] if r["length"] == int(L) and r["policy"] == "dense")
         lines += ["", f"Dense perplexity at {L} tokens: {dense_ppl:.3f}. Time = wall seconds of the perplexity "
-                  "windows and passkey prompts (on the CPU: a shared machine with other jobs running, not a speed "
-                  "measurement).", ""]
+                  "windows and passkey prompts, statistics collection included: not a speed measurement"
+                  + (" (on the CPU: a shared machine with other jobs running)" if s["device"] == "cpu" else
+                     " (the prefill-time section below is)") + ".", ""]
     return lines
 
 
@@ -243,7 +260,7 @@ def render(doc: Dict[str, Any], source: str, images: Dict[str, str],
               "KL(dense ‖ policy) of the next-token distributions in nats per token, averaged over every position "
               "of the windows; top-1 = agreement of the argmax with dense. Density = computed / causally visible "
               "(query, key) pairs over every attention call (all layers and heads).",
-              f"- **Sample sizes are small** (CPU session: {sum(len(v) for v in m['ppl_windows'].values())} "
+              f"- **Sample sizes are small** ({sum(len(v) for v in m['ppl_windows'].values())} "
               f"perplexity windows, {len(m['passkey']['depths'])} passkeys per length): differences below "
               "about 0.5% perplexity or one passkey are within noise.",
               f"- Run time: {m['seconds_total']:.0f} s in total ({m['seconds_operator']:.0f} s of it the operator sweep)"
@@ -327,6 +344,17 @@ def _timing(doc: Dict[str, Any]) -> List[str]:
         lines.append(f"| {name} | " + " | ".join(cells) + " |")
     if doc["meta"]["device"] == "cpu":
         lines += ["", "On the CPU these are the fp32 CPU backend's times: a functional check, not a speed result."]
+    elif "dense" in secs and len(lengths) > 1:
+        lo, hi = lengths[0], lengths[-1]
+        work = (int(hi) / int(lo)) ** 2
+        grow = secs["dense"][hi] / secs["dense"][lo]
+        # Attention grows with the square of the length and the rest of the model linearly; a time
+        # growing slower than the length itself is fixed per-call cost.
+        if grow < work ** 0.5:
+            lines += ["", f"Attention work grows {work:.0f}× from {lo} to {hi} tokens while our dense prefill time "
+                      f"grows {grow:.2f}×: at this model size the prefill is bound by per-call host work "
+                      "(Python, the transformers backend, launches), not by attention, so these ratios do not "
+                      "measure the policies; the kernel-level speed-ups are in docs/performance.md."]
     return lines + [""]
 
 
@@ -455,15 +483,20 @@ def main(argv: Optional[List[str]] = None) -> int:
     for path in args.results:
         with open(path) as f:
             docs.append(json.load(f))
-    images = plots(docs[0], args.img_dir, "quality", os.path.dirname(os.path.abspath(args.output)))
+    # Plots named after the main run, so that every record's page keeps its own images.
+    stem = os.path.splitext(os.path.basename(args.results[0]))[0]
+    out_dir = os.path.dirname(os.path.abspath(args.output))
+    images = plots(docs[0], args.img_dir, stem, out_dir)
     sources = [os.path.relpath(r) for r in args.results]
-    text = render(docs[0], " ".join(sources), images, list(zip(docs[1:], sources[1:])))
+    extras = list(zip(docs[1:], sources[1:]))
     with open(args.output, "w") as f:
-        f.write(text)
+        f.write(render(docs[0], " ".join(sources), images, extras))
+    # The same page beside the main run's JSON, its image links relative to that folder.
     md = os.path.splitext(args.results[0])[0] + ".md"
-    rel = os.path.relpath(os.path.dirname(os.path.abspath(args.output)), os.path.dirname(os.path.abspath(md)))
+    md_dir = os.path.dirname(os.path.abspath(md))
+    beside = {t: os.path.relpath(os.path.join(out_dir, p), md_dir) for t, p in images.items()}
     with open(md, "w") as f:
-        f.write(text.replace("](img/", f"]({rel}/img/"))
+        f.write(render(docs[0], " ".join(sources), beside, extras))
     print(f"wrote {args.output} and {md} ({len(images)} plots)", file=sys.stderr)
     return 0
 
