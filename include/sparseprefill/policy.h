@@ -49,9 +49,26 @@ struct EstimateSelectParams {
   double alpha = 0.1;     // keep threshold relative to the tile's peak energy
   int sink = 2;           // key blocks j < sink are always kept
   int window = 4;         // key blocks fqb - window + 1 .. lqb are always kept
-  int tail = 2;           // the last `tail` query tiles of a call keep every visible block
+  int tail = 2;           // the last `tail` query tiles (of the call, or of prompt_len) keep every visible block
   bool mean_correction = false;
   bool pack_gqa = false;  // score the rows of a KV group's heads together; one selection
+
+  // Chunked prefill (docs/semantics.md §1 and §3.5). Optional; index tensors are host int32 [b].
+  // prompt_len: each sequence's whole prompt length (>= its s_k). Then `tail` counts the last
+  // query tiles of the prompt (tiles whose last row lies in its last `tail` blocks), so a
+  // prompt prefilled in chunks forces the one-shot tail once. Undefined: the call is the prompt.
+  TensorView prompt_len;
+  // Block means kept beside the K/V cache (caller-owned, all three or none): k/v_block_means
+  // [b, h_kv, max_blocks, d] in the input dtype on q's device, last dimension contiguous;
+  // block_means_valid: per sequence how many leading key blocks hold their means (complete
+  // blocks of `block` keys, at most s_k / block). A call reads the means of blocks
+  // j < valid from the cache, computes the rest from K/V, and writes the means of the blocks
+  // valid <= j < s_k / block back (they are complete now; max_blocks must hold them); the
+  // caller then sets valid = s_k / block for its next chunk. Means are per logical block,
+  // whatever the page size of paged K/V.
+  TensorView k_block_means;
+  TensorView v_block_means;
+  TensorView block_means_valid;
 };
 
 // S2O, as defined in docs/semantics.md (the paper leaves details open). Queries permuted

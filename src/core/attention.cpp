@@ -8,6 +8,7 @@
 #include <sstream>
 #include <thread>
 
+#include "core/estimate_chunks.h"
 #include "core/stats.h"
 #include "core/tensor_access.h"
 #include "cpu/cpu_backend.h"
@@ -37,6 +38,10 @@ Status validate_policy_for(const Policy& policy, const ProblemShape& s) {
   if (const auto* m = std::get_if<BlockSparseParams>(&policy)) {
     Status st = m->mask.validate_for(s);
     if (!st.ok()) return invalid_argument("mask: " + st.message());
+  }
+  if (const auto* es = std::get_if<EstimateSelectParams>(&policy)) {
+    detail::EstimateChunks chunks;
+    SP_RETURN_IF_ERROR(detail::read_estimate_chunks(*es, s, &chunks));
   }
   if (!s.causal && (std::holds_alternative<EstimateSelectParams>(policy) ||
                     std::holds_alternative<PermuteStopParams>(policy))) {

@@ -80,6 +80,15 @@ struct BlockGeometry {
     return static_cast<int>(min64(max64(p, 0), positions - 1));
   }
 
+  // estimate_select's tail rule (block_q = block_k = B): query block qb is one of the last
+  // `tail` tiles of the call when prompt_len <= 0, else one whose last row lies in one of the
+  // last `tail` blocks of a prompt of prompt_len positions (>= s_k: chunked prefill). The two
+  // agree when the call is the whole prompt (prompt_len = s_k = s_q).
+  SP_HD bool is_tail_block(int qb, int tail, std::int64_t prompt_len) const {
+    if (prompt_len <= 0) return qb >= num_q_blocks() - tail;
+    return floor_div(seq.position(row_end(qb) - 1), block_q) >= ceil_div(prompt_len, block_q) - tail;
+  }
+
   // (query, key) pairs of query block qb and key block kb that the causal mask allows.
   SP_HD std::int64_t visible_pairs(int qb, int kb) const {
     std::int64_t n = 0;

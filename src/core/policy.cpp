@@ -178,6 +178,12 @@ Status validate_policy(const Policy& policy) {
         if (p.sink < 0) return invalid_argument("sink: expected >= 0 blocks, got " + std::to_string(p.sink));
         if (p.window < 0) return invalid_argument("window: expected >= 0 blocks, got " + std::to_string(p.window));
         if (p.tail < 0) return invalid_argument("tail: expected >= 0 tiles, got " + std::to_string(p.tail));
+        const int cached = int{p.k_block_means.defined()} + int{p.v_block_means.defined()} +
+                           int{p.block_means_valid.defined()};
+        if (cached != 0 && cached != 3) {
+          return invalid_argument("k_block_means, v_block_means, block_means_valid: expected all three or none, got " +
+                                  std::to_string(cached));
+        }
         return {};
       },
       [](const PermuteStopParams& p) -> Status {

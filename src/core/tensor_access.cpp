@@ -108,4 +108,14 @@ template void gather_kv<double>(const AttentionProblem&, const ProblemShape&, in
 template void store_output<float>(const AttentionOutput&, const ProblemShape&, int, const float*, const float*);
 template void store_output<double>(const AttentionOutput&, const ProblemShape&, int, const double*, const double*);
 
+void load_block_mean(const TensorView& cache, int b, int hk, std::int64_t j, int d, float* out) {
+  const std::int64_t base = b * cache.stride[0] + hk * cache.stride[1] + j * cache.stride[2];
+  for (int i = 0; i < d; ++i) out[i] = load_float(cache.data, cache.dtype, base + i);
+}
+
+void store_block_mean(const TensorView& cache, int b, int hk, std::int64_t j, int d, const float* in) {
+  const std::int64_t base = b * cache.stride[0] + hk * cache.stride[1] + j * cache.stride[2];
+  for (int i = 0; i < d; ++i) store_float(cache.data, cache.dtype, base + i, in[i]);
+}
+
 }  // namespace sparseprefill::detail

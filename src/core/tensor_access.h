@@ -25,6 +25,12 @@ template <class T>
 void store_output(const AttentionOutput& out, const ProblemShape& s, int b, const T* o,
                   const T* lse);
 
+// estimate_select's cache of block means [b, h_kv, max_blocks, d] (EstimateSelectParams):
+// block j of sequence b, KV head hk, as d floats (exact: the cache holds the input dtype), and
+// stored from d floats that are already rounded to the cache's dtype (so stored exactly).
+void load_block_mean(const TensorView& cache, int b, int hk, std::int64_t j, int d, float* out);
+void store_block_mean(const TensorView& cache, int b, int hk, std::int64_t j, int d, const float* in);
+
 extern template void gather_q<float>(const AttentionProblem&, const ProblemShape&, int,
                                      std::vector<float>*);
 extern template void gather_q<double>(const AttentionProblem&, const ProblemShape&, int,

@@ -17,6 +17,7 @@
 #include <utility>
 #include <vector>
 
+#include "core/estimate_chunks.h"
 #include "core/geometry.h"
 #include "core/tensor_access.h"
 #include "cpu/cpu_policies.h"
@@ -650,7 +651,7 @@ bool estimate_keeps(const EstimateSelectParams& p, const EstimateTile& t, int j,
   if (j < estimate_scored_blocks(t, p.block) && energy >= p.alpha * peak) return true;
   if (j < p.sink) return true;
   if (j >= fqb - p.window + 1) return true;
-  return t.tile >= t.num_tiles - p.tail;
+  return t.tail;
 }
 
 std::vector<std::int32_t> order_descending(const std::vector<double>& key) {
@@ -670,14 +671,19 @@ std::vector<std::int32_t> order_descending(const std::vector<double>& key) {
 namespace {
 
 // Block means of [s_k, h_kv, d] into [h_kv, nkb, d]: fp64 sums, rounded to fp32 and then to
-// the input dtype.
+// the input dtype. Blocks kb < cached are read from `cache` (sequence b's rows of a cache of
+// block means) instead.
 void block_means(const std::vector<float>& x, Index s_k, int h_kv, int d, int block, DType dtype,
-                 std::vector<float>* out) {
+                 const TensorView& cache, int b, Index cached, std::vector<float>* out) {
   const Index nkb = geom::ceil_div(s_k, block);
   out->assign(sz(Index{h_kv} * nkb * d), 0.0f);
   std::vector<double> acc(sz(d));
   for (int g = 0; g < h_kv; ++g) {
     for (Index kb = 0; kb < nkb; ++kb) {
+      if (kb < cached) {
+        detail::load_block_mean(cache, b, g, kb, d, out->data() + (Index{g} * nkb + kb) * d);
+        continue;
+      }
       const Index k0 = kb * block, k1 = std::min<Index>(k0 + block, s_k);
       std::fill(acc.begin(), acc.end(), 0.0);
       for (Index t = k0; t < k1; ++t) {
@@ -707,6 +713,8 @@ Status estimate_select_plan(const AttentionProblem& problem, const ProblemShape&
   plan->k_mean.assign(sz(shape.batch), {});
   plan->v_mean.assign(sz(shape.batch), {});
   ctx.seqs.resize(sz(shape.batch));
+  detail::EstimateChunks chunks;
+  SP_RETURN_IF_ERROR(detail::read_estimate_chunks(params, shape, &chunks));
   // Means transposed per KV head for the scoring tile: [h_kv, d, ld_m].
   std::vector<std::vector<float>> mean_t(sz(shape.batch));
   int max_ld_m = kKeyAlign;
@@ -714,14 +722,28 @@ Status estimate_select_plan(const AttentionProblem& problem, const ProblemShape&
   for (int b = 0; b < shape.batch; ++b) {
     Sequence& sq = ctx.seqs[sz(b)];
     sq.seq = {shape.seq_q[sz(b)], shape.seq_k[sz(b)], true};
+    const Index cached = chunks.valid[sz(b)];
     detail::gather_q<float>(problem, shape, b, &sq.q);
     detail::gather_kv<float>(problem, shape, b, false, &raw);
-    block_means(raw, sq.seq.s_k, shape.h_kv, shape.d, B, shape.dtype, &plan->k_mean[sz(b)]);
-    if (params.mean_correction) {
+    block_means(raw, sq.seq.s_k, shape.h_kv, shape.d, B, shape.dtype, params.k_block_means, b, cached,
+                &plan->k_mean[sz(b)]);
+    // The cache holds both means of a block (a later chunk may correct with v̄).
+    if (params.mean_correction || chunks.cached) {
       detail::gather_kv<float>(problem, shape, b, true, &raw);
-      block_means(raw, sq.seq.s_k, shape.h_kv, shape.d, B, shape.dtype, &plan->v_mean[sz(b)]);
+      block_means(raw, sq.seq.s_k, shape.h_kv, shape.d, B, shape.dtype, params.v_block_means, b, cached,
+                  &plan->v_mean[sz(b)]);
     }
     const int nkb = static_cast<int>(geom::ceil_div(sq.seq.s_k, B));
+    // The blocks this call completes go to the cache: each block's mean is computed once.
+    if (chunks.cached) {
+      for (int g = 0; g < shape.h_kv; ++g) {
+        for (Index kb = cached; kb < chunks.complete[sz(b)]; ++kb) {
+          const Index src = (Index{g} * nkb + kb) * shape.d;
+          detail::store_block_mean(params.k_block_means, b, g, kb, shape.d, plan->k_mean[sz(b)].data() + src);
+          detail::store_block_mean(params.v_block_means, b, g, kb, shape.d, plan->v_mean[sz(b)].data() + src);
+        }
+      }
+    }
     const int ld_m = round_up(std::max(nkb, 1), kKeyAlign);
     max_ld_m = std::max(max_ld_m, ld_m);
     std::vector<float>& mt = mean_t[sz(b)];
@@ -753,8 +775,7 @@ Status estimate_select_plan(const AttentionProblem& problem, const ProblemShape&
     EstimateTile tile;
     tile.a_first = sq.seq.position(r0);
     tile.a_last = sq.seq.position(r1 - 1);
-    tile.tile = it.qb;
-    tile.num_tiles = g.num_q_blocks();
+    tile.tail = g.is_tail_block(it.qb, params.tail, chunks.prompt_len[sz(it.b)]);
     const int scored = std::min(estimate_scored_blocks(tile, B), nkb);
     std::vector<float>& e = energy[sz(worker)];
     std::fill(e.begin(), e.end(), 0.0f);

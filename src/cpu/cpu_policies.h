@@ -25,14 +25,13 @@ enum class RowVote : std::uint8_t {
 RowVote skip_vote(bool sees_block, bool seen_before, float row_max, float m_run, double ln_lambda);
 
 // estimate_select: the keep rule of one key block j for a query tile whose valid rows sit at
-// absolute positions a_first .. a_last (possibly negative when s_q > s_k). `tile` counts query
-// tiles of the sequence, `num_tiles` of them. `scored` = j < A (A = (a_last + 1) / B);
-// energy/peak are E_j and max_{j' < A} E_j' (ignored when !scored).
+// absolute positions a_first .. a_last (possibly negative when s_q > s_k); `tail`: the tile is
+// one of the tail tiles (geom::BlockGeometry::is_tail_block). `scored` = j < A
+// (A = (a_last + 1) / B); energy/peak are E_j and max_{j' < A} E_j' (ignored when !scored).
 struct EstimateTile {
   std::int64_t a_first = 0;
   std::int64_t a_last = 0;
-  int tile = 0;
-  int num_tiles = 0;
+  bool tail = false;
 };
 int estimate_scored_blocks(const EstimateTile& t, int block);  // A, clamped at 0
 bool estimate_keeps(const EstimateSelectParams& p, const EstimateTile& t, int j, double energy,
@@ -49,7 +48,7 @@ struct EstimatePlan {
   BlockMask kept;       // per query head, or per KV head with pack_gqa
   BlockMask corrected;  // same geometry; filled only with mean_correction
   std::vector<std::vector<float>> k_mean;  // [b] -> [h_kv, nkb, d]
-  std::vector<std::vector<float>> v_mean;  // [b] -> [h_kv, nkb, d]; mean_correction only
+  std::vector<std::vector<float>> v_mean;  // [b] -> [h_kv, nkb, d]; with mean_correction or a cache
 };
 Status estimate_select_plan(const AttentionProblem& problem, const ProblemShape& shape,
                             const EstimateSelectParams& params, int num_threads,

@@ -384,6 +384,13 @@ Status launch_selection(const ProblemShape& shape, const FwdParams& p, const Est
   sp.tail = pol.tail;
   sp.pack_gqa = pol.pack_gqa;
   sp.mean_correction = pol.mean_correction;
+  // Chunked prefill: validated and read on the host (run() has checked them already).
+  detail::EstimateChunks chunks;
+  SP_RETURN_IF_ERROR(detail::read_estimate_chunks(pol, shape, &chunks));
+  const std::vector<SelectSeq> select_seqs = make_select_seqs(pol, chunks);
+  if (!select_seqs.empty()) SP_RETURN_IF_ERROR(scratch->upload(select_seqs, &sp.select_seqs));
+  sp.cache_k = mean_cache(pol.k_block_means);
+  sp.cache_v = mean_cache(pol.v_block_means);
   const int units = pol.pack_gqa ? shape.h_kv : shape.h_q;
   sel->rows = static_cast<std::size_t>(shape.batch) * static_cast<std::size_t>(units) *
               static_cast<std::size_t>(sp.num_q_blocks);

@@ -367,6 +367,19 @@ std::vector<PermuteTile> permute_tiles(const ProblemShape& shape, const PermuteS
 
 int bitmap_words(int num_k_blocks) { return (num_k_blocks + 31) / 32; }
 
+std::vector<SelectSeq> make_select_seqs(const EstimateSelectParams& params, const detail::EstimateChunks& chunks) {
+  std::vector<SelectSeq> out;
+  if (!params.prompt_len.defined() && !chunks.cached) return out;
+  out.resize(chunks.valid.size());
+  for (std::size_t b = 0; b < out.size(); ++b) out[b] = SelectSeq{chunks.prompt_len[b], chunks.valid[b]};
+  return out;
+}
+
+MeanCache mean_cache(const TensorView& cache) {
+  if (!cache.defined()) return MeanCache{nullptr, 0, 0, 0};
+  return MeanCache{cache.data, cache.stride[0], cache.stride[1], cache.stride[2]};
+}
+
 Status mask_from_bits(const ProblemShape& shape, int block_q, int block_k, bool per_kv_head,
                       const std::vector<std::uint32_t>& bits, BlockMask* out) {
   BlockMask m = BlockMask::empty(shape, block_q, block_k, per_kv_head);

@@ -8,6 +8,7 @@
 #include <string>
 #include <vector>
 
+#include "core/estimate_chunks.h"
 #include "cuda/kernel/fwd_params.h"
 #include "sparseprefill/attention.h"
 #include "sparseprefill/calibration.h"
@@ -101,6 +102,13 @@ std::vector<PermuteTile> permute_tiles(const ProblemShape& shape, const PermuteS
 
 // Number of 32-bit words of one bitmap row over num_k_blocks blocks.
 int bitmap_words(int num_k_blocks);
+
+// estimate_select under chunked prefill: the selector's per-sequence table (prompt length, cached
+// blocks), empty for a one-shot call (no prompt_len and no cache: SelectParams::select_seqs
+// stays null, nothing is uploaded), and a cache of block means as the means kernel addresses it
+// (data null for an undefined tensor).
+std::vector<SelectSeq> make_select_seqs(const EstimateSelectParams& params, const detail::EstimateChunks& chunks);
+MeanCache mean_cache(const TensorView& cache);
 
 // The BlockMask whose rows are the set bits of `bits` [batch, heads, num_q_blocks, words]
 // (block sizes and geometry from `shape`); every set bit must be a visible block.

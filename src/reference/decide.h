@@ -46,7 +46,12 @@ struct BlockMeans {
             static_cast<std::size_t>(hk)) * static_cast<std::size_t>(d);
   }
 };
-BlockMeans block_means(const Sequence& seq, int block);
+// Blocks j < cached are read from the policy's cache of block means (k/v_block_means), the
+// others computed from the sequence's keys and values.
+BlockMeans block_means(const Sequence& seq, const EstimateSelectParams& p, std::int64_t cached);
+// Writes the means of blocks begin .. end-1 into the policy's cache.
+void store_block_means(const Sequence& seq, const EstimateSelectParams& p, const BlockMeans& means,
+                       std::int64_t begin, std::int64_t end);
 
 // permute_stop. Segment s holds the call rows whose absolute positions lie in
 // [s·segment, (s+1)·segment); rows at negative positions (s_q > s_k) belong to no segment.

@@ -6,11 +6,14 @@
 #include <limits>
 #include <vector>
 
+#include "core/estimate_chunks.h"
+#include "core/tensor_access.h"
 #include "reference/decide.h"
 
 namespace sparseprefill::ref {
 
-BlockMeans block_means(const Sequence& seq, int block) {
+BlockMeans block_means(const Sequence& seq, const EstimateSelectParams& p, std::int64_t cached) {
+  const int block = p.block;
   const geom::BlockGeometry g{seq.geo, block, block};
   const int blocks = g.num_k_blocks();
   BlockMeans means;
@@ -24,10 +27,21 @@ BlockMeans block_means(const Sequence& seq, int block) {
   means.length.assign(static_cast<std::size_t>(blocks), 0);
   std::vector<double> k_sum(static_cast<std::size_t>(seq.d)), v_sum(static_cast<std::size_t>(seq.d));
   std::size_t out = 0;
+  std::vector<float> k_cached(static_cast<std::size_t>(seq.d)), v_cached(static_cast<std::size_t>(seq.d));
   for (int j = 0; j < blocks; ++j) {
     const std::int64_t len = g.key_end(j) - g.key_begin(j);
     means.length[static_cast<std::size_t>(j)] = len;
     for (int hk = 0; hk < seq.h_kv; ++hk) {
+      if (j < cached) {
+        // A complete block of an earlier chunk: its mean as the cache holds it.
+        detail::load_block_mean(p.k_block_means, seq.batch, hk, j, seq.d, k_cached.data());
+        detail::load_block_mean(p.v_block_means, seq.batch, hk, j, seq.d, v_cached.data());
+        for (std::size_t i = 0; i < k_cached.size(); ++i, ++out) {
+          means.k[out] = k_cached[i];
+          means.v[out] = v_cached[i];
+        }
+        continue;
+      }
       k_sum.assign(k_sum.size(), 0.0);
       v_sum.assign(v_sum.size(), 0.0);
       for (std::int64_t t = g.key_begin(j); t < g.key_end(j); ++t) {
@@ -46,11 +60,33 @@ BlockMeans block_means(const Sequence& seq, int block) {
   return means;
 }
 
+void store_block_means(const Sequence& seq, const EstimateSelectParams& p, const BlockMeans& means,
+                       std::int64_t begin, std::int64_t end) {
+  std::vector<float> k(static_cast<std::size_t>(seq.d)), v(static_cast<std::size_t>(seq.d));
+  for (std::int64_t j = begin; j < end; ++j) {
+    for (int hk = 0; hk < seq.h_kv; ++hk) {
+      // The means are already rounded to the input dtype (= the cache's): stored exactly.
+      for (int i = 0; i < seq.d; ++i) {
+        k[static_cast<std::size_t>(i)] = static_cast<float>(means.k_mean(static_cast<int>(j), hk)[i]);
+        v[static_cast<std::size_t>(i)] = static_cast<float>(means.v_mean(static_cast<int>(j), hk)[i]);
+      }
+      detail::store_block_mean(p.k_block_means, seq.batch, hk, j, seq.d, k.data());
+      detail::store_block_mean(p.v_block_means, seq.batch, hk, j, seq.d, v.data());
+    }
+  }
+}
+
 Status decide_estimate_select(const Sequence& seq, const ProblemShape& shape,
                               const EstimateSelectParams& p, Decisions* decisions) {
   const int bs = p.block;
   const geom::BlockGeometry g{seq.geo, bs, bs};
-  const BlockMeans means = block_means(seq, bs);
+  detail::EstimateChunks chunks;
+  SP_RETURN_IF_ERROR(detail::read_estimate_chunks(p, shape, &chunks));
+  const auto b = static_cast<std::size_t>(seq.batch);
+  const BlockMeans means = block_means(seq, p, chunks.valid[b]);
+  // The blocks this call completes go to the cache: each block's mean is computed once.
+  if (chunks.cached) store_block_means(seq, p, means, chunks.valid[b], chunks.complete[b]);
+  const std::int64_t prompt_len = chunks.prompt_len[b];
   const int tiles = g.num_q_blocks();
   // A selection unit is one query head, or with pack_gqa one KV head and its group's heads.
   const int units = p.pack_gqa ? seq.h_kv : seq.h_q;
@@ -95,7 +131,7 @@ Status decide_estimate_select(const Sequence& seq, const ProblemShape& shape,
       }
 
       // The mask's head is the unit: the query head, or with pack_gqa the KV head.
-      const bool tail_tile = i >= tiles - p.tail;
+      const bool tail_tile = g.is_tail_block(i, p.tail, prompt_len);
       for (std::int64_t j = 0; j <= lqb; ++j) {
         const int kb = static_cast<int>(j);
         // E_j >= alpha · max E as written: a NaN energy (or peak) fails it, and with NaN scores

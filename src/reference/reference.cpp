@@ -11,6 +11,7 @@
 #include <variant>
 #include <vector>
 
+#include "core/estimate_chunks.h"
 #include "reference/decide.h"
 #include "reference/row_sets.h"
 #include "reference/sequence.h"
@@ -43,6 +44,10 @@ Status check_policy_for(const ProblemShape& shape, const Policy& policy) {
     }
   } else if (std::holds_alternative<EstimateSelectParams>(policy) ||
              std::holds_alternative<PermuteStopParams>(policy)) {
+    if (const auto* es = std::get_if<EstimateSelectParams>(&policy)) {
+      detail::EstimateChunks chunks;
+      SP_RETURN_IF_ERROR(detail::read_estimate_chunks(*es, shape, &chunks));
+    }
     if (!shape.causal) {
       return unsupported(std::string(policy_name(policy)) + ": requires causal = true (the policy is defined on a causal prefix)");
     }

@@ -6,6 +6,8 @@
 #include <type_traits>
 #include <variant>
 
+#include "core/estimate_chunks.h"
+
 namespace sparseprefill::ref {
 namespace {
 
@@ -154,7 +156,10 @@ void RowSets::init(const Sequence& seq, const ProblemShape& shape, const Policy&
     const auto* es = std::get_if<EstimateSelectParams>(&policy);
     if (es != nullptr && es->mean_correction) {
       has_means_ = true;
-      means_ = block_means(seq, es->block);
+      detail::EstimateChunks chunks;
+      const Status st = detail::read_estimate_chunks(*es, shape, &chunks);
+      // attend_decisions has validated the policy for the problem (check_policy_for).
+      means_ = block_means(seq, *es, st.ok() ? chunks.valid[static_cast<std::size_t>(seq.batch)] : 0);
     }
     return;
   }

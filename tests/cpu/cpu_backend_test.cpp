@@ -190,8 +190,7 @@ TEST(CpuRules, EstimateKeepRule) {
   cpu::EstimateTile t;
   t.a_first = 16;  // rows at 16..19: fqb = lqb = 4, A = 5
   t.a_last = 19;
-  t.tile = 0;
-  t.num_tiles = 3;
+  t.tail = false;
   EXPECT_EQ(cpu::estimate_scored_blocks(t, 4), 5);
   EXPECT_TRUE(cpu::estimate_keeps(p, t, 0, 0.0, 1.0));   // sink
   EXPECT_FALSE(cpu::estimate_keeps(p, t, 1, 0.4, 1.0));  // below alpha·peak
@@ -200,7 +199,7 @@ TEST(CpuRules, EstimateKeepRule) {
   EXPECT_TRUE(cpu::estimate_keeps(p, t, 4, 0.0, 1.0));
   EXPECT_FALSE(cpu::estimate_keeps(p, t, 5, 1.0, 1.0));  // j > lqb never
   EXPECT_FALSE(cpu::estimate_keeps(p, t, 2, kNaN, 1.0));
-  t.tile = 2;  // the last tile: every visible block
+  t.tail = true;  // a tail tile: every visible block
   EXPECT_TRUE(cpu::estimate_keeps(p, t, 2, 0.0, 1.0));
   EXPECT_FALSE(cpu::estimate_keeps(p, t, 5, 0.0, 1.0));
   // A tile whose last row sits before the first key (s_q > s_k) selects nothing.

@@ -118,6 +118,20 @@ struct FwdParams {
   int kept_words;
 };
 
+// estimate_select under chunked prefill (EstimateSelectParams::prompt_len and the cache of
+// block means; core/estimate_chunks.h reads them on the host), [batch] on the device.
+struct SelectSeq {
+  std::int64_t prompt_len;  // the tail counts the prompt's last tiles; 0: the call's
+  std::int64_t cached;      // blocks j < cached: means read from the cache, not computed
+};
+
+// The caller's cache of block means [batch, h_kv, blocks, d] in the input dtype, element
+// strides (the last dimension contiguous).
+struct MeanCache {
+  void* data;  // nullptr: no cache
+  std::int64_t batch_stride, head_stride, block_stride;
+};
+
 // Parameters of the estimate_select selector (block means + per-tile energies), same tensors.
 struct SelectParams {
   const void* q;
@@ -142,6 +156,12 @@ struct SelectParams {
   int tail;
   bool pack_gqa;      // one selection per KV head (rows of the group's heads scored together)
   bool mean_correction;
+  // Chunked prefill; select_seqs == nullptr: every sequence is its own prompt and nothing is
+  // cached (the one-shot call). The means kernel reads blocks j < cached from the caches and
+  // writes blocks cached <= j < s_k / block (complete after this call) into them.
+  const SelectSeq* select_seqs;  // [batch], device, or nullptr
+  MeanCache cache_k;
+  MeanCache cache_v;
 
   // Outputs. Means [batch, h_kv, num_k_blocks, d] in the input dtype (written by the means
   // kernel, read by the selector and the attention kernel).

@@ -17,9 +17,18 @@
 
 namespace sparseprefill::cuda::select {
 
+// Element i of block j, KV head hk, sequence b of a cache of block means.
+__device__ __forceinline__ std::uint16_t* cache_at(const MeanCache& c, int b, int hk, int j, int i) {
+  return static_cast<std::uint16_t*>(c.data) + b * c.batch_stride + hk * c.head_stride + j * c.block_stride + i;
+}
+
 // k̄_j and v̄_j of one (block j, kv head, sequence): the mean of the block's valid keys,
 // accumulated in double, rounded to fp32 and then to the input dtype, exactly as the oracle
 // stores them. One thread per head-dim element (coalesced rows). Grid (num_k_blocks, h_kv, b).
+// Chunked prefill: blocks j < cached are copied from the cache; the blocks this call completes
+// (cached <= j < s_k / B) are written to it. Every thread reads and writes only its own
+// element (b, hk, j, i) of the cache and of the means, so no synchronisation is needed; the
+// selector reads the means after this kernel on the same stream.
 template <bool kBf16, int kD>
 __global__ void __launch_bounds__(kD) block_means_kernel(const __grid_constant__ SelectParams p) {
   const int j = blockIdx.x, hk = blockIdx.y, b = blockIdx.z, i = threadIdx.x;
@@ -31,6 +40,12 @@ __global__ void __launch_bounds__(kD) block_means_kernel(const __grid_constant__
     // whole 128-block tiles of means), but its P·V term is 0 · v̄ only if v̄ is finite.
     static_cast<std::uint16_t*>(p.k_mean)[out] = 0;
     static_cast<std::uint16_t*>(p.v_mean)[out] = 0;
+    return;
+  }
+  const std::int64_t cached = p.select_seqs != nullptr ? p.select_seqs[b].cached : 0;
+  if (j < cached) {  // cached <= s_k / B (validated on the host): a complete block
+    static_cast<std::uint16_t*>(p.k_mean)[out] = *cache_at(p.cache_k, b, hk, j, i);
+    static_cast<std::uint16_t*>(p.v_mean)[out] = *cache_at(p.cache_v, b, hk, j, i);
     return;
   }
   const std::int64_t len = geom::min64(p.block, seq.s_k - key0);
@@ -45,8 +60,14 @@ __global__ void __launch_bounds__(kD) block_means_kernel(const __grid_constant__
     k_sum += ptx::to_float<kBf16>(k_rows.row(t)[i]);
     v_sum += ptx::to_float<kBf16>(v_rows.row(t)[i]);
   }
-  static_cast<std::uint16_t*>(p.k_mean)[out] = ptx::from_float<kBf16>(static_cast<float>(k_sum / static_cast<double>(len)));
-  static_cast<std::uint16_t*>(p.v_mean)[out] = ptx::from_float<kBf16>(static_cast<float>(v_sum / static_cast<double>(len)));
+  const std::uint16_t k_bar = ptx::from_float<kBf16>(static_cast<float>(k_sum / static_cast<double>(len)));
+  const std::uint16_t v_bar = ptx::from_float<kBf16>(static_cast<float>(v_sum / static_cast<double>(len)));
+  static_cast<std::uint16_t*>(p.k_mean)[out] = k_bar;
+  static_cast<std::uint16_t*>(p.v_mean)[out] = v_bar;
+  if (p.cache_k.data != nullptr && j < seq.s_k / p.block) {
+    *cache_at(p.cache_k, b, hk, j, i) = k_bar;
+    *cache_at(p.cache_v, b, hk, j, i) = v_bar;
+  }
 }
 
 // 8 warps of 16 query rows score chunks of 64 pooled blocks.
@@ -230,7 +251,7 @@ __global__ void __launch_bounds__(SelectConfig<kBf16, kD>::kThreads, 1)
   // Keep rule per block j <= lqb, and the ascending lists via a CTA-wide ballot scan.
   std::int32_t* full_idx = p.full_index + mask_row * p.num_k_blocks;
   std::int32_t* part_idx = p.partial_index + mask_row * p.num_k_blocks;
-  const bool tail_tile = i >= tiles - p.tail;
+  const bool tail_tile = geo.is_tail_block(i, p.tail, p.select_seqs != nullptr ? p.select_seqs[b].prompt_len : 0);
   const float alpha_peak = p.alpha * e_max;
   const int words = p.corrected_bits != nullptr ? p.corrected_words : 0;
   const int j_end = geom::max64(lqb + 1, static_cast<std::int64_t>(words) * 32);
