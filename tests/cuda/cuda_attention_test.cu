@@ -19,6 +19,7 @@
 #include <vector>
 
 #include "common/cases.h"
+#include "common/chunks.h"
 #include "common/decisions.h"
 #include "common/inputs.h"
 #include "common/poison.h"
@@ -877,25 +878,6 @@ TEST(CudaPaged, EstimateSelectEqualsContiguous) {
 
 constexpr int kQueryBlock = 128;  // block_q of every policy on CUDA
 
-// Rows [c0, c1) of the queries and the first c1 keys and values of batch-1 inputs: the call a
-// chunked prefill makes for that chunk (a cached prefix of c0 keys plus the chunk itself).
-Inputs chunk_of(const Inputs& full, std::int64_t c0, std::int64_t c1) {
-  Inputs c = full;
-  const SequenceData& s = full.seqs[0];
-  SequenceData& t = c.seqs[0];
-  const auto rows = [&](const HostTensor& src, int heads, std::int64_t r0, std::int64_t r1) {
-    HostTensor out(src.dtype(), {r1 - r0, heads, full.d});
-    const std::size_t row_bytes = out.nbytes() / static_cast<std::size_t>(r1 - r0);
-    std::memcpy(out.data(), static_cast<const unsigned char*>(src.data()) + static_cast<std::size_t>(r0) * row_bytes,
-                out.nbytes());
-    return out;
-  };
-  t.q = rows(s.q, full.h_q, c0, c1);
-  t.k = rows(s.k, full.h_kv, 0, c1);
-  t.v = rows(s.v, full.h_kv, 0, c1);
-  return c;
-}
-
 // A prompt of `n` tokens prefilled in chunks of 512 and of 1024 queries, each chunk a paged
 // call (pages of 16 keys) over the prefix so far plus itself, against the one-shot call:
 // every chunk's decisions equal the one-shot oracle's rows exactly, and the chunks' outputs
@@ -1000,6 +982,153 @@ TEST(CudaChunked, EstimateSelectEqualsOneShot) {
     ASSERT_FALSE(std::isnan(alpha)) << "no alpha with a margin prunes anything";
     const Policy p = make(alpha);
     expect_chunks_equal_one_shot(in, p, [&](std::int64_t) { return p; });
+  }
+}
+
+// estimate_select's chunked-prefill inputs (docs/semantics.md §1): the tail counted over the
+// prompt and the block means kept in a cache across the chunks.
+
+// The cache's blocks [0, s_k / B) equal the oracle's recomputed means bitwise; the entries
+// past them were never written (still NaN).
+void expect_cache_holds_recomputed_means(const Inputs& in, const MeansCache& cache, const EstimateSelectParams& p) {
+  const TestProblem tp = make_problem(in, true, Layout::kVarlen);
+  ProblemShape shape;
+  ASSERT_TRUE(validate_problem(tp.problem(), nullptr, &shape).ok());
+  const std::int64_t max_blocks = cache.k.shape()[2];
+  for (int b = 0; b < shape.batch; ++b) {
+    const ref::Sequence seq = ref::gather_sequence(tp.problem(), shape, b);
+    const ref::BlockMeans want = ref::block_means(seq, p, 0);
+    const std::int64_t complete = in.s_k(b) / p.block;
+    for (int hk = 0; hk < in.h_kv; ++hk) {
+      for (std::int64_t j = 0; j < max_blocks; ++j) {
+        for (int i = 0; i < in.d; ++i) {
+          const std::int64_t at = ((b * in.h_kv + hk) * max_blocks + j) * in.d + i;
+          if (j < complete) {
+            ASSERT_EQ(get(cache.k, at), want.k_mean(static_cast<int>(j), hk)[i]) << "k mean, b " << b << " block " << j;
+            ASSERT_EQ(get(cache.v, at), want.v_mean(static_cast<int>(j), hk)[i]) << "v mean, b " << b << " block " << j;
+          } else {
+            ASSERT_TRUE(std::isnan(get(cache.k, at)) && std::isnan(get(cache.v, at))) << "written past block " << complete;
+          }
+        }
+      }
+    }
+  }
+}
+
+TEST(CudaChunked, EstimateSelectWithCachedMeansAndPromptTailEqualsOneShot) {
+  SP_REQUIRE_GPU();
+  // The tail (1 tile) counted over the prompt and the means of complete blocks kept in a cache
+  // across the chunks: every chunk decides exactly as the one-shot oracle's rows, the chunks'
+  // outputs put together are within the calibrated tolerance of the one-shot call, and the
+  // cache holds the recomputed means; contiguous (varlen) and paged K/V at 16 and 64 keys per
+  // page, on both forward paths.
+  const Inputs in = chunk_prompt();
+  const std::int64_t n = in.s_k(0);
+  for (bool corrected : {false, true}) {
+    SCOPED_TRACE(corrected ? "mean correction" : "no correction");
+    const auto make = [&](double alpha) -> Policy { return select_params(alpha, corrected, false); };
+    const TestProblem one_shot = make_problem(in);
+    const double alpha = stable_parameter(one_shot, {0.3, 0.2, 0.5, 0.1}, make,
+                                          some_skipped(visible_blocks({{n, n}}, 2, true, 128, 128)));
+    ASSERT_FALSE(std::isnan(alpha)) << "no alpha with a margin prunes anything";
+    const EstimateSelectParams p = select_params(alpha, corrected, false);
+    const ref::Result ref64 = oracle(one_shot, p);
+    ref::Result lowp;
+    const Status st = run_lowp_reference(one_shot.problem(), p, ref64.decisions, &lowp);
+    ASSERT_TRUE(st.ok()) << st.to_string();
+    for (int page : {0, 16, 64}) {
+      LayoutOptions layout;
+      layout.layout = page == 0 ? Layout::kVarlen : Layout::kPaged;
+      layout.page_size = page == 0 ? 16 : page;
+      layout.page_seed = 40 + static_cast<std::uint64_t>(page);
+      const std::int64_t chunk = page == 16 ? 512 : 1024;
+      for (bool portable : {false, true}) {
+        SCOPED_TRACE(std::string(page == 0 ? "contiguous" : "paged " + std::to_string(page)) +
+                     (portable ? ", portable path" : ", default path") + ", chunks of " + std::to_string(chunk));
+        const PortableOnly guard(portable);
+        MeansCache cache(in, 128, n / 128);
+        const auto policy_for = [&](std::int64_t c0, std::int64_t) -> Policy {
+          cache.advance(c0);
+          return cache.attach(p);
+        };
+        const ChunkCall call = [](TestProblem* tp, const Policy& policy, ref::Result* out) {
+          GpuRun r = run_gpu(tp, policy);
+          out->o = std::move(r.out.o);
+          out->lse = std::move(r.out.lse);
+          out->decisions = std::move(r.decisions);
+          return r.status;
+        };
+        ref::Result joined;
+        EXPECT_TRUE(chunks_decide_as_one_shot(in, chunk, kQueryBlock, layout, policy_for, call, ref64.decisions, &joined));
+        EXPECT_TRUE(close_calibrated(in.dtype, joined, ref64, lowp));
+        expect_cache_holds_recomputed_means(in, cache, p);
+      }
+    }
+  }
+}
+
+TEST(CudaEstimateSelect, CachedMeansVarlenAndPagedMatchOracle) {
+  SP_REQUIRE_GPU();
+  // Two chunks of different prompts in one call (varlen queries; 12 and 6 complete blocks),
+  // with 8 and 3 leading blocks cached and NaN in every cache entry past them: the cached
+  // entries are read, the NaN ones never, on both paths, contiguous and paged; the call
+  // writes back the blocks it completes. Then the same call through the suite's harness.
+  Inputs in = make_inputs({{512, 1536}, {200, 777}}, 4, 2, 64, 1750, DType::kBF16, 2.5);
+  shift_hot_keys(&in, 128, 1.5);
+  constexpr std::int64_t kMaxBlocks = 12;
+  const std::int32_t kValid[2] = {8, 3};
+  for (bool corrected : {false, true}) {
+    for (int page : {0, 16, 64}) {
+      SCOPED_TRACE(std::string(corrected ? "mean correction, pack_gqa, " : "per query head, ") +
+                   (page == 0 ? "contiguous" : "paged " + std::to_string(page)));
+      MeansCache cache(in, 128, kMaxBlocks);
+      cache.prompt_len.as<std::int32_t>()[0] = 4096;
+      cache.prompt_len.as<std::int32_t>()[1] = 1000;
+      TestProblem tp = page == 0 ? make_problem(in, true, Layout::kVarlen) : paged_problem(in, page);
+      // Fill the cache's complete blocks through the oracle (valid 0), then keep 8 and 3 and
+      // set everything past them to NaN.
+      oracle(tp, cache.attach(select_params(0.2, corrected, corrected)));
+      const auto poison_past_valid = [&]() {
+        for (int b = 0; b < 2; ++b) {
+          cache.valid.as<std::int32_t>()[b] = kValid[b];
+          for (int hk = 0; hk < in.h_kv; ++hk) {
+            for (std::int64_t j = kValid[b]; j < kMaxBlocks; ++j) {
+              for (int i = 0; i < in.d; ++i) {
+                const std::int64_t at = ((b * in.h_kv + hk) * kMaxBlocks + j) * in.d + i;
+                set(&cache.k, at, kNaN);
+                set(&cache.v, at, kNaN);
+              }
+            }
+          }
+        }
+      };
+      poison_past_valid();
+      const int units = corrected ? 2 : 4;
+      // The trials write the blocks each call completes back into the cache (never read).
+      const double alpha = stable_parameter(tp, {0.3, 0.2, 0.5, 0.1},
+                                            [&](double x) -> Policy { return cache.attach(select_params(x, corrected, corrected)); },
+                                            some_skipped(visible_blocks({{512, 1536}, {200, 777}}, units, true, 128, 128)));
+      ASSERT_FALSE(std::isnan(alpha)) << "no alpha with a margin prunes anything";
+      const EstimateSelectParams p = select_params(alpha, corrected, corrected);
+      poison_past_valid();
+      MeansCache oracle_cache = cache;
+      const ref::Result ref64 = oracle(tp, oracle_cache.attach(p));
+      ref::Result lowp;
+      const Status st = run_lowp_reference(tp.problem(), p, ref64.decisions, &lowp);
+      ASSERT_TRUE(st.ok()) << st.to_string();
+      for (bool portable : {false, true}) {
+        SCOPED_TRACE(portable ? "portable path" : "default path");
+        const PortableOnly guard(portable);
+        MeansCache gpu_cache = cache;  // NaN past the valid blocks
+        const GpuRun r = run_gpu(&tp, gpu_cache.attach(p));
+        ASSERT_TRUE(r.status.ok()) << r.status.to_string();
+        EXPECT_TRUE(fully_written(r.out, ref64));
+        EXPECT_TRUE(close_calibrated(in.dtype, r.out, ref64, lowp));
+        EXPECT_TRUE(same_decisions(ref64.decisions, r.decisions));
+        expect_cache_holds_recomputed_means(in, gpu_cache, p);
+      }
+      expect_both_paths_match(&tp, cache.attach(p));
+    }
   }
 }
 

@@ -436,5 +436,52 @@ TEST(CudaPlan, StatisticsArraysSplitPerSequence) {
   EXPECT_EQ(sel[1].ratio, std::vector<double>(2, 0.5));
 }
 
+TEST(CudaPlan, ChunkedSelectTableOnlyWhenChunked) {
+  // A one-shot call uploads nothing (select_seqs stays null, the kernels use the call's tail
+  // and compute every mean); prompt_len or a cache gives one entry per sequence.
+  ProblemShape shape = shape_of(256, 1000, 2, 1, 64);
+  EstimateSelectParams p;
+  detail::EstimateChunks chunks;
+  ASSERT_TRUE(detail::read_estimate_chunks(p, shape, &chunks).ok());
+  EXPECT_TRUE(make_select_seqs(p, chunks).empty());
+  EXPECT_EQ(mean_cache(p.k_block_means).data, nullptr);
+
+  HostTensor len(DType::kInt32, {1}), valid(DType::kInt32, {1});
+  HostTensor k(DType::kBF16, {1, 1, 9, 64}), v(DType::kBF16, {1, 1, 9, 64});
+  len.as<std::int32_t>()[0] = 4096;
+  valid.as<std::int32_t>()[0] = 5;
+  p.prompt_len = len.view();
+  ASSERT_TRUE(detail::read_estimate_chunks(p, shape, &chunks).ok());
+  std::vector<SelectSeq> t = make_select_seqs(p, chunks);
+  ASSERT_EQ(t.size(), 1u);
+  EXPECT_EQ(t[0].prompt_len, 4096);
+  EXPECT_EQ(t[0].cached, 0);
+
+  p.k_block_means = k.view();
+  p.v_block_means = v.view();
+  p.k_block_means.device = p.v_block_means.device = shape.device;  // views only: never dereferenced here
+  p.block_means_valid = valid.view();
+  ASSERT_TRUE(detail::read_estimate_chunks(p, shape, &chunks).ok());
+  EXPECT_EQ(chunks.complete[0], 1000 / 128);
+  t = make_select_seqs(p, chunks);
+  ASSERT_EQ(t.size(), 1u);
+  EXPECT_EQ(t[0].cached, 5);
+  const MeanCache c = mean_cache(p.v_block_means);
+  EXPECT_EQ(c.data, p.v_block_means.data);
+  EXPECT_EQ(c.batch_stride, 9 * 64);
+  EXPECT_EQ(c.head_stride, 9 * 64);
+  EXPECT_EQ(c.block_stride, 64);
+  // The cache without prompt_len: the call's own tail (0), the cached count.
+  p.prompt_len = TensorView{};
+  ASSERT_TRUE(detail::read_estimate_chunks(p, shape, &chunks).ok());
+  t = make_select_seqs(p, chunks);
+  ASSERT_EQ(t.size(), 1u);
+  EXPECT_EQ(t[0].prompt_len, 0);
+  EXPECT_EQ(t[0].cached, 5);
+  // Valid beyond the 7 complete blocks of 1000 keys.
+  valid.as<std::int32_t>()[0] = 8;
+  EXPECT_EQ(detail::read_estimate_chunks(p, shape, &chunks).code(), StatusCode::kInvalidArgument);
+}
+
 }  // namespace
 }  // namespace sparseprefill::cuda

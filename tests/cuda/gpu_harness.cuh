@@ -50,15 +50,49 @@ inline void to_host(const DeviceBuffer& buf, HostTensor* t) {
   if (buf.bytes > 0) EXPECT_EQ(cudaMemcpy(t->data(), buf.ptr, buf.bytes, cudaMemcpyDeviceToHost), cudaSuccess);
 }
 
-// A policy whose tensors (exact_gate thresholds) live on the device.
+// A device copy of the contiguous host view `t` (same shape and strides), and the copy back.
+inline TensorView view_to_device(const TensorView& t, DeviceBuffer* buf) {
+  EXPECT_TRUE(t.is_contiguous()) << describe(t);
+  buf->bytes = static_cast<std::size_t>(t.numel()) * dtype_size(t.dtype);
+  EXPECT_EQ(cudaMalloc(&buf->ptr, buf->bytes > 0 ? buf->bytes : 16), cudaSuccess);
+  if (buf->bytes > 0) EXPECT_EQ(cudaMemcpy(buf->ptr, t.data, buf->bytes, cudaMemcpyHostToDevice), cudaSuccess);
+  TensorView v = t;
+  v.data = buf->ptr;
+  v.device = Device{DeviceKind::kCUDA, 0};
+  return v;
+}
+inline void view_to_host(const DeviceBuffer& buf, const TensorView& t) {
+  if (buf.bytes > 0) EXPECT_EQ(cudaMemcpy(t.data, buf.ptr, buf.bytes, cudaMemcpyDeviceToHost), cudaSuccess);
+}
+
+// A policy whose tensors live on the device: exact_gate thresholds, and estimate_select's cache
+// of block means (its index tensors, prompt_len and block_means_valid, stay on the host).
+// means_to_host copies the cache, which a call writes, back into the host policy's tensors.
 struct DevicePolicy {
   Policy policy;
   DeviceBuffer thresholds;
   HostTensor host_thresholds;
+  DeviceBuffer k_means, v_means;
+  TensorView host_k_means, host_v_means;
+
+  void means_to_host() const {
+    if (host_k_means.defined()) view_to_host(k_means, host_k_means);
+    if (host_v_means.defined()) view_to_host(v_means, host_v_means);
+  }
 };
 inline std::unique_ptr<DevicePolicy> to_device(const Policy& host) {
   auto d = std::make_unique<DevicePolicy>();
   d->policy = host;
+  if (auto* es = std::get_if<EstimateSelectParams>(&d->policy)) {
+    if (es->k_block_means.defined()) {
+      d->host_k_means = es->k_block_means;
+      es->k_block_means = view_to_device(es->k_block_means, &d->k_means);
+    }
+    if (es->v_block_means.defined()) {
+      d->host_v_means = es->v_block_means;
+      es->v_block_means = view_to_device(es->v_block_means, &d->v_means);
+    }
+  }
   if (auto* g = std::get_if<ExactGateParams>(&d->policy)) {
     // Copy the (possibly strided) host table into a contiguous one, then to the device.
     const TensorView& t = std::get<ExactGateParams>(host).thresholds;
@@ -81,7 +115,8 @@ struct GpuRun {
 };
 
 // Runs `policy` on the device copy of tp (outputs poisoned with NaN first) and reads O and LSE
-// back into tp's host output tensors and r.out.
+// back into tp's host output tensors and r.out (and a cache of block means into the policy's
+// host tensors).
 inline GpuRun run_gpu(TestProblem* tp, const Policy& policy, void* stream = nullptr) {
   GpuRun r;
   const AttentionProblem host = tp->problem();
@@ -103,6 +138,7 @@ inline GpuRun run_gpu(TestProblem* tp, const Policy& policy, void* stream = null
   static_cast<void>(r.status = run(dev, dev_policy->policy, out, opt, &r.stats, &r.decisions));
   EXPECT_EQ(cudaDeviceSynchronize(), cudaSuccess);
   if (r.status.ok()) {
+    dev_policy->means_to_host();
     to_host(o, &tp->o);
     to_host(lse, &tp->lse);
     ProblemShape shape;
