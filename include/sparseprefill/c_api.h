@@ -149,6 +149,18 @@ SP_C_API void sp_policy_destroy(sp_policy* policy);
  * view: the memory must outlive every sp_run with this policy. */
 SP_C_API int sp_policy_set_thresholds(sp_policy* policy, const sp_tensor* thresholds);
 
+/* estimate_select under chunked prefill (EstimateSelectParams, docs/semantics.md §1):
+ * prompt_len, host int32 [b]: each prompt's whole length, so that `tail` counts the prompt's
+ * last query tiles (NULL or rank 0: the call is the prompt). The block-means cache:
+ * k_means, v_means [b, h_kv, max_blocks, d] in the input dtype on q's device, and valid, host
+ * int32 [b], the leading blocks they hold; every run reads the valid blocks and writes the
+ * blocks it completes (NULL or rank 0 for all three: no cache). The policy keeps views: the
+ * memory must outlive every run and plan with this policy, and runs that share a cache must
+ * not overlap. */
+SP_C_API int sp_policy_set_prompt_len(sp_policy* policy, const sp_tensor* prompt_len);
+SP_C_API int sp_policy_set_block_means(sp_policy* policy, const sp_tensor* k_means, const sp_tensor* v_means,
+                                       const sp_tensor* valid);
+
 /* block_sparse: the mask to execute, checked against `problem`'s geometry (only the shapes
  * and layout of `problem` are read, never its data). */
 SP_C_API int sp_policy_set_block_mask(sp_policy* policy, const sp_problem* problem,

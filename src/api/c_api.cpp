@@ -295,6 +295,53 @@ int sp_policy_set_thresholds(sp_policy* policy, const sp_tensor* thresholds) {
   });
 }
 
+namespace {
+
+// The estimate_select parameters of a policy handle, or an error naming `what`.
+Status estimate_select_of(sp_policy* policy, const char* what, sparseprefill::EstimateSelectParams** out) {
+  SP_RETURN_IF_ERROR(check_policy(policy));
+  *out = std::get_if<sparseprefill::EstimateSelectParams>(&policy->policy);
+  if (*out == nullptr) {
+    return sparseprefill::invalid_argument(std::string(what) + ": only estimate_select takes it, the policy is " +
+                                           sparseprefill::policy_name(policy->policy));
+  }
+  return Status::ok_status();
+}
+
+// An optional tensor: NULL is absent, like rank 0.
+Status optional_view(const sp_tensor* t, const char* name, TensorView* out) {
+  *out = TensorView{};
+  return t == nullptr ? Status::ok_status() : to_view(*t, name, out);
+}
+
+}  // namespace
+
+int sp_policy_set_prompt_len(sp_policy* policy, const sp_tensor* prompt_len) {
+  return guarded([&]() -> Status {
+    sparseprefill::EstimateSelectParams* es = nullptr;
+    SP_RETURN_IF_ERROR(estimate_select_of(policy, "prompt_len", &es));
+    TensorView view;
+    SP_RETURN_IF_ERROR(optional_view(prompt_len, "prompt_len", &view));
+    es->prompt_len = view;
+    return Status::ok_status();
+  });
+}
+
+int sp_policy_set_block_means(sp_policy* policy, const sp_tensor* k_means, const sp_tensor* v_means,
+                              const sp_tensor* valid) {
+  return guarded([&]() -> Status {
+    sparseprefill::EstimateSelectParams* es = nullptr;
+    SP_RETURN_IF_ERROR(estimate_select_of(policy, "block means", &es));
+    sparseprefill::EstimateSelectParams next = *es;
+    SP_RETURN_IF_ERROR(optional_view(k_means, "k_block_means", &next.k_block_means));
+    SP_RETURN_IF_ERROR(optional_view(v_means, "v_block_means", &next.v_block_means));
+    SP_RETURN_IF_ERROR(optional_view(valid, "block_means_valid", &next.block_means_valid));
+    SP_RETURN_IF_ERROR(sparseprefill::validate_policy(next));  // all three or none
+    *es = next;
+    return Status::ok_status();
+  });
+}
+
 int sp_policy_set_block_mask(sp_policy* policy, const sp_problem* problem,
                              const sp_block_mask_csr* mask) {
   return guarded([&]() -> Status {

@@ -256,6 +256,53 @@ TEST(CApi, ExactGateThresholdsAttach) {
   EXPECT_LT(kept, kept_with(-std::numeric_limits<float>::infinity()));
 }
 
+TEST(CApi, EstimateSelectChunkedPrefillAttach) {
+  // A chunk (37 queries over 53 keys: 6 complete blocks of 8) with prompt lengths and a cache
+  // of block means holding 2 and 4 blocks: the C handle runs exactly as the C++ policy, and
+  // the cache keeps the means the first (C++) call wrote.
+  Batched in;
+  std::vector<sp_setting> est = {{"block", "8"}, {"alpha", "0.6"}, {"sink", "1"}, {"window", "1"}, {"tail", "2"},
+                                 {"mean_correction", "true"}};
+  sp::HostTensor km(sp::DType::kBF16, {2, 2, 7, 16}), vm(sp::DType::kBF16, {2, 2, 7, 16});
+  sp::HostTensor valid(sp::DType::kInt32, {2}), prompt_len(sp::DType::kInt32, {2});
+  prompt_len.as<std::int32_t>()[0] = 60;
+  prompt_len.as<std::int32_t>()[1] = 53;
+  valid.as<std::int32_t>()[0] = valid.as<std::int32_t>()[1] = 0;
+  sp::Policy policy = parse("estimate_select", est);
+  auto& es = std::get<sp::EstimateSelectParams>(policy);
+  es.prompt_len = prompt_len.view();
+  es.k_block_means = km.view();
+  es.v_block_means = vm.view();
+  es.block_means_valid = valid.view();
+  sp::HostTensor o = in.new_o(), lse = in.new_lse();
+  sp::RunOptions opts;
+  opts.backend = sp::Backend::kCPU;
+  const sp::Status st = sp::run(in.problem(), policy, {o.view(), lse.view()}, opts);
+  ASSERT_TRUE(st.ok()) << st.to_string();
+  valid.as<std::int32_t>()[0] = 2;
+  valid.as<std::int32_t>()[1] = 4;
+  const sp::HostTensor filled_k = km, filled_v = vm;
+
+  PolicyHandle h("estimate_select", est);
+  const sp_tensor c_len = to_c(prompt_len.view()), c_k = to_c(km.view()), c_v = to_c(vm.view()),
+                  c_valid = to_c(valid.view());
+  ASSERT_EQ(sp_policy_set_prompt_len(h.handle, &c_len), SP_OK) << sp_last_error();
+  ASSERT_EQ(sp_policy_set_block_means(h.handle, &c_k, &c_v, &c_valid), SP_OK) << sp_last_error();
+  expect_same_as_run(in.problem(), policy, h.handle, in.new_o(), in.new_lse());
+  EXPECT_EQ(std::memcmp(km.data(), filled_k.data(), km.nbytes()), 0);
+  EXPECT_EQ(std::memcmp(vm.data(), filled_v.data(), vm.nbytes()), 0);
+
+  // Malformed attachments name what is wrong; NULL clears.
+  EXPECT_EQ(sp_policy_set_block_means(h.handle, &c_k, nullptr, &c_valid), SP_ERR_INVALID_ARGUMENT);
+  EXPECT_NE(std::string(sp_last_error()).find("all three or none"), std::string::npos) << sp_last_error();
+  PolicyHandle dense("dense", {});
+  EXPECT_EQ(sp_policy_set_prompt_len(dense.handle, &c_len), SP_ERR_INVALID_ARGUMENT);
+  EXPECT_NE(std::string(sp_last_error()).find("only estimate_select"), std::string::npos) << sp_last_error();
+  ASSERT_EQ(sp_policy_set_block_means(h.handle, nullptr, nullptr, nullptr), SP_OK) << sp_last_error();
+  ASSERT_EQ(sp_policy_set_prompt_len(h.handle, nullptr), SP_OK) << sp_last_error();
+  expect_same_as_run(in.problem(), parse("estimate_select", est), h.handle, in.new_o(), in.new_lse());
+}
+
 TEST(CApi, BlockMaskFromCsr) {
   Batched in;
   sp::AttentionProblem problem = in.problem();
