@@ -107,6 +107,19 @@ class PolicyHandle {
     owner_ = std::move(owner);
   }
 
+  // estimate_select's chunked-prefill tensors (descriptors or None); `owner` keeps their memory
+  // alive as long as the handle.
+  void set_chunked(py::handle prompt_len, py::handle k_means, py::handle v_means, py::handle valid,
+                   py::object owner) {
+    const sp_tensor len = to_tensor(prompt_len, "prompt_len");
+    const sp_tensor k = to_tensor(k_means, "k_block_means");
+    const sp_tensor v = to_tensor(v_means, "v_block_means");
+    const sp_tensor n = to_tensor(valid, "block_means_valid");
+    check(sp_policy_set_prompt_len(policy_, &len));
+    check(sp_policy_set_block_means(policy_, &k, &v, &n));
+    chunked_owner_ = std::move(owner);
+  }
+
   // CSR over rows (b, h, qb); indptr/indices are host int32 arrays the caller keeps alive
   // for this call only (the library copies them).
   void set_block_mask(const py::tuple& problem, int block_q, int block_k, bool per_kv_head,
@@ -130,6 +143,7 @@ class PolicyHandle {
  private:
   sp_policy* policy_ = nullptr;
   py::object owner_;
+  py::object chunked_owner_;
 };
 
 py::tuple head_tuple(const sp_head_stats& h) {
@@ -446,6 +460,8 @@ PYBIND11_MODULE(_ext, m) {
       .def(py::init<const std::string&, const std::vector<std::pair<std::string, std::string>>&>(),
            py::arg("name"), py::arg("settings"))
       .def("set_thresholds", &PolicyHandle::set_thresholds, py::arg("desc"), py::arg("owner"))
+      .def("set_chunked", &PolicyHandle::set_chunked, py::arg("prompt_len"), py::arg("k_block_means"),
+           py::arg("v_block_means"), py::arg("block_means_valid"), py::arg("owner"))
       .def("set_block_mask", &PolicyHandle::set_block_mask, py::arg("problem"),
            py::arg("block_q"), py::arg("block_k"), py::arg("per_kv_head"), py::arg("num_rows"),
            py::arg("indptr"), py::arg("num_indices"), py::arg("indices"))

@@ -20,7 +20,7 @@ from . import ops  # noqa: F401  (registers torch.ops.sparseprefill.*)
 from ._core import InvalidArgumentError, check_problem, check_scale, dtype_name
 from ._ext import UnsupportedError
 from .native import policy_parts
-from .policy import Dense, Policy
+from .policy import Dense, EstimateSelect, Policy
 
 __all__ = ["flash_attn_func", "flash_attn_varlen_func", "flash_attn_with_kvcache", "flash_attn_combine",
            "get_scheduler_metadata"]
@@ -84,9 +84,14 @@ def _call(q, k, v, *, causal: bool, softmax_scale: Optional[float], cu_seqlens_q
     if mask is not None:
         indptr, indices = torch.from_numpy(mask[0]), torch.from_numpy(mask[1])
         mask_block_q, mask_block_k, per_kv_head = mask[2], mask[3], mask[4]
+    # estimate_select's chunked-prefill tensors (the cache of block means is written in place).
+    chunked = policy.chunked() if isinstance(policy, EstimateSelect) else (None, None, None, None)
+    for name, x in zip(("prompt_len", "k_block_means", "v_block_means", "block_means_valid"), chunked):
+        if x is not None and not isinstance(x, torch.Tensor):
+            raise InvalidArgumentError(f"{name}: expected a torch.Tensor, got {type(x).__name__}")
     args = (q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, block_table, bool(causal), scale, policy.name,
             policy.settings_string(), thresholds, indptr, indices, mask_block_q, mask_block_k, per_kv_head,
-            -1 if layer is None else int(layer))
+            -1 if layer is None else int(layer), *chunked)
     if out is None:
         return torch.ops.sparseprefill.attention(*args)
     lse = torch.empty(geom.lse_shape, dtype=torch.float32, device=q.device)
@@ -251,7 +256,14 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, qv=None, rotary
     new k, v (batched, or varlen with cu_seqlens_k_new) are first written into the cache at
     those positions, in place. cache_batch_idx picks cache rows; cache_leftpad makes
     sequence b's keys start at that position. Returns out, or (out, lse) with
-    return_softmax_lse (lse [b, h_q, s_q], varlen [h_q, total_q])."""
+    return_softmax_lse (lse [b, h_q, s_q], varlen [h_q, total_q]).
+
+    Chunked prefill with estimate_select: give the policy prompt_len (each prompt's length, so
+    the tail is the prompt's) and the cache of block means beside this K/V cache
+    (EstimateSelect(k_block_means=, v_block_means=, block_means_valid=): [b, h_kv, max_blocks,
+    d] in the cache's dtype on its device, written in place with the blocks each call
+    completes); then every chunk makes the one-shot call's decisions and each block's mean is
+    computed once (docs/semantics.md §1)."""
     _reject(0.0, softcap, alibi_slopes, qv, q_descale, k_descale, v_descale, attention_chunk, rotary_cos, rotary_sin)
     causal = _resolve_causal(causal, window_size)
     if page_table is not None and block_table is not None and page_table is not block_table:

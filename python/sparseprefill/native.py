@@ -18,7 +18,7 @@ from . import _ext, stats as _stats
 from ._core import (Geometry, InvalidArgumentError, backend_code, check_problem, check_scale, descriptor,
                     device_of, is_torch)
 from ._ext import UnsupportedError
-from .policy import BlockSparse, Dense, ExactGate, Policy
+from .policy import BlockSparse, Dense, EstimateSelect, ExactGate, Policy
 
 __all__ = ["BlockMask", "Decisions", "Plan", "Result", "Selection", "build_info", "can_run", "plan", "run",
            "select"]
@@ -155,12 +155,18 @@ def problem_tuple(q: Any, k: Any, v: Any, cu_q: Any, cu_k: Any, seqused_k: Any, 
 
 
 def make_handle(name: str, settings: list, problem: tuple, thresholds: Any = None,
-                mask: Optional[Tuple[Any, Any, int, int, bool]] = None) -> "_ext.PolicyHandle":
-    """A library policy handle with its threshold table and block mask attached. `mask` is
-    (indptr, indices, block_q, block_k, per_kv_head) as host int32 arrays or tensors."""
+                mask: Optional[Tuple[Any, Any, int, int, bool]] = None,
+                chunked: Optional[Tuple[Any, Any, Any, Any]] = None) -> "_ext.PolicyHandle":
+    """A library policy handle with its threshold table, block mask and chunked-prefill tensors
+    attached. `mask` is (indptr, indices, block_q, block_k, per_kv_head) as host int32 arrays or
+    tensors; `chunked` is estimate_select's (prompt_len, k_block_means, v_block_means,
+    block_means_valid) as chunked_parts returns them."""
     handle = _ext.PolicyHandle(name, settings)
     if thresholds is not None:
         handle.set_thresholds(descriptor(thresholds, "thresholds"), thresholds)
+    if chunked is not None:
+        names = ("prompt_len", "k_block_means", "v_block_means", "block_means_valid")
+        handle.set_chunked(*(descriptor(x, n) for x, n in zip(chunked, names)), chunked)
     if mask is not None:
         indptr, indices, block_q, block_k, per_kv_head = mask
         handle.set_block_mask(problem, int(block_q), int(block_k), bool(per_kv_head),
@@ -185,6 +191,16 @@ def policy_parts(policy: Policy, q: Any, geom: Geometry, seq_q_max: int) -> Tupl
         indptr, indices = policy.csr(geom.batch, heads, num_q_blocks)
         mask = (indptr, indices, policy.block_q, policy.block_k, policy.per_kv_head)
     return thresholds, mask
+
+
+def chunked_parts(policy: Policy) -> Optional[Tuple[Any, Any, Any, Any]]:
+    """estimate_select's chunked-prefill tensors as the library reads them: (prompt_len,
+    k_block_means, v_block_means, block_means_valid) with the index tensors as host copies, or
+    None when the policy gives none."""
+    if not isinstance(policy, EstimateSelect) or all(x is None for x in policy.chunked()):
+        return None
+    prompt_len, k_means, v_means, valid = policy.chunked()
+    return host_index(prompt_len), k_means, v_means, host_index(valid)
 
 
 @contextlib.contextmanager
@@ -261,7 +277,7 @@ def _prepare(q: Any, k: Any, v: Any, policy: Optional[Policy], causal: bool, sof
     problem = problem_tuple(q, k, v, *hosts, causal, scale)
     seq_q_max = max_seq_q(q, hosts[0])
     thresholds, mask = policy_parts(policy, q, geom, seq_q_max)
-    handle = make_handle(policy.name, policy.settings(), problem, thresholds, mask)
+    handle = make_handle(policy.name, policy.settings(), problem, thresholds, mask, chunked_parts(policy))
     return geom, problem, handle, hosts, thresholds, seq_q_max
 
 
@@ -419,6 +435,6 @@ def can_run(q: Any, k: Any, v: Any, policy: Optional[Policy] = None, *, causal: 
     host = [host_index(layout.get(n)) for n in names]
     problem = problem_tuple(q, k, v, *host, causal, check_scale(layout.get("softmax_scale")))
     thresholds, mask = policy_parts(policy, q, geom, max_seq_q(q, host[0]))
-    handle = make_handle(policy.name, policy.settings(), problem, thresholds, mask)
+    handle = make_handle(policy.name, policy.settings(), problem, thresholds, mask, chunked_parts(policy))
     code, message = _ext.can_run(problem, handle, backend_code(backend))
     return code == 0, message

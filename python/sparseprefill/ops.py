@@ -4,7 +4,9 @@ sparseprefill::attention_out (writes caller buffers), each with a fake implement
 they trace under torch.compile and run on the current CUDA stream.
 
 A policy travels as plain operator arguments: its name, its settings ("key=value;..."), an
-optional threshold table (on q's device) and an optional block mask as host CSR tensors.
+optional threshold table (on q's device), an optional block mask as host CSR tensors, and
+estimate_select's optional chunked-prefill tensors (prompt_len, the cache of block means, which
+the op writes in place, and its valid counts).
 
 CUDA graphs: on this side a batched call whose policy needs no host data (dense,
 softmax_skip, estimate_select, permute_stop, exact_gate with its table already on the device)
@@ -42,7 +44,9 @@ def _forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: Op
              block_table: Optional[torch.Tensor], causal: bool, softmax_scale: float, policy: str,
              settings: str, thresholds: Optional[torch.Tensor], mask_indptr: Optional[torch.Tensor],
              mask_indices: Optional[torch.Tensor], mask_block_q: int, mask_block_k: int,
-             mask_per_kv_head: bool, layer: int, out: torch.Tensor, lse: torch.Tensor) -> None:
+             mask_per_kv_head: bool, layer: int, prompt_len: Optional[torch.Tensor],
+             k_block_means: Optional[torch.Tensor], v_block_means: Optional[torch.Tensor],
+             block_means_valid: Optional[torch.Tensor], out: torch.Tensor, lse: torch.Tensor) -> None:
     check_problem(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, block_table, out, lse)
     hosts = [native.host_index(x) for x in (cu_seqlens_q, cu_seqlens_k, seqused_k, block_table)]
     problem = native.problem_tuple(q, k, v, *hosts, causal, softmax_scale)
@@ -50,17 +54,22 @@ def _forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: Op
     if mask_indptr is not None:
         mask = (native.host_index(mask_indptr), native.host_index(mask_indices), mask_block_q,
                 mask_block_k, mask_per_kv_head)
-    handle = native.make_handle(policy, _decode(settings), problem, thresholds, mask)
+    chunked = None
+    if any(x is not None for x in (prompt_len, k_block_means, v_block_means, block_means_valid)):
+        chunked = (native.host_index(prompt_len), k_block_means, v_block_means, native.host_index(block_means_valid))
+    handle = native.make_handle(policy, _decode(settings), problem, thresholds, mask, chunked)
     native.execute(problem, handle, q, out, lse, 0, 0, False, layer if layer >= 0 else None)
 
 
-@custom_op("sparseprefill::attention", mutates_args=())
+@custom_op("sparseprefill::attention", mutates_args=("k_block_means", "v_block_means"))
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: Optional[torch.Tensor],
               cu_seqlens_k: Optional[torch.Tensor], seqused_k: Optional[torch.Tensor],
               block_table: Optional[torch.Tensor], causal: bool, softmax_scale: float, policy: str,
               settings: str, thresholds: Optional[torch.Tensor], mask_indptr: Optional[torch.Tensor],
               mask_indices: Optional[torch.Tensor], mask_block_q: int, mask_block_k: int,
-              mask_per_kv_head: bool, layer: int) -> Tuple[torch.Tensor, torch.Tensor]:
+              mask_per_kv_head: bool, layer: int, prompt_len: Optional[torch.Tensor] = None,
+              k_block_means: Optional[torch.Tensor] = None, v_block_means: Optional[torch.Tensor] = None,
+              block_means_valid: Optional[torch.Tensor] = None) -> Tuple[torch.Tensor, torch.Tensor]:
     """Returns (out [q's shape, dtype], lse float32 [b, h_q, s_q] or varlen [h_q, total_q]).
     softmax_scale 0 means 1/sqrt(d); layer < 0 means none (for statistics)."""
     geom = check_problem(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, block_table)
@@ -68,33 +77,37 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: O
     lse = q.new_empty(geom.lse_shape, dtype=torch.float32)
     _forward(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, block_table, causal, softmax_scale, policy,
              settings, thresholds, mask_indptr, mask_indices, mask_block_q, mask_block_k, mask_per_kv_head,
-             layer, out, lse)
+             layer, prompt_len, k_block_means, v_block_means, block_means_valid, out, lse)
     return out, lse
 
 
 @attention.register_fake
 def _attention_fake(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, block_table, causal, softmax_scale, policy,
                     settings, thresholds, mask_indptr, mask_indices, mask_block_q, mask_block_k,
-                    mask_per_kv_head, layer):
+                    mask_per_kv_head, layer, prompt_len=None, k_block_means=None, v_block_means=None,
+                    block_means_valid=None):
     geom = check_problem(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, block_table)
     return q.new_empty(q.shape), q.new_empty(geom.lse_shape, dtype=torch.float32)
 
 
-@custom_op("sparseprefill::attention_out", mutates_args=("out", "lse"))
+@custom_op("sparseprefill::attention_out", mutates_args=("out", "lse", "k_block_means", "v_block_means"))
 def attention_out(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: Optional[torch.Tensor],
                   cu_seqlens_k: Optional[torch.Tensor], seqused_k: Optional[torch.Tensor],
                   block_table: Optional[torch.Tensor], causal: bool, softmax_scale: float, policy: str,
                   settings: str, thresholds: Optional[torch.Tensor], mask_indptr: Optional[torch.Tensor],
                   mask_indices: Optional[torch.Tensor], mask_block_q: int, mask_block_k: int,
-                  mask_per_kv_head: bool, layer: int, out: torch.Tensor, lse: torch.Tensor) -> None:
+                  mask_per_kv_head: bool, layer: int, prompt_len: Optional[torch.Tensor],
+                  k_block_means: Optional[torch.Tensor], v_block_means: Optional[torch.Tensor],
+                  block_means_valid: Optional[torch.Tensor], out: torch.Tensor, lse: torch.Tensor) -> None:
     """As attention, writing the caller's out and lse."""
     _forward(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, block_table, causal, softmax_scale, policy,
              settings, thresholds, mask_indptr, mask_indices, mask_block_q, mask_block_k, mask_per_kv_head,
-             layer, out, lse)
+             layer, prompt_len, k_block_means, v_block_means, block_means_valid, out, lse)
 
 
 @attention_out.register_fake
 def _attention_out_fake(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, block_table, causal, softmax_scale,
                         policy, settings, thresholds, mask_indptr, mask_indices, mask_block_q, mask_block_k,
-                        mask_per_kv_head, layer, out, lse):
+                        mask_per_kv_head, layer, prompt_len, k_block_means, v_block_means, block_means_valid,
+                        out, lse):
     check_problem(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, block_table, out, lse)

@@ -57,9 +57,19 @@ class SoftmaxSkip(Policy):
 @dataclass(frozen=True)
 class EstimateSelect(Policy):
     """FlashPrefill V2: mean-pooled key blocks scored by every query row of the tile; keep
-    energy >= alpha * peak plus sink/window/tail blocks; optional mean correction. Causal only."""
+    energy >= alpha * peak plus sink/window/tail blocks; optional mean correction. Causal only.
+
+    Chunked prefill (docs/semantics.md §1 and §3.5), all optional: prompt_len, int32 [b], each
+    prompt's whole length (tail then counts the prompt's last query tiles, so chunks force the
+    one-shot tail once); and a cache of block means kept beside the K/V cache: k_block_means,
+    v_block_means [b, h_kv, max_blocks, d] in the input dtype on q's device, with
+    block_means_valid, int32 [b], the leading blocks they hold (all three or none). A call reads
+    the valid blocks' means, computes the rest, and writes the blocks it completes into the
+    cache (in place); set block_means_valid to s_k // block before the next chunk. Index
+    tensors are read on the host (CUDA ones are copied there first)."""
 
     name = "estimate_select"
+    _tensor_fields = ("prompt_len", "k_block_means", "v_block_means", "block_means_valid")
     block: int = 128
     alpha: float = 0.1
     sink: int = 2
@@ -67,6 +77,14 @@ class EstimateSelect(Policy):
     tail: int = 2
     mean_correction: bool = False
     pack_gqa: bool = False
+    prompt_len: Any = None
+    k_block_means: Any = None
+    v_block_means: Any = None
+    block_means_valid: Any = None
+
+    def chunked(self) -> Tuple[Any, Any, Any, Any]:
+        """(prompt_len, k_block_means, v_block_means, block_means_valid), None where not given."""
+        return self.prompt_len, self.k_block_means, self.v_block_means, self.block_means_valid
 
 
 @dataclass(frozen=True)

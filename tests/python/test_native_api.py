@@ -184,3 +184,55 @@ def test_block_mask_helpers():
     np.testing.assert_array_equal(m.counts()[0, 0], [2, 0, 1])
     policy = m.to_policy()
     assert isinstance(policy, sp.BlockSparse) and policy.block_q == 8
+
+
+def block_means(x, block):
+    """Means of the complete blocks of x [b, s, h, d] as the library stores them: summed in
+    float64, rounded to float32 (the inputs' dtype here), as [b, h, blocks, d]."""
+    b, s, h, d = x.shape
+    n = s // block
+    m = x[:, :n * block].astype(np.float64).reshape(b, n, block, h, d).sum(axis=2) / block
+    return m.astype(np.float32).transpose(0, 2, 1, 3)
+
+
+@pytest.mark.parametrize("backend", ["cpu", "reference"])
+def test_estimate_select_chunked_prefill_with_cached_means(backend):
+    """A prompt prefilled in chunks of 24 (a multiple of the block) with prompt_len and the
+    cache of block means kept across the chunks decides exactly as the one-shot call (the tail
+    is the prompt's), matches its output, and the cache holds the means of the complete blocks
+    (NaN past them: never written)."""
+    b, s, h_q, h_kv, d, block = 2, 72, 4, 2, 32, 8
+    q, k, v = structured_qkv(61, b, s, s, h_q, h_kv, d)
+    base = dict(block=block, alpha=0.5, sink=1, window=1, tail=2, mean_correction=True)
+    one_shot = sp.run(q, k, v, sp.EstimateSelect(**base), backend=backend, decisions=True)
+    kept = one_shot.decisions.kept.to_dense()
+    corrected = one_shot.decisions.corrected.to_dense()
+    km = np.full((b, h_kv, s // block, d), np.nan, dtype=np.float32)
+    vm = np.full_like(km, np.nan)
+    valid = np.zeros(b, dtype=np.int32)
+    prompt_len = np.full(b, s, dtype=np.int32)
+    policy = sp.EstimateSelect(**base, prompt_len=prompt_len, k_block_means=km, v_block_means=vm,
+                               block_means_valid=valid)
+    for c0 in range(0, s, 24):
+        c1 = c0 + 24
+        r = sp.run(np.ascontiguousarray(q[:, c0:c1]), np.ascontiguousarray(k[:, :c1]),
+                   np.ascontiguousarray(v[:, :c1]), policy, backend=backend, decisions=True)
+        rows = slice(c0 // block, c1 // block)
+        np.testing.assert_array_equal(r.decisions.kept.to_dense(), kept[:, :, rows, :c1 // block])
+        np.testing.assert_array_equal(r.decisions.corrected.to_dense(), corrected[:, :, rows, :c1 // block])
+        np.testing.assert_allclose(r.out, one_shot.out[:, c0:c1], rtol=1e-5, atol=1e-5)
+        valid[:] = c1 // block  # the blocks this chunk completed are in the cache now
+    np.testing.assert_array_equal(km, block_means(k, block))
+    np.testing.assert_array_equal(vm, block_means(v, block))
+
+
+def test_estimate_select_cached_means_errors_name_the_argument():
+    q, k, v = structured_qkv(62, 1, 16, 32, 2, 1, 32)
+    km = np.zeros((1, 1, 4, 32), dtype=np.float32)
+    with pytest.raises(sp.InvalidArgumentError, match="block_means_valid"):
+        sp.run(q, k, v, sp.EstimateSelect(block=8, k_block_means=km, v_block_means=km), backend="cpu")
+    with pytest.raises(sp.InvalidArgumentError, match=r"block_means_valid\[0\]"):
+        sp.run(q, k, v, sp.EstimateSelect(block=8, k_block_means=km, v_block_means=km.copy(),
+                                          block_means_valid=np.array([5], dtype=np.int32)), backend="cpu")
+    with pytest.raises(sp.InvalidArgumentError, match=r"prompt_len\[0\]"):
+        sp.run(q, k, v, sp.EstimateSelect(block=8, prompt_len=np.array([31], dtype=np.int32)), backend="cpu")

@@ -304,6 +304,47 @@ def test_kvcache_paged_chunked_prefill_every_policy(device, dtype, name):
     assert torch.equal(k_cache[rows].flatten(0, 1)[:s], k[0]) and torch.equal(v_cache[rows].flatten(0, 1)[:s], v[0])
 
 
+@pytest.mark.parametrize("device,dtype", DEVICE_DTYPES, ids=ids(DEVICE_DTYPES))
+def test_kvcache_chunked_estimate_select_with_cached_means(device, dtype):
+    """estimate_select through flash_attn_with_kvcache in two chunks into a paged cache, with
+    the prompt's length and the cache of block means in the policy: each chunk matches the
+    one-shot oracle's rows (the tail is the prompt's, the prefix means come from the cache),
+    and the cache holds the means of the complete blocks (NaN past them: never written)."""
+    bl = POLICY_BLOCK[device]
+    s, h_q, h_kv, d, page = 4 * bl, 8, 2, 64, 16
+    q, k, v = structured(35, 1, s, s, h_q, h_kv, d, dtype, device, bl)
+    pages = s // page + 3
+    gen = torch.Generator().manual_seed(36)
+    table = torch.randperm(pages, generator=gen)[:pages - 3].to(torch.int32).reshape(1, -1).to(device)
+    k_cache = torch.full((pages, page, h_kv, d), math.nan, dtype=dtype, device=device)
+    v_cache = torch.full_like(k_cache, math.nan)
+    base = dict(block=bl, alpha=0.5, sink=1, window=1, tail=2, mean_correction=True)
+    one_shot = sp.run(q.cpu(), k.cpu(), v.cpu(), sp.EstimateSelect(**base), causal=True, backend="reference")
+    k_means = torch.full((1, h_kv, s // bl + 1, d), math.nan, dtype=dtype, device=device)
+    v_means = torch.full_like(k_means, math.nan)
+    valid = torch.zeros(1, dtype=torch.int32)
+    policy = sp.EstimateSelect(**base, prompt_len=torch.tensor([s], dtype=torch.int32), k_block_means=k_means,
+                               v_block_means=v_means, block_means_valid=valid)
+    for c0, c1 in ((0, 2 * bl), (2 * bl, s)):
+        qc = q[:, c0:c1].contiguous()
+        skip_unless_runs(qc, k_cache, v_cache, policy, block_table=table.cpu(),
+                         seqused_k=torch.tensor([c1], dtype=torch.int32))
+        out, lse = flash_attn_with_kvcache(qc, k_cache, v_cache, k[:, c0:c1].contiguous(), v[:, c0:c1].contiguous(),
+                                           cache_seqlens=torch.tensor([c0], dtype=torch.int32, device=device),
+                                           page_table=table, causal=True, policy=policy, return_softmax_lse=True)
+        ks, vs = k[:, :c1], v[:, :c1]
+        dense_ref, _ = attention(qc, ks, vs, True)
+        dense_err = attention(qc, ks, vs, True, low_precision=True)[0].to(torch.float64) - dense_ref
+        ref = one_shot.out[:, c0:c1].to(torch.float64).to(device)
+        assert_calibrated(out, ref, ref + dense_err, what=f"chunk [{c0}, {c1})")
+        assert_lse(lse, one_shot.lse[:, :, c0:c1].to(torch.float64), tol=2e-2)
+        valid[0] = c1 // bl
+    for x, cache in ((k, k_means), (v, v_means)):
+        want = (x[0].double().reshape(s // bl, bl, h_kv, d).sum(1) / bl).float().to(dtype).transpose(0, 1)
+        assert torch.equal(cache[0, :, :s // bl].cpu(), want.cpu())
+        assert torch.isnan(cache[0, :, s // bl:].float()).all()
+
+
 @pytest.mark.parametrize("device", DEVICES)
 def test_torch_compile_fullgraph(device):
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
@@ -344,7 +385,7 @@ def test_opcheck(device):
                           test_utils=("test_schema", "test_faketensor", "test_aot_dispatch_dynamic"))
     out = torch.empty_like(q)
     lse = torch.empty((2, 4, 33), dtype=torch.float32, device=device)
-    torch.library.opcheck(torch.ops.sparseprefill.attention_out.default, args + (out, lse),
+    torch.library.opcheck(torch.ops.sparseprefill.attention_out.default, args + (None, None, None, None, out, lse),
                           test_utils=("test_schema", "test_faketensor"))
 
 
