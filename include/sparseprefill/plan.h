@@ -20,6 +20,10 @@ namespace sparseprefill {
 // exact_gate and softmax_skip decide inside the attention kernel, and permute_stop stops its
 // ranked walk where attention says so: no selection exists before attention, so select()
 // returns kUnsupported for them; their decisions come from run(..., decisions).
+// estimate_select with a cache of block means attached writes the means of the blocks the call
+// completes into it, as run() does: this is also how a caller (re)computes the means of blocks
+// valid .. s_k / block - 1 from K/V it filled otherwise (set block_means_valid to the first
+// block to compute; one query row per sequence suffices).
 Status select(const AttentionProblem& problem, const Policy& policy, const RunOptions& options,
               Decisions* decisions, RunStats* stats = nullptr);
 

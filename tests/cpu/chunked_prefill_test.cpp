@@ -25,6 +25,7 @@
 #include "reference/reference.h"
 #include "reference/sequence.h"
 #include "sparseprefill/attention.h"
+#include "sparseprefill/plan.h"
 
 namespace sparseprefill::test {
 namespace {
@@ -207,6 +208,44 @@ TEST(ChunkedEstimateSelect, WithoutPromptLenTheTailIsPerCall) {
   for (int h = 0; h < full.h_q; ++h) {
     for (int qb = 0; qb < 4; ++qb) {
       EXPECT_EQ(kept_blocks(per_prompt.decisions.kept, 0, h, qb), kept_blocks(ref64.decisions.kept, 0, h, qb));
+    }
+  }
+}
+
+TEST(ChunkedEstimateSelect, SelectRecomputesTheMeansFromTheValidCount) {
+  // select() writes what run() writes: the means of blocks valid .. s_k / B - 1, and nothing
+  // else (the blocks below valid keep what the caller put there), on both host backends; one
+  // query row per sequence is enough.
+  const Inputs full = prompt(2, 70);
+  const TestProblem one_row = make_problem(chunk_of(full, kPrompt - 1, kPrompt));
+  const EstimateSelectParams p = base_params(0.2, true, false);
+  for (Backend backend : {Backend::kReference, Backend::kCPU}) {
+    MeansCache cache(full, kBlock, kPrompt / kBlock);
+    cache.valid.as<std::int32_t>()[0] = 0;
+    cache.valid.as<std::int32_t>()[1] = 5;  // blocks 0..4 stay as given (NaN here)
+    RunOptions opt;
+    opt.backend = backend;
+    Decisions d;
+    const Status st = select(one_row.problem(), cache.attach(p), opt, &d);
+    ASSERT_TRUE(st.ok()) << st.to_string();
+    ProblemShape shape;
+    const TestProblem whole = make_problem(full);
+    ASSERT_TRUE(validate_problem(whole.problem(), nullptr, &shape).ok());
+    for (int b = 0; b < 2; ++b) {
+      const ref::BlockMeans want = ref::block_means(ref::gather_sequence(whole.problem(), shape, b), p, 0);
+      for (int hk = 0; hk < full.h_kv; ++hk) {
+        for (int j = 0; j < kPrompt / kBlock; ++j) {
+          for (int i = 0; i < full.d; ++i) {
+            const std::int64_t at = ((b * full.h_kv + hk) * (kPrompt / kBlock) + j) * full.d + i;
+            if (b == 1 && j < 5) {
+              ASSERT_TRUE(std::isnan(get(cache.k, at))) << "block " << j << " below the valid count was written";
+            } else {
+              ASSERT_EQ(get(cache.k, at), want.k_mean(j, hk)[i]) << "b " << b << " block " << j;
+              ASSERT_EQ(get(cache.v, at), want.v_mean(j, hk)[i]) << "b " << b << " block " << j;
+            }
+          }
+        }
+      }
     }
   }
 }
