@@ -2,7 +2,9 @@
 """sparseprefill against torch SDPA (flash, cuDNN) and FlexAttention, in one process, on one GPU.
 
 Cases: the Llama-3.1-8B attention shape (h_q 32, h_kv 8, d 128) at 4K..128K and SmolLM2-135M's
-(h_q 9, h_kv 3, d 64) at 8K; bf16, causal, batch 1.
+(h_q 9, h_kv 3, d 64) at 8K, on random inputs; and the Llama shape at --structured-lengths on
+the library's structured generator (StructuredCase: the selectors' figures of issue 5); bf16,
+causal, batch 1.
 
 Implementations:
   peers  SDPA flash backend (FlashAttention-2 in torch), SDPA cuDNN backend (K/V repeated to
@@ -49,6 +51,7 @@ Method:
 Writes OUT/bench.json and OUT/bench.md after every case (a run cut short keeps what it had).
 """
 import argparse
+import ctypes
 import datetime
 import json
 import math
@@ -89,6 +92,11 @@ def parse_args():
     ap.add_argument("--chunked-lengths", default="131072",
                     help="Llama-3.1-8B lengths with chunked-prefill rows (subset of --lengths)")
     ap.add_argument("--chunk", type=int, default=8192, help="queries per chunk of the chunked rows")
+    ap.add_argument("--structured-lengths", default="16384,32768,131072",
+                    help="Llama-shape lengths of the structured-input cases (issue 5; empty: none)")
+    ap.add_argument("--peakedness", type=float, default=1.0, help="structured generator peakedness")
+    ap.add_argument("--structured-density", type=float, default=0.05,
+                    help="estimate_select density the structured cases tune alpha to")
     ap.add_argument("--budget-ms", type=float, default=400.0,
                     help="device time per implementation and case for the repetitions")
     ap.add_argument("--min-reps", type=int, default=3)
@@ -138,17 +146,29 @@ def environment(lib):
 class InputSet:
     """One draw of q, k, v in both layouts (same values); paged copies of k, v on demand."""
 
-    def __init__(self, h_q, h_kv, d, n, gen):
-        self.q_bshd = torch.randn(1, n, h_q, d, device=DEV, dtype=torch.bfloat16, generator=gen)
-        self.k_bshd = torch.randn(1, n, h_kv, d, device=DEV, dtype=torch.bfloat16, generator=gen)
-        self.v_bshd = torch.randn(1, n, h_kv, d, device=DEV, dtype=torch.bfloat16, generator=gen)
+    def __init__(self, q_bshd, k_bshd, v_bshd):
+        self.q_bshd, self.k_bshd, self.v_bshd = q_bshd, k_bshd, v_bshd
         self.q = self.q_bshd.transpose(1, 2).contiguous()
         self.k = self.k_bshd.transpose(1, 2).contiguous()
         self.v = self.v_bshd.transpose(1, 2).contiguous()
-        group = h_q // h_kv
+        group = self.q.shape[1] // self.k.shape[1]
         self.k_rep = self.k.repeat_interleave(group, 1)
         self.v_rep = self.v.repeat_interleave(group, 1)
         self.paged = {}
+
+    @classmethod
+    def random(cls, h_q, h_kv, d, n, gen):
+        return cls(*(torch.randn(1, n, h, d, device=DEV, dtype=torch.bfloat16, generator=gen)
+                     for h in (h_q, h_kv, h_kv)))
+
+    @classmethod
+    def structured(cls, lib, h_q, h_kv, d, n, seed, peakedness):
+        """The library's structured generator (sinks, local windows, stripes, slash diagonals:
+        docs/generator.md), made on the host and copied to the GPU."""
+        host = [torch.empty(1, n, h, d, dtype=torch.bfloat16) for h in (h_q, h_kv, h_kv)]
+        lib.generate(sp_ctypes.GeneratorConfig(1, n, n, h_q, h_kv, d, seed, peakedness),
+                     *[sp_ctypes.tensor_from_torch(t) for t in host])
+        return cls(*(t.to(DEV) for t in host))
 
     def pages(self, page, gen):
         """(k_pages, v_pages [n / page, page, h_kv, d], block_table [1, n / page] int32 on
@@ -288,13 +308,19 @@ class Case:
         gen = torch.Generator(device=DEV)
         gen.manual_seed(args.seed * 1000003 + n * 31 + self.h_q)
         self.gen = gen
-        self.sets = [InputSet(self.h_q, self.h_kv, self.d, n, gen) for _ in range(self.n_sets)]
+        self.sets = self.make_sets()
+        self.n_sets = len(self.sets)
         self.record = {"model": model, "n": n, "h_q": self.h_q, "h_kv": self.h_kv, "d": self.d,
-                       "n_sets": self.n_sets, "set_mb": set_bytes / 1e6, "rows": []}
+                       "inputs": self.INPUTS, "n_sets": self.n_sets, "set_mb": set_bytes / 1e6, "rows": []}
         self.dense_pairs = self.h_q * n * (n + 1) // 2
         self.ref_sdpa = None
         self.ref_ours = None
         self.flex_out = {}
+
+    INPUTS = "random"
+
+    def make_sets(self):
+        return [InputSet.random(self.h_q, self.h_kv, self.d, self.n, self.gen) for _ in range(self.n_sets)]
 
     def add(self, row):
         row.setdefault("status", "ok")
@@ -538,6 +564,90 @@ class Case:
         return self.record
 
 
+class StructuredCase(Case):
+    """Issue 5's figures need inputs a selector can be sparse on: one set from the structured
+    generator (--peakedness), alpha tuned on it to --structured-density, then: estimate_select
+    without and with mean correction; block_sparse planned on the selector's own mask (the
+    attention alone, so that selection time = estimate_select − it); the selection alone through
+    sp_select (synchronising: its time includes copying the mask to the host and building it
+    there, an upper bound); permute_stop at S2O's setting. Peers: SDPA flash and cuDNN."""
+
+    INPUTS = "structured"
+
+    def make_sets(self):
+        # One set: the generator runs on the host (about 8 s at 128K), and one 16K set already
+        # exceeds 3x the L2 cache.
+        return [InputSet.structured(self.lib, self.h_q, self.h_kv, self.d, self.n,
+                                    self.args.seed, self.args.peakedness)]
+
+    def options(self):
+        return sp_ctypes.Options(sp_ctypes.BACKEND_CUDA, 0, torch.cuda.current_stream().cuda_stream)
+
+    def select_density(self, policy):
+        stats = sp_ctypes.Stats()
+        decisions = self.lib.select(self.problem(self.sets[0]), policy, self.options(), stats)
+        return stats.total.kept_blocks / stats.total.visible_blocks, decisions
+
+    def estimate_policy(self, alpha, mc=False):
+        return self.lib.policy("estimate_select", {"alpha": repr(alpha), "mean_correction": int(mc)})
+
+    def alpha_for(self, target):
+        """Bisection on log alpha (density falls as alpha grows) to the density nearest target."""
+        lo, hi = 1e-9, 1.0
+        best = None
+        for _ in range(16):
+            mid = math.sqrt(lo * hi)
+            dens, _ = self.select_density(self.estimate_policy(mid))
+            if best is None or abs(dens - target) < abs(best[1] - target):
+                best = (mid, dens)
+            if dens > target:
+                lo = mid
+            else:
+                hi = mid
+        return best
+
+    def time_selection(self, policy, target):
+        row = {"impl": "ours_select", "label": f"ours estimate_select ~{target:.0%}: selection alone",
+               "family": "ours", "target": target, "params": policy.describe(),
+               "note": "sp_select: synchronises, copies the mask to the host and builds it there"}
+        problem, opts = self.problem(self.sets[0]), self.options()
+        try:
+            self.lib.select(problem, policy, opts)
+            row["ms"], row["host_ms"], row["reps"] = time_calls(
+                lambda i: self.lib.select(problem, policy, opts), 1, self.args)
+        except sp_ctypes.SparsePrefillError as e:
+            row.update(status=self.lib.status_name(e.code), note=str(e))
+        self.add(row)
+
+    def run(self):
+        self.run_peers([])
+        if self.lib is None:
+            return self.record
+        lib, target = self.lib, self.args.structured_density
+        self.ours("ours_dense", "ours dense", lib.policy("dense"))
+        alpha, dens = self.alpha_for(target)
+        self.record.update(alpha=alpha, alpha_density=dens)
+        print(f"  alpha {alpha:.4g} gives density {dens:.4f}", flush=True)
+        self.ours("ours_estimate_select", f"ours estimate_select ~{target:.0%}",
+                  self.estimate_policy(alpha), target=target, extra={"alpha": alpha})
+        self.ours("ours_estimate_select_mc", f"ours estimate_select+mc ~{target:.0%}",
+                  self.estimate_policy(alpha, mc=True), target=target, extra={"alpha": alpha})
+        _, decisions = self.select_density(self.estimate_policy(alpha))
+        view = decisions.mask(sp_ctypes.MASK_KEPT)
+        mask = lib.policy("block_sparse")
+        mask.set_block_mask(self.problem(self.sets[0]), view.block_q, view.block_k,
+                            ctypes.cast(view.indptr, ctypes.c_void_p).value, view.num_rows,
+                            ctypes.cast(view.indices, ctypes.c_void_p).value, view.num_indices,
+                            per_kv_head=bool(view.per_kv_head))
+        del decisions
+        self.ours("ours_block_sparse", f"ours block_sparse, its selection ~{target:.0%}", mask,
+                  target=target, planned=True)
+        self.time_selection(self.estimate_policy(alpha), target)
+        self.ours("ours_permute_stop", "ours permute_stop (τ=0.005)",
+                  lib.policy("permute_stop", {"segment": 2048, "tau": 0.005}))
+        return self.record
+
+
 class _Null:
     def __enter__(self):
         return self
@@ -568,7 +678,7 @@ def main():
         if not args.lib:
             sys.exit("bench_attention: --lib PATH to libsparseprefill_c.so (or --peers-only)")
         lib = sp_ctypes.Library(args.lib)
-    for length in ints(args.lengths) + ints(args.small_lengths):
+    for length in ints(args.lengths) + ints(args.small_lengths) + ints(args.structured_lengths):
         if length % BLOCK:
             sys.exit(f"bench_attention: lengths must be multiples of {BLOCK}, got {length}")
     result = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
@@ -578,12 +688,13 @@ def main():
               "method": __doc__.split("Method:")[1].split("Writes")[0].strip(), "cases": []}
     print(json.dumps(result["env"]), flush=True)
     t_start = time.perf_counter()
-    todo = [("llama-3.1-8b", n) for n in ints(args.lengths)] + \
-           [("smollm2-135m", n) for n in ints(args.small_lengths)]
-    for model, n in todo:
-        print(f"{model} s={n}", flush=True)
+    todo = [(Case, "llama-3.1-8b", n) for n in ints(args.lengths)] + \
+           [(Case, "smollm2-135m", n) for n in ints(args.small_lengths)] + \
+           [(StructuredCase, "llama-3.1-8b", n) for n in (ints(args.structured_lengths) if lib else [])]
+    for kind, model, n in todo:
+        print(f"{model} s={n} ({kind.INPUTS} inputs)", flush=True)
         t0 = time.perf_counter()
-        case = Case(model, n, args, lib)
+        case = kind(model, n, args, lib)
         result["cases"].append(case.run())
         del case
         torch.cuda.empty_cache()

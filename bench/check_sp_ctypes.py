@@ -128,6 +128,17 @@ def main():
         raise AssertionError("an unknown policy was accepted")
     except sp_ctypes.SparsePrefillError as e:
         assert e.code == sp_ctypes.ERR_INVALID_ARGUMENT
+    # The generator config: a chunk's queries are the tail of the full prompt's (seq_q, seq_k),
+    # and seed and peakedness reach the generator.
+    def generate(seq_q, seq_k, seed=5, peakedness=1.0):
+        arrays = [np.empty((1, n, h, 64), dtype=np.float32) for n, h in ((seq_q, 4), (seq_k, 2), (seq_k, 2))]
+        lib.generate(sp_ctypes.GeneratorConfig(1, seq_q, seq_k, 4, 2, 64, seed, peakedness),
+                     *[view(a) for a in arrays])
+        return arrays
+    full, tail = generate(96, 96), generate(40, 96)
+    assert np.array_equal(full[0][:, 56:], tail[0]) and np.array_equal(full[1], tail[1]), "seq_q/seq_k"
+    assert not np.array_equal(generate(40, 96, seed=6)[0], tail[0]), "seed"
+    assert not np.array_equal(generate(40, 96, peakedness=2.0)[0], tail[0]), "peakedness"
     print("check_sp_ctypes: ok")
 
 

@@ -75,6 +75,12 @@ class PermuteTile(ctypes.Structure):
                 ("tile", ctypes.c_int32), ("chunks_visited", ctypes.c_int32), ("chunks_total", ctypes.c_int32)]
 
 
+class GeneratorConfig(ctypes.Structure):
+    _fields_ = [("batch", ctypes.c_int32), ("seq_q", ctypes.c_int32), ("seq_k", ctypes.c_int32),
+                ("h_q", ctypes.c_int32), ("h_kv", ctypes.c_int32), ("d", ctypes.c_int32),
+                ("seed", ctypes.c_uint64), ("peakedness", ctypes.c_double)]
+
+
 MASK_KEPT, MASK_CORRECTED = 0, 1
 
 
@@ -247,6 +253,9 @@ class Library:
         d.sp_plan_run.restype = ctypes.c_int
         d.sp_plan_run.argtypes = [ctypes.c_void_p, ctypes.POINTER(Problem), ctypes.POINTER(Output),
                                   ctypes.POINTER(Options), ctypes.POINTER(Stats), ctypes.c_void_p]
+        d.sp_generate.restype = ctypes.c_int
+        d.sp_generate.argtypes = [ctypes.POINTER(GeneratorConfig), ctypes.POINTER(Tensor),
+                                  ctypes.POINTER(Tensor), ctypes.POINTER(Tensor)]
 
     def check(self, code):
         if code != OK:
@@ -272,6 +281,10 @@ class Library:
                                       ctypes.byref(options) if options is not None else None, decisions.handle,
                                       ctypes.byref(stats) if stats is not None else None))
         return decisions
+
+    def generate(self, config, q, k, v):
+        """The structured generator (sp_generate) into host Tensors q, k, v; raises on failure."""
+        self.check(self.dll.sp_generate(ctypes.byref(config), ctypes.byref(q), ctypes.byref(k), ctypes.byref(v)))
 
     def plan(self, problem, policy, options=None):
         """An sp_plan for problems shaped like `problem` (raises on failure)."""

@@ -307,6 +307,25 @@ SP_C_API int sp_calibrator_add(sp_calibrator* calibrator, int32_t layer, const s
 SP_C_API int sp_calibrator_save(const sp_calibrator* calibrator, const char* path,
                                 const sp_setting* metadata, int32_t num_metadata);
 
+/* ---- Synthetic inputs: the structured generator (sparseprefill/generator.h, docs/generator.md)
+ * for benchmarks and tests without model activations. */
+typedef struct sp_generator_config {
+  int32_t batch;
+  int32_t seq_q;  /* queries: the last seq_q of seq_k positions */
+  int32_t seq_k;
+  int32_t h_q;
+  int32_t h_kv;
+  int32_t d;
+  uint64_t seed;
+  double peakedness; /* 0: near-uniform attention; larger: sharper heads (default 1) */
+} sp_generator_config;
+
+/* Fills host tensors q [batch, seq_q, h_q, d], k and v [batch, seq_k, h_kv, d], contiguous, all
+ * of one dtype (bf16, fp16 or fp32: the generator's dtype), with the generator's values for
+ * `config`; bit-identical to sparseprefill::generate. */
+SP_C_API int sp_generate(const sp_generator_config* config, const sp_tensor* q, const sp_tensor* k,
+                         const sp_tensor* v);
+
 /* The message of the last call on this thread that failed; "" after a call that succeeded.
  * Valid until the thread's next call into this library. */
 SP_C_API const char* sp_last_error(void);

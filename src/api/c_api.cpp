@@ -4,6 +4,7 @@
 // status code plus a thread-local message.
 #include "sparseprefill/c_api.h"
 
+#include <cstring>
 #include <exception>
 #include <memory>
 #include <new>
@@ -15,6 +16,7 @@
 #include "sparseprefill/attention.h"
 #include "sparseprefill/block_mask.h"
 #include "sparseprefill/calibration.h"
+#include "sparseprefill/generator.h"
 #include "sparseprefill/plan.h"
 #include "sparseprefill/policy.h"
 #include "sparseprefill/problem.h"
@@ -608,6 +610,45 @@ int sp_calibrator_save(const sp_calibrator* calibrator, const char* path, const 
       cal.metadata[metadata[i].key] = metadata[i].value;
     }
     return sparseprefill::save_calibration(path, cal);
+  });
+}
+
+int sp_generate(const sp_generator_config* config, const sp_tensor* q, const sp_tensor* k, const sp_tensor* v) {
+  return guarded([&]() -> Status {
+    if (config == nullptr || q == nullptr || k == nullptr || v == nullptr) {
+      return sparseprefill::invalid_argument("sp_generate: expected non-NULL config, q, k and v");
+    }
+    TensorView views[3];
+    SP_RETURN_IF_ERROR(to_view(*q, "q", &views[0]));
+    SP_RETURN_IF_ERROR(to_view(*k, "k", &views[1]));
+    SP_RETURN_IF_ERROR(to_view(*v, "v", &views[2]));
+    sparseprefill::GeneratorConfig c;
+    c.batch = config->batch;
+    c.seq_q = config->seq_q;
+    c.seq_k = config->seq_k;
+    c.h_q = config->h_q;
+    c.h_kv = config->h_kv;
+    c.d = config->d;
+    c.dtype = views[0].dtype;
+    c.seed = config->seed;
+    c.peakedness = config->peakedness;
+    sparseprefill::HostTensor made[3];
+    SP_RETURN_IF_ERROR(sparseprefill::generate(c, &made[0], &made[1], &made[2]));
+    // Checked after generating so that the generator's own messages name bad configurations.
+    const char* names[3] = {"q", "k", "v"};
+    for (int i = 0; i < 3; ++i) {
+      const TensorView& t = views[i];
+      const TensorView want = made[i].view();
+      bool same = t.rank == want.rank && t.dtype == want.dtype && t.device.kind == sparseprefill::DeviceKind::kCPU;
+      for (int j = 0; same && j < t.rank; ++j) same = t.shape[j] == want.shape[j] && t.stride[j] == want.stride[j];
+      if (!same || t.data == nullptr) {
+        return sparseprefill::invalid_argument(std::string("sp_generate: ") + names[i] + ": expected " +
+                                               sparseprefill::describe(want) + " (contiguous), got " +
+                                               sparseprefill::describe(t));
+      }
+    }
+    for (int i = 0; i < 3; ++i) std::memcpy(views[i].data, made[i].data(), made[i].nbytes());
+    return Status::ok_status();
   });
 }
 

@@ -783,4 +783,44 @@ TEST(CApi, CalibratorWritesWhatCalibrationRunMakes) {
   EXPECT_STREQ(sp_last_error(), "targets.budgets: expected a length >= 0 and a non-NULL array when it is positive");
 }
 
+TEST(CApi, GenerateEqualsTheGeneratorBitForBit) {
+  sp::GeneratorConfig c;
+  c.seq_q = 200;
+  c.seq_k = 333;
+  c.h_q = 4;
+  c.h_kv = 2;
+  c.d = 64;
+  c.seed = 0x1234567890ull;
+  c.peakedness = 1.5;
+  sp::HostTensor q, k, v;
+  ASSERT_TRUE(sp::generate(c, &q, &k, &v).ok());
+  sp::HostTensor q2(sp::DType::kBF16, {1, 200, 4, 64}), k2(sp::DType::kBF16, {1, 333, 2, 64}),
+      v2(sp::DType::kBF16, {1, 333, 2, 64});
+  poison(&q2);
+  poison(&k2);
+  poison(&v2);
+  const sp_generator_config cc{1, 200, 333, 4, 2, 64, 0x1234567890ull, 1.5};
+  const sp_tensor cq = to_c(q2.view()), ck = to_c(k2.view()), cv = to_c(v2.view());
+  ASSERT_EQ(sp_generate(&cc, &cq, &ck, &cv), SP_OK) << sp_last_error();
+  EXPECT_EQ(std::memcmp(q.data(), q2.data(), q.nbytes()), 0);
+  EXPECT_EQ(std::memcmp(k.data(), k2.data(), k.nbytes()), 0);
+  EXPECT_EQ(std::memcmp(v.data(), v2.data(), v.nbytes()), 0);
+
+  // A shape, dtype or layout unlike the generator's is refused, naming the tensor.
+  sp::HostTensor wrong(sp::DType::kBF16, {1, 333, 4, 64});
+  const sp_tensor cw = to_c(wrong.view());
+  EXPECT_EQ(sp_generate(&cc, &cq, &cw, &cv), SP_ERR_INVALID_ARGUMENT);
+  EXPECT_NE(std::string(sp_last_error()).find("sp_generate: k: expected [1, 333, 2, 64] bf16"), std::string::npos)
+      << sp_last_error();
+  sp::HostTensor k_fp16(sp::DType::kFP16, {1, 333, 2, 64});
+  const sp_tensor ck16 = to_c(k_fp16.view());
+  EXPECT_EQ(sp_generate(&cc, &cq, &ck16, &cv), SP_ERR_INVALID_ARGUMENT);
+  sp_tensor strided = ck;
+  strided.stride[1] = 2 * 64 + 8;
+  EXPECT_EQ(sp_generate(&cc, &cq, &strided, &cv), SP_ERR_INVALID_ARGUMENT);
+  const sp_generator_config bad{1, 400, 333, 4, 2, 64, 1, 1.0};  // seq_q > seq_k
+  EXPECT_EQ(sp_generate(&bad, &cq, &ck, &cv), SP_ERR_INVALID_ARGUMENT);
+  EXPECT_EQ(sp_generate(nullptr, &cq, &ck, &cv), SP_ERR_INVALID_ARGUMENT);
+}
+
 }  // namespace
