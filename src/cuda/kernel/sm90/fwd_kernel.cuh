@@ -106,11 +106,11 @@ struct MeanMaps {
 };
 
 // Rows of one TMA box of paged K/V: gcd(page_size, 128), the largest power of two dividing
-// both (page_size is a multiple of 8, launch_fwd checks). A box then never crosses a page, the
-// boxes of a 128-key tile start at multiples of 8 rows of its stage (1024-byte aligned: the
-// 128B swizzle repeats every 8 rows of 128 bytes and is a function of the address bits, so
-// the boxes compose into exactly the layout one [128][64] box would write), and a tile is
-// 128 / rows boxes per d-half.
+// both (page_size is a multiple of 8, launch_fwd checks). A box then never crosses a page, and
+// the 128 / rows boxes of a tile's d-half start at multiples of 8 rows of its stage: 1024-byte
+// aligned, where the 128B swizzle pattern restarts (it repeats every 8 rows of 128 bytes:
+// 16-byte chunk c of row r lands at chunk c ^ (r % 8)), so they compose into exactly the
+// layout one [128][64] box writes and the consumers' descriptors read.
 __host__ __device__ __forceinline__ int paged_box_rows(int page_size) {
   const int low = page_size & -page_size;
   return low < 128 ? low : 128;
