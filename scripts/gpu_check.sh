@@ -7,7 +7,8 @@
 #      (extra bench/run_benchmarks.sh args), SP_TEST_FILTER (ctest -R regex), SP_TEST_TIMEOUT
 #      (seconds per test, default 300), SP_BENCH_SECONDS (default 420), SP_WITH_PYTHON=1 (also
 #      `pip install .` with CUDA, built beside the C++ build, then pytest over tests/python on
-#      the GPU: python/install.log, python/pytest.log; SP_PYTEST_SECONDS, default 240).
+#      the GPU: python/install.log, python/pytest.log; SP_PYTEST_SECONDS, default 240),
+#      SP_WITH_FA3=1 (then also scripts/fa3_check.sh: python/fa3*.{log,txt}), SP_MEMCHECK_FILTER.
 #      GoogleTest is taken from .carry/gtest when present.
 #      Every step has a time limit so the whole stays < 10 min.
 set -uo pipefail
@@ -74,26 +75,46 @@ timeout 360 ctest --test-dir "$build" -L gpu ${SP_TEST_FILTER:+-R "$SP_TEST_FILT
 tests_rc=$?
 grep -E "tests passed|Failed|\*\*\*" "$out/tests.log" | tail -20 | tee -a "$summary"
 
+# Correctness checks that time nothing run side by side on the GPU: compute-sanitizer, and with
+# SP_WITH_PYTHON the Python tests (and SP_WITH_FA3: FlashAttention-3's suite); the timing steps
+# below run alone.
 test_bin=$build/tests/cuda/cuda_attention_test
-[[ -z ${SP_SKIP_SANITIZER:-} ]] && note "compute-sanitizer" && {
+sanitizer() {
   timeout 240 compute-sanitizer --tool memcheck --error-exitcode 3 "$test_bin" \
-    --gtest_filter='CudaDense.GqaGroups*:CudaDense.VarlenChunked*:CudaBlockSparse.AllVisible*:CudaExactGate.MinusInfinity*:CudaEstimateSelect.VarlenBatchOfTwo:CudaPermuteStop.Varlen*'
+    --gtest_filter="${SP_MEMCHECK_FILTER:-CudaDense.GqaGroups*:CudaDense.VarlenChunked*:CudaBlockSparse.AllVisible*:CudaExactGate.MinusInfinity*:CudaEstimateSelect.VarlenBatchOfTwo:CudaPermuteStop.Varlen*}"
   echo "memcheck rc=$?"
   timeout 180 compute-sanitizer --tool racecheck --error-exitcode 3 "$test_bin" \
     --gtest_filter='CudaExactGate.MinusInfinity*:CudaSoftmaxSkip.OffWhen*:CudaPermuteStop.TauZero*'
   echo "racecheck rc=$?"
-} >"$out/sanitizer.log" 2>&1 && grep -E "rc=|ERROR SUMMARY|RACECHECK SUMMARY" "$out/sanitizer.log" | tee -a "$summary"
-
+}
+python_tests() {
+  SP_TEST_DEVICES=cuda timeout "${SP_PYTEST_SECONDS:-240}" "${PYTHON:-python3}" -m pytest -q \
+    -p no:cacheprovider --timeout=120 tests/python >"$out/python/pytest.log" 2>&1
+  echo "pytest rc=$?: $(tail -1 "$out/python/pytest.log")"
+  if [[ -n ${SP_WITH_FA3:-} ]]; then
+    "$root/scripts/fa3_check.sh" "$out/python" >/dev/null 2>&1
+    echo "$(head -1 "$out/python/fa3_summary.txt")"
+  fi
+}
+pids=()
+if [[ -z ${SP_SKIP_SANITIZER:-} ]]; then
+  note "compute-sanitizer (in the background)"
+  sanitizer >"$out/sanitizer.log" 2>&1 &
+  pids+=($!)
+fi
 if [[ -n ${SP_WITH_PYTHON:-} ]]; then
   if wait "$py_install"; then
-    note "pytest (CUDA)"
-    (cd "$root" && SP_TEST_DEVICES=cuda timeout "${SP_PYTEST_SECONDS:-240}" "${PYTHON:-python3}" -m pytest -q \
-      -p no:cacheprovider --timeout=120 tests/python >"$out/python/pytest.log" 2>&1)
-    note "pytest rc=$?: $(tail -1 "$out/python/pytest.log")"
+    note "pytest${SP_WITH_FA3:+ and the FlashAttention-3 suite} (CUDA, in the background)"
+    python_tests >"$out/python/summary.txt" 2>&1 &
+    pids+=($!)
   else
     note "pip install FAILED: $(tail -3 "$out/python/install.out")"
   fi
 fi
+((${#pids[@]})) && wait "${pids[@]}"
+[[ -f $out/sanitizer.log ]] && grep -E "rc=|ERROR SUMMARY|RACECHECK SUMMARY" "$out/sanitizer.log" | tee -a "$summary"
+[[ -f $out/python/summary.txt ]] && tee -a "$summary" <"$out/python/summary.txt"
+note "correctness checks done"
 
 if [[ -z ${SP_SKIP_TILES:-} && -x $build/src/cuda/sp_cuda_tiles ]]; then
   note "kernel tiles"
