@@ -254,10 +254,14 @@ Status cache_hopper_maps(const AttentionProblem& problem, const ProblemShape& sh
       return kUploadRefused;
     }
   } cache_only{shape.device.index, stream, {}};
-  // The maps depend on q, k, v and the sequence table only: any output layout and the dense
-  // mode serve (mean-correction maps are kernel parameters, not cached).
+  // The maps depend on q, k, v, the sequence table and (paged K/V) the block table only: any
+  // output layout and the dense mode serve (mean-correction maps are kernel parameters, not
+  // cached).
   const FwdParams p = make_fwd_params(problem, shape, AttentionOutput{problem.q, TensorView{}}, hopper_block_k());
-  const int err = find_fwd90(shape.dtype, shape.d)->launch(p, seqs.data(), {&cache_only, &CacheOnly::call}, stream);
+  const bool paged = shape.kv_layout == KvLayout::kPaged;
+  const std::vector<std::int32_t> table = paged ? compact_block_table(problem, shape) : std::vector<std::int32_t>{};
+  const int err = find_fwd90(shape.dtype, shape.d, paged)
+                      ->launch(p, seqs.data(), paged ? table.data() : nullptr, {&cache_only, &CacheOnly::call}, stream);
   SP_RETURN_IF_ERROR(cache_only.status);
   // cudaErrorNotSupported: the driver cannot describe these tensors; the runs take the portable
   // kernel, which needs no maps. 0: an empty grid, nothing to map.
@@ -332,18 +336,19 @@ Status run_permute_stop(const ProblemShape& shape, const PermuteStopParams& pol,
 
 // The call's small metadata on the device: the sequence table (`planned`, a plan's copy of the
 // same bytes, when given) and, for paged K/V, the used entries of the (validated, host) block
-// table, compacted and kept on the device like the other metadata: the kernels translate
-// every K/V row through it.
+// table, compacted (*table: the host copy, which the Hopper kernel's tensor maps need) and kept
+// on the device like the other metadata: the kernels translate every K/V row through it.
 Status upload_metadata(const AttentionProblem& problem, const ProblemShape& shape, const std::vector<SeqInfo>& seqs,
-                       const SeqInfo* planned, Scratch* scratch, FwdParams* p) {
+                       const SeqInfo* planned, Scratch* scratch, FwdParams* p, std::vector<std::int32_t>* table) {
   if (planned != nullptr) {
     p->seqs = planned;
   } else {
     SP_RETURN_IF_ERROR(scratch->upload(seqs, &p->seqs));
   }
+  table->clear();
   if (shape.kv_layout == KvLayout::kPaged) {
-    const std::vector<std::int32_t> table = compact_block_table(problem, shape);
-    SP_RETURN_IF_ERROR(scratch->upload(table, &p->paged.block_table));
+    *table = compact_block_table(problem, shape);
+    SP_RETURN_IF_ERROR(scratch->upload(*table, &p->paged.block_table));
   }
   return {};
 }
@@ -580,7 +585,8 @@ Status select_cuda(const AttentionProblem& problem, const ProblemShape& shape, c
   Scratch scratch(stream, pool, shape.device.index, capturing);
   FwdParams p = make_fwd_params(problem, shape, no_output, block_k);
   const std::vector<SeqInfo> seqs = make_seq_infos(problem, shape, no_output);
-  SP_RETURN_IF_ERROR(upload_metadata(problem, shape, seqs, nullptr, &scratch, &p));
+  std::vector<std::int32_t> table;
+  SP_RETURN_IF_ERROR(upload_metadata(problem, shape, seqs, nullptr, &scratch, &p, &table));
   Selection sel;
   SP_RETURN_IF_ERROR(launch_selection(shape, p, params, &scratch, stream, &sel));
   *decisions = Decisions{};
@@ -625,9 +631,10 @@ Status run_cuda(const AttentionProblem& problem, const ProblemShape& shape, cons
 
   FwdParams p = make_fwd_params(problem, shape, output, block_k);
   const std::vector<SeqInfo> seqs = make_seq_infos(problem, shape, output);
+  std::vector<std::int32_t> table;  // paged K/V: the compact block table (host copy)
   SP_RETURN_IF_ERROR(upload_metadata(problem, shape, seqs,
                                      plan != nullptr && same_bytes(seqs, plan->seqs_host) ? plan->seqs : nullptr,
-                                     &scratch, &p));
+                                     &scratch, &p, &table));
   int cc_major = 0, cc_minor = 0;
   SP_RETURN_IF_ERROR(compute_capability(shape.device.index, &cc_major, &cc_minor));
   const FwdPath path = t_portable_only ? FwdPath::kPortable
@@ -723,10 +730,11 @@ Status run_cuda(const AttentionProblem& problem, const ProblemShape& shape, cons
 
   bool launched = false;
   if (path == FwdPath::kHopper) {
-    const Fwd90Variant* fwd90 = find_fwd90(shape.dtype, shape.d);
+    const bool paged = shape.kv_layout == KvLayout::kPaged;
+    const Fwd90Variant* fwd90 = find_fwd90(shape.dtype, shape.d, paged);
     UploadContext upload_context{&scratch, {}};
     const HostUpload upload{&upload_context, &UploadContext::call};
-    const int err = fwd90->launch(p, seqs.data(), upload, stream);
+    const int err = fwd90->launch(p, seqs.data(), paged ? table.data() : nullptr, upload, stream);
     if (err == kUploadRefused) return upload_context.status;
     // cudaErrorNotSupported: the driver cannot encode the tensor maps; nothing was enqueued.
     if (err != cudaErrorNotSupported) {

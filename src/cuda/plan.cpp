@@ -62,8 +62,8 @@ std::string support_summary() {
          "; block_q 128, block_k 64 or 128; estimate_select block 128; policies dense, block_sparse, "
          "exact_gate, softmax_skip, estimate_select, permute_stop (block_q 128, block_k 64 or 128, at most 2^31 - 1 "
          "ranked prefix keys per call); Hopper sm90 path (compute capability 9.0: dense and every policy but "
-         "permute_stop with 128-key blocks on contiguous K/V; block_k 64 and paged K/V use the portable path "
-         "there): " +
+         "permute_stop with 128-key blocks, contiguous K/V or pages of a multiple of 8 keys; block_k 64 and other "
+         "page sizes use the portable path there): " +
          compiled_fwd90_summary() + "; paged K/V (any page size) on the portable path, every policy but permute_stop; "
          "not on CUDA: fp32";
 }
@@ -82,12 +82,16 @@ bool tma_describable(const AttentionProblem& problem) {
 
 int hopper_block_k() { return 128; }
 
+bool hopper_page_size(int page_size) { return page_size % 8 == 0; }
+
 FwdPath choose_fwd_path(const ProblemShape& shape, const Policy& policy, bool tma_ok, int cc_major, int cc_minor) {
   const bool hopper = cc_major == 9 && cc_minor == 0;
-  // The Hopper kernel's tensor maps describe contiguous K/V rows only: paged calls keep the
-  // portable kernel, whose loads go through the block table.
+  // Paged K/V: the Hopper kernel's paged instances load a key tile as TMA boxes of whole
+  // 8-row groups of one page; other page sizes keep the portable kernel, whose loads go
+  // through the block table row by row.
   const bool paged = shape.kv_layout == KvLayout::kPaged;
-  if (!hopper || paged || !tma_ok || find_fwd90(shape.dtype, shape.d) == nullptr) return FwdPath::kPortable;
+  const bool kv_ok = !paged || hopper_page_size(shape.page_size);
+  if (!hopper || !kv_ok || !tma_ok || find_fwd90(shape.dtype, shape.d, paged) == nullptr) return FwdPath::kPortable;
   // The Hopper kernel's key tile is one 128-key block: dense (no blocks) and every policy with
   // 128-key blocks run there; 64-key blocks keep the portable kernel's 64-key sub-tiles.
   const bool served = std::visit(

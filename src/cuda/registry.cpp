@@ -13,7 +13,7 @@ constexpr FwdVariant kFwdVariants[] = {
 #define SP_FWD_VARIANT(fn, dtype, head_dim) {#fn, DType::dtype, head_dim, &fn},
 #define SP_SELECT_VARIANT(fn, dtype, head_dim)
 #define SP_PERMUTE_VARIANT(fn, dtype, head_dim)
-#define SP_FWD90_VARIANT(fn, dtype, head_dim)
+#define SP_FWD90_VARIANT(fn, dtype, head_dim, paged)
 #define SP_CALIB_VARIANT(fn, dtype, head_dim)
 #include "cuda/instances/registry.inc"
 #undef SP_FWD_VARIANT
@@ -27,7 +27,7 @@ constexpr SelectVariant kSelectVariants[] = {
 #define SP_FWD_VARIANT(fn, dtype, head_dim)
 #define SP_SELECT_VARIANT(fn, dtype, head_dim) {#fn, DType::dtype, head_dim, &fn},
 #define SP_PERMUTE_VARIANT(fn, dtype, head_dim)
-#define SP_FWD90_VARIANT(fn, dtype, head_dim)
+#define SP_FWD90_VARIANT(fn, dtype, head_dim, paged)
 #define SP_CALIB_VARIANT(fn, dtype, head_dim)
 #include "cuda/instances/registry.inc"
 #undef SP_FWD_VARIANT
@@ -41,7 +41,7 @@ constexpr Fwd90Variant kFwd90Variants[] = {
 #define SP_FWD_VARIANT(fn, dtype, head_dim)
 #define SP_SELECT_VARIANT(fn, dtype, head_dim)
 #define SP_PERMUTE_VARIANT(fn, dtype, head_dim)
-#define SP_FWD90_VARIANT(fn, dtype, head_dim) {#fn, DType::dtype, head_dim, &fn},
+#define SP_FWD90_VARIANT(fn, dtype, head_dim, paged) {#fn, DType::dtype, head_dim, paged, &fn},
 #define SP_CALIB_VARIANT(fn, dtype, head_dim)
 #include "cuda/instances/registry.inc"
 #undef SP_FWD_VARIANT
@@ -55,7 +55,7 @@ constexpr PermuteVariant kPermuteVariants[] = {
 #define SP_FWD_VARIANT(fn, dtype, head_dim)
 #define SP_SELECT_VARIANT(fn, dtype, head_dim)
 #define SP_PERMUTE_VARIANT(fn, dtype, head_dim) {#fn, DType::dtype, head_dim, &fn},
-#define SP_FWD90_VARIANT(fn, dtype, head_dim)
+#define SP_FWD90_VARIANT(fn, dtype, head_dim, paged)
 #define SP_CALIB_VARIANT(fn, dtype, head_dim)
 #include "cuda/instances/registry.inc"
 #undef SP_FWD_VARIANT
@@ -69,7 +69,7 @@ constexpr CalibVariant kCalibVariants[] = {
 #define SP_FWD_VARIANT(fn, dtype, head_dim)
 #define SP_SELECT_VARIANT(fn, dtype, head_dim)
 #define SP_PERMUTE_VARIANT(fn, dtype, head_dim)
-#define SP_FWD90_VARIANT(fn, dtype, head_dim)
+#define SP_FWD90_VARIANT(fn, dtype, head_dim, paged)
 #define SP_CALIB_VARIANT(fn, dtype, head_dim) {#fn, DType::dtype, head_dim, &fn},
 #include "cuda/instances/registry.inc"
 #undef SP_FWD_VARIANT
@@ -102,9 +102,9 @@ const PermuteVariant* find_permute(DType dtype, int head_dim) {
   return nullptr;
 }
 
-const Fwd90Variant* find_fwd90(DType dtype, int head_dim) {
+const Fwd90Variant* find_fwd90(DType dtype, int head_dim, bool paged) {
   for (const Fwd90Variant& v : kFwd90Variants) {
-    if (v.dtype == dtype && v.head_dim == head_dim) return &v;
+    if (v.dtype == dtype && v.head_dim == head_dim && v.paged == paged) return &v;
   }
   return nullptr;
 }
@@ -129,7 +129,7 @@ std::string compiled_fwd90_summary() {
   std::ostringstream os;
   for (std::size_t i = 0; i < std::size(kFwd90Variants); ++i) {
     const Fwd90Variant& v = kFwd90Variants[i];
-    os << (i ? ", " : "") << dtype_name(v.dtype) << " d=" << v.head_dim;
+    os << (i ? ", " : "") << dtype_name(v.dtype) << " d=" << v.head_dim << (v.paged ? " paged" : "");
   }
   return os.str();
 }

@@ -46,11 +46,13 @@ struct HostUpload {
 // returns it unchanged and the backend reports why.
 constexpr int kUploadRefused = -1;
 
-// Hopper (sm_90a) forward instances also take the host copy of params.seqs and the uploader
-// for their per-sequence TMA tensor maps (batch · kFwd90MapBytesPerSeq bytes).
+// Hopper (sm_90a) forward instances also take the host copy of params.seqs, for paged K/V the
+// host copy of params.paged.block_table (compact_block_table; nullptr for contiguous K/V), and
+// the uploader for their per-sequence TMA tensor maps (batch · kFwd90MapBytesPerSeq bytes, and
+// kFwd90MapBytesPerSeq more for paged K/V: the maps over the whole cache).
 // cudaErrorNotSupported means nothing was enqueued: the driver cannot describe the tensors.
-using Fwd90LaunchFn = int (*)(const FwdParams& params, const SeqInfo* host_seqs, const HostUpload& upload,
-                              void* stream);
+using Fwd90LaunchFn = int (*)(const FwdParams& params, const SeqInfo* host_seqs, const std::int32_t* host_block_table,
+                              const HostUpload& upload, void* stream);
 constexpr std::size_t kFwd90MapBytesPerSeq = 3 * 128;  // CUtensorMap of q, k and v
 
 struct FwdVariant {
@@ -61,9 +63,10 @@ struct FwdVariant {
 };
 
 struct Fwd90Variant {
-  const char* name;  // e.g. "fwd_sm90_bf16_hd128"
+  const char* name;  // e.g. "fwd_sm90_bf16_hd128", "fwd_sm90_paged_bf16_hd128"
   DType dtype;
   int head_dim;
+  bool paged;  // reads K/V through the block table (contiguous K/V otherwise)
   Fwd90LaunchFn launch;
 };
 
@@ -92,8 +95,9 @@ struct CalibVariant {
 #define SP_SELECT_VARIANT(fn, dtype, head_dim) int fn(const SelectParams& params, void* stream);
 #define SP_CALIB_VARIANT(fn, dtype, head_dim) int fn(const CalibParams& params, void* stream);
 #define SP_PERMUTE_VARIANT(fn, dtype, head_dim) int fn(PermuteParams& params, void* stream);
-#define SP_FWD90_VARIANT(fn, dtype, head_dim) \
-  int fn(const FwdParams& params, const SeqInfo* host_seqs, const HostUpload& upload, void* stream);
+#define SP_FWD90_VARIANT(fn, dtype, head_dim, paged)                                                   \
+  int fn(const FwdParams& params, const SeqInfo* host_seqs, const std::int32_t* host_block_table, \
+         const HostUpload& upload, void* stream);
 #include "cuda/instances/registry.inc"
 #undef SP_FWD_VARIANT
 #undef SP_SELECT_VARIANT
@@ -101,11 +105,12 @@ struct CalibVariant {
 #undef SP_FWD90_VARIANT
 #undef SP_CALIB_VARIANT
 
-// The instance for (dtype, head_dim), or nullptr when none is compiled.
+// The instance for (dtype, head_dim) (and, for the Hopper kernel, K/V paged or not), or
+// nullptr when none is compiled.
 const FwdVariant* find_fwd(DType dtype, int head_dim);
 const SelectVariant* find_select(DType dtype, int head_dim);
 const PermuteVariant* find_permute(DType dtype, int head_dim);
-const Fwd90Variant* find_fwd90(DType dtype, int head_dim);
+const Fwd90Variant* find_fwd90(DType dtype, int head_dim, bool paged);
 const CalibVariant* find_calib(DType dtype, int head_dim);
 // "bf16 d=64, ..." for messages, and one instance name per line for build_info.
 std::string compiled_fwd_summary();

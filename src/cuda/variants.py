@@ -16,7 +16,10 @@ Two kernel families: the portable sm80 path (FWD/SELECT/PERMUTE/CALIB plus permu
 dtype-free sort instance, every architecture of SP_PORTABLE_ARCHS) and the Hopper sm90 path
 (FWD90: dense and every policy but permute_stop on 128-key blocks, compiled for sm_90a alone;
 file names contain "sm90", which src/cuda/CMakeLists.txt uses to build them as their own
-target).
+target). The Hopper path has one more axis:
+  kv        contiguous or paged: the producer's K/V loads (contiguous tensor maps, or boxes
+            through the block table) differ at compile time, so the contiguous instances keep
+            exactly the code they had before paged K/V ran there.
 """
 
 import argparse
@@ -55,8 +58,11 @@ SM90_DTYPES = ("bf16", "fp16")
 SM90_HEAD_DIMS = (64, 128)
 
 
-def fwd90_name(dtype, d):
-    return f"fwd_sm90_{dtype}_hd{d}"
+SM90_KV = (False, True)  # paged K/V
+
+
+def fwd90_name(dtype, d, paged):
+    return f"fwd_sm90_{'paged_' if paged else ''}{dtype}_hd{d}"
 
 
 def expected_files():
@@ -64,7 +70,7 @@ def expected_files():
     registry = [HEADER, "// SP_FWD_VARIANT(launch function, DType enumerator, head_dim)\n",
                 "// SP_SELECT_VARIANT(launch function, DType enumerator, head_dim)\n",
                 "// SP_PERMUTE_VARIANT(launch function, DType enumerator, head_dim)\n",
-                "// SP_FWD90_VARIANT(launch function, DType enumerator, head_dim)\n",
+                "// SP_FWD90_VARIANT(launch function, DType enumerator, head_dim, paged)\n",
                 "// SP_CALIB_VARIANT(launch function, DType enumerator, head_dim)\n"]
     for dtype, (enum, is_bf16) in DTYPES.items():
         for d in HEAD_DIMS:
@@ -121,21 +127,24 @@ def expected_files():
         + "  return permute::sort_pairs_descending(s, temp_bytes, current, stream);\n"
         + "}\n\n}  // namespace sparseprefill::cuda\n"
     )
-    for dtype in SM90_DTYPES:
-        enum, is_bf16 = DTYPES[dtype]
-        for d in SM90_HEAD_DIMS:
-            name = fwd90_name(dtype, d)
-            files[f"{name}.cu"] = (
-                HEADER
-                + '#include "cuda/kernel/sm90/fwd_kernel.cuh"\n'
-                + '#include "cuda/registry.h"\n\n'
-                + "namespace sparseprefill::cuda {\n\n"
-                + "static_assert(sizeof(sm90::SeqMaps) == kFwd90MapBytesPerSeq);\n\n"
-                + f"int {name}(const FwdParams& params, const SeqInfo* host_seqs, const HostUpload& upload, void* stream) {{\n"
-                + f"  return sm90::launch_fwd<sm90::FwdConfig<{is_bf16}, {d}>>(params, host_seqs, upload, stream);\n"
-                + "}\n\n}  // namespace sparseprefill::cuda\n"
-            )
-            registry.append(f"SP_FWD90_VARIANT({name}, {enum}, {d})\n")
+    for paged in SM90_KV:
+        for dtype in SM90_DTYPES:
+            enum, is_bf16 = DTYPES[dtype]
+            for d in SM90_HEAD_DIMS:
+                name = fwd90_name(dtype, d, paged)
+                config = f"sm90::FwdConfig<{is_bf16}, {d}{', true' if paged else ''}>"
+                files[f"{name}.cu"] = (
+                    HEADER
+                    + '#include "cuda/kernel/sm90/fwd_kernel.cuh"\n'
+                    + '#include "cuda/registry.h"\n\n'
+                    + "namespace sparseprefill::cuda {\n\n"
+                    + "static_assert(sizeof(sm90::SeqMaps) == kFwd90MapBytesPerSeq);\n\n"
+                    + f"int {name}(const FwdParams& params, const SeqInfo* host_seqs, const std::int32_t* host_block_table,\n"
+                    + f"{' ' * (len(name) + 5)}const HostUpload& upload, void* stream) {{\n"
+                    + f"  return sm90::launch_fwd<{config}>(params, host_seqs, host_block_table, upload, stream);\n"
+                    + "}\n\n}  // namespace sparseprefill::cuda\n"
+                )
+                registry.append(f"SP_FWD90_VARIANT({name}, {enum}, {d}, {'true' if paged else 'false'})\n")
     files["registry.inc"] = "".join(registry)
     return files
 

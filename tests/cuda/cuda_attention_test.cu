@@ -13,6 +13,7 @@
 #include <cstdint>
 #include <cstring>
 #include <functional>
+#include <initializer_list>
 #include <limits>
 #include <string>
 #include <utility>
@@ -735,10 +736,13 @@ TEST(CudaPermuteStop, NaNValuesOfUnvisitedChunksAreNeverRead) {
 
 // ------------------------------------------------------------------ paged K/V
 
-// Page sizes of the paged checks: one key per page, pages smaller than a 64-key sub-tile (a
-// sub-tile spans pages: rows translated one by one), equal to it and larger than a 128-key
-// block (a sub-tile lies in one page: translated once).
-constexpr int kPageSizes[] = {1, 16, 64, 256};
+// Page sizes of the paged checks. Portable kernel: one key per page and pages smaller than a
+// 64-key sub-tile (a sub-tile spans pages: rows translated one by one), equal to it and larger
+// than a 128-key block (a sub-tile lies in one page: translated once). Hopper kernel (page
+// sizes that are multiples of 8, hopper_page_size): TMA boxes of 8 rows (pages of 8, and of
+// 24: three boxes per page, pages straddling key tiles), one box per page (16, 64) and two
+// tiles per page (256, boxes of 128 rows); pages of 1 and 3 stay portable there.
+constexpr int kPageSizes[] = {1, 3, 8, 16, 24, 64, 256};
 
 TestProblem paged_problem(const Inputs& in, int page_size, bool causal = true) {
   LayoutOptions opt;
@@ -749,38 +753,59 @@ TestProblem paged_problem(const Inputs& in, int page_size, bool causal = true) {
   return build_problem(in, opt);
 }
 
+// The forward kernel `ran` must be for a call whose expected_instance_prefix is `want`: on the
+// Hopper path a paged call runs the paged instance.
+void expect_instance(const std::string& ran, const std::string& want, bool paged) {
+  const std::string prefix = paged && want == "fwd_sm90_" ? "fwd_sm90_paged_" : want;
+  EXPECT_EQ(ran.rfind(prefix, 0), 0u) << "ran " << ran << ", expected " << prefix << "*";
+}
+
 // `policy` on paged K/V (shuffled pages, NaN in every storage no valid key uses) at every page
-// size of kPageSizes against the same call on contiguous varlen K/V on the portable kernel:
-// the same decisions (the oracle's and the CPU backend's too), O and LSE bit for bit (the same
-// tiles reach shared memory, only their addresses differ), every output written and within
-// the calibrated tolerance of the oracle. Paged calls must run the portable kernel.
+// size of kPageSizes against the same call on contiguous varlen K/V, on both paths (the
+// default one, asserted through the instance that ran, and the portable kernel, forced): the
+// same decisions (the oracle's and the CPU backend's too), O and LSE bit for bit with the
+// contiguous call on the same kernel (the same tiles reach shared memory, only their
+// addresses differ; the Hopper kernel's paged boxes compose into the contiguous tile, rows
+// past s_k masked as there), every output written and within the calibrated tolerance of the
+// oracle.
 void expect_paged_equals_contiguous(const Inputs& in, const Policy& policy, bool causal = true) {
   TestProblem contiguous = make_problem(in, causal, Layout::kVarlen);
   const ref::Result ref64 = oracle(contiguous, policy);
   ref::Result lowp;
   const Status st = run_lowp_reference(contiguous.problem(), policy, ref64.decisions, &lowp);
   ASSERT_TRUE(st.ok()) << st.to_string();
-  const GpuRun want = [&] {
-    const PortableOnly portable(true);  // dense on contiguous K/V would take the Hopper kernel
-    return run_gpu(&contiguous, policy);
-  }();
-  ASSERT_TRUE(want.status.ok()) << want.status.to_string();
-  EXPECT_TRUE(fully_written(want.out, ref64));
-  EXPECT_TRUE(close_calibrated(in.dtype, want.out, ref64, lowp));
-  EXPECT_TRUE(same_decisions(ref64.decisions, want.decisions));
   TestProblem copy = contiguous;
-  EXPECT_TRUE(same_decisions(cpu_decisions(&copy, policy), want.decisions));
+  const Decisions cpu = cpu_decisions(&copy, policy);
+  std::vector<GpuRun> want;  // contiguous: default path, portable path
+  for (bool portable : {false, true}) {
+    SCOPED_TRACE(portable ? "contiguous, portable path" : "contiguous, default path");
+    const PortableOnly guard(portable);
+    want.push_back(run_gpu(&contiguous, policy));
+    const GpuRun& w = want.back();
+    ASSERT_TRUE(w.status.ok()) << w.status.to_string();
+    expect_instance(cuda::last_fwd_instance_for_testing(), expected_instance_prefix(contiguous, policy, portable), false);
+    EXPECT_TRUE(fully_written(w.out, ref64));
+    EXPECT_TRUE(close_calibrated(in.dtype, w.out, ref64, lowp));
+    EXPECT_TRUE(same_decisions(ref64.decisions, w.decisions));
+    EXPECT_TRUE(same_decisions(cpu, w.decisions));
+  }
+  const bool contiguous_hopper = expected_instance_prefix(contiguous, policy, false) == "fwd_sm90_";
   for (int page : kPageSizes) {
-    SCOPED_TRACE("page_size " + std::to_string(page));
     TestProblem paged = paged_problem(in, page, causal);
-    const GpuRun got = run_gpu(&paged, policy);
-    ASSERT_TRUE(got.status.ok()) << got.status.to_string();
-    const std::string ran = cuda::last_fwd_instance_for_testing();
-    EXPECT_EQ(ran.rfind("fwd_sm80_", 0), 0u) << "paged K/V ran " << ran;
-    EXPECT_TRUE(fully_written(got.out, ref64));
-    EXPECT_TRUE(close_calibrated(in.dtype, got.out, ref64, lowp));
-    EXPECT_TRUE(same_decisions(want.decisions, got.decisions));
-    EXPECT_TRUE(same_result(got.out, want.out, 0.0));
+    for (bool portable : {false, true}) {
+      SCOPED_TRACE("page_size " + std::to_string(page) + (portable ? ", portable path" : ", default path"));
+      const PortableOnly guard(portable);
+      const GpuRun got = run_gpu(&paged, policy);
+      ASSERT_TRUE(got.status.ok()) << got.status.to_string();
+      const std::string expected = expected_instance_prefix(paged, policy, portable);
+      expect_instance(cuda::last_fwd_instance_for_testing(), expected, true);
+      const bool hopper = expected == "fwd_sm90_";
+      if (hopper) EXPECT_TRUE(contiguous_hopper);
+      EXPECT_TRUE(fully_written(got.out, ref64));
+      EXPECT_TRUE(close_calibrated(in.dtype, got.out, ref64, lowp));
+      EXPECT_TRUE(same_decisions(ref64.decisions, got.decisions));
+      EXPECT_TRUE(same_result(got.out, want[hopper ? 0 : 1].out, 0.0));
+    }
   }
 }
 
@@ -879,10 +904,13 @@ TEST(CudaPaged, EstimateSelectEqualsContiguous) {
 constexpr int kQueryBlock = 128;  // block_q of every policy on CUDA
 
 // A prompt of `n` tokens prefilled in chunks of 512 and of 1024 queries, each chunk a paged
-// call (pages of 16 keys) over the prefix so far plus itself, against the one-shot call:
-// every chunk's decisions equal the one-shot oracle's rows exactly, and the chunks' outputs
-// put together are within the calibrated tolerance of the one-shot oracle. `chunk_policy`
-// gives the policy of the chunk ending at key c1 (softmax_skip rescales `a`: docs/cuda.md).
+// call (pages of 16 keys) over the prefix so far plus itself, against the one-shot call, on
+// both paths (the default one, asserted through the instance that ran: on an sm_90 device the
+// Hopper kernel's paged instance for dense and 128-key blocks; and the portable kernel,
+// forced): every chunk's decisions equal the one-shot oracle's rows exactly, and the chunks'
+// outputs put together are within the calibrated tolerance of the one-shot oracle.
+// `chunk_policy` gives the policy of the chunk ending at key c1 (softmax_skip rescales `a`:
+// docs/cuda.md).
 void expect_chunks_equal_one_shot(const Inputs& full, const Policy& policy,
                                   const std::function<Policy(std::int64_t)>& chunk_policy) {
   const std::int64_t n = full.s_q(0);
@@ -892,8 +920,10 @@ void expect_chunks_equal_one_shot(const Inputs& full, const Policy& policy,
   const Status st = run_lowp_reference(one_shot.problem(), policy, ref64.decisions, &lowp);
   ASSERT_TRUE(st.ok()) << st.to_string();
   const bool dense = std::holds_alternative<DenseParams>(policy);
-  for (std::int64_t chunk : {512, 1024}) {
-    SCOPED_TRACE("chunks of " + std::to_string(chunk));
+  for (const auto& [chunk, portable] :
+       std::initializer_list<std::pair<std::int64_t, bool>>{{512, false}, {512, true}, {1024, false}, {1024, true}}) {
+    SCOPED_TRACE("chunks of " + std::to_string(chunk) + (portable ? ", portable path" : ", default path"));
+    const PortableOnly guard(portable);
     ref::Result joined;
     joined.o.assign(ref64.o.size(), kNaN);
     joined.lse.assign(ref64.lse.size(), kNaN);
@@ -901,8 +931,10 @@ void expect_chunks_equal_one_shot(const Inputs& full, const Policy& policy,
       const std::int64_t c1 = std::min(n, c0 + chunk);
       SCOPED_TRACE("chunk [" + std::to_string(c0) + ", " + std::to_string(c1) + ")");
       TestProblem tp = paged_problem(chunk_of(full, c0, c1), 16);
-      const GpuRun r = run_gpu(&tp, chunk_policy(c1));
+      const Policy chunk_call = chunk_policy(c1);
+      const GpuRun r = run_gpu(&tp, chunk_call);
       ASSERT_TRUE(r.status.ok()) << r.status.to_string();
+      expect_instance(cuda::last_fwd_instance_for_testing(), expected_instance_prefix(tp, chunk_call, portable), true);
       const std::int64_t rows = c1 - c0, row_elems = static_cast<std::int64_t>(full.h_q) * full.d;
       std::copy(r.out.o.begin(), r.out.o.end(), joined.o.begin() + c0 * row_elems);
       for (int h = 0; h < full.h_q; ++h) {

@@ -124,7 +124,7 @@ test::TestProblem paged_problem(int page_size, ProblemShape* shape) {
   return tp;
 }
 
-TEST(CudaPlan, PagedKvRunsEveryPolicyButPermuteStopOnThePortablePath) {
+TEST(CudaPlan, PagedKvRunsEveryPolicyButPermuteStop) {
   ProblemShape s;
   const test::TestProblem tp = paged_problem(16, &s);
   ASSERT_EQ(s.kv_layout, KvLayout::kPaged);
@@ -140,18 +140,41 @@ TEST(CudaPlan, PagedKvRunsEveryPolicyButPermuteStopOnThePortablePath) {
   const Status stop = check_support(s, PermuteStopParams{}, &n);
   EXPECT_EQ(stop.code(), StatusCode::kUnsupported);
   EXPECT_NE(stop.message().find("paged K/V"), std::string::npos) << stop.message();
-  // Dense and the 128-key-block policies on compute capability 9.0 would take the Hopper
-  // kernel, whose tensor maps describe contiguous rows only: paged K/V stays on the portable
-  // kernel.
-  ExactGateParams gate128;
-  gate128.block_k = 128;
-  EstimateSelectParams select;
-  select.block = 128;
-  for (const Policy& policy : {Policy{DenseParams{}}, Policy{gate128}, Policy{select}}) {
-    EXPECT_EQ(choose_fwd_path(s, policy, true, 9, 0), FwdPath::kPortable) << policy_name(policy);
-  }
   EXPECT_EQ(support_summary().find("paged K/V is not"), std::string::npos);
   EXPECT_NE(support_summary().find("paged K/V"), std::string::npos);
+  EXPECT_NE(support_summary().find("pages of a multiple of 8 keys"), std::string::npos);
+}
+
+TEST(CudaPlan, PagedKvOnTheHopperPathForPagesOfMultiplesOf8Keys) {
+  for (int page_size : {1, 2, 3, 4, 12, 20}) EXPECT_FALSE(hopper_page_size(page_size)) << page_size;
+  for (int page_size : {8, 16, 24, 32, 64, 128, 256, 384, 512}) EXPECT_TRUE(hopper_page_size(page_size)) << page_size;
+  ExactGateParams gate128;
+  gate128.block_k = 128;
+  ExactGateParams gate64;
+  gate64.block_k = 64;
+  EstimateSelectParams select;
+  select.block = 128;
+  select.mean_correction = true;
+  BlockSparseParams mask;
+  for (int page_size : {1, 3, 8, 16, 24, 64, 256}) {
+    SCOPED_TRACE("page_size " + std::to_string(page_size));
+    ProblemShape s;
+    const test::TestProblem tp = paged_problem(page_size, &s);
+    ASSERT_EQ(s.kv_layout, KvLayout::kPaged);
+    mask.mask = BlockMask::empty(s, 128, 128, false);
+    // Dense and the 128-key-block policies run the Hopper kernel's paged instances on 9.0 when
+    // the pages are whole 8-row groups (the kernel's TMA boxes); pages of 1 and 3 keys and
+    // 64-key blocks keep the portable kernel, as do other devices and tensors TMA cannot
+    // describe.
+    const FwdPath want = page_size % 8 == 0 ? FwdPath::kHopper : FwdPath::kPortable;
+    for (const Policy& policy : {Policy{DenseParams{}}, Policy{gate128}, Policy{select}, Policy{mask}}) {
+      EXPECT_EQ(choose_fwd_path(s, policy, true, 9, 0), want) << policy_name(policy);
+      EXPECT_EQ(choose_fwd_path(s, policy, true, 8, 0), FwdPath::kPortable) << policy_name(policy);
+      EXPECT_EQ(choose_fwd_path(s, policy, false, 9, 0), FwdPath::kPortable) << policy_name(policy);
+    }
+    EXPECT_EQ(choose_fwd_path(s, gate64, true, 9, 0), FwdPath::kPortable);
+    EXPECT_EQ(choose_fwd_path(s, PermuteStopParams{}, true, 9, 0), FwdPath::kPortable);
+  }
 }
 
 TEST(CudaPlan, PagedParamsAndTheCompactBlockTable) {

@@ -4,9 +4,9 @@
 // masks at 5/20/50% density (the kernel alone, no host-side mask handling); exact_gate with
 // T = -inf (gate overhead, everything kept) and T = +inf (only the partial blocks kept: the
 // Q·Kᵀ-only floor of skipped blocks), block_k 64 and 128 on the portable kernel and 128 on the
-// Hopper kernel (which runs when the device is compute capability 9.0); paged K/V on the
-// portable kernel (pages of 16 and 64 keys in a shuffled order, dense and the 20% mask) against
-// the same contiguous calls. The measurements behind docs/cuda.md. `sp_cuda_tiles calib`:
+// Hopper kernel (which runs when the device is compute capability 9.0); paged K/V on both
+// kernels (pages of 16 and 64 keys in a shuffled order, dense and the 20% mask) against the
+// same contiguous calls. The measurements behind docs/cuda.md. `sp_cuda_tiles calib`:
 // instead, the calibration statistics of one layer of a 128K-token sample through the public
 // API (calibration.h), each step timed on its own.
 #include <cuda_runtime.h>
@@ -160,15 +160,17 @@ void run_shape(const Shape& sh) {
     if (const FwdVariant* var = find_fwd(dtype, sh.d)) {
       instances.push_back({var->name, [var](const FwdParams& fp) { return var->launch(fp, nullptr); }, false});
     }
-    const Fwd90Variant* var90 = find_fwd90(dtype, sh.d);
+    const Fwd90Variant* var90 = find_fwd90(dtype, sh.d, false);
     if (var90 != nullptr && hopper) {
       instances.push_back({var90->name,
                            [var90, &seq, &maps](const FwdParams& fp) {
                              const HostUpload upload{&maps, &CachedUpload::call};
-                             return var90->launch(fp, &seq, upload, nullptr);
+                             return var90->launch(fp, &seq, nullptr, upload, nullptr);
                            },
                            true});
     }
+    // The paged Hopper instance (time_paged), launched with the host copy of its block table.
+    const Fwd90Variant* var90_paged = hopper ? find_fwd90(dtype, sh.d, true) : nullptr;
     for (const Instance& inst : instances) {
       const char* tag = inst.name.c_str();
       p.mode = PolicyMode::kDense;
@@ -178,9 +180,9 @@ void run_shape(const Shape& sh) {
                   static_cast<long long>(sh.s), dense, flop / dense * 1e-9);
       // The same call on K/V read as pages of `page` keys through a shuffled block table (the
       // buffers are reinterpreted as [s / page, page, h_kv, d]; timing does not depend on
-      // values). Portable kernel only: the Hopper one reads contiguous K/V.
+      // values): the portable instance, or for the Hopper one its paged instance.
       auto time_paged = [&](const FwdParams& base, const char* what, double contiguous) {
-        if (inst.hopper) return;
+        if (inst.hopper && var90_paged == nullptr) return;
         for (int page : {16, 64}) {
           const std::int64_t pages = (sh.s + page - 1) / page;
           std::vector<std::int32_t> table(static_cast<std::size_t>(pages));
@@ -199,9 +201,17 @@ void run_shape(const Shape& sh) {
           pp.paged.table_stride = pages;
           pp.paged.page_size = page;
           pp.paged.k_page_stride = pp.paged.v_page_stride = static_cast<std::int64_t>(page) * p.k_row_stride;
-          const double t = median_ms(inst, pp, 7);
-          std::printf("%-8s %s d=%3d s=%6lld %s paged (page %3d): %8.3f ms (%.3f of contiguous)\n", sh.name, tag, sh.d,
-                      static_cast<long long>(sh.s), what, page, t, t / contiguous);
+          const Instance paged_inst =
+              inst.hopper ? Instance{var90_paged->name,
+                                     [&](const FwdParams& fp) {
+                                       const HostUpload upload{&maps, &CachedUpload::call};
+                                       return var90_paged->launch(fp, &seq, table.data(), upload, nullptr);
+                                     },
+                                     true}
+                          : inst;
+          const double t = median_ms(paged_inst, pp, 7);
+          std::printf("%-8s %s d=%3d s=%6lld %s paged (page %3d): %8.3f ms (%.3f of contiguous)\n", sh.name,
+                      paged_inst.name.c_str(), sh.d, static_cast<long long>(sh.s), what, page, t, t / contiguous);
           SP_DEV_CHECK(cudaFree(table_d));
         }
       };

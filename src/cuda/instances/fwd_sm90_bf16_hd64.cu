@@ -7,8 +7,9 @@ namespace sparseprefill::cuda {
 
 static_assert(sizeof(sm90::SeqMaps) == kFwd90MapBytesPerSeq);
 
-int fwd_sm90_bf16_hd64(const FwdParams& params, const SeqInfo* host_seqs, const HostUpload& upload, void* stream) {
-  return sm90::launch_fwd<sm90::FwdConfig<true, 64>>(params, host_seqs, upload, stream);
+int fwd_sm90_bf16_hd64(const FwdParams& params, const SeqInfo* host_seqs, const std::int32_t* host_block_table,
+                       const HostUpload& upload, void* stream) {
+  return sm90::launch_fwd<sm90::FwdConfig<true, 64>>(params, host_seqs, host_block_table, upload, stream);
 }
 
 }  // namespace sparseprefill::cuda

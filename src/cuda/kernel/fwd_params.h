@@ -39,8 +39,9 @@ struct SeqInfo {
 
 // Paged K/V (DESIGN.md §2): k/v [num_pages, page_size, h_kv, d]; key t of sequence b is row
 // t % page_size of page block_table[b · table_stride + t / page_size]. block_table == nullptr:
-// contiguous rows from SeqInfo::k_off / v_off. Every K/V load goes through one addressor
-// (sm80::KvRows), whatever the layout.
+// contiguous rows from SeqInfo::k_off / v_off. Every K/V load of the portable kernels goes
+// through one addressor (sm80::KvRows), whatever the layout; the Hopper kernel's paged
+// instances load TMA boxes of one page each (sm90::paged_box_rows).
 struct PagedKv {
   const std::int32_t* block_table;  // [batch, table_stride] on the device, or nullptr
   std::int64_t table_stride;        // entries per sequence

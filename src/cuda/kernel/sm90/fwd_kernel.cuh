@@ -12,6 +12,7 @@
 #include <cudaTypedefs.h>
 #include <cuda_runtime.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <vector>
@@ -28,11 +29,14 @@ namespace sparseprefill::cuda::sm90 {
 
 // Compile-time shape of one instance. A CTA is one query block of kBlockQ = 128 rows: warpgroup
 // 0 produces (one thread issues TMA), warpgroups 1 and 2 own rows 0..63 and 64..127. Tiles are
-// [128 rows][d] loaded as d / 64 boxes of [128][64] (one 128-byte swizzle row each).
-template <bool kBf16_, int kHeadDim_>
+// [128 rows][d] loaded as d / 64 boxes of [128][64] (one 128-byte swizzle row each); kPaged
+// instances read K/V through the block table, a key tile as boxes of whole 8-row groups
+// (paged_box_rows) that compose into the same swizzled tile.
+template <bool kBf16_, int kHeadDim_, bool kPaged_ = false>
 struct FwdConfig {
   static constexpr bool kBf16 = kBf16_;
   static constexpr int kHeadDim = kHeadDim_;
+  static constexpr bool kPaged = kPaged_;
   static constexpr int kTileM = kBlockQ;
   static constexpr int kTileN = 128;  // keys per K/V tile
   static constexpr int kConsumers = 2;
@@ -82,7 +86,14 @@ struct alignas(1024) Smem {
   int num_mean_tiles;
 };
 
-// Tensor maps of one sequence, in device memory: [batch] of these, 64-byte aligned.
+// Tensor maps of one sequence, in device memory: [batch] of these, 64-byte aligned. Each spans
+// exactly the rows of the sequence it maps, so TMA zero-fills rows past s_q / s_k: q and, for
+// contiguous K/V, k and v over the sequence's s_k rows. Paged K/V (kPaged instances): k and v
+// map only the rows of the sequence's last page that hold keys (its tail,
+// s_k - last_page · page_size rows: 1 to page_size), and one more SeqMaps follows the [batch]
+// ones, whose k and v are 4-D maps (d, head, row in page, page) over the whole cache
+// [num_pages, page_size, h_kv, d] with its own strides (q unused, zero). Paged boxes are
+// [paged_box_rows][64].
 struct SeqMaps {
   CUtensorMap q, k, v;
 };
@@ -93,6 +104,17 @@ struct SeqMaps {
 struct MeanMaps {
   CUtensorMap k, v;
 };
+
+// Rows of one TMA box of paged K/V: gcd(page_size, 128), the largest power of two dividing
+// both (page_size is a multiple of 8, launch_fwd checks). A box then never crosses a page, and
+// the 128 / rows boxes of a tile's d-half start at multiples of 8 rows of its stage: 1024-byte
+// aligned, where the 128B swizzle pattern restarts (it repeats every 8 rows of 128 bytes:
+// 16-byte chunk c of row r lands at chunk c ^ (r % 8)), so they compose into exactly the
+// layout one [128][64] box writes and the consumers' descriptors read.
+__host__ __device__ __forceinline__ int paged_box_rows(int page_size) {
+  const int low = page_size & -page_size;
+  return low < 128 ? low : 128;
+}
 
 // ------------------------------------------------------------------ softmax pieces
 // Numerics as in softmax.cuh (RowStats and finalize_row are used as they are): raw
@@ -187,6 +209,23 @@ __device__ __forceinline__ void mask_tile(float (&s)[1][16][4], const int (&limi
   }
 }
 
+// Where the producer finds the key rows of paged K/V (kPaged instances only).
+struct PagedRows {
+  const std::int32_t* table;  // the sequence's block-table row
+  const SeqMaps* cache;       // its k and v map the whole cache: the SeqMaps after the [batch] ones
+  int page_size;
+  int box_rows;   // paged_box_rows(page_size)
+  int keys;       // s_k (int32 for paged K/V: seqused_k)
+  int last_page;  // the sequence's last page holding keys, (s_k - 1) / page_size
+};
+
+__device__ __forceinline__ PagedRows paged_rows(const FwdParams& p, const SeqMaps* maps, int b, std::int64_t s_k) {
+  const int page_size = p.paged.page_size;
+  const int keys = static_cast<int>(s_k);
+  return {p.paged.block_table + b * p.paged.table_stride, maps + p.batch, page_size, paged_box_rows(page_size), keys,
+          keys > 0 ? (keys - 1) / page_size : 0};
+}
+
 // ------------------------------------------------------------------ the kernel
 // Grid: one CTA per (query block, batch, query head), heads fastest so that the query heads of
 // a KV group run on adjacent CTAs and share each K/V tile through L2, and the last query blocks
@@ -273,6 +312,11 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
       hw::fence_tensormap(&m->q);
       hw::fence_tensormap(&m->k);
       hw::fence_tensormap(&m->v);
+      const PagedRows pages = Cfg::kPaged ? paged_rows(p, maps, b, seq.s_k) : PagedRows{};
+      if constexpr (Cfg::kPaged) {
+        hw::fence_tensormap(&pages.cache->k);
+        hw::fence_tensormap(&pages.cache->v);
+      }
       const std::uint32_t q_bar = hw::smem_u32(&sm.q_loaded);
       hw::mbar_expect_tx(q_bar, Cfg::kTileBytes);
       for (int half = 0; half < Cfg::kHalves; ++half) {
@@ -285,8 +329,43 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
         hw::mbar_expect_tx(bar, Cfg::kTileBytes);
         if (j < visit.n_reg) {
           const int row = kb * kTileN;
-          for (int half = 0; half < Cfg::kHalves; ++half) {
-            hw::tma_load_3d(dst + half * kHalfBytes, value ? &m->v : &m->k, bar, half * Cfg::kHalfDim, hk, row);
+          if constexpr (Cfg::kPaged) {
+            // Box by box (paged_box_rows): rows of pages before the last one holding keys come
+            // from the cache map at (row in page, the page's table entry), those of the last
+            // page from the sequence's tail map, which zero-fills its rows past s_k as the
+            // contiguous maps do. A box starting at or past s_k (in the last page or after it)
+            // re-reads the tail map's first box instead: finite keys of this sequence, and like
+            // every box here at least partly inside its map (never the storage of other pages,
+            // never a box wholly out of bounds). Such a box lies in the tile's columns past
+            // s_k, which are masked to -inf (the tile is short), so its P is exactly 0, as for
+            // the zero rows of contiguous K/V.
+            const CUtensorMap* cache = value ? &pages.cache->v : &pages.cache->k;
+            const CUtensorMap* tail = value ? &m->v : &m->k;
+            int page = row / pages.page_size;
+            int in_page = row - page * pages.page_size;
+            for (int r = 0; r < kTileN; r += pages.box_rows) {
+              const std::uint32_t box = dst + static_cast<std::uint32_t>(r * kRowBytes);
+              if (row + r < pages.keys && page < pages.last_page) {
+                const int entry = pages.table[page];
+                for (int half = 0; half < Cfg::kHalves; ++half) {
+                  hw::tma_load_4d(box + half * kHalfBytes, cache, bar, half * Cfg::kHalfDim, hk, in_page, entry);
+                }
+              } else {
+                const int tail_row = row + r < pages.keys ? in_page : 0;
+                for (int half = 0; half < Cfg::kHalves; ++half) {
+                  hw::tma_load_3d(box + half * kHalfBytes, tail, bar, half * Cfg::kHalfDim, hk, tail_row);
+                }
+              }
+              in_page += pages.box_rows;
+              if (in_page == pages.page_size) {
+                in_page = 0;
+                ++page;
+              }
+            }
+          } else {
+            for (int half = 0; half < Cfg::kHalves; ++half) {
+              hw::tma_load_3d(dst + half * kHalfBytes, value ? &m->v : &m->k, bar, half * Cfg::kHalfDim, hk, row);
+            }
           }
         } else {
           const int row = sm.mean_tiles[j - visit.n_reg] * kTileN;
@@ -520,21 +599,45 @@ inline PFN_cuTensorMapEncodeTiled_v12000 tensor_map_encoder() {
 }
 
 // 3-D map (d, head, row) over one sequence's rows of a [s, h, d] tensor with element strides;
-// boxes of [128 rows][64] with 128B swizzle; rows past `rows` read as zero. A dimension of extent
-// 1 is never stepped over, so its stride is replaced by a valid one (TMA wants multiples of 16).
+// boxes of [box_rows][64] with 128B swizzle; rows past `rows` read as zero. A dimension of
+// extent 1 is never stepped over, so its stride is replaced by a valid one (TMA wants
+// multiples of 16).
 template <class Cfg>
 bool encode_map(CUtensorMap* map, const void* base, std::int64_t rows, int heads, std::int64_t row_stride,
-                std::int64_t head_stride) {
+                std::int64_t head_stride, int box_rows = Cfg::kTileN) {
   constexpr std::int64_t kElem = 2;
   const std::int64_t row_bytes = Cfg::kHeadDim * kElem;
   const cuuint64_t dims[3] = {static_cast<cuuint64_t>(Cfg::kHeadDim), static_cast<cuuint64_t>(heads),
                               static_cast<cuuint64_t>(rows > 0 ? rows : 1)};
   const cuuint64_t strides[2] = {static_cast<cuuint64_t>(heads > 1 ? head_stride * kElem : row_bytes),
                                  static_cast<cuuint64_t>(rows > 1 ? row_stride * kElem : row_bytes * heads)};
-  const cuuint32_t box[3] = {Cfg::kHalfDim, 1, Cfg::kTileN};
+  const cuuint32_t box[3] = {Cfg::kHalfDim, 1, static_cast<cuuint32_t>(box_rows)};
   const cuuint32_t elem_strides[3] = {1, 1, 1};
   const CUresult r = tensor_map_encoder()(
       map, Cfg::kBf16 ? CU_TENSOR_MAP_DATA_TYPE_BFLOAT16 : CU_TENSOR_MAP_DATA_TYPE_FLOAT16, 3, const_cast<void*>(base),
+      dims, strides, box, elem_strides, CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
+      CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+  return r == CUDA_SUCCESS;
+}
+
+// 4-D map (d, head, row in page, page) over a paged cache [pages, page_size, heads, d] with
+// element strides; boxes of [paged_box_rows][64] (rows of one page) with 128B swizzle.
+// Strides of extent-1 dimensions are replaced as in encode_map.
+template <class Cfg>
+bool encode_cache_map(CUtensorMap* map, const void* base, std::int64_t pages, int page_size, int heads,
+                      std::int64_t page_stride, std::int64_t row_stride, std::int64_t head_stride) {
+  constexpr std::int64_t kElem = 2;
+  const std::int64_t row_bytes = Cfg::kHeadDim * kElem;
+  const cuuint64_t dims[4] = {static_cast<cuuint64_t>(Cfg::kHeadDim), static_cast<cuuint64_t>(heads),
+                              static_cast<cuuint64_t>(page_size), static_cast<cuuint64_t>(pages)};
+  const cuuint64_t strides[3] = {
+      static_cast<cuuint64_t>(heads > 1 ? head_stride * kElem : row_bytes),
+      static_cast<cuuint64_t>(page_size > 1 ? row_stride * kElem : row_bytes * heads),
+      static_cast<cuuint64_t>(pages > 1 ? page_stride * kElem : row_bytes * heads * page_size)};
+  const cuuint32_t box[4] = {Cfg::kHalfDim, 1, static_cast<cuuint32_t>(paged_box_rows(page_size)), 1};
+  const cuuint32_t elem_strides[4] = {1, 1, 1, 1};
+  const CUresult r = tensor_map_encoder()(
+      map, Cfg::kBf16 ? CU_TENSOR_MAP_DATA_TYPE_BFLOAT16 : CU_TENSOR_MAP_DATA_TYPE_FLOAT16, 4, const_cast<void*>(base),
       dims, strides, box, elem_strides, CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
       CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
   return r == CUDA_SUCCESS;
@@ -560,16 +663,23 @@ bool encode_mean_map(CUtensorMap* map, const void* base, int blocks, int heads, 
 }
 
 // Host-side launch of one instance; returns a cudaError_t value (0 = success) or the
-// uploader's kUploadRefused. `seqs` is the host copy of p.seqs; `upload` places the tensor maps
-// (batch · sizeof(SeqMaps) bytes) in device memory. Returns cudaErrorNotSupported, having
+// uploader's kUploadRefused. `seqs` is the host copy of p.seqs and, for paged K/V, `table` the
+// host copy of p.paged.block_table ([batch, table_stride], the compact table: entries past a
+// sequence's pages are 0); `upload` places the tensor maps (batch · sizeof(SeqMaps) bytes, one
+// SeqMaps more for paged K/V) in device memory. Returns cudaErrorNotSupported, having
 // enqueued nothing, when the driver cannot encode a tensor map for these tensors (the
 // dispatcher then takes the portable path).
 template <class Cfg>
-int launch_fwd(const FwdParams& p, const SeqInfo* seqs, const HostUpload& upload, void* stream) {
+int launch_fwd(const FwdParams& p, const SeqInfo* seqs, const std::int32_t* table, const HostUpload& upload,
+               void* stream) {
   if (tensor_map_encoder() == nullptr) return static_cast<int>(cudaErrorNotSupported);
-  // Policies other than dense run on 128-key blocks, the kernel's tile, and K/V are contiguous
-  // (choose_fwd_path).
-  if ((p.mode != PolicyMode::kDense && p.block_k != Cfg::kTileN) || p.paged.block_table != nullptr) {
+  // Policies other than dense run on 128-key blocks, the kernel's tile; K/V are paged (with
+  // pages of whole 8-row groups: paged_box_rows) exactly in the kPaged instances
+  // (choose_fwd_path). The host table decides (a plan caches the maps of a paged call before
+  // any device table exists); the device table must be there by the launch.
+  const bool paged = table != nullptr;
+  if ((p.mode != PolicyMode::kDense && p.block_k != Cfg::kTileN) || paged != Cfg::kPaged ||
+      (!paged && p.paged.block_table != nullptr) || (paged && p.paged.page_size % 8 != 0)) {
     return static_cast<int>(cudaErrorNotSupported);
   }
   MeanMaps mean_maps{};
@@ -578,17 +688,43 @@ int launch_fwd(const FwdParams& p, const SeqInfo* seqs, const HostUpload& upload
         encode_mean_map<Cfg>(&mean_maps.v, p.v_mean, p.mean_blocks, p.h_kv, p.batch))) {
     return static_cast<int>(cudaErrorNotSupported);
   }
-  std::vector<SeqMaps> maps(static_cast<std::size_t>(p.batch));
+  std::vector<SeqMaps> maps(static_cast<std::size_t>(p.batch) + (paged ? 1 : 0));
+  const auto* k = static_cast<const std::uint16_t*>(p.k);
+  const auto* v = static_cast<const std::uint16_t*>(p.v);
+  const int page_size = p.paged.page_size;
+  std::int32_t pages = 1;  // extent of the cache maps' page dimension: every used entry is below it
   for (int b = 0; b < p.batch; ++b) {
     const SeqInfo& s = seqs[b];
     SeqMaps& m = maps[static_cast<std::size_t>(b)];
-    const bool ok =
-        encode_map<Cfg>(&m.q, static_cast<const std::uint16_t*>(p.q) + s.q_off, s.s_q, p.h_q, p.q_row_stride,
-                        p.q_head_stride) &&
-        encode_map<Cfg>(&m.k, static_cast<const std::uint16_t*>(p.k) + s.k_off, s.s_k, p.h_kv, p.k_row_stride,
-                        p.k_head_stride) &&
-        encode_map<Cfg>(&m.v, static_cast<const std::uint16_t*>(p.v) + s.v_off, s.s_k, p.h_kv, p.v_row_stride,
-                        p.v_head_stride);
+    bool ok = encode_map<Cfg>(&m.q, static_cast<const std::uint16_t*>(p.q) + s.q_off, s.s_q, p.h_q, p.q_row_stride,
+                              p.q_head_stride);
+    if (!paged) {
+      ok = ok &&
+           encode_map<Cfg>(&m.k, k + s.k_off, s.s_k, p.h_kv, p.k_row_stride, p.k_head_stride) &&
+           encode_map<Cfg>(&m.v, v + s.v_off, s.s_k, p.h_kv, p.v_row_stride, p.v_head_stride);
+    } else {
+      // The tail: rows of the last page holding keys (a sequence without keys maps one row of
+      // page 0, never read: it visits no key tile).
+      const std::int64_t used = (s.s_k + page_size - 1) / page_size;
+      for (std::int64_t i = 0; i < used; ++i) pages = std::max(pages, table[b * p.paged.table_stride + i] + 1);
+      const std::int64_t last = used > 0 ? used - 1 : 0;
+      const std::int64_t entry = used > 0 ? table[b * p.paged.table_stride + last] : 0;
+      const std::int64_t tail_rows = used > 0 ? s.s_k - last * page_size : 1;
+      const int box_rows = paged_box_rows(page_size);
+      ok = ok &&
+           encode_map<Cfg>(&m.k, k + entry * p.paged.k_page_stride, tail_rows, p.h_kv, p.k_row_stride, p.k_head_stride,
+                           box_rows) &&
+           encode_map<Cfg>(&m.v, v + entry * p.paged.v_page_stride, tail_rows, p.h_kv, p.v_row_stride, p.v_head_stride,
+                           box_rows);
+    }
+    if (!ok) return static_cast<int>(cudaErrorNotSupported);
+  }
+  if (paged) {
+    SeqMaps& cache = maps.back();
+    const bool ok = encode_cache_map<Cfg>(&cache.k, k, pages, page_size, p.h_kv, p.paged.k_page_stride, p.k_row_stride,
+                                          p.k_head_stride) &&
+                    encode_cache_map<Cfg>(&cache.v, v, pages, page_size, p.h_kv, p.paged.v_page_stride, p.v_row_stride,
+                                          p.v_head_stride);
     if (!ok) return static_cast<int>(cudaErrorNotSupported);
   }
   const auto st = static_cast<cudaStream_t>(stream);
@@ -600,6 +736,7 @@ int launch_fwd(const FwdParams& p, const SeqInfo* seqs, const HostUpload& upload
   if (uploaded != 0) return uploaded;
   // prefetch.tensormap and the TMA copies need each CUtensorMap 64-byte aligned.
   if (reinterpret_cast<std::uintptr_t>(map_device) % 64 != 0) return static_cast<int>(cudaErrorMisalignedAddress);
+  if (paged && p.paged.block_table == nullptr) return static_cast<int>(cudaErrorInvalidValue);
   auto* kernel = fwd_kernel<Cfg>;
   const int smem = static_cast<int>(sizeof(Smem<Cfg>)) + 1024;  // + alignment slack
   cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);

@@ -61,13 +61,14 @@ __device__ __forceinline__ void tma_load_3d(std::uint32_t dst, const CUtensorMap
       : "memory");
 }
 
-// One [rows][64] box of a 4-D tensor map (d, row, head, batch): the block means k̄/v̄.
+// One [rows][64] box of a 4-D tensor map at coordinates (c_d, c1, c2, c3), innermost first: the
+// block means k̄/v̄ (d, block, head, batch) and a paged cache (d, head, row in page, page).
 __device__ __forceinline__ void tma_load_4d(std::uint32_t dst, const CUtensorMap* map, std::uint32_t bar, int c_d,
-                                            int c_row, int c_head, int c_batch) {
+                                            int c1, int c2, int c3) {
   asm volatile(
       "cp.async.bulk.tensor.4d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%3, %4, %5, %6}], "
       "[%2];\n" ::"r"(dst),
-      "l"(reinterpret_cast<std::uint64_t>(map)), "r"(bar), "r"(c_d), "r"(c_row), "r"(c_head), "r"(c_batch)
+      "l"(reinterpret_cast<std::uint64_t>(map)), "r"(bar), "r"(c_d), "r"(c1), "r"(c2), "r"(c3)
       : "memory");
 }
 
