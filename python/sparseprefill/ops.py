@@ -61,15 +61,18 @@ def _forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: Op
     native.execute(problem, handle, q, out, lse, 0, 0, False, layer if layer >= 0 else None)
 
 
+# No argument has a default: the boxed call drops trailing arguments equal to their defaults,
+# and the in-place bookkeeping of mutated arguments then indexes past the end (torch 2.11:
+# IndexError in custom_ops.adinplaceorview_impl, seen on the GPU machine).
 @custom_op("sparseprefill::attention", mutates_args=("k_block_means", "v_block_means"))
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: Optional[torch.Tensor],
               cu_seqlens_k: Optional[torch.Tensor], seqused_k: Optional[torch.Tensor],
               block_table: Optional[torch.Tensor], causal: bool, softmax_scale: float, policy: str,
               settings: str, thresholds: Optional[torch.Tensor], mask_indptr: Optional[torch.Tensor],
               mask_indices: Optional[torch.Tensor], mask_block_q: int, mask_block_k: int,
-              mask_per_kv_head: bool, layer: int, prompt_len: Optional[torch.Tensor] = None,
-              k_block_means: Optional[torch.Tensor] = None, v_block_means: Optional[torch.Tensor] = None,
-              block_means_valid: Optional[torch.Tensor] = None) -> Tuple[torch.Tensor, torch.Tensor]:
+              mask_per_kv_head: bool, layer: int, prompt_len: Optional[torch.Tensor],
+              k_block_means: Optional[torch.Tensor], v_block_means: Optional[torch.Tensor],
+              block_means_valid: Optional[torch.Tensor]) -> Tuple[torch.Tensor, torch.Tensor]:
     """Returns (out [q's shape, dtype], lse float32 [b, h_q, s_q] or varlen [h_q, total_q]).
     softmax_scale 0 means 1/sqrt(d); layer < 0 means none (for statistics)."""
     geom = check_problem(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, block_table)
@@ -84,8 +87,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: O
 @attention.register_fake
 def _attention_fake(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, block_table, causal, softmax_scale, policy,
                     settings, thresholds, mask_indptr, mask_indices, mask_block_q, mask_block_k,
-                    mask_per_kv_head, layer, prompt_len=None, k_block_means=None, v_block_means=None,
-                    block_means_valid=None):
+                    mask_per_kv_head, layer, prompt_len, k_block_means, v_block_means, block_means_valid):
     geom = check_problem(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, block_table)
     return q.new_empty(q.shape), q.new_empty(geom.lse_shape, dtype=torch.float32)
 

@@ -82,7 +82,13 @@ bool tma_describable(const AttentionProblem& problem) {
 
 int hopper_block_k() { return 128; }
 
-bool hopper_page_size(int page_size) { return page_size % 8 == 0; }
+// Pages that tile a 128-key tile evenly (a divisor of 128 from 8 up) or hold whole tiles (a
+// multiple of 128). Other multiples of 8 (24, 40, ...) make pages straddle key tiles; the H200
+// run at 0c58149 left rows of such a call unwritten (CudaPaged.BlockSparseEqualsContiguous,
+// page 24), so they keep the portable kernel until that is fixed.
+bool hopper_page_size(int page_size) {
+  return page_size >= 8 && (128 % page_size == 0 || page_size % 128 == 0);
+}
 
 FwdPath choose_fwd_path(const ProblemShape& shape, const Policy& policy, bool tma_ok, int cc_major, int cc_minor) {
   const bool hopper = cc_major == 9 && cc_minor == 0;

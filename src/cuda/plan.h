@@ -41,8 +41,9 @@ bool tma_describable(const AttentionProblem& problem);
 // portable kernel.
 int hopper_block_k();
 
-// Whether the Hopper kernel reads paged K/V with this page size: a multiple of 8 keys (its TMA
-// boxes are whole 8-row groups of one page, docs/cuda.md).
+// Whether the Hopper kernel reads paged K/V with this page size: 8 keys or more dividing the
+// 128-key tile, or a multiple of it (its TMA boxes are whole 8-row groups of one page,
+// docs/cuda.md; pages straddling key tiles stay portable for now).
 bool hopper_page_size(int page_size);
 
 // The path of a call that check_support accepted, on a device of compute capability

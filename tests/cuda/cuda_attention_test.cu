@@ -739,9 +739,8 @@ TEST(CudaPermuteStop, NaNValuesOfUnvisitedChunksAreNeverRead) {
 // Page sizes of the paged checks. Portable kernel: one key per page and pages smaller than a
 // 64-key sub-tile (a sub-tile spans pages: rows translated one by one), equal to it and larger
 // than a 128-key block (a sub-tile lies in one page: translated once). Hopper kernel (page
-// sizes that are multiples of 8, hopper_page_size): TMA boxes of 8 rows (pages of 8, and of
-// 24: three boxes per page, pages straddling key tiles), one box per page (16, 64) and two
-// tiles per page (256, boxes of 128 rows); pages of 1 and 3 stay portable there.
+// sizes of hopper_page_size): one TMA box per page (8, 16, 64) and two tiles per page (256,
+// boxes of 128 rows); pages of 1, 3 and 24 (straddling key tiles) stay portable there.
 constexpr int kPageSizes[] = {1, 3, 8, 16, 24, 64, 256};
 
 TestProblem paged_problem(const Inputs& in, int page_size, bool causal = true) {

@@ -146,8 +146,8 @@ TEST(CudaPlan, PagedKvRunsEveryPolicyButPermuteStop) {
 }
 
 TEST(CudaPlan, PagedKvOnTheHopperPathForPagesOfMultiplesOf8Keys) {
-  for (int page_size : {1, 2, 3, 4, 12, 20}) EXPECT_FALSE(hopper_page_size(page_size)) << page_size;
-  for (int page_size : {8, 16, 24, 32, 64, 128, 256, 384, 512}) EXPECT_TRUE(hopper_page_size(page_size)) << page_size;
+  for (int page_size : {1, 2, 3, 4, 12, 20, 24, 40, 96, 200}) EXPECT_FALSE(hopper_page_size(page_size)) << page_size;
+  for (int page_size : {8, 16, 32, 64, 128, 256, 384, 512}) EXPECT_TRUE(hopper_page_size(page_size)) << page_size;
   ExactGateParams gate128;
   gate128.block_k = 128;
   ExactGateParams gate64;
@@ -163,10 +163,10 @@ TEST(CudaPlan, PagedKvOnTheHopperPathForPagesOfMultiplesOf8Keys) {
     ASSERT_EQ(s.kv_layout, KvLayout::kPaged);
     mask.mask = BlockMask::empty(s, 128, 128, false);
     // Dense and the 128-key-block policies run the Hopper kernel's paged instances on 9.0 when
-    // the pages are whole 8-row groups (the kernel's TMA boxes); pages of 1 and 3 keys and
+    // the pages tile its 128-key tile (hopper_page_size); pages of 1, 3 and 24 keys and
     // 64-key blocks keep the portable kernel, as do other devices and tensors TMA cannot
     // describe.
-    const FwdPath want = page_size % 8 == 0 ? FwdPath::kHopper : FwdPath::kPortable;
+    const FwdPath want = hopper_page_size(page_size) ? FwdPath::kHopper : FwdPath::kPortable;
     for (const Policy& policy : {Policy{DenseParams{}}, Policy{gate128}, Policy{select}, Policy{mask}}) {
       EXPECT_EQ(choose_fwd_path(s, policy, true, 9, 0), want) << policy_name(policy);
       EXPECT_EQ(choose_fwd_path(s, policy, true, 8, 0), FwdPath::kPortable) << policy_name(policy);

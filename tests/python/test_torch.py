@@ -380,12 +380,13 @@ def test_torch_compile_fullgraph(device):
 def test_opcheck(device):
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
     q, k, v = qkv(42, 2, 33, 47, 4, 2, 64, dtype, device)
-    args = (q, k, v, None, None, None, None, True, 0.0, "dense", "", None, None, None, 0, 0, False, -1)
+    args = (q, k, v, None, None, None, None, True, 0.0, "dense", "", None, None, None, 0, 0, False, -1,
+            None, None, None, None)
     torch.library.opcheck(torch.ops.sparseprefill.attention.default, args,
                           test_utils=("test_schema", "test_faketensor", "test_aot_dispatch_dynamic"))
     out = torch.empty_like(q)
     lse = torch.empty((2, 4, 33), dtype=torch.float32, device=device)
-    torch.library.opcheck(torch.ops.sparseprefill.attention_out.default, args + (None, None, None, None, out, lse),
+    torch.library.opcheck(torch.ops.sparseprefill.attention_out.default, args + (out, lse),
                           test_utils=("test_schema", "test_faketensor"))
 
 
@@ -521,7 +522,7 @@ def test_last_dim_contiguity(device):
     strided = torch.zeros(1, 16, 2, 128, dtype=dtype, device=device)[..., ::2]
     with pytest.raises(sp.InvalidArgumentError, match="q: the last dimension"):
         torch.ops.sparseprefill.attention(strided, k, v, None, None, None, None, True, 0.0, "dense", "", None,
-                                          None, None, 0, 0, False, -1)
+                                          None, None, 0, 0, False, -1, None, None, None, None)
     strided.copy_(q)
     assert torch.equal(flash_attn_func(strided, k, v, causal=True), flash_attn_func(q, k, v, causal=True))
 
