@@ -1,13 +1,17 @@
 // SPDX-License-Identifier: Apache-2.0
 #include "common/chunks.h"
 
+#include <cmath>
 #include <cstring>
 #include <limits>
 #include <sstream>
 #include <string>
 
+#include "common/cases.h"
 #include "common/poison.h"
 #include "common/results.h"
+#include "reference/decide.h"
+#include "reference/sequence.h"
 
 namespace sparseprefill::test {
 
@@ -104,6 +108,31 @@ void MeansCache::advance(std::int64_t s_k) {
     return ::testing::AssertionFailure() << differences << " query blocks decide unlike the one-shot call:" << diff.str();
   }
   return ::testing::AssertionSuccess();
+}
+
+void expect_cache_holds_recomputed_means(const Inputs& in, const MeansCache& cache, const EstimateSelectParams& p) {
+  const TestProblem tp = make_problem(in, true, Layout::kVarlen);
+  ProblemShape shape;
+  ASSERT_TRUE(validate_problem(tp.problem(), nullptr, &shape).ok());
+  const std::int64_t max_blocks = cache.k.shape()[2];
+  for (int b = 0; b < shape.batch; ++b) {
+    const ref::Sequence seq = ref::gather_sequence(tp.problem(), shape, b);
+    const ref::BlockMeans want = ref::block_means(seq, p, 0);
+    const std::int64_t complete = in.s_k(b) / p.block;
+    for (int hk = 0; hk < in.h_kv; ++hk) {
+      for (std::int64_t j = 0; j < max_blocks; ++j) {
+        for (int i = 0; i < in.d; ++i) {
+          const std::int64_t at = ((b * in.h_kv + hk) * max_blocks + j) * in.d + i;
+          if (j < complete) {
+            ASSERT_EQ(get(cache.k, at), want.k_mean(static_cast<int>(j), hk)[i]) << "k mean, b " << b << " block " << j;
+            ASSERT_EQ(get(cache.v, at), want.v_mean(static_cast<int>(j), hk)[i]) << "v mean, b " << b << " block " << j;
+          } else {
+            ASSERT_TRUE(std::isnan(get(cache.k, at)) && std::isnan(get(cache.v, at))) << "written past block " << complete;
+          }
+        }
+      }
+    }
+  }
 }
 
 }  // namespace sparseprefill::test

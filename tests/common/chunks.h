@@ -33,6 +33,10 @@ struct MeansCache {
   void advance(std::int64_t s_k);
 };
 
+// The cache's blocks [0, s_k / block) of every sequence of `in` equal the oracle's recomputed
+// means bitwise; the entries past them were never written (still NaN).
+void expect_cache_holds_recomputed_means(const Inputs& in, const MeansCache& cache, const EstimateSelectParams& p);
+
 // One call of a backend under test: runs `policy` on tp and returns its output in the oracle's
 // layout with its decisions.
 using ChunkCall = std::function<Status(TestProblem* tp, const Policy& policy, ref::Result* out)>;

@@ -105,33 +105,6 @@ Status call_cpu(TestProblem* tp, const Policy& policy, ref::Result* out) {
   return {};
 }
 
-// The means of blocks [0, n / block) of every prompt equal the oracle's recomputed ones,
-// bitwise, and the entries past them were never written (still NaN).
-void expect_cache_holds_recomputed_means(const Inputs& full, const MeansCache& cache, const EstimateSelectParams& p) {
-  const TestProblem tp = make_problem(full);
-  ProblemShape shape;
-  ASSERT_TRUE(validate_problem(tp.problem(), nullptr, &shape).ok());
-  const std::int64_t max_blocks = cache.k.shape()[2];
-  for (int b = 0; b < shape.batch; ++b) {
-    const ref::Sequence seq = ref::gather_sequence(tp.problem(), shape, b);
-    const ref::BlockMeans want = ref::block_means(seq, p, 0);
-    const std::int64_t complete = full.s_k(b) / p.block;
-    for (int hk = 0; hk < full.h_kv; ++hk) {
-      for (std::int64_t j = 0; j < max_blocks; ++j) {
-        for (int i = 0; i < full.d; ++i) {
-          const std::int64_t at = ((b * full.h_kv + hk) * max_blocks + j) * full.d + i;
-          if (j < complete) {
-            ASSERT_EQ(get(cache.k, at), want.k_mean(static_cast<int>(j), hk)[i]) << "k̄ b " << b << " block " << j;
-            ASSERT_EQ(get(cache.v, at), want.v_mean(static_cast<int>(j), hk)[i]) << "v̄ b " << b << " block " << j;
-          } else {
-            ASSERT_TRUE(std::isnan(get(cache.k, at)) && std::isnan(get(cache.v, at))) << "written past block " << complete;
-          }
-        }
-      }
-    }
-  }
-}
-
 struct Case {
   const char* name;
   bool correction;

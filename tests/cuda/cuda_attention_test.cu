@@ -1019,33 +1019,6 @@ TEST(CudaChunked, EstimateSelectEqualsOneShot) {
 // estimate_select's chunked-prefill inputs (docs/semantics.md §1): the tail counted over the
 // prompt and the block means kept in a cache across the chunks.
 
-// The cache's blocks [0, s_k / B) equal the oracle's recomputed means bitwise; the entries
-// past them were never written (still NaN).
-void expect_cache_holds_recomputed_means(const Inputs& in, const MeansCache& cache, const EstimateSelectParams& p) {
-  const TestProblem tp = make_problem(in, true, Layout::kVarlen);
-  ProblemShape shape;
-  ASSERT_TRUE(validate_problem(tp.problem(), nullptr, &shape).ok());
-  const std::int64_t max_blocks = cache.k.shape()[2];
-  for (int b = 0; b < shape.batch; ++b) {
-    const ref::Sequence seq = ref::gather_sequence(tp.problem(), shape, b);
-    const ref::BlockMeans want = ref::block_means(seq, p, 0);
-    const std::int64_t complete = in.s_k(b) / p.block;
-    for (int hk = 0; hk < in.h_kv; ++hk) {
-      for (std::int64_t j = 0; j < max_blocks; ++j) {
-        for (int i = 0; i < in.d; ++i) {
-          const std::int64_t at = ((b * in.h_kv + hk) * max_blocks + j) * in.d + i;
-          if (j < complete) {
-            ASSERT_EQ(get(cache.k, at), want.k_mean(static_cast<int>(j), hk)[i]) << "k mean, b " << b << " block " << j;
-            ASSERT_EQ(get(cache.v, at), want.v_mean(static_cast<int>(j), hk)[i]) << "v mean, b " << b << " block " << j;
-          } else {
-            ASSERT_TRUE(std::isnan(get(cache.k, at)) && std::isnan(get(cache.v, at))) << "written past block " << complete;
-          }
-        }
-      }
-    }
-  }
-}
-
 TEST(CudaChunked, EstimateSelectWithCachedMeansAndPromptTailEqualsOneShot) {
   SP_REQUIRE_GPU();
   // The tail (1 tile) counted over the prompt and the means of complete blocks kept in a cache
