@@ -8,6 +8,7 @@
 #include <algorithm>
 #include <atomic>
 #include <cmath>
+#include <cstddef>
 #include <cstdint>
 #include <functional>
 #include <limits>
@@ -375,18 +376,21 @@ BlockStatistics host_block_statistics(SampleSeq& s, int block_q, int block_k, bo
   return st;
 }
 
-Status block_statistics(const char* who, const AttentionProblem& sample, int block_q, int block_k, bool want_max,
-                        bool want_g, void* cuda_stream, std::vector<BlockStatistics>* out) {
-  if (block_q < 1 || block_k < 1) return invalid_argument(std::string(who) + ": block sizes must be >= 1");
+// The statistics of every sequence of `sample`: on the GPU for CUDA tensors (on_cuda(shape),
+// its message prefixed with `who`), else one host record per sequence (on_host(sequence), which
+// may release the sequence's buffers).
+template <class Stat, class OnCuda, class OnHost>
+Status per_sample(const char* who, const AttentionProblem& sample, std::vector<Stat>* out, const OnCuda& on_cuda,
+                  const OnHost& on_host) {
   ProblemShape shape;
   SP_RETURN_IF_ERROR(check_sample(who, sample, &shape));
   if (shape.device.kind == DeviceKind::kCUDA) {
 #if defined(SP_WITH_CUDA)
-    const Status st = cuda::block_statistics_cuda(sample, shape, block_q, block_k, want_max, want_g, cuda_stream, out);
+    const Status st = on_cuda(shape);
     if (!st.ok()) return Status(st.code(), std::string(who) + ": " + st.message());
     return {};
 #else
-    (void)cuda_stream;
+    (void)on_cuda;
     return unsupported(std::string(who) + ": sample: CUDA tensors, but this build has no CUDA backend");
 #endif
   }
@@ -395,9 +399,24 @@ Status block_statistics(const char* who, const AttentionProblem& sample, int blo
   for (int b = 0; b < shape.batch; ++b) {
     SampleSeq s;
     SP_RETURN_IF_ERROR(gather_seq(who, sample, shape, b, &s));
-    out->push_back(host_block_statistics(s, block_q, block_k, want_max, want_g));
+    out->push_back(on_host(s));
   }
   return {};
+}
+
+Status block_statistics(const char* who, const AttentionProblem& sample, int block_q, int block_k, bool want_max,
+                        bool want_g, void* cuda_stream, std::vector<BlockStatistics>* out) {
+  if (block_q < 1 || block_k < 1) return invalid_argument(std::string(who) + ": block sizes must be >= 1");
+#if defined(SP_WITH_CUDA)
+  auto on_cuda = [&](const ProblemShape& shape) {
+    return cuda::block_statistics_cuda(sample, shape, block_q, block_k, want_max, want_g, cuda_stream, out);
+  };
+#else
+  const std::nullptr_t on_cuda = nullptr;  // CUDA samples are refused
+  (void)cuda_stream;
+#endif
+  return per_sample(who, sample, out, on_cuda,
+                    [&](SampleSeq& s) { return host_block_statistics(s, block_q, block_k, want_max, want_g); });
 }
 
 // The host route of compute_select_statistics: fp64 scores against the dtype-rounded means.
@@ -469,26 +488,14 @@ SelectStatistics host_select_statistics(const SampleSeq& s, int bs, bool pack_gq
 Status select_statistics(const char* who, const AttentionProblem& sample, const EstimateSelectParams& base,
                          void* cuda_stream, std::vector<SelectStatistics>* out) {
   if (base.block < 1) return invalid_argument(std::string(who) + ": base.block must be >= 1");
-  ProblemShape shape;
-  SP_RETURN_IF_ERROR(check_sample(who, sample, &shape));
-  if (shape.device.kind == DeviceKind::kCUDA) {
 #if defined(SP_WITH_CUDA)
-    const Status st = cuda::select_statistics_cuda(sample, shape, base, cuda_stream, out);
-    if (!st.ok()) return Status(st.code(), std::string(who) + ": " + st.message());
-    return {};
+  auto on_cuda = [&](const ProblemShape& shape) { return cuda::select_statistics_cuda(sample, shape, base, cuda_stream, out); };
 #else
-    (void)cuda_stream;
-    return unsupported(std::string(who) + ": sample: CUDA tensors, but this build has no CUDA backend");
+  const std::nullptr_t on_cuda = nullptr;  // CUDA samples are refused
+  (void)cuda_stream;
 #endif
-  }
-  SP_RETURN_IF_ERROR(check_all_sequences(who, sample, shape));
-  out->clear();
-  for (int b = 0; b < shape.batch; ++b) {
-    SampleSeq s;
-    SP_RETURN_IF_ERROR(gather_seq(who, sample, shape, b, &s));
-    out->push_back(host_select_statistics(s, base.block, base.pack_gqa));
-  }
-  return {};
+  return per_sample(who, sample, out, on_cuda,
+                    [&](SampleSeq& s) { return host_select_statistics(s, base.block, base.pack_gqa); });
 }
 
 }  // namespace
