@@ -76,11 +76,7 @@ Inputs make_inputs(const std::vector<SeqLen>& lengths, int h_q, int h_kv, int d,
   return random_inputs(lengths, h_q, h_kv, d, dtype, seed, scale);
 }
 
-// Rows r of sequence `in` as logical values.
-double qv(const Inputs& in, int b, std::int64_t r, int h, int c) {
-  const HostTensor& q = in.seqs[static_cast<std::size_t>(b)].q;
-  return get(q, (r * in.h_q + h) * in.d + c);
-}
+// Element (pos, KV head g, channel c) of a sequence's k or v as a logical value.
 double kv(const HostTensor& t, const Inputs& in, std::int64_t pos, int g, int c) {
   return get(t, (pos * in.h_kv + g) * in.d + c);
 }
@@ -95,56 +91,6 @@ void poison_keys(Inputs* in, int b, bool value, int g, std::int64_t k0, std::int
 }
 
 // ------------------------------------------------------------------ thresholds for exact_gate
-
-// fp64 max of scale·q·k over the valid rows of query block qb and the keys of key block kb.
-double block_max(const Inputs& in, int b, int h, const geom::BlockGeometry& g, int qb, int kb) {
-  const double scale = 1.0 / std::sqrt(static_cast<double>(in.d));
-  const int kvh = h / (in.h_q / in.h_kv);
-  double m = -kInf;
-  for (std::int64_t r = g.row_begin(qb); r < g.row_end(qb); ++r) {
-    for (std::int64_t t = g.key_begin(kb); t < g.key_end(kb); ++t) {
-      double s = 0.0;
-      for (int c = 0; c < in.d; ++c) s += qv(in, b, r, h, c) * kv(in.seqs[static_cast<std::size_t>(b)].k, in, t, kvh, c);
-      m = std::max(m, scale * s);
-    }
-  }
-  return m;
-}
-
-// A threshold table [h_q, num_q_blocks] for batch-1 inputs: for each (h, qb) the midpoint of
-// two consecutive observed maxima of its gated blocks with a gap of at least 0.02, near the
-// `keep_fraction` quantile, so no maximum is within 0.01 of the threshold. With nothing to
-// gate the entry is -inf (everything kept).
-HostTensor midpoint_thresholds(const Inputs& in, bool causal, int bq, int bk, double keep_fraction) {
-  const std::int64_t s_q = in.s_q(0), s_k = in.s_k(0);
-  const geom::BlockGeometry g = geometry(s_q, s_k, causal, bq, bk);
-  const int positions = static_cast<int>(geom::ceil_div(s_k, bq)) + 1;
-  HostTensor thr(DType::kFP32, {in.h_q, positions});
-  for (int i = 0; i < in.h_q * positions; ++i) thr.as<float>()[i] = -std::numeric_limits<float>::infinity();
-  for (int h = 0; h < in.h_q; ++h) {
-    for (int qb = 0; qb < g.num_q_blocks(); ++qb) {
-      std::vector<double> maxima;
-      for (int kb = 0; kb < g.visible_end(qb); ++kb) {
-        const bool gated = causal ? g.is_full(qb, kb) : kb != g.num_k_blocks() - 1;
-        if (gated) maxima.push_back(block_max(in, 0, h, g, qb, kb));
-      }
-      std::sort(maxima.begin(), maxima.end(), std::greater<double>());
-      const int n = static_cast<int>(maxima.size());
-      const int want = std::clamp(static_cast<int>(keep_fraction * n), 0, n - 1);
-      double t = -kInf;
-      for (int delta = 0; delta < n && t == -kInf; ++delta) {
-        for (int k : {want - delta, want + delta}) {
-          if (k >= 0 && k + 1 < n && maxima[static_cast<std::size_t>(k)] - maxima[static_cast<std::size_t>(k + 1)] >= 0.02) {
-            t = 0.5 * (maxima[static_cast<std::size_t>(k)] + maxima[static_cast<std::size_t>(k + 1)]);
-            break;
-          }
-        }
-      }
-      thr.as<float>()[h * positions + g.threshold_position(qb, positions)] = static_cast<float>(t);
-    }
-  }
-  return thr;
-}
 
 ExactGateParams gate_params(const HostTensor& thr, int bq, int bk) {
   ExactGateParams p;

@@ -365,54 +365,6 @@ TEST(CudaBlockSparse, AllVisibleMaskEqualsDenseBitwise) {
 
 // ------------------------------------------------------------------ exact_gate
 
-double block_max(const Inputs& in, int h, const geom::BlockGeometry& g, int qb, int kb) {
-  const double scale = 1.0 / std::sqrt(static_cast<double>(in.d));
-  const int kvh = h / (in.h_q / in.h_kv);
-  const SequenceData& s = in.seqs[0];
-  double m = -kInf;
-  for (std::int64_t r = g.row_begin(qb); r < g.row_end(qb); ++r) {
-    for (std::int64_t t = g.key_begin(kb); t < g.key_end(kb); ++t) {
-      double dot = 0.0;
-      for (int c = 0; c < in.d; ++c) dot += get(s.q, (r * in.h_q + h) * in.d + c) * get(s.k, (t * in.h_kv + kvh) * in.d + c);
-      m = std::max(m, scale * dot);
-    }
-  }
-  return m;
-}
-
-// A threshold table [h_q, positions] for batch-1 inputs: per (h, qb) the midpoint of two
-// consecutive observed maxima of its gated blocks with a gap >= 0.02 near the keep_fraction
-// quantile (so no maximum lies within 0.01 of it); -inf when nothing is gated.
-HostTensor midpoint_thresholds(const Inputs& in, bool causal, int bk, double keep_fraction) {
-  const geom::BlockGeometry g = geometry(in.s_q(0), in.s_k(0), causal, 128, bk);
-  const int positions = static_cast<int>(geom::ceil_div(in.s_k(0), 128)) + 1;
-  HostTensor thr(DType::kFP32, {in.h_q, positions});
-  for (int i = 0; i < in.h_q * positions; ++i) thr.as<float>()[i] = -std::numeric_limits<float>::infinity();
-  for (int h = 0; h < in.h_q; ++h) {
-    for (int qb = 0; qb < g.num_q_blocks(); ++qb) {
-      std::vector<double> maxima;
-      for (int kb = 0; kb < g.visible_end(qb); ++kb) {
-        const bool gated = causal ? g.is_full(qb, kb) : kb != g.num_k_blocks() - 1;
-        if (gated) maxima.push_back(block_max(in, h, g, qb, kb));
-      }
-      std::sort(maxima.begin(), maxima.end(), std::greater<double>());
-      const int n = static_cast<int>(maxima.size());
-      const int want = std::clamp(static_cast<int>(keep_fraction * n), 0, std::max(n - 1, 0));
-      double t = -kInf;
-      for (int delta = 0; delta < n && t == -kInf; ++delta) {
-        for (int k : {want - delta, want + delta}) {
-          if (k >= 0 && k + 1 < n && maxima[static_cast<std::size_t>(k)] - maxima[static_cast<std::size_t>(k + 1)] >= 0.02) {
-            t = 0.5 * (maxima[static_cast<std::size_t>(k)] + maxima[static_cast<std::size_t>(k + 1)]);
-            break;
-          }
-        }
-      }
-      thr.as<float>()[h * positions + g.threshold_position(qb, positions)] = static_cast<float>(t);
-    }
-  }
-  return thr;
-}
-
 ExactGateParams gate_params(const HostTensor& thr, int bk) {
   ExactGateParams p;
   p.block_q = 128;
@@ -437,7 +389,7 @@ TEST(CudaExactGate, MidpointThresholdsCausalChunkedAndNonCausal) {
                  " block_k " + std::to_string(c.block_k));
     const Inputs in = make_inputs({c.len}, c.h_q, c.h_kv, c.d, 700 + static_cast<std::uint64_t>(c.len.s_q), c.dtype);
     TestProblem tp = make_problem(in, c.causal);
-    const HostTensor thr = midpoint_thresholds(in, c.causal, c.block_k, 0.4);
+    const HostTensor thr = midpoint_thresholds(in, c.causal, 128, c.block_k, 0.4);
     const GpuRun r = expect_gpu_matches(&tp, gate_params(thr, c.block_k));
     if (!r.status.ok()) continue;
     const std::int64_t visible = visible_blocks({c.len}, c.h_q, c.causal, 128, c.block_k);
@@ -482,7 +434,7 @@ TEST(CudaExactGate, NaNValuesOfSkippedBlocksAreNeverRead) {
     SCOPED_TRACE("block_k " + std::to_string(block_k));
     Inputs in = make_inputs({len}, 2, 2, 128, 900);
     TestProblem clean = make_problem(in);
-    const HostTensor thr = midpoint_thresholds(in, true, block_k, 0.3);
+    const HostTensor thr = midpoint_thresholds(in, true, 128, block_k, 0.3);
     const std::vector<GpuRun> want = expect_both_paths_match(&clean, gate_params(thr, block_k));
     ASSERT_TRUE(want[0].status.ok() && want[1].status.ok());
     const geom::BlockGeometry g = geometry(len.s_q, len.s_k, true, 128, block_k);
@@ -864,7 +816,7 @@ TEST(CudaPaged, ExactGateEqualsContiguous) {
   const Inputs in = make_inputs({{700, 1300}}, 4, 2, 128, 1603);
   for (int block_k : {64, 128}) {
     SCOPED_TRACE("block_k " + std::to_string(block_k));
-    const HostTensor thr = midpoint_thresholds(in, true, block_k, 0.4);
+    const HostTensor thr = midpoint_thresholds(in, true, 128, block_k, 0.4);
     expect_paged_equals_contiguous(in, gate_params(thr, block_k));
   }
 }
@@ -976,7 +928,7 @@ TEST(CudaChunked, ExactGateEqualsOneShot) {
   SP_REQUIRE_GPU();
   // Thresholds at absolute positions: every chunk reads the rows of its own query blocks.
   const Inputs in = chunk_prompt();
-  const HostTensor thr = midpoint_thresholds(in, true, 128, 0.4);
+  const HostTensor thr = midpoint_thresholds(in, true, 128, 128, 0.4);
   const Policy gate = gate_params(thr, 128);
   expect_chunks_equal_one_shot(in, gate, [&](std::int64_t) { return gate; });
 }
