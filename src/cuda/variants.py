@@ -65,6 +65,17 @@ def fwd90_name(dtype, d, paged):
     return f"fwd_sm90_{'paged_' if paged else ''}{dtype}_hd{d}"
 
 
+def translation_unit(kernel_header, body):
+    """One instance's .cu file: the kernel header, the registry, and `body` (the launch function)
+    inside the backend's namespace."""
+    return (HEADER
+            + f'#include "{kernel_header}"\n'
+            + '#include "cuda/registry.h"\n\n'
+            + "namespace sparseprefill::cuda {\n\n"
+            + body
+            + "}\n\n}  // namespace sparseprefill::cuda\n")
+
+
 def expected_files():
     files = {}
     registry = [HEADER, "// SP_FWD_VARIANT(launch function, DType enumerator, head_dim)\n",
@@ -75,75 +86,45 @@ def expected_files():
     for dtype, (enum, is_bf16) in DTYPES.items():
         for d in HEAD_DIMS:
             name = fwd_name(dtype, d)
-            files[f"{name}.cu"] = (
-                HEADER
-                + '#include "cuda/kernel/sm80/fwd_kernel.cuh"\n'
-                + '#include "cuda/registry.h"\n\n'
-                + "namespace sparseprefill::cuda {\n\n"
-                + f"int {name}(const FwdParams& params, void* stream) {{\n"
-                + f"  return sm80::launch_fwd<sm80::FwdConfig<{is_bf16}, {d}>>(params, stream);\n"
-                + "}\n\n}  // namespace sparseprefill::cuda\n"
-            )
+            files[f"{name}.cu"] = translation_unit(
+                "cuda/kernel/sm80/fwd_kernel.cuh",
+                f"int {name}(const FwdParams& params, void* stream) {{\n"
+                f"  return sm80::launch_fwd<sm80::FwdConfig<{is_bf16}, {d}>>(params, stream);\n")
             registry.append(f"SP_FWD_VARIANT({name}, {enum}, {d})\n")
             name = select_name(dtype, d)
-            files[f"{name}.cu"] = (
-                HEADER
-                + '#include "cuda/kernel/select_kernel.cuh"\n'
-                + '#include "cuda/registry.h"\n\n'
-                + "namespace sparseprefill::cuda {\n\n"
-                + f"int {name}(const SelectParams& params, void* stream) {{\n"
-                + f"  return select::launch_select<{is_bf16}, {d}>(params, stream);\n"
-                + "}\n\n}  // namespace sparseprefill::cuda\n"
-            )
+            files[f"{name}.cu"] = translation_unit(
+                "cuda/kernel/select_kernel.cuh",
+                f"int {name}(const SelectParams& params, void* stream) {{\n"
+                f"  return select::launch_select<{is_bf16}, {d}>(params, stream);\n")
             registry.append(f"SP_SELECT_VARIANT({name}, {enum}, {d})\n")
             name = permute_name(dtype, d)
-            files[f"{name}.cu"] = (
-                HEADER
-                + '#include "cuda/kernel/sm80/permute_kernel.cuh"\n'
-                + '#include "cuda/registry.h"\n\n'
-                + "namespace sparseprefill::cuda {\n\n"
-                + f"int {name}(PermuteParams& params, void* stream) {{\n"
-                + f"  return sm80::launch_permute<sm80::PermuteConfig<{is_bf16}, {d}>>(params, stream);\n"
-                + "}\n\n}  // namespace sparseprefill::cuda\n"
-            )
+            files[f"{name}.cu"] = translation_unit(
+                "cuda/kernel/sm80/permute_kernel.cuh",
+                f"int {name}(PermuteParams& params, void* stream) {{\n"
+                f"  return sm80::launch_permute<sm80::PermuteConfig<{is_bf16}, {d}>>(params, stream);\n")
             registry.append(f"SP_PERMUTE_VARIANT({name}, {enum}, {d})\n")
             name = calib_name(dtype, d)
-            files[f"{name}.cu"] = (
-                HEADER
-                + '#include "cuda/kernel/calib_kernel.cuh"\n'
-                + '#include "cuda/registry.h"\n\n'
-                + "namespace sparseprefill::cuda {\n\n"
-                + f"int {name}(const CalibParams& params, void* stream) {{\n"
-                + f"  return calib::launch_calib<{is_bf16}, {d}>(params, stream);\n"
-                + "}\n\n}  // namespace sparseprefill::cuda\n"
-            )
+            files[f"{name}.cu"] = translation_unit(
+                "cuda/kernel/calib_kernel.cuh",
+                f"int {name}(const CalibParams& params, void* stream) {{\n"
+                f"  return calib::launch_calib<{is_bf16}, {d}>(params, stream);\n")
             registry.append(f"SP_CALIB_VARIANT({name}, {enum}, {d})\n")
-    files[f"{PERMUTE_SORT}.cu"] = (
-        HEADER
-        + '#include "cuda/kernel/permute_sort.cuh"\n'
-        + '#include "cuda/registry.h"\n\n'
-        + "namespace sparseprefill::cuda {\n\n"
-        + "int permute_sort_pairs(const SortPairs& s, std::size_t* temp_bytes, int* current, void* stream) {\n"
-        + "  return permute::sort_pairs_descending(s, temp_bytes, current, stream);\n"
-        + "}\n\n}  // namespace sparseprefill::cuda\n"
-    )
+    files[f"{PERMUTE_SORT}.cu"] = translation_unit(
+        "cuda/kernel/permute_sort.cuh",
+        "int permute_sort_pairs(const SortPairs& s, std::size_t* temp_bytes, int* current, void* stream) {\n"
+        "  return permute::sort_pairs_descending(s, temp_bytes, current, stream);\n")
     for paged in SM90_KV:
         for dtype in SM90_DTYPES:
             enum, is_bf16 = DTYPES[dtype]
             for d in SM90_HEAD_DIMS:
                 name = fwd90_name(dtype, d, paged)
                 config = f"sm90::FwdConfig<{is_bf16}, {d}{', true' if paged else ''}>"
-                files[f"{name}.cu"] = (
-                    HEADER
-                    + '#include "cuda/kernel/sm90/fwd_kernel.cuh"\n'
-                    + '#include "cuda/registry.h"\n\n'
-                    + "namespace sparseprefill::cuda {\n\n"
-                    + "static_assert(sizeof(sm90::SeqMaps) == kFwd90MapBytesPerSeq);\n\n"
-                    + f"int {name}(const FwdParams& params, const SeqInfo* host_seqs, const std::int32_t* host_block_table,\n"
-                    + f"{' ' * (len(name) + 5)}const HostUpload& upload, void* stream) {{\n"
-                    + f"  return sm90::launch_fwd<{config}>(params, host_seqs, host_block_table, upload, stream);\n"
-                    + "}\n\n}  // namespace sparseprefill::cuda\n"
-                )
+                files[f"{name}.cu"] = translation_unit(
+                    "cuda/kernel/sm90/fwd_kernel.cuh",
+                    "static_assert(sizeof(sm90::SeqMaps) == kFwd90MapBytesPerSeq);\n\n"
+                    f"int {name}(const FwdParams& params, const SeqInfo* host_seqs, const std::int32_t* host_block_table,\n"
+                    f"{' ' * (len(name) + 5)}const HostUpload& upload, void* stream) {{\n"
+                    f"  return sm90::launch_fwd<{config}>(params, host_seqs, host_block_table, upload, stream);\n")
                 registry.append(f"SP_FWD90_VARIANT({name}, {enum}, {d}, {'true' if paged else 'false'})\n")
     files["registry.inc"] = "".join(registry)
     return files
