@@ -62,7 +62,7 @@ std::string support_summary() {
          "; block_q 128, block_k 64 or 128; estimate_select block 128; policies dense, block_sparse, "
          "exact_gate, softmax_skip, estimate_select, permute_stop (block_q 128, block_k 64 or 128, at most 2^31 - 1 "
          "ranked prefix keys per call); Hopper sm90 path (compute capability 9.0: dense and every policy but "
-         "permute_stop with 128-key blocks, contiguous K/V or pages of a multiple of 8 keys; block_k 64 and other "
+         "permute_stop with 128-key blocks, contiguous K/V or pages of 8, 16, 32, 64 or a multiple of 128 keys; block_k 64 and other "
          "page sizes use the portable path there): " +
          compiled_fwd90_summary() + "; paged K/V (any page size) on the portable path, every policy but permute_stop; "
          "not on CUDA: fp32";

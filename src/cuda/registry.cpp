@@ -3,117 +3,69 @@
 // instances are reached through extern declarations, never through kernel headers.
 #include "cuda/registry.h"
 
+#include <cstddef>
 #include <iterator>
 #include <sstream>
 
 namespace sparseprefill::cuda {
 namespace {
 
+// Each table takes its kind's lines of registry.inc (which leaves the other kinds empty).
 constexpr FwdVariant kFwdVariants[] = {
 #define SP_FWD_VARIANT(fn, dtype, head_dim) {#fn, DType::dtype, head_dim, &fn},
-#define SP_SELECT_VARIANT(fn, dtype, head_dim)
-#define SP_PERMUTE_VARIANT(fn, dtype, head_dim)
-#define SP_FWD90_VARIANT(fn, dtype, head_dim, paged)
-#define SP_CALIB_VARIANT(fn, dtype, head_dim)
 #include "cuda/instances/registry.inc"
-#undef SP_FWD_VARIANT
-#undef SP_SELECT_VARIANT
-#undef SP_PERMUTE_VARIANT
-#undef SP_FWD90_VARIANT
-#undef SP_CALIB_VARIANT
 };
 
 constexpr SelectVariant kSelectVariants[] = {
-#define SP_FWD_VARIANT(fn, dtype, head_dim)
 #define SP_SELECT_VARIANT(fn, dtype, head_dim) {#fn, DType::dtype, head_dim, &fn},
-#define SP_PERMUTE_VARIANT(fn, dtype, head_dim)
-#define SP_FWD90_VARIANT(fn, dtype, head_dim, paged)
-#define SP_CALIB_VARIANT(fn, dtype, head_dim)
 #include "cuda/instances/registry.inc"
-#undef SP_FWD_VARIANT
-#undef SP_SELECT_VARIANT
-#undef SP_PERMUTE_VARIANT
-#undef SP_FWD90_VARIANT
-#undef SP_CALIB_VARIANT
 };
 
 constexpr Fwd90Variant kFwd90Variants[] = {
-#define SP_FWD_VARIANT(fn, dtype, head_dim)
-#define SP_SELECT_VARIANT(fn, dtype, head_dim)
-#define SP_PERMUTE_VARIANT(fn, dtype, head_dim)
 #define SP_FWD90_VARIANT(fn, dtype, head_dim, paged) {#fn, DType::dtype, head_dim, paged, &fn},
-#define SP_CALIB_VARIANT(fn, dtype, head_dim)
 #include "cuda/instances/registry.inc"
-#undef SP_FWD_VARIANT
-#undef SP_SELECT_VARIANT
-#undef SP_PERMUTE_VARIANT
-#undef SP_FWD90_VARIANT
-#undef SP_CALIB_VARIANT
 };
 
 constexpr PermuteVariant kPermuteVariants[] = {
-#define SP_FWD_VARIANT(fn, dtype, head_dim)
-#define SP_SELECT_VARIANT(fn, dtype, head_dim)
 #define SP_PERMUTE_VARIANT(fn, dtype, head_dim) {#fn, DType::dtype, head_dim, &fn},
-#define SP_FWD90_VARIANT(fn, dtype, head_dim, paged)
-#define SP_CALIB_VARIANT(fn, dtype, head_dim)
 #include "cuda/instances/registry.inc"
-#undef SP_FWD_VARIANT
-#undef SP_SELECT_VARIANT
-#undef SP_PERMUTE_VARIANT
-#undef SP_FWD90_VARIANT
-#undef SP_CALIB_VARIANT
 };
 
 constexpr CalibVariant kCalibVariants[] = {
-#define SP_FWD_VARIANT(fn, dtype, head_dim)
-#define SP_SELECT_VARIANT(fn, dtype, head_dim)
-#define SP_PERMUTE_VARIANT(fn, dtype, head_dim)
-#define SP_FWD90_VARIANT(fn, dtype, head_dim, paged)
 #define SP_CALIB_VARIANT(fn, dtype, head_dim) {#fn, DType::dtype, head_dim, &fn},
 #include "cuda/instances/registry.inc"
-#undef SP_FWD_VARIANT
-#undef SP_SELECT_VARIANT
-#undef SP_PERMUTE_VARIANT
-#undef SP_FWD90_VARIANT
-#undef SP_CALIB_VARIANT
 };
+
+// The first entry of `table` that `match` accepts, or nullptr.
+template <class V, std::size_t N, class Match>
+const V* find_in(const V (&table)[N], const Match& match) {
+  for (const V& v : table) {
+    if (match(v)) return &v;
+  }
+  return nullptr;
+}
 
 }  // namespace
 
 const FwdVariant* find_fwd(DType dtype, int head_dim) {
-  for (const FwdVariant& v : kFwdVariants) {
-    if (v.dtype == dtype && v.head_dim == head_dim) return &v;
-  }
-  return nullptr;
+  return find_in(kFwdVariants, [&](const FwdVariant& v) { return v.dtype == dtype && v.head_dim == head_dim; });
 }
 
 const SelectVariant* find_select(DType dtype, int head_dim) {
-  for (const SelectVariant& v : kSelectVariants) {
-    if (v.dtype == dtype && v.head_dim == head_dim) return &v;
-  }
-  return nullptr;
+  return find_in(kSelectVariants, [&](const SelectVariant& v) { return v.dtype == dtype && v.head_dim == head_dim; });
 }
 
 const PermuteVariant* find_permute(DType dtype, int head_dim) {
-  for (const PermuteVariant& v : kPermuteVariants) {
-    if (v.dtype == dtype && v.head_dim == head_dim) return &v;
-  }
-  return nullptr;
+  return find_in(kPermuteVariants, [&](const PermuteVariant& v) { return v.dtype == dtype && v.head_dim == head_dim; });
 }
 
 const Fwd90Variant* find_fwd90(DType dtype, int head_dim, bool paged) {
-  for (const Fwd90Variant& v : kFwd90Variants) {
-    if (v.dtype == dtype && v.head_dim == head_dim && v.paged == paged) return &v;
-  }
-  return nullptr;
+  return find_in(kFwd90Variants,
+                 [&](const Fwd90Variant& v) { return v.dtype == dtype && v.head_dim == head_dim && v.paged == paged; });
 }
 
 const CalibVariant* find_calib(DType dtype, int head_dim) {
-  for (const CalibVariant& v : kCalibVariants) {
-    if (v.dtype == dtype && v.head_dim == head_dim) return &v;
-  }
-  return nullptr;
+  return find_in(kCalibVariants, [&](const CalibVariant& v) { return v.dtype == dtype && v.head_dim == head_dim; });
 }
 
 std::string compiled_fwd_summary() {

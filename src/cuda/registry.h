@@ -98,12 +98,7 @@ struct CalibVariant {
 #define SP_FWD90_VARIANT(fn, dtype, head_dim, paged)                                                   \
   int fn(const FwdParams& params, const SeqInfo* host_seqs, const std::int32_t* host_block_table, \
          const HostUpload& upload, void* stream);
-#include "cuda/instances/registry.inc"
-#undef SP_FWD_VARIANT
-#undef SP_SELECT_VARIANT
-#undef SP_PERMUTE_VARIANT
-#undef SP_FWD90_VARIANT
-#undef SP_CALIB_VARIANT
+#include "cuda/instances/registry.inc"  // undefines the macros
 
 // The instance for (dtype, head_dim) (and, for the Hopper kernel, K/V paged or not), or
 // nullptr when none is compiled.

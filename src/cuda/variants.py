@@ -126,7 +126,14 @@ def expected_files():
                     f"{' ' * (len(name) + 5)}const HostUpload& upload, void* stream) {{\n"
                     f"  return sm90::launch_fwd<{config}>(params, host_seqs, host_block_table, upload, stream);\n")
                 registry.append(f"SP_FWD90_VARIANT({name}, {enum}, {d}, {'true' if paged else 'false'})\n")
-    files["registry.inc"] = "".join(registry)
+    # Every kind's macro defaults to nothing and is undefined at the end, so an includer
+    # defines only the kinds it wants.
+    kinds = ["SP_FWD_VARIANT(fn, dtype, head_dim)", "SP_SELECT_VARIANT(fn, dtype, head_dim)",
+             "SP_PERMUTE_VARIANT(fn, dtype, head_dim)", "SP_FWD90_VARIANT(fn, dtype, head_dim, paged)",
+             "SP_CALIB_VARIANT(fn, dtype, head_dim)"]
+    defaults = "".join(f"#ifndef {k.split('(')[0]}\n#define {k}\n#endif\n" for k in kinds)
+    undefs = "".join(f"#undef {k.split('(')[0]}\n" for k in kinds)
+    files["registry.inc"] = registry[0] + "".join(registry[1:6]) + defaults + "".join(registry[6:]) + undefs
     return files
 
 
