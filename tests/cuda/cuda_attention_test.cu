@@ -773,6 +773,15 @@ TEST(CudaPaged, DenseEqualsContiguous) {
   expect_paged_equals_contiguous(wide, DenseParams{});
 }
 
+TEST(CudaPaged, DenseShortCachesUnderLongChunks) {
+  SP_REQUIRE_GPU();
+  // FlashAttention-3's test_flash_attn_kvcache shape: a 2048-query chunk over caches shorter
+  // and longer than it (causal: the first 2048 - s_k rows of a short cache see no key, whole
+  // query blocks among them), d 128, bf16.
+  const Inputs in = make_inputs({{2048, 300}, {2048, 1777}, {2048, 3577}, {2048, 9}}, 2, 1, 128, 1606);
+  expect_paged_equals_contiguous(in, DenseParams{});
+}
+
 TEST(CudaPaged, BlockSparseEqualsContiguous) {
   SP_REQUIRE_GPU();
   const Inputs in = make_inputs({{300, 700}, {129, 129}, {500, 1100}}, 4, 2, 128, 1602);
