@@ -417,6 +417,14 @@ __global__ void __launch_bounds__(Cfg::kThreads, 2) fwd_kernel(const __grid_cons
     l += __shfl_xor_sync(0xffffffffu, l, 2);
     finalize_row(st.m[r], l, &o_scale[r], &lse[r]);
   }
+  // A query block with nothing to visit (every row sees no key, or the mask selects none)
+  // never waited for its Q load, whose rows any thread may have copied: it must land for all
+  // before zeros are staged over it, or it overwrites them (rows of Q came out as O:
+  // FlashAttention-3's kvcache test, pages of 1). After a visit the loop has waited for it.
+  if (n_visit == 0) {
+    ptx::cp_async_wait<0>();
+    __syncthreads();
+  }
   __syncwarp();  // the warp's last Q fragment reads are done before its rows are overwritten
   auto* s_o = reinterpret_cast<std::uint32_t*>(smem);
 #pragma unroll
