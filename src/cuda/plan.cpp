@@ -64,7 +64,7 @@ std::string support_summary() {
          "ranked prefix keys per call); Hopper sm90 path (compute capability 9.0: dense and every policy but "
          "permute_stop with 128-key blocks, contiguous K/V or pages of 8, 16, 32, 64 or a multiple of 128 keys; block_k 64 and other "
          "page sizes use the portable path there): " +
-         compiled_fwd90_summary() + "; paged K/V (any page size) on the portable path, every policy but permute_stop; "
+         compiled_fwd90_summary() + "; paged K/V (any page size) on the portable path, every policy; "
          "not on CUDA: fp32";
 }
 
@@ -165,10 +165,6 @@ Status check_support(const ProblemShape& shape, const Policy& policy, int* block
           }
         } else if constexpr (std::is_same_v<P, PermuteStopParams>) {
           SP_RETURN_IF_ERROR(check_blocks("permute_stop", p.block_q, p.block_k));
-          if (shape.kv_layout == KvLayout::kPaged) {
-            return unsupported("permute_stop: paged K/V is not supported by the CUDA permute_stop kernels yet (contiguous "
-                               "or varlen K/V only; " + support_summary() + ")");
-          }
           if (find_permute(shape.dtype, shape.d) == nullptr) {
             return unsupported(std::string("permute_stop: no compiled kernel for ") + dtype_name(shape.dtype) +
                                " head_dim " + std::to_string(shape.d) + " (" + support_summary() + ")");

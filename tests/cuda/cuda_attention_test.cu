@@ -859,6 +859,19 @@ TEST(CudaPaged, EstimateSelectEqualsContiguous) {
   }
 }
 
+TEST(CudaPaged, PermuteStopEqualsContiguous) {
+  SP_REQUIRE_GPU();
+  // A cached prefix no segment of the call owns (read only through the ranked pass, gathered
+  // through the table), and a prompt with several segments; GQA group 2.
+  for (const SeqLen len : {SeqLen{300, 1500}, SeqLen{1023, 1023}}) {
+    SCOPED_TRACE(std::to_string(len.s_q) + "x" + std::to_string(len.s_k));
+    const Inputs in = permute_inputs({len}, 4, 2, 128, 1607);
+    const double tau = stable_tau(make_problem(in), 256, 64);
+    ASSERT_FALSE(std::isnan(tau)) << "no tau with a margin stops a tile early";
+    expect_paged_equals_contiguous(in, permute_params(tau, 256, 64));
+  }
+}
+
 // ------------------------------------------------------------------ chunked prefill
 
 constexpr int kQueryBlock = 128;  // block_q of every policy on CUDA
@@ -887,6 +900,7 @@ void expect_chunks_equal_one_shot(const Inputs& full, const Policy& policy,
     ref::Result joined;
     joined.o.assign(ref64.o.size(), kNaN);
     joined.lse.assign(ref64.lse.size(), kNaN);
+    std::size_t tiles_seen = 0;
     for (std::int64_t c0 = 0; c0 < n; c0 += chunk) {
       const std::int64_t c1 = std::min(n, c0 + chunk);
       SCOPED_TRACE("chunk [" + std::to_string(c0) + ", " + std::to_string(c1) + ")");
@@ -913,7 +927,30 @@ void expect_chunks_equal_one_shot(const Inputs& full, const Policy& policy,
               << "corrected, head " << h << " query block " << qb_full;
         }
       }
+      // permute_stop (chunks of whole segments): the chunk's tiles are the one-shot call's
+      // tiles of the same (absolute) segments, and its query order is theirs shifted by c0.
+      for (const PermuteTile& t : d.tiles) {
+        const auto& all = ref64.decisions.tiles;
+        const auto it = std::find_if(all.begin(), all.end(), [&](const PermuteTile& o) {
+          return o.head == t.head && o.segment == t.segment && o.tile == t.tile;
+        });
+        ASSERT_NE(it, all.end()) << "head " << t.head << " segment " << t.segment << " tile " << t.tile;
+        EXPECT_EQ(t.chunks_visited, it->chunks_visited) << "head " << t.head << " segment " << t.segment << " tile " << t.tile;
+        EXPECT_EQ(t.chunks_total, it->chunks_total) << "head " << t.head << " segment " << t.segment << " tile " << t.tile;
+      }
+      tiles_seen += d.tiles.size();
+      if (!d.query_order.empty()) {
+        ASSERT_EQ(d.query_order.size(), static_cast<std::size_t>(full.h_q * rows));
+        for (int h = 0; h < full.h_q; ++h) {
+          for (std::int64_t i = 0; i < rows; ++i) {
+            EXPECT_EQ(d.query_order[static_cast<std::size_t>(h * rows + i)] + c0,
+                      ref64.decisions.query_order[static_cast<std::size_t>(h * n + c0 + i)])
+                << "head " << h << " slot " << c0 + i;
+          }
+        }
+      }
     }
+    EXPECT_EQ(tiles_seen, ref64.decisions.tiles.size());
     EXPECT_TRUE(close_calibrated(full.dtype, joined, ref64, lowp));
   }
 }
@@ -975,6 +1012,17 @@ TEST(CudaChunked, EstimateSelectEqualsOneShot) {
     const Policy p = make(alpha);
     expect_chunks_equal_one_shot(in, p, [&](std::int64_t) { return p; });
   }
+}
+
+TEST(CudaChunked, PermuteStopEqualsOneShot) {
+  SP_REQUIRE_GPU();
+  // Segments of 256 at absolute positions: chunks of 512 and 1024 hold whole segments, whose
+  // ranked prefix is the cached part of the prompt, ranked as in the one-shot call.
+  const Inputs in = permute_inputs({{2048, 2048}}, 2, 1, 64, 1701);
+  const double tau = stable_tau(make_problem(in), 256, 64);
+  ASSERT_FALSE(std::isnan(tau)) << "no tau with a margin stops a tile early";
+  const Policy p = permute_params(tau, 256, 64);
+  expect_chunks_equal_one_shot(in, p, [&](std::int64_t) { return p; });
 }
 
 // estimate_select's chunked-prefill inputs (docs/semantics.md §1): the tail counted over the

@@ -109,6 +109,17 @@ __device__ __forceinline__ void warp_pv(std::uint32_t v_tile, int lane, const st
   }
 }
 
+// K (value = false) or V rows of sequence b (seq = p.seqs[b]) and KV head hk, contiguous or
+// through the block table: the forward and permute_stop kernels read K/V only through this.
+__device__ __forceinline__ KvRows kv_rows_of(const FwdParams& p, const SeqInfo& seq, int b, int hk, bool value) {
+  const auto* base = static_cast<const std::uint16_t*>(value ? p.v : p.k) + (value ? seq.v_off : seq.k_off) +
+                     hk * (value ? p.v_head_stride : p.k_head_stride);
+  const std::int64_t stride = value ? p.v_row_stride : p.k_row_stride;
+  if (p.paged.block_table == nullptr) return contiguous_rows(base, stride);
+  return {base, stride, p.paged.block_table + b * p.paged.table_stride, p.paged.page_size,
+          value ? p.paged.v_page_stride : p.paged.k_page_stride};
+}
+
 template <class Cfg>
 __global__ void __launch_bounds__(Cfg::kThreads, 2) fwd_kernel(const __grid_constant__ FwdParams p) {
   using Tile = typename Cfg::Tile;
@@ -168,15 +179,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 2) fwd_kernel(const __grid_cons
   auto row_of = [&](int r) { return warp_row + 16 * (r / 2) + g + 8 * (r % 2); };
   auto row_ok = [&](int r) { return row_of(r) < rows_valid; };
 
-  // K or V rows of this sequence and KV head, contiguous or through the block table.
-  auto kv_rows = [&](bool value) -> KvRows {
-    const auto* base = static_cast<const std::uint16_t*>(value ? p.v : p.k) + (value ? seq.v_off : seq.k_off) +
-                       hk * (value ? p.v_head_stride : p.k_head_stride);
-    const std::int64_t stride = value ? p.v_row_stride : p.k_row_stride;
-    if (p.paged.block_table == nullptr) return contiguous_rows(base, stride);
-    return {base, stride, p.paged.block_table + b * p.paged.table_stride, p.paged.page_size,
-            value ? p.paged.v_page_stride : p.paged.k_page_stride};
-  };
+  auto kv_rows = [&](bool value) { return kv_rows_of(p, seq, b, hk, value); };
   const std::int64_t mean_base = (static_cast<std::int64_t>(b) * p.h_kv + hk) * p.mean_blocks * static_cast<std::int64_t>(kD);
 
   // 64-key sub-tiles of visit position j: one or two for a key block, one for a mean tile.

@@ -97,7 +97,7 @@ __global__ void __launch_bounds__(128) prefix_scores_kernel(const __grid_constan
   if (t0 >= prefix) return;
   const std::int64_t t = t0 + threadIdx.x;
   const bool valid = t < prefix;
-  const auto* k = static_cast<const std::uint16_t*>(p.k) + seq.k_off + (valid ? t : 0) * p.k_row_stride + hk * p.k_head_stride;
+  const std::uint16_t* k = kv_rows_of(p, seq, b, hk, false).row(valid ? t : 0);
   for (int h0 = hk * p.group; h0 < (hk + 1) * p.group; h0 += kHeads) {
     const int heads = min(kHeads, (hk + 1) * p.group - h0);
     __syncthreads();  // the previous heads' means are no longer read
@@ -152,9 +152,9 @@ __global__ void __launch_bounds__(Cfg::kHeadDim) guide_kernel(const __grid_const
   const std::int64_t item = (static_cast<std::int64_t>(b) * p.h_q + h) * pp.max_segments + slot;
   const std::int32_t* ranked = pp.ranked + pp.rank_offsets[item];
   const std::int64_t top = geom::min64(pp.block_k, prefix);
-  const auto* k = static_cast<const std::uint16_t*>(p.k) + seq.k_off + (h / p.group) * p.k_head_stride + i;
+  const KvRows k_rows = kv_rows_of(p, seq, b, h / p.group, false);
   double u = 0.0;
-  for (std::int64_t n = 0; n < top; ++n) u += ptx::to_float<Cfg::kBf16>(k[ranked[n] * p.k_row_stride]);
+  for (std::int64_t n = 0; n < top; ++n) u += ptx::to_float<Cfg::kBf16>(k_rows.row(ranked[n])[i]);
   s_u[i] = u / static_cast<double>(top);
   __syncthreads();
   const auto* q = static_cast<const std::uint16_t*>(p.q) + seq.q_off + h * p.q_head_stride;
@@ -240,8 +240,8 @@ __global__ void __launch_bounds__(Cfg::kThreads, 2) permute_kernel(const __grid_
   const std::uint32_t s_v_tile = s_k_tile + 2 * Cfg::kKVBytes;  // 1 tile
 
   // Sub-tile u of K or V into smem: own keys are consecutive rows, ranked keys gathered.
-  const KvRows k_rows = contiguous_rows(static_cast<const std::uint16_t*>(p.k) + seq.k_off + hk * p.k_head_stride, p.k_row_stride);
-  const KvRows v_rows = contiguous_rows(static_cast<const std::uint16_t*>(p.v) + seq.v_off + hk * p.v_head_stride, p.v_row_stride);
+  const KvRows k_rows = kv_rows_of(p, seq, b, hk, false);
+  const KvRows v_rows = kv_rows_of(p, seq, b, hk, true);
   auto load_sub = [&](std::uint32_t dst, int u, bool value) {
     const KvRows& rows = value ? v_rows : k_rows;
     if (u < n_own) {
