@@ -209,10 +209,6 @@ __device__ __forceinline__ void mask_tile(float (&s)[1][16][4], const int (&limi
   }
 }
 
-// Table entries the producer reads at once (boxes per key tile: 128 / page_size, up to 16).
-// 8 does not fit the producer's 24 registers: ptxas spilled 828-884 bytes per paged instance.
-constexpr int kTableBatch = 4;
-
 // Where the producer finds the key rows of paged K/V (kPaged instances only).
 struct PagedRows {
   const std::int32_t* table;  // the sequence's block-table row
@@ -343,49 +339,27 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
             // never a box wholly out of bounds). Such a box lies in the tile's columns past
             // s_k, which are masked to -inf (the tile is short), so its P is exactly 0, as for
             // the zero rows of contiguous K/V.
-            //   The table entries of kTableBatch boxes are read before any of them is issued:
-            // every TMA asm clobbers memory, so a read placed after one is not hoisted above it
-            // and each box would wait out its own dependent global load (8 in a row per tile at
-            // 16-key pages).
             const CUtensorMap* cache = value ? &pages.cache->v : &pages.cache->k;
             const CUtensorMap* tail = value ? &m->v : &m->k;
             int page = row / pages.page_size;
             int in_page = row - page * pages.page_size;
-            for (int r0 = 0; r0 < kTileN; r0 += kTableBatch * pages.box_rows) {
-              int entry[kTableBatch];  // -1: the box comes from the tail map
-              {
-                int pg = page, ip = in_page;
-#pragma unroll
-                for (int i = 0; i < kTableBatch; ++i) {
-                  const int r = r0 + i * pages.box_rows;
-                  entry[i] = r < kTileN && row + r < pages.keys && pg < pages.last_page ? pages.table[pg] : -1;
-                  ip += pages.box_rows;
-                  if (ip == pages.page_size) {
-                    ip = 0;
-                    ++pg;
-                  }
+            for (int r = 0; r < kTileN; r += pages.box_rows) {
+              const std::uint32_t box = dst + static_cast<std::uint32_t>(r * kRowBytes);
+              if (row + r < pages.keys && page < pages.last_page) {
+                const int entry = pages.table[page];
+                for (int half = 0; half < Cfg::kHalves; ++half) {
+                  hw::tma_load_4d(box + half * kHalfBytes, cache, bar, half * Cfg::kHalfDim, hk, in_page, entry);
+                }
+              } else {
+                const int tail_row = row + r < pages.keys ? in_page : 0;
+                for (int half = 0; half < Cfg::kHalves; ++half) {
+                  hw::tma_load_3d(box + half * kHalfBytes, tail, bar, half * Cfg::kHalfDim, hk, tail_row);
                 }
               }
-#pragma unroll
-              for (int i = 0; i < kTableBatch; ++i) {
-                const int r = r0 + i * pages.box_rows;
-                if (r >= kTileN) break;
-                const std::uint32_t box = dst + static_cast<std::uint32_t>(r * kRowBytes);
-                if (entry[i] >= 0) {
-                  for (int half = 0; half < Cfg::kHalves; ++half) {
-                    hw::tma_load_4d(box + half * kHalfBytes, cache, bar, half * Cfg::kHalfDim, hk, in_page, entry[i]);
-                  }
-                } else {
-                  const int tail_row = row + r < pages.keys ? in_page : 0;
-                  for (int half = 0; half < Cfg::kHalves; ++half) {
-                    hw::tma_load_3d(box + half * kHalfBytes, tail, bar, half * Cfg::kHalfDim, hk, tail_row);
-                  }
-                }
-                in_page += pages.box_rows;
-                if (in_page == pages.page_size) {
-                  in_page = 0;
-                  ++page;
-                }
+              in_page += pages.box_rows;
+              if (in_page == pages.page_size) {
+                in_page = 0;
+                ++page;
               }
             }
           } else {
