@@ -50,7 +50,7 @@ note "evaluate"
   --text "$root/$text" --calibration "$cal" --output "$out/$name.json" --device cuda --dtype bfloat16 \
   --lengths "${SP_QUALITY_LENGTHS:-2048,4096,8192}" --windows "${SP_QUALITY_WINDOWS:-8,4,2}" \
   --passkey-depths 0.1,0.3,0.5,0.7,0.9 --budgets 8,16,32 --skip-targets 0.2,0.4,0.6 \
-  --density-targets 0.5,0.7,0.85 --taus 0.001,0.003,0.01 --segment 512 \
+  --density-targets 0.3,0.5,0.7,0.85 --taus 0.0001,0.0003,0.001,0.003,0.01 --segment 512 \
   --operator-layers 2,10,20,29 --map-layer 15 --timing-repeats 5 \
   --cli "$root/build/cpu/tools/cli/sparseprefill" ${SP_QUALITY_ONLY:+--only "$SP_QUALITY_ONLY"}) \
   >"$out/evaluate.log" 2>&1
