@@ -62,9 +62,9 @@ std::string support_summary() {
          "; block_q 128, block_k 64 or 128; estimate_select block 128; policies dense, block_sparse, "
          "exact_gate, softmax_skip, estimate_select, permute_stop (block_q 128, block_k 64 or 128, at most 2^31 - 1 "
          "ranked prefix keys per call); Hopper sm90 path (compute capability 9.0: dense and every policy but "
-         "permute_stop with 128-key blocks, contiguous K/V or pages of 8, 16, 32, 64 or a multiple of 128 keys; block_k 64 and other "
-         "page sizes use the portable path there): " +
-         compiled_fwd90_summary() + "; paged K/V (any page size) on the portable path, every policy; "
+         "permute_stop with 128-key blocks, contiguous or paged K/V of any page size; block_k 64 uses the portable path "
+         "there): " +
+         compiled_fwd90_summary() + "; paged K/V (any page size): every policy on the portable path; "
          "not on CUDA: fp32";
 }
 
@@ -82,22 +82,12 @@ bool tma_describable(const AttentionProblem& problem) {
 
 int hopper_block_k() { return 128; }
 
-// Pages that tile a 128-key tile evenly (a divisor of 128 from 8 up) or hold whole tiles (a
-// multiple of 128). Other multiples of 8 (24, 40, ...) make pages straddle key tiles; the H200
-// run at 0c58149 left rows of such a call unwritten (CudaPaged.BlockSparseEqualsContiguous,
-// page 24), so they keep the portable kernel until that is fixed.
-bool hopper_page_size(int page_size) {
-  return page_size >= 8 && (128 % page_size == 0 || page_size % 128 == 0);
-}
-
 FwdPath choose_fwd_path(const ProblemShape& shape, const Policy& policy, bool tma_ok, int cc_major, int cc_minor) {
   const bool hopper = cc_major == 9 && cc_minor == 0;
-  // Paged K/V: the Hopper kernel's paged instances load a key tile as TMA boxes of whole
-  // 8-row groups of one page; other page sizes keep the portable kernel, whose loads go
-  // through the block table row by row.
+  // Paged K/V of any page size: the Hopper kernel's paged instances load a key tile as one TMA
+  // box when a page holds whole tiles and gather its rows with cp.async otherwise.
   const bool paged = shape.kv_layout == KvLayout::kPaged;
-  const bool kv_ok = !paged || hopper_page_size(shape.page_size);
-  if (!hopper || !kv_ok || !tma_ok || find_fwd90(shape.dtype, shape.d, paged) == nullptr) return FwdPath::kPortable;
+  if (!hopper || !tma_ok || find_fwd90(shape.dtype, shape.d, paged) == nullptr) return FwdPath::kPortable;
   // The Hopper kernel's key tile is one 128-key block: dense (no blocks) and every policy with
   // 128-key blocks run there; 64-key blocks keep the portable kernel's 64-key sub-tiles.
   const bool served = std::visit(

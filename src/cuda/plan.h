@@ -41,17 +41,11 @@ bool tma_describable(const AttentionProblem& problem);
 // portable kernel.
 int hopper_block_k();
 
-// Whether the Hopper kernel reads paged K/V with this page size: 8 keys or more dividing the
-// 128-key tile, or a multiple of it (its TMA boxes are whole 8-row groups of one page,
-// docs/cuda.md; pages straddling key tiles stay portable for now).
-bool hopper_page_size(int page_size);
-
 // The path of a call that check_support accepted, on a device of compute capability
 // (cc_major, cc_minor): Hopper on 9.0 when an sm90 instance of (dtype, head_dim, contiguous or
-// paged K/V) is compiled, K/V are contiguous or paged with hopper_page_size, the tensors are
-// TMA-describable and the policy is dense or works on hopper_block_k() key blocks
-// (block_sparse, exact_gate, softmax_skip, estimate_select); portable otherwise (block_k 64;
-// other page sizes, read through the block table row by row; every other device).
+// paged K/V) is compiled, the tensors are TMA-describable and the policy is dense or works on
+// hopper_block_k() key blocks (block_sparse, exact_gate, softmax_skip, estimate_select);
+// portable otherwise (block_k 64, permute_stop, every other device).
 FwdPath choose_fwd_path(const ProblemShape& shape, const Policy& policy, bool tma_ok, int cc_major, int cc_minor);
 
 // The key-block size dense attention runs with (a tuning value, no effect on results).

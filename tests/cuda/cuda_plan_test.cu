@@ -137,13 +137,11 @@ TEST(CudaPlan, PagedKvRunsEveryPolicy) {
     EXPECT_TRUE(st.ok()) << policy_name(policy) << ": " << st.to_string();
   }
   EXPECT_EQ(support_summary().find("but permute_stop;"), std::string::npos);
-  EXPECT_NE(support_summary().find("paged K/V (any page size) on the portable path, every policy"), std::string::npos);
-  EXPECT_NE(support_summary().find("pages of 8, 16, 32, 64 or a multiple of 128 keys"), std::string::npos);
+  EXPECT_NE(support_summary().find("paged K/V (any page size): every policy on the portable path"), std::string::npos);
+  EXPECT_NE(support_summary().find("contiguous or paged K/V of any page size"), std::string::npos);
 }
 
-TEST(CudaPlan, PagedKvOnTheHopperPathForPagesOfMultiplesOf8Keys) {
-  for (int page_size : {1, 2, 3, 4, 12, 20, 24, 40, 96, 200}) EXPECT_FALSE(hopper_page_size(page_size)) << page_size;
-  for (int page_size : {8, 16, 32, 64, 128, 256, 384, 512}) EXPECT_TRUE(hopper_page_size(page_size)) << page_size;
+TEST(CudaPlan, PagedKvOnTheHopperPathForEveryPageSize) {
   ExactGateParams gate128;
   gate128.block_k = 128;
   ExactGateParams gate64;
@@ -158,13 +156,12 @@ TEST(CudaPlan, PagedKvOnTheHopperPathForPagesOfMultiplesOf8Keys) {
     const test::TestProblem tp = paged_problem(page_size, &s);
     ASSERT_EQ(s.kv_layout, KvLayout::kPaged);
     mask.mask = BlockMask::empty(s, 128, 128, false);
-    // Dense and the 128-key-block policies run the Hopper kernel's paged instances on 9.0 when
-    // the pages tile its 128-key tile (hopper_page_size); pages of 1, 3 and 24 keys and
+    // Dense and the 128-key-block policies run the Hopper kernel's paged instances on 9.0
+    // whatever the page size (TMA boxes for pages of whole tiles, gathered rows otherwise);
     // 64-key blocks keep the portable kernel, as do other devices and tensors TMA cannot
     // describe.
-    const FwdPath want = hopper_page_size(page_size) ? FwdPath::kHopper : FwdPath::kPortable;
     for (const Policy& policy : {Policy{DenseParams{}}, Policy{gate128}, Policy{select}, Policy{mask}}) {
-      EXPECT_EQ(choose_fwd_path(s, policy, true, 9, 0), want) << policy_name(policy);
+      EXPECT_EQ(choose_fwd_path(s, policy, true, 9, 0), FwdPath::kHopper) << policy_name(policy);
       EXPECT_EQ(choose_fwd_path(s, policy, true, 8, 0), FwdPath::kPortable) << policy_name(policy);
       EXPECT_EQ(choose_fwd_path(s, policy, false, 9, 0), FwdPath::kPortable) << policy_name(policy);
     }

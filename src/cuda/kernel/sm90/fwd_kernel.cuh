@@ -226,6 +226,44 @@ __device__ __forceinline__ PagedRows paged_rows(const FwdParams& p, const SeqMap
           keys > 0 ? (keys - 1) / page_size : 0};
 }
 
+// Gather mode: the K (value = false) or V tile of key block kb, copied by the producer
+// warpgroup's 128 threads with cp.async into the layout TMA writes ([d-half][row][64], 128B
+// swizzle: 16-byte chunk c of row r at chunk c ^ (r % 8) of its 128-byte row), rows past s_k
+// zero-filled as the contiguous maps fill them. Thread t copies chunk c = t % kChunks of rows
+// r0 + kRowStep·i (r0 = t / kChunks, i < kChunks): a warp reads whole rows. The kChunks threads
+// sharing r0 look up one row each in the block table and pass the offsets round by shuffles, so
+// each thread does one dependent load per tile whatever the page size.
+template <class Cfg>
+__device__ __forceinline__ void gather_tile(const FwdParams& p, const PagedRows& pages, const SeqInfo& seq, int hk, int kb,
+                                            bool value, std::uint32_t dst) {
+  constexpr int kChunks = Cfg::kHeadDim / 8;   // 16-byte chunks per row
+  constexpr int kRowStep = 128 / kChunks;      // rows one pass of the 128 threads covers
+  static_assert(Cfg::kTileN / kRowStep == kChunks, "each thread's rows are looked up by its row group");
+  const int t = threadIdx.x % 128, c = t % kChunks, r0 = t / kChunks;
+  const int lane_base = (t % 32) - c;  // lane of this row group's chunk-0 thread
+  const auto* base = static_cast<const std::uint16_t*>(value ? p.v : p.k) + (value ? seq.v_off : seq.k_off) +
+                     hk * (value ? p.v_head_stride : p.k_head_stride);
+  const std::int64_t row_stride = value ? p.v_row_stride : p.k_row_stride;
+  const std::int64_t page_stride = value ? p.paged.v_page_stride : p.paged.k_page_stride;
+  const int key0 = kb * Cfg::kTileN;
+  // Row r0 + kRowStep·c of the tile: this thread's lookup (0 past s_k, never read).
+  const int mine = key0 + r0 + kRowStep * c;
+  const std::int64_t offset = mine < pages.keys ? static_cast<std::int64_t>(pages.table[mine / pages.page_size]) * page_stride +
+                                                      static_cast<std::int64_t>(mine % pages.page_size) * row_stride
+                                                : 0;
+  // The producer's 24 registers: ptxas spills the fewest bytes unrolled at d = 64 (4; 8 rolled)
+  // and rolled at d = 128 (20; 216 unrolled).
+#pragma unroll(Cfg::kHeadDim == 64 ? kChunks : 1)
+  for (int i = 0; i < kChunks; ++i) {
+    const int r = r0 + kRowStep * i;
+    const std::int64_t off = __shfl_sync(0xffffffffu, offset, lane_base + i);
+    const bool ok = key0 + r < pages.keys;
+    const std::uint32_t to = dst + static_cast<std::uint32_t>((c / 8) * Cfg::kHalfBytes + r * Cfg::kRowBytes +
+                                                              (((c % 8) ^ (r & 7)) << 4));
+    ptx::cp_async_16(to, ok ? base + off + c * 8 : base, ok ? 16 : 0);
+  }
+}
+
 // ------------------------------------------------------------------ the kernel
 // Grid: one CTA per (query block, batch, query head), heads fastest so that the query heads of
 // a KV group run on adjacent CTAs and share each K/V tile through L2, and the last query blocks
@@ -275,12 +313,16 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
   const int mean_blocks_seq = means ? mean_blocks_of(p, seq.s_k) : 0;
   const std::uint32_t* mean_bits = means ? p.corrected_bits + mask_row * p.corrected_words : nullptr;
 
+  // Paged K/V whose pages do not hold whole key tiles: the producer warpgroup gathers the key
+  // rows with cp.async (gather_tile) instead of issuing one TMA box per page, and each of its
+  // 128 threads arrives on the loaded barriers.
+  const bool gather = Cfg::kPaged && p.paged.page_size % kTileN != 0;
   if (threadIdx.x == 0) {
     hw::mbar_init(hw::smem_u32(&sm.q_loaded), 1);
 #pragma unroll
     for (int st = 0; st < Cfg::kStages; ++st) {
-      hw::mbar_init(hw::smem_u32(&sm.k_loaded[st]), 1);
-      hw::mbar_init(hw::smem_u32(&sm.v_loaded[st]), 1);
+      hw::mbar_init(hw::smem_u32(&sm.k_loaded[st]), gather ? 128 : 1);
+      hw::mbar_init(hw::smem_u32(&sm.v_loaded[st]), gather ? 128 : 1);
       hw::mbar_init(hw::smem_u32(&sm.k_free[st]), 4 * Cfg::kConsumers);
       hw::mbar_init(hw::smem_u32(&sm.v_free[st]), 4 * Cfg::kConsumers);
     }
@@ -307,25 +349,40 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
   if (warpgroup == 0) {
     // ---------------------------------------------------------------- producer
     hw::setmaxnreg_dec<Cfg::kProducerRegs>();
-    if (threadIdx.x == 0 && n_visit > 0) {
+    // One thread issues every TMA copy; in gather mode all 128 run the loop and copy key rows.
+    const bool leader = threadIdx.x == 0;
+    if (n_visit > 0 && (leader || gather)) {
       const SeqMaps* m = maps + b;
-      hw::fence_tensormap(&m->q);
-      hw::fence_tensormap(&m->k);
-      hw::fence_tensormap(&m->v);
       const PagedRows pages = Cfg::kPaged ? paged_rows(p, maps, b, seq.s_k) : PagedRows{};
-      if constexpr (Cfg::kPaged) {
-        hw::fence_tensormap(&pages.cache->k);
-        hw::fence_tensormap(&pages.cache->v);
-      }
-      const std::uint32_t q_bar = hw::smem_u32(&sm.q_loaded);
-      hw::mbar_expect_tx(q_bar, Cfg::kTileBytes);
-      for (int half = 0; half < Cfg::kHalves; ++half) {
-        hw::tma_load_3d(hw::smem_u32(sm.q) + half * kHalfBytes, &m->q, q_bar, half * Cfg::kHalfDim, h,
-                        static_cast<int>(row0));
+      if (leader) {
+        hw::fence_tensormap(&m->q);
+        hw::fence_tensormap(&m->k);
+        hw::fence_tensormap(&m->v);
+        if constexpr (Cfg::kPaged) {
+          hw::fence_tensormap(&pages.cache->k);
+          hw::fence_tensormap(&pages.cache->v);
+        }
+        const std::uint32_t q_bar = hw::smem_u32(&sm.q_loaded);
+        hw::mbar_expect_tx(q_bar, Cfg::kTileBytes);
+        for (int half = 0; half < Cfg::kHalves; ++half) {
+          hw::tma_load_3d(hw::smem_u32(sm.q) + half * kHalfBytes, &m->q, q_bar, half * Cfg::kHalfDim, h,
+                          static_cast<int>(row0));
+        }
       }
       // The K (value = false) or V tile of position j (key block kb) into `dst`, completing on
       // `bar`.
       auto load = [&](int j, int kb, bool value, std::uint32_t dst, std::uint32_t bar) {
+        if (gather) {
+          if (j < visit.n_reg) {
+            gather_tile<Cfg>(p, pages, seq, hk, kb, value, dst);
+            hw::cp_async_mbar_arrive(bar);
+            return;
+          }
+          if (!leader) {  // a mean tile: the leader's TMA and these 127 arrivals complete it
+            hw::mbar_arrive(bar);
+            return;
+          }
+        }
         hw::mbar_expect_tx(bar, Cfg::kTileBytes);
         if (j < visit.n_reg) {
           const int row = kb * kTileN;
@@ -497,6 +554,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
       const int kb = it < visit.n_reg ? visit.block(it) : -1;  // mask mode: a global load, issued early
       const int v_st = v_count % Cfg::kStages;
       hw::mbar_wait(hw::smem_u32(&sm.k_loaded[st]), (it / Cfg::kStages) & 1);
+      if (gather) hw::fence_proxy_async();  // cp.async wrote the tile: the wgmma reads it
       // Ping-pong: wait for the other warpgroup to have issued its GEMMs of this round, issue
       // ours, then let it go: its softmax overlaps our GEMMs and ours its next ones. A gated
       // tile's decision needs both warpgroups' S, so there the turn passes after Q·Kᵀ as well
@@ -512,6 +570,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
       }
       if (pending) {
         hw::mbar_wait(hw::smem_u32(&sm.v_loaded[v_st]), (v_count / Cfg::kStages) & 1);
+        if (gather) hw::fence_proxy_async();
         issue_pv(v_st);
       } else {
         hw::wgmma_fence();
@@ -551,6 +610,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
     if (pending) {  // the last kept tile's P·V
       const int v_st = v_count % Cfg::kStages;
       hw::mbar_wait(hw::smem_u32(&sm.v_loaded[v_st]), (v_count / Cfg::kStages) & 1);
+      if (gather) hw::fence_proxy_async();
       issue_pv(v_st);
       hw::wgmma_wait<0>();
       hw::fence_regs(o);
@@ -673,13 +733,14 @@ template <class Cfg>
 int launch_fwd(const FwdParams& p, const SeqInfo* seqs, const std::int32_t* table, const HostUpload& upload,
                void* stream) {
   if (tensor_map_encoder() == nullptr) return static_cast<int>(cudaErrorNotSupported);
-  // Policies other than dense run on 128-key blocks, the kernel's tile; K/V are paged (with
-  // pages of whole 8-row groups: paged_box_rows) exactly in the kPaged instances
-  // (choose_fwd_path). The host table decides (a plan caches the maps of a paged call before
-  // any device table exists); the device table must be there by the launch.
+  // Policies other than dense run on 128-key blocks, the kernel's tile; K/V are paged exactly
+  // in the kPaged instances (choose_fwd_path). The host table decides (a plan caches the maps
+  // of a paged call before any device table exists); the device table must be there by the
+  // launch. Pages that do not hold whole tiles are gathered (gather_tile): no K/V maps then.
   const bool paged = table != nullptr;
+  const bool gather = paged && p.paged.page_size % Cfg::kTileN != 0;
   if ((p.mode != PolicyMode::kDense && p.block_k != Cfg::kTileN) || paged != Cfg::kPaged ||
-      (!paged && p.paged.block_table != nullptr) || (paged && p.paged.page_size % 8 != 0)) {
+      (!paged && p.paged.block_table != nullptr) || (paged && p.paged.page_size < 1)) {
     return static_cast<int>(cudaErrorNotSupported);
   }
   MeanMaps mean_maps{};
@@ -702,7 +763,7 @@ int launch_fwd(const FwdParams& p, const SeqInfo* seqs, const std::int32_t* tabl
       ok = ok &&
            encode_map<Cfg>(&m.k, k + s.k_off, s.s_k, p.h_kv, p.k_row_stride, p.k_head_stride) &&
            encode_map<Cfg>(&m.v, v + s.v_off, s.s_k, p.h_kv, p.v_row_stride, p.v_head_stride);
-    } else {
+    } else if (!gather) {
       // The tail: rows of the last page holding keys (a sequence without keys maps one row of
       // page 0, never read: it visits no key tile).
       const std::int64_t used = (s.s_k + page_size - 1) / page_size;
@@ -719,7 +780,7 @@ int launch_fwd(const FwdParams& p, const SeqInfo* seqs, const std::int32_t* tabl
     }
     if (!ok) return static_cast<int>(cudaErrorNotSupported);
   }
-  if (paged) {
+  if (paged && !gather) {
     SeqMaps& cache = maps.back();
     const bool ok = encode_cache_map<Cfg>(&cache.k, k, pages, page_size, p.h_kv, p.paged.k_page_stride, p.k_row_stride,
                                           p.k_head_stride) &&

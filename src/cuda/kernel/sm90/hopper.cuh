@@ -28,6 +28,14 @@ __device__ __forceinline__ void mbar_expect_tx(std::uint32_t bar, std::uint32_t 
 __device__ __forceinline__ void mbar_arrive(std::uint32_t bar) {
   asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(bar) : "memory");
 }
+// Arrives on `bar` when every cp.async this thread issued before has landed; the arrival is one
+// of the barrier's expected count (.noinc).
+__device__ __forceinline__ void cp_async_mbar_arrive(std::uint32_t bar) {
+  asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];\n" ::"r"(bar) : "memory");
+}
+// Orders the shared memory this thread acquired through the generic proxy (cp.async writes,
+// made visible by an mbarrier wait) before its async-proxy reads of it (wgmma operands).
+__device__ __forceinline__ void fence_proxy_async() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
 // Spins until the phase of parity `parity` has completed. A fresh barrier is in phase 0, so a
 // wait on parity 1 returns at once (the producer's first pass over the free barriers).
 __device__ __forceinline__ void mbar_wait(std::uint32_t bar, std::uint32_t parity) {
