@@ -82,6 +82,14 @@ bool tma_describable(const AttentionProblem& problem) {
 
 int hopper_block_k() { return 128; }
 
+// TMA boxes need pages of whole 8-row groups that tile the 128-key tile or hold whole tiles;
+// for those the boxes measured faster than gathering (H200, Llama 32K/128K, pages 16 and 64:
+// 1.50-1.53x and 1.08x contiguous with boxes, 1.67-1.69x gathered; records
+// 2026-11-29-h200-paged-128k-chunked-permute-paged and -hopper-paged-gather-cp-async).
+bool hopper_gathers_pages(int page_size) {
+  return !(page_size >= 8 && (128 % page_size == 0 || page_size % 128 == 0));
+}
+
 FwdPath choose_fwd_path(const ProblemShape& shape, const Policy& policy, bool tma_ok, int cc_major, int cc_minor) {
   const bool hopper = cc_major == 9 && cc_minor == 0;
   // Paged K/V of any page size: the Hopper kernel's paged instances load a key tile as one TMA
@@ -233,6 +241,7 @@ FwdParams make_fwd_params(const AttentionProblem& problem, const ProblemShape& s
     p.paged.page_size = shape.page_size;
     p.paged.k_page_stride = problem.k.stride[0];
     p.paged.v_page_stride = problem.v.stride[0];
+    p.paged.gather_rows = hopper_gathers_pages(shape.page_size);
   }
   p.batch = shape.batch;
   p.h_q = shape.h_q;

@@ -41,6 +41,11 @@ bool tma_describable(const AttentionProblem& problem);
 // portable kernel.
 int hopper_block_k();
 
+// Whether the Hopper kernel gathers the key rows of paged K/V with this page size (cp.async
+// through the block table, any page size) instead of loading one TMA box per page (pages of
+// 8 keys or more dividing the 128-key tile, or a multiple of it).
+bool hopper_gathers_pages(int page_size);
+
 // The path of a call that check_support accepted, on a device of compute capability
 // (cc_major, cc_minor): Hopper on 9.0 when an sm90 instance of (dtype, head_dim, contiguous or
 // paged K/V) is compiled, the tensors are TMA-describable and the policy is dense or works on

@@ -142,6 +142,10 @@ TEST(CudaPlan, PagedKvRunsEveryPolicy) {
 }
 
 TEST(CudaPlan, PagedKvOnTheHopperPathForEveryPageSize) {
+  // TMA boxes for pages of whole 8-row groups tiling the 128-key tile or holding whole tiles;
+  // rows gathered for the rest.
+  for (int page_size : {1, 2, 3, 4, 12, 20, 24, 40, 96, 200}) EXPECT_TRUE(hopper_gathers_pages(page_size)) << page_size;
+  for (int page_size : {8, 16, 32, 64, 128, 256, 384, 512}) EXPECT_FALSE(hopper_gathers_pages(page_size)) << page_size;
   ExactGateParams gate128;
   gate128.block_k = 128;
   ExactGateParams gate64;
@@ -187,6 +191,7 @@ TEST(CudaPlan, PagedParamsAndTheCompactBlockTable) {
     EXPECT_EQ(p.paged.page_size, page_size);
     EXPECT_EQ(p.paged.k_page_stride, problem.k.stride[0]);
     EXPECT_EQ(p.paged.v_page_stride, problem.v.stride[0]);
+    EXPECT_EQ(p.paged.gather_rows, hopper_gathers_pages(page_size));
     EXPECT_EQ(p.k_row_stride, problem.k.stride[1]);
     EXPECT_EQ(p.k_head_stride, problem.k.stride[2]);
     // [batch, most pages used]: each sequence's used entries, zeros after them.

@@ -41,13 +41,15 @@ struct SeqInfo {
 // t % page_size of page block_table[b · table_stride + t / page_size]. block_table == nullptr:
 // contiguous rows from SeqInfo::k_off / v_off. Every K/V load of the portable kernels goes
 // through one addressor (sm80::KvRows), whatever the layout; the Hopper kernel's paged
-// instances load TMA boxes of one page each (sm90::paged_box_rows).
+// instances load TMA boxes of one page each (sm90::paged_box_rows) or, for the page sizes of
+// hopper_gathers_pages (plan.h), gather the rows with cp.async (sm90::gather_tile).
 struct PagedKv {
   const std::int32_t* block_table;  // [batch, table_stride] on the device, or nullptr
   std::int64_t table_stride;        // entries per sequence
   int page_size;                    // keys per page (any size >= 1)
   std::int64_t k_page_stride;       // elements between pages of k
   std::int64_t v_page_stride;       // and of v
+  bool gather_rows;                 // hopper_gathers_pages(page_size)
 };
 
 struct FwdParams {

@@ -313,10 +313,10 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
   const int mean_blocks_seq = means ? mean_blocks_of(p, seq.s_k) : 0;
   const std::uint32_t* mean_bits = means ? p.corrected_bits + mask_row * p.corrected_words : nullptr;
 
-  // Paged K/V whose pages do not hold whole key tiles: the producer warpgroup gathers the key
-  // rows with cp.async (gather_tile) instead of issuing one TMA box per page, and each of its
-  // 128 threads arrives on the loaded barriers.
-  const bool gather = Cfg::kPaged && p.paged.page_size % kTileN != 0;
+  // Paged K/V with pages TMA boxes cannot tile (hopper_gathers_pages): the producer warpgroup
+  // gathers the key rows with cp.async (gather_tile), and each of its 128 threads arrives on
+  // the loaded barriers.
+  const bool gather = Cfg::kPaged && p.paged.gather_rows;
   if (threadIdx.x == 0) {
     hw::mbar_init(hw::smem_u32(&sm.q_loaded), 1);
 #pragma unroll
@@ -736,11 +736,12 @@ int launch_fwd(const FwdParams& p, const SeqInfo* seqs, const std::int32_t* tabl
   // Policies other than dense run on 128-key blocks, the kernel's tile; K/V are paged exactly
   // in the kPaged instances (choose_fwd_path). The host table decides (a plan caches the maps
   // of a paged call before any device table exists); the device table must be there by the
-  // launch. Pages that do not hold whole tiles are gathered (gather_tile): no K/V maps then.
+  // launch. Gathered pages (hopper_gathers_pages) need no K/V maps.
   const bool paged = table != nullptr;
-  const bool gather = paged && p.paged.page_size % Cfg::kTileN != 0;
+  const bool gather = paged && p.paged.gather_rows;
   if ((p.mode != PolicyMode::kDense && p.block_k != Cfg::kTileN) || paged != Cfg::kPaged ||
-      (!paged && p.paged.block_table != nullptr) || (paged && p.paged.page_size < 1)) {
+      (!paged && p.paged.block_table != nullptr) || (paged && p.paged.page_size < 1) ||
+      (paged && !gather && p.paged.page_size % 8 != 0)) {
     return static_cast<int>(cudaErrorNotSupported);
   }
   MeanMaps mean_maps{};
