@@ -81,7 +81,7 @@ struct SelectConfig {
   using Tile = sm80::SmemTile<kD, kThreads>;
   static constexpr int kQBytes = kRows * kD * 2;
   static constexpr int kChunkBytes = kChunk * kD * 2;
-  static constexpr int kSmemFixed = kQBytes + kChunkBytes;  // Q tile + one chunk of k̄
+  static constexpr int kSmemFixed = kQBytes + 2 * kChunkBytes;  // Q tile + two chunks of k̄
   static_assert(kRows == kBlockQ, "one query tile of block 128 per CTA");
   static std::size_t smem_bytes(int num_k_blocks) {
     return kSmemFixed + static_cast<std::size_t>(num_k_blocks) * sizeof(float);
@@ -91,11 +91,14 @@ struct SelectConfig {
 // One CTA per (query tile i, selection unit, sequence): the unit is a query head, or with
 // pack_gqa a KV head whose group's heads are scored together. For the tile's valid rows r at
 // positions a_r and the scored blocks j < A = (a_l + 1) / B, x[r, j] = scale · q_r · k̄_j where
-// a_r >= j·B; M = max x; E_j = Σ_r e^{x[r, j] - M}. Two passes over the chunks of k̄ (the max,
-// then the energies), then one thread per block applies the keep rule and the CTA writes the
-// row's ascending full/partial lists and its mean-correction bitmap.
+// a_r >= j·B; M = max x; E_j = Σ_r e^{x[r, j] - M}. One pass over the chunks of k̄ (double
+// buffered: the next chunk loads while this one is scored) with a running max m, the energies
+// so far rescaled by e^{m_old - m_new} whenever a chunk raises it (the online softmax's rule:
+// at the end every E_j is relative to M, as two passes would compute it, up to rounding); then
+// one thread per block applies the keep rule and the CTA writes the row's ascending
+// full/partial lists and its mean-correction bitmap.
 template <bool kBf16, int kD>
-__global__ void __launch_bounds__(SelectConfig<kBf16, kD>::kThreads, 1)
+__global__ void __launch_bounds__(SelectConfig<kBf16, kD>::kThreads, 2)
     select_kernel(const __grid_constant__ SelectParams p) {
   using Cfg = SelectConfig<kBf16, kD>;
   using Tile = typename Cfg::Tile;
@@ -129,7 +132,7 @@ __global__ void __launch_bounds__(SelectConfig<kBf16, kD>::kThreads, 1)
   const int hk = h0 / p.group;
 
   const std::uint32_t s_q_tile = ptx::smem_addr(smem);
-  const std::uint32_t s_k_tile = s_q_tile + Cfg::kQBytes;
+  const std::uint32_t s_k_tile = s_q_tile + Cfg::kQBytes;  // 2 buffers
   float* energy = reinterpret_cast<float*>(smem + Cfg::kSmemFixed);  // [num_k_blocks]
   for (int j = tid; j < scored; j += Cfg::kThreads) energy[j] = 0.f;
 
@@ -138,9 +141,8 @@ __global__ void __launch_bounds__(SelectConfig<kBf16, kD>::kThreads, 1)
   const int chunks = (scored + kChunk - 1) / kChunk;
   const bool row_ok[2] = {warp * 16 + g < rows_valid, warp * 16 + g + 8 < rows_valid};
 
-  // x for one (head, chunk) into s[8][4] (raw q·k̄), non-contributing pairs -inf.
-  float s[kChunk / 8][4];
   std::uint32_t qf[Cfg::kKSteps][4];
+  // Q of head h into smem and the warp's A fragments (waits for every copy in flight).
   auto load_q = [&](int h) {
     __syncthreads();  // every warp is done with the previous Q tile
     const sm80::TileSrc src{
@@ -153,15 +155,17 @@ __global__ void __launch_bounds__(SelectConfig<kBf16, kD>::kThreads, 1)
 #pragma unroll
     for (int kk = 0; kk < Cfg::kKSteps; ++kk) sm80::load_a_frag<Tile>(s_q_tile, warp * 16, kk, lane, qf[kk]);
   };
-  auto scores = [&](int c) {
-    __syncthreads();  // every warp is done with the previous chunk
+  // Chunk c of k̄ into buffer `buf` (not committed).
+  auto load_chunk = [&](int c, int buf) {
     const int valid = scored - c * kChunk;
     const sm80::TileSrc src{sm80::contiguous_rows(mean + static_cast<std::int64_t>(c) * kChunk * kD, kD), 0,
                             valid < kChunk ? valid : kChunk};
-    sm80::load_tile<Tile, kChunk>(s_k_tile, src, tid);
-    ptx::cp_async_commit();
-    ptx::cp_async_wait<0>();
-    __syncthreads();
+    sm80::load_tile<Tile, kChunk>(s_k_tile + buf * Cfg::kChunkBytes, src, tid);
+  };
+  // x for chunk c in buffer `buf` into s[8][4] (raw q·k̄ · scale), non-contributing pairs -inf.
+  float s[kChunk / 8][4];
+  auto scores = [&](int c, int buf) {
+    const std::uint32_t chunk_tile = s_k_tile + buf * Cfg::kChunkBytes;
 #pragma unroll
     for (int nf = 0; nf < kChunk / 8; ++nf) s[nf][0] = s[nf][1] = s[nf][2] = s[nf][3] = 0.f;
 #pragma unroll
@@ -169,7 +173,7 @@ __global__ void __launch_bounds__(SelectConfig<kBf16, kD>::kThreads, 1)
 #pragma unroll
       for (int np = 0; np < kChunk / 16; ++np) {
         std::uint32_t bk[4];
-        sm80::load_k_frags<Tile>(s_k_tile, np * 16, kk, lane, bk);
+        sm80::load_k_frags<Tile>(chunk_tile, np * 16, kk, lane, bk);
         ptx::mma_16816<kBf16>(s[2 * np], qf[kk], bk[0], bk[1]);
         ptx::mma_16816<kBf16>(s[2 * np + 1], qf[kk], bk[2], bk[3]);
       }
@@ -186,47 +190,66 @@ __global__ void __launch_bounds__(SelectConfig<kBf16, kD>::kThreads, 1)
     }
   };
 
-  // Pass 1: M, the max of x over every contributing pair (NaN-propagating, as the oracle).
-  float m = -INFINITY;
-  for (int hh = 0; hh < heads; ++hh) {
-    load_q(h0 + hh);
-    for (int c = 0; c < chunks; ++c) {
-      scores(c);
+  // The steps n = head · chunks + c. Invariant at the top of a step: chunk c is committed (its
+  // group the newest) into buffer n % 2, and Q is the step's head's.
+  const int steps = heads * chunks;
+  float m = -INFINITY;  // running max of x over the steps so far (CTA-uniform; NaN sticks)
+  if (steps > 0) {
+    load_q(h0);
+    load_chunk(0, 0);
+    ptx::cp_async_commit();
+  }
+  for (int n = 0; n < steps; ++n) {
+    const int c = n % chunks, buf = n % 2;
+    if (c == 0 && n > 0) {  // the next head of a pack_gqa group: its Q, then its first chunk
+      load_q(h0 + n / chunks);
+      load_chunk(0, buf);
+      ptx::cp_async_commit();
+    }
+    // The head's next chunk into the other buffer, read by step n - 1: every warp passed the
+    // __syncthreads that ends it.
+    if (c + 1 < chunks) load_chunk(c + 1, buf ^ 1);
+    ptx::cp_async_commit();   // always: the wait below counts groups
+    ptx::cp_async_wait<1>();  // chunk c landed for this thread (the prefetch may be in flight)...
+    __syncthreads();          // ...for every thread
+    scores(c, buf);
+    // The chunk's max, CTA-wide.
+    float cm = -INFINITY;
 #pragma unroll
-      for (int nf = 0; nf < kChunk / 8; ++nf) {
+    for (int nf = 0; nf < kChunk / 8; ++nf) {
 #pragma unroll
-        for (int e = 0; e < 4; ++e) m = ptx::max_nan(m, s[nf][e]);
+      for (int e = 0; e < 4; ++e) cm = ptx::max_nan(cm, s[nf][e]);
+    }
+#pragma unroll
+    for (int o = 16; o > 0; o /= 2) cm = ptx::max_nan(cm, __shfl_xor_sync(0xffffffffu, cm, o));
+    if (lane == 0) s_red[warp] = cm;
+    __syncthreads();
+#pragma unroll
+    for (int w = 0; w < Cfg::kWarps; ++w) cm = ptx::max_nan(cm, s_red[w]);
+    const float m_new = ptx::max_nan(m, cm);
+    if (!(m_new == m)) {  // raised (or NaN): the energies so far move to the new max
+      const float f = expf(m - m_new);  // m = -inf: 0 on all-zero energies
+      for (int j = tid; j < scored; j += Cfg::kThreads) energy[j] *= f;
+      __syncthreads();  // rescaled before the adds below
+      m = m_new;
+    }
+    // -inf while no pair contributed (then every x here is -inf): e^{-inf - 0} = 0, no NaN.
+    const float m_use = m == -INFINITY ? 0.f : m;
+    // E_j += Σ e^{x - m}: column sums over the warp's rows, then over warps in smem.
+#pragma unroll
+    for (int nf = 0; nf < kChunk / 8; ++nf) {
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {
+        float col = expf(s[nf][e] - m_use) + expf(s[nf][e + 2] - m_use);  // rows g and g + 8
+        col += __shfl_xor_sync(0xffffffffu, col, 4);
+        col += __shfl_xor_sync(0xffffffffu, col, 8);
+        col += __shfl_xor_sync(0xffffffffu, col, 16);
+        const int j = c * kChunk + nf * 8 + 2 * t4 + e;
+        if (g == 0 && j < scored) atomicAdd(&energy[j], col);
       }
     }
+    __syncthreads();  // buffer `buf` and s_red are free; the energies complete
   }
-#pragma unroll
-  for (int o = 16; o > 0; o /= 2) m = ptx::max_nan(m, __shfl_xor_sync(0xffffffffu, m, o));
-  if (lane == 0) s_red[warp] = m;
-  __syncthreads();
-  m = s_red[0];
-#pragma unroll
-  for (int w = 1; w < Cfg::kWarps; ++w) m = ptx::max_nan(m, s_red[w]);
-
-  // Pass 2: E_j = Σ e^{x - M}; column sums over the warp's rows, then over warps in smem.
-  for (int hh = 0; hh < heads; ++hh) {
-    if (heads > 1) load_q(h0 + hh);
-    for (int c = 0; c < chunks; ++c) {
-      scores(c);
-#pragma unroll
-      for (int nf = 0; nf < kChunk / 8; ++nf) {
-#pragma unroll
-        for (int e = 0; e < 2; ++e) {
-          float col = expf(s[nf][e] - m) + expf(s[nf][e + 2] - m);  // rows g and g + 8
-          col += __shfl_xor_sync(0xffffffffu, col, 4);
-          col += __shfl_xor_sync(0xffffffffu, col, 8);
-          col += __shfl_xor_sync(0xffffffffu, col, 16);
-          const int j = c * kChunk + nf * 8 + 2 * t4 + e;
-          if (g == 0 && j < scored) atomicAdd(&energy[j], col);
-        }
-      }
-    }
-  }
-  __syncthreads();
 
   // E_max over the scored blocks.
   float e_max = -INFINITY;
