@@ -31,7 +31,8 @@ namespace sparseprefill::cuda::sm90 {
 // 0 produces (one thread issues TMA), warpgroups 1 and 2 own rows 0..63 and 64..127. Tiles are
 // [128 rows][d] loaded as d / 64 boxes of [128][64] (one 128-byte swizzle row each); kPaged
 // instances read K/V through the block table, a key tile as boxes of whole 8-row groups
-// (paged_box_rows) that compose into the same swizzled tile.
+// (paged_box_rows) that compose into the same swizzled tile, or gathered row by row
+// (gather_tile) where pages cannot be boxed that way.
 template <bool kBf16_, int kHeadDim_, bool kPaged_ = false>
 struct FwdConfig {
   static constexpr bool kBf16 = kBf16_;
