@@ -201,6 +201,7 @@ void run_shape(const Shape& sh) {
           pp.paged.table_stride = pages;
           pp.paged.page_size = page;
           pp.paged.k_page_stride = pp.paged.v_page_stride = static_cast<std::int64_t>(page) * p.k_row_stride;
+          pp.paged.gather_rows = hopper_gathers_pages(page);
           const Instance paged_inst =
               inst.hopper ? Instance{var90_paged->name,
                                      [&](const FwdParams& fp) {
