@@ -55,10 +55,24 @@ __global__ void __launch_bounds__(kD) block_means_kernel(const __grid_constant__
   const std::int32_t* pages = p.paged.block_table == nullptr ? nullptr : p.paged.block_table + b * p.paged.table_stride;
   const sm80::KvRows k_rows{k, p.k_row_stride, pages, p.paged.page_size, p.paged.k_page_stride};
   const sm80::KvRows v_rows{v, p.v_row_stride, pages, p.paged.page_size, p.paged.v_page_stride};
+  // Summed in key order (the oracle's), 8 keys' loads issued before their adds: each thread
+  // reads one element per key, so the loads, not the adds, are the latency.
+  constexpr int kBatch = 8;
   double k_sum = 0.0, v_sum = 0.0;
-  for (std::int64_t t = key0; t < key0 + len; ++t) {
-    k_sum += ptx::to_float<kBf16>(k_rows.row(t)[i]);
-    v_sum += ptx::to_float<kBf16>(v_rows.row(t)[i]);
+  for (std::int64_t t0 = key0; t0 < key0 + len; t0 += kBatch) {
+    std::uint16_t k_raw[kBatch], v_raw[kBatch];
+#pragma unroll
+    for (int u = 0; u < kBatch; ++u) {
+      const bool ok = t0 + u < key0 + len;
+      k_raw[u] = ok ? k_rows.row(t0 + u)[i] : 0;
+      v_raw[u] = ok ? v_rows.row(t0 + u)[i] : 0;
+    }
+#pragma unroll
+    for (int u = 0; u < kBatch; ++u) {
+      if (t0 + u >= key0 + len) break;
+      k_sum += ptx::to_float<kBf16>(k_raw[u]);
+      v_sum += ptx::to_float<kBf16>(v_raw[u]);
+    }
   }
   const std::uint16_t k_bar = ptx::from_float<kBf16>(static_cast<float>(k_sum / static_cast<double>(len)));
   const std::uint16_t v_bar = ptx::from_float<kBf16>(static_cast<float>(v_sum / static_cast<double>(len)));
@@ -142,25 +156,28 @@ __global__ void __launch_bounds__(SelectConfig<kBf16, kD>::kThreads, 2)
   const bool row_ok[2] = {warp * 16 + g < rows_valid, warp * 16 + g + 8 < rows_valid};
 
   std::uint32_t qf[Cfg::kKSteps][4];
-  // Q of head h into smem and the warp's A fragments (waits for every copy in flight).
-  auto load_q = [&](int h) {
-    __syncthreads();  // every warp is done with the previous Q tile
-    const sm80::TileSrc src{
-        sm80::contiguous_rows(static_cast<const std::uint16_t*>(p.q) + seq.q_off + h * p.q_head_stride, p.q_row_stride),
-        row0, rows_valid};
-    sm80::load_tile<Tile, Cfg::kRows>(s_q_tile, src, tid);
-    ptx::cp_async_commit();
-    ptx::cp_async_wait<0>();
-    __syncthreads();
-#pragma unroll
-    for (int kk = 0; kk < Cfg::kKSteps; ++kk) sm80::load_a_frag<Tile>(s_q_tile, warp * 16, kk, lane, qf[kk]);
-  };
   // Chunk c of k̄ into buffer `buf` (not committed).
   auto load_chunk = [&](int c, int buf) {
     const int valid = scored - c * kChunk;
     const sm80::TileSrc src{sm80::contiguous_rows(mean + static_cast<std::int64_t>(c) * kChunk * kD, kD), 0,
                             valid < kChunk ? valid : kChunk};
     sm80::load_tile<Tile, kChunk>(s_k_tile + buf * Cfg::kChunkBytes, src, tid);
+  };
+  // Head h's Q into smem and the warp's A fragments, its first chunk of k̄ loading into buffer
+  // `buf` meanwhile (committed last: the newest group on return).
+  auto start_head = [&](int h, int buf) {
+    __syncthreads();  // every warp is done with the previous Q tile
+    const sm80::TileSrc src{
+        sm80::contiguous_rows(static_cast<const std::uint16_t*>(p.q) + seq.q_off + h * p.q_head_stride, p.q_row_stride),
+        row0, rows_valid};
+    sm80::load_tile<Tile, Cfg::kRows>(s_q_tile, src, tid);
+    ptx::cp_async_commit();
+    load_chunk(0, buf);
+    ptx::cp_async_commit();
+    ptx::cp_async_wait<1>();  // Q landed for this thread (the chunk may be in flight)...
+    __syncthreads();          // ...for every thread
+#pragma unroll
+    for (int kk = 0; kk < Cfg::kKSteps; ++kk) sm80::load_a_frag<Tile>(s_q_tile, warp * 16, kk, lane, qf[kk]);
   };
   // x for chunk c in buffer `buf` into s[8][4] (raw q·k̄ · scale), non-contributing pairs -inf.
   float s[kChunk / 8][4];
@@ -190,22 +207,14 @@ __global__ void __launch_bounds__(SelectConfig<kBf16, kD>::kThreads, 2)
     }
   };
 
-  // The steps n = head · chunks + c. Invariant at the top of a step: chunk c is committed (its
-  // group the newest) into buffer n % 2, and Q is the step's head's.
+  // The steps n = head · chunks + c. Invariant once a step has started (start_head at a head's
+  // first chunk): chunk c is committed into buffer n % 2, its group the newest, and Q is the
+  // step's head's.
   const int steps = heads * chunks;
   float m = -INFINITY;  // running max of x over the steps so far (CTA-uniform; NaN sticks)
-  if (steps > 0) {
-    load_q(h0);
-    load_chunk(0, 0);
-    ptx::cp_async_commit();
-  }
   for (int n = 0; n < steps; ++n) {
     const int c = n % chunks, buf = n % 2;
-    if (c == 0 && n > 0) {  // the next head of a pack_gqa group: its Q, then its first chunk
-      load_q(h0 + n / chunks);
-      load_chunk(0, buf);
-      ptx::cp_async_commit();
-    }
+    if (c == 0) start_head(h0 + n / chunks, buf);  // the next head (of a pack_gqa group)
     // The head's next chunk into the other buffer, read by step n - 1: every warp passed the
     // __syncthreads that ends it.
     if (c + 1 < chunks) load_chunk(c + 1, buf ^ 1);
