@@ -75,7 +75,7 @@ class PortableOnly {
 };
 
 // The forward kernel family the default path must launch for (tp, policy) on this device: the
-// plan's choice (host-tested in cuda_plan_test) on an sm_90 device, the portable one elsewhere.
+// plan's choice (host-tested in cuda_plan_host_test) on an sm_90 device, the portable one elsewhere.
 std::string expected_instance_prefix(const TestProblem& tp, const Policy& policy, bool portable) {
   // permute_stop has its own kernel family (gathered, permuted tiles) on every device.
   if (std::holds_alternative<PermuteStopParams>(policy)) return "permute_sm80_";

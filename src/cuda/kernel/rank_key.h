@@ -1,6 +1,6 @@
 // SPDX-License-Identifier: Apache-2.0
 // permute_stop's ranking order (DESIGN.md §3) as a sort key: a pure function compiled for the
-// host (tested in cuda_plan_test) and for the kernels, which sort by it with CUB. No CUDA
+// host (tested in cuda_plan_host_test) and for the kernels, which sort by it with CUB. No CUDA
 // headers.
 #pragma once
 
