@@ -82,12 +82,13 @@ bool tma_describable(const AttentionProblem& problem) {
 
 int hopper_block_k() { return 128; }
 
-// TMA boxes need pages of whole 8-row groups that tile the 128-key tile or hold whole tiles;
-// for those the boxes measured faster than gathering (H200, Llama 32K/128K, pages 16 and 64:
-// 1.50-1.53x and 1.08x contiguous with boxes, 1.67-1.69x gathered; records
-// 2026-11-29-h200-paged-128k-chunked-permute-paged and -hopper-paged-gather-cp-async).
+// TMA boxes need pages of whole 8-row groups that tile the 128-key tile or hold whole tiles,
+// and cost the TMA unit per box: boxes of 32 rows and more beat gathering, smaller ones lose to
+// it (H200, Llama 32K dense, time / contiguous: boxes 2.65-2.77x at 8 keys, 1.62-1.69x at 16,
+// 1.18-1.23x at 32, 1.11-1.15x at 64, 1.02-1.06x at 128; gathered 1.14-1.21x at every size;
+// record 2026-11-29-h200-paged-producer).
 bool hopper_gathers_pages(int page_size) {
-  return !(page_size >= 8 && (128 % page_size == 0 || page_size % 128 == 0));
+  return !(page_size >= 32 && (128 % page_size == 0 || page_size % 128 == 0));
 }
 
 FwdPath choose_fwd_path(const ProblemShape& shape, const Policy& policy, bool tma_ok, int cc_major, int cc_minor) {

@@ -6,7 +6,11 @@
 // Q·Kᵀ-only floor of skipped blocks), block_k 64 and 128 on the portable kernel and 128 on the
 // Hopper kernel (which runs when the device is compute capability 9.0); paged K/V on both
 // kernels (pages of 16 and 64 keys in a shuffled order, dense and the 20% mask) against the
-// same contiguous calls. The measurements behind docs/cuda.md. `sp_cuda_tiles calib`:
+// same contiguous calls. The measurements behind docs/cuda.md. `sp_cuda_tiles paged [PAGE...]`:
+// Llama 32K bf16 dense only, contiguous against paged K/V at each page size (default 8 to 256),
+// pages shuffled and in order, on the kernel that runs there (Hopper on 9.0: TMA boxes where
+// they serve the page size, and gathered rows at every size).
+// `sp_cuda_tiles calib`:
 // instead, the calibration statistics of one layer of a 128K-token sample through the public
 // API (calibration.h), each step timed on its own.
 #include <cuda_runtime.h>
@@ -16,6 +20,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <functional>
 #include <string>
@@ -104,7 +109,15 @@ double median_ms(const Instance& v, const FwdParams& p, int reps) {
   return ms[ms.size() / 2];
 }
 
-void run_shape(const Shape& sh) {
+// What run_shape times: everything (the default), or with `paged_only` dense alone, contiguous
+// against paged K/V at `page_sizes`, each page size with shuffled and with in-order pages.
+struct Options {
+  std::vector<int> page_sizes{16, 64};
+  bool paged_only = false;
+  std::vector<DType> dtypes{DType::kBF16, DType::kFP16};
+};
+
+void run_shape(const Shape& sh, const Options& opt) {
   const std::int64_t nq = sh.s * sh.h_q * sh.d, nkv = sh.s * sh.h_kv * sh.d;
   std::uint16_t *q, *k, *v, *o;
   float* lse;
@@ -129,7 +142,7 @@ void run_shape(const Shape& sh) {
 
   // Causal pairs: s(s+1)/2 per head; 4·d FLOP per pair (Q·Kᵀ and P·V).
   const double flop = 4.0 * sh.d * static_cast<double>(sh.s) * static_cast<double>(sh.s + 1) / 2.0 * sh.h_q;
-  for (DType dtype : {DType::kBF16, DType::kFP16}) {
+  for (DType dtype : opt.dtypes) {
     const bool bf16 = dtype == DType::kBF16;
     fill_kernel<<<1024, 256>>>(q, nq, 1, bf16);
     fill_kernel<<<1024, 256>>>(k, nkv, 2, bf16);
@@ -172,6 +185,7 @@ void run_shape(const Shape& sh) {
     // The paged Hopper instance (time_paged), launched with the host copy of its block table.
     const Fwd90Variant* var90_paged = hopper ? find_fwd90(dtype, sh.d, true) : nullptr;
     for (const Instance& inst : instances) {
+      if (opt.paged_only && hopper && !inst.hopper) continue;  // what runs on 9.0: the Hopper kernel
       const char* tag = inst.name.c_str();
       p.mode = PolicyMode::kDense;
       p.block_k = dense_block_k(sh.d);
@@ -183,40 +197,51 @@ void run_shape(const Shape& sh) {
       // values): the portable instance, or for the Hopper one its paged instance.
       auto time_paged = [&](const FwdParams& base, const char* what, double contiguous) {
         if (inst.hopper && var90_paged == nullptr) return;
-        for (int page : {16, 64}) {
-          const std::int64_t pages = (sh.s + page - 1) / page;
-          std::vector<std::int32_t> table(static_cast<std::size_t>(pages));
-          for (std::int64_t i = 0; i < pages; ++i) table[static_cast<std::size_t>(i)] = static_cast<std::int32_t>(i);
-          std::uint64_t rng = 777;
-          for (std::int64_t i = pages - 1; i > 0; --i) {
-            rng = rng * 6364136223846793005ull + 1442695040888963407ull;
-            std::swap(table[static_cast<std::size_t>(i)],
-                      table[static_cast<std::size_t>((rng >> 33) % static_cast<std::uint64_t>(i + 1))]);
+        for (int page : opt.page_sizes) {
+          // paged_only: pages shuffled and in order, and where TMA boxes serve the page size,
+          // rows gathered as well (mode 2).
+          for (int mode : {0, 1, 2}) {
+            const bool shuffled = mode != 1;
+            const bool gathered = mode == 2 || hopper_gathers_pages(page);
+            if (mode > 0 && !opt.paged_only) continue;
+            if (mode == 2 && (!inst.hopper || hopper_gathers_pages(page))) continue;
+            const std::int64_t pages = (sh.s + page - 1) / page;
+            std::vector<std::int32_t> table(static_cast<std::size_t>(pages));
+            for (std::int64_t i = 0; i < pages; ++i) table[static_cast<std::size_t>(i)] = static_cast<std::int32_t>(i);
+            std::uint64_t rng = 777;
+            for (std::int64_t i = pages - 1; i > 0 && shuffled; --i) {
+              rng = rng * 6364136223846793005ull + 1442695040888963407ull;
+              std::swap(table[static_cast<std::size_t>(i)],
+                        table[static_cast<std::size_t>((rng >> 33) % static_cast<std::uint64_t>(i + 1))]);
+            }
+            std::int32_t* table_d;
+            SP_DEV_CHECK(cudaMalloc(&table_d, table.size() * sizeof(std::int32_t)));
+            SP_DEV_CHECK(cudaMemcpy(table_d, table.data(), table.size() * sizeof(std::int32_t), cudaMemcpyHostToDevice));
+            FwdParams pp = base;
+            pp.paged.block_table = table_d;
+            pp.paged.table_stride = pages;
+            pp.paged.page_size = page;
+            pp.paged.k_page_stride = pp.paged.v_page_stride = static_cast<std::int64_t>(page) * p.k_row_stride;
+            pp.paged.gather_rows = gathered;
+            const Instance paged_inst =
+                inst.hopper ? Instance{var90_paged->name,
+                                       [&](const FwdParams& fp) {
+                                         const HostUpload upload{&maps, &CachedUpload::call};
+                                         return var90_paged->launch(fp, &seq, table.data(), upload, nullptr);
+                                       },
+                                       true}
+                            : inst;
+            const double t = median_ms(paged_inst, pp, 7);
+            std::printf("%-8s %s d=%3d s=%6lld %s paged (page %3d, %s%s): %8.3f ms (%.3f of contiguous)\n", sh.name,
+                        paged_inst.name.c_str(), sh.d, static_cast<long long>(sh.s), what, page,
+                        !inst.hopper ? "portable" : gathered ? "gathered" : "TMA boxes", shuffled ? "" : ", in order", t,
+                        t / contiguous);
+            SP_DEV_CHECK(cudaFree(table_d));
           }
-          std::int32_t* table_d;
-          SP_DEV_CHECK(cudaMalloc(&table_d, table.size() * sizeof(std::int32_t)));
-          SP_DEV_CHECK(cudaMemcpy(table_d, table.data(), table.size() * sizeof(std::int32_t), cudaMemcpyHostToDevice));
-          FwdParams pp = base;
-          pp.paged.block_table = table_d;
-          pp.paged.table_stride = pages;
-          pp.paged.page_size = page;
-          pp.paged.k_page_stride = pp.paged.v_page_stride = static_cast<std::int64_t>(page) * p.k_row_stride;
-          pp.paged.gather_rows = hopper_gathers_pages(page);
-          const Instance paged_inst =
-              inst.hopper ? Instance{var90_paged->name,
-                                     [&](const FwdParams& fp) {
-                                       const HostUpload upload{&maps, &CachedUpload::call};
-                                       return var90_paged->launch(fp, &seq, table.data(), upload, nullptr);
-                                     },
-                                     true}
-                          : inst;
-          const double t = median_ms(paged_inst, pp, 7);
-          std::printf("%-8s %s d=%3d s=%6lld %s paged (page %3d): %8.3f ms (%.3f of contiguous)\n", sh.name,
-                      paged_inst.name.c_str(), sh.d, static_cast<long long>(sh.s), what, page, t, t / contiguous);
-          SP_DEV_CHECK(cudaFree(table_d));
         }
       };
       time_paged(p, "dense", dense);
+      if (opt.paged_only) continue;
       // Block masks built here (per query head: the diagonal blocks, block 0 and a random
       // fraction of the rest, block_k 128), uploaded once: the kernel's own time, without
       // host-side mask handling.
@@ -425,9 +450,19 @@ int main(int argc, char** argv) {
     }
     return 0;
   }
+  if (argc > 1 && std::strcmp(argv[1], "paged") == 0) {
+    sparseprefill::cuda::Options opt;
+    opt.paged_only = true;
+    opt.dtypes = {sparseprefill::DType::kBF16};
+    opt.page_sizes.clear();
+    for (int i = 2; i < argc; ++i) opt.page_sizes.push_back(std::atoi(argv[i]));
+    if (opt.page_sizes.empty()) opt.page_sizes = {8, 16, 32, 64, 128, 256};
+    sparseprefill::cuda::run_shape(Shape{"llama", 32, 8, 128, 32768}, opt);
+    return 0;
+  }
   for (const Shape& sh : {Shape{"llama", 32, 8, 128, 16384}, Shape{"llama", 32, 8, 128, 32768},
                           Shape{"smollm2", 9, 3, 64, 8192}}) {
-    sparseprefill::cuda::run_shape(sh);
+    sparseprefill::cuda::run_shape(sh, sparseprefill::cuda::Options{});
   }
   return 0;
 }

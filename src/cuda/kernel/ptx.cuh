@@ -17,6 +17,12 @@ __device__ __forceinline__ std::uint32_t smem_addr(const void* p) {
 __device__ __forceinline__ void cp_async_16(std::uint32_t dst, const void* src, int src_bytes) {
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(src_bytes));
 }
+// 16 bytes from src, or 16 zero bytes without reading src when !read (ignore-src).
+__device__ __forceinline__ void cp_async_16_or_zero(std::uint32_t dst, const void* src, bool read) {
+  asm volatile(
+      "{\n .reg .pred ignore;\n setp.eq.u32 ignore, %2, 0;\n cp.async.cg.shared.global [%0], [%1], 16, ignore;\n}\n" ::"r"(dst),
+      "l"(src), "r"(static_cast<std::uint32_t>(read)));
+}
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
 // Waits until at most n of this thread's committed groups are still in flight.
 template <int n>

@@ -32,7 +32,8 @@ namespace sparseprefill::cuda::sm90 {
 // [128 rows][d] loaded as d / 64 boxes of [128][64] (one 128-byte swizzle row each); kPaged
 // instances read K/V through the block table, a key tile as boxes of whole 8-row groups
 // (paged_box_rows) that compose into the same swizzled tile, or gathered row by row
-// (gather_tile) where pages cannot be boxed that way.
+// (gather_tile) where pages cannot be boxed that way or boxes would be small
+// (hopper_gathers_pages).
 template <bool kBf16_, int kHeadDim_, bool kPaged_ = false>
 struct FwdConfig {
   static constexpr bool kBf16 = kBf16_;
@@ -52,9 +53,14 @@ struct FwdConfig {
   static constexpr int kDFrags = kHeadDim / 8;  // n8 fragments of an output row
   static constexpr int kQkSteps = kHeadDim / 16;
   static constexpr int kPvSteps = kTileN / 16;
-  // setmaxnreg budgets: 128·24 + 256·240 = 64512 <= 65536 registers of the SM.
-  static constexpr int kProducerRegs = 24;
-  static constexpr int kConsumerRegs = 240;
+  // setmaxnreg budgets, 128·producer + 256·consumer <= 65536 registers of the SM: 24 / 240 for
+  // the TMA producer; the paged instances' producer may gather rows with cp.async (gather_tile),
+  // whose address chain ran latency-bound at 24 (1.50x the contiguous time at 16-key pages,
+  // 1.28x at 56 / 224 with the loop unrolled; record 2026-11-29-h200-paged-producer); 56 at
+  // d = 64 spills 16 bytes in the consumers, 40 / 232 none.
+  static constexpr int kProducerRegs = !kPaged_ ? 24 : kHeadDim_ == 128 ? 56 : 40;
+  static constexpr int kConsumerRegs = !kPaged_ ? 240 : kHeadDim_ == 128 ? 224 : 232;
+  static_assert(128 * kProducerRegs + 256 * kConsumerRegs <= 65536, "register file");
   // Gate decisions in flight: a slot is rewritten 4 gated blocks later, when every reader
   // (both consumer warpgroups, at most one ping-pong round apart, and the producer) is past it.
   static constexpr int kVoteSlots = 4;
@@ -227,41 +233,61 @@ __device__ __forceinline__ PagedRows paged_rows(const FwdParams& p, const SeqMap
           keys > 0 ? (keys - 1) / page_size : 0};
 }
 
+// Gather mode: where the rows of the 128-key tile kb that a producer thread looks up lie in the
+// cache (thread t looks up row r0 + kRowStep·c of the tile, r0 = t / kChunks, c = t % kChunks,
+// for the kChunks threads that copy rows r0 + kRowStep·i: see gather_tile). The producer reads
+// it one position ahead, so the dependent table load overlaps the wait for a free stage and the
+// copies of the tile before; K and V of a tile share it.
+struct RowLookup {
+  int entry;    // the row's block-table entry, or -1 past s_k (the row is zero-filled, never read)
+  int in_page;  // row within that page
+};
+
+template <class Cfg>
+__device__ __forceinline__ RowLookup row_lookup(const PagedRows& pages, int kb) {
+  constexpr int kChunks = Cfg::kHeadDim / 8;
+  constexpr int kRowStep = 128 / kChunks;
+  const int t = threadIdx.x % 128;
+  const int row = kb * Cfg::kTileN + t / kChunks + kRowStep * (t % kChunks);
+  if (row >= pages.keys) return {-1, 0};
+  const int page = row / pages.page_size;
+  return {pages.table[page], row - page * pages.page_size};
+}
+
 // Gather mode: the K (value = false) or V tile of key block kb, copied by the producer
 // warpgroup's 128 threads with cp.async into the layout TMA writes ([d-half][row][64], 128B
 // swizzle: 16-byte chunk c of row r at chunk c ^ (r % 8) of its 128-byte row), rows past s_k
 // zero-filled as the contiguous maps fill them. Thread t copies chunk c = t % kChunks of rows
-// r0 + kRowStep·i (r0 = t / kChunks, i < kChunks): a warp reads whole rows. The kChunks threads
-// sharing r0 look up one row each in the block table and pass the offsets round by shuffles, so
-// each thread does one dependent load per tile whatever the page size.
+// r0 + kRowStep·i (i < kChunks): a warp reads whole rows, and since kRowStep is a multiple of 8
+// all rows of a thread share one swizzle, so its destinations are one base plus i row steps.
+// The kChunks threads sharing r0 looked up one row each (`rows`, row_lookup) and pass the
+// offsets round by shuffles. Per copy: a shuffle, an address add, the bound test and the
+// cp.async, unrolled (the form with the swizzle and the bounds recomputed per copy, rolled at
+// 24 registers, kept the gathered kernel at 1.8x the contiguous time: record
+// 2026-11-29-h200-paged-producer).
 template <class Cfg>
-__device__ __forceinline__ void gather_tile(const FwdParams& p, const PagedRows& pages, const SeqInfo& seq, int hk, int kb,
-                                            bool value, std::uint32_t dst) {
+__device__ __forceinline__ void gather_tile(const FwdParams& p, const SeqInfo& seq, int keys, int hk, int kb, bool value,
+                                            RowLookup rows, std::uint32_t dst) {
   constexpr int kChunks = Cfg::kHeadDim / 8;   // 16-byte chunks per row
   constexpr int kRowStep = 128 / kChunks;      // rows one pass of the 128 threads covers
   static_assert(Cfg::kTileN / kRowStep == kChunks, "each thread's rows are looked up by its row group");
+  static_assert(kRowStep % 8 == 0, "the rows of a thread share their swizzle");
   const int t = threadIdx.x % 128, c = t % kChunks, r0 = t / kChunks;
   const int lane_base = (t % 32) - c;  // lane of this row group's chunk-0 thread
   const auto* base = static_cast<const std::uint16_t*>(value ? p.v : p.k) + (value ? seq.v_off : seq.k_off) +
-                     hk * (value ? p.v_head_stride : p.k_head_stride);
-  const std::int64_t row_stride = value ? p.v_row_stride : p.k_row_stride;
-  const std::int64_t page_stride = value ? p.paged.v_page_stride : p.paged.k_page_stride;
-  const int key0 = kb * Cfg::kTileN;
-  // Row r0 + kRowStep·c of the tile: this thread's lookup (0 past s_k, never read).
-  const int mine = key0 + r0 + kRowStep * c;
-  const std::int64_t offset = mine < pages.keys ? static_cast<std::int64_t>(pages.table[mine / pages.page_size]) * page_stride +
-                                                      static_cast<std::int64_t>(mine % pages.page_size) * row_stride
-                                                : 0;
-  // The producer's 24 registers: ptxas spills the fewest bytes unrolled at d = 64 (4; 8 rolled)
-  // and rolled at d = 128 (20; 216 unrolled).
-#pragma unroll(Cfg::kHeadDim == 64 ? kChunks : 1)
+                     hk * (value ? p.v_head_stride : p.k_head_stride) + c * 8;
+  const std::int64_t offset =
+      rows.entry < 0 ? 0
+                     : static_cast<std::int64_t>(rows.entry) * (value ? p.paged.v_page_stride : p.paged.k_page_stride) +
+                           static_cast<std::int64_t>(rows.in_page) * (value ? p.v_row_stride : p.k_row_stride);
+  const int rows_left = keys - kb * Cfg::kTileN - r0;  // row r0 + kRowStep·i holds a key iff kRowStep·i < rows_left
+  const std::uint32_t to = dst + static_cast<std::uint32_t>((c / 8) * Cfg::kHalfBytes + r0 * Cfg::kRowBytes +
+                                                            (((c % 8) ^ (r0 & 7)) << 4));
+#pragma unroll
   for (int i = 0; i < kChunks; ++i) {
-    const int r = r0 + kRowStep * i;
     const std::int64_t off = __shfl_sync(0xffffffffu, offset, lane_base + i);
-    const bool ok = key0 + r < pages.keys;
-    const std::uint32_t to = dst + static_cast<std::uint32_t>((c / 8) * Cfg::kHalfBytes + r * Cfg::kRowBytes +
-                                                              (((c % 8) ^ (r & 7)) << 4));
-    ptx::cp_async_16(to, ok ? base + off + c * 8 : base, ok ? 16 : 0);
+    ptx::cp_async_16_or_zero(to + static_cast<std::uint32_t>(i * kRowStep * Cfg::kRowBytes), base + off,
+                             kRowStep * i < rows_left);
   }
 }
 
@@ -314,9 +340,9 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
   const int mean_blocks_seq = means ? mean_blocks_of(p, seq.s_k) : 0;
   const std::uint32_t* mean_bits = means ? p.corrected_bits + mask_row * p.corrected_words : nullptr;
 
-  // Paged K/V with pages TMA boxes cannot tile (hopper_gathers_pages): the producer warpgroup
-  // gathers the key rows with cp.async (gather_tile), and each of its 128 threads arrives on
-  // the loaded barriers.
+  // Paged K/V whose pages TMA boxes cannot tile, or only in boxes below 32 rows
+  // (hopper_gathers_pages): the producer warpgroup gathers the key rows with cp.async
+  // (gather_tile), and each of its 128 threads arrives on the loaded barriers.
   const bool gather = Cfg::kPaged && p.paged.gather_rows;
   if (threadIdx.x == 0) {
     hw::mbar_init(hw::smem_u32(&sm.q_loaded), 1);
@@ -371,11 +397,11 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
         }
       }
       // The K (value = false) or V tile of position j (key block kb) into `dst`, completing on
-      // `bar`.
-      auto load = [&](int j, int kb, bool value, std::uint32_t dst, std::uint32_t bar) {
+      // `bar`; `rows`: the tile's row_lookup in gather mode.
+      auto load = [&](int j, int kb, bool value, std::uint32_t dst, std::uint32_t bar, RowLookup rows) {
         if (gather) {
           if (j < visit.n_reg) {
-            gather_tile<Cfg>(p, pages, seq, hk, kb, value, dst);
+            gather_tile<Cfg>(p, seq, pages.keys, hk, kb, value, rows, dst);
             hw::cp_async_mbar_arrive(bar);
             return;
           }
@@ -434,33 +460,41 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
         }
       };
       int v_count = 0;  // V tiles loaded: the V ring's position
-      auto load_v = [&](int j, int kb) {
+      auto load_v = [&](int j, int kb, RowLookup rows) {
         const int st = v_count % Cfg::kStages;
         // Refills a V stage once both consumer warpgroups' P·V that read it completed.
         hw::mbar_wait(hw::smem_u32(&sm.v_free[st]), ((v_count / Cfg::kStages) & 1) ^ 1);
-        load(j, kb, true, hw::smem_u32(sm.v[st]), hw::smem_u32(&sm.v_loaded[st]));
+        load(j, kb, true, hw::smem_u32(sm.v[st]), hw::smem_u32(&sm.v_loaded[st]), rows);
         ++v_count;
       };
-      // A block mask's indices are global loads: the next one is requested a position early.
+      // A block mask's indices are global loads: the next one is requested a position early,
+      // and in gather mode the block-table rows of that block too.
       int kb_next = visit.n_reg > 0 ? visit.block(0) : 0;
+      RowLookup rows_next = gather && visit.n_reg > 0 ? row_lookup<Cfg>(pages, kb_next) : RowLookup{-1, 0};
       int deferred = -1, deferred_kb = 0;  // a gated position whose V waits for its decision
+      RowLookup deferred_rows{-1, 0};
       for (int it = 0; it < n_visit; ++it) {
         const int st = it % Cfg::kStages;
         const int kb = kb_next;
-        if (it + 1 < visit.n_reg) kb_next = visit.block(it + 1);
+        const RowLookup rows = rows_next;
+        if (it + 1 < visit.n_reg) {
+          kb_next = visit.block(it + 1);
+          if (gather) rows_next = row_lookup<Cfg>(pages, kb_next);
+        }
         // Refills a K stage once both consumer warpgroups' S wgmma that read it completed.
         hw::mbar_wait(hw::smem_u32(&sm.k_free[st]), ((it / Cfg::kStages) & 1) ^ 1);
-        load(it, kb, false, hw::smem_u32(sm.k[st]), hw::smem_u32(&sm.k_loaded[st]));
-        if (deferred >= 0 && decision(deferred)) load_v(deferred, deferred_kb);
+        load(it, kb, false, hw::smem_u32(sm.k[st]), hw::smem_u32(&sm.k_loaded[st]), rows);
+        if (deferred >= 0 && decision(deferred)) load_v(deferred, deferred_kb, deferred_rows);
         deferred = -1;
         if (gate.gated(it, visit.n_a)) {
           deferred = it;
           deferred_kb = kb;
+          deferred_rows = rows;
         } else {
-          load_v(it, kb);
+          load_v(it, kb, rows);
         }
       }
-      if (deferred >= 0 && decision(deferred)) load_v(deferred, deferred_kb);
+      if (deferred >= 0 && decision(deferred)) load_v(deferred, deferred_kb, deferred_rows);
     }
     return;
   }
