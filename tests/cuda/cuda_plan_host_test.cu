@@ -140,6 +140,29 @@ TEST(CudaPlan, PagedKvRunsEveryPolicy) {
   EXPECT_NE(support_summary().find("contiguous or paged K/V of any page size"), std::string::npos);
 }
 
+TEST(CudaPlan, GatheredRowOffsetsFitThirtyTwoBitsOfSixteenByteUnits) {
+  // [pages, page_size, h_kv 8, d 128]: rows 1024 elements apart, pages page_size rows.
+  EXPECT_TRUE(gather_offsets_fit(1, 1, 1024, 1024));
+  EXPECT_TRUE(gather_offsets_fit(1 << 20, 16, 16 * 1024, 1024));  // 16 M rows: 2^34 elements
+  const std::int64_t limit = std::int64_t{1} << 35;               // elements
+  // The last row of the last page starts at (pages - 1) · page_stride + (page_size - 1) · row_stride.
+  EXPECT_TRUE(gather_offsets_fit(limit / 16384, 16, 16384, 1024));   // last row at 2^35 - 1024
+  EXPECT_FALSE(gather_offsets_fit(limit / 16384 + 1, 16, 16384, 1024));
+  EXPECT_TRUE(gather_offsets_fit(1, 1 << 25, 0, 1024));              // one page: last row at 2^35 - 1024
+  EXPECT_FALSE(gather_offsets_fit(1, (1 << 25) + 1, 0, 1024));
+  // A K and V interleaved cache ([pages, 2, page_size, ...]: page stride twice the rows).
+  EXPECT_TRUE(gather_offsets_fit(4096, 16, 2 * 16 * 1024, 1024));
+  // Strides the 16-byte units cannot express, negative ones, nothing to address.
+  EXPECT_FALSE(gather_offsets_fit(2, 16, 16 * 1024 + 4, 1024));
+  EXPECT_FALSE(gather_offsets_fit(2, 16, 16 * 1024, 1020));
+  EXPECT_FALSE(gather_offsets_fit(2, 16, -16 * 1024, 1024));
+  EXPECT_FALSE(gather_offsets_fit(2, 16, 16 * 1024, -1024));
+  EXPECT_FALSE(gather_offsets_fit(0, 16, 16 * 1024, 1024));
+  // Products that overflow 64 bits are refused, not wrapped.
+  EXPECT_FALSE(gather_offsets_fit(std::int64_t{1} << 40, 16, std::int64_t{1} << 40, 1024));
+  EXPECT_FALSE(gather_offsets_fit(2, 1 << 30, 0, std::int64_t{1} << 40));
+}
+
 TEST(CudaPlan, PagedKvOnTheHopperPathForEveryPageSize) {
   // TMA boxes for pages of 32 keys or more tiling the 128-key tile or holding whole tiles; rows
   // gathered for the rest.

@@ -52,6 +52,21 @@ struct PagedKv {
   bool gather_rows;                 // hopper_gathers_pages(page_size)
 };
 
+// Gathered paged rows (sm90::gather_tile) pass a row's offset from the cache's base between
+// threads as 32 bits in 16-byte units: the rows of `pages` pages (page_stride, row_stride in
+// elements of 2 bytes) must lie at non-negative multiples of 8 elements below 2^35 elements
+// (64 GiB) from the base. Otherwise the Hopper instance declines and the portable kernel runs.
+constexpr bool gather_offsets_fit(std::int64_t pages, int page_size, std::int64_t page_stride, std::int64_t row_stride) {
+  constexpr std::int64_t kLimit = std::int64_t{1} << 35;
+  if (pages < 1 || page_size < 1 || page_stride < 0 || row_stride < 0 || page_stride % 8 != 0 || row_stride % 8 != 0) {
+    return false;
+  }
+  if (row_stride > 0 && page_size - 1 >= kLimit / row_stride) return false;
+  const std::int64_t last_row = (page_size - 1) * row_stride;
+  if (page_stride > 0 && pages - 1 > (kLimit - 1 - last_row) / page_stride) return false;
+  return (pages - 1) * page_stride + last_row < kLimit;
+}
+
 struct FwdParams {
   // Tensors. q/o [.., s, h_q, d], k/v [.., s, h_kv, d] in the input dtype (bf16 or fp16); row
   // and head strides in elements; the last dimension is contiguous and rows are 16-byte

@@ -17,6 +17,13 @@ __device__ __forceinline__ std::uint32_t smem_addr(const void* p) {
 __device__ __forceinline__ void cp_async_16(std::uint32_t dst, const void* src, int src_bytes) {
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(src_bytes));
 }
+// base + 16·units bytes as one wide multiply-add (written out so that the compiler does not
+// re-associate it with how base was formed into a 64-bit add chain per use).
+__device__ __forceinline__ const void* offset_16b(const void* base, std::uint32_t units) {
+  std::uint64_t r;
+  asm("mad.wide.u32 %0, %1, 16, %2;\n" : "=l"(r) : "r"(units), "l"(reinterpret_cast<std::uint64_t>(base)));
+  return reinterpret_cast<const void*>(r);
+}
 // 16 bytes from src, or 16 zero bytes without reading src when !read (ignore-src).
 __device__ __forceinline__ void cp_async_16_or_zero(std::uint32_t dst, const void* src, bool read) {
   asm volatile(

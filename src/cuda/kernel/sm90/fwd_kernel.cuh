@@ -260,11 +260,12 @@ __device__ __forceinline__ RowLookup row_lookup(const PagedRows& pages, int kb) 
 // zero-filled as the contiguous maps fill them. Thread t copies chunk c = t % kChunks of rows
 // r0 + kRowStep·i (i < kChunks): a warp reads whole rows, and since kRowStep is a multiple of 8
 // all rows of a thread share one swizzle, so its destinations are one base plus i row steps.
-// The kChunks threads sharing r0 looked up one row each (`rows`, row_lookup) and pass the
-// offsets round by shuffles. Per copy: a shuffle, an address add, the bound test and the
-// cp.async, unrolled (the form with the swizzle and the bounds recomputed per copy, rolled at
-// 24 registers, kept the gathered kernel at 1.8x the contiguous time: record
-// 2026-11-29-h200-paged-producer).
+// The kChunks threads sharing r0 looked up one row each (`rows`, row_lookup) and pass its
+// offset from the cache's base round by shuffles, 32 bits in 16-byte units (the launch checks
+// gather_offsets_fit). Per copy: one shuffle, one wide multiply-add for the address, the bound
+// test and the cp.async, unrolled (the form with 64-bit offsets, the swizzle and the bounds
+// recomputed per copy, rolled at 24 registers, kept the gathered kernel at 1.8x the contiguous
+// time: record 2026-11-29-h200-paged-producer).
 template <class Cfg>
 __device__ __forceinline__ void gather_tile(const FwdParams& p, const SeqInfo& seq, int keys, int hk, int kb, bool value,
                                             RowLookup rows, std::uint32_t dst) {
@@ -274,19 +275,24 @@ __device__ __forceinline__ void gather_tile(const FwdParams& p, const SeqInfo& s
   static_assert(kRowStep % 8 == 0, "the rows of a thread share their swizzle");
   const int t = threadIdx.x % 128, c = t % kChunks, r0 = t / kChunks;
   const int lane_base = (t % 32) - c;  // lane of this row group's chunk-0 thread
-  const auto* base = static_cast<const std::uint16_t*>(value ? p.v : p.k) + (value ? seq.v_off : seq.k_off) +
-                     hk * (value ? p.v_head_stride : p.k_head_stride) + c * 8;
-  const std::int64_t offset =
-      rows.entry < 0 ? 0
-                     : static_cast<std::int64_t>(rows.entry) * (value ? p.paged.v_page_stride : p.paged.k_page_stride) +
-                           static_cast<std::int64_t>(rows.in_page) * (value ? p.v_row_stride : p.k_row_stride);
+  // This thread's chunk of row 0 of the cache's base; rows are whole 16-byte units from it.
+  const auto* base = reinterpret_cast<const uint4*>(static_cast<const std::uint16_t*>(value ? p.v : p.k) +
+                                                    (value ? seq.v_off : seq.k_off) +
+                                                    hk * (value ? p.v_head_stride : p.k_head_stride)) +
+                     c;
+  const std::uint32_t units =
+      rows.entry < 0 ? 0u
+                     : static_cast<std::uint32_t>(
+                           (static_cast<std::int64_t>(rows.entry) * (value ? p.paged.v_page_stride : p.paged.k_page_stride) +
+                            static_cast<std::int64_t>(rows.in_page) * (value ? p.v_row_stride : p.k_row_stride)) /
+                           8);
   const int rows_left = keys - kb * Cfg::kTileN - r0;  // row r0 + kRowStep·i holds a key iff kRowStep·i < rows_left
   const std::uint32_t to = dst + static_cast<std::uint32_t>((c / 8) * Cfg::kHalfBytes + r0 * Cfg::kRowBytes +
                                                             (((c % 8) ^ (r0 & 7)) << 4));
 #pragma unroll
   for (int i = 0; i < kChunks; ++i) {
-    const std::int64_t off = __shfl_sync(0xffffffffu, offset, lane_base + i);
-    ptx::cp_async_16_or_zero(to + static_cast<std::uint32_t>(i * kRowStep * Cfg::kRowBytes), base + off,
+    const std::uint32_t u = __shfl_sync(0xffffffffu, units, lane_base + i);
+    ptx::cp_async_16_or_zero(to + static_cast<std::uint32_t>(i * kRowStep * Cfg::kRowBytes), ptx::offset_16b(base, u),
                              kRowStep * i < rows_left);
   }
 }
@@ -789,7 +795,7 @@ int launch_fwd(const FwdParams& p, const SeqInfo* seqs, const std::int32_t* tabl
   const auto* k = static_cast<const std::uint16_t*>(p.k);
   const auto* v = static_cast<const std::uint16_t*>(p.v);
   const int page_size = p.paged.page_size;
-  std::int32_t pages = 1;  // extent of the cache maps' page dimension: every used entry is below it
+  std::int32_t pages = 1;  // every used table entry is below it (the cache maps' page extent)
   for (int b = 0; b < p.batch; ++b) {
     const SeqInfo& s = seqs[b];
     SeqMaps& m = maps[static_cast<std::size_t>(b)];
@@ -799,22 +805,28 @@ int launch_fwd(const FwdParams& p, const SeqInfo* seqs, const std::int32_t* tabl
       ok = ok &&
            encode_map<Cfg>(&m.k, k + s.k_off, s.s_k, p.h_kv, p.k_row_stride, p.k_head_stride) &&
            encode_map<Cfg>(&m.v, v + s.v_off, s.s_k, p.h_kv, p.v_row_stride, p.v_head_stride);
-    } else if (!gather) {
-      // The tail: rows of the last page holding keys (a sequence without keys maps one row of
-      // page 0, never read: it visits no key tile).
+    } else {
       const std::int64_t used = (s.s_k + page_size - 1) / page_size;
       for (std::int64_t i = 0; i < used; ++i) pages = std::max(pages, table[b * p.paged.table_stride + i] + 1);
-      const std::int64_t last = used > 0 ? used - 1 : 0;
-      const std::int64_t entry = used > 0 ? table[b * p.paged.table_stride + last] : 0;
-      const std::int64_t tail_rows = used > 0 ? s.s_k - last * page_size : 1;
-      const int box_rows = paged_box_rows(page_size);
-      ok = ok &&
-           encode_map<Cfg>(&m.k, k + entry * p.paged.k_page_stride, tail_rows, p.h_kv, p.k_row_stride, p.k_head_stride,
-                           box_rows) &&
-           encode_map<Cfg>(&m.v, v + entry * p.paged.v_page_stride, tail_rows, p.h_kv, p.v_row_stride, p.v_head_stride,
-                           box_rows);
+      if (!gather) {
+        // TMA boxes: the tail map over the rows of the last page holding keys (a sequence
+        // without keys maps one row of page 0, never read: it visits no key tile).
+        const std::int64_t last = used > 0 ? used - 1 : 0;
+        const std::int64_t entry = used > 0 ? table[b * p.paged.table_stride + last] : 0;
+        const std::int64_t tail_rows = used > 0 ? s.s_k - last * page_size : 1;
+        const int box_rows = paged_box_rows(page_size);
+        ok = ok &&
+             encode_map<Cfg>(&m.k, k + entry * p.paged.k_page_stride, tail_rows, p.h_kv, p.k_row_stride,
+                             p.k_head_stride, box_rows) &&
+             encode_map<Cfg>(&m.v, v + entry * p.paged.v_page_stride, tail_rows, p.h_kv, p.v_row_stride,
+                             p.v_head_stride, box_rows);
+      }
     }
     if (!ok) return static_cast<int>(cudaErrorNotSupported);
+  }
+  if (gather && !(gather_offsets_fit(pages, page_size, p.paged.k_page_stride, p.k_row_stride) &&
+                  gather_offsets_fit(pages, page_size, p.paged.v_page_stride, p.v_row_stride))) {
+    return static_cast<int>(cudaErrorNotSupported);
   }
   if (paged && !gather) {
     SeqMaps& cache = maps.back();
