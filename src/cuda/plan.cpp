@@ -83,12 +83,13 @@ bool tma_describable(const AttentionProblem& problem) {
 int hopper_block_k() { return 128; }
 
 // TMA boxes need pages of whole 8-row groups that tile the 128-key tile or hold whole tiles,
-// and cost the TMA unit per box: boxes of 32 rows and more beat gathering, smaller ones lose to
-// it (H200, Llama 32K dense, time / contiguous: boxes 2.65-2.77x at 8 keys, 1.62-1.69x at 16,
-// 1.18-1.23x at 32, 1.11-1.15x at 64, 1.02-1.06x at 128; gathered 1.14-1.21x at every size;
-// record 2026-11-29-h200-paged-producer).
+// and cost the TMA unit per box: boxes of 64 rows and more beat gathering, smaller ones lose to
+// it or draw (H200, Llama 32K dense, time / contiguous: boxes 2.65-2.77x at 8 keys, 1.62-1.69x
+// at 16, 1.18-1.24x at 32, 1.11-1.15x at 64, 1.02-1.06x at 128; gathered 1.14-1.26x at every
+// size; end to end at 32K/128K, 32-key boxes 1.15-1.16x against 1.10-1.11x gathered 16-key
+// pages; records 2026-11-29-h200-paged-producer and -paged-gathered-32bit-offsets).
 bool hopper_gathers_pages(int page_size) {
-  return !(page_size >= 32 && (128 % page_size == 0 || page_size % 128 == 0));
+  return !(page_size >= 64 && (128 % page_size == 0 || page_size % 128 == 0));
 }
 
 FwdPath choose_fwd_path(const ProblemShape& shape, const Policy& policy, bool tma_ok, int cc_major, int cc_minor) {

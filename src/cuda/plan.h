@@ -43,8 +43,8 @@ int hopper_block_k();
 
 // Whether the Hopper kernel gathers the key rows of paged K/V with this page size (cp.async
 // through the block table, any page size) instead of loading one TMA box per page (pages of
-// 32 keys or more dividing the 128-key tile, or a multiple of it: smaller boxes cost the TMA
-// unit more than gathering costs).
+// 64 or 128 keys or a multiple of 128: smaller boxes cost the TMA unit more than gathering
+// costs).
 bool hopper_gathers_pages(int page_size);
 
 // The path of a call that check_support accepted, on a device of compute capability

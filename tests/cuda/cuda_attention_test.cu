@@ -691,9 +691,9 @@ TEST(CudaPermuteStop, NaNValuesOfUnvisitedChunksAreNeverRead) {
 // Page sizes of the paged checks. Portable kernel: one key per page and pages smaller than a
 // 64-key sub-tile (a sub-tile spans pages: rows translated one by one), equal to it and larger
 // than a 128-key block (a sub-tile lies in one page: translated once). Hopper kernel: rows
-// gathered through the table (1, 3, 16, and 24, whose pages straddle key tiles:
-// hopper_gathers_pages), one TMA box per page (32, 64) and two tiles per page (256, boxes of
-// 128 rows).
+// gathered through the table (1, 3, 16, 24, whose pages straddle key tiles, and 32:
+// hopper_gathers_pages), one TMA box per page (64) and two tiles per page (256, boxes of 128
+// rows).
 constexpr int kPageSizes[] = {1, 3, 16, 24, 32, 64, 256};
 
 TestProblem paged_problem(const Inputs& in, int page_size, bool causal = true) {

@@ -164,10 +164,10 @@ TEST(CudaPlan, GatheredRowOffsetsFitThirtyTwoBitsOfSixteenByteUnits) {
 }
 
 TEST(CudaPlan, PagedKvOnTheHopperPathForEveryPageSize) {
-  // TMA boxes for pages of 32 keys or more tiling the 128-key tile or holding whole tiles; rows
+  // TMA boxes for pages of 64 keys or more tiling the 128-key tile or holding whole tiles; rows
   // gathered for the rest.
-  for (int page_size : {1, 2, 3, 4, 8, 12, 16, 20, 24, 40, 96, 200}) EXPECT_TRUE(hopper_gathers_pages(page_size)) << page_size;
-  for (int page_size : {32, 64, 128, 256, 384, 512}) EXPECT_FALSE(hopper_gathers_pages(page_size)) << page_size;
+  for (int page_size : {1, 2, 3, 4, 8, 12, 16, 20, 24, 32, 40, 96, 200}) EXPECT_TRUE(hopper_gathers_pages(page_size)) << page_size;
+  for (int page_size : {64, 128, 256, 384, 512}) EXPECT_FALSE(hopper_gathers_pages(page_size)) << page_size;
   ExactGateParams gate128;
   gate128.block_k = 128;
   ExactGateParams gate64;

@@ -346,7 +346,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
   const int mean_blocks_seq = means ? mean_blocks_of(p, seq.s_k) : 0;
   const std::uint32_t* mean_bits = means ? p.corrected_bits + mask_row * p.corrected_words : nullptr;
 
-  // Paged K/V whose pages TMA boxes cannot tile, or only in boxes below 32 rows
+  // Paged K/V whose pages TMA boxes cannot tile, or only in boxes below 64 rows
   // (hopper_gathers_pages): the producer warpgroup gathers the key rows with cp.async
   // (gather_tile), and each of its 128 threads arrives on the loaded barriers.
   const bool gather = Cfg::kPaged && p.paged.gather_rows;
