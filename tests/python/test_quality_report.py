@@ -135,3 +135,37 @@ def test_timing_host_bound_note():
     assert "bound by per-call host work" in report.render(d, "r.json", {})  # 4x the work, 1.02x the time
     d["timing"]["seconds"]["dense"]["2048"] = 0.19
     assert "bound by per-call host work" not in report.render(d, "r.json", {})
+
+
+def test_passkey_flips_name_the_deciding_prompt():
+    d = doc()
+
+    def prompts(answers):
+        return [{"depth": depth, "key": key, "predicted": " " + ans, "retrieved": ans == key}
+                for depth, key, ans in zip((0.25, 0.75), ("11111", "22222"), answers)]
+
+    for x in d["settings"]:
+        for per in x["lengths"].values():
+            per["passkey"] = prompts(("11111", "22222"))
+    # exact_gate budget=4 (accuracy 0.5 at 2048) and estimate_select miss the same prompt.
+    for label in ("exact_gate budget=4", "estimate_select density_target=0.4"):
+        x = next(x for x in d["settings"] if x["label"] == label)
+        x["lengths"]["2048"]["passkey"] = prompts(("11111", "2.222"))
+        x["lengths"]["2048"]["passkey_accuracy"] = 0.5
+    s = report.summarize(d)
+    assert s["passkey_flips"]["1024"] == []
+    [flip] = s["passkey_flips"]["2048"]
+    assert (flip["depth"], flip["key"], flip["dense"], flip["dense_ok"]) == (0.75, "22222", "22222", True)
+    assert [x[0] for x in flip["flips"]] == ["exact_gate budget=4", "estimate_select density_target=0.4"]
+    text = report.render(d, "r.json", {})
+    assert "| 2048 | 0.75 | 22222 | 22222 (right) | exact_gate budget=4 (2.222), " \
+        "estimate_select density_target=0.4 (2.222) |" in text
+    assert "at 2048 no setting (best passkey 0.50, dense 1.00; decided by the prompt at depth 0.75 (dense " \
+        "'22222', right; `estimate_select density_target=0.4` '2.222'), which 1 setting(s) of 1 other policies " \
+        "also answer otherwise)" in text
+
+
+def test_records_without_answers_have_no_flips():
+    s = report.summarize(doc())  # passkey accuracies only, as the oldest records hold
+    assert all(v == [] for v in s["passkey_flips"].values())
+    assert "Passkey prompts on which" not in report.render(doc(), "r.json", {})

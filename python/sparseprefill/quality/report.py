@@ -103,7 +103,52 @@ def summarize(doc: Dict[str, Any]) -> Dict[str, Any]:
                for r in rows if r["length"] == int(L) and r["policy"] != "dense"]
         winners_kl[L] = _winners(pts, "kl")
     return {"rows": rows, "lengths": lengths, "targets": targets, "per_length": per_length, "mc": mc,
-            "op_mc": op_mc, "winners_op": winners_op, "winners_kl": winners_kl, "device": doc["meta"]["device"]}
+            "op_mc": op_mc, "winners_op": winners_op, "winners_kl": winners_kl, "device": doc["meta"]["device"],
+            "passkey_flips": _passkey_flips(settings, dense, lengths)}
+
+
+def _passkey_flips(settings: List[Dict[str, Any]], dense: Dict[str, Any], lengths: List[str]) -> Dict[str, Any]:
+    """Per length, the passkey prompts on which some setting's answer is right where dense's is
+    wrong or the other way round: {length: [{depth, key, dense (answer), dense_ok, flips: [(label,
+    policy, answer, ok)]}]}, prompts in the recorded order. Results without per-prompt answers
+    (older records) give none."""
+    out: Dict[str, Any] = {}
+    for L in lengths:
+        prompts = dense["lengths"][L].get("passkey") or []
+        found = []
+        for i, pr in enumerate(prompts):
+            flips = []
+            for st in settings:
+                if st["policy"] == "dense":
+                    continue
+                mine = st["lengths"][L].get("passkey") or []
+                if i < len(mine) and mine[i]["retrieved"] != pr["retrieved"]:
+                    flips.append((st["label"], st["policy"], mine[i]["predicted"].strip(), mine[i]["retrieved"]))
+            if flips:
+                found.append({"depth": pr["depth"], "key": pr["key"], "dense": pr["predicted"].strip(),
+                              "dense_ok": pr["retrieved"], "flips": flips})
+        out[L] = found
+    return out
+
+
+def _deciding_prompts(s: Dict[str, Any], policy: str, L: int) -> str:
+    """Why `policy` misses dense's passkey accuracy at L: the prompts its best setting answers
+    otherwise than dense, and how many settings of other policies answer those otherwise too."""
+    flips = s["passkey_flips"].get(str(L), [])
+    rows = [r for r in s["rows"] if r["policy"] == policy and r["length"] == L]
+    if not flips or not rows:
+        return ""
+    best = max(rows, key=lambda r: r["passkey"])
+    parts = []
+    for f in flips:
+        mine = [x for x in f["flips"] if x[0] == best["label"]]
+        if not mine:
+            continue
+        others = [x for x in f["flips"] if x[1] != policy]
+        parts.append(f"the prompt at depth {f['depth']:g} (dense '{f['dense']}', {'right' if f['dense_ok'] else 'wrong'}; "
+                     f"`{best['label']}` '{mine[0][2]}'), which {len(others)} setting(s) of "
+                     f"{len({x[1] for x in others})} other policies also answer otherwise")
+    return ("; decided by " + " and ".join(parts)) if parts else ""
 
 
 def _mean_over_layers(points: List[Dict[str, Any]]) -> List[Dict[str, Any]]:
@@ -173,7 +218,8 @@ def _summary(s: Dict[str, Any], extras: List[Tuple[Dict[str, Any], str]]) -> Lis
             f"at {L} `{r['label']}` (density {r['pair_density']:.2f}, ΔPPL {100 * r['dppl']:+.2f}%)" if r else
             f"at {L} no setting (best passkey "
             f"{_fmt(max(x['passkey'] for x in s['rows'] if x['policy'] == policy and x['length'] == L), 2)}, dense "
-            f"{_fmt(next(x['dense_passkey'] for x in s['rows'] if x['length'] == L), 2)})"
+            f"{_fmt(next(x['dense_passkey'] for x in s['rows'] if x['length'] == L), 2)}"
+            f"{_deciding_prompts(s, policy, L)})"
             for L, r in per.items()) + ".")
     for x, src in extras:
         lengths_x = "/".join(x["lengths"])
@@ -211,6 +257,22 @@ def _length_tables(s: Dict[str, Any], note: str) -> List[str]:
                   "windows and passkey prompts, statistics collection included: not a speed measurement"
                   + (" (on the CPU: a shared machine with other jobs running)" if s["device"] == "cpu" else
                      " (the prefill-time section below is)") + ".", ""]
+    return lines
+
+
+def _flip_tables(s: Dict[str, Any]) -> List[str]:
+    """The passkey prompts on which some setting and dense disagree, per length."""
+    if not any(s["passkey_flips"].values()):
+        return []
+    lines = ["", "**Passkey prompts on which a setting and dense disagree** (each prompt's answer as generated; "
+             "a prompt that settings of several policies answer otherwise, in both directions, is near a tie "
+             "for this model, and one such prompt moves a policy's accuracy by 1 / prompts per length):", "",
+             "| length | depth | key | dense | settings answering otherwise (their answer) |", "|---:|---:|---|---|---|"]
+    for L, found in s["passkey_flips"].items():
+        for f in found:
+            lines.append(f"| {L} | {f['depth']:g} | {f['key']} | {f['dense']} ({'right' if f['dense_ok'] else 'wrong'}) | "
+                         + ", ".join(f"{label.replace('estimate_select_mc', 'estimate_select+mc')} ({ans})"
+                                     for label, _, ans, _ in f["flips"]) + " |")
     return lines
 
 
@@ -278,6 +340,7 @@ def render(doc: Dict[str, Any], source: str, images: Dict[str, str],
     for extra, extra_source in extras:
         lines += ["", f"The same test on the separate run `{extra_source}` (lengths {', '.join(summarize(extra)['lengths'])}):", ""]
         lines += _target_table(summarize(extra))
+    lines += _flip_tables(s)
     lines += ["", "**Mean correction** (estimate_select with and without it at the same per-layer alpha; end to end "
               "the densities differ slightly because mean correction changes the inputs of later layers):", "",
               "| density target | length | density | KL without | KL with | lower with MC | ΔPPL % without | ΔPPL % with |",
