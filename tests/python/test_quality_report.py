@@ -169,3 +169,24 @@ def test_records_without_answers_have_no_flips():
     s = report.summarize(doc())  # passkey accuracies only, as the oldest records hold
     assert all(v == [] for v in s["passkey_flips"].values())
     assert "Passkey prompts on which" not in report.render(doc(), "r.json", {})
+
+
+def test_mean_correction_differences_below_the_kl_floor_are_ties():
+    d = doc()
+    s = report.summarize(d)
+    # No setting keeps >= 0.95 of the pairs in doc(): no floor, every difference counts.
+    assert {(m["length"], m["floor"]) for m in s["mc"]} == {(1024, 0.0), (2048, 0.0)}
+    # A near-dense setting at 1024 sets the floor there, and 2048 inherits it.
+    d["settings"].append(_setting("estimate_select", "density_target", 0.97, {1024: (10.001, 0.004, 0.97, 1.0),
+                                                                              2048: (9.001, 0.0, 1.0, 1.0)}))
+    s = report.summarize(d)
+    assert {(m["length"], m["floor"]) for m in s["mc"]} == {(1024, 0.004), (2048, 0.004)}
+    text = report.render(d, "r.json", {})
+    assert "lowers KL in 1 of 2 (target, length) pairs; counting a difference below the length's KL floor as a " \
+        "tie: lower in 1, higher in 1, tied in 0" in text
+    mc = next(x for x in d["settings"] if x["policy"] == "estimate_select_mc")
+    mc["lengths"]["2048"]["kl"] = 0.031  # 0.001 above estimate_select's 0.03: below the floor 0.004
+    text = report.render(d, "r.json", {})
+    assert "lower in 1, higher in 0, tied in 1" in text
+    assert "| 0.4 | 2048 | 0.400 | 0.03 | 0.031 | no | 0.004 | tie |" in text
+    assert "(or, without one, of the nearest shorter length)" in text
