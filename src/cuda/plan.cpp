@@ -88,9 +88,11 @@ int hopper_block_k() { return 128; }
 // at 16, 1.18-1.24x at 32, 1.11-1.15x at 64, 1.02-1.06x at 128; gathered 1.14-1.26x at every
 // size; end to end at 32K/128K, 32-key boxes 1.15-1.16x against 1.10-1.11x gathered 16-key
 // pages; records 2026-11-29-h200-paged-producer and -paged-gathered-32bit-offsets).
-bool hopper_gathers_pages(int page_size) {
-  return !(page_size >= 64 && (128 % page_size == 0 || page_size % 128 == 0));
+bool hopper_can_box_pages(int page_size) {
+  return page_size >= 8 && (128 % page_size == 0 || page_size % 128 == 0);
 }
+
+bool hopper_gathers_pages(int page_size) { return !(hopper_can_box_pages(page_size) && page_size >= 64); }
 
 FwdPath choose_fwd_path(const ProblemShape& shape, const Policy& policy, bool tma_ok, int cc_major, int cc_minor) {
   const bool hopper = cc_major == 9 && cc_minor == 0;

@@ -46,6 +46,10 @@ int hopper_block_k();
 // 64 or 128 keys or a multiple of 128: smaller boxes cost the TMA unit more than gathering
 // costs).
 bool hopper_gathers_pages(int page_size);
+// Whether the Hopper kernel's TMA boxes can load pages of this size at all (whole 8-row groups
+// that tile the 128-key tile, or pages holding whole tiles): boxes of 8 to 32 rows work but
+// lose to gathering (dev/tiles.cu `paged` times both).
+bool hopper_can_box_pages(int page_size);
 
 // The path of a call that check_support accepted, on a device of compute capability
 // (cc_major, cc_minor): Hopper on 9.0 when an sm90 instance of (dtype, head_dim, contiguous or

@@ -168,6 +168,8 @@ TEST(CudaPlan, PagedKvOnTheHopperPathForEveryPageSize) {
   // gathered for the rest.
   for (int page_size : {1, 2, 3, 4, 8, 12, 16, 20, 24, 32, 40, 96, 200}) EXPECT_TRUE(hopper_gathers_pages(page_size)) << page_size;
   for (int page_size : {64, 128, 256, 384, 512}) EXPECT_FALSE(hopper_gathers_pages(page_size)) << page_size;
+  for (int page_size : {8, 16, 32, 64, 128, 256, 384}) EXPECT_TRUE(hopper_can_box_pages(page_size)) << page_size;
+  for (int page_size : {1, 4, 12, 24, 40, 96, 200}) EXPECT_FALSE(hopper_can_box_pages(page_size)) << page_size;
   ExactGateParams gate128;
   gate128.block_k = 128;
   ExactGateParams gate64;

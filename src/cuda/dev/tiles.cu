@@ -8,8 +8,8 @@
 // kernels (pages of 16 and 64 keys in a shuffled order, dense and the 20% mask) against the
 // same contiguous calls. The measurements behind docs/cuda.md. `sp_cuda_tiles paged [PAGE...]`:
 // Llama 32K bf16 dense only, contiguous against paged K/V at each page size (default 8 to 256),
-// pages shuffled and in order, on the kernel that runs there (Hopper on 9.0: TMA boxes where
-// they serve the page size, and gathered rows at every size).
+// pages shuffled and in order, on the kernel that runs there (Hopper on 9.0: TMA boxes and
+// gathered rows at every size boxes can load, gathered rows at the others).
 // `sp_cuda_tiles calib`:
 // instead, the calibration statistics of one layer of a 128K-token sample through the public
 // API (calibration.h), each step timed on its own.
@@ -198,13 +198,14 @@ void run_shape(const Shape& sh, const Options& opt) {
       auto time_paged = [&](const FwdParams& base, const char* what, double contiguous) {
         if (inst.hopper && var90_paged == nullptr) return;
         for (int page : opt.page_sizes) {
-          // paged_only: pages shuffled and in order, and where TMA boxes serve the page size,
-          // rows gathered as well (mode 2).
+          // paged_only: pages shuffled and in order as the plan loads them, and on the Hopper
+          // kernel the other way too where both work (mode 2: boxes for gathered sizes that
+          // boxes can load, gathered rows for boxed ones).
           for (int mode : {0, 1, 2}) {
             const bool shuffled = mode != 1;
-            const bool gathered = mode == 2 || hopper_gathers_pages(page);
+            const bool gathered = hopper_gathers_pages(page) != (mode == 2);
             if (mode > 0 && !opt.paged_only) continue;
-            if (mode == 2 && (!inst.hopper || hopper_gathers_pages(page))) continue;
+            if (mode == 2 && (!inst.hopper || !hopper_can_box_pages(page))) continue;
             const std::int64_t pages = (sh.s + page - 1) / page;
             std::vector<std::int32_t> table(static_cast<std::size_t>(pages));
             for (std::int64_t i = 0; i < pages; ++i) table[static_cast<std::size_t>(i)] = static_cast<std::int32_t>(i);
