@@ -2,7 +2,8 @@
 # SPDX-License-Identifier: Apache-2.0
 # The GPU machine's one call: configure and build the h200 preset, run the GPU tests, run
 # compute-sanitizer (memcheck, racecheck) on small cases, time the kernel tiles and run the
-# benchmarks; logs and tables go to OUTDIR. Usage: scripts/gpu_check.sh OUTDIR
+# benchmarks, logging the SM clock meanwhile (clocks.csv); logs and tables go to OUTDIR.
+# Usage: scripts/gpu_check.sh OUTDIR
 # Env: JOBS (default 16), SP_SKIP_BENCH=1, SP_SKIP_SANITIZER=1, SP_SKIP_TILES=1, SP_BENCH_ARGS
 #      (extra bench/run_benchmarks.sh args), SP_TEST_FILTER (ctest -R regex), SP_TEST_TIMEOUT
 #      (seconds per test, default 300), SP_BENCH_SECONDS (default 420), SP_WITH_PYTHON=1 (also
@@ -116,6 +117,16 @@ fi
 [[ -f $out/python/summary.txt ]] && tee -a "$summary" <"$out/python/summary.txt"
 note "correctness checks done"
 
+# SM clock, power and temperature every 200 ms while the timing steps run (clocks.csv): the same
+# kernel moved up to 10% between processes on these machines, and the clocks say whether the
+# card throttled. Summarised in the summary when the timing steps end.
+clock_log=
+if command -v nvidia-smi >/dev/null; then
+  nvidia-smi --query-gpu=timestamp,clocks.sm,clocks.max.sm,power.draw,temperature.gpu \
+    --format=csv,noheader,nounits -lms 200 >"$out/clocks.csv" 2>/dev/null &
+  clock_log=$!
+fi
+
 if [[ -z ${SP_SKIP_TILES:-} && -x $build/src/cuda/sp_cuda_tiles ]]; then
   note "kernel tiles"
   timeout 120 "$build/src/cuda/sp_cuda_tiles" 2>&1 | tee -a "$summary"
@@ -132,6 +143,14 @@ if [[ -z ${SP_SKIP_BENCH:-} && -x $root/bench/run_benchmarks.sh ]]; then
   SP_BUILD_DIR=$build timeout "$bench_s" "$root/bench/run_benchmarks.sh" "$out/bench" ${SP_BENCH_ARGS:-} >/dev/null 2>&1
   note "benchmarks rc=$?"
   [[ -f $out/bench/bench.md ]] && cat "$out/bench/bench.md" >>"$summary"
+fi
+if [[ -n $clock_log ]]; then
+  kill "$clock_log" 2>/dev/null
+  wait "$clock_log" 2>/dev/null
+  # Samples while the SM was busy enough to draw power: min / median / max SM clock (MHz).
+  awk -F', *' '$4 + 0 > 150 {print $2}' "$out/clocks.csv" | sort -n |
+    awk '{v[NR] = $1} END {if (NR) printf "SM clock under load (MHz, %d samples): min %d, median %d, max %d\n", NR, v[1], v[int((NR + 1) / 2)], v[NR]}' |
+    tee -a "$summary"
 fi
 note "done (gpu tests rc=$tests_rc)"
 exit $tests_rc
