@@ -102,6 +102,9 @@ def parse_args():
     ap.add_argument("--min-reps", type=int, default=3)
     ap.add_argument("--max-reps", type=int, default=100)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--kernel-profile", action="store_true",
+                    help="also profile one call of each row of ours (torch.profiler) and record "
+                         "the device time of every kernel it launched (key `kernels`)")
     ap.add_argument("--impls", default="",
                     help="comma-separated rows to run (impl names, e.g. sdpa_flash,ours_dense,"
                          "ours_permute_stop); default every row")
@@ -285,6 +288,42 @@ def time_calls(fn, n_sets, args):
     torch.cuda.synchronize()
     device = [s.elapsed_time(e) for s, e in zip(starts, ends)]
     return statistics.median(device), statistics.median(host), reps
+
+
+def kernel_name(name):
+    """A kernel's function name without namespaces, template arguments or parameters:
+    'void ns::sm80::permute_kernel<Cfg<...>>(P)' -> 'permute_kernel'; copies and sets keep their
+    kind ('Memcpy HtoD')."""
+    if name.startswith(("Memcpy", "Memset")):
+        return name.split("(")[0].strip()
+    depth, out = 0, []
+    for ch in name:
+        if ch in "<(":
+            depth += 1
+        elif ch in ">)":
+            depth -= 1
+        elif depth == 0:
+            out.append(ch)
+    words = "".join(out).split()
+    return words[-1].split("::")[-1] if words else name
+
+
+def kernel_times(fn):
+    """Runs fn() once under torch.profiler: [[kernel, launches, device ms], ...], longest first
+    (launches of one function summed)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    totals = {}
+    for e in prof.events():
+        if e.device_type == torch.autograd.DeviceType.CUDA and e.device_time_total > 0:
+            name = kernel_name(e.name)
+            n, us = totals.get(name, (0, 0.0))
+            totals[name] = (n + 1, us + e.device_time_total)
+    return sorted(([k, n, us / 1e3] for k, (n, us) in totals.items()), key=lambda r: -r[2])
 
 
 def rel_l2(out, ref):
@@ -482,6 +521,8 @@ class Case:
                 codes.append(run_one(j, problem, out, None))
 
         row["ms"], row["host_ms"], row["reps"] = time_calls(call, self.n_sets, self.args)
+        if self.args.kernel_profile:
+            row["kernels"] = kernel_times(lambda: call(0))
         failed = [c for c in codes if c != sp_ctypes.OK]
         if failed:
             row.update(status=lib.status_name(failed[0]),

@@ -84,7 +84,23 @@ def case_table(case):
         lines.append("| " + " | ".join(cells) + " |")
     notes = [f"- {r['label']}: {r['note']}" for r in case["rows"]
              if r.get("status") == "ok" and r.get("note")]
-    return "\n".join(lines + ([""] + notes if notes else []))
+    return "\n".join(lines + ([""] + notes if notes else []) + kernel_lines(case))
+
+
+def kernel_lines(case):
+    """With --kernel-profile: per row of ours, the device time of each kernel of one profiled
+    call (the share of the row's kernels' sum)."""
+    rows = [r for r in case["rows"] if r.get("kernels")]
+    if not rows:
+        return []
+    lines = ["", "Kernels of one profiled call (torch.profiler; ms, share of their sum):", ""]
+    for r in rows:
+        total = sum(k[2] for k in r["kernels"]) or 1.0
+        parts = [f"{name} ×{n} {ms:.3g} ({ms / total:.0%})" for name, n, ms in r["kernels"][:8]]
+        more = len(r["kernels"]) - 8
+        lines.append(f"- {r['label']}: {total:.3g} ms = " + ", ".join(parts) +
+                     (f", {more} more" if more > 0 else ""))
+    return lines
 
 
 def summary_table(cases):
