@@ -1,7 +1,7 @@
 // SPDX-License-Identifier: Apache-2.0
 // estimate_select on the GPU (DESIGN.md §3, FlashPrefill V2): the pooled block means k̄/v̄
-// and a straightforward selector that scores every query tile against the means with
-// mma.sync and writes a device BlockMask (plus the mean-correction bitmap). Portable (sm_80+).
+// and the selector that scores the means against every query tile with mma.sync and writes a
+// device BlockMask (plus the mean-correction bitmap). Portable (sm_80+).
 // Included only by generated instance files.
 #pragma once
 
@@ -84,13 +84,15 @@ __global__ void __launch_bounds__(kD) block_means_kernel(const __grid_constant__
   }
 }
 
-// 8 warps of 16 query rows score chunks of 64 pooled blocks.
+// 8 warps; a chunk is 128 pooled blocks, 16 per warp, scored against the query tile's 128 rows
+// in two halves of 64 (the accumulators: 32 floats per thread).
 template <bool kBf16, int kD>
 struct SelectConfig {
   static constexpr int kWarps = 8;
   static constexpr int kThreads = kWarps * 32;
-  static constexpr int kRows = kWarps * 16;  // = kBlockQ
-  static constexpr int kChunk = 64;
+  static constexpr int kRows = 128;             // = kBlockQ
+  static constexpr int kHalf = 64;              // query rows per accumulator pass
+  static constexpr int kChunk = kWarps * 16;    // pooled blocks per chunk
   static constexpr int kKSteps = kD / 16;
   using Tile = sm80::SmemTile<kD, kThreads>;
   static constexpr int kQBytes = kRows * kD * 2;
@@ -102,21 +104,30 @@ struct SelectConfig {
   }
 };
 
+// log2(2^a + 2^b), NaN if either is; -inf + -inf = -inf.
+__device__ __forceinline__ float log2_add(float a, float b) {
+  const float hi = ptx::max_nan(a, b);
+  if (hi == -INFINITY) return hi;
+  return hi + __log2f(ptx::exp2f_fast(a - hi) + ptx::exp2f_fast(b - hi));
+}
+
 // One CTA per (query tile i, selection unit, sequence): the unit is a query head, or with
 // pack_gqa a KV head whose group's heads are scored together. For the tile's valid rows r at
 // positions a_r and the scored blocks j < A = (a_l + 1) / B, x[r, j] = scale · q_r · k̄_j where
-// a_r >= j·B; M = max x; E_j = Σ_r e^{x[r, j] - M}. One pass over the chunks of k̄ (double
-// buffered: the next chunk loads while this one is scored) with a running max m, the energies
-// so far rescaled by e^{m_old - m_new} whenever a chunk raises it (the online softmax's rule:
-// at the end every E_j is relative to M, as two passes would compute it, up to rounding); then
-// one thread per block applies the keep rule and the CTA writes the row's ascending
-// full/partial lists and its mean-correction bitmap.
+// a_r >= j·B; E_j = Σ_r e^{x[r, j]}, kept as λ_j = log2 E_j. The scores are computed transposed,
+// S^T = K̄ · Q^T (k̄ the A operand, the Q tile the B operand), so that each warp owns 16 blocks
+// as accumulator rows and E_j is a row sum: a running max and sum per row in registers, two
+// quad shuffles per chunk, no shared-memory atomics and no CTA-wide max per chunk (the
+// column-sum layout it replaces: bench record 2026-11-29-h200-selector-transposed-scores).
+// One barrier per chunk of k̄ (double buffered: the next chunk loads while this one is scored).
+// At the end E_j / max E = 2^{λ_j - max λ}; one thread per block applies the keep rule and
+// the CTA writes the row's ascending full/partial lists and its mean-correction bitmap.
 template <bool kBf16, int kD>
 __global__ void __launch_bounds__(SelectConfig<kBf16, kD>::kThreads, 2)
     select_kernel(const __grid_constant__ SelectParams p) {
   using Cfg = SelectConfig<kBf16, kD>;
   using Tile = typename Cfg::Tile;
-  constexpr int kChunk = Cfg::kChunk;
+  constexpr int kChunk = Cfg::kChunk, kHalf = Cfg::kHalf;
   extern __shared__ __align__(128) unsigned char smem[];
   __shared__ float s_red[Cfg::kWarps];
   __shared__ int s_count[2][Cfg::kWarps];
@@ -144,139 +155,147 @@ __global__ void __launch_bounds__(SelectConfig<kBf16, kD>::kThreads, 2)
   const int heads = p.pack_gqa ? p.group : 1;
   const int h0 = p.pack_gqa ? unit * p.group : unit;
   const int hk = h0 / p.group;
+  const float scale_log2 = p.scale * 1.4426950408889634f;
 
   const std::uint32_t s_q_tile = ptx::smem_addr(smem);
   const std::uint32_t s_k_tile = s_q_tile + Cfg::kQBytes;  // 2 buffers
-  float* energy = reinterpret_cast<float*>(smem + Cfg::kSmemFixed);  // [num_k_blocks]
-  for (int j = tid; j < scored; j += Cfg::kThreads) energy[j] = 0.f;
+  // λ_j while scoring, then E_j / max E: [num_k_blocks], entries j < A used.
+  float* energy = reinterpret_cast<float*>(smem + Cfg::kSmemFixed);
 
   const auto* mean = static_cast<const std::uint16_t*>(p.k_mean) +
                      (static_cast<std::int64_t>(b) * p.h_kv + hk) * p.num_k_blocks * static_cast<std::int64_t>(kD);
   const int chunks = (scored + kChunk - 1) / kChunk;
-  const bool row_ok[2] = {warp * 16 + g < rows_valid, warp * 16 + g + 8 < rows_valid};
 
-  std::uint32_t qf[Cfg::kKSteps][4];
-  // Chunk c of k̄ into buffer `buf` (not committed).
+  // Chunk c of k̄ into buffer `buf` (not committed); rows past A zero-filled.
   auto load_chunk = [&](int c, int buf) {
     const int valid = scored - c * kChunk;
     const sm80::TileSrc src{sm80::contiguous_rows(mean + static_cast<std::int64_t>(c) * kChunk * kD, kD), 0,
                             valid < kChunk ? valid : kChunk};
     sm80::load_tile<Tile, kChunk>(s_k_tile + buf * Cfg::kChunkBytes, src, tid);
   };
-  // Head h's Q into smem and the warp's A fragments, its first chunk of k̄ loading into buffer
-  // `buf` meanwhile (committed last: the newest group on return).
-  auto start_head = [&](int h, int buf) {
-    __syncthreads();  // every warp is done with the previous Q tile
+  // Head h's Q tile (not committed); rows past the tile's valid rows zero-filled.
+  auto load_q = [&](int h) {
     const sm80::TileSrc src{
         sm80::contiguous_rows(static_cast<const std::uint16_t*>(p.q) + seq.q_off + h * p.q_head_stride, p.q_row_stride),
         row0, rows_valid};
     sm80::load_tile<Tile, Cfg::kRows>(s_q_tile, src, tid);
-    ptx::cp_async_commit();
-    load_chunk(0, buf);
-    ptx::cp_async_commit();
-    ptx::cp_async_wait<1>();  // Q landed for this thread (the chunk may be in flight)...
-    __syncthreads();          // ...for every thread
-#pragma unroll
-    for (int kk = 0; kk < Cfg::kKSteps; ++kk) sm80::load_a_frag<Tile>(s_q_tile, warp * 16, kk, lane, qf[kk]);
-  };
-  // x for chunk c in buffer `buf` into s[8][4] (raw q·k̄ · scale), non-contributing pairs -inf.
-  float s[kChunk / 8][4];
-  auto scores = [&](int c, int buf) {
-    const std::uint32_t chunk_tile = s_k_tile + buf * Cfg::kChunkBytes;
-#pragma unroll
-    for (int nf = 0; nf < kChunk / 8; ++nf) s[nf][0] = s[nf][1] = s[nf][2] = s[nf][3] = 0.f;
-#pragma unroll
-    for (int kk = 0; kk < Cfg::kKSteps; ++kk) {
-#pragma unroll
-      for (int np = 0; np < kChunk / 16; ++np) {
-        std::uint32_t bk[4];
-        sm80::load_k_frags<Tile>(chunk_tile, np * 16, kk, lane, bk);
-        ptx::mma_16816<kBf16>(s[2 * np], qf[kk], bk[0], bk[1]);
-        ptx::mma_16816<kBf16>(s[2 * np + 1], qf[kk], bk[2], bk[3]);
-      }
-    }
-#pragma unroll
-    for (int nf = 0; nf < kChunk / 8; ++nf) {
-#pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const int j = c * kChunk + nf * 8 + 2 * t4 + (e & 1);
-        const std::int64_t pos = a_f + warp * 16 + g + (e / 2) * 8;
-        const bool contributes = row_ok[e / 2] && j < scored && pos >= static_cast<std::int64_t>(j) * bs;
-        s[nf][e] = contributes ? s[nf][e] * p.scale : -INFINITY;
-      }
-    }
   };
 
-  // The steps n = head · chunks + c. Invariant once a step has started (start_head at a head's
-  // first chunk): chunk c is committed into buffer n % 2, its group the newest, and Q is the
-  // step's head's.
+  // The steps n = head · chunks + c. Invariant at the top of step n: the only cp.async group in
+  // flight holds chunk c (in buffer n % 2) and, at a head's first chunk, that head's Q tile.
   const int steps = heads * chunks;
-  float m = -INFINITY;  // running max of x over the steps so far (CTA-uniform; NaN sticks)
+  load_q(h0);
+  load_chunk(0, 0);
+  ptx::cp_async_commit();
   for (int n = 0; n < steps; ++n) {
-    const int c = n % chunks, buf = n % 2;
-    if (c == 0) start_head(h0 + n / chunks, buf);  // the next head (of a pack_gqa group)
-    // The head's next chunk into the other buffer, read by step n - 1: every warp passed the
-    // __syncthreads that ends it.
-    if (c + 1 < chunks) load_chunk(c + 1, buf ^ 1);
-    ptx::cp_async_commit();   // always: the wait below counts groups
-    ptx::cp_async_wait<1>();  // chunk c landed for this thread (the prefetch may be in flight)...
-    __syncthreads();          // ...for every thread
-    scores(c, buf);
-    // The chunk's max, CTA-wide.
-    float cm = -INFINITY;
+    const int c = n % chunks, buf = n % 2, head = n / chunks;
+    ptx::cp_async_wait<0>();  // chunk c (and Q) landed for this thread...
+    __syncthreads();          // ...for every thread; every warp is done with step n - 1
+    // The next step's chunk into the buffer step n - 1 read; at a head change its Q waits for
+    // the end of this step (the Q tile is in use).
+    if (n + 1 < steps) load_chunk((n + 1) % chunks, buf ^ 1);
+    ptx::cp_async_commit();
+
+    // This warp's blocks j0 .. j0 + 15 of the chunk: rows g (i = 0) and g + 8 (i = 1) of the
+    // accumulators; columns are query rows of the tile.
+    const int j0 = c * kChunk + warp * 16;
+    if (j0 < scored) {
+      const std::uint32_t chunk_tile = s_k_tile + buf * Cfg::kChunkBytes;
+      float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.f, 0.f};  // per row, l this thread's part
+#pragma unroll 1
+      for (int half = 0; half < Cfg::kRows / kHalf; ++half) {
+        float acc[kHalf / 8][4];
 #pragma unroll
-    for (int nf = 0; nf < kChunk / 8; ++nf) {
+        for (int nf = 0; nf < kHalf / 8; ++nf) acc[nf][0] = acc[nf][1] = acc[nf][2] = acc[nf][3] = 0.f;
 #pragma unroll
-      for (int e = 0; e < 4; ++e) cm = ptx::max_nan(cm, s[nf][e]);
-    }
+        for (int kk = 0; kk < Cfg::kKSteps; ++kk) {
+          std::uint32_t a[4];
+          sm80::load_a_frag<Tile>(chunk_tile, warp * 16, kk, lane, a);
 #pragma unroll
-    for (int o = 16; o > 0; o /= 2) cm = ptx::max_nan(cm, __shfl_xor_sync(0xffffffffu, cm, o));
-    if (lane == 0) s_red[warp] = cm;
-    __syncthreads();
+          for (int np = 0; np < kHalf / 16; ++np) {
+            std::uint32_t bq[4];
+            sm80::load_k_frags<Tile>(s_q_tile, half * kHalf + np * 16, kk, lane, bq);
+            ptx::mma_16816<kBf16>(acc[2 * np], a, bq[0], bq[1]);
+            ptx::mma_16816<kBf16>(acc[2 * np + 1], a, bq[2], bq[3]);
+          }
+        }
+        // Pairs that do not contribute (query rows past the tile's, keys of block j not yet
+        // visible to the row, blocks past A) exist only in the chunk that holds A - 1 and the
+        // tile's own blocks, or in a short tile: the mask is applied only there.
+        const int q0 = half * kHalf;
+        const bool masked = j0 + 15 >= scored || q0 + kHalf > rows_valid ||
+                            a_f + q0 < static_cast<std::int64_t>(j0 + 15) * bs;
 #pragma unroll
-    for (int w = 0; w < Cfg::kWarps; ++w) cm = ptx::max_nan(cm, s_red[w]);
-    const float m_new = ptx::max_nan(m, cm);
-    if (!(m_new == m)) {  // raised (or NaN): the energies so far move to the new max
-      const float f = expf(m - m_new);  // m = -inf: 0 on all-zero energies
-      for (int j = tid; j < scored; j += Cfg::kThreads) energy[j] *= f;
-      __syncthreads();  // rescaled before the adds below
-      m = m_new;
-    }
-    // -inf while no pair contributed (then every x here is -inf): e^{-inf - 0} = 0, no NaN.
-    const float m_use = m == -INFINITY ? 0.f : m;
-    // E_j += Σ e^{x - m}: column sums over the warp's rows, then over warps in smem.
+        for (int nf = 0; nf < kHalf / 8; ++nf) {
 #pragma unroll
-    for (int nf = 0; nf < kChunk / 8; ++nf) {
+          for (int e = 0; e < 4; ++e) {
+            float y = acc[nf][e] * scale_log2;
+            if (masked) {
+              const int q = q0 + nf * 8 + 2 * t4 + (e & 1);
+              const int j = j0 + g + 8 * (e / 2);
+              const bool contributes = q < rows_valid && j < scored && a_f + q >= static_cast<std::int64_t>(j) * bs;
+              if (!contributes) y = -INFINITY;
+            }
+            acc[nf][e] = y;
+          }
+        }
 #pragma unroll
-      for (int e = 0; e < 2; ++e) {
-        float col = expf(s[nf][e] - m_use) + expf(s[nf][e + 2] - m_use);  // rows g and g + 8
-        col += __shfl_xor_sync(0xffffffffu, col, 4);
-        col += __shfl_xor_sync(0xffffffffu, col, 8);
-        col += __shfl_xor_sync(0xffffffffu, col, 16);
-        const int j = c * kChunk + nf * 8 + 2 * t4 + e;
-        if (g == 0 && j < scored) atomicAdd(&energy[j], col);
+        for (int r = 0; r < 2; ++r) {
+          float mx = -INFINITY;
+#pragma unroll
+          for (int nf = 0; nf < kHalf / 8; ++nf) mx = ptx::max_nan(mx, ptx::max_nan(acc[nf][2 * r], acc[nf][2 * r + 1]));
+          mx = ptx::max_nan(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+          mx = ptx::max_nan(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+          const float m_new = ptx::max_nan(m[r], mx);
+          // -inf while no pair of the row contributed: every term is e^{-inf} = 0, no NaN.
+          const float m_use = m_new == -INFINITY ? 0.f : m_new;
+          float sum = l[r] * ptx::exp2f_fast(m[r] - m_use);
+#pragma unroll
+          for (int nf = 0; nf < kHalf / 8; ++nf) {
+            sum += ptx::exp2f_fast(acc[nf][2 * r] - m_use) + ptx::exp2f_fast(acc[nf][2 * r + 1] - m_use);
+          }
+          m[r] = m_new;
+          l[r] = sum;
+        }
+      }
+#pragma unroll
+      for (int r = 0; r < 2; ++r) {
+        float sum = l[r];
+        sum += __shfl_xor_sync(0xffffffffu, sum, 1);
+        sum += __shfl_xor_sync(0xffffffffu, sum, 2);
+        const int j = j0 + g + 8 * r;
+        if (t4 == 0 && j < scored) {
+          // λ_j in units of log2; the heads of a pack_gqa group add their energies.
+          const float lambda = m[r] + __log2f(sum);
+          energy[j] = head == 0 ? lambda : log2_add(energy[j], lambda);
+        }
       }
     }
-    __syncthreads();  // buffer `buf` and s_red are free; the energies complete
+    if (c + 1 == chunks && n + 1 < steps) {  // the next head's Q once every warp is done with this one
+      __syncthreads();
+      load_q(h0 + head + 1);
+      ptx::cp_async_commit();
+    }
   }
+  __syncthreads();  // every λ_j written
 
-  // E_max over the scored blocks.
-  float e_max = -INFINITY;
-  for (int j = tid; j < scored; j += Cfg::kThreads) e_max = ptx::max_nan(e_max, energy[j]);
+  // E_j / max E = 2^{λ_j - max λ} (NaN anywhere makes every ratio NaN: every block keeps).
+  float lam_max = -INFINITY;
+  for (int j = tid; j < scored; j += Cfg::kThreads) lam_max = ptx::max_nan(lam_max, energy[j]);
 #pragma unroll
-  for (int o = 16; o > 0; o /= 2) e_max = ptx::max_nan(e_max, __shfl_xor_sync(0xffffffffu, e_max, o));
+  for (int o = 16; o > 0; o /= 2) lam_max = ptx::max_nan(lam_max, __shfl_xor_sync(0xffffffffu, lam_max, o));
+  if (lane == 0) s_red[warp] = lam_max;
   __syncthreads();
-  if (lane == 0) s_red[warp] = e_max;
-  __syncthreads();
-  e_max = s_red[0];
 #pragma unroll
-  for (int w = 1; w < Cfg::kWarps; ++w) e_max = ptx::max_nan(e_max, s_red[w]);
+  for (int w = 0; w < Cfg::kWarps; ++w) lam_max = ptx::max_nan(lam_max, s_red[w]);
+  for (int j = tid; j < scored; j += Cfg::kThreads) energy[j] = ptx::exp2f_fast(energy[j] - lam_max);
+  __syncthreads();
 
   const std::int64_t mask_row = (static_cast<std::int64_t>(b) * units + unit) * p.num_q_blocks + i;
   // Calibration: the ratios E_j / max E of the scored blocks; without a mask to write
   // (full_index null) that is all the launch is for.
   if (p.energy_ratio != nullptr) {
-    for (int j = tid; j < scored; j += Cfg::kThreads) p.energy_ratio[mask_row * p.num_k_blocks + j] = energy[j] / e_max;
+    for (int j = tid; j < scored; j += Cfg::kThreads) p.energy_ratio[mask_row * p.num_k_blocks + j] = energy[j];
   }
   if (p.full_index == nullptr) return;
 
@@ -284,7 +303,6 @@ __global__ void __launch_bounds__(SelectConfig<kBf16, kD>::kThreads, 2)
   std::int32_t* full_idx = p.full_index + mask_row * p.num_k_blocks;
   std::int32_t* part_idx = p.partial_index + mask_row * p.num_k_blocks;
   const bool tail_tile = geo.is_tail_block(i, p.tail, p.select_seqs != nullptr ? p.select_seqs[b].prompt_len : 0);
-  const float alpha_peak = p.alpha * e_max;
   const int words = p.corrected_bits != nullptr ? p.corrected_words : 0;
   const int j_end = geom::max64(lqb + 1, static_cast<std::int64_t>(words) * 32);
   int full_total = 0, part_total = 0;
@@ -293,7 +311,7 @@ __global__ void __launch_bounds__(SelectConfig<kBf16, kD>::kThreads, 2)
     bool keep = false, corrected = false, full = false;
     if (j <= lqb) {
       // E_j >= alpha · max E, written so that a NaN energy keeps.
-      const bool by_energy = j < scored && !(energy[j] < alpha_peak);
+      const bool by_energy = j < scored && !(energy[j] < p.alpha);
       const bool forced = tail_tile || j < p.sink || fqb - p.window + 1 <= j;
       keep = by_energy || forced;
       full = geo.is_full(i, j);
