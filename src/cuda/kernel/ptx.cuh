@@ -30,6 +30,10 @@ __device__ __forceinline__ void cp_async_16_or_zero(std::uint32_t dst, const voi
       "{\n .reg .pred ignore;\n setp.eq.u32 ignore, %2, 0;\n cp.async.cg.shared.global [%0], [%1], 16, ignore;\n}\n" ::"r"(dst),
       "l"(src), "r"(static_cast<std::uint32_t>(read)));
 }
+// 4-byte global -> shared copy (through L1: .cg takes only 16 bytes).
+__device__ __forceinline__ void cp_async_4(std::uint32_t dst, const void* src) {
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 4;\n" ::"r"(dst), "l"(src));
+}
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
 // Waits until at most n of this thread's committed groups are still in flight.
 template <int n>

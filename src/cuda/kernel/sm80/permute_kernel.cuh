@@ -23,12 +23,12 @@
 namespace sparseprefill::cuda::sm80 {
 
 // The forward kernel's tile shape (4 warps of 32 rows, 64-key sub-tiles). Shared memory: Q
-// (gathered rows; reused to stage O), K double-buffered, one V tile: 80 KB at d = 128, so two
-// CTAs share an SM as in the forward kernel.
+// (gathered rows; reused to stage O), K and V double-buffered (the next sub-tile's gathered rows
+// load during the whole of this one's work): 96 KB at d = 128, so two CTAs share an SM.
 template <bool kBf16_, int kHeadDim_>
 struct PermuteConfig : FwdConfig<kBf16_, kHeadDim_> {
   using Base = FwdConfig<kBf16_, kHeadDim_>;
-  static constexpr int kSmemBytes = Base::kQBytes + 3 * Base::kKVBytes;
+  static constexpr int kSmemBytes = Base::kQBytes + 4 * Base::kKVBytes;
   static_assert(Base::kThreads == Base::kBlockM, "one thread per query row of the tile");
 };
 
@@ -189,6 +189,9 @@ __global__ void __launch_bounds__(Cfg::kThreads, 2) permute_kernel(const __grid_
   extern __shared__ __align__(128) unsigned char smem[];
   __shared__ std::int32_t s_rows[kBlockM];  // the tile's call-relative rows, in visit order
   __shared__ int s_last_row;                // the tile's latest row (its last visible key)
+  // Ranked key indices of sub-tile u in slot u % 2, copied a sub-tile ahead of its loads so that
+  // no gathered load waits on a global index read.
+  __shared__ std::int32_t s_idx[2][kBlockN];
   const FwdParams& p = pp.fwd;
 
   const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
@@ -237,20 +240,28 @@ __global__ void __launch_bounds__(Cfg::kThreads, 2) permute_kernel(const __grid_
 
   const std::uint32_t s_q_tile = ptx::smem_addr(smem);
   const std::uint32_t s_k_tile = s_q_tile + Cfg::kQBytes;       // 2 stages
-  const std::uint32_t s_v_tile = s_k_tile + 2 * Cfg::kKVBytes;  // 1 tile
+  const std::uint32_t s_v_tile = s_k_tile + 2 * Cfg::kKVBytes;  // 2 stages
 
-  // Sub-tile u of K or V into smem: own keys are consecutive rows, ranked keys gathered.
+  // Sub-tile u of K or V into smem: own keys are consecutive rows, ranked keys gathered through
+  // the indices staged in s_idx[u % 2].
   const KvRows k_rows = kv_rows_of(p, seq, b, hk, false);
   const KvRows v_rows = kv_rows_of(p, seq, b, hk, true);
+  auto ranked_valid = [&](int u) {
+    return static_cast<int>(geom::min64(kBlockN, prefix - static_cast<std::int64_t>(u - n_own) * kBlockN));
+  };
   auto load_sub = [&](std::uint32_t dst, int u, bool value) {
     const KvRows& rows = value ? v_rows : k_rows;
     if (u < n_own) {
       const std::int64_t key0 = seg_k0 + static_cast<std::int64_t>(u) * kBlockN;
       load_tile<Tile, kBlockN>(dst, TileSrc{rows, key0, static_cast<int>(geom::min64(kBlockN, own_end - key0))}, tid);
     } else {
-      const std::int64_t e = static_cast<std::int64_t>(u - n_own) * kBlockN;
-      load_tile_rows<Tile, kBlockN>(dst, rows, ranked + e, static_cast<int>(geom::min64(kBlockN, prefix - e)), tid);
+      load_tile_rows<Tile, kBlockN>(dst, rows, s_idx[u % 2], ranked_valid(u), tid);
     }
+  };
+  // The indices of ranked sub-tile u into s_idx[u % 2] (not committed; nothing for own keys).
+  auto stage_idx = [&](int u) {
+    if (u < n_own || u >= n_sub || tid >= ranked_valid(u)) return;
+    ptx::cp_async_4(ptx::smem_addr(&s_idx[u % 2][tid]), ranked + static_cast<std::int64_t>(u - n_own) * kBlockN + tid);
   };
 
   // Rows this thread holds: r = 2·mi + i is tile row warp_row + 16·mi + g + 8·i. Padding rows of
@@ -263,11 +274,14 @@ __global__ void __launch_bounds__(Cfg::kThreads, 2) permute_kernel(const __grid_
 #pragma unroll
   for (int r = 0; r < 2 * kM; ++r) rel_pos[r] = row_ok(r) ? static_cast<int>(s_rows[row_of(r)] + offset - seg_k0) : -1;
 
-  // ---- prologue: the gathered Q rows and the first K sub-tile in one group.
+  // ---- prologue: the gathered Q rows, the first K and V sub-tiles and the next sub-tile's
+  // indices in one group.
   load_tile_rows<Tile, kBlockM>(
       s_q_tile, contiguous_rows(static_cast<const std::uint16_t*>(p.q) + seq.q_off + h * p.q_head_stride, p.q_row_stride),
       s_rows, rows_valid, tid);
   load_sub(s_k_tile, 0, false);  // n_own >= 1: every row sees the segment's first key
+  load_sub(s_v_tile, 0, true);
+  stage_idx(1);
   ptx::cp_async_commit();
 
   float acc[kM][Cfg::kDFrags][4];
@@ -285,18 +299,22 @@ __global__ void __launch_bounds__(Cfg::kThreads, 2) permute_kernel(const __grid_
   int visited = 0;
 
   // ---- main loop over sub-tiles, FlashAttention-2 order (as the forward kernel's ungated
-  // blocks). Invariant at the top: the only cp.async group in flight is K(u) in `stage`.
+  // blocks). Invariant at the top: the only cp.async group in flight holds K(u) and V(u) in
+  // `stage` and the indices of sub-tile u + 1.
   int stage = 0;
   for (int u = 0; u < n_sub; ++u) {
     const bool ranked_sub = u >= n_own;
-    ptx::cp_async_wait<0>();  // K(u) has landed for this thread...
-    __syncthreads();          // ...for all; every warp is done with the previous sub-tile
-    load_sub(s_v_tile, u, true);
-    ptx::cp_async_commit();  // group V(u)
-    // K(u + 1), also across a chunk boundary before the stop decision: only a K load is
-    // speculative, never a V load.
-    if (u + 1 < n_sub) load_sub(s_k_tile + (stage ^ 1) * Cfg::kKVBytes, u + 1, false);
-    ptx::cp_async_commit();  // group K(u + 1)
+    ptx::cp_async_wait<0>();  // K(u), V(u) and the indices of u + 1 have landed for this thread...
+    __syncthreads();          // ...for all; every warp is done with sub-tile u - 1 and its stage
+    // K(u + 1) and V(u + 1) into the other stage, also across a chunk boundary before the stop
+    // decision (a stop wastes one sub-tile's loads); the indices of u + 2 into the slot of u,
+    // whose loads every thread issued before the barrier above.
+    if (u + 1 < n_sub) {
+      load_sub(s_k_tile + (stage ^ 1) * Cfg::kKVBytes, u + 1, false);
+      load_sub(s_v_tile + (stage ^ 1) * Cfg::kKVBytes, u + 1, true);
+    }
+    stage_idx(u + 2);
+    ptx::cp_async_commit();  // group K(u + 1), V(u + 1), indices of u + 2
     warp_scores<Cfg>(s_q_tile, s_k_tile + stage * Cfg::kKVBytes, warp_row, lane, sc);
     // Masks: pass 1 the causal limit of each row's position; pass 2 only the short last sub-tile
     // (every prefix key is visible to every row of the segment).
@@ -331,9 +349,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 2) permute_kernel(const __grid_
       // Δl follows the running max like l (the same factor rescale applied).
       if (ranked_sub) dl[r] = dl[r] * ptx::exp2f_fast(m_old[r] - m_use[r]) + part[r];
     }
-    ptx::cp_async_wait<1>();  // V(u) landed (K(u + 1) may still be in flight)...
-    __syncthreads();          // ...for every thread
-    warp_pv<Cfg>(s_v_tile, lane, pf, acc);
+    warp_pv<Cfg>(s_v_tile + stage * Cfg::kKVBytes, lane, pf, acc);
     stage ^= 1;
 
     if (!ranked_sub) continue;
@@ -355,7 +371,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 2) permute_kernel(const __grid_
     }
     if (__syncthreads_or(more) == 0) break;
   }
-  ptx::cp_async_wait<0>();  // a K sub-tile prefetched past the stop
+  ptx::cp_async_wait<0>();  // a sub-tile prefetched past the stop
 
   // ---- epilogue: O = acc / l through smem (the Q tile; each warp reads and writes only its own
   // rows of it) as 16-byte row stores to the original rows; LSE by the first thread of a quad.
