@@ -84,23 +84,28 @@ __global__ void __launch_bounds__(kD) block_means_kernel(const __grid_constant__
   }
 }
 
-// 8 warps; a chunk is 128 pooled blocks, 16 per warp, scored against the query tile's 128 rows
-// in two halves of 64 (the accumulators: 32 floats per thread).
+// 8 warps as 4 block groups x 2 query halves: a chunk is 64 pooled blocks, and warp w scores
+// blocks 16·(w % 4) .. +15 of it against query rows 64·(w / 4) .. +63 of the tile (32
+// accumulators per thread). Chunks of 64, not 128: the last chunk of a tile idles fewer warps
+// (bench record 2026-11-29-h200-selector-transposed-scores: 23% of the stall samples at the
+// chunk barrier with 128).
 template <bool kBf16, int kD>
 struct SelectConfig {
   static constexpr int kWarps = 8;
   static constexpr int kThreads = kWarps * 32;
-  static constexpr int kRows = 128;             // = kBlockQ
-  static constexpr int kHalf = 64;              // query rows per accumulator pass
-  static constexpr int kChunk = kWarps * 16;    // pooled blocks per chunk
+  static constexpr int kRows = 128;  // = kBlockQ
+  static constexpr int kHalves = 2;  // query halves
+  static constexpr int kHalf = kRows / kHalves;
+  static constexpr int kChunk = kWarps / kHalves * 16;  // pooled blocks per chunk
   static constexpr int kKSteps = kD / 16;
   using Tile = sm80::SmemTile<kD, kThreads>;
   static constexpr int kQBytes = kRows * kD * 2;
   static constexpr int kChunkBytes = kChunk * kD * 2;
   static constexpr int kSmemFixed = kQBytes + 2 * kChunkBytes;  // Q tile + two chunks of k̄
   static_assert(kRows == kBlockQ, "one query tile of block 128 per CTA");
+  // Plus λ per query half and block.
   static std::size_t smem_bytes(int num_k_blocks) {
-    return kSmemFixed + static_cast<std::size_t>(num_k_blocks) * sizeof(float);
+    return kSmemFixed + static_cast<std::size_t>(kHalves) * static_cast<std::size_t>(num_k_blocks) * sizeof(float);
   }
 };
 
@@ -115,12 +120,12 @@ __device__ __forceinline__ float log2_add(float a, float b) {
 // pack_gqa a KV head whose group's heads are scored together. For the tile's valid rows r at
 // positions a_r and the scored blocks j < A = (a_l + 1) / B, x[r, j] = scale · q_r · k̄_j where
 // a_r >= j·B; E_j = Σ_r e^{x[r, j]}, kept as λ_j = log2 E_j. The scores are computed transposed,
-// S^T = K̄ · Q^T (k̄ the A operand, the Q tile the B operand), so that each warp owns 16 blocks
-// as accumulator rows and E_j is a row sum: a running max and sum per row in registers, two
-// quad shuffles per chunk, no shared-memory atomics and no CTA-wide max per chunk (the
-// column-sum layout it replaces: bench record 2026-11-29-h200-selector-transposed-scores).
-// One barrier per chunk of k̄ (double buffered: the next chunk loads while this one is scored).
-// At the end E_j / max E = 2^{λ_j - max λ}; one thread per block applies the keep rule and
+// S^T = K̄ · Q^T (k̄ the A operand, the Q tile the B operand), so that E_j is a row sum: per
+// warp a max and a sum per row in registers and two quad shuffles, no shared-memory atomics
+// and no CTA-wide max per chunk (the column-sum layout this replaces: bench record
+// 2026-11-29-h200-selectors-kernel-profile-before). One barrier per chunk of k̄ (double
+// buffered: the next chunk loads while this one is scored). At the end the two query halves'
+// λ are added, E_j / max E = 2^{λ_j - max λ}, one thread per block applies the keep rule and
 // the CTA writes the row's ascending full/partial lists and its mean-correction bitmap.
 template <bool kBf16, int kD>
 __global__ void __launch_bounds__(SelectConfig<kBf16, kD>::kThreads, 2)
@@ -156,11 +161,15 @@ __global__ void __launch_bounds__(SelectConfig<kBf16, kD>::kThreads, 2)
   const int h0 = p.pack_gqa ? unit * p.group : unit;
   const int hk = h0 / p.group;
   const float scale_log2 = p.scale * 1.4426950408889634f;
+  const int q0 = (warp / (Cfg::kWarps / Cfg::kHalves)) * kHalf;  // this warp's query half
+  const int wb = warp % (Cfg::kWarps / Cfg::kHalves);             // and block group
 
   const std::uint32_t s_q_tile = ptx::smem_addr(smem);
   const std::uint32_t s_k_tile = s_q_tile + Cfg::kQBytes;  // 2 buffers
-  // λ_j while scoring, then E_j / max E: [num_k_blocks], entries j < A used.
+  // λ_j of each query half while scoring ([2][num_k_blocks], entries j < A used), then
+  // E_j / max E in the first.
   float* energy = reinterpret_cast<float*>(smem + Cfg::kSmemFixed);
+  float* half_energy = energy + (q0 / kHalf) * p.num_k_blocks;
 
   const auto* mean = static_cast<const std::uint16_t*>(p.k_mean) +
                      (static_cast<std::int64_t>(b) * p.h_kv + hk) * p.num_k_blocks * static_cast<std::int64_t>(kD);
@@ -181,40 +190,43 @@ __global__ void __launch_bounds__(SelectConfig<kBf16, kD>::kThreads, 2)
     sm80::load_tile<Tile, Cfg::kRows>(s_q_tile, src, tid);
   };
 
-  // The steps n = head · chunks + c. Invariant at the top of step n: the only cp.async group in
-  // flight holds chunk c (in buffer n % 2) and, at a head's first chunk, that head's Q tile.
-  const int steps = heads * chunks;
+  // Steps over (head, chunk c), c fastest. Invariant at the top of a step: the only cp.async
+  // group in flight holds chunk c (in buffer `buf`) and, at a head's first chunk, its Q tile.
   load_q(h0);
   load_chunk(0, 0);
   ptx::cp_async_commit();
-  for (int n = 0; n < steps; ++n) {
-    const int c = n % chunks, buf = n % 2, head = n / chunks;
-    ptx::cp_async_wait<0>();  // chunk c (and Q) landed for this thread...
-    __syncthreads();          // ...for every thread; every warp is done with step n - 1
-    // The next step's chunk into the buffer step n - 1 read; at a head change its Q waits for
-    // the end of this step (the Q tile is in use).
-    if (n + 1 < steps) load_chunk((n + 1) % chunks, buf ^ 1);
-    ptx::cp_async_commit();
-
-    // This warp's blocks j0 .. j0 + 15 of the chunk: rows g (i = 0) and g + 8 (i = 1) of the
-    // accumulators; columns are query rows of the tile.
-    const int j0 = c * kChunk + warp * 16;
-    if (j0 < scored) {
-      const std::uint32_t chunk_tile = s_k_tile + buf * Cfg::kChunkBytes;
-      float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.f, 0.f};  // per row, l this thread's part
+  int buf = 0;
 #pragma unroll 1
-      for (int half = 0; half < Cfg::kRows / kHalf; ++half) {
+  for (int head = 0; head < heads; ++head) {
+#pragma unroll 1
+    for (int c = 0; c < chunks; ++c, buf ^= 1) {
+      ptx::cp_async_wait<0>();  // chunk c (and Q) landed for this thread...
+      __syncthreads();          // ...for every thread; every warp is done with the previous step
+      // The next step's chunk into the buffer the previous step read; at a head change its Q
+      // waits for the end of this step (the Q tile is in use).
+      if (c + 1 < chunks) {
+        load_chunk(c + 1, buf ^ 1);
+      } else if (head + 1 < heads) {
+        load_chunk(0, buf ^ 1);
+      }
+      ptx::cp_async_commit();
+
+      // This warp's blocks j0 .. j0 + 15: accumulator rows g (r = 0) and g + 8 (r = 1); the
+      // columns are query rows q0 .. q0 + 63 of the tile.
+      const int j0 = c * kChunk + wb * 16;
+      if (j0 < scored) {
+        const std::uint32_t chunk_tile = s_k_tile + buf * Cfg::kChunkBytes;
         float acc[kHalf / 8][4];
 #pragma unroll
         for (int nf = 0; nf < kHalf / 8; ++nf) acc[nf][0] = acc[nf][1] = acc[nf][2] = acc[nf][3] = 0.f;
 #pragma unroll
         for (int kk = 0; kk < Cfg::kKSteps; ++kk) {
           std::uint32_t a[4];
-          sm80::load_a_frag<Tile>(chunk_tile, warp * 16, kk, lane, a);
+          sm80::load_a_frag<Tile>(chunk_tile, wb * 16, kk, lane, a);
 #pragma unroll
           for (int np = 0; np < kHalf / 16; ++np) {
             std::uint32_t bq[4];
-            sm80::load_k_frags<Tile>(s_q_tile, half * kHalf + np * 16, kk, lane, bq);
+            sm80::load_k_frags<Tile>(s_q_tile, q0 + np * 16, kk, lane, bq);
             ptx::mma_16816<kBf16>(acc[2 * np], a, bq[0], bq[1]);
             ptx::mma_16816<kBf16>(acc[2 * np + 1], a, bq[2], bq[3]);
           }
@@ -222,7 +234,6 @@ __global__ void __launch_bounds__(SelectConfig<kBf16, kD>::kThreads, 2)
         // Pairs that do not contribute (query rows past the tile's, keys of block j not yet
         // visible to the row, blocks past A) exist only in the chunk that holds A - 1 and the
         // tile's own blocks, or in a short tile: the mask is applied only there.
-        const int q0 = half * kHalf;
         const bool masked = j0 + 15 >= scored || q0 + kHalf > rows_valid ||
                             a_f + q0 < static_cast<std::int64_t>(j0 + 15) * bs;
 #pragma unroll
@@ -246,42 +257,41 @@ __global__ void __launch_bounds__(SelectConfig<kBf16, kD>::kThreads, 2)
           for (int nf = 0; nf < kHalf / 8; ++nf) mx = ptx::max_nan(mx, ptx::max_nan(acc[nf][2 * r], acc[nf][2 * r + 1]));
           mx = ptx::max_nan(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
           mx = ptx::max_nan(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
-          const float m_new = ptx::max_nan(m[r], mx);
-          // -inf while no pair of the row contributed: every term is e^{-inf} = 0, no NaN.
-          const float m_use = m_new == -INFINITY ? 0.f : m_new;
-          float sum = l[r] * ptx::exp2f_fast(m[r] - m_use);
+          // -inf when no pair of the row contributed in this half: every term is e^{-inf} = 0.
+          const float m_use = mx == -INFINITY ? 0.f : mx;
+          float sum = 0.f;
 #pragma unroll
           for (int nf = 0; nf < kHalf / 8; ++nf) {
             sum += ptx::exp2f_fast(acc[nf][2 * r] - m_use) + ptx::exp2f_fast(acc[nf][2 * r + 1] - m_use);
           }
-          m[r] = m_new;
-          l[r] = sum;
+          sum += __shfl_xor_sync(0xffffffffu, sum, 1);
+          sum += __shfl_xor_sync(0xffffffffu, sum, 2);
+          const int j = j0 + g + 8 * r;
+          if (t4 == 0 && j < scored) {
+            // λ of this half in units of log2 (-inf: no contributing pair); the heads of a
+            // pack_gqa group add their energies.
+            const float lambda = mx + __log2f(sum);
+            half_energy[j] = head == 0 ? lambda : log2_add(half_energy[j], lambda);
+          }
         }
       }
-#pragma unroll
-      for (int r = 0; r < 2; ++r) {
-        float sum = l[r];
-        sum += __shfl_xor_sync(0xffffffffu, sum, 1);
-        sum += __shfl_xor_sync(0xffffffffu, sum, 2);
-        const int j = j0 + g + 8 * r;
-        if (t4 == 0 && j < scored) {
-          // λ_j in units of log2; the heads of a pack_gqa group add their energies.
-          const float lambda = m[r] + __log2f(sum);
-          energy[j] = head == 0 ? lambda : log2_add(energy[j], lambda);
-        }
+      if (c + 1 == chunks && head + 1 < heads) {  // the next head's Q once every warp is done with this one
+        __syncthreads();
+        load_q(h0 + head + 1);
+        ptx::cp_async_commit();
       }
-    }
-    if (c + 1 == chunks && n + 1 < steps) {  // the next head's Q once every warp is done with this one
-      __syncthreads();
-      load_q(h0 + head + 1);
-      ptx::cp_async_commit();
     }
   }
-  __syncthreads();  // every λ_j written
+  __syncthreads();  // every λ written
 
-  // E_j / max E = 2^{λ_j - max λ} (NaN anywhere makes every ratio NaN: every block keeps).
+  // λ_j of both halves added; E_j / max E = 2^{λ_j - max λ} (NaN anywhere makes every ratio
+  // NaN: every block keeps).
   float lam_max = -INFINITY;
-  for (int j = tid; j < scored; j += Cfg::kThreads) lam_max = ptx::max_nan(lam_max, energy[j]);
+  for (int j = tid; j < scored; j += Cfg::kThreads) {
+    const float lambda = log2_add(energy[j], energy[p.num_k_blocks + j]);
+    energy[j] = lambda;
+    lam_max = ptx::max_nan(lam_max, lambda);
+  }
 #pragma unroll
   for (int o = 16; o > 0; o /= 2) lam_max = ptx::max_nan(lam_max, __shfl_xor_sync(0xffffffffu, lam_max, o));
   if (lane == 0) s_red[warp] = lam_max;
