@@ -116,17 +116,177 @@ __device__ __forceinline__ float log2_add(float a, float b) {
   return hi + __log2f(ptx::exp2f_fast(a - hi) + ptx::exp2f_fast(b - hi));
 }
 
-// One CTA per (query tile i, selection unit, sequence): the unit is a query head, or with
-// pack_gqa a KV head whose group's heads are scored together. For the tile's valid rows r at
-// positions a_r and the scored blocks j < A = (a_l + 1) / B, x[r, j] = scale · q_r · k̄_j where
-// a_r >= j·B; E_j = Σ_r e^{x[r, j]}, kept as λ_j = log2 E_j. The scores are computed transposed,
-// S^T = K̄ · Q^T (k̄ the A operand, the Q tile the B operand), so that E_j is a row sum: per
-// warp a max and a sum per row in registers and two quad shuffles, no shared-memory atomics
-// and no CTA-wide max per chunk (the column-sum layout this replaces: bench record
-// 2026-11-29-h200-selectors-kernel-profile-before). One barrier per chunk of k̄ (double
-// buffered: the next chunk loads while this one is scored). At the end the two query halves'
-// λ are added, E_j / max E = 2^{λ_j - max λ}, one thread per block applies the keep rule and
-// the CTA writes the row's ascending full/partial lists and its mean-correction bitmap.
+// The mask row one CTA selects for: block index = (i · batch + b) · units + unit, the unit a
+// query head or (pack_gqa) a KV head whose group's heads are scored together. For the tile's
+// valid rows r at positions a_r and the scored blocks j < A = (a_l + 1) / B, x[r, j] =
+// scale · q_r · k̄_j where a_r >= j·B, and E_j = Σ_r e^{x[r, j]}.
+struct SelectTile {
+  int units, unit, b, i;
+  SeqInfo seq;
+  geom::BlockGeometry geo;
+  std::int64_t row0, a_f, a_l, fqb, lqb;
+  int rows_valid, scored, heads, h0, hk;
+
+  // False when the CTA has nothing to select: past its sequence's tiles, or no row sees a key
+  // (the row stays empty: counts zeroed by the host).
+  __device__ __forceinline__ bool init(const SelectParams& p, int block_index) {
+    units = p.pack_gqa ? p.h_kv : p.h_q;
+    unit = block_index % units;
+    block_index /= units;
+    b = block_index % p.batch;
+    i = block_index / p.batch;
+    seq = p.seqs[b];
+    geo = geom::BlockGeometry{{seq.s_q, seq.s_k, true}, p.block, p.block};
+    if (i >= geo.num_q_blocks()) return false;
+    row0 = geo.row_begin(i);
+    rows_valid = static_cast<int>(geo.row_end(i) - row0);
+    a_f = geo.seq.position(row0);
+    a_l = geo.seq.position(geo.row_end(i) - 1);
+    if (a_l < 0) return false;
+    fqb = geom::floor_div(a_f, p.block);
+    lqb = a_l / p.block;
+    scored = static_cast<int>((a_l + 1) / p.block);
+    heads = p.pack_gqa ? p.group : 1;
+    h0 = p.pack_gqa ? unit * p.group : unit;
+    hk = h0 / p.group;
+    return true;
+  }
+};
+
+// One warp's part of the energies: accumulator rows g and g + 8 (blocks j0 + g, j0 + g + 8) of
+// raw scores q·k̄ over kNF n8 column groups (query rows q0 + 8·nf + 2·t4 + e % 2), in the
+// mma.sync / wgmma accumulator layout. Per row λ = log2 Σ 2^{y}, y = scale·log2(e)·q·k̄ over the
+// contributing pairs (a row with none gets -inf), written to lambda[j] for j < A, added to what
+// is there (log-sum-exp) when `add` (the later heads of a pack_gqa group). `masked`: some pair
+// of these rows and columns may not contribute; otherwise the per-pair test is skipped.
+template <int kNF>
+__device__ __forceinline__ void warp_lambdas(float (&acc)[kNF][4], const SelectTile& t, int bs, float scale_log2, int j0,
+                                             int q0, bool masked, bool add, float* lambda, int lane) {
+  const int g = lane / 4, t4 = lane % 4;
+#pragma unroll
+  for (int nf = 0; nf < kNF; ++nf) {
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      float y = acc[nf][e] * scale_log2;
+      if (masked) {
+        const int q = q0 + nf * 8 + 2 * t4 + (e & 1);
+        const int j = j0 + g + 8 * (e / 2);
+        const bool contributes = q < t.rows_valid && j < t.scored && t.a_f + q >= static_cast<std::int64_t>(j) * bs;
+        if (!contributes) y = -INFINITY;
+      }
+      acc[nf][e] = y;
+    }
+  }
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    float mx = -INFINITY;
+#pragma unroll
+    for (int nf = 0; nf < kNF; ++nf) mx = ptx::max_nan(mx, ptx::max_nan(acc[nf][2 * r], acc[nf][2 * r + 1]));
+    mx = ptx::max_nan(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+    mx = ptx::max_nan(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+    // -inf when no pair of the row contributed: every term is e^{-inf} = 0, no NaN.
+    const float m_use = mx == -INFINITY ? 0.f : mx;
+    float sum = 0.f;
+#pragma unroll
+    for (int nf = 0; nf < kNF; ++nf) {
+      sum += ptx::exp2f_fast(acc[nf][2 * r] - m_use) + ptx::exp2f_fast(acc[nf][2 * r + 1] - m_use);
+    }
+    sum += __shfl_xor_sync(0xffffffffu, sum, 1);
+    sum += __shfl_xor_sync(0xffffffffu, sum, 2);
+    const int j = j0 + g + 8 * r;
+    if (t4 == 0 && j < t.scored) {
+      const float l = mx + __log2f(sum);
+      lambda[j] = add ? log2_add(lambda[j], l) : l;
+    }
+  }
+}
+
+// After every λ_j of the tile is in `energy` (and, with `second` non-null, a second part of it
+// per block, e.g. the other query half, in `second`): E_j / max E = 2^{λ_j - max λ} (a NaN
+// anywhere makes every ratio NaN: every block keeps), the calibration ratios, then the keep
+// rule per block j <= lqb and the row's ascending full/partial lists (a CTA-wide ballot scan)
+// and its mean-correction bitmap. Called by all kWarps warps of the CTA after a barrier.
+template <int kWarps>
+__device__ __forceinline__ void finish_selection(const SelectParams& p, const SelectTile& t, float* energy,
+                                                 const float* second, float* s_red, int (*s_count)[kWarps]) {
+  constexpr int kThreads = kWarps * 32;
+  const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
+  float lam_max = -INFINITY;
+  for (int j = tid; j < t.scored; j += kThreads) {
+    const float lambda = second != nullptr ? log2_add(energy[j], second[j]) : energy[j];
+    energy[j] = lambda;
+    lam_max = ptx::max_nan(lam_max, lambda);
+  }
+#pragma unroll
+  for (int o = 16; o > 0; o /= 2) lam_max = ptx::max_nan(lam_max, __shfl_xor_sync(0xffffffffu, lam_max, o));
+  if (lane == 0) s_red[warp] = lam_max;
+  __syncthreads();
+#pragma unroll
+  for (int w = 0; w < kWarps; ++w) lam_max = ptx::max_nan(lam_max, s_red[w]);
+  for (int j = tid; j < t.scored; j += kThreads) energy[j] = ptx::exp2f_fast(energy[j] - lam_max);
+  __syncthreads();
+
+  const std::int64_t mask_row = (static_cast<std::int64_t>(t.b) * t.units + t.unit) * p.num_q_blocks + t.i;
+  // Calibration: the ratios E_j / max E of the scored blocks; without a mask to write
+  // (full_index null) that is all the launch is for.
+  if (p.energy_ratio != nullptr) {
+    for (int j = tid; j < t.scored; j += kThreads) p.energy_ratio[mask_row * p.num_k_blocks + j] = energy[j];
+  }
+  if (p.full_index == nullptr) return;
+
+  std::int32_t* full_idx = p.full_index + mask_row * p.num_k_blocks;
+  std::int32_t* part_idx = p.partial_index + mask_row * p.num_k_blocks;
+  const bool tail_tile = t.geo.is_tail_block(t.i, p.tail, p.select_seqs != nullptr ? p.select_seqs[t.b].prompt_len : 0);
+  const int words = p.corrected_bits != nullptr ? p.corrected_words : 0;
+  const int j_end = geom::max64(t.lqb + 1, static_cast<std::int64_t>(words) * 32);
+  int full_total = 0, part_total = 0;
+  for (int j0 = 0; j0 < j_end; j0 += kThreads) {
+    const int j = j0 + tid;
+    bool keep = false, corrected = false, full = false;
+    if (j <= t.lqb) {
+      // E_j >= alpha · max E, written so that a NaN energy keeps.
+      const bool by_energy = j < t.scored && !(energy[j] < p.alpha);
+      const bool forced = tail_tile || j < p.sink || t.fqb - p.window + 1 <= j;
+      keep = by_energy || forced;
+      full = t.geo.is_full(t.i, j);
+      // Pruned and wholly visible to the tile's first row, hence to every row.
+      corrected = !keep && p.mean_correction && t.geo.key_end(j) - 1 <= t.a_f;
+    }
+    const unsigned full_bal = __ballot_sync(0xffffffffu, keep && full);
+    const unsigned part_bal = __ballot_sync(0xffffffffu, keep && !full);
+    const unsigned corr_bal = __ballot_sync(0xffffffffu, corrected);
+    if (lane == 0) {
+      s_count[0][warp] = __popc(full_bal);
+      s_count[1][warp] = __popc(part_bal);
+      if (j / 32 < words) p.corrected_bits[mask_row * words + j / 32] = corr_bal;
+    }
+    __syncthreads();
+    int full_off = full_total, part_off = part_total;
+    for (int w = 0; w < kWarps; ++w) {
+      if (w < warp) {
+        full_off += s_count[0][w];
+        part_off += s_count[1][w];
+      }
+      full_total += s_count[0][w];
+      part_total += s_count[1][w];
+    }
+    const unsigned below = (1u << lane) - 1u;
+    if (keep && full) full_idx[full_off + __popc(full_bal & below)] = j;
+    if (keep && !full) part_idx[part_off + __popc(part_bal & below)] = j;
+    __syncthreads();  // s_count is rewritten by the next round
+  }
+  if (tid == 0) {
+    p.full_count[mask_row] = full_total;
+    p.partial_count[mask_row] = part_total;
+  }
+}
+
+// The scores are computed transposed, S^T = K̄ · Q^T (k̄ the A operand, the Q tile the B
+// operand), so that E_j is a row sum: per warp a max and a sum per row in registers and two
+// quad shuffles, no shared-memory atomics and no CTA-wide max per chunk (the column-sum layout
+// this replaces: bench record 2026-11-29-h200-selectors-kernel-profile-before). One barrier per
+// chunk of k̄ (double buffered: the next chunk loads while this one is scored). Each query half
+// keeps its own λ (log2 energy, pack_gqa heads added); finish_selection adds the halves.
 template <bool kBf16, int kD>
 __global__ void __launch_bounds__(SelectConfig<kBf16, kD>::kThreads, 2)
     select_kernel(const __grid_constant__ SelectParams p) {
@@ -138,66 +298,45 @@ __global__ void __launch_bounds__(SelectConfig<kBf16, kD>::kThreads, 2)
   __shared__ int s_count[2][Cfg::kWarps];
 
   const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
-  const int g = lane / 4, t4 = lane % 4;
-  const int units = p.pack_gqa ? p.h_kv : p.h_q;
-  int tile = blockIdx.x;
-  const int unit = tile % units;
-  tile /= units;
-  const int b = tile % p.batch;
-  const int i = tile / p.batch;
-  const SeqInfo seq = p.seqs[b];
-  const int bs = p.block;
-  const geom::BlockGeometry geo{{seq.s_q, seq.s_k, true}, bs, bs};
-  const int tiles = geo.num_q_blocks();
-  if (i >= tiles) return;
-  const std::int64_t row0 = geo.row_begin(i);
-  const int rows_valid = static_cast<int>(geo.row_end(i) - row0);
-  const std::int64_t a_f = geo.seq.position(row0);
-  const std::int64_t a_l = geo.seq.position(geo.row_end(i) - 1);
-  if (a_l < 0) return;  // no row sees a key: the row stays empty (counts zeroed by the host)
-  const std::int64_t fqb = geom::floor_div(a_f, bs), lqb = a_l / bs;
-  const int scored = static_cast<int>((a_l + 1) / bs);  // A
-  const int heads = p.pack_gqa ? p.group : 1;
-  const int h0 = p.pack_gqa ? unit * p.group : unit;
-  const int hk = h0 / p.group;
+  SelectTile t;
+  if (!t.init(p, blockIdx.x)) return;
   const float scale_log2 = p.scale * 1.4426950408889634f;
   const int q0 = (warp / (Cfg::kWarps / Cfg::kHalves)) * kHalf;  // this warp's query half
   const int wb = warp % (Cfg::kWarps / Cfg::kHalves);             // and block group
 
   const std::uint32_t s_q_tile = ptx::smem_addr(smem);
   const std::uint32_t s_k_tile = s_q_tile + Cfg::kQBytes;  // 2 buffers
-  // λ_j of each query half while scoring ([2][num_k_blocks], entries j < A used), then
-  // E_j / max E in the first.
+  // λ_j of each query half ([2][num_k_blocks], entries j < A used), then E_j / max E in the first.
   float* energy = reinterpret_cast<float*>(smem + Cfg::kSmemFixed);
   float* half_energy = energy + (q0 / kHalf) * p.num_k_blocks;
 
   const auto* mean = static_cast<const std::uint16_t*>(p.k_mean) +
-                     (static_cast<std::int64_t>(b) * p.h_kv + hk) * p.num_k_blocks * static_cast<std::int64_t>(kD);
-  const int chunks = (scored + kChunk - 1) / kChunk;
+                     (static_cast<std::int64_t>(t.b) * p.h_kv + t.hk) * p.num_k_blocks * static_cast<std::int64_t>(kD);
+  const int chunks = (t.scored + kChunk - 1) / kChunk;
 
   // Chunk c of k̄ into buffer `buf` (not committed); rows past A zero-filled.
   auto load_chunk = [&](int c, int buf) {
-    const int valid = scored - c * kChunk;
+    const int valid = t.scored - c * kChunk;
     const sm80::TileSrc src{sm80::contiguous_rows(mean + static_cast<std::int64_t>(c) * kChunk * kD, kD), 0,
                             valid < kChunk ? valid : kChunk};
     sm80::load_tile<Tile, kChunk>(s_k_tile + buf * Cfg::kChunkBytes, src, tid);
   };
   // Head h's Q tile (not committed); rows past the tile's valid rows zero-filled.
   auto load_q = [&](int h) {
-    const sm80::TileSrc src{
-        sm80::contiguous_rows(static_cast<const std::uint16_t*>(p.q) + seq.q_off + h * p.q_head_stride, p.q_row_stride),
-        row0, rows_valid};
+    const sm80::TileSrc src{sm80::contiguous_rows(static_cast<const std::uint16_t*>(p.q) + t.seq.q_off + h * p.q_head_stride,
+                                                  p.q_row_stride),
+                            t.row0, t.rows_valid};
     sm80::load_tile<Tile, Cfg::kRows>(s_q_tile, src, tid);
   };
 
   // Steps over (head, chunk c), c fastest. Invariant at the top of a step: the only cp.async
   // group in flight holds chunk c (in buffer `buf`) and, at a head's first chunk, its Q tile.
-  load_q(h0);
+  load_q(t.h0);
   load_chunk(0, 0);
   ptx::cp_async_commit();
   int buf = 0;
 #pragma unroll 1
-  for (int head = 0; head < heads; ++head) {
+  for (int head = 0; head < t.heads; ++head) {
 #pragma unroll 1
     for (int c = 0; c < chunks; ++c, buf ^= 1) {
       ptx::cp_async_wait<0>();  // chunk c (and Q) landed for this thread...
@@ -206,15 +345,14 @@ __global__ void __launch_bounds__(SelectConfig<kBf16, kD>::kThreads, 2)
       // waits for the end of this step (the Q tile is in use).
       if (c + 1 < chunks) {
         load_chunk(c + 1, buf ^ 1);
-      } else if (head + 1 < heads) {
+      } else if (head + 1 < t.heads) {
         load_chunk(0, buf ^ 1);
       }
       ptx::cp_async_commit();
 
-      // This warp's blocks j0 .. j0 + 15: accumulator rows g (r = 0) and g + 8 (r = 1); the
-      // columns are query rows q0 .. q0 + 63 of the tile.
+      // This warp's blocks j0 .. j0 + 15 against query rows q0 .. q0 + 63 of the tile.
       const int j0 = c * kChunk + wb * 16;
-      if (j0 < scored) {
+      if (j0 < t.scored) {
         const std::uint32_t chunk_tile = s_k_tile + buf * Cfg::kChunkBytes;
         float acc[kHalf / 8][4];
 #pragma unroll
@@ -234,127 +372,19 @@ __global__ void __launch_bounds__(SelectConfig<kBf16, kD>::kThreads, 2)
         // Pairs that do not contribute (query rows past the tile's, keys of block j not yet
         // visible to the row, blocks past A) exist only in the chunk that holds A - 1 and the
         // tile's own blocks, or in a short tile: the mask is applied only there.
-        const bool masked = j0 + 15 >= scored || q0 + kHalf > rows_valid ||
-                            a_f + q0 < static_cast<std::int64_t>(j0 + 15) * bs;
-#pragma unroll
-        for (int nf = 0; nf < kHalf / 8; ++nf) {
-#pragma unroll
-          for (int e = 0; e < 4; ++e) {
-            float y = acc[nf][e] * scale_log2;
-            if (masked) {
-              const int q = q0 + nf * 8 + 2 * t4 + (e & 1);
-              const int j = j0 + g + 8 * (e / 2);
-              const bool contributes = q < rows_valid && j < scored && a_f + q >= static_cast<std::int64_t>(j) * bs;
-              if (!contributes) y = -INFINITY;
-            }
-            acc[nf][e] = y;
-          }
-        }
-#pragma unroll
-        for (int r = 0; r < 2; ++r) {
-          float mx = -INFINITY;
-#pragma unroll
-          for (int nf = 0; nf < kHalf / 8; ++nf) mx = ptx::max_nan(mx, ptx::max_nan(acc[nf][2 * r], acc[nf][2 * r + 1]));
-          mx = ptx::max_nan(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
-          mx = ptx::max_nan(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
-          // -inf when no pair of the row contributed in this half: every term is e^{-inf} = 0.
-          const float m_use = mx == -INFINITY ? 0.f : mx;
-          float sum = 0.f;
-#pragma unroll
-          for (int nf = 0; nf < kHalf / 8; ++nf) {
-            sum += ptx::exp2f_fast(acc[nf][2 * r] - m_use) + ptx::exp2f_fast(acc[nf][2 * r + 1] - m_use);
-          }
-          sum += __shfl_xor_sync(0xffffffffu, sum, 1);
-          sum += __shfl_xor_sync(0xffffffffu, sum, 2);
-          const int j = j0 + g + 8 * r;
-          if (t4 == 0 && j < scored) {
-            // λ of this half in units of log2 (-inf: no contributing pair); the heads of a
-            // pack_gqa group add their energies.
-            const float lambda = mx + __log2f(sum);
-            half_energy[j] = head == 0 ? lambda : log2_add(half_energy[j], lambda);
-          }
-        }
+        const bool masked = j0 + 15 >= t.scored || q0 + kHalf > t.rows_valid ||
+                            t.a_f + q0 < static_cast<std::int64_t>(j0 + 15) * p.block;
+        warp_lambdas(acc, t, p.block, scale_log2, j0, q0, masked, head > 0, half_energy, lane);
       }
-      if (c + 1 == chunks && head + 1 < heads) {  // the next head's Q once every warp is done with this one
+      if (c + 1 == chunks && head + 1 < t.heads) {  // the next head's Q once every warp is done with this one
         __syncthreads();
-        load_q(h0 + head + 1);
+        load_q(t.h0 + head + 1);
         ptx::cp_async_commit();
       }
     }
   }
   __syncthreads();  // every λ written
-
-  // λ_j of both halves added; E_j / max E = 2^{λ_j - max λ} (NaN anywhere makes every ratio
-  // NaN: every block keeps).
-  float lam_max = -INFINITY;
-  for (int j = tid; j < scored; j += Cfg::kThreads) {
-    const float lambda = log2_add(energy[j], energy[p.num_k_blocks + j]);
-    energy[j] = lambda;
-    lam_max = ptx::max_nan(lam_max, lambda);
-  }
-#pragma unroll
-  for (int o = 16; o > 0; o /= 2) lam_max = ptx::max_nan(lam_max, __shfl_xor_sync(0xffffffffu, lam_max, o));
-  if (lane == 0) s_red[warp] = lam_max;
-  __syncthreads();
-#pragma unroll
-  for (int w = 0; w < Cfg::kWarps; ++w) lam_max = ptx::max_nan(lam_max, s_red[w]);
-  for (int j = tid; j < scored; j += Cfg::kThreads) energy[j] = ptx::exp2f_fast(energy[j] - lam_max);
-  __syncthreads();
-
-  const std::int64_t mask_row = (static_cast<std::int64_t>(b) * units + unit) * p.num_q_blocks + i;
-  // Calibration: the ratios E_j / max E of the scored blocks; without a mask to write
-  // (full_index null) that is all the launch is for.
-  if (p.energy_ratio != nullptr) {
-    for (int j = tid; j < scored; j += Cfg::kThreads) p.energy_ratio[mask_row * p.num_k_blocks + j] = energy[j];
-  }
-  if (p.full_index == nullptr) return;
-
-  // Keep rule per block j <= lqb, and the ascending lists via a CTA-wide ballot scan.
-  std::int32_t* full_idx = p.full_index + mask_row * p.num_k_blocks;
-  std::int32_t* part_idx = p.partial_index + mask_row * p.num_k_blocks;
-  const bool tail_tile = geo.is_tail_block(i, p.tail, p.select_seqs != nullptr ? p.select_seqs[b].prompt_len : 0);
-  const int words = p.corrected_bits != nullptr ? p.corrected_words : 0;
-  const int j_end = geom::max64(lqb + 1, static_cast<std::int64_t>(words) * 32);
-  int full_total = 0, part_total = 0;
-  for (int j0 = 0; j0 < j_end; j0 += Cfg::kThreads) {
-    const int j = j0 + tid;
-    bool keep = false, corrected = false, full = false;
-    if (j <= lqb) {
-      // E_j >= alpha · max E, written so that a NaN energy keeps.
-      const bool by_energy = j < scored && !(energy[j] < p.alpha);
-      const bool forced = tail_tile || j < p.sink || fqb - p.window + 1 <= j;
-      keep = by_energy || forced;
-      full = geo.is_full(i, j);
-      // Pruned and wholly visible to the tile's first row, hence to every row.
-      corrected = !keep && p.mean_correction && geo.key_end(j) - 1 <= a_f;
-    }
-    const unsigned full_bal = __ballot_sync(0xffffffffu, keep && full);
-    const unsigned part_bal = __ballot_sync(0xffffffffu, keep && !full);
-    const unsigned corr_bal = __ballot_sync(0xffffffffu, corrected);
-    if (lane == 0) {
-      s_count[0][warp] = __popc(full_bal);
-      s_count[1][warp] = __popc(part_bal);
-      if (j / 32 < words) p.corrected_bits[mask_row * words + j / 32] = corr_bal;
-    }
-    __syncthreads();
-    int full_off = full_total, part_off = part_total;
-    for (int w = 0; w < Cfg::kWarps; ++w) {
-      if (w < warp) {
-        full_off += s_count[0][w];
-        part_off += s_count[1][w];
-      }
-      full_total += s_count[0][w];
-      part_total += s_count[1][w];
-    }
-    const unsigned below = (1u << lane) - 1u;
-    if (keep && full) full_idx[full_off + __popc(full_bal & below)] = j;
-    if (keep && !full) part_idx[part_off + __popc(part_bal & below)] = j;
-    __syncthreads();  // s_count is rewritten by the next round
-  }
-  if (tid == 0) {
-    p.full_count[mask_row] = full_total;
-    p.partial_count[mask_row] = part_total;
-  }
+  finish_selection<Cfg::kWarps>(p, t, energy, energy + p.num_k_blocks, s_red, s_count);
 }
 
 // Host-side launches; each returns a cudaError_t value (0 = success).
