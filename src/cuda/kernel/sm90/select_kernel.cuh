@@ -15,15 +15,20 @@
 namespace sparseprefill::cuda::sm90 {
 
 // Two warpgroups; a chunk is 128 pooled blocks, 64 per warpgroup (the m64 of wgmma), scored
-// against all 128 query rows of the tile (n128): 64 accumulators per thread. Tiles of
-// [rows][d] are stored as d / 64 boxes of [rows][64] with the 128-byte swizzle wgmma reads.
+// against the 128 query rows of the tile in two halves of 64 (n64), each half its own wgmma
+// group: the second half multiplies while the first half's energies are summed (the forward
+// kernel's intra-warpgroup overlap; a pipeline across chunks, reading one accumulator set while
+// the next chunk's wgmma runs, was serialised by ptxas: C7514). 32 + 32 accumulators per
+// thread, two CTAs per SM. Tiles of [rows][d] are stored as d / 64 boxes of [rows][64] with the
+// 128-byte swizzle wgmma reads.
 template <bool kBf16_, int kD_>
 struct Select90Config {
   static constexpr bool kBf16 = kBf16_;
   static constexpr int kD = kD_;
   static constexpr int kThreads = 256;
   static constexpr int kWarps = kThreads / 32;
-  static constexpr int kRows = 128;  // = kBlockQ: query rows, the n of wgmma
+  static constexpr int kRows = 128;   // = kBlockQ: query rows
+  static constexpr int kHalf = 64;    // query rows per wgmma group (its n)
   static constexpr int kChunk = 128;  // pooled blocks per chunk, 64 per warpgroup
   static constexpr int kHalfDim = 64;
   static constexpr int kRowBytes = kHalfDim * 2;     // 128: one swizzle row
@@ -61,8 +66,8 @@ __device__ __forceinline__ void load_swizzled(std::uint32_t dst, const std::uint
 
 // One CTA per mask row (select::SelectTile). Steps over (head, chunk of 128 blocks), one barrier
 // each, the next chunk loading while this one is scored; warpgroup wg scores blocks
-// 64·wg .. +63 of the chunk with kD / 16 wgmma m64n128k16 (both operands K-major from shared
-// memory), then select::warp_lambdas turns each warp's 16 rows into λ.
+// 64·wg .. +63 of the chunk with 2 · kD / 16 wgmma m64n64k16 (both operands K-major from shared
+// memory), and select::warp_lambdas turns each warp's 16 rows into λ, half by half.
 template <class Cfg>
 __global__ void __launch_bounds__(Cfg::kThreads, 2) select90_kernel(const __grid_constant__ SelectParams p) {
   extern __shared__ __align__(128) unsigned char smem_raw[];
@@ -97,6 +102,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 2) select90_kernel(const __grid
   // at +32·(kk % 4) bytes inside box kk / 4; address fields in 16-byte units.
   auto k_step = [](int kk) { return static_cast<std::uint64_t>(((kk / 4) * Cfg::kBoxBytes + (kk % 4) * 32) >> 4); };
   const std::uint64_t q_desc = hw::desc_sw128(s_q, 16, Cfg::kAtomBytes);
+  const std::uint64_t q_half = (Cfg::kHalf * Cfg::kRowBytes) >> 4;  // rows 64.. of the Q tile
 
   // Invariant at the top of a step: the only cp.async group in flight holds chunk c (in buffer
   // `buf`) and, at a head's first chunk, its Q tile.
@@ -118,22 +124,35 @@ __global__ void __launch_bounds__(Cfg::kThreads, 2) select90_kernel(const __grid
       }
       ptx::cp_async_commit();
 
+      // Issued by both warpgroups even past A (zero rows, never read back): a wgmma under a
+      // branch is serialised by ptxas (C7520). Query half 0 into acc0, half 1 into acc1.
       const int jw = c * Cfg::kChunk + wg * 64;  // the warpgroup's first block
-      if (jw < t.scored) {
-        float acc[16][4];
-        const std::uint64_t a_desc = hw::desc_sw128(s_k + buf * Cfg::kTileBytes + wg * 64 * Cfg::kRowBytes, 16, Cfg::kAtomBytes);
-        hw::wgmma_fence();
+      const std::uint64_t a_desc = hw::desc_sw128(s_k + buf * Cfg::kTileBytes + wg * 64 * Cfg::kRowBytes, 16, Cfg::kAtomBytes);
+      float acc0[8][4], acc1[8][4];
+      hw::wgmma_fence();
 #pragma unroll
-        for (int kk = 0; kk < Cfg::kKSteps; ++kk) hw::wgmma_ss<Cfg::kBf16>(acc, a_desc + k_step(kk), q_desc + k_step(kk), kk > 0);
-        hw::wgmma_commit();
-        hw::wgmma_wait<0>();
-        hw::fence_regs(acc);
-        // Warp wq holds blocks j0 .. j0 + 15 (accumulator rows 16·wq + g, + 8) against every
-        // query row; the mask only where some pair may not contribute (see the portable kernel).
-        const int j0 = jw + 16 * wq;
-        const bool masked = j0 + 15 >= t.scored || t.rows_valid < Cfg::kRows ||
-                            t.a_f < static_cast<std::int64_t>(j0 + 15) * p.block;
-        select::warp_lambdas(acc, t, p.block, scale_log2, j0, 0, masked, head > 0, lambda, lane);
+      for (int kk = 0; kk < Cfg::kKSteps; ++kk) hw::wgmma_ss_n64<Cfg::kBf16>(acc0, a_desc + k_step(kk), q_desc + k_step(kk), kk > 0);
+      hw::wgmma_commit();
+#pragma unroll
+      for (int kk = 0; kk < Cfg::kKSteps; ++kk) {
+        hw::wgmma_ss_n64<Cfg::kBf16>(acc1, a_desc + k_step(kk), q_desc + q_half + k_step(kk), kk > 0);
+      }
+      hw::wgmma_commit();
+      // Warp wq holds blocks j0 .. j0 + 15 (accumulator rows 16·wq + g, + 8); the mask only
+      // where some pair may not contribute (see the portable kernel).
+      const int j0 = jw + 16 * wq;
+      const bool live = jw < t.scored;
+      const bool edge = j0 + 15 >= t.scored || t.a_f < static_cast<std::int64_t>(j0 + 15) * p.block;
+      hw::wgmma_wait<1>();  // half 0 done; half 1 may run on
+      hw::fence_regs(acc0);
+      if (live) {
+        select::warp_lambdas(acc0, t, p.block, scale_log2, j0, 0, edge || t.rows_valid < Cfg::kHalf, head > 0, lambda, lane);
+      }
+      hw::wgmma_wait<0>();
+      hw::fence_regs(acc1);
+      if (live) {
+        select::warp_lambdas(acc1, t, p.block, scale_log2, j0, Cfg::kHalf, edge || t.rows_valid < Cfg::kRows, true, lambda,
+                             lane);
       }
       if (c + 1 == chunks && head + 1 < t.heads) {  // the next head's Q once every warp is done with this one
         __syncthreads();
