@@ -224,7 +224,6 @@ Status launch_status(int err, const char* name) {
 // whether calls are sent to the portable path.
 thread_local std::string t_last_fwd_instance;
 thread_local bool t_portable_only = false;
-thread_local std::string t_last_select_instance;
 
 // The device's compute capability (choose_fwd_path needs it).
 Status compute_capability(int device, int* major, int* minor) {
@@ -417,10 +416,7 @@ Status launch_selection(const ProblemShape& shape, const FwdParams& p, const Est
     sp.corrected_words = bitmap_words(sp.num_k_blocks);
     SP_RETURN_IF_ERROR(scratch->zeros(sel->rows * static_cast<std::size_t>(sp.corrected_words), &sp.corrected_bits));
   }
-  int cc_major = 0, cc_minor = 0;
-  if (!t_portable_only) SP_RETURN_IF_ERROR(compute_capability(shape.device.index, &cc_major, &cc_minor));
-  const SelectVariant* select = choose_selector(shape.dtype, shape.d, cc_major, cc_minor);
-  t_last_select_instance = select->name;
+  const SelectVariant* select = find_select(shape.dtype, shape.d);
   return launch_status(select->launch(sp, stream), select->name);
 }
 
@@ -604,7 +600,6 @@ Status can_run_cuda(const ProblemShape& shape, const Policy& policy) {
 }
 
 std::string last_fwd_instance_for_testing() { return t_last_fwd_instance; }
-std::string last_select_instance_for_testing() { return t_last_select_instance; }
 void set_portable_only_for_testing(bool portable_only) { t_portable_only = portable_only; }
 
 std::string cuda_build_info() {
@@ -847,10 +842,7 @@ Status select_statistics_cuda(const AttentionProblem& sample, const ProblemShape
     const std::size_t cells = static_cast<std::size_t>(shape.batch) * static_cast<std::size_t>(units) *
                               static_cast<std::size_t>(sp.num_q_blocks) * static_cast<std::size_t>(sp.num_k_blocks);
     SP_RETURN_IF_ERROR(scratch.zeros(cells, &sp.energy_ratio));
-    int cc_major = 0, cc_minor = 0;
-    if (!t_portable_only) SP_RETURN_IF_ERROR(compute_capability(shape.device.index, &cc_major, &cc_minor));
-    const SelectVariant* select = choose_selector(shape.dtype, shape.d, cc_major, cc_minor);
-    t_last_select_instance = select->name;
+    const SelectVariant* select = find_select(shape.dtype, shape.d);
     SP_RETURN_IF_ERROR(launch_status(select->launch(sp, call.stream), select->name));
     SP_RETURN_IF_ERROR(scratch.download(sp.energy_ratio, cells, &ratio));
     SP_CUDA_TRY(cudaStreamSynchronize(call.stream), "cudaStreamSynchronize (calibration statistics)");

@@ -49,13 +49,11 @@ Status select_statistics_cuda(const AttentionProblem& sample, const ProblemShape
 std::string cuda_build_info();
 
 // Test hooks (tests/cuda), per calling thread: the forward instance the last successful
-// run_cuda launched (e.g. "fwd_sm90_bf16_hd128"; "" before any), the estimate_select selector
-// the last selection or selection statistics launched (e.g. "select_sm90_bf16_hd128"), and a
-// switch that sends every call to the portable kernels where the Hopper ones would serve it, so
-// that both stay tested on an H100/H200 (the GPU suite runs each case on both). Not an option
-// for users: the plan (choose_fwd_path, choose_selector) decides.
+// run_cuda launched (e.g. "fwd_sm90_bf16_hd128"; "" before any), and a switch that sends every
+// call to the portable kernel where the Hopper one would serve it, so that both stay tested on
+// an H100/H200 (the GPU suite runs each case on both). Not an option for users: the plan
+// (choose_fwd_path) decides.
 std::string last_fwd_instance_for_testing();
-std::string last_select_instance_for_testing();
 void set_portable_only_for_testing(bool portable_only);
 
 }  // namespace sparseprefill::cuda

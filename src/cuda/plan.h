@@ -10,7 +10,6 @@
 
 #include "core/estimate_chunks.h"
 #include "cuda/kernel/fwd_params.h"
-#include "cuda/registry.h"
 #include "sparseprefill/attention.h"
 #include "sparseprefill/calibration.h"
 
@@ -58,12 +57,6 @@ bool hopper_can_box_pages(int page_size);
 // hopper_block_k() key blocks (block_sparse, exact_gate, softmax_skip, estimate_select);
 // portable otherwise (block_k 64, permute_stop, every other device).
 FwdPath choose_fwd_path(const ProblemShape& shape, const Policy& policy, bool tma_ok, int cc_major, int cc_minor);
-
-// The estimate_select selector for (dtype, head_dim) on a device of compute capability
-// (cc_major, cc_minor): the Hopper one (wgmma, sm_90a code) on 9.0 where it is compiled, the
-// portable one (mma.sync) otherwise; nullptr when neither is compiled. Both make the same
-// decisions (up to the rounding of fp32 sums in a different order).
-const SelectVariant* choose_selector(DType dtype, int head_dim, int cc_major, int cc_minor);
 
 // The key-block size dense attention runs with (a tuning value, no effect on results).
 int dense_block_k(int head_dim);

@@ -78,7 +78,7 @@ struct PermuteVariant {
 };
 
 struct SelectVariant {
-  const char* name;  // e.g. "select_sm80_bf16_hd128" (portable) or "select_sm90_bf16_hd128" (Hopper)
+  const char* name;  // e.g. "select_sm80_bf16_hd128"
   DType dtype;
   int head_dim;
   SelectLaunchFn launch;
@@ -93,7 +93,6 @@ struct CalibVariant {
 
 #define SP_FWD_VARIANT(fn, dtype, head_dim) int fn(const FwdParams& params, void* stream);
 #define SP_SELECT_VARIANT(fn, dtype, head_dim) int fn(const SelectParams& params, void* stream);
-#define SP_SELECT90_VARIANT(fn, dtype, head_dim) int fn(const SelectParams& params, void* stream);
 #define SP_CALIB_VARIANT(fn, dtype, head_dim) int fn(const CalibParams& params, void* stream);
 #define SP_PERMUTE_VARIANT(fn, dtype, head_dim) int fn(PermuteParams& params, void* stream);
 #define SP_FWD90_VARIANT(fn, dtype, head_dim, paged)                                                   \
@@ -105,7 +104,6 @@ struct CalibVariant {
 // nullptr when none is compiled.
 const FwdVariant* find_fwd(DType dtype, int head_dim);
 const SelectVariant* find_select(DType dtype, int head_dim);
-const SelectVariant* find_select90(DType dtype, int head_dim);
 const PermuteVariant* find_permute(DType dtype, int head_dim);
 const Fwd90Variant* find_fwd90(DType dtype, int head_dim, bool paged);
 const CalibVariant* find_calib(DType dtype, int head_dim);

@@ -14,10 +14,9 @@ kernel branches on it once per block, outside the inner loops.
 
 Two kernel families: the portable sm80 path (FWD/SELECT/PERMUTE/CALIB plus permute_stop's one
 dtype-free sort instance, every architecture of SP_PORTABLE_ARCHS) and the Hopper sm90 path
-(FWD90: dense and every policy but permute_stop on 128-key blocks, and SELECT90: estimate_select's
-selector with wgmma; compiled for sm_90a alone; file names contain "sm90", which
-src/cuda/CMakeLists.txt uses to build them as their own target). The Hopper forward kernel has
-one more axis:
+(FWD90: dense and every policy but permute_stop on 128-key blocks, compiled for sm_90a alone;
+file names contain "sm90", which src/cuda/CMakeLists.txt uses to build them as their own
+target). The Hopper path has one more axis:
   kv        contiguous or paged: the producer's K/V loads (contiguous tensor maps, or boxes
             through the block table) differ at compile time, so the contiguous instances keep
             exactly the code they had before paged K/V ran there.
@@ -66,10 +65,6 @@ def fwd90_name(dtype, d, paged):
     return f"fwd_sm90_{'paged_' if paged else ''}{dtype}_hd{d}"
 
 
-def select90_name(dtype, d):
-    return f"select_sm90_{dtype}_hd{d}"
-
-
 def translation_unit(kernel_header, body):
     """One instance's .cu file: the kernel header, the registry, and `body` (the launch function)
     inside the backend's namespace."""
@@ -87,8 +82,7 @@ def expected_files():
                 "// SP_SELECT_VARIANT(launch function, DType enumerator, head_dim)\n",
                 "// SP_PERMUTE_VARIANT(launch function, DType enumerator, head_dim)\n",
                 "// SP_FWD90_VARIANT(launch function, DType enumerator, head_dim, paged)\n",
-                "// SP_CALIB_VARIANT(launch function, DType enumerator, head_dim)\n",
-                "// SP_SELECT90_VARIANT(launch function, DType enumerator, head_dim)\n"]
+                "// SP_CALIB_VARIANT(launch function, DType enumerator, head_dim)\n"]
     for dtype, (enum, is_bf16) in DTYPES.items():
         for d in HEAD_DIMS:
             name = fwd_name(dtype, d)
@@ -132,23 +126,14 @@ def expected_files():
                     f"{' ' * (len(name) + 5)}const HostUpload& upload, void* stream) {{\n"
                     f"  return sm90::launch_fwd<{config}>(params, host_seqs, host_block_table, upload, stream);\n")
                 registry.append(f"SP_FWD90_VARIANT({name}, {enum}, {d}, {'true' if paged else 'false'})\n")
-    for dtype in SM90_DTYPES:
-        enum, is_bf16 = DTYPES[dtype]
-        for d in SM90_HEAD_DIMS:
-            name = select90_name(dtype, d)
-            files[f"{name}.cu"] = translation_unit(
-                "cuda/kernel/sm90/select_kernel.cuh",
-                f"int {name}(const SelectParams& params, void* stream) {{\n"
-                f"  return sm90::launch_select90<sm90::Select90Config<{is_bf16}, {d}>>(params, stream);\n")
-            registry.append(f"SP_SELECT90_VARIANT({name}, {enum}, {d})\n")
     # Every kind's macro defaults to nothing and is undefined at the end, so an includer
     # defines only the kinds it wants.
     kinds = ["SP_FWD_VARIANT(fn, dtype, head_dim)", "SP_SELECT_VARIANT(fn, dtype, head_dim)",
              "SP_PERMUTE_VARIANT(fn, dtype, head_dim)", "SP_FWD90_VARIANT(fn, dtype, head_dim, paged)",
-             "SP_CALIB_VARIANT(fn, dtype, head_dim)", "SP_SELECT90_VARIANT(fn, dtype, head_dim)"]
+             "SP_CALIB_VARIANT(fn, dtype, head_dim)"]
     defaults = "".join(f"#ifndef {k.split('(')[0]}\n#define {k}\n#endif\n" for k in kinds)
     undefs = "".join(f"#undef {k.split('(')[0]}\n" for k in kinds)
-    files["registry.inc"] = registry[0] + "".join(registry[1:7]) + defaults + "".join(registry[7:]) + undefs
+    files["registry.inc"] = registry[0] + "".join(registry[1:6]) + defaults + "".join(registry[6:]) + undefs
     return files
 
 

@@ -11,7 +11,6 @@
 #include <cstdint>
 #include <limits>
 #include <string>
-#include <utility>
 #include <vector>
 
 #include "common/inputs.h"
@@ -162,23 +161,6 @@ TEST(CudaPlan, GatheredRowOffsetsFitThirtyTwoBitsOfSixteenByteUnits) {
   // Products that overflow 64 bits are refused, not wrapped.
   EXPECT_FALSE(gather_offsets_fit(std::int64_t{1} << 40, 16, std::int64_t{1} << 40, 1024));
   EXPECT_FALSE(gather_offsets_fit(2, 1 << 30, 0, std::int64_t{1} << 40));
-}
-
-TEST(CudaPlan, SelectorFollowsTheDevice) {
-  // The wgmma selector on compute capability 9.0 (sm_90a code), the portable one everywhere
-  // else, for every compiled (dtype, head_dim).
-  for (DType dtype : {DType::kBF16, DType::kFP16}) {
-    for (int d : {64, 128}) {
-      const std::string hopper = choose_selector(dtype, d, 9, 0)->name;
-      EXPECT_EQ(hopper.rfind("select_sm90_", 0), 0u) << hopper;
-      for (const auto& [major, minor] : {std::pair{8, 0}, std::pair{8, 6}, std::pair{8, 9}, std::pair{10, 0}, std::pair{12, 0}}) {
-        const std::string portable = choose_selector(dtype, d, major, minor)->name;
-        EXPECT_EQ(portable.rfind("select_sm80_", 0), 0u) << portable << " on " << major << "." << minor;
-        EXPECT_EQ(choose_selector(dtype, d, major, minor)->head_dim, d);
-      }
-    }
-  }
-  EXPECT_EQ(choose_selector(DType::kBF16, 96, 9, 0), nullptr);  // no instance of that head_dim
 }
 
 TEST(CudaPlan, PagedKvOnTheHopperPathForEveryPageSize) {

@@ -155,7 +155,7 @@ struct SelectTile {
 
 // One warp's part of the energies: accumulator rows g and g + 8 (blocks j0 + g, j0 + g + 8) of
 // raw scores q·k̄ over kNF n8 column groups (query rows q0 + 8·nf + 2·t4 + e % 2), in the
-// mma.sync / wgmma accumulator layout. Per row λ = log2 Σ 2^{y}, y = scale·log2(e)·q·k̄ over the
+// mma.sync accumulator layout. Per row λ = log2 Σ 2^{y}, y = scale·log2(e)·q·k̄ over the
 // contributing pairs (a row with none gets -inf), written to lambda[j] for j < A, added to what
 // is there (log-sum-exp) when `add` (the later heads of a pack_gqa group). `masked`: some pair
 // of these rows and columns may not contribute; otherwise the per-pair test is skipped.
