@@ -24,7 +24,7 @@ using PermuteLaunchFn = int (*)(PermuteParams& params, void* stream);
 // One segmented sort of permute_stop (kernel/permute_sort.cuh): descending, stable, 64-bit
 // keys with int32 values, buffers in CUB double-buffer pairs ([0] holds the input).
 struct SortPairs {
-  std::uint64_t* keys[2];
+  std::uint32_t* keys[2];
   std::int32_t* values[2];
   int items;
   int segments;

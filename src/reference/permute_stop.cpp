@@ -18,6 +18,12 @@ struct Ranked {
   std::int64_t index;
 };
 
+// A ranking score: the fp64 dot product rounded to fp32 (round to nearest; NaN stays NaN,
+// magnitudes past fp32 become ±inf). Ranking at fp32 resolution is the definition: the CUDA
+// backend sorts 32-bit keys (half the radix passes of 64-bit ones), and scores that round to
+// the same fp32 value tie, broken by the lower index as every tie.
+double ranking_score(double dot_product) { return static_cast<double>(static_cast<float>(dot_product)); }
+
 // Descending score, ties by lower index. A NaN score ranks after every number (and the
 // comparison stays a strict weak order).
 bool ranks_before(const Ranked& a, const Ranked& b) {
@@ -71,7 +77,7 @@ SegmentOrder order_segment(const Sequence& seq, int h, std::int64_t segment,
   for (double& x : q_bar) x /= static_cast<double>(rows.end - rows.begin);
 
   std::vector<Ranked> keys;
-  for (std::int64_t t = 0; t < out.prefix; ++t) keys.push_back({dot(q_bar.data(), seq.k_row(t, hk), seq.d), t});
+  for (std::int64_t t = 0; t < out.prefix; ++t) keys.push_back({ranking_score(dot(q_bar.data(), seq.k_row(t, hk), seq.d)), t});
   out.ranked = rank(std::move(keys));
 
   if (out.prefix == 0) {  // no prefix, no guide vector: identity order
@@ -87,7 +93,7 @@ SegmentOrder order_segment(const Sequence& seq, int h, std::int64_t segment,
   }
   for (double& x : u) x /= static_cast<double>(top);
   std::vector<Ranked> queries;
-  for (std::int64_t r = rows.begin; r < rows.end; ++r) queries.push_back({dot(seq.q_row(r, h), u.data(), seq.d), r});
+  for (std::int64_t r = rows.begin; r < rows.end; ++r) queries.push_back({ranking_score(dot(seq.q_row(r, h), u.data(), seq.d)), r});
   out.rows = rank(std::move(queries));
   return out;
 }

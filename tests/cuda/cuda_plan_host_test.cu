@@ -404,13 +404,21 @@ TEST(CudaPlan, PermuteTilesMatchTheCpuBackendsTiles) {
 
 TEST(CudaPlan, RankKeysSortInTheOraclesRankingOrder) {
   // Descending by score, NaN after every number, ties (+0 and -0 included) by lower index: the
-  // oracle's order, against a stable descending sort by rank_key (CUB's sort in the kernels).
-  constexpr double kInf = std::numeric_limits<double>::infinity();
-  const double nan = std::numeric_limits<double>::quiet_NaN();
-  std::vector<double> score = {0.5, -0.0, nan, -kInf, 0.0, 3.0, kInf, -2.5, nan, 0.5, -1e-300, 1e-300,
-                               -kInf, 3.0, std::numeric_limits<double>::max(), -std::numeric_limits<double>::max()};
+  // oracle's order of its fp32-rounded scores, against a stable descending sort by rank_key
+  // (CUB's sort in the kernels).
+  constexpr float kInf = std::numeric_limits<float>::infinity();
+  const float nan = std::numeric_limits<float>::quiet_NaN();
+  std::vector<float> score = {0.5f, -0.0f, nan, -kInf, 0.0f, 3.0f, kInf, -2.5f, nan, 0.5f, -1e-38f, 1e-38f,
+                              -kInf, 3.0f, std::numeric_limits<float>::max(), -std::numeric_limits<float>::max(),
+                              std::numeric_limits<float>::denorm_min(), -std::numeric_limits<float>::denorm_min()};
   test::Random rng(5);
-  for (int i = 0; i < 200; ++i) score.push_back(std::ldexp(rng.uniform(), static_cast<int>(rng.below(40)) - 20));
+  for (int i = 0; i < 100; ++i) {
+    // fp64 values rounded as the oracle's ranking_score does: x and x·(1 + 1e-9) differ in fp64
+    // and (almost always) tie in fp32, so the ties by index are exercised.
+    const double x = std::ldexp(rng.uniform(), static_cast<int>(rng.below(40)) - 20);
+    score.push_back(static_cast<float>(x));
+    score.push_back(static_cast<float>(x * (1.0 + 1e-9)));
+  }
   std::vector<std::size_t> want(score.size()), got(score.size());
   for (std::size_t i = 0; i < score.size(); ++i) want[i] = got[i] = i;
   std::stable_sort(want.begin(), want.end(), [&](std::size_t a, std::size_t b) {
@@ -420,8 +428,9 @@ TEST(CudaPlan, RankKeysSortInTheOraclesRankingOrder) {
   });
   std::stable_sort(got.begin(), got.end(), [&](std::size_t a, std::size_t b) { return rank_key(score[a]) > rank_key(score[b]); });
   EXPECT_EQ(got, want);
-  EXPECT_EQ(rank_key(-0.0), rank_key(0.0));
+  EXPECT_EQ(rank_key(-0.0f), rank_key(0.0f));
   EXPECT_LT(rank_key(nan), rank_key(-kInf));
+  EXPECT_LT(rank_key(-std::numeric_limits<float>::denorm_min()), rank_key(0.0f));
 }
 
 TEST(CudaPlan, CalibrationStatisticsSupport) {

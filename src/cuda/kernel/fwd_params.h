@@ -250,9 +250,9 @@ struct PermuteParams {
   // Scratch. Sort buffers come in pairs (CUB double buffers); the launch sets `ranked` and
   // `query_order` to the buffer of each pair that holds the sorted result.
   double* q_mean;                // [rank_segments, d]: q̄ per item, fp64
-  std::uint64_t* rank_keys[2];   // [rank_items]: rank_key(q̄·k_t) (kernel/rank_key.h)
+  std::uint32_t* rank_keys[2];   // [rank_items]: rank_key(q̄·k_t) (kernel/rank_key.h)
   std::int32_t* rank_index[2];   // [rank_items]: t
-  std::uint64_t* query_keys[2];  // [query_items]: rank_key(q·u) (0 where the order stays)
+  std::uint32_t* query_keys[2];  // [query_items]: rank_key(q·u) (0 where the order stays)
   std::int32_t* query_rows[2];   // [query_items]: call-relative rows; -1 past s_q
   void* sort_temp;
   std::size_t sort_temp_bytes;

@@ -11,15 +11,16 @@
 
 namespace sparseprefill::cuda {
 
-// A score as a 64-bit key whose unsigned order is the ranking order: numbers by value; NaN
-// below every number (0: it ranks last in a descending sort); -0 equal to +0 (the stable sort
-// then breaks the tie by index, as for any other tie).
-SP_HD std::uint64_t rank_key(double x) {
+// A ranking score (the fp64 dot product rounded to fp32, as the oracle's ranking_score) as a
+// 32-bit key whose unsigned order is the ranking order: numbers by value; NaN below every
+// number (0: it ranks last in a descending sort); -0 equal to +0 (the stable sort then breaks
+// the tie by index, as for any other tie).
+SP_HD std::uint32_t rank_key(float x) {
   if (x != x) return 0;
-  if (x == 0.0) x = 0.0;
-  std::uint64_t bits = 0;
+  if (x == 0.0f) x = 0.0f;
+  std::uint32_t bits = 0;
   std::memcpy(&bits, &x, sizeof bits);
-  return (bits >> 63) != 0 ? ~bits : bits | (std::uint64_t{1} << 63);
+  return (bits >> 31) != 0 ? ~bits : bits | (std::uint32_t{1} << 31);
 }
 
 }  // namespace sparseprefill::cuda

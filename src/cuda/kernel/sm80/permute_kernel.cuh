@@ -127,7 +127,7 @@ __global__ void __launch_bounds__(128) prefix_scores_kernel(const __grid_constan
       if (j >= heads) continue;
       const std::int64_t item = (static_cast<std::int64_t>(b) * p.h_q + h0 + j) * pp.max_segments + slot;
       const std::int64_t at = pp.rank_offsets[item] + t;
-      pp.rank_keys[0][at] = rank_key(dot[j]);
+      pp.rank_keys[0][at] = rank_key(static_cast<float>(dot[j]));
       pp.rank_index[0][at] = static_cast<std::int32_t>(t);
     }
   }
@@ -163,7 +163,7 @@ __global__ void __launch_bounds__(Cfg::kHeadDim) guide_kernel(const __grid_const
     const std::uint16_t* row = q + r * p.q_row_stride;
     double dot = 0.0;
     for (int c = 0; c < kD; ++c) dot = add_product(dot, ptx::to_float<Cfg::kBf16>(row[c]), s_u[c]);
-    pp.query_keys[0][slots + r] = rank_key(dot);
+    pp.query_keys[0][slots + r] = rank_key(static_cast<float>(dot));
   }
 }
 
