@@ -121,7 +121,7 @@ note "correctness checks done"
 # kernel moved up to 10% between processes on these machines, and the clocks say whether the
 # card throttled. Summarised in the summary when the timing steps end.
 clock_log=
-if command -v nvidia-smi >/dev/null; then
+if [[ -z ${SP_SKIP_TILES:-} || -z ${SP_SKIP_BENCH:-} ]] && command -v nvidia-smi >/dev/null; then
   nvidia-smi --query-gpu=timestamp,clocks.sm,clocks.max.sm,power.draw,temperature.gpu \
     --format=csv,noheader,nounits -lms 200 >"$out/clocks.csv" 2>/dev/null &
   clock_log=$!
@@ -148,7 +148,7 @@ if [[ -n $clock_log ]]; then
   kill "$clock_log" 2>/dev/null
   wait "$clock_log" 2>/dev/null
   # Samples while the SM was busy enough to draw power: min / median / max SM clock (MHz).
-  awk -F', *' '$4 + 0 > 150 {print $2}' "$out/clocks.csv" | sort -n |
+  [[ -f $out/clocks.csv ]] && awk -F', *' '$4 + 0 > 150 {print $2}' "$out/clocks.csv" | sort -n |
     awk '{v[NR] = $1} END {if (NR) printf "SM clock under load (MHz, %d samples): min %d, median %d, max %d\n", NR, v[1], v[int((NR + 1) / 2)], v[NR]}' |
     tee -a "$summary"
 fi
