@@ -7,6 +7,8 @@
 #   OUTDIR/stalls.txt       warp-stall sampling per launch: the stall reasons, then the hottest
 #                           SASS instructions split at the warp-specialised kernels'
 #                           `USETMAXREG.DEALLOC` (producer after it, consumers before)
+#   OUTDIR/metrics.txt      headline throughput, occupancy and cache figures
+# (the build and the summary: scripts/profile/ncu_common.sh)
 # Usage: scripts/profile/ncu_tiles.sh OUTDIR [sp_cuda_tiles arguments, e.g. paged 16]
 # Env: SP_NCU_KERNEL (demangled-name regex, default sm90), SP_NCU_SKIP (launches of it to skip,
 #      default 8: the contiguous call's warm-up and 7 timed launches in `paged` mode, so the next
@@ -21,21 +23,13 @@ out=$(mkdir -p "$1" && cd "$1" && pwd)
 shift
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)
 cd "$root"
-prefix=()
-[[ -d $root/.carry/gtest/usr ]] && prefix=(-DCMAKE_PREFIX_PATH="$root/.carry/gtest/usr")
-if ! { cmake --preset h200 "${prefix[@]}" && cmake --build build/h200 -j"${JOBS:-16}" --target sp_cuda_tiles; } \
-  >"$out/build.log" 2>&1; then
-  tail -30 "$out/build.log"
-  exit 1
-fi
+# shellcheck source=scripts/profile/ncu_common.sh
+source "$root/scripts/profile/ncu_common.sh"
+ncu_build sp_cuda_tiles || exit 1
 timeout 480 ncu --clock-control none --set full --import-source no --kernel-name-base demangled \
   -k "regex:${SP_NCU_KERNEL:-sm90}" --launch-skip "${SP_NCU_SKIP:-8}" --launch-count "${SP_NCU_COUNT:-1}" \
   -o "$out/report" build/h200/src/cuda/sp_cuda_tiles "$@" >"$out/ncu.log" 2>&1
 rc=$?
 tail -3 "$out/ncu.log"
 ((rc == 0)) || exit "$rc"
-ncu -i "$out/report.ncu-rep" --page details --csv >"$out/details.csv"
-ncu -i "$out/report.ncu-rep" --page raw --csv >"$out/raw.csv"
-ncu -i "$out/report.ncu-rep" --page source --csv --print-source sass >"$out/source.csv"
-python3 "$root/scripts/profile/ncu_stalls.py" "$out/raw.csv" "$out/source.csv" | tee "$out/stalls.txt"
-rm -f "$out/raw.csv" "$out/source.csv"  # large; the report holds them
+ncu_summarise
