@@ -67,7 +67,10 @@ if command -v cuobjdump >/dev/null; then
     echo "$(basename "$obj" .cu.o) SASS | HGMMA $(grep -c HGMMA <<<"$sass") | LDL/STL $(grep -cE '\b(LDL|STL)' <<<"$sass")"
   done >>"$out/resources.txt"
 fi
-note "ptxas: $(wc -l <"$out/resources.txt") kernel builds, $(grep -c 'bytes spill stores' "$out/resources.txt") with a spill line"
+# ptxas serialises wgmma silently (C7510-C7520: a wgmma under a branch, accumulators read while
+# a group is in flight, ...): the Hopper kernels' overlap is gone when one of these appears.
+grep -h "Potential Performance Loss: wgmma" "$out/build.log" | sort -u | $demangle >>"$out/resources.txt"
+note "ptxas: $(grep -c ' | Used ' "$out/resources.txt") kernel builds, $(grep -c 'bytes spill stores' "$out/resources.txt") with a spill line, $(grep -c 'Potential Performance Loss: wgmma' "$out/resources.txt") wgmma serialisation warning(s)"
 
 note "gpu tests"
 timeout 360 ctest --test-dir "$build" -L gpu ${SP_TEST_FILTER:+-R "$SP_TEST_FILTER"} -j8 --timeout "${SP_TEST_TIMEOUT:-300}" \
