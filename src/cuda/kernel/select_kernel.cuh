@@ -87,8 +87,9 @@ __global__ void __launch_bounds__(kD) block_means_kernel(const __grid_constant__
 // 8 warps as 4 block groups x 2 query halves: a chunk is 64 pooled blocks, and warp w scores
 // blocks 16·(w % 4) .. +15 of it against query rows 64·(w / 4) .. +63 of the tile (32
 // accumulators per thread). Chunks of 64, not 128: the last chunk of a tile idles fewer warps
-// (bench record 2026-11-29-h200-selector-transposed-scores: 23% of the stall samples at the
-// chunk barrier with 128).
+// (Nsight, bench/records/2026-11-29-h200-selector-permute-ncu.log: 23% of the stall samples at
+// the chunk barrier with 128; selector 4.38 -> 3.96 ms at 128K, records
+// -selector-transposed-scores and -selector-chunks-of-64-query-halves).
 template <bool kBf16, int kD>
 struct SelectConfig {
   static constexpr int kWarps = 8;
