@@ -21,7 +21,7 @@ using CalibLaunchFn = int (*)(const CalibParams& params, void* stream);
 // params.query_order to the sort buffers holding the results.
 using PermuteLaunchFn = int (*)(PermuteParams& params, void* stream);
 
-// One segmented sort of permute_stop (kernel/permute_sort.cuh): descending, stable, 64-bit
+// One segmented sort of permute_stop (kernel/permute_sort.cuh): descending, stable, 32-bit
 // keys with int32 values, buffers in CUB double-buffer pairs ([0] holds the input).
 struct SortPairs {
   std::uint32_t* keys[2];
