@@ -237,9 +237,10 @@ Status compute_capability(int device, int* major, int* minor) {
 // the tensors' addresses, so the plan's tensors are the ones cached). The instance encodes them
 // exactly as a run does and hands them to this uploader, which caches them and declines the
 // launch (kUploadRefused: nothing is enqueued). Nothing to do where the plan's calls take the
-// portable kernel.
+// portable kernel, or for permute_stop, whose Hopper kernel gathers rows without maps.
 Status cache_hopper_maps(const AttentionProblem& problem, const ProblemShape& shape, const Policy& policy,
                          const std::vector<SeqInfo>& seqs, cudaStream_t stream) {
+  if (std::holds_alternative<PermuteStopParams>(policy)) return {};
   int cc_major = 0, cc_minor = 0;
   SP_RETURN_IF_ERROR(compute_capability(shape.device.index, &cc_major, &cc_minor));
   if (choose_fwd_path(shape, policy, tma_describable(problem), cc_major, cc_minor) != FwdPath::kHopper) return {};
@@ -275,11 +276,12 @@ struct KeptBits {
   std::size_t words = 0;
 };
 
-// permute_stop: ranking, sorts and attention enqueued by the instance (no synchronisation);
-// decisions copied back only when requested.
-Status run_permute_stop(const ProblemShape& shape, const PermuteStopParams& pol, const FwdParams& fwd,
+// permute_stop: ranking, sorts and attention enqueued by the instance (no synchronisation), the
+// attention on the Hopper kernel when `path` says so; decisions copied back only when requested.
+Status run_permute_stop(const ProblemShape& shape, const PermuteStopParams& pol, const FwdParams& fwd, FwdPath path,
                         Scratch& scratch, cudaStream_t stream, Decisions* decisions) {
   const PermuteVariant* variant = find_permute(shape.dtype, shape.d);
+  const Permute90Variant* hopper = path == FwdPath::kHopper ? find_permute90(shape.dtype, shape.d) : nullptr;
   PermuteLayout layout;
   SP_RETURN_IF_ERROR(permute_layout(shape, pol, &layout));
   PermuteParams pp{};
@@ -323,8 +325,9 @@ Status run_permute_stop(const ProblemShape& shape, const PermuteStopParams& pol,
   pp.sort_temp_bytes = temp;
   const std::size_t tiles = static_cast<std::size_t>(pp.rank_segments) * static_cast<std::size_t>(pp.tiles_per_segment);
   if (decisions != nullptr) SP_RETURN_IF_ERROR(scratch.zeros(tiles, &pp.visited));
-  SP_RETURN_IF_ERROR(launch_status(variant->launch(pp, stream), variant->name));
-  t_last_fwd_instance = variant->name;
+  const char* name = hopper != nullptr ? hopper->name : variant->name;
+  SP_RETURN_IF_ERROR(launch_status(variant->launch(pp, hopper != nullptr ? hopper->attend : nullptr, stream), name));
+  t_last_fwd_instance = name;
   if (decisions == nullptr) return {};
   std::vector<std::int32_t> visited;
   SP_RETURN_IF_ERROR(scratch.download(pp.visited, tiles, &visited));
@@ -643,7 +646,7 @@ Status run_cuda(const AttentionProblem& problem, const ProblemShape& shape, cons
   Decisions local;
   local.policy = policy_name(policy);
   if (const auto* ps = std::get_if<PermuteStopParams>(&policy)) {
-    SP_RETURN_IF_ERROR(run_permute_stop(shape, *ps, p, scratch, stream, want ? &local : nullptr));
+    SP_RETURN_IF_ERROR(run_permute_stop(shape, *ps, p, path, scratch, stream, want ? &local : nullptr));
     if (want) *decisions = std::move(local);
     return {};
   }

@@ -61,9 +61,9 @@ std::string support_summary() {
   return "compiled CUDA kernels (portable sm80 path): " + compiled_fwd_summary() +
          "; block_q 128, block_k 64 or 128; estimate_select block 128; policies dense, block_sparse, "
          "exact_gate, softmax_skip, estimate_select, permute_stop (block_q 128, block_k 64 or 128, at most 2^31 - 1 "
-         "ranked prefix keys per call); Hopper sm90 path (compute capability 9.0: dense and every policy but "
-         "permute_stop with 128-key blocks, contiguous or paged K/V of any page size; block_k 64 uses the portable path "
-         "there): " +
+         "ranked prefix keys per call); Hopper sm90 path (compute capability 9.0: dense and every policy with "
+         "128-key blocks, contiguous or paged K/V of any page size, permute_stop with contiguous K/V; block_k 64 uses "
+         "the portable path there): " +
          compiled_fwd90_summary() + "; paged K/V (any page size): every policy on the portable path; "
          "not on CUDA: fp32";
 }
@@ -103,7 +103,7 @@ FwdPath choose_fwd_path(const ProblemShape& shape, const Policy& policy, bool tm
   // The Hopper kernel's key tile is one 128-key block: dense (no blocks) and every policy with
   // 128-key blocks run there; 64-key blocks keep the portable kernel's 64-key sub-tiles.
   const bool served = std::visit(
-      [](const auto& p) {
+      [&](const auto& p) {
         using P = std::decay_t<decltype(p)>;
         if constexpr (std::is_same_v<P, DenseParams>) {
           return true;
@@ -114,7 +114,8 @@ FwdPath choose_fwd_path(const ProblemShape& shape, const Policy& policy, bool tm
         } else if constexpr (std::is_same_v<P, EstimateSelectParams>) {
           return p.block == hopper_block_k();
         } else {
-          return false;
+          // permute_stop: one 128-key tile per ranked chunk, rows gathered from contiguous K/V.
+          return p.block_k == hopper_block_k() && !paged && find_permute90(shape.dtype, shape.d) != nullptr;
         }
       },
       policy);

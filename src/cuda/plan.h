@@ -54,8 +54,9 @@ bool hopper_can_box_pages(int page_size);
 // The path of a call that check_support accepted, on a device of compute capability
 // (cc_major, cc_minor): Hopper on 9.0 when an sm90 instance of (dtype, head_dim, contiguous or
 // paged K/V) is compiled, the tensors are TMA-describable and the policy is dense or works on
-// hopper_block_k() key blocks (block_sparse, exact_gate, softmax_skip, estimate_select);
-// portable otherwise (block_k 64, permute_stop, every other device).
+// hopper_block_k() key blocks (block_sparse, exact_gate, softmax_skip, estimate_select, and
+// permute_stop over contiguous K/V with its attention instance compiled); portable otherwise
+// (block_k 64, paged permute_stop, every other device).
 FwdPath choose_fwd_path(const ProblemShape& shape, const Policy& policy, bool tma_ok, int cc_major, int cc_minor);
 
 // The key-block size dense attention runs with (a tuning value, no effect on results).

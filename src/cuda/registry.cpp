@@ -31,6 +31,11 @@ constexpr PermuteVariant kPermuteVariants[] = {
 #include "cuda/instances/registry.inc"
 };
 
+constexpr Permute90Variant kPermute90Variants[] = {
+#define SP_PERMUTE90_VARIANT(fn, dtype, head_dim) {#fn, DType::dtype, head_dim, &fn},
+#include "cuda/instances/registry.inc"
+};
+
 constexpr CalibVariant kCalibVariants[] = {
 #define SP_CALIB_VARIANT(fn, dtype, head_dim) {#fn, DType::dtype, head_dim, &fn},
 #include "cuda/instances/registry.inc"
@@ -57,6 +62,11 @@ const SelectVariant* find_select(DType dtype, int head_dim) {
 
 const PermuteVariant* find_permute(DType dtype, int head_dim) {
   return find_in(kPermuteVariants, [&](const PermuteVariant& v) { return v.dtype == dtype && v.head_dim == head_dim; });
+}
+
+const Permute90Variant* find_permute90(DType dtype, int head_dim) {
+  return find_in(kPermute90Variants,
+                 [&](const Permute90Variant& v) { return v.dtype == dtype && v.head_dim == head_dim; });
 }
 
 const Fwd90Variant* find_fwd90(DType dtype, int head_dim, bool paged) {
@@ -92,6 +102,7 @@ std::string compiled_instances() {
   for (const SelectVariant& v : kSelectVariants) os << v.name << "\n";
   for (const PermuteVariant& v : kPermuteVariants) os << v.name << "\n";
   for (const Fwd90Variant& v : kFwd90Variants) os << v.name << "\n";
+  for (const Permute90Variant& v : kPermute90Variants) os << v.name << "\n";
   for (const CalibVariant& v : kCalibVariants) os << v.name << "\n";
   return os.str();
 }

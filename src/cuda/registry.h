@@ -17,9 +17,13 @@ namespace sparseprefill::cuda {
 using FwdLaunchFn = int (*)(const FwdParams& params, void* stream);
 using SelectLaunchFn = int (*)(const SelectParams& params, void* stream);
 using CalibLaunchFn = int (*)(const CalibParams& params, void* stream);
+// permute_stop's attention over the ranked, sorted orders (params.ranked and params.query_order
+// set): the Hopper instances (permute_sm90_*).
+using PermuteAttendFn = int (*)(const PermuteParams& params, void* stream);
 // permute_stop: ranking, sorts and attention in one enqueued sequence; sets params.ranked and
-// params.query_order to the sort buffers holding the results.
-using PermuteLaunchFn = int (*)(PermuteParams& params, void* stream);
+// params.query_order to the sort buffers holding the results. The attention is the portable
+// kernel's, or `attend`'s when it is not null.
+using PermuteLaunchFn = int (*)(PermuteParams& params, PermuteAttendFn attend, void* stream);
 
 // One segmented sort of permute_stop (kernel/permute_sort.cuh): descending, stable, 32-bit
 // keys with int32 values, buffers in CUB double-buffer pairs ([0] holds the input).
@@ -77,6 +81,13 @@ struct PermuteVariant {
   PermuteLaunchFn launch;
 };
 
+struct Permute90Variant {
+  const char* name;  // e.g. "permute_sm90_bf16_hd128"
+  DType dtype;
+  int head_dim;
+  PermuteAttendFn attend;
+};
+
 struct SelectVariant {
   const char* name;  // e.g. "select_sm80_bf16_hd128"
   DType dtype;
@@ -94,7 +105,8 @@ struct CalibVariant {
 #define SP_FWD_VARIANT(fn, dtype, head_dim) int fn(const FwdParams& params, void* stream);
 #define SP_SELECT_VARIANT(fn, dtype, head_dim) int fn(const SelectParams& params, void* stream);
 #define SP_CALIB_VARIANT(fn, dtype, head_dim) int fn(const CalibParams& params, void* stream);
-#define SP_PERMUTE_VARIANT(fn, dtype, head_dim) int fn(PermuteParams& params, void* stream);
+#define SP_PERMUTE_VARIANT(fn, dtype, head_dim) int fn(PermuteParams& params, PermuteAttendFn attend, void* stream);
+#define SP_PERMUTE90_VARIANT(fn, dtype, head_dim) int fn(const PermuteParams& params, void* stream);
 #define SP_FWD90_VARIANT(fn, dtype, head_dim, paged)                                                   \
   int fn(const FwdParams& params, const SeqInfo* host_seqs, const std::int32_t* host_block_table, \
          const HostUpload& upload, void* stream);
@@ -105,6 +117,7 @@ struct CalibVariant {
 const FwdVariant* find_fwd(DType dtype, int head_dim);
 const SelectVariant* find_select(DType dtype, int head_dim);
 const PermuteVariant* find_permute(DType dtype, int head_dim);
+const Permute90Variant* find_permute90(DType dtype, int head_dim);
 const Fwd90Variant* find_fwd90(DType dtype, int head_dim, bool paged);
 const CalibVariant* find_calib(DType dtype, int head_dim);
 // "bf16 d=64, ..." for messages, and one instance name per line for build_info.

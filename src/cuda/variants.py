@@ -14,9 +14,10 @@ kernel branches on it once per block, outside the inner loops.
 
 Two kernel families: the portable sm80 path (FWD/SELECT/PERMUTE/CALIB plus permute_stop's one
 dtype-free sort instance, every architecture of SP_PORTABLE_ARCHS) and the Hopper sm90 path
-(FWD90: dense and every policy but permute_stop on 128-key blocks, compiled for sm_90a alone;
-file names contain "sm90", which src/cuda/CMakeLists.txt uses to build them as their own
-target). The Hopper path has one more axis:
+(FWD90: dense and every policy on 128-key blocks; PERMUTE90: permute_stop's attention with
+128-key chunks, after the portable instance's ranking; compiled for sm_90a alone; file names
+contain "sm90", which src/cuda/CMakeLists.txt uses to build them as their own target). The
+Hopper forward kernel has one more axis:
   kv        contiguous or paged: the producer's K/V loads (contiguous tensor maps, or boxes
             through the block table) differ at compile time, so the contiguous instances keep
             exactly the code they had before paged K/V ran there.
@@ -65,6 +66,10 @@ def fwd90_name(dtype, d, paged):
     return f"fwd_sm90_{'paged_' if paged else ''}{dtype}_hd{d}"
 
 
+def permute90_name(dtype, d):
+    return f"permute_sm90_{dtype}_hd{d}"
+
+
 def translation_unit(kernel_header, body):
     """One instance's .cu file: the kernel header, the registry, and `body` (the launch function)
     inside the backend's namespace."""
@@ -82,6 +87,7 @@ def expected_files():
                 "// SP_SELECT_VARIANT(launch function, DType enumerator, head_dim)\n",
                 "// SP_PERMUTE_VARIANT(launch function, DType enumerator, head_dim)\n",
                 "// SP_FWD90_VARIANT(launch function, DType enumerator, head_dim, paged)\n",
+                "// SP_PERMUTE90_VARIANT(launch function, DType enumerator, head_dim)\n",
                 "// SP_CALIB_VARIANT(launch function, DType enumerator, head_dim)\n"]
     for dtype, (enum, is_bf16) in DTYPES.items():
         for d in HEAD_DIMS:
@@ -100,8 +106,8 @@ def expected_files():
             name = permute_name(dtype, d)
             files[f"{name}.cu"] = translation_unit(
                 "cuda/kernel/sm80/permute_kernel.cuh",
-                f"int {name}(PermuteParams& params, void* stream) {{\n"
-                f"  return sm80::launch_permute<sm80::PermuteConfig<{is_bf16}, {d}>>(params, stream);\n")
+                f"int {name}(PermuteParams& params, PermuteAttendFn attend, void* stream) {{\n"
+                f"  return sm80::launch_permute<sm80::PermuteConfig<{is_bf16}, {d}>>(params, attend, stream);\n")
             registry.append(f"SP_PERMUTE_VARIANT({name}, {enum}, {d})\n")
             name = calib_name(dtype, d)
             files[f"{name}.cu"] = translation_unit(
@@ -126,14 +132,23 @@ def expected_files():
                     f"{' ' * (len(name) + 5)}const HostUpload& upload, void* stream) {{\n"
                     f"  return sm90::launch_fwd<{config}>(params, host_seqs, host_block_table, upload, stream);\n")
                 registry.append(f"SP_FWD90_VARIANT({name}, {enum}, {d}, {'true' if paged else 'false'})\n")
+    for dtype in SM90_DTYPES:
+        enum, is_bf16 = DTYPES[dtype]
+        for d in SM90_HEAD_DIMS:
+            name = permute90_name(dtype, d)
+            files[f"{name}.cu"] = translation_unit(
+                "cuda/kernel/sm90/permute_kernel.cuh",
+                f"int {name}(const PermuteParams& params, void* stream) {{\n"
+                f"  return sm90::launch_permute_attend<sm90::PermuteConfig<{is_bf16}, {d}>>(params, stream);\n")
+            registry.append(f"SP_PERMUTE90_VARIANT({name}, {enum}, {d})\n")
     # Every kind's macro defaults to nothing and is undefined at the end, so an includer
     # defines only the kinds it wants.
     kinds = ["SP_FWD_VARIANT(fn, dtype, head_dim)", "SP_SELECT_VARIANT(fn, dtype, head_dim)",
              "SP_PERMUTE_VARIANT(fn, dtype, head_dim)", "SP_FWD90_VARIANT(fn, dtype, head_dim, paged)",
-             "SP_CALIB_VARIANT(fn, dtype, head_dim)"]
+             "SP_PERMUTE90_VARIANT(fn, dtype, head_dim)", "SP_CALIB_VARIANT(fn, dtype, head_dim)"]
     defaults = "".join(f"#ifndef {k.split('(')[0]}\n#define {k}\n#endif\n" for k in kinds)
     undefs = "".join(f"#undef {k.split('(')[0]}\n" for k in kinds)
-    files["registry.inc"] = registry[0] + "".join(registry[1:6]) + defaults + "".join(registry[6:]) + undefs
+    files["registry.inc"] = registry[0] + "".join(registry[1:7]) + defaults + "".join(registry[7:]) + undefs
     return files
 
 

@@ -77,14 +77,15 @@ class PortableOnly {
 // The forward kernel family the default path must launch for (tp, policy) on this device: the
 // plan's choice (host-tested in cuda_plan_host_test) on an sm_90 device, the portable one elsewhere.
 std::string expected_instance_prefix(const TestProblem& tp, const Policy& policy, bool portable) {
-  // permute_stop has its own kernel family (gathered, permuted tiles) on every device.
-  if (std::holds_alternative<PermuteStopParams>(policy)) return "permute_sm80_";
-  if (portable) return "fwd_sm80_";
+  // permute_stop has its own kernel family (gathered, permuted tiles) on both paths.
+  const bool permute = std::holds_alternative<PermuteStopParams>(policy);
+  if (portable) return permute ? "permute_sm80_" : "fwd_sm80_";
   ProblemShape shape;
   const Status st = validate_problem(tp.problem(), nullptr, &shape);
   EXPECT_TRUE(st.ok()) << st.to_string();
   const bool hopper = st.ok() && hopper_device() &&
                       cuda::choose_fwd_path(shape, policy, true, 9, 0) == cuda::FwdPath::kHopper;
+  if (permute) return hopper ? "permute_sm90_" : "permute_sm80_";
   return hopper ? "fwd_sm90_" : "fwd_sm80_";
 }
 
@@ -648,28 +649,33 @@ TEST(CudaPermuteStop, TauZeroVisitsEverythingAndEqualsDense) {
 
 // Keys of a cached prefix that no segment of the call owns are read only through pass 2: the
 // ones that no tile of any query head of their KV group visits get NaN values (V does not
-// move the decisions), and the output must not see them.
+// move the decisions), and the output must not see them. 128-key chunks run the Hopper kernel
+// on sm_90, which loads the chunk after a stop before it knows of the stop.
 TEST(CudaPermuteStop, NaNValuesOfUnvisitedChunksAreNeverRead) {
   SP_REQUIRE_GPU();
-  const int segment = 256, block_k = 64;
-  Inputs in = permute_inputs({{300, 1500}}, 4, 2, 128, 2000);
-  TestProblem tp = make_problem(in);
-  const double tau = stable_tau(tp, segment, block_k);
-  ASSERT_FALSE(std::isnan(tau));
-  const PermuteStopParams params = permute_params(tau, segment, block_k);
-  const ref::Result before = oracle(tp, params);
-  ProblemShape shape;
-  ASSERT_TRUE(validate_problem(tp.problem(), nullptr, &shape).ok());
-  const ref::Sequence seq = ref::gather_sequence(tp.problem(), shape, 0);
-  const std::int64_t own_begin = (1500 - 300) / segment * segment;  // the first segment's first key
-  std::vector<std::vector<bool>> read(static_cast<std::size_t>(in.h_kv), std::vector<bool>(static_cast<std::size_t>(own_begin)));
-  for (const PermuteTile& t : before.decisions.tiles) {
-    const ref::SegmentOrder ord = ref::order_segment(seq, t.head, t.segment, params);
-    const std::int64_t n = geom::min64(static_cast<std::int64_t>(t.chunks_visited) * block_k, ord.prefix);
-    for (std::int64_t i = 0; i < n; ++i) {
-      const std::int64_t key = ord.ranked[static_cast<std::size_t>(i)];
-      if (key < own_begin) read[static_cast<std::size_t>(t.head / (in.h_q / in.h_kv))][static_cast<std::size_t>(key)] = true;
-    }
+  for (const int block_k : {64, 128}) {
+    SCOPED_TRACE("block_k " + std::to_string(block_k));
+    const int segment = 256;
+    Inputs in = permute_inputs({{300, 1500}}, 4, 2, 128, 2000);
+    TestProblem tp = make_problem(in);
+    const double tau = stable_tau(tp, segment, block_k);
+    ASSERT_FALSE(std::isnan(tau));
+    const PermuteStopParams params = permute_params(tau, segment, block_k);
+    const ref::Result before = oracle(tp, params);
+    ProblemShape shape;
+    ASSERT_TRUE(validate_problem(tp.problem(), nullptr, &shape).ok());
+    const ref::Sequence seq = ref::gather_sequence(tp.problem(), shape, 0);
+    const std::int64_t own_begin = (1500 - 300) / segment * segment;  // the first segment's first key
+    std::vector<std::vector<bool>> read(static_cast<std::size_t>(in.h_kv),
+                                       std::vector<bool>(static_cast<std::size_t>(own_begin)));
+    for (const PermuteTile& t : before.decisions.tiles) {
+      const ref::SegmentOrder ord = ref::order_segment(seq, t.head, t.segment, params);
+      const std::int64_t n = geom::min64(static_cast<std::int64_t>(t.chunks_visited) * block_k, ord.prefix);
+      for (std::int64_t i = 0; i < n; ++i) {
+        const std::int64_t key = ord.ranked[static_cast<std::size_t>(i)];
+        const auto group = static_cast<std::size_t>(t.head / (in.h_q / in.h_kv));
+        if (key < own_begin) read[group][static_cast<std::size_t>(key)] = true;
+      }
   }
   int poisoned = 0;
   for (int g = 0; g < in.h_kv; ++g) {
@@ -683,6 +689,7 @@ TEST(CudaPermuteStop, NaNValuesOfUnvisitedChunksAreNeverRead) {
   TestProblem poisoned_tp = make_problem(in);
   const GpuRun r = expect_gpu_matches(&poisoned_tp, params);
   EXPECT_TRUE(same_decisions(before.decisions, r.decisions));
+  }
 }
 
 

@@ -102,9 +102,16 @@ TEST(CudaPlan, HopperPathOnComputeCapability90For128KeyBlocks) {
   EXPECT_EQ(choose_fwd_path(s, select, true, 9, 0), FwdPath::kHopper);
   select.mean_correction = true;
   EXPECT_EQ(choose_fwd_path(s, select, true, 9, 0), FwdPath::kHopper);
-  EXPECT_EQ(choose_fwd_path(s, PermuteStopParams{}, true, 9, 0), FwdPath::kPortable);
+  // permute_stop: its Hopper attention kernel takes 128-key chunks.
+  PermuteStopParams permute;
+  EXPECT_EQ(permute.block_k, 128);
+  EXPECT_EQ(choose_fwd_path(s, permute, true, 9, 0), FwdPath::kHopper);
+  EXPECT_EQ(choose_fwd_path(shape_of(17, 40, 8, 8, 64, DType::kFP16), permute, true, 9, 0), FwdPath::kHopper);
+  permute.block_k = 64;
+  EXPECT_EQ(choose_fwd_path(s, permute, true, 9, 0), FwdPath::kPortable);
+  permute.block_k = 128;
   // sm_90a code runs on compute capability 9.0 alone: Ampere, Ada and Blackwell stay portable.
-  for (const Policy& policy : {Policy{DenseParams{}}, Policy{select}}) {
+  for (const Policy& policy : {Policy{DenseParams{}}, Policy{select}, Policy{permute}}) {
     EXPECT_EQ(choose_fwd_path(s, policy, true, 8, 0), FwdPath::kPortable);
     EXPECT_EQ(choose_fwd_path(s, policy, true, 8, 9), FwdPath::kPortable);
     EXPECT_EQ(choose_fwd_path(s, policy, true, 10, 0), FwdPath::kPortable);
@@ -194,6 +201,7 @@ TEST(CudaPlan, PagedKvOnTheHopperPathForEveryPageSize) {
       EXPECT_EQ(choose_fwd_path(s, policy, false, 9, 0), FwdPath::kPortable) << policy_name(policy);
     }
     EXPECT_EQ(choose_fwd_path(s, gate64, true, 9, 0), FwdPath::kPortable);
+    // permute_stop's Hopper kernel gathers contiguous rows only.
     EXPECT_EQ(choose_fwd_path(s, PermuteStopParams{}, true, 9, 0), FwdPath::kPortable);
   }
 }

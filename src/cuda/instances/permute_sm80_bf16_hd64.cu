@@ -5,8 +5,8 @@
 
 namespace sparseprefill::cuda {
 
-int permute_sm80_bf16_hd64(PermuteParams& params, void* stream) {
-  return sm80::launch_permute<sm80::PermuteConfig<true, 64>>(params, stream);
+int permute_sm80_bf16_hd64(PermuteParams& params, PermuteAttendFn attend, void* stream) {
+  return sm80::launch_permute<sm80::PermuteConfig<true, 64>>(params, attend, stream);
 }
 
 }  // namespace sparseprefill::cuda

@@ -421,10 +421,10 @@ __global__ void __launch_bounds__(Cfg::kThreads, 2) permute_kernel(const __grid_
 }
 
 // Host-side launch of the whole sequence: slot arrays, q̄, prefix scores, ranking sort, guide
-// and query keys, query sort, attention. Sets pp.ranked and pp.query_order. Returns a
-// cudaError_t value (0 = success).
+// and query keys, query sort, attention (permute_kernel, or `attend` when not null: the Hopper
+// kernel). Sets pp.ranked and pp.query_order. Returns a cudaError_t value (0 = success).
 template <class Cfg>
-int launch_permute(PermuteParams& pp, void* stream) {
+int launch_permute(PermuteParams& pp, PermuteAttendFn attend, void* stream) {
   const auto st = static_cast<cudaStream_t>(stream);
   const FwdParams& p = pp.fwd;
   pp.ranked = pp.rank_index[0];
@@ -461,6 +461,7 @@ int launch_permute(PermuteParams& pp, void* stream) {
                   pp.query_segments, pp.query_offsets, pp.sort_temp, pp.sort_temp_bytes};
   if (int err = permute_sort_pairs(query, &bytes, &current, stream)) return err;
   pp.query_order = pp.query_rows[current];
+  if (attend != nullptr) return attend(pp, stream);
 
   auto* kernel = permute_kernel<Cfg>;
   cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Cfg::kSmemBytes);
