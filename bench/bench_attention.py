@@ -611,7 +611,8 @@ class StructuredCase(Case):
     without and with mean correction; block_sparse planned on the selector's own mask (the
     attention alone, so that selection time = estimate_select − it); the selection alone through
     sp_select (synchronising: its time includes copying the mask to the host and building it
-    there, an upper bound); permute_stop at S2O's setting. Peers: SDPA flash and cuDNN."""
+    there, an upper bound); permute_stop at S2O's setting, and estimate_select+mc again at the
+    density permute_stop reached (their errors side by side). Peers: SDPA flash and cuDNN."""
 
     INPUTS = "structured"
 
@@ -686,6 +687,16 @@ class StructuredCase(Case):
         self.time_selection(self.estimate_policy(alpha), target)
         self.ours("ours_permute_stop", "ours permute_stop (τ=0.005)",
                   lib.policy("permute_stop", {"segment": 2048, "tau": 0.005}))
+        # Issue 5 reports permute_stop's error against dense beside estimate_select's at the
+        # same density: alpha tuned again, to the density permute_stop reached.
+        permute = next((r for r in self.record["rows"]
+                        if r["impl"] == "ours_permute_stop" and r.get("density")), None)
+        if permute is not None and self.wanted("ours_estimate_select_mc_matched"):
+            alpha, dens = self.alpha_for(permute["density"])
+            print(f"  alpha {alpha:.4g} gives density {dens:.4f} (permute_stop's {permute['density']:.4f})",
+                  flush=True)
+            self.ours("ours_estimate_select_mc_matched", "ours estimate_select+mc at permute_stop's density",
+                      self.estimate_policy(alpha, mc=True), extra={"alpha": alpha})
         return self.record
 
 

@@ -179,7 +179,8 @@ def selection_checks(c):
     checks = []
     n = c["n"]
     dense, flash, cudnn = find(c, "ours_dense"), find(c, "sdpa_flash"), find(c, "sdpa_cudnn")
-    target = next((r.get("target") for r in c["rows"] if r["impl"] == "ours_estimate_select"), None)
+    target = next((r.get("target") for r in c["rows"]
+                   if r["impl"] in ("ours_estimate_select", "ours_estimate_select_mc")), None)
     es, es_mc = find(c, "ours_estimate_select", target), find(c, "ours_estimate_select_mc", target)
     attend = find(c, "ours_block_sparse", target)
     if dense and es and attend and 16384 <= n <= 131072:

