@@ -608,7 +608,7 @@ class Case:
 class StructuredCase(Case):
     """Issue 5's figures need inputs a selector can be sparse on: one set from the structured
     generator (--peakedness), alpha tuned on it to --structured-density, then: estimate_select
-    without and with mean correction; block_sparse planned on the selector's own mask (the
+    without and with mean correction (and with pack_gqa, alpha tuned again); block_sparse planned on the selector's own mask (the
     attention alone, so that selection time = estimate_select − it); the selection alone through
     sp_select (synchronising: its time includes copying the mask to the host and building it
     there, an upper bound); permute_stop at S2O's setting, and estimate_select+mc again at the
@@ -630,16 +630,17 @@ class StructuredCase(Case):
         decisions = self.lib.select(self.problem(self.sets[0]), policy, self.options(), stats)
         return stats.total.kept_blocks / stats.total.visible_blocks, decisions
 
-    def estimate_policy(self, alpha, mc=False):
-        return self.lib.policy("estimate_select", {"alpha": repr(alpha), "mean_correction": int(mc)})
+    def estimate_policy(self, alpha, mc=False, packed=False):
+        return self.lib.policy("estimate_select", {"alpha": repr(alpha), "mean_correction": int(mc),
+                                                   "pack_gqa": int(packed)})
 
-    def alpha_for(self, target):
+    def alpha_for(self, target, packed=False):
         """Bisection on log alpha (density falls as alpha grows) to the density nearest target."""
         lo, hi = 1e-9, 1.0
         best = None
         for _ in range(16):
             mid = math.sqrt(lo * hi)
-            dens, _ = self.select_density(self.estimate_policy(mid))
+            dens, _ = self.select_density(self.estimate_policy(mid, packed=packed))
             if best is None or abs(dens - target) < abs(best[1] - target):
                 best = (mid, dens)
             if dens > target:
@@ -674,6 +675,14 @@ class StructuredCase(Case):
                   self.estimate_policy(alpha), target=target, extra={"alpha": alpha})
         self.ours("ours_estimate_select_mc", f"ours estimate_select+mc ~{target:.0%}",
                   self.estimate_policy(alpha, mc=True), target=target, extra={"alpha": alpha})
+        if self.wanted("ours_estimate_select_mc_packed"):
+            # pack_gqa: one selection per KV group (FlashPrefill V2's own configuration); the
+            # heads of a group then read the same key blocks, adjacent in the grid (L2 reuse).
+            alpha_p, dens_p = self.alpha_for(target, packed=True)
+            print(f"  pack_gqa: alpha {alpha_p:.4g} gives density {dens_p:.4f}", flush=True)
+            self.ours("ours_estimate_select_mc_packed", f"ours estimate_select+mc pack_gqa ~{target:.0%}",
+                      self.estimate_policy(alpha_p, mc=True, packed=True), target=target,
+                      extra={"alpha": alpha_p})
         _, decisions = self.select_density(self.estimate_policy(alpha))
         view = decisions.mask(sp_ctypes.MASK_KEPT)
         mask = lib.policy("block_sparse")
