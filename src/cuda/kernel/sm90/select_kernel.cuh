@@ -1,0 +1,190 @@
+// SPDX-License-Identifier: Apache-2.0
+// estimate_select's selector on the Hopper path (sm_90a): the portable selector's transposed
+// scores S^T = K̄ · Q^T (cuda/kernel/select_kernel.cuh: tile setup, per-warp energies, keep
+// rule and lists are shared) with wgmma, warp-specialised as the forward kernel is: one
+// producer warp streams 128-block chunks of k̄ by TMA through a 2-stage mbarrier ring, two
+// consumer warpgroups score 64 blocks each against the tile's 128 query rows and take turns
+// issuing (ping-pong), so that one warpgroup's energies (one exp2 per pair) overlap the other's
+// multiply. The block means are the portable kernel's launch, which calls this one in place of
+// its own selector. Included only by generated instance files.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+#include "cuda/kernel/select_kernel.cuh"
+#include "cuda/kernel/sm90/fwd_kernel.cuh"
+#include "cuda/kernel/sm90/hopper.cuh"
+
+namespace sparseprefill::cuda::sm90 {
+
+// Warps 0-7: the consumer warpgroups (wgmma needs warpgroup-aligned warps), warp 8: the
+// producer. 288 threads and 2 CTAs per SM (no setmaxnreg: 65536 / 576 threads leaves 112
+// registers to every thread), so one CTA's Q load and keep rule overlap the other's scoring.
+template <bool kBf16_, int kHeadDim_>
+struct Select90Config : FwdConfig<kBf16_, kHeadDim_> {
+  static constexpr int kConsumerThreads = 256;
+  static constexpr int kThreads = kConsumerThreads + 32;
+  static constexpr int kChunk = 128;  // pooled blocks per stage: one [128][d] tile, 64 per warpgroup
+};
+
+template <class Cfg>
+struct alignas(1024) Select90Smem {
+  std::uint8_t q[Cfg::kTileBytes];                 // the query tile, [d-half][row][64], 128B swizzle
+  std::uint8_t k[Cfg::kStages][Cfg::kTileBytes];  // k̄ chunks, as TMA writes them
+  std::uint64_t k_loaded[Cfg::kStages];           // TMA -> consumers (transaction bytes)
+  std::uint64_t k_free[Cfg::kStages];             // consumers -> producer: 8 warp arrivals
+  float red[8];
+  int count[2][8];
+  // Then λ per pooled block: [num_k_blocks] floats (the launch sizes the dynamic smem).
+};
+
+namespace select90 {
+
+// Named barriers of the consumer warpgroups (0 is __syncthreads): 1 and 2 order their wgmma
+// issue (ping-pong), 3 joins all 256 consumer threads.
+constexpr int kConsumersBarrier = 3;
+
+// Rows 0 .. valid - 1 of the query tile (rows `stride` elements apart) into the layout TMA
+// writes; rows past `valid` become zeros without a read. Called by the 256 consumer threads;
+// the caller waits for the group.
+template <class Cfg>
+__device__ __forceinline__ void load_q(std::uint32_t dst, const std::uint16_t* src, std::int64_t stride, int valid) {
+  constexpr int kChunks = Cfg::kHeadDim / 8;  // 16-byte chunks per row
+  static_assert((128 * kChunks) % Cfg::kConsumerThreads == 0, "whole passes");
+#pragma unroll
+  for (int n = 0; n < 128 * kChunks / Cfg::kConsumerThreads; ++n) {
+    const int idx = static_cast<int>(threadIdx.x) + n * Cfg::kConsumerThreads;
+    const int r = idx / kChunks, c = idx % kChunks;
+    const std::uint32_t to =
+        dst + static_cast<std::uint32_t>((c / 8) * Cfg::kHalfBytes + r * Cfg::kRowBytes + (((c % 8) ^ (r & 7)) << 4));
+    ptx::cp_async_16_or_zero(to, src + static_cast<std::int64_t>(r < valid ? r : 0) * stride + c * 8, r < valid);
+  }
+  ptx::cp_async_commit();
+}
+
+}  // namespace select90
+
+// One CTA per mask row (select::SelectTile), in the portable selector's grid order. Rounds over
+// (head, chunk of 128 blocks), the same for both warpgroups: warpgroup wg scores blocks
+// 64·wg .. +63 of the chunk (kD / 16 wgmma m64n128k16, both operands K-major from shared
+// memory), then select::warp_lambdas turns each warp's 16 rows into λ. The wgmma is issued in
+// every round whatever the chunk holds (ptxas serialises wgmma under a branch: C7520); warps
+// whose blocks lie past A skip only the energies.
+template <class Cfg>
+__global__ void __maxnreg__(112)
+    select90_kernel(const __grid_constant__ SelectParams p, const __grid_constant__ MeanMaps mean_maps) {
+  using S = Select90Smem<Cfg>;
+  extern __shared__ std::uint8_t smem_raw[];
+  const std::uint32_t raw = hw::smem_u32(smem_raw);
+  S& sm = *reinterpret_cast<S*>(smem_raw + ((1024 - (raw & 1023)) & 1023));
+  float* lambda = reinterpret_cast<float*>(reinterpret_cast<std::uint8_t*>(&sm) + sizeof(S));
+
+  select::SelectTile t;
+  if (!t.init(p, blockIdx.x)) return;
+  const int chunks = (t.scored + Cfg::kChunk - 1) / Cfg::kChunk;
+  const int rounds = t.heads * chunks;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  if (threadIdx.x == 0) {
+#pragma unroll
+    for (int st = 0; st < Cfg::kStages; ++st) {
+      hw::mbar_init(hw::smem_u32(&sm.k_loaded[st]), 1);
+      hw::mbar_init(hw::smem_u32(&sm.k_free[st]), 8);
+    }
+    hw::fence_mbar_init();
+  }
+  __syncthreads();
+
+  if (warp == 8) {
+    // ---------------------------------------------------------------- producer
+    if (lane != 0) return;
+    for (int n = 0; n < rounds; ++n) {
+      const int st = n % Cfg::kStages;
+      hw::mbar_wait(hw::smem_u32(&sm.k_free[st]), ((n / Cfg::kStages) & 1) ^ 1);
+      const std::uint32_t bar = hw::smem_u32(&sm.k_loaded[st]);
+      hw::mbar_expect_tx(bar, Cfg::kTileBytes);
+      const int block0 = (n % chunks) * Cfg::kChunk;  // blocks past the means' capacity read as zero
+      for (int half = 0; half < Cfg::kHalves; ++half) {
+        hw::tma_load_4d(hw::smem_u32(sm.k[st]) + half * Cfg::kHalfBytes, &mean_maps.k, bar, half * Cfg::kHalfDim, block0,
+                        t.hk, t.b);
+      }
+    }
+    return;
+  }
+
+  // ------------------------------------------------------------------ consumers
+  const int wg = warp / 4, wq = warp % 4;
+  const float scale_log2 = p.scale * 1.4426950408889634f;
+  const auto* q_rows = static_cast<const std::uint16_t*>(p.q) + t.seq.q_off + t.row0 * p.q_row_stride;
+  auto load_q = [&](int h) {
+    select90::load_q<Cfg>(hw::smem_u32(sm.q), q_rows + h * p.q_head_stride, p.q_row_stride, t.rows_valid);
+    ptx::cp_async_wait<0>();
+    hw::fence_proxy_async();  // cp.async wrote Q: the wgmma reads it
+    hw::named_sync(select90::kConsumersBarrier);
+  };
+  // Descriptors as in the forward kernel (rows of 64 elements, 8-row groups 1024 B apart; the
+  // k16 step kk at +32·(kk % 4) bytes inside d-half kk / 4); the warpgroup's 64 blocks are
+  // rows 64·wg .. of the chunk.
+  auto k_step = [](int kk) { return static_cast<std::uint64_t>(((kk / 4) * Cfg::kHalfBytes + (kk % 4) * 32) >> 4); };
+  const std::uint64_t q_desc = hw::desc_sw128(hw::smem_u32(sm.q), 16, Cfg::kAtomBytes);
+
+  load_q(t.h0);
+  const int my_turn = 1 + wg, other_turn = 2 - wg;
+  if (wg == 1 && rounds > 0) hw::named_arrive(1);  // warpgroup 0 issues first
+  float acc[16][4];
+  for (int n = 0; n < rounds; ++n) {
+    const int st = n % Cfg::kStages, head = n / chunks, c = n % chunks;
+    if (c == 0 && head > 0) {
+      hw::named_sync(select90::kConsumersBarrier);  // every warp's wgmma on the previous head's Q completed
+      load_q(t.h0 + head);
+    }
+    hw::mbar_wait(hw::smem_u32(&sm.k_loaded[st]), (n / Cfg::kStages) & 1);
+    hw::named_sync(my_turn);
+    const std::uint64_t a_desc =
+        hw::desc_sw128(hw::smem_u32(sm.k[st]) + wg * 64 * Cfg::kRowBytes, 16, Cfg::kAtomBytes);
+    hw::wgmma_fence();
+#pragma unroll
+    for (int kk = 0; kk < Cfg::kQkSteps; ++kk) hw::wgmma_ss<Cfg::kBf16>(acc, a_desc + k_step(kk), q_desc + k_step(kk), kk > 0);
+    hw::wgmma_commit();
+    if (wg == 0 || n + 1 < rounds) hw::named_arrive(other_turn);  // warpgroup 1's last would never be consumed
+    hw::wgmma_wait<0>();
+    hw::fence_regs(acc);
+    if (lane == 0) hw::mbar_arrive(hw::smem_u32(&sm.k_free[st]));
+    // Warp wq holds blocks j0 .. j0 + 15 (accumulator rows 16·wq + g, + 8) against every query
+    // row; the mask only where some pair may not contribute (see the portable kernel).
+    const int j0 = c * Cfg::kChunk + wg * 64 + 16 * wq;
+    if (j0 < t.scored) {
+      const bool masked = j0 + 15 >= t.scored || t.rows_valid < Cfg::kTileM ||
+                          t.a_f < static_cast<std::int64_t>(j0 + 15) * p.block;
+      select::warp_lambdas(acc, t, p.block, scale_log2, j0, 0, masked, head > 0, lambda, lane);
+    }
+  }
+  hw::named_sync(select90::kConsumersBarrier);  // every λ written
+  select::finish_selection<8>(p, t, lambda, nullptr, sm.red, sm.count,
+                              [] { hw::named_sync(select90::kConsumersBarrier); });
+}
+
+// The selector after the block means (the portable launch enqueued them on the same stream);
+// returns a cudaError_t value, cudaErrorNotSupported when the driver cannot encode the means'
+// tensor map (having enqueued nothing: the caller then runs the portable selector).
+template <class Cfg>
+int launch_select90(const SelectParams& p, void* stream) {
+  if (tensor_map_encoder() == nullptr) return static_cast<int>(cudaErrorNotSupported);
+  MeanMaps maps{};
+  if (!encode_mean_map<Cfg>(&maps.k, p.k_mean, p.num_k_blocks, p.h_kv, p.batch)) {
+    return static_cast<int>(cudaErrorNotSupported);
+  }
+  const int units = p.pack_gqa ? p.h_kv : p.h_q;
+  const unsigned grid = static_cast<unsigned>(p.num_q_blocks) * static_cast<unsigned>(units) *
+                        static_cast<unsigned>(p.batch);
+  if (grid == 0) return 0;
+  const std::size_t smem = sizeof(Select90Smem<Cfg>) + 1024 + static_cast<std::size_t>(p.num_k_blocks) * sizeof(float);
+  auto* kernel = select90_kernel<Cfg>;
+  cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem));
+  if (err != cudaSuccess) return static_cast<int>(err);
+  kernel<<<grid, Cfg::kThreads, smem, static_cast<cudaStream_t>(stream)>>>(p, maps);
+  return static_cast<int>(cudaGetLastError());
+}
+
+}  // namespace sparseprefill::cuda::sm90
