@@ -1,11 +1,10 @@
 // SPDX-License-Identifier: Apache-2.0
 // estimate_select's selector on the Hopper path (sm_90a): the portable selector's transposed
 // scores S^T = K̄ · Q^T (cuda/kernel/select_kernel.cuh: tile setup, per-warp energies, keep
-// rule and lists are shared) with wgmma, warp-specialised as the forward kernel is: one
-// producer warp streams 128-block chunks of k̄ by TMA through a 2-stage mbarrier ring, two
-// consumer warpgroups score 64 blocks each against the tile's 128 query rows and take turns
-// issuing (ping-pong), so that one warpgroup's energies (one exp2 per pair) overlap the other's
-// multiply. The block means are the portable kernel's launch, which calls this one in place of
+// rule and lists are shared) with wgmma: 128-block chunks of k̄ stream by TMA through a
+// 2-stage mbarrier ring, two warpgroups score 64 blocks each against the tile's 128 query rows
+// and take turns issuing (ping-pong), so that one warpgroup's energies (one exp2 per pair)
+// overlap the other's multiply. The block means are the portable kernel's launch, which calls this one in place of
 // its own selector. Included only by generated instance files.
 #pragma once
 
@@ -19,13 +18,15 @@
 
 namespace sparseprefill::cuda::sm90 {
 
-// Warps 0-7: the consumer warpgroups (wgmma needs warpgroup-aligned warps), warp 8: the
-// producer. 288 threads and 2 CTAs per SM (no setmaxnreg: 65536 / 576 threads leaves 112
-// registers to every thread), so one CTA's Q load and keep rule overlap the other's scoring.
+// Two warpgroups and no producer warp: 8 warps of at most 128 registers, 2 CTAs per SM, so one
+// CTA's Q load and keep rule overlap the other's scoring. (A ninth, producer warp cost the
+// second CTA: an SM sub-partition holds at most 4 warps of 112 registers, so 2 x 9 warps did
+// not fit; 5.5-6.1 ms at 128K against the portable selector's 3.9, record
+// 2026-11-29-h200-selector-hopper-warp-specialised.) Thread 0 requests the first two chunks,
+// thread 128 each later one, once all 8 warps have released its stage.
 template <bool kBf16_, int kHeadDim_>
 struct Select90Config : FwdConfig<kBf16_, kHeadDim_> {
-  static constexpr int kConsumerThreads = 256;
-  static constexpr int kThreads = kConsumerThreads + 32;
+  static constexpr int kThreads = 256;
   static constexpr int kChunk = 128;  // pooled blocks per stage: one [128][d] tile, 64 per warpgroup
 };
 
@@ -33,8 +34,8 @@ template <class Cfg>
 struct alignas(1024) Select90Smem {
   std::uint8_t q[Cfg::kTileBytes];                 // the query tile, [d-half][row][64], 128B swizzle
   std::uint8_t k[Cfg::kStages][Cfg::kTileBytes];  // k̄ chunks, as TMA writes them
-  std::uint64_t k_loaded[Cfg::kStages];           // TMA -> consumers (transaction bytes)
-  std::uint64_t k_free[Cfg::kStages];             // consumers -> producer: 8 warp arrivals
+  std::uint64_t k_loaded[Cfg::kStages];           // TMA -> warps (transaction bytes)
+  std::uint64_t k_free[Cfg::kStages];             // 8 warp arrivals: the stage may be refilled
   float red[8];
   int count[2][8];
   // Then λ per pooled block: [num_k_blocks] floats (the launch sizes the dynamic smem).
@@ -42,20 +43,16 @@ struct alignas(1024) Select90Smem {
 
 namespace select90 {
 
-// Named barriers of the consumer warpgroups (0 is __syncthreads): 1 and 2 order their wgmma
-// issue (ping-pong), 3 joins all 256 consumer threads.
-constexpr int kConsumersBarrier = 3;
-
 // Rows 0 .. valid - 1 of the query tile (rows `stride` elements apart) into the layout TMA
-// writes; rows past `valid` become zeros without a read. Called by the 256 consumer threads;
-// the caller waits for the group.
+// writes; rows past `valid` become zeros without a read. Called by all 256 threads; the caller
+// waits for the group.
 template <class Cfg>
 __device__ __forceinline__ void load_q(std::uint32_t dst, const std::uint16_t* src, std::int64_t stride, int valid) {
   constexpr int kChunks = Cfg::kHeadDim / 8;  // 16-byte chunks per row
-  static_assert((128 * kChunks) % Cfg::kConsumerThreads == 0, "whole passes");
+  static_assert((128 * kChunks) % Cfg::kThreads == 0, "whole passes");
 #pragma unroll
-  for (int n = 0; n < 128 * kChunks / Cfg::kConsumerThreads; ++n) {
-    const int idx = static_cast<int>(threadIdx.x) + n * Cfg::kConsumerThreads;
+  for (int n = 0; n < 128 * kChunks / Cfg::kThreads; ++n) {
+    const int idx = static_cast<int>(threadIdx.x) + n * Cfg::kThreads;
     const int r = idx / kChunks, c = idx % kChunks;
     const std::uint32_t to =
         dst + static_cast<std::uint32_t>((c / 8) * Cfg::kHalfBytes + r * Cfg::kRowBytes + (((c % 8) ^ (r & 7)) << 4));
@@ -73,7 +70,7 @@ __device__ __forceinline__ void load_q(std::uint32_t dst, const std::uint16_t* s
 // every round whatever the chunk holds (ptxas serialises wgmma under a branch: C7520); warps
 // whose blocks lie past A skip only the energies.
 template <class Cfg>
-__global__ void __maxnreg__(112)
+__global__ void __launch_bounds__(Cfg::kThreads, 2)
     select90_kernel(const __grid_constant__ SelectParams p, const __grid_constant__ MeanMaps mean_maps) {
   using S = Select90Smem<Cfg>;
   extern __shared__ std::uint8_t smem_raw[];
@@ -95,25 +92,21 @@ __global__ void __maxnreg__(112)
     hw::fence_mbar_init();
   }
   __syncthreads();
-
-  if (warp == 8) {
-    // ---------------------------------------------------------------- producer
-    if (lane != 0) return;
-    for (int n = 0; n < rounds; ++n) {
-      const int st = n % Cfg::kStages;
-      hw::mbar_wait(hw::smem_u32(&sm.k_free[st]), ((n / Cfg::kStages) & 1) ^ 1);
-      const std::uint32_t bar = hw::smem_u32(&sm.k_loaded[st]);
-      hw::mbar_expect_tx(bar, Cfg::kTileBytes);
-      const int block0 = (n % chunks) * Cfg::kChunk;  // blocks past the means' capacity read as zero
-      for (int half = 0; half < Cfg::kHalves; ++half) {
-        hw::tma_load_4d(hw::smem_u32(sm.k[st]) + half * Cfg::kHalfBytes, &mean_maps.k, bar, half * Cfg::kHalfDim, block0,
-                        t.hk, t.b);
-      }
+  // Chunk n (of round n: head n / chunks) into its stage, n % kStages; blocks past the means'
+  // capacity read as zero.
+  auto request = [&](int n) {
+    const int st = n % Cfg::kStages;
+    const std::uint32_t bar = hw::smem_u32(&sm.k_loaded[st]);
+    hw::mbar_expect_tx(bar, Cfg::kTileBytes);
+    for (int half = 0; half < Cfg::kHalves; ++half) {
+      hw::tma_load_4d(hw::smem_u32(sm.k[st]) + half * Cfg::kHalfBytes, &mean_maps.k, bar, half * Cfg::kHalfDim,
+                      (n % chunks) * Cfg::kChunk, t.hk, t.b);
     }
-    return;
+  };
+  if (threadIdx.x == 0) {
+    for (int n = 0; n < Cfg::kStages && n < rounds; ++n) request(n);
   }
 
-  // ------------------------------------------------------------------ consumers
   const int wg = warp / 4, wq = warp % 4;
   const float scale_log2 = p.scale * 1.4426950408889634f;
   const auto* q_rows = static_cast<const std::uint16_t*>(p.q) + t.seq.q_off + t.row0 * p.q_row_stride;
@@ -121,7 +114,7 @@ __global__ void __maxnreg__(112)
     select90::load_q<Cfg>(hw::smem_u32(sm.q), q_rows + h * p.q_head_stride, p.q_row_stride, t.rows_valid);
     ptx::cp_async_wait<0>();
     hw::fence_proxy_async();  // cp.async wrote Q: the wgmma reads it
-    hw::named_sync(select90::kConsumersBarrier);
+    __syncthreads();
   };
   // Descriptors as in the forward kernel (rows of 64 elements, 8-row groups 1024 B apart; the
   // k16 step kk at +32·(kk % 4) bytes inside d-half kk / 4); the warpgroup's 64 blocks are
@@ -136,7 +129,7 @@ __global__ void __maxnreg__(112)
   for (int n = 0; n < rounds; ++n) {
     const int st = n % Cfg::kStages, head = n / chunks, c = n % chunks;
     if (c == 0 && head > 0) {
-      hw::named_sync(select90::kConsumersBarrier);  // every warp's wgmma on the previous head's Q completed
+      __syncthreads();  // every warp's wgmma on the previous head's Q completed
       load_q(t.h0 + head);
     }
     hw::mbar_wait(hw::smem_u32(&sm.k_loaded[st]), (n / Cfg::kStages) & 1);
@@ -151,6 +144,12 @@ __global__ void __maxnreg__(112)
     hw::wgmma_wait<0>();
     hw::fence_regs(acc);
     if (lane == 0) hw::mbar_arrive(hw::smem_u32(&sm.k_free[st]));
+    // Warpgroup 1 issues after warpgroup 0 and so mostly releases a stage last: its first
+    // thread refills it with the chunk two rounds on.
+    if (threadIdx.x == 128 && n + Cfg::kStages < rounds) {
+      hw::mbar_wait(hw::smem_u32(&sm.k_free[st]), (n / Cfg::kStages) & 1);
+      request(n + Cfg::kStages);
+    }
     // Warp wq holds blocks j0 .. j0 + 15 (accumulator rows 16·wq + g, + 8) against every query
     // row; the mask only where some pair may not contribute (see the portable kernel).
     const int j0 = c * Cfg::kChunk + wg * 64 + 16 * wq;
@@ -160,9 +159,8 @@ __global__ void __maxnreg__(112)
       select::warp_lambdas(acc, t, p.block, scale_log2, j0, 0, masked, head > 0, lambda, lane);
     }
   }
-  hw::named_sync(select90::kConsumersBarrier);  // every λ written
-  select::finish_selection<8>(p, t, lambda, nullptr, sm.red, sm.count,
-                              [] { hw::named_sync(select90::kConsumersBarrier); });
+  __syncthreads();  // every λ written
+  select::finish_selection<8>(p, t, lambda, nullptr, sm.red, sm.count, [] { __syncthreads(); });
 }
 
 // The selector after the block means (the portable launch enqueued them on the same stream);
