@@ -224,7 +224,6 @@ Status launch_status(int err, const char* name) {
 // whether calls are sent to the portable path.
 thread_local std::string t_last_fwd_instance;
 thread_local bool t_portable_only = false;
-thread_local std::string t_last_select_instance;
 
 // The device's compute capability (choose_fwd_path needs it).
 Status compute_capability(int device, int* major, int* minor) {
@@ -363,18 +362,6 @@ struct Selection {
   std::size_t rows = 0;  // batch * units * num_q_blocks, units = h_kv with pack_gqa, else h_q
 };
 
-// The block means and the selector of `sp` on `stream`: the Hopper selector where
-// hopper_selector picks it (not while calls are sent to the portable path), else the portable one.
-Status launch_selector(const ProblemShape& shape, const SelectParams& sp, cudaStream_t stream) {
-  int cc_major = 0, cc_minor = 0;
-  if (!t_portable_only) SP_RETURN_IF_ERROR(compute_capability(shape.device.index, &cc_major, &cc_minor));
-  const Select90Variant* hopper = hopper_selector(shape.dtype, shape.d, cc_major, cc_minor);
-  const SelectVariant* select = find_select(shape.dtype, shape.d);
-  t_last_select_instance = hopper != nullptr ? hopper->name : select->name;
-  return launch_status(select->launch(sp, hopper != nullptr ? hopper->score : nullptr, stream),
-                       t_last_select_instance.c_str());
-}
-
 // Fills sel->sp from the call's parameters `p` (tensors, strides, sequence table) and `pol`,
 // allocates the selector's outputs from `scratch` and launches it on `stream`.
 Status launch_selection(const ProblemShape& shape, const FwdParams& p, const EstimateSelectParams& pol,
@@ -432,7 +419,8 @@ Status launch_selection(const ProblemShape& shape, const FwdParams& p, const Est
     sp.corrected_words = bitmap_words(sp.num_k_blocks);
     SP_RETURN_IF_ERROR(scratch->zeros(sel->rows * static_cast<std::size_t>(sp.corrected_words), &sp.corrected_bits));
   }
-  return launch_selector(shape, sp, stream);
+  const SelectVariant* select = find_select(shape.dtype, shape.d);
+  return launch_status(select->launch(sp, stream), select->name);
 }
 
 // Copies a launched selection back into `out` (kept, and corrected with mean correction);
@@ -615,7 +603,6 @@ Status can_run_cuda(const ProblemShape& shape, const Policy& policy) {
 }
 
 std::string last_fwd_instance_for_testing() { return t_last_fwd_instance; }
-std::string last_select_instance_for_testing() { return t_last_select_instance; }
 void set_portable_only_for_testing(bool portable_only) { t_portable_only = portable_only; }
 
 std::string cuda_build_info() {
@@ -858,7 +845,8 @@ Status select_statistics_cuda(const AttentionProblem& sample, const ProblemShape
     const std::size_t cells = static_cast<std::size_t>(shape.batch) * static_cast<std::size_t>(units) *
                               static_cast<std::size_t>(sp.num_q_blocks) * static_cast<std::size_t>(sp.num_k_blocks);
     SP_RETURN_IF_ERROR(scratch.zeros(cells, &sp.energy_ratio));
-    SP_RETURN_IF_ERROR(launch_selector(shape, sp, call.stream));
+    const SelectVariant* select = find_select(shape.dtype, shape.d);
+    SP_RETURN_IF_ERROR(launch_status(select->launch(sp, call.stream), select->name));
     SP_RETURN_IF_ERROR(scratch.download(sp.energy_ratio, cells, &ratio));
     SP_CUDA_TRY(cudaStreamSynchronize(call.stream), "cudaStreamSynchronize (calibration statistics)");
   }

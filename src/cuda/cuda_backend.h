@@ -54,8 +54,6 @@ std::string cuda_build_info();
 // an H100/H200 (the GPU suite runs each case on both). Not an option for users: the plan
 // (choose_fwd_path) decides.
 std::string last_fwd_instance_for_testing();
-// The selector instance (select_sm80_* or select_sm90_*) the last estimate_select launch used.
-std::string last_select_instance_for_testing();
 void set_portable_only_for_testing(bool portable_only);
 
 }  // namespace sparseprefill::cuda

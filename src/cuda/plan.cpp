@@ -94,10 +94,6 @@ bool hopper_can_box_pages(int page_size) {
 
 bool hopper_gathers_pages(int page_size) { return !(hopper_can_box_pages(page_size) && page_size >= 64); }
 
-const Select90Variant* hopper_selector(DType dtype, int head_dim, int cc_major, int cc_minor) {
-  return cc_major == 9 && cc_minor == 0 ? find_select90(dtype, head_dim) : nullptr;
-}
-
 FwdPath choose_fwd_path(const ProblemShape& shape, const Policy& policy, bool tma_ok, int cc_major, int cc_minor) {
   const bool hopper = cc_major == 9 && cc_minor == 0;
   // Paged K/V of any page size: the Hopper kernel's paged instances load a key tile as one TMA

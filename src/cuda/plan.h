@@ -10,7 +10,6 @@
 
 #include "core/estimate_chunks.h"
 #include "cuda/kernel/fwd_params.h"
-#include "cuda/registry.h"
 #include "sparseprefill/attention.h"
 #include "sparseprefill/calibration.h"
 
@@ -59,11 +58,6 @@ bool hopper_can_box_pages(int page_size);
 // permute_stop over contiguous K/V with its attention instance compiled); portable otherwise
 // (block_k 64, paged permute_stop, every other device).
 FwdPath choose_fwd_path(const ProblemShape& shape, const Policy& policy, bool tma_ok, int cc_major, int cc_minor);
-
-// estimate_select's Hopper selector (wgmma, sm_90a code) for (dtype, head_dim) on a device of
-// compute capability (cc_major, cc_minor): on 9.0 where it is compiled, nullptr otherwise (the
-// portable selector runs). Both make the same decisions up to the order of fp32 sums.
-const Select90Variant* hopper_selector(DType dtype, int head_dim, int cc_major, int cc_minor);
 
 // The key-block size dense attention runs with (a tuning value, no effect on results).
 int dense_block_k(int head_dim);

@@ -36,11 +36,6 @@ constexpr Permute90Variant kPermute90Variants[] = {
 #include "cuda/instances/registry.inc"
 };
 
-constexpr Select90Variant kSelect90Variants[] = {
-#define SP_SELECT90_VARIANT(fn, dtype, head_dim) {#fn, DType::dtype, head_dim, &fn},
-#include "cuda/instances/registry.inc"
-};
-
 constexpr CalibVariant kCalibVariants[] = {
 #define SP_CALIB_VARIANT(fn, dtype, head_dim) {#fn, DType::dtype, head_dim, &fn},
 #include "cuda/instances/registry.inc"
@@ -72,11 +67,6 @@ const PermuteVariant* find_permute(DType dtype, int head_dim) {
 const Permute90Variant* find_permute90(DType dtype, int head_dim) {
   return find_in(kPermute90Variants,
                  [&](const Permute90Variant& v) { return v.dtype == dtype && v.head_dim == head_dim; });
-}
-
-const Select90Variant* find_select90(DType dtype, int head_dim) {
-  return find_in(kSelect90Variants,
-                 [&](const Select90Variant& v) { return v.dtype == dtype && v.head_dim == head_dim; });
 }
 
 const Fwd90Variant* find_fwd90(DType dtype, int head_dim, bool paged) {
@@ -113,7 +103,6 @@ std::string compiled_instances() {
   for (const PermuteVariant& v : kPermuteVariants) os << v.name << "\n";
   for (const Fwd90Variant& v : kFwd90Variants) os << v.name << "\n";
   for (const Permute90Variant& v : kPermute90Variants) os << v.name << "\n";
-  for (const Select90Variant& v : kSelect90Variants) os << v.name << "\n";
   for (const CalibVariant& v : kCalibVariants) os << v.name << "\n";
   return os.str();
 }

@@ -15,11 +15,7 @@ namespace sparseprefill::cuda {
 
 // Launch functions return a cudaError_t value (0 = success) and take a cudaStream_t as void*.
 using FwdLaunchFn = int (*)(const FwdParams& params, void* stream);
-// estimate_select's selector after the block means (the Hopper instances, select_sm90_*);
-// cudaErrorNotSupported: nothing enqueued, the driver cannot describe the means.
-using SelectScoreFn = int (*)(const SelectParams& params, void* stream);
-// The block means and the selector: the portable one, or `hopper`'s when it is not null.
-using SelectLaunchFn = int (*)(const SelectParams& params, SelectScoreFn hopper, void* stream);
+using SelectLaunchFn = int (*)(const SelectParams& params, void* stream);
 using CalibLaunchFn = int (*)(const CalibParams& params, void* stream);
 // permute_stop's attention over the ranked, sorted orders (params.ranked and params.query_order
 // set): the Hopper instances (permute_sm90_*).
@@ -99,13 +95,6 @@ struct SelectVariant {
   SelectLaunchFn launch;
 };
 
-struct Select90Variant {
-  const char* name;  // e.g. "select_sm90_bf16_hd128"
-  DType dtype;
-  int head_dim;
-  SelectScoreFn score;
-};
-
 struct CalibVariant {
   const char* name;  // e.g. "calib_sm80_bf16_hd128"
   DType dtype;
@@ -114,8 +103,7 @@ struct CalibVariant {
 };
 
 #define SP_FWD_VARIANT(fn, dtype, head_dim) int fn(const FwdParams& params, void* stream);
-#define SP_SELECT_VARIANT(fn, dtype, head_dim) int fn(const SelectParams& params, SelectScoreFn hopper, void* stream);
-#define SP_SELECT90_VARIANT(fn, dtype, head_dim) int fn(const SelectParams& params, void* stream);
+#define SP_SELECT_VARIANT(fn, dtype, head_dim) int fn(const SelectParams& params, void* stream);
 #define SP_CALIB_VARIANT(fn, dtype, head_dim) int fn(const CalibParams& params, void* stream);
 #define SP_PERMUTE_VARIANT(fn, dtype, head_dim) int fn(PermuteParams& params, PermuteAttendFn attend, void* stream);
 #define SP_PERMUTE90_VARIANT(fn, dtype, head_dim) int fn(const PermuteParams& params, void* stream);
@@ -130,7 +118,6 @@ const FwdVariant* find_fwd(DType dtype, int head_dim);
 const SelectVariant* find_select(DType dtype, int head_dim);
 const PermuteVariant* find_permute(DType dtype, int head_dim);
 const Permute90Variant* find_permute90(DType dtype, int head_dim);
-const Select90Variant* find_select90(DType dtype, int head_dim);
 const Fwd90Variant* find_fwd90(DType dtype, int head_dim, bool paged);
 const CalibVariant* find_calib(DType dtype, int head_dim);
 // "bf16 d=64, ..." for messages, and one instance name per line for build_info.

@@ -20,7 +20,6 @@
 #include "common/cases.h"
 #include "common/inputs.h"
 #include "core/geometry.h"
-#include "cuda/cuda_backend.h"
 #include "gpu_harness.cuh"
 #include "sparseprefill/calibration.h"
 
@@ -166,40 +165,33 @@ TEST(CudaCalibration, SelectRatiosMatchTheHost) {
       s.tp = make_problem(in, true, c.layout);
       mirror(&s);
       const EstimateSelectParams base = small_estimate_select(0.1, 128, false, pack);
-      std::vector<SelectStatistics> host;
+      std::vector<SelectStatistics> host, gpu;
       ASSERT_TRUE(compute_select_statistics(s.host, base, &host).ok());
-      // Both selectors: the device's (the Hopper one on an sm_90 device) and the portable one.
-      for (bool portable : {false, true}) {
-        SCOPED_TRACE(portable ? "portable selector" : "default selector");
-        std::vector<SelectStatistics> gpu;
-        cuda::set_portable_only_for_testing(portable);
-        const Status st = compute_select_statistics(s.dev, base, &gpu);
-        cuda::set_portable_only_for_testing(false);
-        ASSERT_TRUE(st.ok()) << st.to_string();
-        ASSERT_EQ(gpu.size(), host.size());
-        const double rtol = 4 * score_tolerance(in, 1.0 / std::sqrt(static_cast<double>(c.d))) + 2.5e-4;
-        std::int64_t compared = 0, peaks = 0;
-        for (std::size_t b = 0; b < host.size(); ++b) {
-          ASSERT_EQ(gpu[b].units, pack ? c.h_kv : c.h_q);
-          ASSERT_EQ(gpu[b].ratio.size(), host[b].ratio.size());
-          const geom::BlockGeometry g = geometry(gpu[b].s_q, gpu[b].s_k, true, 128, 128);
-          for (int u = 0; u < gpu[b].units; ++u) {
-            for (int i = 0; i < g.num_q_blocks(); ++i) {
-              const std::int64_t a_l = g.seq.position(g.row_end(i) - 1);
-              const int scored = a_l < 0 ? 0 : static_cast<int>((a_l + 1) / 128);
-              const std::size_t row = (static_cast<std::size_t>(u) * g.num_q_blocks() + i) * g.num_k_blocks();
-              for (int j = 0; j < scored; ++j) {
-                const double hr = host[b].ratio[row + j], dr = gpu[b].ratio[row + j];
-                ASSERT_LE(std::abs(dr - hr), rtol * hr + 1e-30) << "b " << b << " unit " << u << " tile " << i << " block " << j;
-                peaks += dr == 1.0;
-                ++compared;
-              }
+      const Status st = compute_select_statistics(s.dev, base, &gpu);
+      ASSERT_TRUE(st.ok()) << st.to_string();
+      ASSERT_EQ(gpu.size(), host.size());
+      const double rtol = 4 * score_tolerance(in, 1.0 / std::sqrt(static_cast<double>(c.d))) + 2.5e-4;
+      std::int64_t compared = 0, peaks = 0;
+      for (std::size_t b = 0; b < host.size(); ++b) {
+        ASSERT_EQ(gpu[b].units, pack ? c.h_kv : c.h_q);
+        ASSERT_EQ(gpu[b].ratio.size(), host[b].ratio.size());
+        const geom::BlockGeometry g = geometry(gpu[b].s_q, gpu[b].s_k, true, 128, 128);
+        for (int u = 0; u < gpu[b].units; ++u) {
+          for (int i = 0; i < g.num_q_blocks(); ++i) {
+            const std::int64_t a_l = g.seq.position(g.row_end(i) - 1);
+            const int scored = a_l < 0 ? 0 : static_cast<int>((a_l + 1) / 128);
+            const std::size_t row = (static_cast<std::size_t>(u) * g.num_q_blocks() + i) * g.num_k_blocks();
+            for (int j = 0; j < scored; ++j) {
+              const double hr = host[b].ratio[row + j], dr = gpu[b].ratio[row + j];
+              ASSERT_LE(std::abs(dr - hr), rtol * hr + 1e-30) << "b " << b << " unit " << u << " tile " << i << " block " << j;
+              peaks += dr == 1.0;
+              ++compared;
             }
           }
         }
-        EXPECT_GT(compared, 0);
-        EXPECT_GT(peaks, 0);  // every scored tile has its peak at exactly 1
       }
+      EXPECT_GT(compared, 0);
+      EXPECT_GT(peaks, 0);  // every scored tile has its peak at exactly 1
     }
   }
 }

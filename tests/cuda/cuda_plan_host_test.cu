@@ -11,7 +11,6 @@
 #include <cstdint>
 #include <limits>
 #include <string>
-#include <utility>
 #include <vector>
 
 #include "common/inputs.h"
@@ -146,24 +145,6 @@ TEST(CudaPlan, PagedKvRunsEveryPolicy) {
   }
   EXPECT_NE(support_summary().find("paged K/V (any page size): every policy on the portable path"), std::string::npos);
   EXPECT_NE(support_summary().find("contiguous or paged K/V of any page size"), std::string::npos);
-}
-
-TEST(CudaPlan, SelectorFollowsTheDevice) {
-  // The wgmma selector on compute capability 9.0 (sm_90a code) for every compiled (dtype,
-  // head_dim), the portable one (nullptr here) everywhere else.
-  for (DType dtype : {DType::kBF16, DType::kFP16}) {
-    for (int d : {64, 128}) {
-      const Select90Variant* hopper = hopper_selector(dtype, d, 9, 0);
-      ASSERT_NE(hopper, nullptr);
-      EXPECT_EQ(std::string(hopper->name).rfind("select_sm90_", 0), 0u) << hopper->name;
-      EXPECT_EQ(hopper->head_dim, d);
-      EXPECT_EQ(hopper->dtype, dtype);
-      for (const auto& [major, minor] : {std::pair{8, 0}, std::pair{8, 6}, std::pair{8, 9}, std::pair{10, 0}, std::pair{12, 0}}) {
-        EXPECT_EQ(hopper_selector(dtype, d, major, minor), nullptr) << major << "." << minor;
-      }
-    }
-  }
-  EXPECT_EQ(hopper_selector(DType::kBF16, 96, 9, 0), nullptr);  // no instance of that head_dim
 }
 
 TEST(CudaPlan, GatheredRowOffsetsFitThirtyTwoBitsOfSixteenByteUnits) {

@@ -14,7 +14,6 @@
 #include "cuda/kernel/fwd_params.h"
 #include "cuda/kernel/ptx.cuh"
 #include "cuda/kernel/sm80/tile.cuh"
-#include "cuda/registry.h"
 
 namespace sparseprefill::cuda::select {
 
@@ -206,13 +205,11 @@ __device__ __forceinline__ void warp_lambdas(float (&acc)[kNF][4], const SelectT
 // After every λ_j of the tile is in `energy` (and, with `second` non-null, a second part of it
 // per block, e.g. the other query half, in `second`): E_j / max E = 2^{λ_j - max λ} (a NaN
 // anywhere makes every ratio NaN: every block keeps), the calibration ratios, then the keep
-// rule per block j <= lqb and the row's ascending full/partial lists (a ballot scan over the
-// kWarps warps) and its mean-correction bitmap. Called after a barrier by the kWarps warps
-// 0 .. kWarps - 1 of the CTA, which `sync` joins (__syncthreads, or a named barrier where other
-// warps do not take part).
-template <int kWarps, class Sync>
+// rule per block j <= lqb and the row's ascending full/partial lists (a CTA-wide ballot scan)
+// and its mean-correction bitmap. Called by all kWarps warps of the CTA after a barrier.
+template <int kWarps>
 __device__ __forceinline__ void finish_selection(const SelectParams& p, const SelectTile& t, float* energy,
-                                                 const float* second, float* s_red, int (*s_count)[kWarps], Sync sync) {
+                                                 const float* second, float* s_red, int (*s_count)[kWarps]) {
   constexpr int kThreads = kWarps * 32;
   const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
   float lam_max = -INFINITY;
@@ -224,11 +221,11 @@ __device__ __forceinline__ void finish_selection(const SelectParams& p, const Se
 #pragma unroll
   for (int o = 16; o > 0; o /= 2) lam_max = ptx::max_nan(lam_max, __shfl_xor_sync(0xffffffffu, lam_max, o));
   if (lane == 0) s_red[warp] = lam_max;
-  sync();
+  __syncthreads();
 #pragma unroll
   for (int w = 0; w < kWarps; ++w) lam_max = ptx::max_nan(lam_max, s_red[w]);
   for (int j = tid; j < t.scored; j += kThreads) energy[j] = ptx::exp2f_fast(energy[j] - lam_max);
-  sync();
+  __syncthreads();
 
   const std::int64_t mask_row = (static_cast<std::int64_t>(t.b) * t.units + t.unit) * p.num_q_blocks + t.i;
   // Calibration: the ratios E_j / max E of the scored blocks; without a mask to write
@@ -264,7 +261,7 @@ __device__ __forceinline__ void finish_selection(const SelectParams& p, const Se
       s_count[1][warp] = __popc(part_bal);
       if (j / 32 < words) p.corrected_bits[mask_row * words + j / 32] = corr_bal;
     }
-    sync();
+    __syncthreads();
     int full_off = full_total, part_off = part_total;
     for (int w = 0; w < kWarps; ++w) {
       if (w < warp) {
@@ -277,7 +274,7 @@ __device__ __forceinline__ void finish_selection(const SelectParams& p, const Se
     const unsigned below = (1u << lane) - 1u;
     if (keep && full) full_idx[full_off + __popc(full_bal & below)] = j;
     if (keep && !full) part_idx[part_off + __popc(part_bal & below)] = j;
-    sync();  // s_count is rewritten by the next round
+    __syncthreads();  // s_count is rewritten by the next round
   }
   if (tid == 0) {
     p.full_count[mask_row] = full_total;
@@ -388,23 +385,17 @@ __global__ void __launch_bounds__(SelectConfig<kBf16, kD>::kThreads, 2)
     }
   }
   __syncthreads();  // every λ written
-  finish_selection<Cfg::kWarps>(p, t, energy, energy + p.num_k_blocks, s_red, s_count, [] { __syncthreads(); });
+  finish_selection<Cfg::kWarps>(p, t, energy, energy + p.num_k_blocks, s_red, s_count);
 }
 
-// Host-side launches: the block means, then the selector (select_kernel, or `hopper` when it is
-// not null and can run: it returns cudaErrorNotSupported, having enqueued nothing, when not).
-// Returns a cudaError_t value (0 = success).
+// Host-side launches; each returns a cudaError_t value (0 = success).
 template <bool kBf16, int kD>
-int launch_select(const SelectParams& p, SelectScoreFn hopper, void* stream) {
+int launch_select(const SelectParams& p, void* stream) {
   const auto st = static_cast<cudaStream_t>(stream);
   if (p.batch == 0 || p.num_k_blocks == 0) return 0;
   block_means_kernel<kBf16, kD><<<dim3(p.num_k_blocks, p.h_kv, p.batch), kD, 0, st>>>(p);
   cudaError_t err = cudaGetLastError();
   if (err != cudaSuccess) return static_cast<int>(err);
-  if (hopper != nullptr) {
-    const int scored = hopper(p, stream);
-    if (scored != static_cast<int>(cudaErrorNotSupported)) return scored;
-  }
   const std::size_t smem = SelectConfig<kBf16, kD>::smem_bytes(p.num_k_blocks);
   auto* kernel = select_kernel<kBf16, kD>;
   err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem));

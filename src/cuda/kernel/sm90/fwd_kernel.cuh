@@ -746,16 +746,15 @@ bool encode_cache_map(CUtensorMap* map, const void* base, std::int64_t pages, in
 
 // 4-D map (d, block, head, batch) over the block means [batch, heads, blocks, d] (contiguous,
 // written by the block-means kernel); boxes of [128 blocks][64] with 128B swizzle; blocks past
-// the capacity read as zero (the means kernel zeroes each sequence's unused blocks). `box_rows`
-// blocks per box where a kernel reads other chunks (the Hopper selector: 64).
+// the capacity read as zero (the means kernel zeroes each sequence's unused blocks).
 template <class Cfg>
-bool encode_mean_map(CUtensorMap* map, const void* base, int blocks, int heads, int batch, int box_rows = Cfg::kTileN) {
+bool encode_mean_map(CUtensorMap* map, const void* base, int blocks, int heads, int batch) {
   constexpr std::int64_t kRowBytes = Cfg::kHeadDim * 2;
   const cuuint64_t dims[4] = {static_cast<cuuint64_t>(Cfg::kHeadDim), static_cast<cuuint64_t>(blocks),
                               static_cast<cuuint64_t>(heads), static_cast<cuuint64_t>(batch)};
   const cuuint64_t strides[3] = {static_cast<cuuint64_t>(kRowBytes), static_cast<cuuint64_t>(kRowBytes * blocks),
                                  static_cast<cuuint64_t>(kRowBytes * blocks * heads)};
-  const cuuint32_t box[4] = {Cfg::kHalfDim, static_cast<cuuint32_t>(box_rows), 1, 1};
+  const cuuint32_t box[4] = {Cfg::kHalfDim, Cfg::kTileN, 1, 1};
   const cuuint32_t elem_strides[4] = {1, 1, 1, 1};
   const CUresult r = tensor_map_encoder()(
       map, Cfg::kBf16 ? CU_TENSOR_MAP_DATA_TYPE_BFLOAT16 : CU_TENSOR_MAP_DATA_TYPE_FLOAT16, 4, const_cast<void*>(base),

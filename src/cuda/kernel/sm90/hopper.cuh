@@ -137,12 +137,6 @@ __device__ __forceinline__ void fence_regs(float (&a)[kN][4]) {
       "wgmma.mma_async.sync.aligned.m64n128k16.f32." TY " " SP_D64 ", %64, %65, p, 1, 1, 0, 0;\n}\n" \
       : SP_ACC64(d)                                                                               \
       : "l"(desc_a), "l"(desc_b), "r"(accumulate))
-#define SP_WGMMA_SS_N64(TY)                                                                      \
-  asm volatile(                                                                                  \
-      "{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"                                               \
-      "wgmma.mma_async.sync.aligned.m64n64k16.f32." TY " " SP_D32 ", %32, %33, p, 1, 1, 0, 0;\n}\n" \
-      : SP_ACC32(d)                                                                              \
-      : "l"(desc_a), "l"(desc_b), "r"(accumulate))
 #define SP_WGMMA_RS_N128(TY)                                                                                \
   asm volatile(                                                                                             \
       "{\n.reg .pred p;\nsetp.ne.b32 p, %69, 0;\n"                                                          \
@@ -158,21 +152,12 @@ __device__ __forceinline__ void fence_regs(float (&a)[kN][4]) {
 
 // d[64 x 128] (+)= A[64 x 16] · B[16 x 128], both from shared memory, both K-major (Q·Kᵀ). The
 // accumulator of thread (warp w, lane 4g + t) is d[j][e] = D[16w + g + 8(e / 2)][8j + 2t + e % 2].
-// The n64 form (d[8][4]: D[64 x 64]) for the Hopper selector's query halves.
 template <bool kBf16>
 __device__ __forceinline__ void wgmma_ss(float (&d)[16][4], std::uint64_t desc_a, std::uint64_t desc_b, int accumulate) {
   if constexpr (kBf16) {
     SP_WGMMA_SS_N128("bf16.bf16");
   } else {
     SP_WGMMA_SS_N128("f16.f16");
-  }
-}
-template <bool kBf16>
-__device__ __forceinline__ void wgmma_ss(float (&d)[8][4], std::uint64_t desc_a, std::uint64_t desc_b, int accumulate) {
-  if constexpr (kBf16) {
-    SP_WGMMA_SS_N64("bf16.bf16");
-  } else {
-    SP_WGMMA_SS_N64("f16.f16");
   }
 }
 
@@ -197,7 +182,6 @@ __device__ __forceinline__ void wgmma_rs(float (&d)[kN][4], const std::uint32_t 
 }
 
 #undef SP_WGMMA_SS_N128
-#undef SP_WGMMA_SS_N64
 #undef SP_WGMMA_RS_N128
 #undef SP_WGMMA_RS_N64
 #undef SP_D64
