@@ -82,55 +82,76 @@ __global__ void __launch_bounds__(Cfg::kHeadDim) q_mean_kernel(const __grid_cons
   pp.q_mean[item * Cfg::kHeadDim + i] = sum / static_cast<double>(r1 - r0);
 }
 
-// Ranking keys of the prefix keys t < prefix(s): rank_key(q̄·k_t) for every query head of a KV
-// group, each key row read once for the group. Grid (max_segments · h_kv, key tiles of 128,
-// batch), one thread per key; the group's q̄ staged in smem 8 heads at a time.
+// Ranking keys of the prefix keys t < prefix(s): rank_key(q̄·k_t) for every segment whose
+// prefix holds t and every query head of the KV group. Grid (h_kv, key tiles of 128, batch),
+// one thread per key: the tile's key rows are read from global memory once into shared memory
+// (as element pairs x key, so that each thread reads its own row without bank conflicts), then
+// every segment s with prefix(s) > t0 (the later the segment, the longer its prefix) scores
+// them against its q̄, staged 8 heads at a time. Reading each key row once per tile instead of
+// once per segment: 7.0 -> ms at 128K (bench record 2026-11-29-h200-permute-ranking-...).
 template <class Cfg>
 __global__ void __launch_bounds__(128) prefix_scores_kernel(const __grid_constant__ PermuteParams pp) {
   constexpr int kD = Cfg::kHeadDim, kHeads = 8;
   __shared__ double s_mean[kHeads][kD];
+  __shared__ std::uint32_t s_key[kD / 2][128];  // elements 2c, 2c + 1 of key t0 + i at [c][i]
   const FwdParams& p = pp.fwd;
-  const int slot = blockIdx.x / p.h_kv, hk = blockIdx.x % p.h_kv, b = blockIdx.z;
+  const int hk = blockIdx.x, b = blockIdx.z, tid = threadIdx.x;
   const SeqInfo seq = p.seqs[b];
   const geom::SegmentGeometry sg = segments(seq, pp.segment);
-  if (slot >= sg.count()) return;
-  const std::int64_t prefix = sg.prefix(sg.first() + slot);
+  const std::int64_t count = sg.count();
+  if (count == 0) return;
   const std::int64_t t0 = static_cast<std::int64_t>(blockIdx.y) * 128;
-  if (t0 >= prefix) return;
-  const std::int64_t t = t0 + threadIdx.x;
-  const bool valid = t < prefix;
-  const std::uint16_t* k = kv_rows_of(p, seq, b, hk, false).row(valid ? t : 0);
-  for (int h0 = hk * p.group; h0 < (hk + 1) * p.group; h0 += kHeads) {
-    const int heads = min(kHeads, (hk + 1) * p.group - h0);
-    __syncthreads();  // the previous heads' means are no longer read
-    for (int e = threadIdx.x; e < heads * kD; e += 128) {
-      const std::int64_t item = (static_cast<std::int64_t>(b) * p.h_q + h0 + e / kD) * pp.max_segments + slot;
-      s_mean[e / kD][e % kD] = pp.q_mean[item * kD + e % kD];
-    }
-    __syncthreads();
-    if (!valid) continue;
-    double dot[kHeads];
+  const std::int64_t longest = sg.prefix(sg.first() + count - 1);
+  if (t0 >= longest) return;
+  // The tile's rows (keys past the longest prefix as zeros, never scored): thread i copies
+  // 16-byte chunk c of key t0 + i for every c, so a warp writes one word row of s_key.
+  const KvRows k_rows = kv_rows_of(p, seq, b, hk, false);
+  const std::int64_t t = t0 + tid;
+  const bool in_tile = t < longest;
+#pragma unroll 4
+  for (int c = 0; c < kD / 8; ++c) {
+    const uint4 raw = in_tile ? *reinterpret_cast<const uint4*>(k_rows.row(t) + 8 * c) : make_uint4(0, 0, 0, 0);
+    s_key[4 * c + 0][tid] = raw.x;
+    s_key[4 * c + 1][tid] = raw.y;
+    s_key[4 * c + 2][tid] = raw.z;
+    s_key[4 * c + 3][tid] = raw.w;
+  }
+  // The first segment whose prefix holds t0: prefix(s) = min(s · len, s_k) grows with s.
+  std::int64_t slot = 0;
+  while (sg.prefix(sg.first() + slot) <= t0) ++slot;
+  for (; slot < count; ++slot) {
+    const std::int64_t prefix = sg.prefix(sg.first() + slot);
+    const bool valid = t < prefix;
+    for (int h0 = hk * p.group; h0 < (hk + 1) * p.group; h0 += kHeads) {
+      const int heads = min(kHeads, (hk + 1) * p.group - h0);
+      __syncthreads();  // the key rows are in; the previous heads' means are no longer read
+      for (int e = tid; e < heads * kD; e += 128) {
+        const std::int64_t item = (static_cast<std::int64_t>(b) * p.h_q + h0 + e / kD) * pp.max_segments + slot;
+        s_mean[e / kD][e % kD] = pp.q_mean[item * kD + e % kD];
+      }
+      __syncthreads();
+      if (!valid) continue;
+      double dot[kHeads];
 #pragma unroll
-    for (int j = 0; j < kHeads; ++j) dot[j] = 0.0;
-    for (int c = 0; c < kD; c += 8) {
-      const uint4 raw = *reinterpret_cast<const uint4*>(k + c);
-      const std::uint16_t* x = reinterpret_cast<const std::uint16_t*>(&raw);
-#pragma unroll
-      for (int e = 0; e < 8; ++e) {
-        const double kv = ptx::to_float<Cfg::kBf16>(x[e]);
+      for (int j = 0; j < kHeads; ++j) dot[j] = 0.0;
+      // Elements in order, each product added as it is formed (the CPU backend's sum).
+      for (int c = 0; c < kD / 2; ++c) {
+        const std::uint32_t pair = s_key[c][tid];
+        const double lo = ptx::to_float<Cfg::kBf16>(static_cast<std::uint16_t>(pair & 0xffffu));
+        const double hi = ptx::to_float<Cfg::kBf16>(static_cast<std::uint16_t>(pair >> 16));
 #pragma unroll
         for (int j = 0; j < kHeads; ++j) {
-          if (j < heads) dot[j] = add_product(dot[j], s_mean[j][c + e], kv);
+          if (j < heads) dot[j] = add_product(add_product(dot[j], s_mean[j][2 * c], lo), s_mean[j][2 * c + 1], hi);
         }
       }
-    }
 #pragma unroll
-    for (int j = 0; j < kHeads; ++j) {
-      if (j >= heads) continue;
-      const std::int64_t item = (static_cast<std::int64_t>(b) * p.h_q + h0 + j) * pp.max_segments + slot;
-      const std::int64_t at = pp.rank_offsets[item] + t;
-      pp.rank_keys[0][at] = rank_key(static_cast<float>(dot[j]));
-      pp.rank_index[0][at] = static_cast<std::int32_t>(t);
+      for (int j = 0; j < kHeads; ++j) {
+        if (j >= heads) continue;
+        const std::int64_t item = (static_cast<std::int64_t>(b) * p.h_q + h0 + j) * pp.max_segments + slot;
+        const std::int64_t at = pp.rank_offsets[item] + t;
+        pp.rank_keys[0][at] = rank_key(static_cast<float>(dot[j]));
+        pp.rank_index[0][at] = static_cast<std::int32_t>(t);
+      }
     }
   }
 }
@@ -161,10 +182,17 @@ __global__ void __launch_bounds__(Cfg::kHeadDim) guide_kernel(const __grid_const
   __syncthreads();
   const auto* q = static_cast<const std::uint16_t*>(p.q) + seq.q_off + h * p.q_head_stride;
   const std::int64_t slots = (static_cast<std::int64_t>(b) * p.h_q + h) * pp.max_s_q;
+  // Each thread reads its own rows, 16 bytes at a time (2-byte reads of 32 different rows per
+  // warp instruction kept the kernel at 2.3 ms at 128K, bound by L1 wavefronts).
   for (std::int64_t r = sg.row_begin(s) + i; r < sg.row_end(s); r += kD) {
     const std::uint16_t* row = q + r * p.q_row_stride;
     double dot = 0.0;
-    for (int c = 0; c < kD; ++c) dot = add_product(dot, ptx::to_float<Cfg::kBf16>(row[c]), s_u[c]);
+    for (int c = 0; c < kD; c += 8) {
+      const uint4 raw = *reinterpret_cast<const uint4*>(row + c);
+      const std::uint16_t* x = reinterpret_cast<const std::uint16_t*>(&raw);
+#pragma unroll
+      for (int e = 0; e < 8; ++e) dot = add_product(dot, ptx::to_float<Cfg::kBf16>(x[e]), s_u[c + e]);
+    }
     pp.query_keys[0][slots + r] = rank_key(static_cast<float>(dot));
   }
 }
@@ -442,8 +470,8 @@ int launch_permute(PermuteParams& pp, PermuteAttendFn attend, void* stream) {
   // Key tiles of 128 over the longest prefix.
   const int max_key_tiles = static_cast<int>((static_cast<std::int64_t>(pp.max_prefix) + 127) / 128);
   if (max_key_tiles > 0) {
-    permute::prefix_scores_kernel<Cfg><<<dim3(static_cast<unsigned>(pp.max_segments) * static_cast<unsigned>(p.h_kv),
-                                              static_cast<unsigned>(max_key_tiles), static_cast<unsigned>(p.batch)),
+    permute::prefix_scores_kernel<Cfg><<<dim3(static_cast<unsigned>(p.h_kv), static_cast<unsigned>(max_key_tiles),
+                                              static_cast<unsigned>(p.batch)),
                                          128, 0, st>>>(pp);
     if (int err = check()) return err;
   }
