@@ -84,93 +84,77 @@ __global__ void __launch_bounds__(Cfg::kHeadDim) q_mean_kernel(const __grid_cons
 
 // Ranking keys of the prefix keys t < prefix(s): rank_key(q̄·k_t) for every segment whose
 // prefix holds t and every query head of the KV group. Grid (h_kv, key tiles of 128, batch),
-// 64 threads, each scoring keys t0 + i and t0 + 64 + i (every q̄ element read from shared
-// memory serves two keys). The tile's key rows are read from global memory once into shared
-// memory (as element pairs x key: each thread reads its own rows without bank conflicts), then
+// one thread per key: the tile's key rows are read from global memory once into shared memory
+// (as element pairs x key, so that each thread reads its own row without bank conflicts), then
 // every segment s with prefix(s) > t0 (the later the segment, the longer its prefix) scores
 // them against its q̄, staged 8 heads at a time. Reading each key row once per tile instead of
-// once per segment, and two keys per thread: 7.0 -> ms at 128K (bench records
-// 2026-11-29-h200-permute-ranking-one-read and -two-keys-per-thread).
+// once per segment: 7.0 -> 6.0 ms at 128K, 0.41 -> 0.35 ms at 32K (bench records
+// 2026-11-29-h200-permute-stop-hopper-main-loop, -permute-ranking-one-read): the kernel is
+// bound by its fp64 arithmetic (no fused multiply-add), not by the key reads. Two keys per
+// thread, so that each q̄ element read from shared memory serves both, ran slower (6.5 /
+// 0.42 ms, -permute-ranking-two-keys-per-thread).
 template <class Cfg>
-__global__ void __launch_bounds__(64) prefix_scores_kernel(const __grid_constant__ PermuteParams pp) {
-  constexpr int kD = Cfg::kHeadDim, kHeads = 8, kThreads = 64;
+__global__ void __launch_bounds__(128) prefix_scores_kernel(const __grid_constant__ PermuteParams pp) {
+  constexpr int kD = Cfg::kHeadDim, kHeads = 8;
   __shared__ double s_mean[kHeads][kD];
-  __shared__ std::uint32_t s_key[kD / 2][2 * kThreads];  // elements 2c, 2c + 1 of key t0 + i at [c][i]
+  __shared__ std::uint32_t s_key[kD / 2][128];  // elements 2c, 2c + 1 of key t0 + i at [c][i]
   const FwdParams& p = pp.fwd;
   const int hk = blockIdx.x, b = blockIdx.z, tid = threadIdx.x;
   const SeqInfo seq = p.seqs[b];
   const geom::SegmentGeometry sg = segments(seq, pp.segment);
   const std::int64_t count = sg.count();
   if (count == 0) return;
-  const std::int64_t t0 = static_cast<std::int64_t>(blockIdx.y) * 2 * kThreads;
+  const std::int64_t t0 = static_cast<std::int64_t>(blockIdx.y) * 128;
   const std::int64_t longest = sg.prefix(sg.first() + count - 1);
   if (t0 >= longest) return;
   // The tile's rows (keys past the longest prefix as zeros, never scored): thread i copies
-  // rows t0 + i and t0 + 64 + i chunk by chunk, so a warp writes consecutive words of s_key.
+  // 16-byte chunk c of key t0 + i for every c, so a warp writes one word row of s_key.
   const KvRows k_rows = kv_rows_of(p, seq, b, hk, false);
-  std::int64_t t[2];
-#pragma unroll
-  for (int k = 0; k < 2; ++k) {
-    const int i = tid + k * kThreads;
-    t[k] = t0 + i;
-    const bool in_tile = t[k] < longest;
+  const std::int64_t t = t0 + tid;
+  const bool in_tile = t < longest;
 #pragma unroll 4
-    for (int c = 0; c < kD / 8; ++c) {
-      const uint4 raw = in_tile ? *reinterpret_cast<const uint4*>(k_rows.row(t[k]) + 8 * c) : make_uint4(0, 0, 0, 0);
-      s_key[4 * c + 0][i] = raw.x;
-      s_key[4 * c + 1][i] = raw.y;
-      s_key[4 * c + 2][i] = raw.z;
-      s_key[4 * c + 3][i] = raw.w;
-    }
+  for (int c = 0; c < kD / 8; ++c) {
+    const uint4 raw = in_tile ? *reinterpret_cast<const uint4*>(k_rows.row(t) + 8 * c) : make_uint4(0, 0, 0, 0);
+    s_key[4 * c + 0][tid] = raw.x;
+    s_key[4 * c + 1][tid] = raw.y;
+    s_key[4 * c + 2][tid] = raw.z;
+    s_key[4 * c + 3][tid] = raw.w;
   }
   // The first segment whose prefix holds t0: prefix(s) = min(s · len, s_k) grows with s.
   std::int64_t slot = 0;
   while (sg.prefix(sg.first() + slot) <= t0) ++slot;
   for (; slot < count; ++slot) {
     const std::int64_t prefix = sg.prefix(sg.first() + slot);
+    const bool valid = t < prefix;
     for (int h0 = hk * p.group; h0 < (hk + 1) * p.group; h0 += kHeads) {
       const int heads = min(kHeads, (hk + 1) * p.group - h0);
       __syncthreads();  // the key rows are in; the previous heads' means are no longer read
-      for (int e = tid; e < heads * kD; e += kThreads) {
+      for (int e = tid; e < heads * kD; e += 128) {
         const std::int64_t item = (static_cast<std::int64_t>(b) * p.h_q + h0 + e / kD) * pp.max_segments + slot;
         s_mean[e / kD][e % kD] = pp.q_mean[item * kD + e % kD];
       }
       __syncthreads();
-      if (t[0] >= prefix) continue;  // t[1] > t[0]: neither key is in this prefix
-      double dot[2][kHeads];
+      if (!valid) continue;
+      double dot[kHeads];
 #pragma unroll
-      for (int k = 0; k < 2; ++k) {
-#pragma unroll
-        for (int j = 0; j < kHeads; ++j) dot[k][j] = 0.0;
-      }
+      for (int j = 0; j < kHeads; ++j) dot[j] = 0.0;
       // Elements in order, each product added as it is formed (the CPU backend's sum).
       for (int c = 0; c < kD / 2; ++c) {
-        double x[2][2];
-#pragma unroll
-        for (int k = 0; k < 2; ++k) {
-          const std::uint32_t pair = s_key[c][tid + k * kThreads];
-          x[k][0] = ptx::to_float<Cfg::kBf16>(static_cast<std::uint16_t>(pair & 0xffffu));
-          x[k][1] = ptx::to_float<Cfg::kBf16>(static_cast<std::uint16_t>(pair >> 16));
-        }
+        const std::uint32_t pair = s_key[c][tid];
+        const double lo = ptx::to_float<Cfg::kBf16>(static_cast<std::uint16_t>(pair & 0xffffu));
+        const double hi = ptx::to_float<Cfg::kBf16>(static_cast<std::uint16_t>(pair >> 16));
 #pragma unroll
         for (int j = 0; j < kHeads; ++j) {
-          if (j >= heads) continue;
-          const double m0 = s_mean[j][2 * c], m1 = s_mean[j][2 * c + 1];
-#pragma unroll
-          for (int k = 0; k < 2; ++k) dot[k][j] = add_product(add_product(dot[k][j], m0, x[k][0]), m1, x[k][1]);
+          if (j < heads) dot[j] = add_product(add_product(dot[j], s_mean[j][2 * c], lo), s_mean[j][2 * c + 1], hi);
         }
       }
 #pragma unroll
-      for (int k = 0; k < 2; ++k) {
-        if (t[k] >= prefix) continue;
-#pragma unroll
-        for (int j = 0; j < kHeads; ++j) {
-          if (j >= heads) continue;
-          const std::int64_t item = (static_cast<std::int64_t>(b) * p.h_q + h0 + j) * pp.max_segments + slot;
-          const std::int64_t at = pp.rank_offsets[item] + t[k];
-          pp.rank_keys[0][at] = rank_key(static_cast<float>(dot[k][j]));
-          pp.rank_index[0][at] = static_cast<std::int32_t>(t[k]);
-        }
+      for (int j = 0; j < kHeads; ++j) {
+        if (j >= heads) continue;
+        const std::int64_t item = (static_cast<std::int64_t>(b) * p.h_q + h0 + j) * pp.max_segments + slot;
+        const std::int64_t at = pp.rank_offsets[item] + t;
+        pp.rank_keys[0][at] = rank_key(static_cast<float>(dot[j]));
+        pp.rank_index[0][at] = static_cast<std::int32_t>(t);
       }
     }
   }
@@ -203,7 +187,8 @@ __global__ void __launch_bounds__(Cfg::kHeadDim) guide_kernel(const __grid_const
   const auto* q = static_cast<const std::uint16_t*>(p.q) + seq.q_off + h * p.q_head_stride;
   const std::int64_t slots = (static_cast<std::int64_t>(b) * p.h_q + h) * pp.max_s_q;
   // Each thread reads its own rows, 16 bytes at a time (2-byte reads of 32 different rows per
-  // warp instruction kept the kernel at 2.3 ms at 128K, bound by L1 wavefronts).
+  // warp instruction kept the kernel at 2.3 ms at 128K, bound by L1 wavefronts; 0.52 ms now,
+  // bench record 2026-11-29-h200-permute-ranking-one-read).
   for (std::int64_t r = sg.row_begin(s) + i; r < sg.row_end(s); r += kD) {
     const std::uint16_t* row = q + r * p.q_row_stride;
     double dot = 0.0;
@@ -492,7 +477,7 @@ int launch_permute(PermuteParams& pp, PermuteAttendFn attend, void* stream) {
   if (max_key_tiles > 0) {
     permute::prefix_scores_kernel<Cfg><<<dim3(static_cast<unsigned>(p.h_kv), static_cast<unsigned>(max_key_tiles),
                                               static_cast<unsigned>(p.batch)),
-                                         64, 0, st>>>(pp);
+                                         128, 0, st>>>(pp);
     if (int err = check()) return err;
   }
   SortPairs rank{{pp.rank_keys[0], pp.rank_keys[1]}, {pp.rank_index[0], pp.rank_index[1]}, pp.rank_items,
