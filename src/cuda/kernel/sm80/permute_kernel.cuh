@@ -13,6 +13,7 @@
 
 #include "core/geometry.h"
 #include "cuda/kernel/fwd_params.h"
+#include "cuda/kernel/permute_tile.cuh"
 #include "cuda/kernel/ptx.cuh"
 #include "cuda/kernel/rank_key.h"
 #include "cuda/kernel/sm80/fwd_kernel.cuh"
@@ -210,12 +211,10 @@ __global__ void __launch_bounds__(Cfg::kHeadDim) guide_kernel(const __grid_const
 // chunks of block_k keys and stops after a chunk whose largest row gain Δl / l' is below tau
 // (one CTA-wide vote per chunk); O and LSE are scattered back to the original rows.
 //
-// Scheduling: grid order puts heads fastest (a KV group's heads share K/V through L2, as in the
-// forward kernel), then batch, then the tile, then the segment from the last one down: the
-// later a segment, the longer its prefix and the more chunks pass 2 can visit, so the longest
-// expected work starts first. The hardware dispatches CTAs in this order as SMs free up, which
-// is the greedy longest-first list schedule an atomic work counter would give, without the
-// counter's reset per call or a persistent loop's extra registers in a kernel already at 255.
+// Scheduling: the grid order of PermuteTile (longest expected work first). The hardware
+// dispatches CTAs in this order as SMs free up, which is the greedy longest-first list schedule
+// an atomic work counter would give, without the counter's reset per call or a persistent
+// loop's extra registers in a kernel already at 255.
 template <class Cfg>
 __global__ void __launch_bounds__(Cfg::kThreads, 2) permute_kernel(const __grid_constant__ PermuteParams pp) {
   using Tile = typename Cfg::Tile;
@@ -231,31 +230,17 @@ __global__ void __launch_bounds__(Cfg::kThreads, 2) permute_kernel(const __grid_
 
   const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
   const int g = lane / 4, t4 = lane % 4;
-  int w = blockIdx.x;
-  const int h = w % p.h_q;
-  w /= p.h_q;
-  const int b = w % p.batch;
-  w /= p.batch;
-  const int tile = w % pp.tiles_per_segment;
-  const int slot_rev = w / pp.tiles_per_segment;
-  const int hk = h / p.group;
-  const SeqInfo seq = p.seqs[b];
-  const geom::SegmentGeometry sg = permute::segments(seq, pp.segment);
-  if (slot_rev >= sg.count()) return;
-  const std::int64_t slot = sg.count() - 1 - slot_rev;
-  const std::int64_t s = sg.first() + slot;
-  const std::int64_t r0 = sg.row_begin(s), n_rows = sg.row_end(s) - r0;
-  const std::int64_t e0 = static_cast<std::int64_t>(tile) * kBlockM;
-  if (e0 >= n_rows) return;
-  const int rows_valid = static_cast<int>(geom::min64(kBlockM, n_rows - e0));
-  const std::int64_t item = (static_cast<std::int64_t>(b) * p.h_q + h) * pp.max_segments + slot;
-  const std::int64_t offset = seq.s_k - seq.s_q;
+  PermuteTile pt;
+  if (!pt.init(pp, blockIdx.x, kBlockM)) return;
+  const int h = pt.h, b = pt.b, hk = pt.hk, rows_valid = pt.rows_valid;
+  const SeqInfo& seq = pt.seq;
+  const std::int64_t item = pt.item, offset = pt.offset;
   const int warp_row = warp * 16 * kM;
 
   if (tid == 0) s_last_row = -1;
   __syncthreads();
   if (tid < rows_valid) {
-    const std::int32_t r = pp.query_order[(static_cast<std::int64_t>(b) * p.h_q + h) * pp.max_s_q + r0 + e0 + tid];
+    const std::int32_t r = pp.query_order[pt.first + tid];
     s_rows[tid] = r;
     atomicMax(&s_last_row, r);
   }
@@ -264,7 +249,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 2) permute_kernel(const __grid_
   // Keys. Pass 1: the segment's own keys seg_k0 .. own_end-1 (own_end: one past the latest
   // row's position; never beyond the segment's keys, since every row of it lies before them).
   // Pass 2: the ranked prefix (prefix = seg_k0 keys), 64 entries per sub-tile, block_k per chunk.
-  const std::int64_t seg_k0 = sg.prefix(s);
+  const std::int64_t seg_k0 = pt.seg_k0;
   const std::int64_t own_end = s_last_row + offset + 1;
   const int n_own = static_cast<int>(geom::ceil_div(own_end - seg_k0, kBlockN));
   const std::int64_t prefix = seg_k0;
@@ -450,7 +435,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 2) permute_kernel(const __grid_
       if (row_ok(r)) p.lse[seq.lse_off + h * p.lse_head_stride + s_rows[row_of(r)] * p.lse_row_stride] = lse[r];
     }
   }
-  if (pp.visited != nullptr && tid == 0) pp.visited[item * pp.tiles_per_segment + tile] = visited;
+  if (pp.visited != nullptr && tid == 0) pp.visited[item * pp.tiles_per_segment + pt.tile] = visited;
 }
 
 // Host-side launch of the whole sequence: slot arrays, q̄, prefix scores, ranking sort, guide

@@ -201,6 +201,52 @@ __device__ __forceinline__ void pack_p(const float (&s)[1][16][4], std::uint32_t
   }
 }
 
+// ------------------------------------------------------------------ consumer GEMMs
+// Descriptors of a consumer warpgroup's operands. Q and K are K-major: rows of 64 elements
+// (128 B), 8-row groups 1024 B apart (SBO), the k16 step kk at +32·(kk % 4) bytes inside d-half
+// kk / 4. V is N-major for P·V: d runs along the 128-byte rows, the d-halves are N chunks of 64
+// one box apart (LBO), 8-key groups 1024 B apart (SBO); key step kk starts 16 rows = 2 KB
+// further. Descriptor address fields are in 16-byte units.
+template <class Cfg>
+__device__ __forceinline__ std::uint64_t kmajor_desc(std::uint32_t addr) {
+  return hw::desc_sw128(addr, 16, Cfg::kAtomBytes);
+}
+template <class Cfg>
+__device__ __forceinline__ std::uint64_t v_desc(std::uint32_t addr) {
+  return hw::desc_sw128(addr, Cfg::kHalfBytes, Cfg::kAtomBytes);
+}
+template <class Cfg>
+__device__ __forceinline__ std::uint64_t k_step(int kk) {
+  return static_cast<std::uint64_t>(((kk / 4) * Cfg::kHalfBytes + (kk % 4) * 32) >> 4);
+}
+
+// S = Q·Kᵀ of the warpgroup's 64 rows against a 128-key tile, as one commit group.
+template <class Cfg>
+__device__ __forceinline__ void wgmma_qk(float (&s)[1][16][4], std::uint64_t q, std::uint64_t k) {
+  hw::wgmma_fence();
+#pragma unroll
+  for (int kk = 0; kk < Cfg::kQkSteps; ++kk) hw::wgmma_ss<Cfg::kBf16>(s[0], q + k_step<Cfg>(kk), k + k_step<Cfg>(kk), kk > 0);
+  hw::wgmma_commit();
+}
+
+// O += P·V with P in registers (pack_p), as one commit group.
+template <class Cfg>
+__device__ __forceinline__ void wgmma_pv(float (&o)[Cfg::kDFrags][4], const std::uint32_t (&pf)[8][4], std::uint64_t v) {
+  hw::wgmma_fence();
+#pragma unroll
+  for (int kk = 0; kk < Cfg::kPvSteps; ++kk) hw::wgmma_rs<Cfg::kBf16>(o, pf[kk], v + ((kk * 16 * Cfg::kRowBytes) >> 4));
+  hw::wgmma_commit();
+}
+
+template <int kN>
+__device__ __forceinline__ void zero_acc(float (&o)[kN][4]) {
+#pragma unroll
+  for (int j = 0; j < kN; ++j) {
+#pragma unroll
+    for (int e = 0; e < 4; ++e) o[j][e] = 0.f;
+  }
+}
+
 // Element mask of a partial or short key tile: key column c (tile-relative) is visible to the
 // thread's row r iff c <= limit[r], the row's last visible key relative to the tile (causal:
 // its position, bottom-right aligned; always: the sequence's last key), clamped to [-1, 128].
@@ -513,41 +559,15 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
   const int r0 = wg * 64 + warp * 16 + lane / 4;  // the thread's first block row; also r0 + 8
   std::uint32_t* kept_row = wg == 0 && warp == 0 && lane == 0 ? kept_row_of(p, b, h, qb) : nullptr;
 
-  // Descriptors. Q and K are K-major: rows of 64 elements (128 B), 8-row groups 1024 B apart
-  // (SBO), the k16 step kk at +32·(kk % 4) bytes inside d-half kk / 4. V is N-major for P·V: d
-  // runs along the 128-byte rows, the d-halves are N chunks of 64 one box apart (LBO), 8-key
-  // groups 1024 B apart (SBO); key step kk starts 16 rows = 2 KB further.
-  const std::uint64_t q_desc = hw::desc_sw128(hw::smem_u32(sm.q) + wg * 64 * kRowBytes, 16, Cfg::kAtomBytes);
-  auto k_desc = [&](int st) { return hw::desc_sw128(hw::smem_u32(sm.k[st]), 16, Cfg::kAtomBytes); };
-  auto v_desc = [&](int st) { return hw::desc_sw128(hw::smem_u32(sm.v[st]), kHalfBytes, Cfg::kAtomBytes); };
-  // Descriptor address fields are in 16-byte units.
-  auto k_step = [](int kk) { return static_cast<std::uint64_t>(((kk / 4) * kHalfBytes + (kk % 4) * 32) >> 4); };
-
   float s[1][16][4];            // scores, then p: [64 x 128] per warpgroup
   float o[Cfg::kDFrags][4];     // output accumulator [64 x d]
   std::uint32_t pf[8][4];       // P as 16-bit A fragments
   RowStats<1> stats;
   init_row_stats(stats);
-#pragma unroll
-  for (int j = 0; j < Cfg::kDFrags; ++j) {
-#pragma unroll
-    for (int e = 0; e < 4; ++e) o[j][e] = 0.f;
-  }
-
-  auto issue_qk = [&](int st) {
-    const std::uint64_t kd = k_desc(st);
-    hw::wgmma_fence();
-#pragma unroll
-    for (int kk = 0; kk < Cfg::kQkSteps; ++kk) hw::wgmma_ss<Cfg::kBf16>(s[0], q_desc + k_step(kk), kd + k_step(kk), kk > 0);
-    hw::wgmma_commit();
-  };
-  auto issue_pv = [&](int st) {
-    const std::uint64_t vd = v_desc(st);
-    hw::wgmma_fence();
-#pragma unroll
-    for (int kk = 0; kk < Cfg::kPvSteps; ++kk) hw::wgmma_rs<Cfg::kBf16>(o, pf[kk], vd + ((kk * 16 * kRowBytes) >> 4));
-    hw::wgmma_commit();
-  };
+  zero_acc(o);
+  const std::uint64_t q_desc = kmajor_desc<Cfg>(hw::smem_u32(sm.q) + wg * 64 * kRowBytes);
+  auto issue_qk = [&](int st) { wgmma_qk<Cfg>(s, q_desc, kmajor_desc<Cfg>(hw::smem_u32(sm.k[st]))); };
+  auto issue_pv = [&](int st) { wgmma_pv<Cfg>(o, pf, v_desc<Cfg>(hw::smem_u32(sm.v[st]))); };
   // One arrival per warp on a free barrier: the warp's wgmma wait before it covered its lanes.
   auto release = [&](std::uint64_t& bar) {
     if (lane == 0) hw::mbar_arrive(hw::smem_u32(&bar));

@@ -16,6 +16,7 @@
 
 #include "core/geometry.h"
 #include "cuda/kernel/fwd_params.h"
+#include "cuda/kernel/permute_tile.cuh"
 #include "cuda/kernel/ptx.cuh"
 #include "cuda/kernel/sm90/fwd_kernel.cuh"
 #include "cuda/kernel/sm90/hopper.cuh"
@@ -109,8 +110,7 @@ __device__ __forceinline__ void softmax_tile_part(float (&s)[1][16][4], const fl
 
 }  // namespace permute90
 
-// One CTA per permuted query tile, in the portable kernel's grid order (heads fastest, then
-// batch, tile, and the segments from the last one down: the longest expected work first).
+// One CTA per permuted query tile, in PermuteTile's grid order (the longest expected work first).
 // Positions: n_own tiles of the segment's own keys (consecutive rows, each row masked at its
 // original position), then the ranked prefix in tiles of 128 (one chunk each), the last one
 // short. The stop decision of ranked tile v (CTA-wide: does some valid row still gain tau?) is
@@ -120,31 +120,17 @@ __device__ __forceinline__ void softmax_tile_part(float (&s)[1][16][4], const fl
 template <class Cfg>
 __global__ void __launch_bounds__(Cfg::kThreads, 1) permute_attend_kernel(const __grid_constant__ PermuteParams pp) {
   using S = PermuteSmem<Cfg>;
-  constexpr int kTileN = Cfg::kTileN, kHalfBytes = Cfg::kHalfBytes, kRowBytes = Cfg::kRowBytes;
+  constexpr int kTileN = Cfg::kTileN, kRowBytes = Cfg::kRowBytes;
   extern __shared__ std::uint8_t smem_raw[];
   const std::uint32_t raw = hw::smem_u32(smem_raw);
   S& sm = *reinterpret_cast<S*>(smem_raw + ((1024 - (raw & 1023)) & 1023));
   const FwdParams& p = pp.fwd;
 
-  int w = blockIdx.x;
-  const int h = w % p.h_q;
-  w /= p.h_q;
-  const int b = w % p.batch;
-  w /= p.batch;
-  const int tile = w % pp.tiles_per_segment;
-  const int slot_rev = w / pp.tiles_per_segment;
-  const int hk = h / p.group;
-  const SeqInfo seq = p.seqs[b];
-  const geom::SegmentGeometry sg{{seq.s_q, seq.s_k, true}, pp.segment};
-  if (slot_rev >= sg.count()) return;
-  const std::int64_t slot = sg.count() - 1 - slot_rev;
-  const std::int64_t seg = sg.first() + slot;
-  const std::int64_t r0_seg = sg.row_begin(seg), n_rows = sg.row_end(seg) - r0_seg;
-  const std::int64_t e0 = static_cast<std::int64_t>(tile) * Cfg::kTileM;
-  if (e0 >= n_rows) return;
-  const int rows_valid = static_cast<int>(geom::min64(Cfg::kTileM, n_rows - e0));
-  const std::int64_t item = (static_cast<std::int64_t>(b) * p.h_q + h) * pp.max_segments + slot;
-  const std::int64_t offset = seq.s_k - seq.s_q;
+  PermuteTile pt;
+  if (!pt.init(pp, blockIdx.x, Cfg::kTileM)) return;
+  const int h = pt.h, hk = pt.hk, rows_valid = pt.rows_valid;
+  const SeqInfo& seq = pt.seq;
+  const std::int64_t offset = pt.offset;
   const int warpgroup = threadIdx.x / 128;
 
   if (threadIdx.x == 0) {
@@ -163,7 +149,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) permute_attend_kernel(const 
   }
   __syncthreads();
   if (threadIdx.x < rows_valid) {
-    const std::int32_t r = pp.query_order[(static_cast<std::int64_t>(b) * p.h_q + h) * pp.max_s_q + r0_seg + e0 + threadIdx.x];
+    const std::int32_t r = pp.query_order[pt.first + threadIdx.x];
     sm.rows[threadIdx.x] = r;
     atomicMax(&sm.last_row, r);
   }
@@ -171,13 +157,13 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) permute_attend_kernel(const 
 
   // Pass 1: own keys seg_k0 .. own_end - 1 (one past the latest row's position: never beyond the
   // segment's keys); pass 2: the ranked prefix keys t < seg_k0, best first.
-  const std::int64_t seg_k0 = sg.prefix(seg);
+  const std::int64_t seg_k0 = pt.seg_k0;
   const std::int64_t own_end = sm.last_row + offset + 1;
   const int n_own = static_cast<int>(geom::ceil_div(own_end - seg_k0, kTileN));
   const std::int64_t prefix = seg_k0;
   const int n_rank = static_cast<int>(geom::ceil_div(prefix, kTileN));
   const int n_sub = n_own + n_rank;
-  const std::int32_t* ranked = pp.ranked + pp.rank_offsets[item];
+  const std::int32_t* ranked = pp.ranked + pp.rank_offsets[pt.item];
 
   // The stop decision after ranked tile v, as every thread reads it (all 8 consumer warps voted).
   auto decision = [&](int v) -> bool {
@@ -237,37 +223,15 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) permute_attend_kernel(const 
     rel_pos[r] = row_ok[r] ? static_cast<int>(sm.rows[r0 + 8 * r] + offset - seg_k0) : -1;
   }
 
-  // Descriptors as in the forward kernel.
-  const std::uint64_t q_desc = hw::desc_sw128(hw::smem_u32(sm.q) + wg * 64 * kRowBytes, 16, Cfg::kAtomBytes);
-  auto k_desc = [&](int st) { return hw::desc_sw128(hw::smem_u32(sm.k[st]), 16, Cfg::kAtomBytes); };
-  auto v_desc = [&](int st) { return hw::desc_sw128(hw::smem_u32(sm.v[st]), kHalfBytes, Cfg::kAtomBytes); };
-  auto k_step = [](int kk) { return static_cast<std::uint64_t>(((kk / 4) * kHalfBytes + (kk % 4) * 32) >> 4); };
-
   float s[1][16][4];
   float o[Cfg::kDFrags][4];
   std::uint32_t pf[8][4];
   RowStats<1> stats;
   init_row_stats(stats);
-#pragma unroll
-  for (int j = 0; j < Cfg::kDFrags; ++j) {
-#pragma unroll
-    for (int e = 0; e < 4; ++e) o[j][e] = 0.f;
-  }
-
-  auto issue_qk = [&](int st) {
-    const std::uint64_t kd = k_desc(st);
-    hw::wgmma_fence();
-#pragma unroll
-    for (int kk = 0; kk < Cfg::kQkSteps; ++kk) hw::wgmma_ss<Cfg::kBf16>(s[0], q_desc + k_step(kk), kd + k_step(kk), kk > 0);
-    hw::wgmma_commit();
-  };
-  auto issue_pv = [&](int st) {
-    const std::uint64_t vd = v_desc(st);
-    hw::wgmma_fence();
-#pragma unroll
-    for (int kk = 0; kk < Cfg::kPvSteps; ++kk) hw::wgmma_rs<Cfg::kBf16>(o, pf[kk], vd + ((kk * 16 * kRowBytes) >> 4));
-    hw::wgmma_commit();
-  };
+  zero_acc(o);
+  const std::uint64_t q_desc = kmajor_desc<Cfg>(hw::smem_u32(sm.q) + wg * 64 * kRowBytes);
+  auto issue_qk = [&](int st) { wgmma_qk<Cfg>(s, q_desc, kmajor_desc<Cfg>(hw::smem_u32(sm.k[st]))); };
+  auto issue_pv = [&](int st) { wgmma_pv<Cfg>(o, pf, v_desc<Cfg>(hw::smem_u32(sm.v[st]))); };
   auto release = [&](std::uint64_t& bar) {
     if (lane == 0) hw::mbar_arrive(hw::smem_u32(&bar));
   };
@@ -377,7 +341,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) permute_attend_kernel(const 
     }
     if (p.lse != nullptr && lane % 4 == 0) p.lse[seq.lse_off + h * p.lse_head_stride + row * p.lse_row_stride] = lse;
   }
-  if (pp.visited != nullptr && threadIdx.x == 128) pp.visited[item * pp.tiles_per_segment + tile] = visited;
+  if (pp.visited != nullptr && threadIdx.x == 128) pp.visited[pt.item * pp.tiles_per_segment + pt.tile] = visited;
 }
 
 // Host-side launch of the attention kernel once the portable sequence has ranked and sorted
