@@ -21,8 +21,9 @@ using CalibLaunchFn = int (*)(const CalibParams& params, void* stream);
 // set): the Hopper instances (permute_sm90_*).
 using PermuteAttendFn = int (*)(const PermuteParams& params, void* stream);
 // permute_stop: ranking, sorts and attention in one enqueued sequence; sets params.ranked and
-// params.query_order to the sort buffers holding the results. The attention is the portable
-// kernel's, or `attend`'s when it is not null.
+// params.query_order to the sort buffers holding the results. The attention is `attend`'s when
+// it is not null (the portable kernel's when that returns cudaErrorNotSupported), else the
+// portable kernel's.
 using PermuteLaunchFn = int (*)(PermuteParams& params, PermuteAttendFn attend, void* stream);
 
 // One segmented sort of permute_stop (kernel/permute_sort.cuh): descending, stable, 32-bit

@@ -439,8 +439,9 @@ __global__ void __launch_bounds__(Cfg::kThreads, 2) permute_kernel(const __grid_
 }
 
 // Host-side launch of the whole sequence: slot arrays, q̄, prefix scores, ranking sort, guide
-// and query keys, query sort, attention (permute_kernel, or `attend` when not null: the Hopper
-// kernel). Sets pp.ranked and pp.query_order. Returns a cudaError_t value (0 = success).
+// and query keys, query sort, attention (`attend` when not null and it can run: the Hopper
+// kernel; permute_kernel otherwise). Sets pp.ranked and pp.query_order. Returns a cudaError_t
+// value (0 = success).
 template <class Cfg>
 int launch_permute(PermuteParams& pp, PermuteAttendFn attend, void* stream) {
   const auto st = static_cast<cudaStream_t>(stream);
@@ -479,7 +480,12 @@ int launch_permute(PermuteParams& pp, PermuteAttendFn attend, void* stream) {
                   pp.query_segments, pp.query_offsets, pp.sort_temp, pp.sort_temp_bytes};
   if (int err = permute_sort_pairs(query, &bytes, &current, stream)) return err;
   pp.query_order = pp.query_rows[current];
-  if (attend != nullptr) return attend(pp, stream);
+  if (attend != nullptr) {
+    // cudaErrorNotSupported: the Hopper kernel enqueued nothing (a call choose_fwd_path sends
+    // elsewhere); the portable kernel runs instead.
+    const int attended = attend(pp, stream);
+    if (attended != static_cast<int>(cudaErrorNotSupported)) return attended;
+  }
 
   auto* kernel = permute_kernel<Cfg>;
   cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Cfg::kSmemBytes);

@@ -346,8 +346,8 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) permute_attend_kernel(const 
 
 // Host-side launch of the attention kernel once the portable sequence has ranked and sorted
 // (pp.ranked and pp.query_order set). Returns a cudaError_t value (0 = success);
-// cudaErrorNotSupported for chunks other than 128 keys or paged K/V (choose_fwd_path sends
-// those to the portable kernel).
+// cudaErrorNotSupported, having enqueued nothing, for chunks other than 128 keys or paged K/V
+// (choose_fwd_path sends those to the portable kernel, which also runs if one arrives here).
 template <class Cfg>
 int launch_permute_attend(const PermuteParams& pp, void* stream) {
   const FwdParams& p = pp.fwd;
