@@ -20,6 +20,11 @@ namespace sparseprefill {
 // Causal is bottom-right aligned: query i of a sequence with s_q queries and s_k keys sees keys
 // j <= i + (s_k - s_q). GQA is contiguous: query head h reads kv head h / (h_q / h_kv).
 // The last dimension of q, k and v must be contiguous; other strides are free.
+//
+// FP8 inputs (q, k and v all DType::kFP8E4M3, FlashAttention-3's call): attention runs on the
+// dequantized values q · q_descale[b, h / group], k · k_descale[b, kv head] and
+// v · v_descale[b, kv head] (fp32 descales [b, h_kv], any strides, on q's device; an undefined
+// descale is 1); O is bf16. Descales are only accepted with FP8 inputs.
 struct AttentionProblem {
   TensorView q;
   TensorView k;
@@ -28,11 +33,14 @@ struct AttentionProblem {
   TensorView cu_seqlens_k;  // int32 [b+1], optional (varlen keys; not with block_table)
   TensorView seqused_k;     // int32 [b], optional; required with block_table
   TensorView block_table;   // int32 [b, max_pages], optional (paged K/V)
+  TensorView q_descale;     // fp32 [b, h_kv], optional (FP8 inputs only)
+  TensorView k_descale;     // fp32 [b, h_kv], optional (FP8 inputs only)
+  TensorView v_descale;     // fp32 [b, h_kv], optional (FP8 inputs only)
   bool causal = true;
   double scale = 0.0;       // softmax scale; 0 means 1/sqrt(d)
 };
 
-// Where O and LSE go. O has q's layout, dtype and device. LSE is fp32 (natural log),
+// Where O and LSE go. O has q's layout, dtype (bf16 for FP8 inputs) and device. LSE is fp32 (natural log),
 // [b, h_q, s_q] for batched queries or [h_q, total_q] for varlen; it may be left undefined.
 // A row that sees no key gets O = 0 and LSE = -inf.
 struct AttentionOutput {
@@ -54,6 +62,7 @@ struct ProblemShape {
   KvLayout kv_layout = KvLayout::kBatched;
   int page_size = 0;           // paged only
   DType dtype = DType::kBF16;  // of q, k, v (all equal)
+  DType out_dtype() const { return dtype == DType::kFP8E4M3 ? DType::kBF16 : dtype; }  // of O
   Device device{};
   std::vector<std::int64_t> seq_q;     // [b] queries per sequence
   std::vector<std::int64_t> seq_k;     // [b] keys per sequence (after seqused_k)

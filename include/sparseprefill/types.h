@@ -12,11 +12,14 @@
 
 namespace sparseprefill {
 
-enum class DType : std::uint8_t { kBF16, kFP16, kFP32, kInt32 };
+// kFP8E4M3: OCP FP8 E4M3 ("e4m3fn", torch.float8_e4m3fn): 1 sign, 4 exponent (bias 7), 3
+// mantissa bits; no infinities, NaN = S.1111.111, largest finite ±448. An input dtype only
+// (with per-(batch, kv head) descales: AttentionProblem), never an output.
+enum class DType : std::uint8_t { kBF16, kFP16, kFP32, kInt32, kFP8E4M3 };
 
 // Bytes per element; 0 never happens for a valid enum value.
 std::size_t dtype_size(DType dtype);
-// "bf16", "fp16", "fp32", "int32".
+// "bf16", "fp16", "fp32", "int32", "fp8_e4m3".
 const char* dtype_name(DType dtype);
 
 enum class DeviceKind : std::uint8_t { kCPU, kCUDA };
@@ -122,6 +125,10 @@ float bf16_to_float(std::uint16_t bits);
 std::uint16_t float_to_bf16(float x);
 float fp16_to_float(std::uint16_t bits);
 std::uint16_t float_to_fp16(float x);
+// FP8 E4M3 (DType::kFP8E4M3) <-> fp32: decoding is exact; encoding rounds to nearest even and
+// turns NaN and every magnitude that rounds above 448 into NaN (the format has no infinity).
+float e4m3_to_float(std::uint8_t bits);
+std::uint8_t float_to_e4m3(float x);
 // Rounds x to the precision of dtype (identity for fp32).
 float round_to(DType dtype, float x);
 

@@ -9,6 +9,7 @@
 #include <thread>
 
 #include "core/estimate_chunks.h"
+#include "core/policy_dtype.h"
 #include "core/stats.h"
 #include "core/tensor_access.h"
 #include "cpu/cpu_backend.h"
@@ -43,6 +44,7 @@ Status validate_policy_for(const Policy& policy, const ProblemShape& s) {
     detail::EstimateChunks chunks;
     SP_RETURN_IF_ERROR(detail::read_estimate_chunks(*es, s, &chunks));
   }
+  SP_RETURN_IF_ERROR(detail::check_policy_dtype(policy, s.dtype));
   if (!s.causal && (std::holds_alternative<EstimateSelectParams>(policy) ||
                     std::holds_alternative<PermuteStopParams>(policy))) {
     return unsupported(std::string(policy_name(policy)) + ": defined for causal attention only (causal = false given)");

@@ -185,6 +185,10 @@ Status check_sample(const char* who, const AttentionProblem& sample, ProblemShap
     return invalid_argument(std::string(who) + ": sample.causal: calibration expects causal "
                             "(prefill) samples");
   }
+  if (shape->dtype == DType::kFP8E4M3) {
+    return unsupported(std::string(who) + ": sample: fp8_e4m3 inputs run dense and block_sparse only, which need no "
+                       "calibration; calibrate on the bf16/fp16 activations");
+  }
   return {};
 }
 

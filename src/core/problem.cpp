@@ -4,6 +4,7 @@
 #include <cmath>
 #include <sstream>
 #include <string>
+#include <utility>
 
 #include "sparseprefill/problem.h"
 
@@ -43,8 +44,8 @@ Status check_float_tensor(const char* name, const TensorView& t, int rank_a, int
                             std::to_string(t.rank) + " " + shape_str(t));
   }
   if (t.data == nullptr && t.numel() > 0) return invalid_argument(std::string(name) + ": null data pointer");
-  if (t.dtype != DType::kBF16 && t.dtype != DType::kFP16 && t.dtype != DType::kFP32) {
-    return invalid_argument(std::string(name) + ": expected dtype bf16, fp16 or fp32, got " +
+  if (t.dtype != DType::kBF16 && t.dtype != DType::kFP16 && t.dtype != DType::kFP32 && t.dtype != DType::kFP8E4M3) {
+    return invalid_argument(std::string(name) + ": expected dtype bf16, fp16, fp32 or fp8_e4m3, got " +
                             dtype_name(t.dtype));
   }
   for (int i = 0; i < t.rank; ++i) {
@@ -104,6 +105,42 @@ Status read_cu_seqlens(const char* name, const TensorView& t, int batch, std::in
   if (at1(t, batch) > total) {
     return invalid_argument(std::string(name) + ": last entry " + std::to_string(at1(t, batch)) +
                             " exceeds the " + std::to_string(total) + " rows of the packed tensor");
+  }
+  return {};
+}
+
+}  // namespace
+
+namespace {
+
+// FP8 descales: fp32 [b, h_kv] on q's device, any non-negative strides, only with fp8_e4m3
+// inputs; host-readable values are checked finite.
+Status check_descales(const AttentionProblem& p, const ProblemShape& s) {
+  const std::pair<const char*, const TensorView*> descales[] = {
+      {"q_descale", &p.q_descale}, {"k_descale", &p.k_descale}, {"v_descale", &p.v_descale}};
+  for (const auto& [name, t] : descales) {
+    if (!t->defined()) continue;
+    if (s.dtype != DType::kFP8E4M3) {
+      return invalid_argument(std::string(name) + ": only with fp8_e4m3 inputs, got " + dtype_name(s.dtype) + " inputs");
+    }
+    if (t->rank != 2 || t->shape[0] != s.batch || t->shape[1] != s.h_kv || t->dtype != DType::kFP32) {
+      return invalid_argument(std::string(name) + ": expected fp32 [b, h_kv] = [" + std::to_string(s.batch) + ", " +
+                              std::to_string(s.h_kv) + "], got " + describe(*t));
+    }
+    if (t->device != s.device) return invalid_argument(std::string(name) + ": expected q's device, got " + describe(*t));
+    if (t->data == nullptr && t->numel() > 0) return invalid_argument(std::string(name) + ": null data pointer");
+    if (t->stride[0] < 0 || t->stride[1] < 0) return invalid_argument(std::string(name) + ": negative stride");
+    if (t->device.kind != DeviceKind::kCPU) continue;
+    const auto* v = static_cast<const float*>(t->data);
+    for (int b = 0; b < s.batch; ++b) {
+      for (int h = 0; h < s.h_kv; ++h) {
+        const float x = v[b * t->stride[0] + h * t->stride[1]];
+        if (!std::isfinite(x)) {
+          return invalid_argument(std::string(name) + "[" + std::to_string(b) + ", " + std::to_string(h) +
+                                  "]: expected a finite number, got " + std::to_string(x));
+        }
+      }
+    }
   }
   return {};
 }
@@ -223,6 +260,7 @@ Status validate_problem(const AttentionProblem& p, const AttentionOutput* out, P
     return invalid_argument("scale: expected a finite positive number (or 0 for 1/sqrt(d)), got " + std::to_string(p.scale));
   }
   s.scale = p.scale == 0.0 ? 1.0 / std::sqrt(static_cast<double>(s.d)) : p.scale;
+  SP_RETURN_IF_ERROR(check_descales(p, s));
 
   if (out != nullptr) {
     const TensorView& o = out->o;
@@ -232,7 +270,11 @@ Status validate_problem(const AttentionProblem& p, const AttentionOutput* out, P
       if (o.shape[i] != p.q.shape[i]) return invalid_argument("o: expected q's shape " + shape_str(p.q) + ", got " + shape_str(o));
       if (o.stride[i] < 0) return invalid_argument("o: negative stride");
     }
-    if (o.dtype != p.q.dtype) return invalid_argument(std::string("o: expected q's dtype ") + dtype_name(p.q.dtype) + ", got " + dtype_name(o.dtype));
+    if (o.dtype != s.out_dtype()) {
+      return invalid_argument((s.dtype == DType::kFP8E4M3 ? std::string("o: expected dtype bf16 (fp8_e4m3 inputs give a bf16 output)")
+                                                          : std::string("o: expected q's dtype ") + dtype_name(p.q.dtype)) +
+                              ", got " + dtype_name(o.dtype));
+    }
     if (o.device != p.q.device) return invalid_argument("o: expected q's device, got " + describe(o));
     if (o.data == nullptr && o.numel() > 0) return invalid_argument("o: null data pointer");
     if (o.shape[o.rank - 1] > 1 && o.stride[o.rank - 1] != 1) return invalid_argument("o: the last dimension must be contiguous");

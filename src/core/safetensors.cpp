@@ -42,12 +42,13 @@ const char* dtype_tag(DType dtype) {
     case DType::kFP16: return "F16";
     case DType::kFP32: return "F32";
     case DType::kInt32: return "I32";
+    case DType::kFP8E4M3: return "F8_E4M3";
   }
   return "?";
 }
 
 bool dtype_from_tag(const std::string& tag, DType* out) {
-  for (DType d : {DType::kBF16, DType::kFP16, DType::kFP32, DType::kInt32}) {
+  for (DType d : {DType::kBF16, DType::kFP16, DType::kFP32, DType::kInt32, DType::kFP8E4M3}) {
     if (tag == dtype_tag(d)) {
       *out = d;
       return true;

@@ -13,6 +13,7 @@ float load_float(const void* base, DType dtype, std::int64_t offset) {
     case DType::kFP16: return fp16_to_float(static_cast<const std::uint16_t*>(base)[offset]);
     case DType::kFP32: return static_cast<const float*>(base)[offset];
     case DType::kInt32: return static_cast<float>(static_cast<const std::int32_t*>(base)[offset]);
+    case DType::kFP8E4M3: return e4m3_to_float(static_cast<const std::uint8_t*>(base)[offset]);
   }
   return 0.0f;
 }
@@ -22,8 +23,15 @@ void store_float(void* base, DType dtype, std::int64_t offset, float x) {
     case DType::kBF16: static_cast<std::uint16_t*>(base)[offset] = float_to_bf16(x); break;
     case DType::kFP16: static_cast<std::uint16_t*>(base)[offset] = float_to_fp16(x); break;
     case DType::kFP32: static_cast<float*>(base)[offset] = x; break;
-    case DType::kInt32: break;  // never an output dtype (validate_problem)
+    case DType::kInt32:
+    case DType::kFP8E4M3: break;  // never an output dtype (validate_problem)
   }
+}
+
+// Element (b, kv head hk) of a [batch, h_kv] fp32 descale (FP8 inputs); 1 when undefined.
+double descale_of(const TensorView& t, int b, int hk) {
+  if (!t.defined()) return 1.0;
+  return static_cast<const float*>(t.data)[b * t.stride[0] + hk * t.stride[1]];
 }
 
 // Offset of element (row, head, 0) of sequence b's query rows in q-shaped tensor t.
@@ -58,6 +66,14 @@ void gather_q(const AttentionProblem& p, const ProblemShape& s, int b, std::vect
   for (std::int64_t r = 0; r < s_q; ++r) {
     for (int h = 0; h < s.h_q; ++h) {
       const std::int64_t base = q_offset(p.q, s, b, r, h);
+      if (p.q_descale.defined()) {
+        // FP8: the value times its descale, computed in double (exact for the oracle's double).
+        const double scale = descale_of(p.q_descale, b, h / s.group());
+        for (int i = 0; i < s.d; ++i) {
+          *dst++ = static_cast<T>(static_cast<double>(load_float(p.q.data, s.dtype, base + i)) * scale);
+        }
+        continue;
+      }
       for (int i = 0; i < s.d; ++i) *dst++ = static_cast<T>(load_float(p.q.data, s.dtype, base + i));
     }
   }
@@ -69,10 +85,18 @@ void gather_kv(const AttentionProblem& p, const ProblemShape& s, int b, bool val
   const TensorView& t = value ? p.v : p.k;
   const std::int64_t s_k = s.seq_k[static_cast<std::size_t>(b)];
   out->resize(static_cast<std::size_t>(s_k * s.h_kv * s.d));
+  const TensorView& descale = value ? p.v_descale : p.k_descale;
   T* dst = out->data();
   for (std::int64_t pos = 0; pos < s_k; ++pos) {
     for (int h = 0; h < s.h_kv; ++h) {
       const std::int64_t base = kv_offset(p, t, s, b, pos, h);
+      if (descale.defined()) {
+        const double scale = descale_of(descale, b, h);
+        for (int i = 0; i < s.d; ++i) {
+          *dst++ = static_cast<T>(static_cast<double>(load_float(t.data, s.dtype, base + i)) * scale);
+        }
+        continue;
+      }
       for (int i = 0; i < s.d; ++i) *dst++ = static_cast<T>(load_float(t.data, s.dtype, base + i));
     }
   }
@@ -86,7 +110,7 @@ void store_output(const AttentionOutput& out, const ProblemShape& s, int b, cons
     for (int h = 0; h < s.h_q; ++h) {
       const std::int64_t base = q_offset(out.o, s, b, r, h);
       const T* src = o + (r * s.h_q + h) * s.d;
-      for (int i = 0; i < s.d; ++i) store_float(out.o.data, s.dtype, base + i, static_cast<float>(src[i]));
+      for (int i = 0; i < s.d; ++i) store_float(out.o.data, s.out_dtype(), base + i, static_cast<float>(src[i]));
     }
   }
   if (!out.lse.defined() || lse == nullptr) return;

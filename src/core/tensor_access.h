@@ -1,7 +1,8 @@
 // SPDX-License-Identifier: Apache-2.0
 // Host-side element access shared by the host backends (oracle, CPU backend), calibration and
 // the CLI: gathers one sequence's Q/K/V into contiguous arrays whatever the layout (batched,
-// varlen, paged; any strides; bf16/fp16/fp32), and stores O/LSE back. Host tensors only.
+// varlen, paged; any strides; bf16/fp16/fp32, fp8 with descales), and stores O/LSE back. Host
+// tensors only.
 #pragma once
 
 #include <cstdint>
@@ -11,15 +12,16 @@
 
 namespace sparseprefill::detail {
 
-// q of sequence b as [s_q, h_q, d], converted exactly to T (float or double).
+// q of sequence b as [s_q, h_q, d], converted exactly to T (float or double); FP8 inputs
+// multiplied by their descale (q_descale[b, h / group]) in double, so exactly for double.
 template <class T>
 void gather_q(const AttentionProblem& p, const ProblemShape& s, int b, std::vector<T>* out);
 // k (value = false) or v (value = true) of sequence b as [s_k, h_kv, d], through the block
-// table when paged.
+// table when paged; FP8 inputs multiplied by k_descale / v_descale[b, kv head] as q is.
 template <class T>
 void gather_kv(const AttentionProblem& p, const ProblemShape& s, int b, bool value,
                std::vector<T>* out);
-// Stores sequence b's O ([s_q, h_q, d], rounded to o's dtype) and LSE ([h_q, s_q], fp32) into
+// Stores sequence b's O ([s_q, h_q, d], rounded to o's dtype, s.out_dtype()) and LSE ([h_q, s_q], fp32) into
 // `out` (LSE only when out.lse is defined).
 template <class T>
 void store_output(const AttentionOutput& out, const ProblemShape& s, int b, const T* o,

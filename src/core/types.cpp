@@ -5,12 +5,14 @@
 
 #include <cmath>
 #include <cstring>
+#include <limits>
 #include <sstream>
 
 namespace sparseprefill {
 
 std::size_t dtype_size(DType dtype) {
   switch (dtype) {
+    case DType::kFP8E4M3: return 1;
     case DType::kBF16:
     case DType::kFP16: return 2;
     case DType::kFP32:
@@ -25,6 +27,7 @@ const char* dtype_name(DType dtype) {
     case DType::kFP16: return "fp16";
     case DType::kFP32: return "fp32";
     case DType::kInt32: return "int32";
+    case DType::kFP8E4M3: return "fp8_e4m3";
   }
   return "?";
 }
@@ -169,10 +172,45 @@ std::uint16_t float_to_fp16(float x) {
   return static_cast<std::uint16_t>(sign | h);
 }
 
+float e4m3_to_float(std::uint8_t bits) {
+  const bool negative = (bits & 0x80u) != 0;
+  const int exp = (bits >> 3) & 0xF;
+  const int mant = bits & 0x7;
+  float v = 0.0f;
+  if (exp == 0xF && mant == 0x7) {
+    v = std::numeric_limits<float>::quiet_NaN();
+  } else if (exp == 0) {
+    v = std::ldexp(static_cast<float>(mant), -9);  // subnormal: mant · 2^-9
+  } else {
+    v = std::ldexp(static_cast<float>(8 + mant), exp - 10);  // 1.mant · 2^(exp - 7)
+  }
+  return negative ? -v : v;
+}
+
+std::uint8_t float_to_e4m3(float x) {
+  const std::uint8_t sign = std::signbit(x) ? 0x80u : 0x00u;
+  if (std::isnan(x)) return static_cast<std::uint8_t>(sign | 0x7Fu);
+  const float a = std::fabs(x);
+  // Steps are 2^-9 below 2^-6 (subnormals and the first binade share them) and 2^(e - 3) in the
+  // binade [2^e, 2^(e+1)); a / step is exact, and nearbyint rounds it to nearest even.
+  int e = 0;
+  std::frexp(a, &e);  // a = f · 2^e, f in [0.5, 1): the binade [2^(e - 1), 2^e)
+  const int step_exp = a < 0.015625f ? -9 : e - 4;
+  const float q = std::nearbyint(std::ldexp(a, -step_exp));
+  const float r = std::ldexp(q, step_exp);
+  if (r > 448.0f) return static_cast<std::uint8_t>(sign | 0x7Fu);
+  if (r < 0.015625f) return static_cast<std::uint8_t>(sign | static_cast<std::uint8_t>(q));  // subnormal or zero
+  int re = 0;
+  const float f = std::frexp(r, &re);  // r = f · 2^re, rounding may have carried into the next binade
+  const int mant = static_cast<int>(std::ldexp(f, 4)) - 8;
+  return static_cast<std::uint8_t>(sign | ((re - 1 + 7) << 3) | mant);
+}
+
 float round_to(DType dtype, float x) {
   switch (dtype) {
     case DType::kBF16: return bf16_to_float(float_to_bf16(x));
     case DType::kFP16: return fp16_to_float(float_to_fp16(x));
+    case DType::kFP8E4M3: return e4m3_to_float(float_to_e4m3(x));
     default: return x;
   }
 }

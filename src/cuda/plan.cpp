@@ -130,6 +130,10 @@ int dense_block_k(int head_dim) {
 }
 
 Status check_support(const ProblemShape& shape, const Policy& policy, int* block_k) {
+  if (shape.dtype == DType::kFP8E4M3) {
+    return unsupported("q: fp8_e4m3 inputs have no CUDA kernel yet; the reference and cpu backends run them (dense and "
+                       "block_sparse)");
+  }
   if (shape.dtype != DType::kBF16 && shape.dtype != DType::kFP16) {
     return unsupported(std::string("q: dtype ") + dtype_name(shape.dtype) + " has no CUDA kernel; expected bf16 or fp16 (" +
                        support_summary() + ")");

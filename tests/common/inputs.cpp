@@ -51,6 +51,7 @@ double get(const HostTensor& t, std::int64_t i) {
     case DType::kFP16: return fp16_to_float(t.as<std::uint16_t>()[i]);
     case DType::kFP32: return t.as<float>()[i];
     case DType::kInt32: return t.as<std::int32_t>()[i];
+    case DType::kFP8E4M3: return e4m3_to_float(t.as<std::uint8_t>()[i]);
   }
   return kNaN;
 }
@@ -62,6 +63,7 @@ void set(HostTensor* t, std::int64_t i, double x) {
     case DType::kFP16: t->as<std::uint16_t>()[i] = float_to_fp16(f); break;
     case DType::kFP32: t->as<float>()[i] = f; break;
     case DType::kInt32: t->as<std::int32_t>()[i] = static_cast<std::int32_t>(x); break;
+    case DType::kFP8E4M3: t->as<std::uint8_t>()[i] = float_to_e4m3(f); break;
   }
 }
 
@@ -128,6 +130,9 @@ AttentionProblem TestProblem::problem() const {
   if (!cu_seqlens_k.shape().empty()) p.cu_seqlens_k = cu_seqlens_k.view();
   if (!seqused_k.shape().empty()) p.seqused_k = seqused_k.view();
   if (!block_table.shape().empty()) p.block_table = block_table.view();
+  if (!q_descale.shape().empty()) p.q_descale = q_descale.view();
+  if (!k_descale.shape().empty()) p.k_descale = k_descale.view();
+  if (!v_descale.shape().empty()) p.v_descale = v_descale.view();
   p.causal = causal;
   p.scale = scale;
   return p;
@@ -166,7 +171,7 @@ TestProblem build_problem(const Inputs& in, const LayoutOptions& opt) {
     }
     tp.lse = HostTensor(DType::kFP32, {in.h_q, total_q});
   }
-  tp.o = HostTensor(in.dtype, tp.q.shape());
+  tp.o = HostTensor(in.dtype == DType::kFP8E4M3 ? DType::kBF16 : in.dtype, tp.q.shape());
 
   // Keys and values.
   switch (opt.layout) {

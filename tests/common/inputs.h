@@ -89,7 +89,8 @@ struct LayoutOptions {
 struct TestProblem {
   HostTensor q, k, v;
   HostTensor cu_seqlens_q, cu_seqlens_k, seqused_k, block_table;  // int32, when the layout uses them
-  HostTensor o;    // q's shape and dtype
+  HostTensor q_descale, k_descale, v_descale;  // fp32 [b, h_kv], when set (fp8 inputs)
+  HostTensor o;    // q's shape and dtype (bf16 for fp8 inputs)
   HostTensor lse;  // fp32 [b, h_q, s_q] or [h_q, total_q]
   bool causal = true;
   double scale = 0.0;

@@ -84,7 +84,9 @@ void lowp_row(const ref::Sequence& seq, const std::vector<float>& q, const std::
     const float p_rounded = round_to(seq.dtype, p);
     for (std::size_t c = 0; c < d; ++c) acc[c] += p_rounded * value[u][c];
   }
-  for (std::size_t c = 0; c < d; ++c) o[c] = round_to(seq.dtype, acc[c] / l);
+  // O in the output dtype (bf16 for fp8 inputs, whose P is rounded to fp8 as an FP8 kernel's).
+  const DType out_dtype = seq.dtype == DType::kFP8E4M3 ? DType::kBF16 : seq.dtype;
+  for (std::size_t c = 0; c < d; ++c) o[c] = round_to(out_dtype, acc[c] / l);
   *lse = static_cast<double>(m + std::log(l));
 }
 
@@ -130,7 +132,8 @@ ErrorStats compare(const std::vector<double>& out, const std::vector<double>& re
 
 double unit_roundoff(DType dtype) {
   switch (dtype) {
-    case DType::kBF16: return std::ldexp(1.0, -8);
+    case DType::kBF16:
+    case DType::kFP8E4M3: return std::ldexp(1.0, -8);  // fp8 inputs: a bf16 output
     case DType::kFP16: return std::ldexp(1.0, -11);
     default: return std::ldexp(1.0, -20);
   }

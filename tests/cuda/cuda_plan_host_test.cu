@@ -74,6 +74,10 @@ TEST(CudaPlan, UnsupportedMessagesNameTheArgument) {
   tiny.segment = 16;  // 32 heads × 2^20 positions in 16-key segments: ~1.8e13 ranked keys
   expect_unsupported(shape_of(std::int64_t{1} << 20, std::int64_t{1} << 20, 32, 8, 128), tiny, "2^31 - 1");
   expect_unsupported(shape_of(300, 300, 4, 1, 80), DenseParams{}, "head_dim 80");
+  // FP8 inputs: no CUDA kernel yet, and the message says where they do run.
+  expect_unsupported(shape_of(300, 300, 4, 1, 128, DType::kFP8E4M3), DenseParams{},
+                     "fp8_e4m3 inputs have no CUDA kernel yet; the reference and cpu backends run them");
+  expect_unsupported(shape_of(300, 300, 4, 1, 128, DType::kFP32), DenseParams{}, "dtype fp32 has no CUDA kernel");
 }
 
 TEST(CudaPlan, HopperPathOnComputeCapability90For128KeyBlocks) {

@@ -167,6 +167,7 @@ double element(const HostTensor& t, std::int64_t i) {
     case DType::kFP16: return fp16_to_float(t.as<std::uint16_t>()[i]);
     case DType::kFP32: return t.as<float>()[i];
     case DType::kInt32: return t.as<std::int32_t>()[i];
+    case DType::kFP8E4M3: return e4m3_to_float(t.as<std::uint8_t>()[i]);
   }
   return 0;
 }
