@@ -40,8 +40,9 @@ struct AttentionProblem {
   double scale = 0.0;       // softmax scale; 0 means 1/sqrt(d)
 };
 
-// Where O and LSE go. O has q's layout, dtype (bf16 for FP8 inputs) and device. LSE is fp32 (natural log),
-// [b, h_q, s_q] for batched queries or [h_q, total_q] for varlen; it may be left undefined.
+// Where O and LSE go. O has q's layout, dtype (bf16 for FP8 inputs) and device. LSE is fp32
+// (natural log), [b, h_q, s_q] for batched queries or [h_q, total_q] for varlen; it may be left
+// undefined.
 // A row that sees no key gets O = 0 and LSE = -inf.
 struct AttentionOutput {
   TensorView o;

@@ -109,10 +109,6 @@ Status read_cu_seqlens(const char* name, const TensorView& t, int batch, std::in
   return {};
 }
 
-}  // namespace
-
-namespace {
-
 // FP8 descales: fp32 [b, h_kv] on q's device, any non-negative strides, only with fp8_e4m3
 // inputs; host-readable values are checked finite.
 Status check_descales(const AttentionProblem& p, const ProblemShape& s) {

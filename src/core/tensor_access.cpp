@@ -28,9 +28,8 @@ void store_float(void* base, DType dtype, std::int64_t offset, float x) {
   }
 }
 
-// Element (b, kv head hk) of a [batch, h_kv] fp32 descale (FP8 inputs); 1 when undefined.
+// Element (b, kv head hk) of a defined [batch, h_kv] fp32 descale (FP8 inputs).
 double descale_of(const TensorView& t, int b, int hk) {
-  if (!t.defined()) return 1.0;
   return static_cast<const float*>(t.data)[b * t.stride[0] + hk * t.stride[1]];
 }
 
