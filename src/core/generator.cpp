@@ -207,8 +207,9 @@ Status validate_config(const GeneratorConfig& c) {
                             "), got " + std::to_string(c.h_q));
   }
   if (c.d < 8) return invalid_argument("d: expected >= 8, got " + std::to_string(c.d));
-  if (c.dtype == DType::kInt32)
-    return invalid_argument("dtype: expected bf16, fp16 or fp32, got int32");
+  if (c.dtype != DType::kBF16 && c.dtype != DType::kFP16 && c.dtype != DType::kFP32) {
+    return invalid_argument(std::string("dtype: expected bf16, fp16 or fp32, got ") + dtype_name(c.dtype));
+  }
   if (!std::isfinite(c.peakedness) || c.peakedness < 0 || c.peakedness > 100) {
     return invalid_argument("peakedness: expected a finite value in [0, 100], got " +
                             std::to_string(c.peakedness));

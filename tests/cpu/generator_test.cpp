@@ -176,6 +176,8 @@ TEST(Generator, RejectsBadConfigs) {
   c = small_config(DType::kBF16);
   c.dtype = DType::kInt32;
   fails(c, "dtype");
+  c.dtype = DType::kFP8E4M3;  // an input dtype the generator has no rounding for
+  fails(c, "dtype: expected bf16, fp16 or fp32, got fp8_e4m3");
   c = small_config(DType::kBF16);
   c.peakedness = std::nan("");
   fails(c, "peakedness");
