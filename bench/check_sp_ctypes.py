@@ -35,6 +35,65 @@ def attention(q, k, v, keep=None, block=8):
     return o
 
 
+def e4m3_values():
+    """float64 [256]: the value of every FP8 E4M3 code (bias 7, subnormals, S.1111.111 NaN)."""
+    codes = np.arange(256)
+    e, m = (codes >> 3) & 15, codes & 7
+    mag = np.where(e == 0, m / 8.0 * 2.0 ** -6, (1 + m / 8.0) * 2.0 ** (e - 7.0))
+    mag[(e == 15) & (m == 7)] = np.nan
+    return np.where(codes & 0x80, -mag, mag)
+
+
+def bf16_to_float(bits):
+    return (bits.astype(np.uint32) << 16).view(np.float32)
+
+
+def check_fp8(lib, rng, opts, s, h_q, h_kv, d):
+    """FP8 inputs with descales (the fields after block_table): O (bf16) against fp64 attention
+    on the dequantized values, each descale element reaching its own heads, and descales
+    refused with fp32 inputs."""
+    table = e4m3_values()
+    finite = np.flatnonzero(np.isfinite(table))
+
+    def fp8(shape):  # the code nearest to each of a normal sample
+        x = rng.standard_normal(shape)
+        return finite[np.abs(table[finite][None, :] - x.reshape(-1, 1)).argmin(1)].astype(np.uint8).reshape(shape)
+    q, k, v = fp8((1, s, h_q, d)), fp8((1, s, h_kv, d)), fp8((1, s, h_kv, d))
+    descales = [np.array([[0.7, 1.3]], dtype=np.float32), np.array([[1.1, 0.6]], dtype=np.float32),
+                np.array([[0.9, 2.0]], dtype=np.float32)]
+    problem = sp_ctypes.Problem()
+    problem.q, problem.k, problem.v = (view(x, sp_ctypes.DTYPE_FP8_E4M3) for x in (q, k, v))
+    problem.q_descale, problem.k_descale, problem.v_descale = (view(x) for x in descales)
+    problem.causal, problem.scale = 1, 0.0
+    o = np.full((1, s, h_q, d), 0x7FC1, dtype=np.uint16)  # bf16 NaN
+    out = sp_ctypes.Output(view(o, sp_ctypes.DTYPE_BF16), sp_ctypes.Tensor())
+    dense = lib.policy("dense")
+
+    def run():
+        o.fill(0x7FC1)
+        lib.check(lib.run(problem, dense, out, opts))
+        return bf16_to_float(o)[0].astype(np.float64)
+    group = h_q // h_kv
+    ref = attention(table[q] * np.repeat(descales[0], group, 1)[:, None, :, None],
+                    table[k] * descales[1][:, None, :, None], table[v] * descales[2][:, None, :, None])
+    got = run()
+    err = np.abs(got - ref).max()
+    # fp32 compute, then O rounded to bf16 (half a unit, 2^-9 relative): one bf16 unit of max|O|.
+    assert err <= 2.0 ** -8 * np.abs(ref).max(), f"fp8: max error {err}"
+    descales[2][0, 1] *= 2  # v_descale[0, 1]: exactly doubles the heads of kv head 1 only
+    doubled = run()
+    assert np.array_equal(doubled[:, :group], got[:, :group]), "v_descale[0, 1] changed kv head 0's heads"
+    assert np.array_equal(doubled[:, group:], 2 * got[:, group:]), "v_descale[0, 1] did not double kv head 1's heads"
+
+    plain = sp_ctypes.Problem()
+    plain.q, plain.k, plain.v = (view(x.astype(np.float32)) for x in (table[q], table[k], table[v]))
+    plain.k_descale = view(descales[1])
+    o32 = np.empty((1, s, h_q, d), dtype=np.float32)
+    code = lib.run(plain, dense, sp_ctypes.Output(view(o32), sp_ctypes.Tensor()), opts)
+    assert code == sp_ctypes.ERR_INVALID_ARGUMENT and "k_descale: only with fp8_e4m3 inputs" in lib.last_error(), \
+        (code, lib.last_error())
+
+
 def main():
     lib = sp_ctypes.Library(sys.argv[1])
     rng = np.random.default_rng(7)
@@ -118,6 +177,8 @@ def main():
     lib.check(lib.run(problem, gate, out, opts, stats))
     assert stats.total.kept_blocks == h_q * nb, stats.total.kept_blocks
     assert "exact_gate" in gate.describe()
+
+    check_fp8(lib, rng, opts, s, h_q, h_kv, d)
 
     bad = sp_ctypes.Problem.from_buffer_copy(problem)
     bad.k.shape[3] = 8

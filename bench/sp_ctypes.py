@@ -7,11 +7,11 @@ neither torch nor numpy (`tensor_from_torch` imports torch only when called).
 import ctypes
 import os
 
-ABI_VERSION = 1
+ABI_VERSION = 2
 MAX_RANK = 4
 
 OK, ERR_INVALID_ARGUMENT, ERR_UNSUPPORTED = 0, 1, 2
-DTYPE_BF16, DTYPE_FP16, DTYPE_FP32, DTYPE_INT32 = 0, 1, 2, 3
+DTYPE_BF16, DTYPE_FP16, DTYPE_FP32, DTYPE_INT32, DTYPE_FP8_E4M3 = 0, 1, 2, 3, 4
 DEVICE_CPU, DEVICE_CUDA = 0, 1
 BACKEND_AUTO, BACKEND_REFERENCE, BACKEND_CPU, BACKEND_CUDA = 0, 1, 2, 3
 
@@ -26,6 +26,7 @@ class Tensor(ctypes.Structure):
 class Problem(ctypes.Structure):
     _fields_ = [("q", Tensor), ("k", Tensor), ("v", Tensor), ("cu_seqlens_q", Tensor),
                 ("cu_seqlens_k", Tensor), ("seqused_k", Tensor), ("block_table", Tensor),
+                ("q_descale", Tensor), ("k_descale", Tensor), ("v_descale", Tensor),
                 ("causal", ctypes.c_int32), ("scale", ctypes.c_double)]
 
 
@@ -107,7 +108,7 @@ def tensor(data_ptr, dtype, device_type, device_index, shape, stride):
 def tensor_from_torch(t):
     import torch
     codes = {torch.bfloat16: DTYPE_BF16, torch.float16: DTYPE_FP16,
-             torch.float32: DTYPE_FP32, torch.int32: DTYPE_INT32}
+             torch.float32: DTYPE_FP32, torch.int32: DTYPE_INT32, torch.float8_e4m3fn: DTYPE_FP8_E4M3}
     device_type = DEVICE_CUDA if t.is_cuda else DEVICE_CPU
     return tensor(t.data_ptr(), codes[t.dtype], device_type, t.device.index or 0,
                   list(t.shape), list(t.stride()))

@@ -19,7 +19,7 @@ extern "C" {
 
 /* Bumped whenever a struct below changes layout or a function changes meaning; loaders
  * compare it with sp_abi_version() before their first call. */
-#define SP_ABI_VERSION 1
+#define SP_ABI_VERSION 2
 #define SP_MAX_RANK 4
 
 /* Status codes: the values of sparseprefill::StatusCode. */
@@ -37,7 +37,8 @@ typedef enum sp_dtype {
   SP_DTYPE_BF16 = 0,
   SP_DTYPE_FP16 = 1,
   SP_DTYPE_FP32 = 2,
-  SP_DTYPE_INT32 = 3
+  SP_DTYPE_INT32 = 3,
+  SP_DTYPE_FP8_E4M3 = 4 /* OCP E4M3 "fn" (torch.float8_e4m3fn): q, k, v only, with descales */
 } sp_dtype;
 
 typedef enum sp_device_type { SP_DEVICE_CPU = 0, SP_DEVICE_CUDA = 1 } sp_device_type;
@@ -65,7 +66,10 @@ typedef struct sp_tensor {
  *   batched: q [b, s_q, h_q, d], k/v [b, s_k, h_kv, d]
  *   varlen:  q [total_q, h_q, d] + cu_seqlens_q [b+1]; k/v [total_k, h_kv, d] + cu_seqlens_k
  *   paged:   k/v [num_pages, page_size, h_kv, d] + block_table [b, max_pages] + seqused_k [b]
- * Causal is bottom-right aligned; scale 0 means 1/sqrt(d). */
+ * Causal is bottom-right aligned; scale 0 means 1/sqrt(d). FP8 inputs (q, k and v all
+ * SP_DTYPE_FP8_E4M3) may carry fp32 descales [b, h_kv] on q's device: attention runs on
+ * q · q_descale[b, h / group], k · k_descale[b, kv head], v · v_descale[b, kv head] (an absent
+ * descale is 1); descales with any other input dtype are refused. */
 typedef struct sp_problem {
   sp_tensor q;
   sp_tensor k;
@@ -74,12 +78,15 @@ typedef struct sp_problem {
   sp_tensor cu_seqlens_k;
   sp_tensor seqused_k;
   sp_tensor block_table;
+  sp_tensor q_descale; /* fp32 [b, h_kv], optional (FP8 inputs only) */
+  sp_tensor k_descale;
+  sp_tensor v_descale;
   int32_t causal; /* nonzero: causal */
   double scale;
 } sp_problem;
 
-/* O has q's layout, dtype and device; LSE is fp32 [b, h_q, s_q] (varlen: [h_q, total_q]) and
- * may be absent (rank 0). */
+/* O has q's layout, dtype (bf16 for FP8 inputs) and device; LSE is fp32 [b, h_q, s_q] (varlen:
+ * [h_q, total_q]) and may be absent (rank 0). */
 typedef struct sp_output {
   sp_tensor o;
   sp_tensor lse;

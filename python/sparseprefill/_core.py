@@ -12,7 +12,11 @@ from typing import Any, Optional, Sequence, Tuple
 from . import _ext
 from ._ext import InvalidArgumentError
 
-_FLOAT_CODES = {"bfloat16": _ext.DTYPE_BF16, "float16": _ext.DTYPE_FP16, "float32": _ext.DTYPE_FP32}
+# FP8 inputs (torch.float8_e4m3fn) may carry descales and give a bfloat16 output
+# (docs/semantics.md §1).
+FP8 = "float8_e4m3fn"
+_FLOAT_CODES = {"bfloat16": _ext.DTYPE_BF16, "float16": _ext.DTYPE_FP16, "float32": _ext.DTYPE_FP32,
+                FP8: _ext.DTYPE_FP8_E4M3}
 _INT32_CODE = _ext.DTYPE_INT32
 
 
@@ -24,6 +28,13 @@ def is_torch(x: Any) -> bool:
 def dtype_name(x: Any) -> str:
     """'bfloat16', 'float16', 'float32', 'int32', ... for either framework."""
     return str(x.dtype).replace("torch.", "")
+
+
+def out_dtype(q: Any) -> Any:
+    """O's dtype in q's framework: bfloat16 for float8_e4m3fn inputs, else q's dtype."""
+    if is_torch(q) and dtype_name(q) == FP8:
+        return sys.modules["torch"].bfloat16
+    return q.dtype
 
 
 def device_of(x: Any) -> Tuple[str, int]:
@@ -59,7 +70,7 @@ def descriptor(x: Any, name: str) -> Optional[tuple]:
     dt = dtype_name(x)
     code = _FLOAT_CODES.get(dt, _INT32_CODE if dt == "int32" else None)
     if code is None:
-        raise InvalidArgumentError(f"{name}: dtype {dt} is not supported (bfloat16, float16, float32 or int32)")
+        raise InvalidArgumentError(f"{name}: dtype {dt} is not supported (bfloat16, float16, float32, {FP8} or int32)")
     kind, index = device_of(x)
     if kind not in ("cpu", "cuda"):
         raise InvalidArgumentError(f"{name}: expected a CPU or CUDA tensor, got device {device_str(x)}")
@@ -95,7 +106,7 @@ def _check_float(x: Any, name: str, ranks: Sequence[int], expected: str) -> None
     if len(x.shape) not in ranks:
         raise InvalidArgumentError(f"{name}: expected {expected}, got rank {len(x.shape)} {list(_shape(x))}")
     if dtype_name(x) not in _FLOAT_CODES:
-        raise InvalidArgumentError(f"{name}: expected dtype bfloat16, float16 or float32, got {dtype_name(x)}")
+        raise InvalidArgumentError(f"{name}: expected dtype bfloat16, float16, float32 or {FP8}, got {dtype_name(x)}")
     if x.shape[-1] > 1 and strides_of(x)[-1] != 1:
         raise InvalidArgumentError(
             f"{name}: the last dimension (head_dim) must be contiguous (stride 1), got stride {strides_of(x)[-1]}")
@@ -111,10 +122,21 @@ def _check_index(x: Any, name: str, rank: int, expected: str, device: Tuple[str,
         raise InvalidArgumentError(f"{name}: expected the CPU or q's device, got {device_str(x)}")
 
 
+def _check_descale(x: Any, name: str, q: Any, batch: Any, h_kv: int) -> None:
+    if dtype_name(q) != FP8:
+        raise InvalidArgumentError(f"{name}: only with {FP8} inputs, got {dtype_name(q)} inputs")
+    if _shape(x) != (batch, h_kv) or dtype_name(x) != "float32":
+        raise InvalidArgumentError(
+            f"{name}: expected float32 [batch, h_kv] = [{batch}, {h_kv}], got {dtype_name(x)} {list(_shape(x))}")
+    if device_of(x) != device_of(q):
+        raise InvalidArgumentError(f"{name}: expected q's device {device_str(q)}, got {device_str(x)}")
+
+
 def check_problem(q: Any, k: Any, v: Any, cu_seqlens_q: Any = None, cu_seqlens_k: Any = None,
                   seqused_k: Any = None, block_table: Any = None, out: Any = None,
-                  lse: Any = None) -> Geometry:
-    """Shape, dtype, device and layout checks that need no index data."""
+                  lse: Any = None, q_descale: Any = None, k_descale: Any = None,
+                  v_descale: Any = None) -> Geometry:
+    """Shape, dtype, device and layout checks that need no index data (nor descale values)."""
     _check_float(q, "q", (3, 4), "[b, s_q, h_q, d] or varlen [total_q, h_q, d]")
     _check_float(k, "k", (3, 4), "[b, s_k, h_kv, d], varlen [total_k, h_kv, d] or paged [num_pages, page_size, h_kv, d]")
     _check_float(v, "v", (3, 4), "the shape of k")
@@ -189,12 +211,19 @@ def check_problem(q: Any, k: Any, v: Any, cu_seqlens_q: Any = None, cu_seqlens_k
             raise InvalidArgumentError(
                 f"seqused_k: expected int32 [batch] with batch {batch}, got {list(_shape(seqused_k))}")
 
+    for name, x in (("q_descale", q_descale), ("k_descale", k_descale), ("v_descale", v_descale)):
+        if x is not None:
+            _check_descale(x, name, q, batch, h_kv)
+
     lse_shape = (h_q, q.shape[0]) if varlen_q else (batch, h_q, q.shape[1])
     if out is not None:
         if _shape(out) != _shape(q):
             raise InvalidArgumentError(f"out: expected q's shape {list(_shape(q))}, got {list(_shape(out))}")
-        if dtype_name(out) != dtype_name(q):
-            raise InvalidArgumentError(f"out: expected q's dtype {dtype_name(q)}, got {dtype_name(out)}")
+        want = str(out_dtype(q)).replace("torch.", "")
+        if dtype_name(out) != want:
+            fp8 = dtype_name(q) == FP8
+            expected = f"dtype {want} ({FP8} inputs give a {want} output)" if fp8 else f"q's dtype {want}"
+            raise InvalidArgumentError(f"out: expected {expected}, got {dtype_name(out)}")
         if device_of(out) != dev:
             raise InvalidArgumentError(f"out: expected q's device {device_str(q)}, got {device_str(out)}")
         if out.shape[-1] > 1 and strides_of(out)[-1] != 1:

@@ -71,9 +71,10 @@ sp_tensor to_tensor(py::handle obj, const char* name) {
   return t;
 }
 
-// (q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, block_table, causal, scale)
+// (q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, block_table, q_descale, k_descale,
+//  v_descale, causal, scale): sp_problem's fields in order.
 sp_problem to_problem(const py::tuple& p) {
-  if (p.size() != 9) raise(SP_ERR_INVALID_ARGUMENT, "problem: expected a 9-field tuple");
+  if (p.size() != 12) raise(SP_ERR_INVALID_ARGUMENT, "problem: expected a 12-field tuple");
   sp_problem out{};
   out.q = to_tensor(p[0], "q");
   out.k = to_tensor(p[1], "k");
@@ -82,8 +83,11 @@ sp_problem to_problem(const py::tuple& p) {
   out.cu_seqlens_k = to_tensor(p[4], "cu_seqlens_k");
   out.seqused_k = to_tensor(p[5], "seqused_k");
   out.block_table = to_tensor(p[6], "block_table");
-  out.causal = p[7].cast<bool>() ? 1 : 0;
-  out.scale = p[8].cast<double>();
+  out.q_descale = to_tensor(p[7], "q_descale");
+  out.k_descale = to_tensor(p[8], "k_descale");
+  out.v_descale = to_tensor(p[9], "v_descale");
+  out.causal = p[10].cast<bool>() ? 1 : 0;
+  out.scale = p[11].cast<double>();
   return out;
 }
 
@@ -449,6 +453,7 @@ PYBIND11_MODULE(_ext, m) {
   m.attr("DTYPE_FP16") = static_cast<int>(SP_DTYPE_FP16);
   m.attr("DTYPE_FP32") = static_cast<int>(SP_DTYPE_FP32);
   m.attr("DTYPE_INT32") = static_cast<int>(SP_DTYPE_INT32);
+  m.attr("DTYPE_FP8_E4M3") = static_cast<int>(SP_DTYPE_FP8_E4M3);
   m.attr("DEVICE_CPU") = static_cast<int>(SP_DEVICE_CPU);
   m.attr("DEVICE_CUDA") = static_cast<int>(SP_DEVICE_CUDA);
   m.attr("BACKENDS") = py::dict(py::arg("auto") = static_cast<int>(SP_BACKEND_AUTO),

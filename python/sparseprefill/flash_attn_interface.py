@@ -4,10 +4,15 @@ names, layouts, causal alignment (bottom-right) and LSE conventions of flash_att
 positional order for flash_attn_func / flash_attn_varlen_func, FA3's for
 flash_attn_with_kvcache), plus policy= (Dense() by default) and layer= (for statistics).
 
+FP8 as FA3 takes it: torch.float8_e4m3fn q, k, v with optional float32 q_descale, k_descale,
+v_descale [batch, h_kv] (attention on q * q_descale[b, h // group], k * k_descale[b, kv head],
+v * v_descale[b, kv head]); out is bfloat16. Policies dense and block_sparse, host backends
+(docs/semantics.md §1).
+
 Accepted and ignored (performance knobs): deterministic, num_splits, pack_gqa, sm_margin,
 scheduler_metadata. Raised as UnsupportedError naming the argument: dropout_p != 0,
 window_size other than (-1, -1) (or (-1, 0), which is causal), softcap != 0, alibi_slopes,
-qv, q/k/v_descale (FP8), attention_chunk != 0, rotary_cos/rotary_sin. Forward only."""
+qv, attention_chunk != 0, rotary_cos/rotary_sin. Forward only."""
 
 from __future__ import annotations
 
@@ -17,7 +22,7 @@ from typing import Any, Optional, Sequence, Tuple
 import torch
 
 from . import ops  # noqa: F401  (registers torch.ops.sparseprefill.*)
-from ._core import InvalidArgumentError, check_problem, check_scale, dtype_name
+from ._core import InvalidArgumentError, check_problem, check_scale, dtype_name, out_dtype
 from ._ext import UnsupportedError
 from .native import policy_parts
 from .policy import Dense, EstimateSelect, Policy
@@ -39,14 +44,12 @@ def _resolve_causal(causal: bool, window_size: Any) -> bool:
 
 
 def _reject(dropout_p: float = 0.0, softcap: float = 0.0, alibi_slopes: Any = None, qv: Any = None,
-            q_descale: Any = None, k_descale: Any = None, v_descale: Any = None,
             attention_chunk: Optional[int] = 0, rotary_cos: Any = None, rotary_sin: Any = None) -> None:
     if dropout_p:
         raise UnsupportedError(f"dropout_p: sparseprefill is inference-only; expected 0.0, got {dropout_p}")
     if softcap:
         raise UnsupportedError(f"softcap: logit soft-capping is not supported; expected 0.0, got {softcap}")
-    for name, value in (("alibi_slopes", alibi_slopes), ("qv", qv), ("q_descale", q_descale),
-                        ("k_descale", k_descale), ("v_descale", v_descale)):
+    for name, value in (("alibi_slopes", alibi_slopes), ("qv", qv)):
         if value is not None:
             raise UnsupportedError(f"{name}: not supported; expected None")
     if attention_chunk:
@@ -61,14 +64,15 @@ def _maybe_contiguous(x: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
 
 
 def _call(q, k, v, *, causal: bool, softmax_scale: Optional[float], cu_seqlens_q=None, cu_seqlens_k=None,
-          seqused_k=None, block_table=None, max_seqlen_q: Optional[int] = None, out=None,
-          policy: Optional[Policy] = None, layer: Optional[int] = None) -> Tuple[torch.Tensor, torch.Tensor]:
-    """One op call: (out, lse)."""
+          seqused_k=None, block_table=None, descales=(None, None, None), max_seqlen_q: Optional[int] = None,
+          out=None, policy: Optional[Policy] = None, layer: Optional[int] = None) -> Tuple[torch.Tensor, torch.Tensor]:
+    """One op call: (out, lse). descales: (q_descale, k_descale, v_descale)."""
     policy = Dense() if policy is None else policy
-    for name, x in (("q", q), ("k", k), ("v", v)):
+    given = tuple((n, x) for n, x in zip(("q_descale", "k_descale", "v_descale"), descales) if x is not None)
+    for name, x in (("q", q), ("k", k), ("v", v)) + given:
         if not isinstance(x, torch.Tensor):
             raise InvalidArgumentError(f"{name}: expected a torch.Tensor, got {type(x).__name__}")
-    geom = check_problem(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, block_table, out)
+    geom = check_problem(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, block_table, out, None, *descales)
     scale = check_scale(softmax_scale)
     if cu_seqlens_q is None:
         seq_q_max = q.shape[1]
@@ -89,9 +93,9 @@ def _call(q, k, v, *, causal: bool, softmax_scale: Optional[float], cu_seqlens_q
     for name, x in zip(("prompt_len", "k_block_means", "v_block_means", "block_means_valid"), chunked):
         if x is not None and not isinstance(x, torch.Tensor):
             raise InvalidArgumentError(f"{name}: expected a torch.Tensor, got {type(x).__name__}")
-    args = (q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, block_table, bool(causal), scale, policy.name,
-            policy.settings_string(), thresholds, indptr, indices, mask_block_q, mask_block_k, per_kv_head,
-            -1 if layer is None else int(layer), *chunked)
+    args = (q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, block_table, *descales, bool(causal), scale,
+            policy.name, policy.settings_string(), thresholds, indptr, indices, mask_block_q, mask_block_k,
+            per_kv_head, -1 if layer is None else int(layer), *chunked)
     if out is None:
         return torch.ops.sparseprefill.attention(*args)
     lse = torch.empty(geom.lse_shape, dtype=torch.float32, device=q.device)
@@ -105,11 +109,13 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, wi
                     return_softmax_lse=False, out=None, policy=None, layer=None):
     """q [b, s_q, h_q, d], k, v [b, s_k, h_kv, d] -> out [b, s_q, h_q, d]; with
     return_softmax_lse (out, lse [b, h_q, s_q] float32); with return_attn_probs FA2's
-    (out, lse, None) (no probabilities are materialised)."""
-    _reject(dropout_p, softcap, alibi_slopes, qv, q_descale, k_descale, v_descale, attention_chunk)
+    (out, lse, None) (no probabilities are materialised). FP8: float8_e4m3fn q, k, v with
+    optional float32 q_descale, k_descale, v_descale [b, h_kv]; out is then bfloat16."""
+    _reject(dropout_p, softcap, alibi_slopes, qv, attention_chunk)
     causal = _resolve_causal(causal, window_size)
     q, k, v = (_maybe_contiguous(x) for x in (q, k, v))
-    o, lse = _call(q, k, v, causal=causal, softmax_scale=softmax_scale, out=out, policy=policy, layer=layer)
+    o, lse = _call(q, k, v, causal=causal, softmax_scale=softmax_scale, descales=(q_descale, k_descale, v_descale),
+                   out=out, policy=policy, layer=layer)
     if return_attn_probs:
         return o, lse, None
     return (o, lse) if return_softmax_lse else o
@@ -135,8 +141,9 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=Non
     or paged [num_pages, page_size, h_kv, d] with block_table (page_table) [b, max_pages] and
     seqused_k (or cu_seqlens_k, whose differences are then the lengths). seqused_q / seqused_k
     limit each sequence to its first entries. Returns out [total_q, h_q, d]; with
-    return_softmax_lse (out, lse [h_q, total_q]); with return_attn_probs (out, lse, None)."""
-    _reject(dropout_p, softcap, alibi_slopes, qv, q_descale, k_descale, v_descale, attention_chunk)
+    return_softmax_lse (out, lse [h_q, total_q]); with return_attn_probs (out, lse, None). FP8
+    as flash_attn_func (descales [b, h_kv], b = len(cu_seqlens_q) - 1)."""
+    _reject(dropout_p, softcap, alibi_slopes, qv, attention_chunk)
     causal = _resolve_causal(causal, window_size)
     cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k = (
         _index(x, n) for x, n in ((cu_seqlens_q, "cu_seqlens_q"), (cu_seqlens_k, "cu_seqlens_k"),
@@ -152,14 +159,15 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=Non
             seqused_k = (cu_seqlens_k[1:] - cu_seqlens_k[:-1]).to(torch.int32)
         cu_seqlens_k = None
     q, k, v = (_maybe_contiguous(x) for x in (q, k, v))
+    descales = (q_descale, k_descale, v_descale)
     if seqused_q is not None:
         o, lse = _varlen_seqused_q(q, k, v, cu_seqlens_q, seqused_q, causal=causal, softmax_scale=softmax_scale,
-                                   cu_seqlens_k=cu_seqlens_k, seqused_k=seqused_k, block_table=table, out=out,
-                                   policy=policy, layer=layer)
+                                   cu_seqlens_k=cu_seqlens_k, seqused_k=seqused_k, block_table=table,
+                                   descales=descales, out=out, policy=policy, layer=layer)
     else:
         o, lse = _call(q, k, v, causal=causal, softmax_scale=softmax_scale, cu_seqlens_q=cu_seqlens_q,
-                       cu_seqlens_k=cu_seqlens_k, seqused_k=seqused_k, block_table=table, max_seqlen_q=max_seqlen_q,
-                       out=out, policy=policy, layer=layer)
+                       cu_seqlens_k=cu_seqlens_k, seqused_k=seqused_k, block_table=table, descales=descales,
+                       max_seqlen_q=max_seqlen_q, out=out, policy=policy, layer=layer)
     if return_attn_probs:
         return o, lse, None
     return (o, lse) if return_softmax_lse else o
@@ -182,7 +190,7 @@ def _varlen_seqused_q(q, k, v, cu_seqlens_q, seqused_q, *, out, **kwargs):
     packed_cu = torch.cat([torch.zeros(1, dtype=torch.int64), used.cumsum(0)]).to(torch.int32)
     o_packed, lse_packed = _call(q.index_select(0, rows), k, v, cu_seqlens_q=packed_cu,
                                  max_seqlen_q=int(used.max()) if used.numel() else 0, **kwargs)
-    o = torch.zeros_like(q) if out is None else out.zero_()
+    o = torch.zeros(q.shape, dtype=out_dtype(q), device=q.device) if out is None else out.zero_()
     o.index_copy_(0, rows, o_packed)
     lse = torch.full((q.shape[1], q.shape[0]), -math.inf, dtype=torch.float32, device=q.device)
     lse.index_copy_(1, rows, lse_packed)
@@ -256,7 +264,8 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, qv=None, rotary
     new k, v (batched, or varlen with cu_seqlens_k_new) are first written into the cache at
     those positions, in place. cache_batch_idx picks cache rows; cache_leftpad makes
     sequence b's keys start at that position. Returns out, or (out, lse) with
-    return_softmax_lse (lse [b, h_q, s_q], varlen [h_q, total_q]).
+    return_softmax_lse (lse [b, h_q, s_q], varlen [h_q, total_q]). FP8: float8_e4m3fn q, caches
+    and new k, v, with descales [b, h_kv] indexed by q's batch, as flash_attn_func.
 
     Chunked prefill with estimate_select: give the policy prompt_len (each prompt's length, so
     the tail is the prompt's) and the cache of block means beside this K/V cache
@@ -264,7 +273,7 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, qv=None, rotary
     d] in the cache's dtype on its device, written in place with the blocks each call
     completes); then every chunk makes the one-shot call's decisions and each block's mean is
     computed once (docs/semantics.md §1)."""
-    _reject(0.0, softcap, alibi_slopes, qv, q_descale, k_descale, v_descale, attention_chunk, rotary_cos, rotary_sin)
+    _reject(0.0, softcap, alibi_slopes, qv, attention_chunk, rotary_cos, rotary_sin)
     causal = _resolve_causal(causal, window_size)
     if page_table is not None and block_table is not None and page_table is not block_table:
         raise InvalidArgumentError("page_table: give page_table or block_table, not both")
@@ -340,7 +349,8 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, qv=None, rotary
             vv = v_rows.reshape(-1, *v_rows.shape[2:])[base:]
             layout = dict(cu_seqlens_k=(cu_k - base).to(torch.int32), seqused_k=(lengths - left).to(torch.int32))
     o, lse = _call(q, kk, vv, causal=causal, softmax_scale=softmax_scale, cu_seqlens_q=cu_seqlens_q,
-                   max_seqlen_q=max_seqlen_q, out=out, policy=policy, layer=layer, **layout)
+                   descales=(q_descale, k_descale, v_descale), max_seqlen_q=max_seqlen_q, out=out, policy=policy,
+                   layer=layer, **layout)
     return (o, lse) if return_softmax_lse else o
 
 

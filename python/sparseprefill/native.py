@@ -16,7 +16,7 @@ import numpy as np
 
 from . import _ext, stats as _stats
 from ._core import (Geometry, InvalidArgumentError, backend_code, check_problem, check_scale, descriptor,
-                    device_of, is_torch)
+                    device_of, is_torch, out_dtype)
 from ._ext import UnsupportedError
 from .policy import BlockSparse, Dense, EstimateSelect, ExactGate, Policy
 
@@ -147,11 +147,14 @@ def max_seq_q(q: Any, cu_seqlens_q_host: Any) -> int:
 
 
 def problem_tuple(q: Any, k: Any, v: Any, cu_q: Any, cu_k: Any, seqused_k: Any, block_table: Any,
-                  causal: bool, scale: float) -> tuple:
+                  causal: bool, scale: float, q_descale: Any = None, k_descale: Any = None,
+                  v_descale: Any = None) -> tuple:
+    """The binding's problem tuple: sp_problem's fields in order."""
     return (descriptor(q, "q"), descriptor(k, "k"), descriptor(v, "v"),
             descriptor(cu_q, "cu_seqlens_q"), descriptor(cu_k, "cu_seqlens_k"),
             descriptor(seqused_k, "seqused_k"), descriptor(block_table, "block_table"),
-            bool(causal), float(scale))
+            descriptor(q_descale, "q_descale"), descriptor(k_descale, "k_descale"),
+            descriptor(v_descale, "v_descale"), bool(causal), float(scale))
 
 
 def make_handle(name: str, settings: list, problem: tuple, thresholds: Any = None,
@@ -261,20 +264,21 @@ def _empty(like: Any, shape: Tuple[int, ...], float32: bool) -> Any:
     if is_torch(like):
         import torch
 
-        return torch.empty(shape, dtype=torch.float32 if float32 else like.dtype, device=like.device)
-    return np.empty(shape, dtype=np.float32 if float32 else like.dtype)
+        return torch.empty(shape, dtype=torch.float32 if float32 else out_dtype(like), device=like.device)
+    return np.empty(shape, dtype=np.float32 if float32 else out_dtype(like))
 
 
 def _prepare(q: Any, k: Any, v: Any, policy: Optional[Policy], causal: bool, softmax_scale: Optional[float],
-             cu_seqlens_q: Any, cu_seqlens_k: Any, seqused_k: Any, block_table: Any, out: Any = None,
-             lse: Any = None) -> tuple:
+             cu_seqlens_q: Any, cu_seqlens_k: Any, seqused_k: Any, block_table: Any, descales: tuple,
+             out: Any = None, lse: Any = None) -> tuple:
     """(geometry, problem tuple, policy handle, host index copies, thresholds, max s_q): the
-    checks and conversions every native entry point runs first."""
+    checks and conversions every native entry point runs first. descales: (q_descale,
+    k_descale, v_descale)."""
     policy = Dense() if policy is None else policy
-    geom = check_problem(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, block_table, out, lse)
+    geom = check_problem(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, block_table, out, lse, *descales)
     scale = check_scale(softmax_scale)
     hosts = tuple(host_index(x) for x in (cu_seqlens_q, cu_seqlens_k, seqused_k, block_table))
-    problem = problem_tuple(q, k, v, *hosts, causal, scale)
+    problem = problem_tuple(q, k, v, *hosts, causal, scale, *descales)
     seq_q_max = max_seq_q(q, hosts[0])
     thresholds, mask = policy_parts(policy, q, geom, seq_q_max)
     handle = make_handle(policy.name, policy.settings(), problem, thresholds, mask, chunked_parts(policy))
@@ -294,13 +298,14 @@ def _outputs(q: Any, geom: Geometry, out: Any, lse: Any) -> Tuple[Any, Any]:
 
 def _run(q: Any, k: Any, v: Any, policy: Optional[Policy] = None, *, causal: bool = True,
          softmax_scale: Optional[float] = None, cu_seqlens_q: Any = None, cu_seqlens_k: Any = None,
-         seqused_k: Any = None, block_table: Any = None, out: Any = None, lse: Any = None,
-         backend: str = "auto", num_threads: int = 0, stats: bool = True, decisions: bool = False,
-         layer: Optional[int] = None) -> Result:
+         seqused_k: Any = None, block_table: Any = None, q_descale: Any = None, k_descale: Any = None,
+         v_descale: Any = None, out: Any = None, lse: Any = None, backend: str = "auto", num_threads: int = 0,
+         stats: bool = True, decisions: bool = False, layer: Optional[int] = None) -> Result:
     code = backend_code(backend)
     threads = _threads(num_threads)
     geom, problem, handle, _, _, seq_q_max = _prepare(q, k, v, policy, causal, softmax_scale, cu_seqlens_q,
-                                                      cu_seqlens_k, seqused_k, block_table, out, lse)
+                                                      cu_seqlens_k, seqused_k, block_table,
+                                                      (q_descale, k_descale, v_descale), out, lse)
     out, lse = _outputs(q, geom, out, lse)
     if not decisions:
         return Result(out, lse, execute(problem, handle, q, out, lse, code, threads, stats, layer))
@@ -317,20 +322,24 @@ def run(*args: Any, **kwargs: Any) -> Result:
     """Attention, in two call styles:
 
     run(q, k, v, policy=None, *, causal=True, softmax_scale=None, cu_seqlens_q=None,
-        cu_seqlens_k=None, seqused_k=None, block_table=None, out=None, lse=None, backend="auto",
-        num_threads=0, stats=True, decisions=False, layer=None)
+        cu_seqlens_k=None, seqused_k=None, block_table=None, q_descale=None, k_descale=None,
+        v_descale=None, out=None, lse=None, backend="auto", num_threads=0, stats=True,
+        decisions=False, layer=None)
       under `policy` (Dense() by default) in FlashAttention's layouts: batched q [b, s_q, h_q, d]
       with k, v [b, s_k, h_kv, d]; varlen q [total_q, h_q, d] with cu_seqlens_q, and k, v
       [total_k, h_kv, d] with cu_seqlens_k or paged [num_pages, page_size, h_kv, d] with
       block_table and seqused_k. Causal is bottom-right aligned. backend is "auto",
-      "reference" (the fp64 oracle), "cpu" or "cuda".
+      "reference" (the fp64 oracle), "cpu" or "cuda". FP8 inputs (torch.float8_e4m3fn q, k and
+      v; dense and block_sparse, host backends) may take float32 descales [b, h_kv]: attention
+      runs on q * q_descale[b, h // group], k * k_descale[b, kv head], v * v_descale[b, kv head]
+      (an absent descale is 1), and out is bfloat16.
 
-    run(plan, q, k, v, *, cu_seqlens_q=None, ..., out=None, lse=None, num_threads=0,
-        stats=True, decisions=False, layer=None)
+    run(plan, q, k, v, *, cu_seqlens_q=None, ..., q_descale=None, ..., out=None, lse=None,
+        num_threads=0, stats=True, decisions=False, layer=None)
       with a Plan from plan(): same shapes as the plan's (checked), the plan's policy, causal,
       scale and backend, no re-validation of the policy and (CUDA) no mask upload.
 
-    Returns (out, lse, stats, decisions): out in q's layout and dtype, lse float32 [b, h_q, s_q]
+    Returns (out, lse, stats, decisions): out in q's layout and dtype (bfloat16 for FP8), lse float32 [b, h_q, s_q]
     (varlen: [h_q, total_q]), stats a CallStats (None with stats=False or under CUDA graph
     capture), decisions a Decisions with decisions=True (reading them back synchronises the
     CUDA stream, and is refused under capture), else None."""
@@ -341,7 +350,8 @@ def run(*args: Any, **kwargs: Any) -> Result:
 
 def select(q: Any, k: Any, v: Any, policy: Optional[Policy] = None, *, causal: bool = True,
            softmax_scale: Optional[float] = None, cu_seqlens_q: Any = None, cu_seqlens_k: Any = None,
-           seqused_k: Any = None, block_table: Any = None, backend: str = "auto", num_threads: int = 0,
+           seqused_k: Any = None, block_table: Any = None, q_descale: Any = None, k_descale: Any = None,
+           v_descale: Any = None, backend: str = "auto", num_threads: int = 0,
            layer: Optional[int] = None) -> Selection:
     """The policy's selector alone, no attention: Selection(mask, corrected, stats). Dense
     selects every visible block (128 x 128 blocks), BlockSparse its own mask, EstimateSelect
@@ -351,7 +361,8 @@ def select(q: Any, k: Any, v: Any, policy: Optional[Policy] = None, *, causal: b
     code = backend_code(backend)
     threads = _threads(num_threads)
     geom, problem, handle, _, _, seq_q_max = _prepare(q, k, v, policy, causal, softmax_scale, cu_seqlens_q,
-                                                      cu_seqlens_k, seqused_k, block_table)
+                                                      cu_seqlens_k, seqused_k, block_table,
+                                                      (q_descale, k_descale, v_descale))
     if capturing(q):
         raise UnsupportedError("select: reads its mask back to the host, which CUDA graph capture forbids")
     with device_guard(q) as stream:
@@ -384,16 +395,17 @@ class Plan:
         return self._handle.describe()
 
     def run(self, q: Any, k: Any, v: Any, *, cu_seqlens_q: Any = None, cu_seqlens_k: Any = None,
-            seqused_k: Any = None, block_table: Any = None, out: Any = None, lse: Any = None,
-            num_threads: int = 0, stats: bool = True, decisions: bool = False,
-            layer: Optional[int] = None) -> Result:
+            seqused_k: Any = None, block_table: Any = None, q_descale: Any = None, k_descale: Any = None,
+            v_descale: Any = None, out: Any = None, lse: Any = None, num_threads: int = 0, stats: bool = True,
+            decisions: bool = False, layer: Optional[int] = None) -> Result:
         """run(plan, q, k, v, ...): see run()."""
         threads = _threads(num_threads)
-        geom = check_problem(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, block_table, out, lse)
+        descales = (q_descale, k_descale, v_descale)
+        geom = check_problem(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, block_table, out, lse, *descales)
         if device_of(q) != self._device:
             raise InvalidArgumentError(f"q: the plan was made for device {self._device}, got {device_of(q)}")
         hosts = tuple(host_index(x) for x in (cu_seqlens_q, cu_seqlens_k, seqused_k, block_table))
-        problem = problem_tuple(q, k, v, *hosts, self.causal, self._scale)
+        problem = problem_tuple(q, k, v, *hosts, self.causal, self._scale, *descales)
         out, lse = _outputs(q, geom, out, lse)
 
         def launch(stream: int, read_stats: bool) -> tuple:
@@ -407,7 +419,8 @@ class Plan:
 
 def plan(q: Any, k: Any, v: Any, policy: Optional[Policy] = None, *, causal: bool = True,
          softmax_scale: Optional[float] = None, cu_seqlens_q: Any = None, cu_seqlens_k: Any = None,
-         seqused_k: Any = None, block_table: Any = None, backend: str = "auto") -> Plan:
+         seqused_k: Any = None, block_table: Any = None, q_descale: Any = None, k_descale: Any = None,
+         v_descale: Any = None, backend: str = "auto") -> Plan:
     """A Plan for calls shaped like (q, k, v) under `policy`: shapes, layout, sequence lengths,
     dtype and device are fixed (run(plan, ...) checks them and names the first difference);
     the tensors' contents are not read. Arguments as run(). Make plans outside CUDA graph
@@ -415,7 +428,8 @@ def plan(q: Any, k: Any, v: Any, policy: Optional[Policy] = None, *, causal: boo
     code = backend_code(backend)
     scale = check_scale(softmax_scale)
     geom, problem, handle, _, thresholds, _ = _prepare(q, k, v, policy, causal, softmax_scale, cu_seqlens_q,
-                                                       cu_seqlens_k, seqused_k, block_table)
+                                                       cu_seqlens_k, seqused_k, block_table,
+                                                       (q_descale, k_descale, v_descale))
     if capturing(q):
         raise UnsupportedError("plan: allocates and uploads device memory; make plans before CUDA graph capture")
     with device_guard(q) as stream:
@@ -425,15 +439,18 @@ def plan(q: Any, k: Any, v: Any, policy: Optional[Policy] = None, *, causal: boo
 
 def can_run(q: Any, k: Any, v: Any, policy: Optional[Policy] = None, *, causal: bool = True,
             backend: str = "auto", **layout: Any) -> Tuple[bool, str]:
-    """(True, "") when `backend` runs this call; otherwise (False, what is compiled)."""
+    """(True, "") when `backend` runs this call; otherwise (False, what is compiled). layout: the
+    index tensors, softmax_scale and the FP8 descales, as run() takes them."""
     policy = Dense() if policy is None else policy
     names = ("cu_seqlens_q", "cu_seqlens_k", "seqused_k", "block_table")
-    unknown = set(layout) - set(names) - {"softmax_scale"}
+    descale_names = ("q_descale", "k_descale", "v_descale")
+    unknown = set(layout) - set(names) - set(descale_names) - {"softmax_scale"}
     if unknown:
         raise InvalidArgumentError(f"{sorted(unknown)[0]}: unexpected argument")
-    geom = check_problem(q, k, v, *(layout.get(n) for n in names))
+    descales = tuple(layout.get(n) for n in descale_names)
+    geom = check_problem(q, k, v, *(layout.get(n) for n in names), None, None, *descales)
     host = [host_index(layout.get(n)) for n in names]
-    problem = problem_tuple(q, k, v, *host, causal, check_scale(layout.get("softmax_scale")))
+    problem = problem_tuple(q, k, v, *host, causal, check_scale(layout.get("softmax_scale")), *descales)
     thresholds, mask = policy_parts(policy, q, geom, max_seq_q(q, host[0]))
     handle = make_handle(policy.name, policy.settings(), problem, thresholds, mask, chunked_parts(policy))
     code, message = _ext.can_run(problem, handle, backend_code(backend))

@@ -3,6 +3,10 @@
 sparseprefill::attention_out (writes caller buffers), each with a fake implementation, so
 they trace under torch.compile and run on the current CUDA stream.
 
+FP8 inputs (torch.float8_e4m3fn q, k, v) take optional float32 descales [b, h_kv] (q_descale,
+k_descale, v_descale, beside the index tensors) and give a bfloat16 out, in the fake
+implementations too.
+
 A policy travels as plain operator arguments: its name, its settings ("key=value;..."), an
 optional threshold table (on q's device), an optional block mask as host CSR tensors, and
 estimate_select's optional chunked-prefill tensors (prompt_len, the cache of block means, which
@@ -25,7 +29,7 @@ import torch
 from torch.library import custom_op
 
 from . import native
-from ._core import check_problem
+from ._core import check_problem, out_dtype
 
 __all__ = ["attention", "attention_out"]
 
@@ -41,15 +45,17 @@ def _decode(settings: str) -> List[Tuple[str, str]]:
 
 def _forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: Optional[torch.Tensor],
              cu_seqlens_k: Optional[torch.Tensor], seqused_k: Optional[torch.Tensor],
-             block_table: Optional[torch.Tensor], causal: bool, softmax_scale: float, policy: str,
-             settings: str, thresholds: Optional[torch.Tensor], mask_indptr: Optional[torch.Tensor],
-             mask_indices: Optional[torch.Tensor], mask_block_q: int, mask_block_k: int,
-             mask_per_kv_head: bool, layer: int, prompt_len: Optional[torch.Tensor],
-             k_block_means: Optional[torch.Tensor], v_block_means: Optional[torch.Tensor],
-             block_means_valid: Optional[torch.Tensor], out: torch.Tensor, lse: torch.Tensor) -> None:
-    check_problem(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, block_table, out, lse)
+             block_table: Optional[torch.Tensor], q_descale: Optional[torch.Tensor],
+             k_descale: Optional[torch.Tensor], v_descale: Optional[torch.Tensor], causal: bool, softmax_scale: float,
+             policy: str, settings: str, thresholds: Optional[torch.Tensor], mask_indptr: Optional[torch.Tensor],
+             mask_indices: Optional[torch.Tensor], mask_block_q: int, mask_block_k: int, mask_per_kv_head: bool,
+             layer: int, prompt_len: Optional[torch.Tensor], k_block_means: Optional[torch.Tensor],
+             v_block_means: Optional[torch.Tensor], block_means_valid: Optional[torch.Tensor], out: torch.Tensor,
+             lse: torch.Tensor) -> None:
+    check_problem(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, block_table, out, lse, q_descale, k_descale,
+                  v_descale)
     hosts = [native.host_index(x) for x in (cu_seqlens_q, cu_seqlens_k, seqused_k, block_table)]
-    problem = native.problem_tuple(q, k, v, *hosts, causal, softmax_scale)
+    problem = native.problem_tuple(q, k, v, *hosts, causal, softmax_scale, q_descale, k_descale, v_descale)
     mask = None
     if mask_indptr is not None:
         mask = (native.host_index(mask_indptr), native.host_index(mask_indices), mask_block_q,
@@ -61,55 +67,67 @@ def _forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: Op
     native.execute(problem, handle, q, out, lse, 0, 0, False, layer if layer >= 0 else None)
 
 
+def _allocate(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: Optional[torch.Tensor],
+              cu_seqlens_k: Optional[torch.Tensor], seqused_k: Optional[torch.Tensor],
+              block_table: Optional[torch.Tensor], q_descale: Optional[torch.Tensor], k_descale: Optional[torch.Tensor],
+              v_descale: Optional[torch.Tensor]) -> Tuple[torch.Tensor, torch.Tensor]:
+    """attention's (out, lse), checked and allocated alike by the op and its fake."""
+    geom = check_problem(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, block_table, None, None, q_descale,
+                         k_descale, v_descale)
+    return q.new_empty(q.shape, dtype=out_dtype(q)), q.new_empty(geom.lse_shape, dtype=torch.float32)
+
+
 # No argument has a default: the boxed call drops trailing arguments equal to their defaults,
 # and the in-place bookkeeping of mutated arguments then indexes past the end (torch 2.11:
 # IndexError in custom_ops.adinplaceorview_impl, seen on the GPU machine).
 @custom_op("sparseprefill::attention", mutates_args=("k_block_means", "v_block_means"))
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: Optional[torch.Tensor],
               cu_seqlens_k: Optional[torch.Tensor], seqused_k: Optional[torch.Tensor],
-              block_table: Optional[torch.Tensor], causal: bool, softmax_scale: float, policy: str,
-              settings: str, thresholds: Optional[torch.Tensor], mask_indptr: Optional[torch.Tensor],
-              mask_indices: Optional[torch.Tensor], mask_block_q: int, mask_block_k: int,
-              mask_per_kv_head: bool, layer: int, prompt_len: Optional[torch.Tensor],
+              block_table: Optional[torch.Tensor], q_descale: Optional[torch.Tensor],
+              k_descale: Optional[torch.Tensor], v_descale: Optional[torch.Tensor], causal: bool,
+              softmax_scale: float, policy: str, settings: str, thresholds: Optional[torch.Tensor],
+              mask_indptr: Optional[torch.Tensor], mask_indices: Optional[torch.Tensor], mask_block_q: int,
+              mask_block_k: int, mask_per_kv_head: bool, layer: int, prompt_len: Optional[torch.Tensor],
               k_block_means: Optional[torch.Tensor], v_block_means: Optional[torch.Tensor],
               block_means_valid: Optional[torch.Tensor]) -> Tuple[torch.Tensor, torch.Tensor]:
-    """Returns (out [q's shape, dtype], lse float32 [b, h_q, s_q] or varlen [h_q, total_q]).
-    softmax_scale 0 means 1/sqrt(d); layer < 0 means none (for statistics)."""
-    geom = check_problem(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, block_table)
-    out = q.new_empty(q.shape)
-    lse = q.new_empty(geom.lse_shape, dtype=torch.float32)
-    _forward(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, block_table, causal, softmax_scale, policy,
-             settings, thresholds, mask_indptr, mask_indices, mask_block_q, mask_block_k, mask_per_kv_head,
-             layer, prompt_len, k_block_means, v_block_means, block_means_valid, out, lse)
+    """Returns (out [q's shape and dtype; bfloat16 for FP8 inputs], lse float32 [b, h_q, s_q] or
+    varlen [h_q, total_q]). softmax_scale 0 means 1/sqrt(d); layer < 0 means none (for
+    statistics)."""
+    out, lse = _allocate(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, block_table, q_descale, k_descale, v_descale)
+    _forward(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, block_table, q_descale, k_descale, v_descale, causal,
+             softmax_scale, policy, settings, thresholds, mask_indptr, mask_indices, mask_block_q, mask_block_k,
+             mask_per_kv_head, layer, prompt_len, k_block_means, v_block_means, block_means_valid, out, lse)
     return out, lse
 
 
 @attention.register_fake
-def _attention_fake(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, block_table, causal, softmax_scale, policy,
-                    settings, thresholds, mask_indptr, mask_indices, mask_block_q, mask_block_k,
-                    mask_per_kv_head, layer, prompt_len, k_block_means, v_block_means, block_means_valid):
-    geom = check_problem(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, block_table)
-    return q.new_empty(q.shape), q.new_empty(geom.lse_shape, dtype=torch.float32)
+def _attention_fake(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, block_table, q_descale, k_descale, v_descale,
+                    causal, softmax_scale, policy, settings, thresholds, mask_indptr, mask_indices, mask_block_q,
+                    mask_block_k, mask_per_kv_head, layer, prompt_len, k_block_means, v_block_means,
+                    block_means_valid):
+    return _allocate(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, block_table, q_descale, k_descale, v_descale)
 
 
 @custom_op("sparseprefill::attention_out", mutates_args=("out", "lse", "k_block_means", "v_block_means"))
 def attention_out(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: Optional[torch.Tensor],
                   cu_seqlens_k: Optional[torch.Tensor], seqused_k: Optional[torch.Tensor],
-                  block_table: Optional[torch.Tensor], causal: bool, softmax_scale: float, policy: str,
-                  settings: str, thresholds: Optional[torch.Tensor], mask_indptr: Optional[torch.Tensor],
-                  mask_indices: Optional[torch.Tensor], mask_block_q: int, mask_block_k: int,
-                  mask_per_kv_head: bool, layer: int, prompt_len: Optional[torch.Tensor],
+                  block_table: Optional[torch.Tensor], q_descale: Optional[torch.Tensor],
+                  k_descale: Optional[torch.Tensor], v_descale: Optional[torch.Tensor], causal: bool,
+                  softmax_scale: float, policy: str, settings: str, thresholds: Optional[torch.Tensor],
+                  mask_indptr: Optional[torch.Tensor], mask_indices: Optional[torch.Tensor], mask_block_q: int,
+                  mask_block_k: int, mask_per_kv_head: bool, layer: int, prompt_len: Optional[torch.Tensor],
                   k_block_means: Optional[torch.Tensor], v_block_means: Optional[torch.Tensor],
                   block_means_valid: Optional[torch.Tensor], out: torch.Tensor, lse: torch.Tensor) -> None:
     """As attention, writing the caller's out and lse."""
-    _forward(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, block_table, causal, softmax_scale, policy,
-             settings, thresholds, mask_indptr, mask_indices, mask_block_q, mask_block_k, mask_per_kv_head,
-             layer, prompt_len, k_block_means, v_block_means, block_means_valid, out, lse)
+    _forward(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, block_table, q_descale, k_descale, v_descale, causal,
+             softmax_scale, policy, settings, thresholds, mask_indptr, mask_indices, mask_block_q, mask_block_k,
+             mask_per_kv_head, layer, prompt_len, k_block_means, v_block_means, block_means_valid, out, lse)
 
 
 @attention_out.register_fake
-def _attention_out_fake(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, block_table, causal, softmax_scale,
-                        policy, settings, thresholds, mask_indptr, mask_indices, mask_block_q, mask_block_k,
-                        mask_per_kv_head, layer, prompt_len, k_block_means, v_block_means, block_means_valid,
-                        out, lse):
-    check_problem(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, block_table, out, lse)
+def _attention_out_fake(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, block_table, q_descale, k_descale,
+                        v_descale, causal, softmax_scale, policy, settings, thresholds, mask_indptr, mask_indices,
+                        mask_block_q, mask_block_k, mask_per_kv_head, layer, prompt_len, k_block_means,
+                        v_block_means, block_means_valid, out, lse):
+    check_problem(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, block_table, out, lse, q_descale, k_descale,
+                  v_descale)

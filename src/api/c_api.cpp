@@ -108,9 +108,10 @@ Status to_view(const sp_tensor& t, const char* name, TensorView* out) {
     case SP_DTYPE_FP16: out->dtype = sparseprefill::DType::kFP16; break;
     case SP_DTYPE_FP32: out->dtype = sparseprefill::DType::kFP32; break;
     case SP_DTYPE_INT32: out->dtype = sparseprefill::DType::kInt32; break;
+    case SP_DTYPE_FP8_E4M3: out->dtype = sparseprefill::DType::kFP8E4M3; break;
     default:
       return sparseprefill::invalid_argument(std::string(name) +
-                                             ": expected an sp_dtype code 0..3, got " +
+                                             ": expected an sp_dtype code 0..4, got " +
                                              std::to_string(t.dtype));
   }
   switch (t.device_type) {
@@ -145,6 +146,9 @@ Status to_problem(const sp_problem* p, sparseprefill::AttentionProblem* out) {
   SP_RETURN_IF_ERROR(to_view(p->cu_seqlens_k, "cu_seqlens_k", &out->cu_seqlens_k));
   SP_RETURN_IF_ERROR(to_view(p->seqused_k, "seqused_k", &out->seqused_k));
   SP_RETURN_IF_ERROR(to_view(p->block_table, "block_table", &out->block_table));
+  SP_RETURN_IF_ERROR(to_view(p->q_descale, "q_descale", &out->q_descale));
+  SP_RETURN_IF_ERROR(to_view(p->k_descale, "k_descale", &out->k_descale));
+  SP_RETURN_IF_ERROR(to_view(p->v_descale, "v_descale", &out->v_descale));
   out->causal = p->causal != 0;
   out->scale = p->scale;
   return Status::ok_status();

@@ -15,6 +15,7 @@
 #include <string>
 #include <thread>
 #include <tuple>
+#include <utility>
 #include <vector>
 
 #include "sparseprefill/sparseprefill.h"
@@ -41,6 +42,16 @@ sp::HostTensor random_bf16(std::vector<std::int64_t> shape, std::uint64_t seed) 
   auto* p = t.as<std::uint16_t>();
   for (std::int64_t i = 0; i < t.numel(); ++i) {
     p[i] = sp::float_to_bf16(static_cast<float>(next_uniform(&seed, -1.0, 1.0)));
+  }
+  return t;
+}
+
+// FP8 e4m3 codes of values uniform in [lo, hi) (rounded to nearest even).
+sp::HostTensor random_fp8(std::vector<std::int64_t> shape, std::uint64_t seed, double lo, double hi) {
+  sp::HostTensor t(sp::DType::kFP8E4M3, std::move(shape));
+  auto* p = t.as<std::uint8_t>();
+  for (std::int64_t i = 0; i < t.numel(); ++i) {
+    p[i] = sp::float_to_e4m3(static_cast<float>(next_uniform(&seed, lo, hi)));
   }
   return t;
 }
@@ -73,6 +84,7 @@ sp_tensor to_c(const sp::TensorView& v) {
     case sp::DType::kFP16: t.dtype = SP_DTYPE_FP16; break;
     case sp::DType::kFP32: t.dtype = SP_DTYPE_FP32; break;
     case sp::DType::kInt32: t.dtype = SP_DTYPE_INT32; break;
+    case sp::DType::kFP8E4M3: t.dtype = SP_DTYPE_FP8_E4M3; break;
   }
   t.device_type = SP_DEVICE_CPU;
   t.rank = v.rank;
@@ -92,6 +104,9 @@ sp_problem to_c(const sp::AttentionProblem& p) {
   c.cu_seqlens_k = to_c(p.cu_seqlens_k);
   c.seqused_k = to_c(p.seqused_k);
   c.block_table = to_c(p.block_table);
+  c.q_descale = to_c(p.q_descale);
+  c.k_descale = to_c(p.k_descale);
+  c.v_descale = to_c(p.v_descale);
   c.causal = p.causal ? 1 : 0;
   c.scale = p.scale;
   return c;
@@ -201,6 +216,35 @@ std::int64_t kept_blocks(const Batched& in, const sp::Policy& policy) {
   for (const auto& h : rs.heads) kept += h.kept_blocks;
   return kept;
 }
+
+// A block_sparse mask over `problem`'s visible 8 x 8 blocks, every third one (by row plus block
+// index) dropped, as CSR.
+struct ThinnedMask {
+  sp::ProblemShape shape;
+  std::vector<std::int32_t> indptr = {0}, indices;
+  std::int64_t visible = 0;  // visible blocks before dropping
+  explicit ThinnedMask(const sp::AttentionProblem& problem) {
+    EXPECT_TRUE(sp::validate_problem(problem, nullptr, &shape).ok());
+    std::vector<std::int32_t> all_ptr, all_idx;
+    sp::BlockMask::all_visible(shape, 8, 8, false).to_csr(&all_ptr, &all_idx);
+    visible = static_cast<std::int64_t>(all_idx.size());
+    for (std::size_t r = 0; r + 1 < all_ptr.size(); ++r) {
+      for (std::int32_t i = all_ptr[r]; i < all_ptr[r + 1]; ++i) {
+        if ((all_idx[i] + static_cast<std::int32_t>(r)) % 3 != 0) indices.push_back(all_idx[i]);
+      }
+      indptr.push_back(static_cast<std::int32_t>(indices.size()));
+    }
+  }
+  sp_block_mask_csr csr() const {
+    return sp_block_mask_csr{8, 8, 0, static_cast<int64_t>(indptr.size() - 1), indptr.data(),
+                             static_cast<int64_t>(indices.size()), indices.data()};
+  }
+  sp::BlockSparseParams params() const {
+    sp::BlockSparseParams p;
+    EXPECT_TRUE(sp::BlockMask::from_csr(shape, 8, 8, false, indptr, indices, &p.mask).ok());
+    return p;
+  }
+};
 
 TEST(CApi, DenseMatchesRun) {
   Batched in;
@@ -375,6 +419,151 @@ TEST(CApi, VarlenAndStridesPassThrough) {
   s.scale = 0.3;
   expect_same_as_run(s, sp::DenseParams{}, h.handle, sp::HostTensor(sp::DType::kBF16, {1, 21, 4, 16}),
                      sp::HostTensor(sp::DType::kFP32, {1, 4, 21}));
+}
+
+// The Batched geometry with fp8_e4m3 inputs and fp32 descales [2, 2] that are not powers of
+// two; k_descale is stored [h_kv, b] and viewed as [b, h_kv], so descale strides cross too.
+struct Fp8Batched {
+  sp::HostTensor q = random_fp8({2, 37, 4, 16}, 51, -3.0, 3.0);
+  sp::HostTensor k = random_fp8({2, 53, 2, 16}, 52, -3.0, 3.0);
+  sp::HostTensor v = random_fp8({2, 53, 2, 16}, 53, -3.0, 3.0);
+  sp::HostTensor q_descale = descale(54), k_descale_t = descale(55), v_descale = descale(56);
+  static sp::HostTensor descale(std::uint64_t seed) {
+    sp::HostTensor t(sp::DType::kFP32, {2, 2});
+    for (std::int64_t i = 0; i < 4; ++i) t.as<float>()[i] = static_cast<float>(next_uniform(&seed, 0.3, 1.7));
+    return t;
+  }
+  sp::AttentionProblem problem() const {
+    sp::AttentionProblem p;
+    p.q = q.view();
+    p.k = k.view();
+    p.v = v.view();
+    p.q_descale = q_descale.view();
+    p.k_descale = k_descale_t.view();
+    std::swap(p.k_descale.stride[0], p.k_descale.stride[1]);
+    p.v_descale = v_descale.view();
+    p.causal = true;
+    return p;
+  }
+  sp::HostTensor new_o() const { return sp::HostTensor(sp::DType::kBF16, {2, 37, 4, 16}); }
+  sp::HostTensor new_lse() const { return sp::HostTensor(sp::DType::kFP32, {2, 4, 37}); }
+};
+
+TEST(CApi, Fp8WithDescalesMatchesRun) {
+  Fp8Batched in;
+  PolicyHandle dense("dense", {});
+  expect_same_as_run(in.problem(), sp::DenseParams{}, dense.handle, in.new_o(), in.new_lse());
+  sp::AttentionProblem unscaled = in.problem();  // absent descales are 1
+  unscaled.q_descale = unscaled.k_descale = unscaled.v_descale = sp::TensorView{};
+  expect_same_as_run(unscaled, sp::DenseParams{}, dense.handle, in.new_o(), in.new_lse());
+
+  const ThinnedMask mask(in.problem());
+  PolicyHandle sparse("block_sparse", {});
+  const sp_problem cp = to_c(in.problem());
+  const sp_block_mask_csr csr = mask.csr();
+  ASSERT_EQ(sp_policy_set_block_mask(sparse.handle, &cp, &csr), SP_OK) << sp_last_error();
+  expect_same_as_run(in.problem(), mask.params(), sparse.handle, in.new_o(), in.new_lse());
+}
+
+// Each descale element reaches exactly its (batch, kv head): with GQA 4:2, kv head 1 of batch
+// b serves query heads 2 and 3 of that batch only.
+TEST(CApi, Fp8DescaleElementsReachTheirHeads) {
+  Fp8Batched in;
+  PolicyHandle dense("dense", {});
+  sp_options copts{SP_BACKEND_CPU, 1, nullptr};
+  auto run_c = [&](const sp::AttentionProblem& p) {
+    sp::HostTensor o = in.new_o();
+    poison(&o);
+    const sp_problem cp = to_c(p);
+    sp_output out{to_c(o.view()), {}};
+    EXPECT_EQ(sp_run(&cp, dense.handle, &out, &copts, nullptr), SP_OK) << sp_last_error();
+    return o;
+  };
+  // O[b, :, h, :] of two runs: bit-identical, or (for the changed heads) different.
+  auto expect_changed_heads = [](const sp::HostTensor& a, const sp::HostTensor& b, int batch, int kv_head) {
+    for (int bb = 0; bb < 2; ++bb) {
+      for (int h = 0; h < 4; ++h) {
+        bool same = true;
+        for (int r = 0; r < 37; ++r) {
+          const std::int64_t at = ((bb * 37 + r) * 4 + h) * 16;
+          same = same && std::memcmp(a.as<std::uint16_t>() + at, b.as<std::uint16_t>() + at, 16 * 2) == 0;
+        }
+        EXPECT_EQ(same, !(bb == batch && h / 2 == kv_head)) << "batch " << bb << ", head " << h;
+      }
+    }
+  };
+  const sp::HostTensor base = run_c(in.problem());
+  // v_descale[1, 1] doubled: exactly doubles O of batch 1, heads 2 and 3 (v · descale is formed
+  // exactly and O is linear in v; doubling is exact in bf16).
+  in.v_descale.as<float>()[1 * 2 + 1] *= 2.0f;
+  const sp::HostTensor v_doubled = run_c(in.problem());
+  expect_changed_heads(base, v_doubled, 1, 1);
+  for (int r = 0; r < 37; ++r) {
+    for (int h = 2; h < 4; ++h) {
+      for (int i = 0; i < 16; ++i) {
+        const std::int64_t at = ((37 + r) * 4 + h) * 16 + i;
+        ASSERT_EQ(sp::bf16_to_float(v_doubled.as<std::uint16_t>()[at]),
+                  2.0f * sp::bf16_to_float(base.as<std::uint16_t>()[at]))
+            << "row " << r << ", head " << h;
+      }
+    }
+  }
+  in.v_descale.as<float>()[1 * 2 + 1] /= 2.0f;
+  // k_descale[0, 1], stored transposed at [1, 0]: changes the scores of batch 0, heads 2 and 3.
+  in.k_descale_t.as<float>()[1 * 2 + 0] *= 1.5f;
+  expect_changed_heads(base, run_c(in.problem()), 0, 1);
+  in.k_descale_t.as<float>()[1 * 2 + 0] /= 1.5f;
+  // q_descale[1, 0]: batch 1, query heads 0 and 1.
+  in.q_descale.as<float>()[1 * 2 + 0] *= 1.5f;
+  expect_changed_heads(base, run_c(in.problem()), 1, 0);
+}
+
+TEST(CApi, Fp8MalformedDescalesNameThemselves) {
+  Fp8Batched in;
+  PolicyHandle dense("dense", {});
+  sp::HostTensor o = in.new_o();
+  sp_output out{to_c(o.view()), {}};
+  auto expect_error = [&](const sp_problem& p, const sp_policy* policy, const sp_output* output, int code,
+                          const char* needle) {
+    EXPECT_EQ(sp_run(&p, policy, output, nullptr, nullptr), code) << needle;
+    EXPECT_NE(std::string(sp_last_error()).find(needle), std::string::npos) << "message: " << sp_last_error();
+  };
+  const sp_problem good = to_c(in.problem());
+  sp_problem bad = good;
+  bad.q_descale.shape[1] = 4;
+  expect_error(bad, dense.handle, &out, SP_ERR_INVALID_ARGUMENT, "q_descale: expected fp32 [b, h_kv] = [2, 2]");
+  bad = good;
+  bad.v_descale.dtype = SP_DTYPE_BF16;
+  expect_error(bad, dense.handle, &out, SP_ERR_INVALID_ARGUMENT, "v_descale: expected fp32 [b, h_kv]");
+  bad = good;
+  bad.k_descale.dtype = 7;
+  expect_error(bad, dense.handle, &out, SP_ERR_INVALID_ARGUMENT, "k_descale: expected an sp_dtype code 0..4, got 7");
+  bad = good;
+  bad.k_descale.device_type = SP_DEVICE_CUDA;
+  expect_error(bad, dense.handle, &out, SP_ERR_INVALID_ARGUMENT, "k_descale: expected q's device");
+  bad = good;
+  bad.q_descale.rank = 0;  // absent, but data given
+  expect_error(bad, dense.handle, &out, SP_ERR_INVALID_ARGUMENT, "q_descale: rank 0 (absent) but data is not NULL");
+  in.v_descale.as<float>()[2] = std::numeric_limits<float>::infinity();
+  expect_error(good, dense.handle, &out, SP_ERR_INVALID_ARGUMENT, "v_descale[1, 0]: expected a finite number");
+  in.v_descale.as<float>()[2] = 1.0f;
+
+  // Descales belong to fp8 inputs; fp8 inputs give a bf16 O and run dense and block_sparse only.
+  Batched bf16;
+  sp_problem scaled_bf16 = to_c(bf16.problem());
+  scaled_bf16.k_descale = good.k_descale;
+  expect_error(scaled_bf16, dense.handle, &out, SP_ERR_INVALID_ARGUMENT,
+               "k_descale: only with fp8_e4m3 inputs, got bf16 inputs");
+  sp::HostTensor o8(sp::DType::kFP8E4M3, {2, 37, 4, 16});
+  sp_output out8{to_c(o8.view()), {}};
+  expect_error(good, dense.handle, &out8, SP_ERR_INVALID_ARGUMENT,
+               "o: expected dtype bf16 (fp8_e4m3 inputs give a bf16 output)");
+  PolicyHandle skip("softmax_skip", {});
+  expect_error(good, skip.handle, &out, SP_ERR_UNSUPPORTED,
+               "softmax_skip: fp8_e4m3 inputs run dense and block_sparse only");
+  EXPECT_EQ(sp_can_run(&good, skip.handle, SP_BACKEND_CPU), SP_ERR_UNSUPPORTED);
+  EXPECT_EQ(sp_can_run(&good, dense.handle, SP_BACKEND_CPU), SP_OK) << sp_last_error();
+  EXPECT_EQ(sp_can_run(&good, dense.handle, SP_BACKEND_REFERENCE), SP_OK) << sp_last_error();
 }
 
 TEST(CApi, StatsWithoutHeadBuffer) {
@@ -632,20 +821,10 @@ TEST(CApi, RunDecisionsMirrorRun) {
 TEST(CApi, PlanRunsLikeRun) {
   Batched in;
   sp::AttentionProblem problem = in.problem();
-  sp::ProblemShape shape;
-  ASSERT_TRUE(sp::validate_problem(problem, nullptr, &shape).ok());
-  sp::BlockMask all = sp::BlockMask::all_visible(shape, 8, 8, false);
-  std::vector<std::int32_t> indptr, indices, kept_ptr = {0}, kept_idx;
-  all.to_csr(&indptr, &indices);
-  for (std::size_t r = 0; r + 1 < indptr.size(); ++r) {
-    for (std::int32_t i = indptr[r]; i < indptr[r + 1]; ++i) {
-      if ((indices[i] + static_cast<std::int32_t>(r)) % 3 != 0) kept_idx.push_back(indices[i]);
-    }
-    kept_ptr.push_back(static_cast<std::int32_t>(kept_idx.size()));
-  }
+  const ThinnedMask mask(problem);
+  const std::vector<std::int32_t>& kept_idx = mask.indices;
   sp_problem cp = to_c(problem);
-  sp_block_mask_csr csr{8, 8, 0, static_cast<int64_t>(kept_ptr.size() - 1), kept_ptr.data(),
-                        static_cast<int64_t>(kept_idx.size()), kept_idx.data()};
+  const sp_block_mask_csr csr = mask.csr();
   sp_options copts{SP_BACKEND_CPU, 1, nullptr};
   sp_plan* plan = nullptr;
   sp::HostTensor o_run = in.new_o(), lse_run = in.new_lse();
@@ -667,7 +846,7 @@ TEST(CApi, PlanRunsLikeRun) {
     ASSERT_EQ(sp_plan_run(plan, &cp, &out, &copts, &stats, d.handle), SP_OK) << sp_last_error();
     EXPECT_EQ(std::memcmp(o.data(), o_run.data(), o.nbytes()), 0);
     EXPECT_EQ(std::memcmp(lse.data(), lse_run.data(), lse.nbytes()), 0);
-    EXPECT_DOUBLE_EQ(stats.density, static_cast<double>(kept_idx.size()) / static_cast<double>(indices.size()));
+    EXPECT_DOUBLE_EQ(stats.density, static_cast<double>(kept_idx.size()) / static_cast<double>(mask.visible));
     sp_block_mask_view view{};
     ASSERT_EQ(sp_decisions_mask(d.handle, SP_MASK_KEPT, &view), SP_OK);
     ASSERT_EQ(view.num_indices, static_cast<int64_t>(kept_idx.size()));
@@ -818,6 +997,12 @@ TEST(CApi, GenerateEqualsTheGeneratorBitForBit) {
   sp_tensor strided = ck;
   strided.stride[1] = 2 * 64 + 8;
   EXPECT_EQ(sp_generate(&cc, &cq, &strided, &cv), SP_ERR_INVALID_ARGUMENT);
+  // FP8 is an input dtype the generator does not make.
+  sp::HostTensor q8(sp::DType::kFP8E4M3, {1, 200, 4, 64}), k8(sp::DType::kFP8E4M3, {1, 333, 2, 64});
+  const sp_tensor cq8 = to_c(q8.view()), ck8 = to_c(k8.view());
+  EXPECT_EQ(sp_generate(&cc, &cq8, &ck8, &ck8), SP_ERR_INVALID_ARGUMENT);
+  EXPECT_NE(std::string(sp_last_error()).find("dtype: expected bf16, fp16 or fp32, got fp8_e4m3"), std::string::npos)
+      << sp_last_error();
   const sp_generator_config bad{1, 400, 333, 4, 2, 64, 1, 1.0};  // seq_q > seq_k
   EXPECT_EQ(sp_generate(&bad, &cq, &ck, &cv), SP_ERR_INVALID_ARGUMENT);
   EXPECT_EQ(sp_generate(nullptr, &cq, &ck, &cv), SP_ERR_INVALID_ARGUMENT);

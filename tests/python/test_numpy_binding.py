@@ -350,6 +350,11 @@ BAD_INPUTS = [
     ("policy value", bad(policy=sp.SoftmaxSkip(block_q=0)), "block_q"),
     ("policy value nan", bad(policy=sp.EstimateSelect(alpha=float("nan"))), "alpha"),
     ("thresholds heads", bad(policy=sp.ExactGate(thresholds=np.zeros((3, 4), np.float32))), "thresholds"),
+    # FP8 descales (NumPy has no float8_e4m3fn: test_fp8.py covers them on torch tensors).
+    ("descale without fp8", bad(k_descale=np.ones((2, 2), np.float32)),
+     "k_descale: only with float8_e4m3fn inputs, got float32 inputs"),
+    ("can_run descale", lambda: sp.can_run(*qkv(17, 2, 16, 16, 4, 2, 8), v_descale=np.ones((2, 2), np.float32)),
+     "v_descale: only with float8_e4m3fn inputs"),
 ]
 
 

@@ -380,8 +380,8 @@ def test_torch_compile_fullgraph(device):
 def test_opcheck(device):
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
     q, k, v = qkv(42, 2, 33, 47, 4, 2, 64, dtype, device)
-    args = (q, k, v, None, None, None, None, True, 0.0, "dense", "", None, None, None, 0, 0, False, -1,
-            None, None, None, None)
+    args = (q, k, v, None, None, None, None, None, None, None, True, 0.0, "dense", "", None, None, None, 0, 0, False,
+            -1, None, None, None, None)
     torch.library.opcheck(torch.ops.sparseprefill.attention.default, args,
                           test_utils=("test_schema", "test_faketensor", "test_aot_dispatch_dynamic"))
     out = torch.empty_like(q)
@@ -467,7 +467,8 @@ def bad_cases(device):
         ("softcap", fa_bad(device, softcap=30.0), sp.UnsupportedError, "softcap"),
         ("alibi_slopes", fa_bad(device, alibi_slopes=z(4, dt=torch.float32)), sp.UnsupportedError, "alibi_slopes"),
         ("qv", fa_bad(device, qv=z(2, 16, 4, 64)), sp.UnsupportedError, "qv"),
-        ("q_descale", fa_bad(device, q_descale=z(2, 2, dt=torch.float32)), sp.UnsupportedError, "q_descale"),
+        ("q_descale", fa_bad(device, q_descale=z(2, 2, dt=torch.float32)), sp.InvalidArgumentError,
+         f"q_descale: only with float8_e4m3fn inputs, got {str(dtype).replace('torch.', '')} inputs"),
         ("attention_chunk", fa_bad(device, attention_chunk=64), sp.UnsupportedError, "attention_chunk"),
     ]
     q, k, v = qkv(46, 1, 20, 20, 2, 1, 64, dtype, device)
@@ -521,8 +522,8 @@ def test_last_dim_contiguity(device):
     # The op itself rejects a strided last dimension; the FA functions copy it, as FA does.
     strided = torch.zeros(1, 16, 2, 128, dtype=dtype, device=device)[..., ::2]
     with pytest.raises(sp.InvalidArgumentError, match="q: the last dimension"):
-        torch.ops.sparseprefill.attention(strided, k, v, None, None, None, None, True, 0.0, "dense", "", None,
-                                          None, None, 0, 0, False, -1, None, None, None, None)
+        torch.ops.sparseprefill.attention(strided, k, v, None, None, None, None, None, None, None, True, 0.0, "dense",
+                                          "", None, None, None, 0, 0, False, -1, None, None, None, None)
     strided.copy_(q)
     assert torch.equal(flash_attn_func(strided, k, v, causal=True), flash_attn_func(q, k, v, causal=True))
 

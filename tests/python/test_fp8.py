@@ -1,0 +1,225 @@
+# SPDX-License-Identifier: Apache-2.0
+"""FP8 (torch.float8_e4m3fn) inputs with FlashAttention-3's q_descale, k_descale, v_descale
+through the FlashAttention functions, the torch ops and the native calls, on the CPU backend
+(the one backend with FP8 inputs, docs/semantics.md §1): bit for bit the CPU backend's run on
+the dequantized values with O rounded to bfloat16, within one bfloat16 unit of float64
+attention, each descale element applied to its own (batch, kv head), and every bad argument
+named."""
+
+import re
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+
+import sparseprefill as sp  # noqa: E402
+from sparseprefill.flash_attn_interface import (  # noqa: E402
+    flash_attn_func, flash_attn_varlen_func, flash_attn_with_kvcache)
+from _torch_refs import attention  # noqa: E402
+
+FP8 = torch.float8_e4m3fn
+
+
+def fp8_inputs(seed, b, s_q, s_k, h_q, h_kv, d):
+    """q, k, v in FP8 (2·N(0, 1) rounded to E4M3, magnitudes up to ~10 of the format's 448) and
+    float32 descales [b, h_kv] uniform in [0.3, 1.7): not powers of two, so each multiplies
+    into the values' low bits."""
+    gen = torch.Generator().manual_seed(seed)
+    q, k, v = ((2 * torch.randn(shape, generator=gen)).to(FP8)
+               for shape in ((b, s_q, h_q, d), (b, s_k, h_kv, d), (b, s_k, h_kv, d)))
+    descales = tuple(0.3 + 1.4 * torch.rand((b, h_kv), generator=gen) for _ in range(3))
+    return q, k, v, descales
+
+
+def dequantized(x, descale):
+    """x · descale[b, h / group] in float32 for [b, s, h, d] x. These are the library's values
+    bit for bit: an E4M3 value has 4 significant bits, so the exact product has at most 28 and
+    float32 multiplication rounds it once, as the library rounds its fp64 product."""
+    group = x.shape[2] // descale.shape[1]
+    return x.float() * descale.repeat_interleave(group, 1)[:, None, :, None]
+
+
+def descale_args(descales):
+    return dict(zip(("q_descale", "k_descale", "v_descale"), descales))
+
+
+def assert_within_one_bf16_unit(out, ref):
+    """O is fp32 attention rounded to bfloat16: half a bfloat16 unit (2^-9 relative) of
+    rounding plus an fp32 compute error some 100x smaller; one unit of max|O| (2^-8 · max|O|)
+    bounds both, the eps of docs/numerics.md's tolerance."""
+    err = (out.double() - ref.double()).abs().max().item()
+    bound = 2.0 ** -8 * ref.double().abs().max().item()
+    assert err <= bound, f"max error {err:.3e} > one bf16 unit {bound:.3e}"
+
+
+@pytest.mark.parametrize("policy_name,causal", [("dense", False), ("dense", True), ("block_sparse", True)])
+def test_fp8_equals_its_run_on_dequantized_values(policy_name, causal):
+    b, s_q, s_k, h_q, h_kv, d = 2, 37, 53, 6, 2, 64
+    q, k, v, descales = fp8_inputs(61, b, s_q, s_k, h_q, h_kv, d)
+    qd, kd, vd = (dequantized(x, s) for x, s in zip((q, k, v), descales))
+    policy = sp.Dense()
+    if policy_name == "block_sparse":
+        # A realistic mask for this geometry: what estimate_select keeps on the same values.
+        mask = sp.select(qd, kd, vd, sp.EstimateSelect(block=16, alpha=0.5, sink=1, window=1, tail=1)).mask
+        assert 0 < mask.density < 1
+        policy = mask.to_policy()
+    out, lse = flash_attn_func(q, k, v, causal=causal, policy=policy, return_softmax_lse=True,
+                               **descale_args(descales))
+    assert out.dtype == torch.bfloat16 and out.shape == q.shape and lse.dtype == torch.float32
+    twin, twin_lse = flash_attn_func(qd, kd, vd, causal=causal, policy=policy, return_softmax_lse=True)
+    assert torch.equal(out, twin.to(torch.bfloat16)) and torch.equal(lse, twin_lse)
+    if policy_name == "dense":
+        ref = attention(qd, kd, vd, causal)[0]
+    else:
+        ref = sp.run(qd, kd, vd, policy, causal=causal, backend="reference").out  # fp64 oracle, stored fp32
+    assert_within_one_bf16_unit(out, ref)
+    # The native call and the op agree.
+    assert torch.equal(sp.run(q, k, v, policy, causal=causal, **descale_args(descales)).out, out)
+
+
+def test_fp8_descales_reach_their_batch_and_kv_head():
+    b, s, h_q, h_kv, d = 2, 40, 6, 2, 32
+    group = h_q // h_kv
+    q, k, v, descales = fp8_inputs(62, b, s, s, h_q, h_kv, d)
+    out = flash_attn_func(q, k, v, causal=True, **descale_args(descales))
+    # Swapping the two kv heads' k or v descales changes every query head's output.
+    for which in (1, 2):
+        swapped = list(descales)
+        swapped[which] = descales[which][:, [1, 0]]
+        changed = flash_attn_func(q, k, v, causal=True, **descale_args(swapped))
+        for h in range(h_q):
+            assert not torch.equal(changed[:, :, h], out[:, :, h]), f"descale {which}, head {h}"
+    # Permuting batches and kv heads (with their query head groups) in the inputs and the
+    # descales alike permutes the output alike, bit for bit: descale[b, g] scales kv head g of
+    # batch b and query heads g·group .. (g+1)·group - 1.
+    kv_perm = [1, 0]
+    q_perm = [g * group + i for g in kv_perm for i in range(group)]
+    batch_perm = [1, 0]
+    permuted = flash_attn_func(q[batch_perm][:, :, q_perm], k[batch_perm][:, :, kv_perm], v[batch_perm][:, :, kv_perm],
+                               causal=True, **descale_args(x[batch_perm][:, kv_perm] for x in descales))
+    assert torch.equal(permuted, out[batch_perm][:, :, q_perm])
+
+
+def pack(x, lengths):
+    return torch.cat([x[i, :n] for i, n in enumerate(lengths)])
+
+
+def cu(lengths):
+    return torch.tensor([0] + list(np.cumsum(lengths)), dtype=torch.int32)
+
+
+def test_fp8_varlen_and_kvcache_equal_per_sequence_calls():
+    b, h_q, h_kv, d = 2, 4, 2, 32
+    lens_q, lens_k = [37, 9], [53, 30]
+    q, k, v, descales = fp8_inputs(63, b, max(lens_q), max(lens_k), h_q, h_kv, d)
+
+    def alone(i, n_q, n_k):
+        return flash_attn_func(q[i:i + 1, :n_q], k[i:i + 1, :n_k], v[i:i + 1, :n_k], causal=True,
+                               **descale_args(x[i:i + 1] for x in descales))
+
+    out = flash_attn_varlen_func(pack(q, lens_q), pack(k, lens_k), pack(v, lens_k), cu(lens_q), cu(lens_k),
+                                 max(lens_q), max(lens_k), causal=True, **descale_args(descales))
+    assert out.dtype == torch.bfloat16
+    # seqused_q takes the packing path (the unused rows are zero).
+    used = flash_attn_varlen_func(pack(q, lens_q), pack(k, lens_k), pack(v, lens_k), cu(lens_q), cu(lens_k),
+                                  max(lens_q), max(lens_k), causal=True,
+                                  seqused_q=torch.tensor([20, 9], dtype=torch.int32), **descale_args(descales))
+    start = 0
+    for i, (n_q, n_k) in enumerate(zip(lens_q, lens_k)):
+        assert torch.equal(out[start:start + n_q], alone(i, n_q, n_k)[0]), f"varlen sequence {i}"
+        n_used = 20 if i == 0 else n_q
+        assert torch.equal(used[start:start + n_used], alone(i, n_used, n_k)[0]), f"seqused_q sequence {i}"
+        assert (used[start + n_used:start + n_q] == 0).all()
+        start += n_q
+
+    # A cache with new keys appended in place (FP8 caches, as FA3 takes them), then paged.
+    s_new = 5
+    cached = [n - s_new for n in lens_k]
+    k_cache, v_cache = torch.zeros((b, 64, h_kv, d), dtype=FP8), torch.zeros((b, 64, h_kv, d), dtype=FP8)
+    for i, n in enumerate(cached):
+        k_cache[i, :n], v_cache[i, :n] = k[i, :n], v[i, :n]
+    new_k = torch.stack([k[i, n:n + s_new] for i, n in enumerate(cached)])
+    new_v = torch.stack([v[i, n:n + s_new] for i, n in enumerate(cached)])
+    q_new = torch.stack([q[i, :s_new] for i in range(b)])
+    got = flash_attn_with_kvcache(q_new, k_cache, v_cache, new_k, new_v,
+                                  cache_seqlens=torch.tensor(cached, dtype=torch.int32), causal=True,
+                                  **descale_args(descales))
+    # The same cache in 16-key pages stored in reverse order.
+    k_pages, v_pages = (x.reshape(b * 4, 16, h_kv, d).flip(0) for x in (k_cache, v_cache))
+    table = (b * 4 - 1 - torch.arange(b * 4, dtype=torch.int32)).reshape(b, 4)
+    paged = flash_attn_with_kvcache(q_new, k_pages, v_pages, page_table=table,
+                                    cache_seqlens=torch.tensor(lens_k, dtype=torch.int32), causal=True,
+                                    **descale_args(descales))
+    for i in range(b):
+        want = flash_attn_func(q_new[i:i + 1], k[i:i + 1, :lens_k[i]], v[i:i + 1, :lens_k[i]], causal=True,
+                               **descale_args(x[i:i + 1] for x in descales))
+        assert torch.equal(got[i:i + 1], want), f"kvcache sequence {i}"
+        assert torch.equal(paged[i:i + 1], want), f"paged sequence {i}"
+
+
+def test_fp8_out_buffer_compile_and_opcheck():
+    q, k, v, descales = fp8_inputs(64, 2, 33, 47, 4, 2, 64)
+    out = flash_attn_func(q, k, v, causal=True, **descale_args(descales))
+    buf = torch.full(q.shape, float("nan"), dtype=torch.bfloat16)
+    same, lse = flash_attn_func(q, k, v, causal=True, out=buf, return_softmax_lse=True, **descale_args(descales))
+    assert same is buf and torch.equal(buf, out)
+    torch._dynamo.reset()
+    compiled = torch.compile(lambda q, k, v, a, b, c: flash_attn_func(q, k, v, causal=True, q_descale=a, k_descale=b,
+                                                                      v_descale=c), fullgraph=True)
+    assert torch.equal(compiled(q, k, v, *descales), out)
+    args = (q, k, v, None, None, None, None, *descales, True, 0.0, "dense", "", None, None, None, 0, 0, False, -1,
+            None, None, None, None)
+    # The fake implementations give what the ops give (bfloat16 out). test_schema is left out:
+    # its checker multiplies the inputs, which torch does not implement for float8 on the CPU.
+    torch.library.opcheck(torch.ops.sparseprefill.attention.default, args,
+                          test_utils=("test_faketensor", "test_aot_dispatch_dynamic"))
+    torch.library.opcheck(torch.ops.sparseprefill.attention_out.default, args + (buf, lse),
+                          test_utils=("test_faketensor",))
+
+
+def bad_cases():
+    q, k, v, descales = fp8_inputs(65, 2, 16, 16, 4, 2, 32)
+
+    def call(**kwargs):
+        args = dict(q=q, k=k, v=v, causal=True, **descale_args(descales))
+        args.update(kwargs)
+        return lambda: flash_attn_func(args.pop("q"), args.pop("k"), args.pop("v"), **args)
+
+    nonfinite = descales[2].clone()
+    nonfinite[1, 0] = float("inf")
+    bf16 = [x.to(torch.bfloat16) for x in (q, k, v)]
+    cu2 = torch.tensor([0, 16, 32], dtype=torch.int32)
+    return [
+        ("descales without fp8", call(q=bf16[0], k=bf16[1], v=bf16[2]), sp.InvalidArgumentError,
+         "q_descale: only with float8_e4m3fn inputs, got bfloat16 inputs"),
+        ("shape", call(k_descale=torch.ones(2, 4)), sp.InvalidArgumentError,
+         "k_descale: expected float32 [batch, h_kv] = [2, 2], got float32 [2, 4]"),
+        ("varlen batch", lambda: flash_attn_varlen_func(q.flatten(0, 1), k.flatten(0, 1), v.flatten(0, 1), cu2, cu2,
+                                                        16, 16, causal=True, q_descale=torch.ones(3, 2)),
+         sp.InvalidArgumentError, "q_descale: expected float32 [batch, h_kv] = [2, 2], got float32 [3, 2]"),
+        ("dtype", call(v_descale=torch.ones(2, 2, dtype=torch.float16)), sp.InvalidArgumentError,
+         "v_descale: expected float32 [batch, h_kv] = [2, 2], got float16 [2, 2]"),
+        ("device", call(q_descale=torch.ones(2, 2, device="meta")), sp.InvalidArgumentError,
+         "q_descale: expected q's device cpu, got meta"),
+        ("type", call(k_descale=[[1.0, 1.0], [1.0, 1.0]]), sp.InvalidArgumentError,
+         "k_descale: expected a torch.Tensor, got list"),
+        ("finite", call(v_descale=nonfinite), sp.InvalidArgumentError, "v_descale[1, 0]: expected a finite number"),
+        ("out dtype", call(out=torch.empty(q.shape, dtype=FP8)), sp.InvalidArgumentError,
+         "out: expected dtype bfloat16 (float8_e4m3fn inputs give a bfloat16 output), got float8_e4m3fn"),
+        ("mixed dtypes", call(k=bf16[1]), sp.InvalidArgumentError, "k, v: expected q's dtype float8_e4m3fn"),
+        ("softmax_skip", call(policy=sp.SoftmaxSkip(block_q=16, block_k=16)), sp.UnsupportedError,
+         "softmax_skip: fp8_e4m3 inputs run dense and block_sparse only"),
+        ("estimate_select", call(policy=sp.EstimateSelect(block=16)), sp.UnsupportedError,
+         "estimate_select: fp8_e4m3 inputs run dense and block_sparse only"),
+        ("native", lambda: sp.run(q, k, v, sp.PermuteStop(segment=16, block_q=16, block_k=16)), sp.UnsupportedError,
+         "permute_stop: fp8_e4m3 inputs run dense and block_sparse only"),
+    ]
+
+
+@pytest.mark.parametrize("case,call,error,message", bad_cases(), ids=[c[0] for c in bad_cases()])
+def test_fp8_bad_arguments_name_themselves(case, call, error, message):
+    with pytest.raises(error, match=re.escape(message)) as raised:
+        call()
+    # InvalidArgumentError is a ValueError, UnsupportedError a NotImplementedError.
+    assert isinstance(raised.value, ValueError if error is sp.InvalidArgumentError else NotImplementedError)
