@@ -53,18 +53,19 @@ struct FwdConfig {
   static constexpr int kDFrags = kHeadDim / 8;  // n8 fragments of an output row
   static constexpr int kQkSteps = kHeadDim / 16;
   static constexpr int kPvSteps = kTileN / 16;
-  // setmaxnreg budgets, 128·producer + 256·consumer <= 65536 registers of the SM. The TMA
-  // producer also picks the work items since the kernel became persistent: 40 / 232 at
-  // d = 128 (24 and 32 spill 60 and 16 bytes; the consumers need no more than 232), 32 / 240 at
-  // d = 64, where ptxas spills the consumers' item counters whatever their budget (68 bytes,
-  // the least of 24 / 240: 112, 32 / 240, 40 / 232: 100; four L1 accesses per key tile). The
-  // paged instances' producer may gather rows with cp.async (gather_tile), whose address chain
-  // ran latency-bound at 24 (1.50x the contiguous time at 16-key pages, 1.28x at 56 / 224 with
-  // the loop unrolled; record 2026-11-29-h200-paged-producer); 56 at d = 64 spills 16 bytes in
-  // the consumers, 40 / 232 none.
-  static constexpr int kProducerRegs = !kPaged_ ? (kHeadDim_ == 128 ? 40 : 32) : kHeadDim_ == 128 ? 56 : 40;
-  static constexpr int kConsumerRegs = !kPaged_ ? (kHeadDim_ == 128 ? 232 : 240) : kHeadDim_ == 128 ? 224 : 232;
-  static_assert(128 * kProducerRegs + 256 * kConsumerRegs <= 65536, "register file");
+  // setmaxnreg budgets: the registers a CTA is launched with (384 threads at 168, the most
+  // __launch_bounds__(384, 1) allows) are the pool the warpgroups trade in, so
+  // 128·producer + 256·consumer <= 64512 (an increase the pool cannot serve waits forever). The
+  // TMA producer also picks the work items since the kernel became persistent: 40 / 232 (24 and
+  // 32 spill 60 and 16 bytes at d = 128; the consumers need no more than 232 there; at d = 64
+  // ptxas spills the consumers' item counters whatever their budget, 100 bytes, four L1
+  // accesses per key tile). The paged instances' producer may gather rows with cp.async
+  // (gather_tile), whose address chain ran latency-bound at 24 (1.50x the contiguous time at
+  // 16-key pages, 1.28x at 56 / 224 with the loop unrolled; record
+  // 2026-11-29-h200-paged-producer); 56 at d = 64 spills 16 bytes in the consumers, 40 / 232 none.
+  static constexpr int kProducerRegs = kPaged_ && kHeadDim_ == 128 ? 56 : 40;
+  static constexpr int kConsumerRegs = kPaged_ && kHeadDim_ == 128 ? 224 : 232;
+  static_assert(128 * kProducerRegs + 256 * kConsumerRegs <= kThreads * 168, "the CTA's register pool");
   // Gate decisions in flight: a slot is rewritten 4 gated blocks later, when every reader
   // (both consumer warpgroups, at most one ping-pong round apart, and the producer) is past it.
   static constexpr int kVoteSlots = 4;
