@@ -735,9 +735,7 @@ Status run_cuda(const AttentionProblem& problem, const ProblemShape& shape, cons
   if (path == FwdPath::kHopper) {
     const bool paged = shape.kv_layout == KvLayout::kPaged;
     const Fwd90Variant* fwd90 = find_fwd90(shape.dtype, shape.d, paged);
-    // The persistent kernel's work counter, and the cost order of its work items where the
-    // arithmetic order is not longest first.
-    SP_RETURN_IF_ERROR(scratch.zeros(1, &p.tile_counter));
+    // The work items by cost where the arithmetic order is not longest first.
     if (hopper_orders_by_cost(p.mode, seqs)) {
       SP_RETURN_IF_ERROR(scratch.alloc(static_cast<std::size_t>(p.num_q_blocks) * static_cast<std::size_t>(p.batch) *
                                            static_cast<std::size_t>(p.h_q),

@@ -88,15 +88,12 @@ struct CachedUpload {
   }
 };
 
-// The Hopper kernel's scheduling buffers, set per launch as the backend sets them: the work
-// counter zeroed before each launch, the cost order where hopper_orders_by_cost asks for it.
+// The Hopper kernel's work order scratch, set per launch as the backend sets it: the cost order
+// where hopper_orders_by_cost asks for it.
 struct HopperWork {
-  std::int32_t* counter;
   std::int32_t* order;  // [num_q_blocks · h_q] (batch 1)
   int launch(const Fwd90Variant* var, FwdParams fp, const SeqInfo& seq, const std::int32_t* table,
              CachedUpload& maps) const {
-    SP_DEV_CHECK(cudaMemsetAsync(counter, 0, sizeof(std::int32_t)));
-    fp.tile_counter = counter;
     fp.tile_order = hopper_orders_by_cost(fp.mode, {seq}) ? order : nullptr;
     const HostUpload upload{&maps, &CachedUpload::call};
     return var->launch(fp, &seq, table, upload, nullptr);
@@ -155,7 +152,6 @@ void run_shape(const Shape& sh, const Options& opt) {
   const bool hopper = cc_major == 9 && cc_minor == 0;  // sm_90a code runs there alone
   CachedUpload maps;
   HopperWork work{};
-  SP_DEV_CHECK(cudaMalloc(&work.counter, sizeof(std::int32_t)));
   SP_DEV_CHECK(cudaMalloc(&work.order, sizeof(std::int32_t) * ((sh.s + kBlockQ - 1) / kBlockQ) * sh.h_q));
 
   // Causal pairs: s(s+1)/2 per head; 4·d FLOP per pair (Q·Kᵀ and P·V).
@@ -352,7 +348,6 @@ void run_shape(const Shape& sh, const Options& opt) {
   SP_DEV_CHECK(cudaFree(lse));
   SP_DEV_CHECK(cudaFree(d_seq));
   SP_DEV_CHECK(cudaFree(thr));
-  SP_DEV_CHECK(cudaFree(work.counter));
   SP_DEV_CHECK(cudaFree(work.order));
   if (maps.dev != nullptr) SP_DEV_CHECK(cudaFree(maps.dev));
 }

@@ -135,14 +135,13 @@ struct FwdParams {
   std::uint32_t* kept_bits;
   int kept_words;
 
-  // Work scheduling of the persistent Hopper kernel (the portable kernel ignores both). Work
-  // items w < num_q_blocks · batch · h_q decode as h = w % h_q, b = w / h_q % batch, query block
+  // The Hopper kernel's work order (the portable kernel ignores it). Work items
+  // w < num_q_blocks · batch · h_q decode as h = w % h_q, b = w / h_q % batch, query block
   // num_q_blocks(b) - 1 - w / (h_q · batch): heads fastest, the last (longest causal) query
-  // blocks first. tile_order: nullptr, or [items] written by the launch (ordered by cost,
-  // longest first: sm90::order_work_kernel) when hopper_orders_by_cost says so. tile_counter:
-  // one int, zero at the launch, the CTAs' dynamic work counter.
+  // blocks first; CTA i runs item i. tile_order: nullptr, or [items] scratch the launch fills
+  // with the items by cost, longest first (sm90::order_work_kernel), CTA i then running
+  // tile_order[i]; set where hopper_orders_by_cost says so.
   std::int32_t* tile_order;
-  std::int32_t* tile_counter;
 };
 
 // estimate_select under chunked prefill (EstimateSelectParams::prompt_len and the cache of

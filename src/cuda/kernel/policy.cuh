@@ -75,11 +75,6 @@ struct Gate {
   // The first gated position of a list whose group A has n_a entries (gated positions are a
   // suffix of the real blocks; mean tiles only occur with block masks, which are not gated).
   __device__ __forceinline__ int first_gated(int n_a) const { return exact ? n_a : 1; }
-  // Gated positions of a list of n_reg real blocks (a suffix from first_gated).
-  __device__ __forceinline__ int gated_count(int n_reg, int n_a) const {
-    const int n = n_reg - first_gated(n_a);
-    return (exact || skip) && n > 0 ? n : 0;
-  }
 
   // One row's vote from its raw block maximum mx (masked keys -inf) and its running max m_run
   // (log2 domain, before this block); rows past s_q (valid = false) have no say.

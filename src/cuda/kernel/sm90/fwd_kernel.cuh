@@ -53,19 +53,14 @@ struct FwdConfig {
   static constexpr int kDFrags = kHeadDim / 8;  // n8 fragments of an output row
   static constexpr int kQkSteps = kHeadDim / 16;
   static constexpr int kPvSteps = kTileN / 16;
-  // setmaxnreg budgets: the registers a CTA is launched with (384 threads at 168, the most
-  // __launch_bounds__(384, 1) allows) are the pool the warpgroups trade in, so
-  // 128·producer + 256·consumer <= 64512 (an increase the pool cannot serve waits forever). The
-  // TMA producer also picks the work items since the kernel became persistent: 40 / 232 (24 and
-  // 32 spill 60 and 16 bytes at d = 128; the consumers need no more than 232 there; at d = 64
-  // ptxas spills the consumers' item counters whatever their budget, 100 bytes, four L1
-  // accesses per key tile). The paged instances' producer may gather rows with cp.async
-  // (gather_tile), whose address chain ran latency-bound at 24 (1.50x the contiguous time at
-  // 16-key pages, 1.28x at 56 / 224 with the loop unrolled; record
-  // 2026-11-29-h200-paged-producer); 56 at d = 64 spills 16 bytes in the consumers, 40 / 232 none.
-  static constexpr int kProducerRegs = kPaged_ && kHeadDim_ == 128 ? 56 : 40;
-  static constexpr int kConsumerRegs = kPaged_ && kHeadDim_ == 128 ? 224 : 232;
-  static_assert(128 * kProducerRegs + 256 * kConsumerRegs <= kThreads * 168, "the CTA's register pool");
+  // setmaxnreg budgets, 128·producer + 256·consumer <= 65536 registers of the SM: 24 / 240 for
+  // the TMA producer; the paged instances' producer may gather rows with cp.async (gather_tile),
+  // whose address chain ran latency-bound at 24 (1.50x the contiguous time at 16-key pages,
+  // 1.28x at 56 / 224 with the loop unrolled; record 2026-11-29-h200-paged-producer); 56 at
+  // d = 64 spills 16 bytes in the consumers, 40 / 232 none.
+  static constexpr int kProducerRegs = !kPaged_ ? 24 : kHeadDim_ == 128 ? 56 : 40;
+  static constexpr int kConsumerRegs = !kPaged_ ? 240 : kHeadDim_ == 128 ? 224 : 232;
+  static_assert(128 * kProducerRegs + 256 * kConsumerRegs <= 65536, "register file");
   // Gate decisions in flight: a slot is rewritten 4 gated blocks later, when every reader
   // (both consumer warpgroups, at most one ping-pong round apart, and the producer) is past it.
   static constexpr int kVoteSlots = 4;
@@ -83,10 +78,7 @@ struct alignas(1024) Smem {
   std::uint8_t k[Cfg::kStages][Cfg::kTileBytes];
   std::uint8_t v[Cfg::kStages][Cfg::kTileBytes];
   // mbarriers, named after the event they signal.
-  std::uint64_t q_loaded;                 // TMA -> consumers, once per work item with a visit
-  std::uint64_t q_free;                   // consumers -> producer: 8 warp arrivals, the item's last S done
-  std::uint64_t work_ready[2];            // warp 0 -> the CTA: header slot written (1 arrival)
-  std::uint64_t work_free[2];             // its readers -> warp 0: header slot read
+  std::uint64_t q_loaded;                 // TMA -> consumers, once
   std::uint64_t k_loaded[Cfg::kStages];   // TMA -> consumers (transaction bytes)
   std::uint64_t v_loaded[Cfg::kStages];
   std::uint64_t k_free[Cfg::kStages];     // consumers -> producer: 8 warp arrivals, S read done
@@ -96,12 +88,9 @@ struct alignas(1024) Smem {
   // loads V only for a kept block) wait on it and read all 8 bytes.
   std::uint64_t decided[Cfg::kVoteSlots];
   alignas(8) std::uint8_t votes[Cfg::kVoteSlots][8];
-  // Work item headers, two slots (item n of the CTA in slot n % 2), written by producer warp 0:
-  // the item (FwdParams::tile_order's numbering; the item count once none is left) and its
-  // mean-correction tiles to visit (ascending tile indices).
-  int work[2];
-  int mean_tiles[2][Cfg::kMaxMeanTiles];
-  int num_mean_tiles[2];
+  // Mean-correction tiles to visit (ascending tile indices), written by warp 1 before the start.
+  int mean_tiles[Cfg::kMaxMeanTiles];
+  int num_mean_tiles;
 };
 
 // Tensor maps of one sequence, in device memory: [batch] of these, 64-byte aligned. Each spans
@@ -355,68 +344,21 @@ __device__ __forceinline__ void gather_tile(const FwdParams& p, const SeqInfo& s
 }
 
 // ------------------------------------------------------------------ the kernel
-// Persistent: min(work items, SMs) CTAs, each taking work items (one query block of one
-// (batch, query head): FwdParams::tile_order's comment) until none is left: its first is
-// blockIdx.x, the next ones come from the shared counter. The items are taken in the cost
-// order of tile_order when the launch wrote one (longest first: block masks, mixed lengths),
-// else in the arithmetic order, already longest first; heads run fastest so that the query
-// heads of a KV group run together and share each K/V tile through L2. Per item the CTA
-// visits the positions of its VisitList (policy.cuh, over 128-key blocks: dense and the gates
-// descend from the last visible block, a block mask walks its partial then its full list),
-// then its mean-correction tiles. Only partial (causal band) and short (s_k tail) key tiles
-// are masked.
-//
-// Warp 0 of the producer warpgroup picks each item and publishes it in one of two header slots
-// (the item, its mean-correction tiles); the K/V rings, the vote slots and the Q buffer run on
-// across items, so the producer loads the next item's Q as soon as the consumers' last Q·Kᵀ of
-// the current one has completed and its first K/V tiles while they finish its softmax, P·V and
-// epilogue.
+// Grid: one CTA per work item, a (query block, batch, query head) (FwdParams::tile_order's
+// numbering): heads fastest so that the query heads of a KV group run on adjacent CTAs and
+// share each K/V tile through L2, and the last query blocks (the longest under causal) first;
+// or, where the launch ordered the items by cost (tile_order: block masks, mixed lengths),
+// CTA i takes the i-th longest. The hardware starts CTAs in index order as SMs free up, so
+// either way the longest work starts first. The CTA visits the positions of its VisitList (policy.cuh,
+// over 128-key blocks: dense and the gates descend from the last visible block, a block mask
+// walks its partial then its full list), then its mean-correction tiles. Only partial (causal
+// band) and short (s_k tail) key tiles are masked.
 //
 // Gated positions (exact_gate's full blocks, softmax_skip's after the first): once S is in
 // registers, every consumer warp votes (policy.cuh's per-row rule over its rows) and all wait
 // for the 8 votes; a skipped block does no softmax and no P·V and leaves m, l and O untouched.
 // The producer loads K one position ahead of the decision and V only after it, for kept blocks;
 // the V ring therefore advances per loaded V tile, on both sides.
-
-// What every role of the CTA derives from a work item.
-template <class Cfg>
-struct WorkTile {
-  int b, h, qb;
-  SeqInfo seq;
-  geom::BlockGeometry geo;
-  std::int64_t row0;  // the query block's first row
-  int rows_valid;
-  int mask_lo;  // key tiles >= mask_lo are partial (causal band) or short (the s_k tail)
-  std::int64_t mask_row;
-  VisitList visit;
-  Gate gate;
-  int first_gated;
-  int gated;  // gated positions: the vote slots this item uses
-
-  __device__ __forceinline__ WorkTile(const FwdParams& p, int w)
-      : b(w / p.h_q % p.batch),
-        h(w % p.h_q),
-        seq(p.seqs[b]),
-        geo{{seq.s_q, seq.s_k, p.causal}, Cfg::kTileM, Cfg::kTileN} {
-    qb = geo.num_q_blocks() - 1 - w / (p.h_q * p.batch);
-    row0 = geo.row_begin(qb);
-    rows_valid = static_cast<int>(geo.row_end(qb) - row0);
-    const int full_tiles = static_cast<int>(seq.s_k / Cfg::kTileN);
-    mask_lo = geo.full_end(qb) < full_tiles ? geo.full_end(qb) : full_tiles;
-    mask_row = mask_row_of(p, b, h, qb);
-    visit = make_visit_list(p, geo, qb, mask_row);
-    gate = make_gate(p, geo, qb, h);
-    first_gated = gate.first_gated(visit.n_a);
-    gated = gate.gated_count(visit.n_reg, visit.n_a);
-  }
-};
-
-// Whether work item w exists: its batch entry has a query block at its position.
-__device__ __forceinline__ bool work_exists(const FwdParams& p, int w) {
-  const int b = w / p.h_q % p.batch;
-  return w / (p.h_q * p.batch) < geom::ceil_div(p.seqs[b].s_q, kBlockQ);
-}
-
 template <class Cfg>
 __global__ void __launch_bounds__(Cfg::kThreads, 1)
     fwd_kernel(const __grid_constant__ FwdParams p, const SeqMaps* __restrict__ maps,
@@ -427,9 +369,31 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
   const std::uint32_t raw = hw::smem_u32(smem_raw);
   S& sm = *reinterpret_cast<S*>(smem_raw + ((1024 - (raw & 1023)) & 1023));
 
-  const int items = p.num_q_blocks * p.batch * p.h_q;
+  int tile_id = p.tile_order != nullptr ? p.tile_order[blockIdx.x] : static_cast<int>(blockIdx.x);
+  const int h = tile_id % p.h_q;
+  tile_id /= p.h_q;
+  const int b = tile_id % p.batch;
+  const int qb_rev = tile_id / p.batch;
+  const int hk = h / p.group;
+  const SeqInfo seq = p.seqs[b];
+  const geom::BlockGeometry geo{{seq.s_q, seq.s_k, p.causal}, Cfg::kTileM, kTileN};
+  if (qb_rev >= geo.num_q_blocks()) return;
+  const int qb = geo.num_q_blocks() - 1 - qb_rev;
+  const std::int64_t row0 = geo.row_begin(qb);
+  const int rows_valid = static_cast<int>(geo.row_end(qb) - row0);
+  // Key tiles >= mask_lo are partial (causal band) or short (the s_k tail) and get an element
+  // mask; the ones below are full.
+  const int full_tiles = static_cast<int>(seq.s_k / kTileN);
+  const int mask_lo = geo.full_end(qb) < full_tiles ? geo.full_end(qb) : full_tiles;
   const int warpgroup = threadIdx.x / 128;
+
+  const std::int64_t mask_row = mask_row_of(p, b, h, qb);
+  const VisitList visit = make_visit_list(p, geo, qb, mask_row);
+  const Gate gate = make_gate(p, geo, qb, h);
+  const int first_gated = gate.first_gated(visit.n_a);
   const bool means = p.mode == PolicyMode::kBlockMask && p.k_mean != nullptr;
+  const int mean_blocks_seq = means ? mean_blocks_of(p, seq.s_k) : 0;
+  const std::uint32_t* mean_bits = means ? p.corrected_bits + mask_row * p.corrected_words : nullptr;
 
   // Paged K/V whose pages TMA boxes cannot tile, or only in boxes below 64 rows
   // (hopper_gathers_pages): the producer warpgroup gathers the key rows with cp.async
@@ -437,14 +401,6 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
   const bool gather = Cfg::kPaged && p.paged.gather_rows;
   if (threadIdx.x == 0) {
     hw::mbar_init(hw::smem_u32(&sm.q_loaded), 1);
-    hw::mbar_init(hw::smem_u32(&sm.q_free), 4 * Cfg::kConsumers);
-#pragma unroll
-    for (int slot = 0; slot < 2; ++slot) {
-      hw::mbar_init(hw::smem_u32(&sm.work_ready[slot]), 1);
-      // Readers of a header besides warp 0, which writes it: the consumer warps, and in gather
-      // mode producer warps 1-3.
-      hw::mbar_init(hw::smem_u32(&sm.work_free[slot]), 4 * Cfg::kConsumers + (gather ? 3 : 0));
-    }
 #pragma unroll
     for (int st = 0; st < Cfg::kStages; ++st) {
       hw::mbar_init(hw::smem_u32(&sm.k_loaded[st]), gather ? 128 : 1);
@@ -456,194 +412,144 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
     for (int slot = 0; slot < Cfg::kVoteSlots; ++slot) hw::mbar_init(hw::smem_u32(&sm.decided[slot]), 4 * Cfg::kConsumers);
     hw::fence_mbar_init();
   }
+  if (threadIdx.x / 32 == 1) {
+    const int count = means ? collect_mean_tiles<kTileN>(p, mean_bits, mean_blocks_seq, threadIdx.x % 32, sm.mean_tiles) : 0;
+    if (threadIdx.x % 32 == 0) sm.num_mean_tiles = count;
+  }
   __syncthreads();
+  // Positions 0 .. n_reg-1 are key blocks, then the mean tiles. n_visit = 0: every row of the
+  // block sees no key (or the mask selects none).
+  const int n_visit = visit.n_reg + sm.num_mean_tiles;
 
-  // Counters that run across the CTA's work items, kept alike by every role: K tiles loaded or
-  // consumed (the K ring's position), V tiles (the V ring's), gated positions before the
-  // current item (the vote slots'), items with a visit (the Q buffer's phases).
-  int k_count = 0, v_count = 0, gated_before = 0, q_count = 0;
-  // The decision of gated position j of the current item (all 8 consumer warps have voted),
-  // as every thread reads it.
-  auto decision = [&](int j, int first_gated) -> bool {
-    const int g = gated_before + j - first_gated;
+  // The decision of gated position j (all 8 consumer warps have voted), as every thread reads it.
+  auto decision = [&](int j) -> bool {
+    const int g = j - first_gated;
     hw::mbar_wait(hw::smem_u32(&sm.decided[g % Cfg::kVoteSlots]), (g / Cfg::kVoteSlots) & 1);
     return *reinterpret_cast<volatile std::uint64_t*>(sm.votes[g % Cfg::kVoteSlots]) != 0u;
-  };
-  // Header n of this CTA (slot n % 2) as its readers see it: the item, or items when none is left.
-  auto read_header = [&](int n) -> int {
-    hw::mbar_wait(hw::smem_u32(&sm.work_ready[n % 2]), (n / 2) & 1);
-    return sm.work[n % 2];
   };
 
   if (warpgroup == 0) {
     // ---------------------------------------------------------------- producer
     hw::setmaxnreg_dec<Cfg::kProducerRegs>();
-    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
     // One thread issues every TMA copy; in gather mode all 128 run the loop and copy key rows.
     const bool leader = threadIdx.x == 0;
-    if (warp != 0 && !gather) return;
-    int next = blockIdx.x;  // lane 0 of warp 0: the next position in the work order
-    for (int n = 0;; ++n) {
-      const int slot = n % 2;
-      int w;
-      if (warp == 0) {
-        // Lane 0 takes the next existing item; the warp lists its mean-correction tiles.
-        w = items;
-        if (lane == 0) {
-          while (next < items) {
-            const int item = p.tile_order != nullptr ? p.tile_order[next] : next;
-            next = static_cast<int>(gridDim.x) + atomicAdd(p.tile_counter, 1);
-            if (work_exists(p, item)) {
-              w = item;
-              break;
-            }
+    if (n_visit > 0 && (leader || gather)) {
+      const SeqMaps* m = maps + b;
+      const PagedRows pages = Cfg::kPaged ? paged_rows(p, maps, b, seq.s_k) : PagedRows{};
+      if (leader) {
+        hw::fence_tensormap(&m->q);
+        hw::fence_tensormap(&m->k);
+        hw::fence_tensormap(&m->v);
+        if constexpr (Cfg::kPaged) {
+          hw::fence_tensormap(&pages.cache->k);
+          hw::fence_tensormap(&pages.cache->v);
+        }
+        const std::uint32_t q_bar = hw::smem_u32(&sm.q_loaded);
+        hw::mbar_expect_tx(q_bar, Cfg::kTileBytes);
+        for (int half = 0; half < Cfg::kHalves; ++half) {
+          hw::tma_load_3d(hw::smem_u32(sm.q) + half * kHalfBytes, &m->q, q_bar, half * Cfg::kHalfDim, h,
+                          static_cast<int>(row0));
+        }
+      }
+      // The K (value = false) or V tile of position j (key block kb) into `dst`, completing on
+      // `bar`; `rows`: the tile's row_lookup in gather mode.
+      auto load = [&](int j, int kb, bool value, std::uint32_t dst, std::uint32_t bar, RowLookup rows) {
+        if (gather) {
+          if (j < visit.n_reg) {
+            gather_tile<Cfg>(p, seq, pages.keys, hk, kb, value, rows, dst);
+            hw::cp_async_mbar_arrive(bar);
+            return;
+          }
+          if (!leader) {  // a mean tile: the leader's TMA and these 127 arrivals complete it
+            hw::mbar_arrive(bar);
+            return;
           }
         }
-        w = __shfl_sync(0xffffffffu, w, 0);
-        // The slot's previous header (item n - 2) must be read by everyone first.
-        if (n >= 2) hw::mbar_wait(hw::smem_u32(&sm.work_free[slot]), (n / 2 - 1) & 1);
-        int count = 0;
-        if (means && w < items) {
-          const WorkTile<Cfg> t(p, w);
-          const std::uint32_t* bits = p.corrected_bits + t.mask_row * p.corrected_words;
-          count = collect_mean_tiles<kTileN>(p, bits, mean_blocks_of(p, t.seq.s_k), lane, sm.mean_tiles[slot]);
-        }
-        if (lane == 0) {
-          sm.work[slot] = w;
-          sm.num_mean_tiles[slot] = count;
-          hw::mbar_arrive(hw::smem_u32(&sm.work_ready[slot]));  // release: orders the header
-        }
-        __syncwarp();
-      } else {
-        w = read_header(n);
-      }
-      if (w >= items) break;
-      const WorkTile<Cfg> t(p, w);
-      const int* mean_tiles = sm.mean_tiles[slot];
-      const int n_visit = t.visit.n_reg + sm.num_mean_tiles[slot];
-      const int hk = t.h / p.group;
-      if (n_visit > 0 && (leader || gather)) {
-        const SeqMaps* m = maps + t.b;
-        const PagedRows pages = Cfg::kPaged ? paged_rows(p, maps, t.b, t.seq.s_k) : PagedRows{};
-        if (leader) {
-          hw::fence_tensormap(&m->q);
-          hw::fence_tensormap(&m->k);
-          hw::fence_tensormap(&m->v);
+        hw::mbar_expect_tx(bar, Cfg::kTileBytes);
+        if (j < visit.n_reg) {
+          const int row = kb * kTileN;
           if constexpr (Cfg::kPaged) {
-            hw::fence_tensormap(&pages.cache->k);
-            hw::fence_tensormap(&pages.cache->v);
-          }
-          // The previous item's Q stays until the consumers' last Q·Kᵀ of it has completed.
-          if (q_count > 0) hw::mbar_wait(hw::smem_u32(&sm.q_free), (q_count - 1) & 1);
-          const std::uint32_t q_bar = hw::smem_u32(&sm.q_loaded);
-          hw::mbar_expect_tx(q_bar, Cfg::kTileBytes);
-          for (int half = 0; half < Cfg::kHalves; ++half) {
-            hw::tma_load_3d(hw::smem_u32(sm.q) + half * kHalfBytes, &m->q, q_bar, half * Cfg::kHalfDim, t.h,
-                            static_cast<int>(t.row0));
-          }
-        }
-        // The K (value = false) or V tile of position j (key block kb) into `dst`, completing on
-        // `bar`; `rows`: the tile's row_lookup in gather mode.
-        auto load = [&](int j, int kb, bool value, std::uint32_t dst, std::uint32_t bar, RowLookup rows) {
-          if (gather) {
-            if (j < t.visit.n_reg) {
-              gather_tile<Cfg>(p, t.seq, pages.keys, hk, kb, value, rows, dst);
-              hw::cp_async_mbar_arrive(bar);
-              return;
-            }
-            if (!leader) {  // a mean tile: the leader's TMA and these 127 arrivals complete it
-              hw::mbar_arrive(bar);
-              return;
-            }
-          }
-          hw::mbar_expect_tx(bar, Cfg::kTileBytes);
-          if (j < t.visit.n_reg) {
-            const int row = kb * kTileN;
-            if constexpr (Cfg::kPaged) {
-              // Box by box (paged_box_rows): rows of pages before the last one holding keys come
-              // from the cache map at (row in page, the page's table entry), those of the last
-              // page from the sequence's tail map, which zero-fills its rows past s_k as the
-              // contiguous maps do. A box starting at or past s_k (in the last page or after it)
-              // re-reads the tail map's first box instead: finite keys of this sequence, and like
-              // every box here at least partly inside its map (never the storage of other pages,
-              // never a box wholly out of bounds). Such a box lies in the tile's columns past
-              // s_k, which are masked to -inf (the tile is short), so its P is exactly 0, as for
-              // the zero rows of contiguous K/V.
-              const CUtensorMap* cache = value ? &pages.cache->v : &pages.cache->k;
-              const CUtensorMap* tail = value ? &m->v : &m->k;
-              int page = row / pages.page_size;
-              int in_page = row - page * pages.page_size;
-              for (int r = 0; r < kTileN; r += pages.box_rows) {
-                const std::uint32_t box = dst + static_cast<std::uint32_t>(r * kRowBytes);
-                if (row + r < pages.keys && page < pages.last_page) {
-                  const int entry = pages.table[page];
-                  for (int half = 0; half < Cfg::kHalves; ++half) {
-                    hw::tma_load_4d(box + half * kHalfBytes, cache, bar, half * Cfg::kHalfDim, hk, in_page, entry);
-                  }
-                } else {
-                  const int tail_row = row + r < pages.keys ? in_page : 0;
-                  for (int half = 0; half < Cfg::kHalves; ++half) {
-                    hw::tma_load_3d(box + half * kHalfBytes, tail, bar, half * Cfg::kHalfDim, hk, tail_row);
-                  }
+            // Box by box (paged_box_rows): rows of pages before the last one holding keys come
+            // from the cache map at (row in page, the page's table entry), those of the last
+            // page from the sequence's tail map, which zero-fills its rows past s_k as the
+            // contiguous maps do. A box starting at or past s_k (in the last page or after it)
+            // re-reads the tail map's first box instead: finite keys of this sequence, and like
+            // every box here at least partly inside its map (never the storage of other pages,
+            // never a box wholly out of bounds). Such a box lies in the tile's columns past
+            // s_k, which are masked to -inf (the tile is short), so its P is exactly 0, as for
+            // the zero rows of contiguous K/V.
+            const CUtensorMap* cache = value ? &pages.cache->v : &pages.cache->k;
+            const CUtensorMap* tail = value ? &m->v : &m->k;
+            int page = row / pages.page_size;
+            int in_page = row - page * pages.page_size;
+            for (int r = 0; r < kTileN; r += pages.box_rows) {
+              const std::uint32_t box = dst + static_cast<std::uint32_t>(r * kRowBytes);
+              if (row + r < pages.keys && page < pages.last_page) {
+                const int entry = pages.table[page];
+                for (int half = 0; half < Cfg::kHalves; ++half) {
+                  hw::tma_load_4d(box + half * kHalfBytes, cache, bar, half * Cfg::kHalfDim, hk, in_page, entry);
                 }
-                in_page += pages.box_rows;
-                if (in_page == pages.page_size) {
-                  in_page = 0;
-                  ++page;
+              } else {
+                const int tail_row = row + r < pages.keys ? in_page : 0;
+                for (int half = 0; half < Cfg::kHalves; ++half) {
+                  hw::tma_load_3d(box + half * kHalfBytes, tail, bar, half * Cfg::kHalfDim, hk, tail_row);
                 }
               }
-            } else {
-              for (int half = 0; half < Cfg::kHalves; ++half) {
-                hw::tma_load_3d(dst + half * kHalfBytes, value ? &m->v : &m->k, bar, half * Cfg::kHalfDim, hk, row);
+              in_page += pages.box_rows;
+              if (in_page == pages.page_size) {
+                in_page = 0;
+                ++page;
               }
             }
           } else {
-            const int row = mean_tiles[j - t.visit.n_reg] * kTileN;
             for (int half = 0; half < Cfg::kHalves; ++half) {
-              hw::tma_load_4d(dst + half * kHalfBytes, value ? &mean_maps.v : &mean_maps.k, bar, half * Cfg::kHalfDim,
-                              row, hk, t.b);
+              hw::tma_load_3d(dst + half * kHalfBytes, value ? &m->v : &m->k, bar, half * Cfg::kHalfDim, hk, row);
             }
           }
-        };
-        auto load_v = [&](int j, int kb, RowLookup rows) {
-          const int st = v_count % Cfg::kStages;
-          // Refills a V stage once both consumer warpgroups' P·V that read it completed.
-          hw::mbar_wait(hw::smem_u32(&sm.v_free[st]), ((v_count / Cfg::kStages) & 1) ^ 1);
-          load(j, kb, true, hw::smem_u32(sm.v[st]), hw::smem_u32(&sm.v_loaded[st]), rows);
-          ++v_count;
-        };
-        // A block mask's indices are global loads: the next one is requested a position early,
-        // and in gather mode the block-table rows of that block too.
-        int kb_next = t.visit.n_reg > 0 ? t.visit.block(0) : 0;
-        RowLookup rows_next = gather && t.visit.n_reg > 0 ? row_lookup<Cfg>(pages, kb_next) : RowLookup{-1, 0};
-        int deferred = -1, deferred_kb = 0;  // a gated position whose V waits for its decision
-        RowLookup deferred_rows{-1, 0};
-        for (int it = 0; it < n_visit; ++it, ++k_count) {
-          const int st = k_count % Cfg::kStages;
-          const int kb = kb_next;
-          const RowLookup rows = rows_next;
-          if (it + 1 < t.visit.n_reg) {
-            kb_next = t.visit.block(it + 1);
-            if (gather) rows_next = row_lookup<Cfg>(pages, kb_next);
-          }
-          // Refills a K stage once both consumer warpgroups' S wgmma that read it completed.
-          hw::mbar_wait(hw::smem_u32(&sm.k_free[st]), ((k_count / Cfg::kStages) & 1) ^ 1);
-          load(it, kb, false, hw::smem_u32(sm.k[st]), hw::smem_u32(&sm.k_loaded[st]), rows);
-          if (deferred >= 0 && decision(deferred, t.first_gated)) load_v(deferred, deferred_kb, deferred_rows);
-          deferred = -1;
-          if (t.gate.gated(it, t.visit.n_a)) {
-            deferred = it;
-            deferred_kb = kb;
-            deferred_rows = rows;
-          } else {
-            load_v(it, kb, rows);
+        } else {
+          const int row = sm.mean_tiles[j - visit.n_reg] * kTileN;
+          for (int half = 0; half < Cfg::kHalves; ++half) {
+            hw::tma_load_4d(dst + half * kHalfBytes, value ? &mean_maps.v : &mean_maps.k, bar, half * Cfg::kHalfDim, row,
+                            hk, b);
           }
         }
-        if (deferred >= 0 && decision(deferred, t.first_gated)) load_v(deferred, deferred_kb, deferred_rows);
+      };
+      int v_count = 0;  // V tiles loaded: the V ring's position
+      auto load_v = [&](int j, int kb, RowLookup rows) {
+        const int st = v_count % Cfg::kStages;
+        // Refills a V stage once both consumer warpgroups' P·V that read it completed.
+        hw::mbar_wait(hw::smem_u32(&sm.v_free[st]), ((v_count / Cfg::kStages) & 1) ^ 1);
+        load(j, kb, true, hw::smem_u32(sm.v[st]), hw::smem_u32(&sm.v_loaded[st]), rows);
+        ++v_count;
+      };
+      // A block mask's indices are global loads: the next one is requested a position early,
+      // and in gather mode the block-table rows of that block too.
+      int kb_next = visit.n_reg > 0 ? visit.block(0) : 0;
+      RowLookup rows_next = gather && visit.n_reg > 0 ? row_lookup<Cfg>(pages, kb_next) : RowLookup{-1, 0};
+      int deferred = -1, deferred_kb = 0;  // a gated position whose V waits for its decision
+      RowLookup deferred_rows{-1, 0};
+      for (int it = 0; it < n_visit; ++it) {
+        const int st = it % Cfg::kStages;
+        const int kb = kb_next;
+        const RowLookup rows = rows_next;
+        if (it + 1 < visit.n_reg) {
+          kb_next = visit.block(it + 1);
+          if (gather) rows_next = row_lookup<Cfg>(pages, kb_next);
+        }
+        // Refills a K stage once both consumer warpgroups' S wgmma that read it completed.
+        hw::mbar_wait(hw::smem_u32(&sm.k_free[st]), ((it / Cfg::kStages) & 1) ^ 1);
+        load(it, kb, false, hw::smem_u32(sm.k[st]), hw::smem_u32(&sm.k_loaded[st]), rows);
+        if (deferred >= 0 && decision(deferred)) load_v(deferred, deferred_kb, deferred_rows);
+        deferred = -1;
+        if (gate.gated(it, visit.n_a)) {
+          deferred = it;
+          deferred_kb = kb;
+          deferred_rows = rows;
+        } else {
+          load_v(it, kb, rows);
+        }
       }
-      if (n_visit > 0) ++q_count;
-      gated_before += t.gated;
-      if (warp != 0 && lane == 0) hw::mbar_arrive(hw::smem_u32(&sm.work_free[slot]));
+      if (deferred >= 0 && decision(deferred)) load_v(deferred, deferred_kb, deferred_rows);
     }
     return;
   }
@@ -654,171 +560,157 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
   const int warp = (threadIdx.x / 32) % 4;
   const int lane = threadIdx.x % 32;
   const int r0 = wg * 64 + warp * 16 + lane / 4;  // the thread's first block row; also r0 + 8
-  const int my_turn = 1 + wg, other_turn = 2 - wg;
+  std::uint32_t* kept_row = wg == 0 && warp == 0 && lane == 0 ? kept_row_of(p, b, h, qb) : nullptr;
+
+  float s[1][16][4];            // scores, then p: [64 x 128] per warpgroup
+  float o[Cfg::kDFrags][4];     // output accumulator [64 x d]
+  std::uint32_t pf[8][4];       // P as 16-bit A fragments
+  RowStats<1> stats;
+  init_row_stats(stats);
+  zero_acc(o);
   const std::uint64_t q_desc = kmajor_desc<Cfg>(hw::smem_u32(sm.q) + wg * 64 * kRowBytes);
-  // One arrival per warp on a barrier: the warp's wgmma wait (or reads) before it covered its lanes.
+  auto issue_qk = [&](int st) { wgmma_qk<Cfg>(s, q_desc, kmajor_desc<Cfg>(hw::smem_u32(sm.k[st]))); };
+  auto issue_pv = [&](int st) { wgmma_pv<Cfg>(o, pf, v_desc<Cfg>(hw::smem_u32(sm.v[st]))); };
+  // One arrival per warp on a free barrier: the warp's wgmma wait before it covered its lanes.
   auto release = [&](std::uint64_t& bar) {
     if (lane == 0) hw::mbar_arrive(hw::smem_u32(&bar));
   };
-
-  for (int n = 0;; ++n) {
-    const int slot = n % 2;
-    const int w = read_header(n);
-    if (w >= items) break;
-    const WorkTile<Cfg> t(p, w);
-    const int* mean_tiles = sm.mean_tiles[slot];
-    const int n_visit = t.visit.n_reg + sm.num_mean_tiles[slot];
-    const int mean_blocks_seq = means ? mean_blocks_of(p, t.seq.s_k) : 0;
-    const std::uint32_t* mean_bits = means ? p.corrected_bits + t.mask_row * p.corrected_words : nullptr;
-    std::uint32_t* kept_row = wg == 0 && warp == 0 && lane == 0 ? kept_row_of(p, t.b, t.h, t.qb) : nullptr;
-
-    float s[1][16][4];            // scores, then p: [64 x 128] per warpgroup
-    float o[Cfg::kDFrags][4];     // output accumulator [64 x d]
-    std::uint32_t pf[8][4];       // P as 16-bit A fragments
-    RowStats<1> stats;
-    init_row_stats(stats);
-    zero_acc(o);
-    auto issue_qk = [&](int st) { wgmma_qk<Cfg>(s, q_desc, kmajor_desc<Cfg>(hw::smem_u32(sm.k[st]))); };
-    auto issue_pv = [&](int st) { wgmma_pv<Cfg>(o, pf, v_desc<Cfg>(hw::smem_u32(sm.v[st]))); };
-    // Masks key block `kb` if it is partial or short (uniform over the CTA: no divergence).
-    auto mask_if_needed = [&](int kb) {
-      if (kb < t.mask_lo) return;
-      const std::int64_t key0 = t.geo.key_begin(kb);
-      const std::int64_t end_limit = t.geo.key_end(kb) - 1 - key0;
-      const std::int64_t diag = t.row0 + t.geo.seq.offset() - key0;  // + block row: the row's position
-      int limit[2];
+  // Masks key block `kb` if it is partial or short (uniform over the CTA: no divergence).
+  auto mask_if_needed = [&](int kb) {
+    if (kb < mask_lo) return;
+    const std::int64_t key0 = geo.key_begin(kb);
+    const std::int64_t end_limit = geo.key_end(kb) - 1 - key0;
+    const std::int64_t diag = row0 + geo.seq.offset() - key0;  // + block row: the row's position
+    int limit[2];
 #pragma unroll
-      for (int r = 0; r < 2; ++r) {
-        const std::int64_t lim = p.causal ? geom::min64(diag + r0 + 8 * r, end_limit) : end_limit;
-        limit[r] = static_cast<int>(geom::min64(geom::max64(lim, -1), kTileN));
-      }
-      mask_tile(s, limit);
-    };
-    // This warp's vote on gated position j from its rows' maxima (before the softmax moves m),
-    // then the CTA's decision.
-    auto vote = [&](int j, const float (&mx)[2]) -> bool {
-      bool keep = false;
+    for (int r = 0; r < 2; ++r) {
+      const std::int64_t lim = p.causal ? geom::min64(diag + r0 + 8 * r, end_limit) : end_limit;
+      limit[r] = static_cast<int>(geom::min64(geom::max64(lim, -1), kTileN));
+    }
+    mask_tile(s, limit);
+  };
+  // This warp's vote on gated position j from its rows' maxima (before the softmax moves m),
+  // then the CTA's decision.
+  auto vote = [&](int j, const float (&mx)[2]) -> bool {
+    bool keep = false;
 #pragma unroll
-      for (int r = 0; r < 2; ++r) {
-        keep |= t.gate.keeps_row(mx[r], stats.m[r], r0 + 8 * r < t.rows_valid, p.scale, p.scale_log2);
-      }
-      keep = __any_sync(0xffffffffu, keep);
-      const int g = gated_before + j - t.first_gated;
-      if (lane == 0) {
-        sm.votes[g % Cfg::kVoteSlots][wg * 4 + warp] = keep ? 1 : 0;
-        hw::mbar_arrive(hw::smem_u32(&sm.decided[g % Cfg::kVoteSlots]));  // release: orders the vote byte
-      }
-      return decision(j, t.first_gated);
-    };
+    for (int r = 0; r < 2; ++r) keep |= gate.keeps_row(mx[r], stats.m[r], r0 + 8 * r < rows_valid, p.scale, p.scale_log2);
+    keep = __any_sync(0xffffffffu, keep);
+    const int g = j - first_gated;
+    if (lane == 0) {
+      sm.votes[g % Cfg::kVoteSlots][wg * 4 + warp] = keep ? 1 : 0;
+      hw::mbar_arrive(hw::smem_u32(&sm.decided[g % Cfg::kVoteSlots]));  // release: orders the vote byte
+    }
+    return decision(j);
+  };
 
-    if (n_visit > 0) {
-      if (wg == 1) hw::named_arrive(1);  // warpgroup 0 issues first
-      hw::mbar_wait(hw::smem_u32(&sm.q_loaded), q_count & 1);
-      // A kept tile's P waits in pf for its P·V, issued in the next round with the next S
-      // (pending); alpha rescales O just before it. A skipped tile leaves m, l, O and alpha as
-      // they were.
-      bool pending = false;
-      for (int it = 0; it < n_visit; ++it, ++k_count) {
-        const int st = k_count % Cfg::kStages;
-        const int kb = it < t.visit.n_reg ? t.visit.block(it) : -1;  // mask mode: a global load, issued early
-        const int v_st = v_count % Cfg::kStages;
-        hw::mbar_wait(hw::smem_u32(&sm.k_loaded[st]), (k_count / Cfg::kStages) & 1);
-        if (gather) hw::fence_proxy_async();  // cp.async wrote the tile: the wgmma reads it
-        // Ping-pong: wait for the other warpgroup to have issued its GEMMs of this round, issue
-        // ours, then let it go: its softmax overlaps our GEMMs and ours its next ones. A gated
-        // tile's decision needs both warpgroups' S, so there the turn passes after Q·Kᵀ as well
-        // (tensor order S0, S1, P·V0, P·V1: the vote waits for one Q·Kᵀ, not a P·V and a Q·Kᵀ);
-        // measured neutral within the run-to-run spread
-        // (bench/records/2026-11-29-h200-hopper-policies-kernel-tiles.md).
-        const bool gated = t.gate.gated(it, t.visit.n_a);
+  const int my_turn = 1 + wg, other_turn = 2 - wg;
+  if (n_visit > 0) {
+    if (wg == 1) hw::named_arrive(1);  // warpgroup 0 issues first
+    hw::mbar_wait(hw::smem_u32(&sm.q_loaded), 0);
+    // A kept tile's P waits in pf for its P·V, issued in the next round with the next S
+    // (pending); alpha rescales O just before it. A skipped tile leaves m, l, O and alpha as
+    // they were.
+    bool pending = false;
+    int v_count = 0;  // V tiles consumed: the V ring's position
+    for (int it = 0; it < n_visit; ++it) {
+      const int st = it % Cfg::kStages;
+      const int kb = it < visit.n_reg ? visit.block(it) : -1;  // mask mode: a global load, issued early
+      const int v_st = v_count % Cfg::kStages;
+      hw::mbar_wait(hw::smem_u32(&sm.k_loaded[st]), (it / Cfg::kStages) & 1);
+      if (gather) hw::fence_proxy_async();  // cp.async wrote the tile: the wgmma reads it
+      // Ping-pong: wait for the other warpgroup to have issued its GEMMs of this round, issue
+      // ours, then let it go: its softmax overlaps our GEMMs and ours its next ones. A gated
+      // tile's decision needs both warpgroups' S, so there the turn passes after Q·Kᵀ as well
+      // (tensor order S0, S1, P·V0, P·V1: the vote waits for one Q·Kᵀ, not a P·V and a Q·Kᵀ);
+      // measured neutral within the run-to-run spread
+      // (bench/records/2026-11-29-h200-hopper-policies-kernel-tiles.md).
+      const bool gated = gate.gated(it, visit.n_a);
+      hw::named_sync(my_turn);
+      issue_qk(st);
+      if (gated) {
+        hw::named_arrive(other_turn);
         hw::named_sync(my_turn);
-        issue_qk(st);
-        if (gated) {
-          hw::named_arrive(other_turn);
-          hw::named_sync(my_turn);
-        }
-        if (pending) {
-          hw::mbar_wait(hw::smem_u32(&sm.v_loaded[v_st]), (v_count / Cfg::kStages) & 1);
-          if (gather) hw::fence_proxy_async();
-          issue_pv(v_st);
-        } else {
-          hw::wgmma_fence();
-          hw::wgmma_commit();  // an empty group: the waits below count the same groups either way
-        }
-        // The rounds balance: warpgroup 1 skips its last arrive, which warpgroup 0 would never consume.
-        if (wg == 0 || it + 1 < n_visit) hw::named_arrive(other_turn);
-        hw::wgmma_wait<1>();  // S of this tile done; the P·V may still run
-        hw::fence_regs(s[0]);
-        release(sm.k_free[st]);
-        if (it + 1 == n_visit) release(sm.q_free);  // the item's last read of Q
-        if (it < t.visit.n_reg) {
-          mask_if_needed(kb);
-        } else {
-          mask_mean_tile(p, s, mean_bits, mean_tiles[it - t.visit.n_reg], t.seq.s_k, mean_blocks_seq);
-        }
-        float mx[2];
-        row_max_tile(s, mx);
-        const bool keep = !gated || vote(it, mx);
-        float alpha[2] = {1.f, 1.f};
-        if (keep) softmax_tile(s, mx, stats, p.scale_log2, alpha);
-        hw::wgmma_wait<0>();  // P·V done: its P registers and V stage are free
-        hw::fence_regs(o);
-        scale_acc(o, alpha);  // for this tile's P·V, next round
-        if (pending) {
-          release(sm.v_free[v_st]);
-          ++v_count;
-        }
-        // Packed whether kept or not (a skipped tile's pf is never read): a conditional write of
-        // the P·V A-operand registers makes ptxas serialise every wgmma (C7518, measured on the
-        // build: "WG.DP in divergent path").
-        pending = keep;
-        pack_p<Cfg::kBf16>(s, pf);
-        if (keep) {
-          if (it < t.visit.n_reg) record_kept(kept_row, kb);
-        }
       }
-      if (pending) {  // the last kept tile's P·V
-        const int v_st = v_count % Cfg::kStages;
+      if (pending) {
         hw::mbar_wait(hw::smem_u32(&sm.v_loaded[v_st]), (v_count / Cfg::kStages) & 1);
         if (gather) hw::fence_proxy_async();
         issue_pv(v_st);
-        hw::wgmma_wait<0>();
-        hw::fence_regs(o);
+      } else {
+        hw::wgmma_fence();
+        hw::wgmma_commit();  // an empty group: the waits below count the same groups either way
+      }
+      // The rounds balance: warpgroup 1 skips its last arrive, which warpgroup 0 would never consume.
+      if (wg == 0 || it + 1 < n_visit) hw::named_arrive(other_turn);
+      hw::wgmma_wait<1>();  // S of this tile done; the P·V may still run
+      hw::fence_regs(s[0]);
+      release(sm.k_free[st]);
+      if (it < visit.n_reg) {
+        mask_if_needed(kb);
+      } else {
+        mask_mean_tile(p, s, mean_bits, sm.mean_tiles[it - visit.n_reg], seq.s_k, mean_blocks_seq);
+      }
+      float mx[2];
+      row_max_tile(s, mx);
+      const bool keep = !gated || vote(it, mx);
+      float alpha[2] = {1.f, 1.f};
+      if (keep) softmax_tile(s, mx, stats, p.scale_log2, alpha);
+      hw::wgmma_wait<0>();  // P·V done: its P registers and V stage are free
+      hw::fence_regs(o);
+      scale_acc(o, alpha);  // for this tile's P·V, next round
+      if (pending) {
         release(sm.v_free[v_st]);
         ++v_count;
       }
-      ++q_count;
+      // Packed whether kept or not (a skipped tile's pf is never read): a conditional write of
+      // the P·V A-operand registers makes ptxas serialise every wgmma (C7518, measured on the
+      // build: "WG.DP in divergent path").
+      pending = keep;
+      pack_p<Cfg::kBf16>(s, pf);
+      if (keep) {
+        if (it < visit.n_reg) record_kept(kept_row, kb);
+      }
     }
-    gated_before += t.gated;
-    release(sm.work_free[slot]);  // header and mean tiles read
-
-    // -------------------------------------------------------------- epilogue: O and LSE
-    // Each row's l is spread over the quad of threads that hold it. Rows past s_q are not stored.
-    // The item is decoded again here: holding its output offsets through the main loop made
-    // ptxas spill them at d = 64.
-    const WorkTile<Cfg> e(p, w);
-    auto* o_base = static_cast<std::uint16_t*>(p.o) + e.seq.o_off + e.row0 * p.o_row_stride + e.h * p.o_head_stride;
-#pragma unroll
-    for (int r = 0; r < 2; ++r) {
-      float l = stats.l[r];
-      l += __shfl_xor_sync(0xffffffffu, l, 1);
-      l += __shfl_xor_sync(0xffffffffu, l, 2);
-      float o_scale, lse;
-      finalize_row(stats.m[r], l, &o_scale, &lse);
-      const int row = r0 + 8 * r;
-      if (row >= e.rows_valid) continue;
-      std::uint16_t* o_row = o_base + row * p.o_row_stride;
-#pragma unroll
-      for (int j = 0; j < Cfg::kDFrags; ++j) {
-        const int col = 8 * j + 2 * (lane % 4);
-        *reinterpret_cast<std::uint32_t*>(o_row + col) =
-            ptx::pack2<Cfg::kBf16>(o[j][2 * r] * o_scale, o[j][2 * r + 1] * o_scale);
-      }
-      if (p.lse != nullptr && lane % 4 == 0) {
-        p.lse[e.seq.lse_off + e.h * p.lse_head_stride + (e.row0 + row) * p.lse_row_stride] = lse;
-      }
+    if (pending) {  // the last kept tile's P·V
+      const int v_st = v_count % Cfg::kStages;
+      hw::mbar_wait(hw::smem_u32(&sm.v_loaded[v_st]), (v_count / Cfg::kStages) & 1);
+      if (gather) hw::fence_proxy_async();
+      issue_pv(v_st);
+      hw::wgmma_wait<0>();
+      hw::fence_regs(o);
+      release(sm.v_free[v_st]);
     }
   }
+
+  // ---------------------------------------------------------------- epilogue: O and LSE
+  // Each row's l is spread over the quad of threads that hold it. Rows past s_q are not stored.
+  auto* o_base = static_cast<std::uint16_t*>(p.o) + seq.o_off + row0 * p.o_row_stride + h * p.o_head_stride;
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    float l = stats.l[r];
+    l += __shfl_xor_sync(0xffffffffu, l, 1);
+    l += __shfl_xor_sync(0xffffffffu, l, 2);
+    float o_scale, lse;
+    finalize_row(stats.m[r], l, &o_scale, &lse);
+    const int row = r0 + 8 * r;
+    if (row >= rows_valid) continue;
+    std::uint16_t* o_row = o_base + row * p.o_row_stride;
+#pragma unroll
+    for (int j = 0; j < Cfg::kDFrags; ++j) {
+      const int col = 8 * j + 2 * (lane % 4);
+      *reinterpret_cast<std::uint32_t*>(o_row + col) =
+          ptx::pack2<Cfg::kBf16>(o[j][2 * r] * o_scale, o[j][2 * r + 1] * o_scale);
+    }
+    if (p.lse != nullptr && lane % 4 == 0) {
+      p.lse[seq.lse_off + h * p.lse_head_stride + (row0 + row) * p.lse_row_stride] = lse;
+    }
+  }
+}
+
+// Whether work item w exists: its batch entry has a query block at its position.
+__device__ __forceinline__ bool work_exists(const FwdParams& p, int w) {
+  const int b = w / p.h_q % p.batch;
+  return w / (p.h_q * p.batch) < geom::ceil_div(p.seqs[b].s_q, kBlockQ);
 }
 
 // One CTA of 1024 threads: the work items of a launch in order of cost, longest first, into
@@ -1039,30 +931,24 @@ int launch_fwd(const FwdParams& p, const SeqInfo* seqs, const std::int32_t* tabl
     if (!ok) return static_cast<int>(cudaErrorNotSupported);
   }
   const auto st = static_cast<cudaStream_t>(stream);
-  const long long items = static_cast<long long>(p.num_q_blocks) * p.batch * p.h_q;
-  if (items == 0) return 0;
-  if (items > INT32_MAX) return static_cast<int>(cudaErrorInvalidValue);
+  const unsigned grid =
+      static_cast<unsigned>(p.num_q_blocks) * static_cast<unsigned>(p.batch) * static_cast<unsigned>(p.h_q);
+  if (grid == 0) return 0;
   const void* map_device = nullptr;
   const int uploaded = upload.fn(upload.context, maps.data(), maps.size() * sizeof(SeqMaps), &map_device);
   if (uploaded != 0) return uploaded;
   // prefetch.tensormap and the TMA copies need each CUtensorMap 64-byte aligned.
   if (reinterpret_cast<std::uintptr_t>(map_device) % 64 != 0) return static_cast<int>(cudaErrorMisalignedAddress);
-  if ((paged && p.paged.block_table == nullptr) || p.tile_counter == nullptr) return static_cast<int>(cudaErrorInvalidValue);
-  int device = 0, sms = 0;
-  cudaError_t err = cudaGetDevice(&device);
-  if (err == cudaSuccess) err = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
-  if (err != cudaSuccess) return static_cast<int>(err);
+  if (paged && p.paged.block_table == nullptr) return static_cast<int>(cudaErrorInvalidValue);
   auto* kernel = fwd_kernel<Cfg>;
   const int smem = static_cast<int>(sizeof(Smem<Cfg>)) + 1024;  // + alignment slack
-  err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
+  cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
   if (err != cudaSuccess) return static_cast<int>(err);
   if (p.tile_order != nullptr) {
     order_work_kernel<Cfg::kTileN><<<1, 1024, 0, st>>>(p);
     err = cudaGetLastError();
     if (err != cudaSuccess) return static_cast<int>(err);
   }
-  // One CTA per SM (the shared memory admits one): every CTA lives for the whole launch.
-  const unsigned grid = static_cast<unsigned>(std::min<long long>(items, sms));
   kernel<<<grid, Cfg::kThreads, smem, st>>>(p, static_cast<const SeqMaps*>(map_device), mean_maps);
   return static_cast<int>(cudaGetLastError());
 }
