@@ -713,34 +713,42 @@ __device__ __forceinline__ bool work_exists(const FwdParams& p, int w) {
   return w / (p.h_q * p.batch) < geom::ceil_div(p.seqs[b].s_q, kBlockQ);
 }
 
-// One CTA of 1024 threads: the work items of a launch in order of cost, longest first, into
-// p.tile_order (a counting sort over the cost bins; equal costs in any order, which changes no
-// result). Cost: the key tiles the item visits before any gate skips (a block mask's kept
-// blocks; its mean-correction tiles, at most a few per item and about alike across items, are
-// left out), bin 0 for items that do not exist (sorted last; the kernel passes over them).
+// One CTA of 1024 threads: the work items of a launch into p.tile_order, ordered by cost,
+// longest first, in groups: the h_q items of one (batch, query block) stay together and in head
+// order, so that the query heads of a KV group still run side by side and share its K/V tiles
+// through L2 (ordering single items by their own cost scattered them and cost 7-9% at 128K:
+// record 2026-11-29-h200-cost-order-items-vs-groups). A group's cost is the mean over its heads
+// of the key tiles an item visits before any gate skips (a block mask's kept blocks; its
+// mean-correction tiles, at most a few per item and about alike across items, are left out);
+// a counting sort over cost bins, equal costs in any order (which changes no result), groups
+// that do not exist (bin 0) last, where the kernel passes over them.
 template <int kTileN>
 __global__ void __launch_bounds__(1024) order_work_kernel(const __grid_constant__ FwdParams p) {
   constexpr int kBins = 4096, kThreads = 1024, kPerThread = kBins / kThreads;
   __shared__ int bins[kBins];
   __shared__ int warp_sums[kThreads / 32];
-  const int items = p.num_q_blocks * p.batch * p.h_q;
+  const int groups = p.num_q_blocks * p.batch;
   const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
-  auto bin_of = [&](int w) -> int {
-    if (!work_exists(p, w)) return 0;
-    const int h = w % p.h_q, b = w / p.h_q % p.batch;
+  auto bin_of = [&](int g) -> int {
+    if (!work_exists(p, g * p.h_q)) return 0;
+    const int b = g % p.batch;
     const SeqInfo seq = p.seqs[b];
     const geom::BlockGeometry geo{{seq.s_q, seq.s_k, p.causal}, kBlockQ, kTileN};
-    const int qb = geo.num_q_blocks() - 1 - w / (p.h_q * p.batch);
-    int cost = geo.visible_end(qb);
+    const int qb = geo.num_q_blocks() - 1 - g / p.batch;
+    long long cost = static_cast<long long>(geo.visible_end(qb)) * p.h_q;
     if (p.mode == PolicyMode::kBlockMask) {
-      const std::int64_t row = mask_row_of(p, b, h, qb);
-      cost = p.partial_count[row] + p.full_count[row];
+      cost = 0;
+      for (int h = 0; h < p.h_q; ++h) {
+        const std::int64_t row = mask_row_of(p, b, h, qb);
+        cost += p.partial_count[row] + p.full_count[row];
+      }
     }
-    return 1 + (cost < kBins - 2 ? cost : kBins - 2);
+    const long long mean = (cost + p.h_q - 1) / p.h_q;
+    return 1 + static_cast<int>(mean < kBins - 2 ? mean : kBins - 2);
   };
   for (int i = tid; i < kBins; i += kThreads) bins[i] = 0;
   __syncthreads();
-  for (int w = tid; w < items; w += kThreads) atomicAdd(&bins[bin_of(w)], 1);
+  for (int g = tid; g < groups; g += kThreads) atomicAdd(&bins[bin_of(g)], 1);
   __syncthreads();
   // Exclusive scan in descending bin order: thread t owns the bins kBins - 1 - (4t .. 4t + 3).
   int count[kPerThread], sum = 0;
@@ -775,7 +783,10 @@ __global__ void __launch_bounds__(1024) order_work_kernel(const __grid_constant_
     start += count[k];
   }
   __syncthreads();
-  for (int w = tid; w < items; w += kThreads) p.tile_order[atomicAdd(&bins[bin_of(w)], 1)] = w;
+  for (int g = tid; g < groups; g += kThreads) {
+    const int at = atomicAdd(&bins[bin_of(g)], 1);
+    for (int h = 0; h < p.h_q; ++h) p.tile_order[at * p.h_q + h] = g * p.h_q + h;
+  }
 }
 
 // ------------------------------------------------------------------ host side
