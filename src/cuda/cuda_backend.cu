@@ -735,12 +735,6 @@ Status run_cuda(const AttentionProblem& problem, const ProblemShape& shape, cons
   if (path == FwdPath::kHopper) {
     const bool paged = shape.kv_layout == KvLayout::kPaged;
     const Fwd90Variant* fwd90 = find_fwd90(shape.dtype, shape.d, paged);
-    // The work items by cost where the arithmetic order is not longest first.
-    if (hopper_orders_by_cost(p.mode, seqs)) {
-      SP_RETURN_IF_ERROR(scratch.alloc(static_cast<std::size_t>(p.num_q_blocks) * static_cast<std::size_t>(p.batch) *
-                                           static_cast<std::size_t>(p.h_q),
-                                       &p.tile_order));
-    }
     UploadContext upload_context{&scratch, {}};
     const HostUpload upload{&upload_context, &UploadContext::call};
     const int err = fwd90->launch(p, seqs.data(), paged ? table.data() : nullptr, upload, stream);

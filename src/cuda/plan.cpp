@@ -3,7 +3,6 @@
 // BlockMask conversions. Pure host code (g++), no CUDA headers.
 #include "cuda/plan.h"
 
-#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <string>
@@ -94,12 +93,6 @@ bool hopper_can_box_pages(int page_size) {
 }
 
 bool hopper_gathers_pages(int page_size) { return !(hopper_can_box_pages(page_size) && page_size >= 64); }
-
-bool hopper_orders_by_cost(PolicyMode mode, const std::vector<SeqInfo>& seqs) {
-  if (mode == PolicyMode::kBlockMask) return true;
-  return std::any_of(seqs.begin(), seqs.end(),
-                     [&](const SeqInfo& s) { return s.s_q != seqs.front().s_q || s.s_k != seqs.front().s_k; });
-}
 
 FwdPath choose_fwd_path(const ProblemShape& shape, const Policy& policy, bool tma_ok, int cc_major, int cc_minor) {
   const bool hopper = cc_major == 9 && cc_minor == 0;

@@ -59,14 +59,6 @@ bool hopper_can_box_pages(int page_size);
 // (block_k 64, paged permute_stop, every other device).
 FwdPath choose_fwd_path(const ProblemShape& shape, const Policy& policy, bool tma_ok, int cc_major, int cc_minor);
 
-// Whether the Hopper kernel's work items are ordered by their cost before the launch (the
-// ordering kernel: FwdParams::tile_order) rather than taken in the arithmetic order (query
-// blocks from the last, heads fastest). That order is already longest first when every
-// sequence has the same (s_q, s_k) and the cost of a query block is its visible key tiles
-// (dense and the gates: the visit count before any skip); a block mask's kept counts and
-// sequences of different lengths are not, so they are ordered. Ordering changes no result.
-bool hopper_orders_by_cost(PolicyMode mode, const std::vector<SeqInfo>& seqs);
-
 // The key-block size dense attention runs with (a tuning value, no effect on results).
 int dense_block_k(int head_dim);
 

@@ -210,26 +210,6 @@ TEST(CudaPlan, PagedKvOnTheHopperPathForEveryPageSize) {
   }
 }
 
-TEST(CudaPlan, HopperWorkOrderedByCostForMasksAndMixedLengths) {
-  // One sequence, or several of one (s_q, s_k): dense and the gates keep the arithmetic order.
-  const SeqInfo a{4096, 4096, 0, 0, 0, 0, 0}, b{4096, 4096, 4096, 4096, 4096, 4096, 4096};
-  for (PolicyMode mode : {PolicyMode::kDense, PolicyMode::kExactGate, PolicyMode::kSoftmaxSkip}) {
-    EXPECT_FALSE(hopper_orders_by_cost(mode, {a})) << static_cast<int>(mode);
-    EXPECT_FALSE(hopper_orders_by_cost(mode, {a, b})) << static_cast<int>(mode);
-  }
-  // A block mask's kept counts differ per row, whatever the lengths.
-  EXPECT_TRUE(hopper_orders_by_cost(PolicyMode::kBlockMask, {a}));
-  EXPECT_TRUE(hopper_orders_by_cost(PolicyMode::kBlockMask, {a, b}));
-  // Sequences of other lengths (queries or keys alone: a chunk over a longer cache).
-  SeqInfo shorter_q = b, longer_k = b;
-  shorter_q.s_q = 1000;
-  longer_k.s_k = 8192;
-  for (PolicyMode mode : {PolicyMode::kDense, PolicyMode::kExactGate, PolicyMode::kSoftmaxSkip}) {
-    EXPECT_TRUE(hopper_orders_by_cost(mode, {a, shorter_q})) << static_cast<int>(mode);
-    EXPECT_TRUE(hopper_orders_by_cost(mode, {a, b, longer_k})) << static_cast<int>(mode);
-  }
-}
-
 TEST(CudaPlan, PagedParamsAndTheCompactBlockTable) {
   for (int page_size : {1, 3, 16, 64}) {
     SCOPED_TRACE("page_size " + std::to_string(page_size));

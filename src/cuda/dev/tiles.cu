@@ -88,18 +88,6 @@ struct CachedUpload {
   }
 };
 
-// The Hopper kernel's work order scratch, set per launch as the backend sets it: the cost order
-// where hopper_orders_by_cost asks for it.
-struct HopperWork {
-  std::int32_t* order;  // [num_q_blocks · h_q] (batch 1)
-  int launch(const Fwd90Variant* var, FwdParams fp, const SeqInfo& seq, const std::int32_t* table,
-             CachedUpload& maps) const {
-    fp.tile_order = hopper_orders_by_cost(fp.mode, {seq}) ? order : nullptr;
-    const HostUpload upload{&maps, &CachedUpload::call};
-    return var->launch(fp, &seq, table, upload, nullptr);
-  }
-};
-
 double median_ms(const Instance& v, const FwdParams& p, int reps) {
   cudaEvent_t a, b;
   SP_DEV_CHECK(cudaEventCreate(&a));
@@ -151,8 +139,6 @@ void run_shape(const Shape& sh, const Options& opt) {
   SP_DEV_CHECK(cudaDeviceGetAttribute(&cc_minor, cudaDevAttrComputeCapabilityMinor, 0));
   const bool hopper = cc_major == 9 && cc_minor == 0;  // sm_90a code runs there alone
   CachedUpload maps;
-  HopperWork work{};
-  SP_DEV_CHECK(cudaMalloc(&work.order, sizeof(std::int32_t) * ((sh.s + kBlockQ - 1) / kBlockQ) * sh.h_q));
 
   // Causal pairs: s(s+1)/2 per head; 4·d FLOP per pair (Q·Kᵀ and P·V).
   const double flop = 4.0 * sh.d * static_cast<double>(sh.s) * static_cast<double>(sh.s + 1) / 2.0 * sh.h_q;
@@ -190,8 +176,9 @@ void run_shape(const Shape& sh, const Options& opt) {
     const Fwd90Variant* var90 = find_fwd90(dtype, sh.d, false);
     if (var90 != nullptr && hopper) {
       instances.push_back({var90->name,
-                           [var90, &seq, &maps, &work](const FwdParams& fp) {
-                             return work.launch(var90, fp, seq, nullptr, maps);
+                           [var90, &seq, &maps](const FwdParams& fp) {
+                             const HostUpload upload{&maps, &CachedUpload::call};
+                             return var90->launch(fp, &seq, nullptr, upload, nullptr);
                            },
                            true});
     }
@@ -240,7 +227,8 @@ void run_shape(const Shape& sh, const Options& opt) {
             const Instance paged_inst =
                 inst.hopper ? Instance{var90_paged->name,
                                        [&](const FwdParams& fp) {
-                                         return work.launch(var90_paged, fp, seq, table.data(), maps);
+                                         const HostUpload upload{&maps, &CachedUpload::call};
+                                         return var90_paged->launch(fp, &seq, table.data(), upload, nullptr);
                                        },
                                        true}
                             : inst;
@@ -348,7 +336,6 @@ void run_shape(const Shape& sh, const Options& opt) {
   SP_DEV_CHECK(cudaFree(lse));
   SP_DEV_CHECK(cudaFree(d_seq));
   SP_DEV_CHECK(cudaFree(thr));
-  SP_DEV_CHECK(cudaFree(work.order));
   if (maps.dev != nullptr) SP_DEV_CHECK(cudaFree(maps.dev));
 }
 

@@ -134,14 +134,6 @@ struct FwdParams {
   // [batch, h_q, num_q_blocks, kept_words], zeroed by the host; nullptr = not recorded.
   std::uint32_t* kept_bits;
   int kept_words;
-
-  // The Hopper kernel's work order (the portable kernel ignores it). Work items
-  // w < num_q_blocks · batch · h_q decode as h = w % h_q, b = w / h_q % batch, query block
-  // num_q_blocks(b) - 1 - w / (h_q · batch): heads fastest, the last (longest causal) query
-  // blocks first; CTA i runs item i. tile_order: nullptr, or [items] scratch the launch fills
-  // with the items by cost, longest first (sm90::order_work_kernel), CTA i then running
-  // tile_order[i]; set where hopper_orders_by_cost says so.
-  std::int32_t* tile_order;
 };
 
 // estimate_select under chunked prefill (EstimateSelectParams::prompt_len and the cache of

@@ -53,14 +53,16 @@ struct FwdConfig {
   static constexpr int kDFrags = kHeadDim / 8;  // n8 fragments of an output row
   static constexpr int kQkSteps = kHeadDim / 16;
   static constexpr int kPvSteps = kTileN / 16;
-  // setmaxnreg budgets, 128·producer + 256·consumer <= 65536 registers of the SM: 24 / 240 for
-  // the TMA producer; the paged instances' producer may gather rows with cp.async (gather_tile),
+  // setmaxnreg budgets: the warpgroups trade registers within the pool the CTA was launched
+  // with, 384 threads at 168 (the most __launch_bounds__(384, 1) gives), so
+  // 128·producer + 256·consumer <= 64512, not the SM's 65536 (an increase the pool cannot
+  // serve waits forever: 32 / 240 hung, commit 232c583). 24 / 240 for the TMA producer; the paged instances' producer may gather rows with cp.async (gather_tile),
   // whose address chain ran latency-bound at 24 (1.50x the contiguous time at 16-key pages,
   // 1.28x at 56 / 224 with the loop unrolled; record 2026-11-29-h200-paged-producer); 56 at
   // d = 64 spills 16 bytes in the consumers, 40 / 232 none.
   static constexpr int kProducerRegs = !kPaged_ ? 24 : kHeadDim_ == 128 ? 56 : 40;
   static constexpr int kConsumerRegs = !kPaged_ ? 240 : kHeadDim_ == 128 ? 224 : 232;
-  static_assert(128 * kProducerRegs + 256 * kConsumerRegs <= 65536, "register file");
+  static_assert(128 * kProducerRegs + 256 * kConsumerRegs <= kThreads * 168, "the CTA's register pool");
   // Gate decisions in flight: a slot is rewritten 4 gated blocks later, when every reader
   // (both consumer warpgroups, at most one ping-pong round apart, and the producer) is past it.
   static constexpr int kVoteSlots = 4;
@@ -344,12 +346,9 @@ __device__ __forceinline__ void gather_tile(const FwdParams& p, const SeqInfo& s
 }
 
 // ------------------------------------------------------------------ the kernel
-// Grid: one CTA per work item, a (query block, batch, query head) (FwdParams::tile_order's
-// numbering): heads fastest so that the query heads of a KV group run on adjacent CTAs and
-// share each K/V tile through L2, and the last query blocks (the longest under causal) first;
-// or, where the launch ordered the items by cost (tile_order: block masks, mixed lengths),
-// CTA i takes the i-th longest. The hardware starts CTAs in index order as SMs free up, so
-// either way the longest work starts first. The CTA visits the positions of its VisitList (policy.cuh,
+// Grid: one CTA per (query block, batch, query head), heads fastest so that the query heads of
+// a KV group run on adjacent CTAs and share each K/V tile through L2, and the last query blocks
+// (the longest under causal) first. The CTA visits the positions of its VisitList (policy.cuh,
 // over 128-key blocks: dense and the gates descend from the last visible block, a block mask
 // walks its partial then its full list), then its mean-correction tiles. Only partial (causal
 // band) and short (s_k tail) key tiles are masked.
@@ -369,7 +368,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
   const std::uint32_t raw = hw::smem_u32(smem_raw);
   S& sm = *reinterpret_cast<S*>(smem_raw + ((1024 - (raw & 1023)) & 1023));
 
-  int tile_id = p.tile_order != nullptr ? p.tile_order[blockIdx.x] : static_cast<int>(blockIdx.x);
+  int tile_id = blockIdx.x;
   const int h = tile_id % p.h_q;
   tile_id /= p.h_q;
   const int b = tile_id % p.batch;
@@ -707,88 +706,6 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
   }
 }
 
-// Whether work item w exists: its batch entry has a query block at its position.
-__device__ __forceinline__ bool work_exists(const FwdParams& p, int w) {
-  const int b = w / p.h_q % p.batch;
-  return w / (p.h_q * p.batch) < geom::ceil_div(p.seqs[b].s_q, kBlockQ);
-}
-
-// One CTA of 1024 threads: the work items of a launch into p.tile_order, ordered by cost,
-// longest first, in groups: the h_q items of one (batch, query block) stay together and in head
-// order, so that the query heads of a KV group still run side by side and share its K/V tiles
-// through L2 (ordering single items by their own cost scattered them and cost 7-9% at 128K:
-// record 2026-11-29-h200-cost-order-items-vs-groups). A group's cost is the mean over its heads
-// of the key tiles an item visits before any gate skips (a block mask's kept blocks; its
-// mean-correction tiles, at most a few per item and about alike across items, are left out);
-// a counting sort over cost bins, equal costs in any order (which changes no result), groups
-// that do not exist (bin 0) last, where the kernel passes over them.
-template <int kTileN>
-__global__ void __launch_bounds__(1024) order_work_kernel(const __grid_constant__ FwdParams p) {
-  constexpr int kBins = 4096, kThreads = 1024, kPerThread = kBins / kThreads;
-  __shared__ int bins[kBins];
-  __shared__ int warp_sums[kThreads / 32];
-  const int groups = p.num_q_blocks * p.batch;
-  const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
-  auto bin_of = [&](int g) -> int {
-    if (!work_exists(p, g * p.h_q)) return 0;
-    const int b = g % p.batch;
-    const SeqInfo seq = p.seqs[b];
-    const geom::BlockGeometry geo{{seq.s_q, seq.s_k, p.causal}, kBlockQ, kTileN};
-    const int qb = geo.num_q_blocks() - 1 - g / p.batch;
-    long long cost = static_cast<long long>(geo.visible_end(qb)) * p.h_q;
-    if (p.mode == PolicyMode::kBlockMask) {
-      cost = 0;
-      for (int h = 0; h < p.h_q; ++h) {
-        const std::int64_t row = mask_row_of(p, b, h, qb);
-        cost += p.partial_count[row] + p.full_count[row];
-      }
-    }
-    const long long mean = (cost + p.h_q - 1) / p.h_q;
-    return 1 + static_cast<int>(mean < kBins - 2 ? mean : kBins - 2);
-  };
-  for (int i = tid; i < kBins; i += kThreads) bins[i] = 0;
-  __syncthreads();
-  for (int g = tid; g < groups; g += kThreads) atomicAdd(&bins[bin_of(g)], 1);
-  __syncthreads();
-  // Exclusive scan in descending bin order: thread t owns the bins kBins - 1 - (4t .. 4t + 3).
-  int count[kPerThread], sum = 0;
-#pragma unroll
-  for (int k = 0; k < kPerThread; ++k) {
-    count[k] = bins[kBins - 1 - kPerThread * tid - k];
-    sum += count[k];
-  }
-  int incl = sum;
-#pragma unroll
-  for (int off = 1; off < 32; off *= 2) {
-    const int v = __shfl_up_sync(0xffffffffu, incl, off);
-    if (lane >= off) incl += v;
-  }
-  if (lane == 31) warp_sums[warp] = incl;
-  __syncthreads();
-  if (warp == 0) {
-    const int own = warp_sums[lane];
-    int x = own;
-#pragma unroll
-    for (int off = 1; off < 32; off *= 2) {
-      const int v = __shfl_up_sync(0xffffffffu, x, off);
-      if (lane >= off) x += v;
-    }
-    warp_sums[lane] = x - own;  // exclusive
-  }
-  __syncthreads();
-  int start = warp_sums[warp] + incl - sum;
-#pragma unroll
-  for (int k = 0; k < kPerThread; ++k) {
-    bins[kBins - 1 - kPerThread * tid - k] = start;
-    start += count[k];
-  }
-  __syncthreads();
-  for (int g = tid; g < groups; g += kThreads) {
-    const int at = atomicAdd(&bins[bin_of(g)], 1);
-    for (int h = 0; h < p.h_q; ++h) p.tile_order[at * p.h_q + h] = g * p.h_q + h;
-  }
-}
-
 // ------------------------------------------------------------------ host side
 // cuTensorMapEncodeTiled from the driver through the runtime's entry-point query (no -lcuda).
 inline PFN_cuTensorMapEncodeTiled_v12000 tensor_map_encoder() {
@@ -955,11 +872,6 @@ int launch_fwd(const FwdParams& p, const SeqInfo* seqs, const std::int32_t* tabl
   const int smem = static_cast<int>(sizeof(Smem<Cfg>)) + 1024;  // + alignment slack
   cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
   if (err != cudaSuccess) return static_cast<int>(err);
-  if (p.tile_order != nullptr) {
-    order_work_kernel<Cfg::kTileN><<<1, 1024, 0, st>>>(p);
-    err = cudaGetLastError();
-    if (err != cudaSuccess) return static_cast<int>(err);
-  }
   kernel<<<grid, Cfg::kThreads, smem, st>>>(p, static_cast<const SeqMaps*>(map_device), mean_maps);
   return static_cast<int>(cudaGetLastError());
 }
