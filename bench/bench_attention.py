@@ -158,6 +158,23 @@ class InputSet:
         self.k_rep = self.k.repeat_interleave(group, 1)
         self.v_rep = self.v.repeat_interleave(group, 1)
         self.paged = {}
+        self.e4m3 = None
+
+    def fp8(self):
+        """(q, k, v in float8_e4m3fn, their descales [1, h_kv] float32): each (kv head)'s
+        values scaled so that its largest magnitude maps to 448, E4M3's largest, as an FP8
+        serving stack quantizes per head (q per the kv head of its group)."""
+        if self.e4m3 is None:
+            h_kv = self.k_bshd.shape[2]
+            out = []
+            for x in (self.q_bshd, self.k_bshd, self.v_bshd):
+                g = x.shape[2] // h_kv
+                amax = x.float().abs().view(1, x.shape[1], h_kv, g, -1).amax(dim=(1, 3, 4))  # [1, h_kv]
+                descale = (amax / 448.0).clamp_min(1e-12)
+                scaled = x.float() / descale.repeat_interleave(g, 1)[:, None, :, None]
+                out.append((scaled.to(torch.float8_e4m3fn), descale.contiguous()))
+            self.e4m3 = out
+        return self.e4m3
 
     @classmethod
     def random(cls, h_q, h_kv, d, n, gen):
@@ -417,13 +434,18 @@ class Case:
 
     # ---- ours
 
-    def problem(self, s, page=None, rows=None):
+    def problem(self, s, page=None, rows=None, fp8=False):
         """The problem of input set s: contiguous K/V, or paged with `page` keys per page;
-        rows = (c0, c1): the chunk of queries c0..c1-1 over keys 0..c1-1 (views, no copy)."""
+        rows = (c0, c1): the chunk of queries c0..c1-1 over keys 0..c1-1 (views, no copy);
+        fp8: the set quantized to E4M3 with per-(kv head) descales (contiguous, whole)."""
         c0, c1 = rows if rows is not None else (0, self.n)
         p = sp_ctypes.Problem()
         p.q = sp_ctypes.tensor_from_torch(s.q_bshd[:, c0:c1])
-        if page is None:
+        if fp8:
+            (q8, qd), (k8, kd), (v8, vd) = s.fp8()
+            p.q, p.k, p.v = (sp_ctypes.tensor_from_torch(t) for t in (q8, k8, v8))
+            p.q_descale, p.k_descale, p.v_descale = (sp_ctypes.tensor_from_torch(t) for t in (qd, kd, vd))
+        elif page is None:
             p.k = sp_ctypes.tensor_from_torch(s.k_bshd[:, :c1])
             p.v = sp_ctypes.tensor_from_torch(s.v_bshd[:, :c1])
         else:
@@ -437,7 +459,7 @@ class Case:
         return p
 
     def ours(self, impl, label, policy, target=None, mask_pairs=None, mask_density=None,
-             extra=None, page=None, chunk=None, planned=False):
+             extra=None, page=None, chunk=None, planned=False, fp8=False):
         """One row of ours: a call per input set, or with `chunk` the calls of a chunked
         prefill (every chunk of the prompt, each writing its rows of one output). planned: the
         calls run sp_plans made once per call shape, outside the timed region (block_sparse:
@@ -460,7 +482,7 @@ class Case:
             out.o = sp_ctypes.tensor_from_torch(o if span is None else o[:, span[0]:span[1]])
             outs.append(out)
         # Per input set, the (problem, output) of each call it takes.
-        calls = [[(self.problem(s, page, span), out) for span, out in zip(spans, outs)] for s in self.sets]
+        calls = [[(self.problem(s, page, span, fp8), out) for span, out in zip(spans, outs)] for s in self.sets]
         opts = sp_ctypes.Options(sp_ctypes.BACKEND_CUDA, 0,
                                  torch.cuda.current_stream().cuda_stream)
         code = lib.can_run(calls[0][-1][0], policy, sp_ctypes.BACKEND_CUDA)
@@ -543,6 +565,8 @@ class Case:
     def run_ours(self, masks):
         lib = self.lib
         self.ours("ours_dense", "ours dense", lib.policy("dense"))
+        # Its error against ours dense is FP8's against the bf16 result (issue #4).
+        self.ours("ours_dense_fp8", "ours dense fp8 (e4m3)", lib.policy("dense"), fp8=True)
         first = self.problem(self.sets[0])
         for m in masks:
             if m.target is None or not self.wanted("ours_block_sparse"):

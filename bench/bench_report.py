@@ -137,6 +137,10 @@ def target_checks(cases):
         if dense and cudnn and 16384 <= n:
             v = ratio(cudnn, dense)
             checks.append(("#4 dense ≥ 1.05× SDPA cuDNN", n, v, 1.05, v >= 1.05))
+        fp8 = find(c, "ours_dense_fp8")
+        if dense and fp8 and 32768 <= n:
+            v = ratio(dense, fp8)
+            checks.append(("#4 FP8 dense ≥ 1.5× our bf16 dense", n, v, 1.5, v >= 1.5))
         for r in c["rows"]:
             if r.get("status") != "ok" or r["family"] != "ours" or r.get("density") is None:
                 continue

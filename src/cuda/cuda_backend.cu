@@ -642,6 +642,12 @@ Status run_cuda(const AttentionProblem& problem, const ProblemShape& shape, cons
   SP_RETURN_IF_ERROR(compute_capability(shape.device.index, &cc_major, &cc_minor));
   const FwdPath path = t_portable_only ? FwdPath::kPortable
                                        : choose_fwd_path(shape, policy, tma_describable(problem), cc_major, cc_minor);
+  const bool fp8 = shape.dtype == DType::kFP8E4M3;
+  if (fp8 && path != FwdPath::kHopper) {
+    return unsupported("q: fp8_e4m3 inputs run on the Hopper kernel only: a compute capability 9.0 device (this one is " +
+                       std::to_string(cc_major) + "." + std::to_string(cc_minor) +
+                       ") and q, k, v whose rows and strides are multiples of 16 bytes");
+  }
   const bool want = decisions != nullptr;
   Decisions local;
   local.policy = policy_name(policy);
@@ -735,6 +741,13 @@ Status run_cuda(const AttentionProblem& problem, const ProblemShape& shape, cons
   if (path == FwdPath::kHopper) {
     const bool paged = shape.kv_layout == KvLayout::kPaged;
     const Fwd90Variant* fwd90 = find_fwd90(shape.dtype, shape.d, paged);
+    if (fp8) {
+      // V transposed for the e4m3 P·V ([batch, h_kv, d, vt_stride] bytes), written by the launch.
+      p.vt_stride = geom::ceil_div(geom::max64(shape.max_seq_k(), 1), hopper_block_k()) * hopper_block_k();
+      SP_RETURN_IF_ERROR(scratch.alloc(static_cast<std::size_t>(shape.batch) * static_cast<std::size_t>(shape.h_kv) *
+                                           static_cast<std::size_t>(shape.d) * static_cast<std::size_t>(p.vt_stride),
+                                       &p.v_t));
+    }
     UploadContext upload_context{&scratch, {}};
     const HostUpload upload{&upload_context, &UploadContext::call};
     const int err = fwd90->launch(p, seqs.data(), paged ? table.data() : nullptr, upload, stream);
@@ -747,6 +760,7 @@ Status run_cuda(const AttentionProblem& problem, const ProblemShape& shape, cons
     }
   }
   if (!launched) {
+    if (fp8) return unsupported("q: the driver cannot describe these fp8_e4m3 tensors for TMA, and fp8 has no portable kernel");
     SP_RETURN_IF_ERROR(launch_status(fwd->launch(p, stream), fwd->name));
     t_last_fwd_instance = fwd->name;
   }

@@ -65,7 +65,7 @@ std::string support_summary() {
          "128-key blocks, contiguous or paged K/V of any page size, permute_stop with contiguous K/V; block_k 64 uses "
          "the portable path there): " +
          compiled_fwd90_summary() + "; paged K/V (any page size): every policy on the portable path; "
-         "not on CUDA: fp32";
+         "fp8_e4m3 inputs: dense and block_sparse on the Hopper path, head_dim 128, contiguous K/V; not on CUDA: fp32";
 }
 
 bool tma_describable(const AttentionProblem& problem) {
@@ -131,8 +131,25 @@ int dense_block_k(int head_dim) {
 
 Status check_support(const ProblemShape& shape, const Policy& policy, int* block_k) {
   if (shape.dtype == DType::kFP8E4M3) {
-    return unsupported("q: fp8_e4m3 inputs have no CUDA kernel yet; the reference and cpu backends run them (dense and "
-                       "block_sparse)");
+    // One instance: the Hopper kernel's, d = 128 over contiguous K/V (run_cuda also needs a
+    // compute capability 9.0 device and TMA-describable tensors).
+    if (find_fwd90(shape.dtype, shape.d, false) == nullptr) {
+      return unsupported("q: fp8_e4m3 inputs run on CUDA with head_dim 128 only (the Hopper kernel's fp8 instance), got " +
+                         std::to_string(shape.d) + "; the reference and cpu backends run every head_dim");
+    }
+    if (shape.kv_layout == KvLayout::kPaged) {
+      return unsupported("k: fp8_e4m3 inputs need contiguous K/V on CUDA (paged K/V: the reference and cpu backends)");
+    }
+    const auto* mask = std::get_if<BlockSparseParams>(&policy);
+    if (mask == nullptr && !std::holds_alternative<DenseParams>(policy)) {
+      return unsupported(std::string(policy_name(policy)) + ": fp8_e4m3 inputs run dense and block_sparse only");
+    }
+    if (mask != nullptr && (mask->mask.block_q != kBlockQ || mask->mask.block_k != hopper_block_k())) {
+      return unsupported("block_sparse mask: fp8_e4m3 inputs on CUDA need 128 x 128 blocks, got " +
+                         std::to_string(mask->mask.block_q) + " x " + std::to_string(mask->mask.block_k));
+    }
+    *block_k = mask != nullptr ? hopper_block_k() : dense_block_k(shape.d);
+    return {};
   }
   if (shape.dtype != DType::kBF16 && shape.dtype != DType::kFP16) {
     return unsupported(std::string("q: dtype ") + dtype_name(shape.dtype) + " has no CUDA kernel; expected bf16 or fp16 (" +
@@ -262,6 +279,13 @@ FwdParams make_fwd_params(const AttentionProblem& problem, const ProblemShape& s
   p.scale_log2 = static_cast<float>(shape.scale * 1.4426950408889634);  // scale · log2(e)
   p.mode = PolicyMode::kDense;
   p.block_k = block_k;
+  const TensorView* descales[3] = {&problem.q_descale, &problem.k_descale, &problem.v_descale};
+  for (int i = 0; i < 3; ++i) {
+    if (!descales[i]->defined()) continue;
+    p.descale[i] = static_cast<const float*>(descales[i]->data);
+    p.descale_stride[i][0] = descales[i]->stride[0];
+    p.descale_stride[i][1] = descales[i]->stride[1];
+  }
   return p;
 }
 

@@ -21,6 +21,8 @@ Hopper forward kernel has one more axis:
   kv        contiguous or paged: the producer's K/V loads (contiguous tensor maps, or boxes
             through the block table) differ at compile time, so the contiguous instances keep
             exactly the code they had before paged K/V ran there.
+and one more dtype, fp8 (e4m3 inputs, bf16 output, d = 128, contiguous K/V: one instance; e4m3
+wgmma, V transposed by the launch; dense and block_sparse only, DESIGN.md §2).
 """
 
 import argparse
@@ -132,6 +134,15 @@ def expected_files():
                     f"{' ' * (len(name) + 5)}const HostUpload& upload, void* stream) {{\n"
                     f"  return sm90::launch_fwd<{config}>(params, host_seqs, host_block_table, upload, stream);\n")
                 registry.append(f"SP_FWD90_VARIANT({name}, {enum}, {d}, {'true' if paged else 'false'})\n")
+    name = fwd90_name("fp8", 128, False)
+    files[f"{name}.cu"] = translation_unit(
+        "cuda/kernel/sm90/fwd_kernel.cuh",
+        "static_assert(sizeof(sm90::SeqMaps) == kFwd90MapBytesPerSeq);\n\n"
+        f"int {name}(const FwdParams& params, const SeqInfo* host_seqs, const std::int32_t* host_block_table,\n"
+        f"{' ' * (len(name) + 5)}const HostUpload& upload, void* stream) {{\n"
+        f"  return sm90::launch_fwd<sm90::FwdConfig<true, 128, false, true>>(params, host_seqs, host_block_table, upload,\n"
+        f"                                                                  stream);\n")
+    registry.append(f"SP_FWD90_VARIANT({name}, kFP8E4M3, 128, false)\n")
     for dtype in SM90_DTYPES:
         enum, is_bf16 = DTYPES[dtype]
         for d in SM90_HEAD_DIMS:

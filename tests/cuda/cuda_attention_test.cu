@@ -374,6 +374,64 @@ ExactGateParams gate_params(const HostTensor& thr, int bk) {
   return p;
 }
 
+// FP8 (e4m3) inputs with per-(batch, kv head) descales that are not powers of two, bf16 output:
+// dense and 128 x 128 block masks on the Hopper kernel's fp8 instance against the oracle on
+// the dequantized values, within the calibrated tolerance (its low-precision reference rounds
+// P to e4m3 as the kernel does); batched and varlen, causal or not, GQA groups 1 to 4, key
+// counts that are not multiples of 128 (the transposed V's zero padding) and a sequence without
+// keys. A wrong key order in the transposed V or a descale of the wrong head fails it. Other
+// devices refuse, saying why.
+TEST(CudaFp8, DenseAndBlockSparseMatchTheOracle) {
+  SP_REQUIRE_GPU();
+  struct Case {
+    std::vector<SeqLen> lens;
+    int h_q, h_kv;
+    bool causal;
+    Layout layout;
+  };
+  for (const Case& c : {Case{{{300, 300}}, 4, 1, true, Layout::kBatched},
+                        Case{{{700, 1100}, {129, 40}, {5, 0}}, 8, 2, true, Layout::kVarlen},
+                        Case{{{333, 333}, {333, 333}}, 2, 2, false, Layout::kBatched},
+                        Case{{{1000, 1000}, {257, 900}}, 8, 8, false, Layout::kVarlen}}) {
+    SCOPED_TRACE(std::to_string(c.lens.size()) + " sequence(s), h_q " + std::to_string(c.h_q) + ", h_kv " +
+                 std::to_string(c.h_kv) + (c.causal ? ", causal" : ", non-causal"));
+    const Inputs in = random_inputs(c.lens, c.h_q, c.h_kv, 128, DType::kFP8E4M3, 900 + c.h_q, 3.0);
+    TestProblem tp = make_problem(in, c.causal, c.layout);
+    const int batch = static_cast<int>(c.lens.size());
+    tp.q_descale = HostTensor(DType::kFP32, {batch, c.h_kv});
+    tp.k_descale = HostTensor(DType::kFP32, {batch, c.h_kv});
+    tp.v_descale = HostTensor(DType::kFP32, {batch, c.h_kv});
+    for (int i = 0; i < batch * c.h_kv; ++i) {
+      set(&tp.q_descale, i, 0.3 + 0.05 * i);
+      set(&tp.k_descale, i, 0.7 - 0.03 * i);
+      set(&tp.v_descale, i, 1.3 + 0.11 * (i % 5));
+    }
+    ProblemShape shape;
+    ASSERT_TRUE(validate_problem(tp.problem(), nullptr, &shape).ok());
+    std::vector<std::vector<int>> dead;
+    BlockSparseParams mask;
+    mask.mask = random_mask(shape, 128, false, 31, &dead);
+    for (const Policy& policy : {Policy{DenseParams{}}, Policy{mask}}) {
+      SCOPED_TRACE(policy_name(policy));
+      if (!hopper_device()) {
+        const GpuRun r = run_gpu(&tp, policy);
+        EXPECT_EQ(r.status.code(), StatusCode::kUnsupported);
+        EXPECT_NE(r.status.message().find("fp8_e4m3 inputs run on the Hopper kernel only"), std::string::npos)
+            << r.status.message();
+        continue;
+      }
+      const ref::Result ref64 = oracle(tp, policy);
+      ref::Result lowp;
+      ASSERT_TRUE(run_lowp_reference(tp.problem(), policy, ref64.decisions, &lowp).ok());
+      const GpuRun r = run_gpu(&tp, policy);
+      ASSERT_TRUE(r.status.ok()) << r.status.to_string();
+      EXPECT_EQ(cuda::last_fwd_instance_for_testing(), "fwd_sm90_fp8_hd128");
+      EXPECT_TRUE(fully_written(r.out, ref64));
+      EXPECT_TRUE(close_calibrated(DType::kFP8E4M3, r.out, ref64, lowp));
+    }
+  }
+}
+
 TEST(CudaExactGate, MidpointThresholdsCausalChunkedAndNonCausal) {
   SP_REQUIRE_GPU();
   struct Case {

@@ -74,10 +74,40 @@ TEST(CudaPlan, UnsupportedMessagesNameTheArgument) {
   tiny.segment = 16;  // 32 heads × 2^20 positions in 16-key segments: ~1.8e13 ranked keys
   expect_unsupported(shape_of(std::int64_t{1} << 20, std::int64_t{1} << 20, 32, 8, 128), tiny, "2^31 - 1");
   expect_unsupported(shape_of(300, 300, 4, 1, 80), DenseParams{}, "head_dim 80");
-  // FP8 inputs: no CUDA kernel yet, and the message says where they do run.
-  expect_unsupported(shape_of(300, 300, 4, 1, 128, DType::kFP8E4M3), DenseParams{},
-                     "fp8_e4m3 inputs have no CUDA kernel yet; the reference and cpu backends run them");
   expect_unsupported(shape_of(300, 300, 4, 1, 128, DType::kFP32), DenseParams{}, "dtype fp32 has no CUDA kernel");
+}
+
+TEST(CudaPlan, Fp8RunsDenseAndBlockSparseOnTheHopperInstance) {
+  int n = 0;
+  const ProblemShape s = shape_of(300, 300, 4, 1, 128, DType::kFP8E4M3);
+  const auto expect_unsupported = [&](const ProblemShape& shape, const Policy& policy, const char* needle) {
+    const Status st = check_support(shape, policy, &n);
+    EXPECT_EQ(st.code(), StatusCode::kUnsupported);
+    EXPECT_NE(st.message().find(needle), std::string::npos) << st.message();
+  };
+  // Dense and 128 x 128 block masks run, on the Hopper path of a 9.0 device only.
+  ASSERT_TRUE(check_support(s, DenseParams{}, &n).ok());
+  BlockSparseParams mask;
+  mask.mask = BlockMask::empty(s, 128, 128, false);
+  ASSERT_TRUE(check_support(s, mask, &n).ok());
+  EXPECT_EQ(n, 128);
+  for (const Policy& policy : {Policy{DenseParams{}}, Policy{mask}}) {
+    EXPECT_EQ(choose_fwd_path(s, policy, true, 9, 0), FwdPath::kHopper);
+    EXPECT_EQ(choose_fwd_path(s, policy, true, 8, 0), FwdPath::kPortable);  // run_cuda then refuses
+    EXPECT_EQ(choose_fwd_path(s, policy, false, 9, 0), FwdPath::kPortable);
+  }
+  // Everything else says what is missing and where it runs.
+  mask.mask = BlockMask::empty(s, 128, 64, false);
+  expect_unsupported(s, mask, "fp8_e4m3 inputs on CUDA need 128 x 128 blocks, got 128 x 64");
+  ExactGateParams gate;
+  gate.block_k = 128;
+  expect_unsupported(s, gate, "exact_gate: fp8_e4m3 inputs run dense and block_sparse only");
+  expect_unsupported(shape_of(300, 300, 4, 1, 64, DType::kFP8E4M3), DenseParams{},
+                     "fp8_e4m3 inputs run on CUDA with head_dim 128 only (the Hopper kernel's fp8 instance), got 64");
+  ProblemShape paged = s;
+  paged.kv_layout = KvLayout::kPaged;
+  paged.page_size = 16;
+  expect_unsupported(paged, DenseParams{}, "fp8_e4m3 inputs need contiguous K/V on CUDA");
 }
 
 TEST(CudaPlan, HopperPathOnComputeCapability90For128KeyBlocks) {

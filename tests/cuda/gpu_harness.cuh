@@ -125,6 +125,13 @@ inline GpuRun run_gpu(TestProblem* tp, const Policy& policy, void* stream = null
   dev.q = to_device(tp->q, &q);
   dev.k = to_device(tp->k, &k);
   dev.v = to_device(tp->v, &v);
+  // FP8 descales live on q's device too.
+  DeviceBuffer descale[3];
+  TensorView* views[3] = {&dev.q_descale, &dev.k_descale, &dev.v_descale};
+  HostTensor* tensors[3] = {&tp->q_descale, &tp->k_descale, &tp->v_descale};
+  for (int i = 0; i < 3; ++i) {
+    if (views[i]->defined()) *views[i] = to_device(*tensors[i], &descale[i]);
+  }
   poison(&tp->o);
   poison(&tp->lse);
   AttentionOutput out;

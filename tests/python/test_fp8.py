@@ -223,3 +223,27 @@ def test_fp8_bad_arguments_name_themselves(case, call, error, message):
         call()
     # InvalidArgumentError is a ValueError, UnsupportedError a NotImplementedError.
     assert isinstance(raised.value, ValueError if error is sp.InvalidArgumentError else NotImplementedError)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("causal", [False, True])
+def test_fp8_on_cuda(causal):
+    """On a compute capability 9.0 device FP8 inputs run on the Hopper kernel's fp8 instance
+    (head_dim 128): a bfloat16 O close to float64 attention on the dequantized values. Its P is
+    rounded to E4M3 before P·V (3 mantissa bits: up to 2^-4 relative per probability), so the
+    bound here is the loose one such rounding allows; tests/cuda's oracle test holds it to the
+    calibrated tolerance. Other devices refuse, saying why."""
+    b, s_q, s_k, h_q, h_kv, d = 2, 300, 300, 4, 2, 128
+    q, k, v, descales = fp8_inputs(71, b, s_q, s_k, h_q, h_kv, d)
+    args = [t.cuda() for t in (q, k, v)]
+    dev_descales = [t.cuda() for t in descales]
+    if torch.cuda.get_device_capability() != (9, 0):
+        with pytest.raises(sp.UnsupportedError, match="fp8_e4m3 inputs run on the Hopper kernel only"):
+            flash_attn_func(*args, causal=causal, **descale_args(dev_descales))
+        return
+    out = flash_attn_func(*args, causal=causal, **descale_args(dev_descales))
+    assert out.dtype == torch.bfloat16 and out.is_cuda and out.shape == q.shape
+    qd, kd, vd = (dequantized(x, s).double() for x, s in zip((q, k, v), descales))
+    ref = attention(qd, kd, vd, causal)[0]
+    rel = ((out.cpu().double() - ref).norm() / ref.norm()).item()
+    assert rel < 0.05, f"relative L2 error {rel:.3e}"

@@ -68,9 +68,9 @@ constexpr bool gather_offsets_fit(std::int64_t pages, int page_size, std::int64_
 }
 
 struct FwdParams {
-  // Tensors. q/o [.., s, h_q, d], k/v [.., s, h_kv, d] in the input dtype (bf16 or fp16); row
-  // and head strides in elements; the last dimension is contiguous and rows are 16-byte
-  // aligned (can_run checks).
+  // Tensors. q/o [.., s, h_q, d], k/v [.., s, h_kv, d] in the input dtype (bf16, fp16, or fp8
+  // e4m3 with a bf16 o); row and head strides in elements; the last dimension is contiguous
+  // and rows are 16-byte aligned (can_run checks).
   const void* q;
   const void* k;
   const void* v;
@@ -134,6 +134,15 @@ struct FwdParams {
   // [batch, h_q, num_q_blocks, kept_words], zeroed by the host; nullptr = not recorded.
   std::uint32_t* kept_bits;
   int kept_words;
+
+  // FP8 (e4m3) inputs, the Hopper kernel's fp8 instance only (docs/semantics.md §1): fp32
+  // descales of q, k and v, [b, h_kv] with element strides (nullptr: 1), and V transposed for
+  // the P·V operand: v_t [batch, h_kv, d, vt_stride] bytes, written by the launch
+  // (sm90::transpose_v_kernel: keys permuted inside each 16-key group, zeros past s_k).
+  const float* descale[3];             // q, k, v
+  std::int64_t descale_stride[3][2];   // (batch, kv head)
+  std::uint8_t* v_t;
+  std::int64_t vt_stride;  // keys per (b, kv head, d) row: max s_k rounded up to 128
 };
 
 // estimate_select under chunked prefill (EstimateSelectParams::prompt_len and the cache of

@@ -15,6 +15,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <type_traits>
 #include <vector>
 
 #include "core/geometry.h"
@@ -29,30 +30,38 @@ namespace sparseprefill::cuda::sm90 {
 
 // Compile-time shape of one instance. A CTA is one query block of kBlockQ = 128 rows: warpgroup
 // 0 produces (one thread issues TMA), warpgroups 1 and 2 own rows 0..63 and 64..127. Tiles are
-// [128 rows][d] loaded as d / 64 boxes of [128][64] (one 128-byte swizzle row each); kPaged
-// instances read K/V through the block table, a key tile as boxes of whole 8-row groups
-// (paged_box_rows) that compose into the same swizzled tile, or gathered row by row
-// (gather_tile) where pages cannot be boxed that way or boxes would be small
-// (hopper_gathers_pages).
-template <bool kBf16_, int kHeadDim_, bool kPaged_ = false>
+// [128 rows][d] loaded as boxes of [128 rows][128 bytes] (one 128-byte swizzle row each: d / 64
+// boxes of 16-bit elements, one of 128 e4m3); kPaged instances read K/V through the block
+// table, a key tile as boxes of whole 8-row groups (paged_box_rows) that compose into the same
+// swizzled tile, or gathered row by row (gather_tile) where pages cannot be boxed that way or
+// boxes would be small (hopper_gathers_pages). kFp8 instances (d = 128, contiguous K/V) read
+// e4m3 Q/K/V and write a bf16 O (kBf16 then names the output); their V tile is V transposed
+// ([d rows][128 keys], transpose_v_kernel), the K-major B operand 8-bit wgmma needs.
+template <bool kBf16_, int kHeadDim_, bool kPaged_ = false, bool kFp8_ = false>
 struct FwdConfig {
   static constexpr bool kBf16 = kBf16_;
   static constexpr int kHeadDim = kHeadDim_;
   static constexpr bool kPaged = kPaged_;
+  static constexpr bool kFp8 = kFp8_;
   static constexpr int kTileM = kBlockQ;
   static constexpr int kTileN = 128;  // keys per K/V tile
   static constexpr int kConsumers = 2;
   static constexpr int kThreads = 128 * (1 + kConsumers);
-  static constexpr int kStages = 2;  // 3 measured slower (dev/ v4: 224 KB smem, 603-660 TFLOP/s vs 626-685)
-  static constexpr int kHalfDim = 64;
+  // 16-bit: 3 measured slower (dev/ v4: 224 KB smem, 603-660 TFLOP/s vs 626-685). FP8 tiles are
+  // half the bytes and take half the tensor time, so twice the tiles are in flight for the same
+  // latency (not tuned: one setting measured).
+  static constexpr int kStages = kFp8 ? 4 : 2;
+  static constexpr int kElemBytes = kFp8 ? 1 : 2;
+  static constexpr int kRowBytes = 128;                  // one swizzle row
+  static constexpr int kHalfDim = kRowBytes / kElemBytes;  // elements of a box row: 64, or 128 e4m3
   static constexpr int kHalves = kHeadDim / kHalfDim;
-  static constexpr int kRowBytes = kHalfDim * 2;      // 128: one swizzle row
   static constexpr int kAtomBytes = 8 * kRowBytes;    // 1024: the 128B-swizzle period (8 rows)
-  static constexpr int kHalfBytes = kTileN * kRowBytes;  // one [128][64] box: 16 KB
+  static constexpr int kHalfBytes = kTileN * kRowBytes;  // one [128][128 B] box: 16 KB
   static constexpr int kTileBytes = kHalves * kHalfBytes;
   static constexpr int kDFrags = kHeadDim / 8;  // n8 fragments of an output row
-  static constexpr int kQkSteps = kHeadDim / 16;
-  static constexpr int kPvSteps = kTileN / 16;
+  // wgmma K steps of 32 bytes: k16 of 16-bit elements, k32 of e4m3.
+  static constexpr int kQkSteps = kHeadDim * kElemBytes / 32;
+  static constexpr int kPvSteps = kTileN * kElemBytes / 32;
   // setmaxnreg budgets: the warpgroups trade registers within the pool the CTA was launched
   // with, 384 threads at 168 (the most __launch_bounds__(384, 1) gives), so
   // 128·producer + 256·consumer <= 64512, not the SM's 65536 (an increase the pool cannot
@@ -69,6 +78,7 @@ struct FwdConfig {
   // Mean-correction tiles of kTileN pooled blocks one query block can visit.
   static constexpr int kMaxMeanTiles = kMaxMeanChunks * kMeanChunk / kTileN;
   static_assert(kHeadDim == 64 || kHeadDim == 128, "d = 64 or 128");
+  static_assert(!kFp8 || (kHeadDim == 128 && !kPaged && kBf16), "fp8: d = 128, contiguous K/V, bf16 output");
   static_assert(kTileM == kConsumers * 64, "each consumer warpgroup owns one m64 slab of Q");
 };
 
@@ -107,11 +117,12 @@ struct SeqMaps {
   CUtensorMap q, k, v;
 };
 
-// Tensor maps of the block means k̄/v̄ [batch, h_kv, mean_blocks, d] (mean correction), passed
-// by value as a kernel parameter: the means live in per-call scratch, so their maps must not
-// go through the metadata cache (a new address each call). Zero when there is no correction.
-struct MeanMaps {
-  CUtensorMap k, v;
+// Tensor maps of per-call scratch, passed by value as a kernel parameter: the scratch has a new
+// address each call, so its maps must not go through the metadata cache. k_mean / v_mean: the
+// block means k̄/v̄ [batch, h_kv, mean_blocks, d] (mean correction; zero without). v_t: FP8's
+// transposed V (FwdParams::v_t) as (key, d, batch · h_kv + kv head) (zero for 16-bit inputs).
+struct ScratchMaps {
+  CUtensorMap k_mean, v_mean, v_t;
 };
 
 // Rows of one TMA box of paged K/V: gcd(page_size, 128), the largest power of two dividing
@@ -123,6 +134,12 @@ struct MeanMaps {
 __host__ __device__ __forceinline__ int paged_box_rows(int page_size) {
   const int low = page_size & -page_size;
   return low < 128 ? low : 128;
+}
+
+// FP8 descale `which` (0: q, 1: k, 2: v) of (batch b, kv head hk); 1 when not given.
+__device__ __forceinline__ float descale_of(const FwdParams& p, int which, int b, int hk) {
+  const float* d = p.descale[which];
+  return d == nullptr ? 1.f : d[b * p.descale_stride[which][0] + hk * p.descale_stride[which][1]];
 }
 
 // ------------------------------------------------------------------ softmax pieces
@@ -189,32 +206,45 @@ __device__ __forceinline__ void scale_acc(float (&o)[kDFrags][4], const float (&
   }
 }
 
-// p (fp32, accumulator layout) -> 16-bit A fragments of P·V, one per k16 step of keys:
-// accumulator columns 16kk..16kk+15 are exactly the A fragment of step kk. P is rounded to the
-// input dtype here (the rounding docs/numerics.md allows for).
-template <bool kBf16>
-__device__ __forceinline__ void pack_p(const float (&s)[1][16][4], std::uint32_t (&p)[8][4]) {
+// p (fp32, accumulator layout) -> the A fragments of P·V, one per K step of keys, P rounded to
+// the input dtype here (the rounding docs/numerics.md allows for). 16-bit: accumulator columns
+// 16kk..16kk+15 are exactly the A fragment of k16 step kk. e4m3 (k32 steps): the thread holds
+// columns 2t, 2t + 1, 8 + 2t, 9 + 2t of each 16 (t = lane % 4) and the fragment wants k indices
+// 4t .. 4t + 3, so those four become them, in that order; V's keys are permuted alike
+// (transpose_v_kernel), which leaves P·V unchanged.
+template <class Cfg>
+__device__ __forceinline__ void pack_p(const float (&s)[1][16][4], std::uint32_t (&p)[Cfg::kPvSteps][4]) {
 #pragma unroll
-  for (int kk = 0; kk < 8; ++kk) {
-    p[kk][0] = ptx::pack2<kBf16>(s[0][2 * kk][0], s[0][2 * kk][1]);
-    p[kk][1] = ptx::pack2<kBf16>(s[0][2 * kk][2], s[0][2 * kk][3]);
-    p[kk][2] = ptx::pack2<kBf16>(s[0][2 * kk + 1][0], s[0][2 * kk + 1][1]);
-    p[kk][3] = ptx::pack2<kBf16>(s[0][2 * kk + 1][2], s[0][2 * kk + 1][3]);
+  for (int kk = 0; kk < Cfg::kPvSteps; ++kk) {
+    if constexpr (Cfg::kFp8) {
+#pragma unroll
+      for (int r = 0; r < 4; ++r) {  // r: row g + 8·(r % 2), keys 32kk + 16·(r / 2) ..
+        const int j = 4 * kk + 2 * (r / 2), e = 2 * (r % 2);
+        p[kk][r] = hw::pack4_e4m3(s[0][j][e], s[0][j][e + 1], s[0][j + 1][e], s[0][j + 1][e + 1]);
+      }
+    } else {
+      p[kk][0] = ptx::pack2<Cfg::kBf16>(s[0][2 * kk][0], s[0][2 * kk][1]);
+      p[kk][1] = ptx::pack2<Cfg::kBf16>(s[0][2 * kk][2], s[0][2 * kk][3]);
+      p[kk][2] = ptx::pack2<Cfg::kBf16>(s[0][2 * kk + 1][0], s[0][2 * kk + 1][1]);
+      p[kk][3] = ptx::pack2<Cfg::kBf16>(s[0][2 * kk + 1][2], s[0][2 * kk + 1][3]);
+    }
   }
 }
 
 // ------------------------------------------------------------------ consumer GEMMs
-// Descriptors of a consumer warpgroup's operands. Q and K are K-major: rows of 64 elements
-// (128 B), 8-row groups 1024 B apart (SBO), the k16 step kk at +32·(kk % 4) bytes inside d-half
-// kk / 4. V is N-major for P·V: d runs along the 128-byte rows, the d-halves are N chunks of 64
+// Descriptors of a consumer warpgroup's operands. Q and K are K-major: rows of 128 B, 8-row
+// groups 1024 B apart (SBO), the 32-byte K step kk at +32·(kk % 4) bytes inside d-half kk / 4.
+// 16-bit V is N-major for P·V: d runs along the 128-byte rows, the d-halves are N chunks of 64
 // one box apart (LBO), 8-key groups 1024 B apart (SBO); key step kk starts 16 rows = 2 KB
-// further. Descriptor address fields are in 16-byte units.
+// further. FP8's Vᵀ tile is K-major like K (rows: d; key step kk at +32·kk bytes). Descriptor
+// address fields are in 16-byte units.
 template <class Cfg>
 __device__ __forceinline__ std::uint64_t kmajor_desc(std::uint32_t addr) {
   return hw::desc_sw128(addr, 16, Cfg::kAtomBytes);
 }
 template <class Cfg>
 __device__ __forceinline__ std::uint64_t v_desc(std::uint32_t addr) {
+  if constexpr (Cfg::kFp8) return kmajor_desc<Cfg>(addr);
   return hw::desc_sw128(addr, Cfg::kHalfBytes, Cfg::kAtomBytes);
 }
 template <class Cfg>
@@ -227,16 +257,29 @@ template <class Cfg>
 __device__ __forceinline__ void wgmma_qk(float (&s)[1][16][4], std::uint64_t q, std::uint64_t k) {
   hw::wgmma_fence();
 #pragma unroll
-  for (int kk = 0; kk < Cfg::kQkSteps; ++kk) hw::wgmma_ss<Cfg::kBf16>(s[0], q + k_step<Cfg>(kk), k + k_step<Cfg>(kk), kk > 0);
+  for (int kk = 0; kk < Cfg::kQkSteps; ++kk) {
+    if constexpr (Cfg::kFp8) {
+      hw::wgmma_ss_e4m3(s[0], q + k_step<Cfg>(kk), k + k_step<Cfg>(kk), kk > 0);
+    } else {
+      hw::wgmma_ss<Cfg::kBf16>(s[0], q + k_step<Cfg>(kk), k + k_step<Cfg>(kk), kk > 0);
+    }
+  }
   hw::wgmma_commit();
 }
 
 // O += P·V with P in registers (pack_p), as one commit group.
 template <class Cfg>
-__device__ __forceinline__ void wgmma_pv(float (&o)[Cfg::kDFrags][4], const std::uint32_t (&pf)[8][4], std::uint64_t v) {
+__device__ __forceinline__ void wgmma_pv(float (&o)[Cfg::kDFrags][4], const std::uint32_t (&pf)[Cfg::kPvSteps][4],
+                                         std::uint64_t v) {
   hw::wgmma_fence();
 #pragma unroll
-  for (int kk = 0; kk < Cfg::kPvSteps; ++kk) hw::wgmma_rs<Cfg::kBf16>(o, pf[kk], v + ((kk * 16 * Cfg::kRowBytes) >> 4));
+  for (int kk = 0; kk < Cfg::kPvSteps; ++kk) {
+    if constexpr (Cfg::kFp8) {
+      hw::wgmma_rs_e4m3(o, pf[kk], v + k_step<Cfg>(kk));
+    } else {
+      hw::wgmma_rs<Cfg::kBf16>(o, pf[kk], v + ((kk * 16 * Cfg::kRowBytes) >> 4));
+    }
+  }
   hw::wgmma_commit();
 }
 
@@ -361,7 +404,7 @@ __device__ __forceinline__ void gather_tile(const FwdParams& p, const SeqInfo& s
 template <class Cfg>
 __global__ void __launch_bounds__(Cfg::kThreads, 1)
     fwd_kernel(const __grid_constant__ FwdParams p, const SeqMaps* __restrict__ maps,
-               const __grid_constant__ MeanMaps mean_maps) {
+               const __grid_constant__ ScratchMaps scratch_maps) {
   using S = Smem<Cfg>;
   constexpr int kTileN = Cfg::kTileN, kHalfBytes = Cfg::kHalfBytes, kRowBytes = Cfg::kRowBytes;
   extern __shared__ std::uint8_t smem_raw[];
@@ -500,6 +543,9 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
                 ++page;
               }
             }
+          } else if (Cfg::kFp8 && value) {
+            // Vᵀ [d][128 keys] of this (batch, kv head): one box.
+            hw::tma_load_3d(dst, &scratch_maps.v_t, bar, row, 0, b * p.h_kv + hk);
           } else {
             for (int half = 0; half < Cfg::kHalves; ++half) {
               hw::tma_load_3d(dst + half * kHalfBytes, value ? &m->v : &m->k, bar, half * Cfg::kHalfDim, hk, row);
@@ -508,8 +554,8 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
         } else {
           const int row = sm.mean_tiles[j - visit.n_reg] * kTileN;
           for (int half = 0; half < Cfg::kHalves; ++half) {
-            hw::tma_load_4d(dst + half * kHalfBytes, value ? &mean_maps.v : &mean_maps.k, bar, half * Cfg::kHalfDim, row,
-                            hk, b);
+            hw::tma_load_4d(dst + half * kHalfBytes, value ? &scratch_maps.v_mean : &scratch_maps.k_mean, bar,
+                            half * Cfg::kHalfDim, row, hk, b);
           }
         }
       };
@@ -563,10 +609,13 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
 
   float s[1][16][4];            // scores, then p: [64 x 128] per warpgroup
   float o[Cfg::kDFrags][4];     // output accumulator [64 x d]
-  std::uint32_t pf[8][4];       // P as 16-bit A fragments
+  std::uint32_t pf[Cfg::kPvSteps][4];  // P as A fragments (16-bit or e4m3)
   RowStats<1> stats;
   init_row_stats(stats);
   zero_acc(o);
+  // FP8: q's and k's descales scale every score, v's every output row (docs/semantics.md §1).
+  const float scale_log2 = Cfg::kFp8 ? p.scale_log2 * descale_of(p, 0, b, hk) * descale_of(p, 1, b, hk) : p.scale_log2;
+  const float o_descale = Cfg::kFp8 ? descale_of(p, 2, b, hk) : 1.f;
   const std::uint64_t q_desc = kmajor_desc<Cfg>(hw::smem_u32(sm.q) + wg * 64 * kRowBytes);
   auto issue_qk = [&](int st) { wgmma_qk<Cfg>(s, q_desc, kmajor_desc<Cfg>(hw::smem_u32(sm.k[st]))); };
   auto issue_pv = [&](int st) { wgmma_pv<Cfg>(o, pf, v_desc<Cfg>(hw::smem_u32(sm.v[st]))); };
@@ -653,7 +702,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
       row_max_tile(s, mx);
       const bool keep = !gated || vote(it, mx);
       float alpha[2] = {1.f, 1.f};
-      if (keep) softmax_tile(s, mx, stats, p.scale_log2, alpha);
+      if (keep) softmax_tile(s, mx, stats, scale_log2, alpha);
       hw::wgmma_wait<0>();  // P·V done: its P registers and V stage are free
       hw::fence_regs(o);
       scale_acc(o, alpha);  // for this tile's P·V, next round
@@ -665,7 +714,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
       // the P·V A-operand registers makes ptxas serialise every wgmma (C7518, measured on the
       // build: "WG.DP in divergent path").
       pending = keep;
-      pack_p<Cfg::kBf16>(s, pf);
+      pack_p<Cfg>(s, pf);
       if (keep) {
         if (it < visit.n_reg) record_kept(kept_row, kb);
       }
@@ -691,6 +740,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
     l += __shfl_xor_sync(0xffffffffu, l, 2);
     float o_scale, lse;
     finalize_row(stats.m[r], l, &o_scale, &lse);
+    o_scale *= o_descale;
     const int row = r0 + 8 * r;
     if (row >= rows_valid) continue;
     std::uint16_t* o_row = o_base + row * p.o_row_stride;
@@ -706,7 +756,48 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
   }
 }
 
+// ------------------------------------------------------------------ FP8's V
+// V [.., s_k, h_kv, 128] e4m3 -> v_t [batch, h_kv, 128, vt_stride] (FwdParams::v_t), tile by
+// tile of 128 keys: column 16g + j of a tile holds key 16g + perm(j), perm(4t + i) = 2t + i for
+// i < 2 and 8 + 2t + i - 2 otherwise, the order in which pack_p hands the e4m3 A fragment the
+// S accumulator's columns; keys past s_k are zero (their P is 0: masked). Grid (vt_stride / 128,
+// h_kv, batch), 256 threads; rows are 16-byte aligned (tma_describable). A template, as every
+// kernel in this header: one copy per instance translation unit.
+template <class Cfg>
+__global__ void __launch_bounds__(256) transpose_v_kernel(const __grid_constant__ FwdParams p) {
+  constexpr int kKeys = 128, kD = 128, kPad = 16;  // padded rows keep 16-byte alignment
+  __shared__ alignas(16) std::uint8_t tile[kKeys][kD + kPad];  // [key][d]
+  const int b = blockIdx.z, hk = blockIdx.y;
+  const std::int64_t key0 = static_cast<std::int64_t>(blockIdx.x) * kKeys;
+  const SeqInfo seq = p.seqs[b];
+  const auto* v = static_cast<const std::uint8_t*>(p.v) + seq.v_off + hk * p.v_head_stride;
+  for (int c = threadIdx.x; c < kKeys * kD / 16; c += blockDim.x) {
+    const int r = c / (kD / 16), chunk = c % (kD / 16);
+    uint4 val = make_uint4(0u, 0u, 0u, 0u);
+    if (key0 + r < seq.s_k) val = *reinterpret_cast<const uint4*>(v + (key0 + r) * p.v_row_stride + chunk * 16);
+    *reinterpret_cast<uint4*>(&tile[r][chunk * 16]) = val;
+  }
+  __syncthreads();
+  std::uint8_t* out = p.v_t + (static_cast<std::int64_t>(b) * p.h_kv + hk) * kD * p.vt_stride + key0;
+  for (int c = threadIdx.x; c < kD * kKeys / 16; c += blockDim.x) {
+    const int dd = c / (kKeys / 16), g = c % (kKeys / 16);  // row d, 16 keys 16g ..
+    std::uint32_t w[4];
+#pragma unroll
+    for (int t = 0; t < 4; ++t) {  // bytes 4t .. 4t + 3: keys 16g + 2t, + 1, + 8, + 9
+      const int k = 16 * g + 2 * t;
+      w[t] = tile[k][dd] | (tile[k + 1][dd] << 8) | (tile[k + 8][dd] << 16) | (static_cast<std::uint32_t>(tile[k + 9][dd]) << 24);
+    }
+    *reinterpret_cast<uint4*>(out + dd * p.vt_stride + 16 * g) = make_uint4(w[0], w[1], w[2], w[3]);
+  }
+}
+
 // ------------------------------------------------------------------ host side
+// The tensor maps' element type: e4m3 bytes travel as UINT8.
+template <class Cfg>
+constexpr CUtensorMapDataType map_dtype() {
+  return Cfg::kFp8 ? CU_TENSOR_MAP_DATA_TYPE_UINT8 : Cfg::kBf16 ? CU_TENSOR_MAP_DATA_TYPE_BFLOAT16 : CU_TENSOR_MAP_DATA_TYPE_FLOAT16;
+}
+
 // cuTensorMapEncodeTiled from the driver through the runtime's entry-point query (no -lcuda).
 inline PFN_cuTensorMapEncodeTiled_v12000 tensor_map_encoder() {
   static const PFN_cuTensorMapEncodeTiled_v12000 fn = [] {
@@ -722,13 +813,13 @@ inline PFN_cuTensorMapEncodeTiled_v12000 tensor_map_encoder() {
 }
 
 // 3-D map (d, head, row) over one sequence's rows of a [s, h, d] tensor with element strides;
-// boxes of [box_rows][64] with 128B swizzle; rows past `rows` read as zero. A dimension of
+// boxes of [box_rows][128 bytes] with 128B swizzle; rows past `rows` read as zero. A dimension of
 // extent 1 is never stepped over, so its stride is replaced by a valid one (TMA wants
 // multiples of 16).
 template <class Cfg>
 bool encode_map(CUtensorMap* map, const void* base, std::int64_t rows, int heads, std::int64_t row_stride,
                 std::int64_t head_stride, int box_rows = Cfg::kTileN) {
-  constexpr std::int64_t kElem = 2;
+  constexpr std::int64_t kElem = Cfg::kElemBytes;
   const std::int64_t row_bytes = Cfg::kHeadDim * kElem;
   const cuuint64_t dims[3] = {static_cast<cuuint64_t>(Cfg::kHeadDim), static_cast<cuuint64_t>(heads),
                               static_cast<cuuint64_t>(rows > 0 ? rows : 1)};
@@ -737,19 +828,19 @@ bool encode_map(CUtensorMap* map, const void* base, std::int64_t rows, int heads
   const cuuint32_t box[3] = {Cfg::kHalfDim, 1, static_cast<cuuint32_t>(box_rows)};
   const cuuint32_t elem_strides[3] = {1, 1, 1};
   const CUresult r = tensor_map_encoder()(
-      map, Cfg::kBf16 ? CU_TENSOR_MAP_DATA_TYPE_BFLOAT16 : CU_TENSOR_MAP_DATA_TYPE_FLOAT16, 3, const_cast<void*>(base),
+      map, map_dtype<Cfg>(), 3, const_cast<void*>(base),
       dims, strides, box, elem_strides, CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
       CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
   return r == CUDA_SUCCESS;
 }
 
 // 4-D map (d, head, row in page, page) over a paged cache [pages, page_size, heads, d] with
-// element strides; boxes of [paged_box_rows][64] (rows of one page) with 128B swizzle.
+// element strides; boxes of [paged_box_rows][128 bytes] (rows of one page) with 128B swizzle.
 // Strides of extent-1 dimensions are replaced as in encode_map.
 template <class Cfg>
 bool encode_cache_map(CUtensorMap* map, const void* base, std::int64_t pages, int page_size, int heads,
                       std::int64_t page_stride, std::int64_t row_stride, std::int64_t head_stride) {
-  constexpr std::int64_t kElem = 2;
+  constexpr std::int64_t kElem = Cfg::kElemBytes;
   const std::int64_t row_bytes = Cfg::kHeadDim * kElem;
   const cuuint64_t dims[4] = {static_cast<cuuint64_t>(Cfg::kHeadDim), static_cast<cuuint64_t>(heads),
                               static_cast<cuuint64_t>(page_size), static_cast<cuuint64_t>(pages)};
@@ -760,7 +851,7 @@ bool encode_cache_map(CUtensorMap* map, const void* base, std::int64_t pages, in
   const cuuint32_t box[4] = {Cfg::kHalfDim, 1, static_cast<cuuint32_t>(paged_box_rows(page_size)), 1};
   const cuuint32_t elem_strides[4] = {1, 1, 1, 1};
   const CUresult r = tensor_map_encoder()(
-      map, Cfg::kBf16 ? CU_TENSOR_MAP_DATA_TYPE_BFLOAT16 : CU_TENSOR_MAP_DATA_TYPE_FLOAT16, 4, const_cast<void*>(base),
+      map, map_dtype<Cfg>(), 4, const_cast<void*>(base),
       dims, strides, box, elem_strides, CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
       CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
   return r == CUDA_SUCCESS;
@@ -782,6 +873,21 @@ bool encode_mean_map(CUtensorMap* map, const void* base, int blocks, int heads, 
       map, Cfg::kBf16 ? CU_TENSOR_MAP_DATA_TYPE_BFLOAT16 : CU_TENSOR_MAP_DATA_TYPE_FLOAT16, 4, const_cast<void*>(base),
       dims, strides, box, elem_strides, CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
       CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+  return r == CUDA_SUCCESS;
+}
+
+// FP8's Vᵀ (FwdParams::v_t, [planes = batch · h_kv][128 d][vt_stride keys] bytes) as a 3-D map
+// (key, d, plane) with boxes of [128 d rows][128 keys] and 128B swizzle: the K-major B tile of
+// P·V, laid out as a K tile.
+inline bool encode_vt_map(CUtensorMap* map, const void* base, std::int64_t vt_stride, int planes) {
+  constexpr cuuint64_t kD = 128;
+  const cuuint64_t dims[3] = {static_cast<cuuint64_t>(vt_stride), kD, static_cast<cuuint64_t>(planes)};
+  const cuuint64_t strides[2] = {static_cast<cuuint64_t>(vt_stride), static_cast<cuuint64_t>(vt_stride) * kD};
+  const cuuint32_t box[3] = {128, 128, 1};
+  const cuuint32_t elem_strides[3] = {1, 1, 1};
+  const CUresult r = tensor_map_encoder()(map, CU_TENSOR_MAP_DATA_TYPE_UINT8, 3, const_cast<void*>(base), dims, strides,
+                                          box, elem_strides, CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
+                                          CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
   return r == CUDA_SUCCESS;
 }
 
@@ -807,26 +913,35 @@ int launch_fwd(const FwdParams& p, const SeqInfo* seqs, const std::int32_t* tabl
       (paged && !gather && p.paged.page_size % 8 != 0)) {
     return static_cast<int>(cudaErrorNotSupported);
   }
-  MeanMaps mean_maps{};
+  ScratchMaps scratch_maps{};
   if (p.k_mean != nullptr &&
-      !(encode_mean_map<Cfg>(&mean_maps.k, p.k_mean, p.mean_blocks, p.h_kv, p.batch) &&
-        encode_mean_map<Cfg>(&mean_maps.v, p.v_mean, p.mean_blocks, p.h_kv, p.batch))) {
+      !(encode_mean_map<Cfg>(&scratch_maps.k_mean, p.k_mean, p.mean_blocks, p.h_kv, p.batch) &&
+        encode_mean_map<Cfg>(&scratch_maps.v_mean, p.v_mean, p.mean_blocks, p.h_kv, p.batch))) {
     return static_cast<int>(cudaErrorNotSupported);
   }
+  if constexpr (Cfg::kFp8) {
+    if (p.v_t == nullptr || p.vt_stride < Cfg::kTileN || p.vt_stride % Cfg::kTileN != 0) {
+      return static_cast<int>(cudaErrorInvalidValue);
+    }
+    if (!encode_vt_map(&scratch_maps.v_t, p.v_t, p.vt_stride, p.batch * p.h_kv)) {
+      return static_cast<int>(cudaErrorNotSupported);
+    }
+  }
   std::vector<SeqMaps> maps(static_cast<std::size_t>(p.batch) + (paged ? 1 : 0));
-  const auto* k = static_cast<const std::uint16_t*>(p.k);
-  const auto* v = static_cast<const std::uint16_t*>(p.v);
+  using Elem = std::conditional_t<Cfg::kFp8, std::uint8_t, std::uint16_t>;
+  const auto* k = static_cast<const Elem*>(p.k);
+  const auto* v = static_cast<const Elem*>(p.v);
   const int page_size = p.paged.page_size;
   std::int32_t pages = 1;  // every used table entry is below it (the cache maps' page extent)
   for (int b = 0; b < p.batch; ++b) {
     const SeqInfo& s = seqs[b];
     SeqMaps& m = maps[static_cast<std::size_t>(b)];
-    bool ok = encode_map<Cfg>(&m.q, static_cast<const std::uint16_t*>(p.q) + s.q_off, s.s_q, p.h_q, p.q_row_stride,
+    bool ok = encode_map<Cfg>(&m.q, static_cast<const Elem*>(p.q) + s.q_off, s.s_q, p.h_q, p.q_row_stride,
                               p.q_head_stride);
     if (!paged) {
-      ok = ok &&
-           encode_map<Cfg>(&m.k, k + s.k_off, s.s_k, p.h_kv, p.k_row_stride, p.k_head_stride) &&
-           encode_map<Cfg>(&m.v, v + s.v_off, s.s_k, p.h_kv, p.v_row_stride, p.v_head_stride);
+      // FP8 reads V through scratch_maps.v_t (the transposed copy), not through m.v.
+      ok = ok && encode_map<Cfg>(&m.k, k + s.k_off, s.s_k, p.h_kv, p.k_row_stride, p.k_head_stride) &&
+           (Cfg::kFp8 || encode_map<Cfg>(&m.v, v + s.v_off, s.s_k, p.h_kv, p.v_row_stride, p.v_head_stride));
     } else {
       const std::int64_t used = (s.s_k + page_size - 1) / page_size;
       for (std::int64_t i = 0; i < used; ++i) pages = std::max(pages, table[b * p.paged.table_stride + i] + 1);
@@ -872,7 +987,14 @@ int launch_fwd(const FwdParams& p, const SeqInfo* seqs, const std::int32_t* tabl
   const int smem = static_cast<int>(sizeof(Smem<Cfg>)) + 1024;  // + alignment slack
   cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
   if (err != cudaSuccess) return static_cast<int>(err);
-  kernel<<<grid, Cfg::kThreads, smem, st>>>(p, static_cast<const SeqMaps*>(map_device), mean_maps);
+  if constexpr (Cfg::kFp8) {
+    const dim3 vt_grid(static_cast<unsigned>(p.vt_stride / Cfg::kTileN), static_cast<unsigned>(p.h_kv),
+                       static_cast<unsigned>(p.batch));
+    transpose_v_kernel<Cfg><<<vt_grid, 256, 0, st>>>(p);
+    err = cudaGetLastError();
+    if (err != cudaSuccess) return static_cast<int>(err);
+  }
+  kernel<<<grid, Cfg::kThreads, smem, st>>>(p, static_cast<const SeqMaps*>(map_device), scratch_maps);
   return static_cast<int>(cudaGetLastError());
 }
 

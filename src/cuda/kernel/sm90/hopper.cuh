@@ -1,7 +1,7 @@
 // SPDX-License-Identifier: Apache-2.0
 // Thin wrappers over the sm_90a PTX the Hopper kernels are built from: mbarriers, TMA tensor
 // loads (cp.async.bulk.tensor), setmaxnreg, named barriers, shared-memory matrix descriptors
-// and wgmma (bf16/fp16 in, fp32 accumulate). Device-only; included by sm90 kernel headers.
+// and wgmma (bf16/fp16 or e4m3 in, fp32 accumulate). Device-only; included by sm90 kernel headers.
 #pragma once
 
 #include <cuda.h>  // CUtensorMap only (a header type; nothing is linked from libcuda)
@@ -101,6 +101,15 @@ __device__ __forceinline__ std::uint64_t desc_sw128(std::uint32_t addr, std::uin
          (static_cast<std::uint64_t>((sbo & 0x3FFFF) >> 4) << 32) | (1ull << 62);
 }
 
+// Four fp32 -> one register of four e4m3 (x0 in the low byte), round to nearest even,
+// saturating finite values to ±448 (P is in [0, 1]: nothing saturates; NaN stays NaN).
+__device__ __forceinline__ std::uint32_t pack4_e4m3(float x0, float x1, float x2, float x3) {
+  std::uint16_t lo, hi;
+  asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;\n" : "=h"(lo) : "f"(x1), "f"(x0));
+  asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;\n" : "=h"(hi) : "f"(x3), "f"(x2));
+  return static_cast<std::uint32_t>(lo) | (static_cast<std::uint32_t>(hi) << 16);
+}
+
 __device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
 __device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
 // Waits until at most n of this warpgroup's committed wgmma groups are still in flight.
@@ -179,6 +188,28 @@ __device__ __forceinline__ void wgmma_rs(float (&d)[kN][4], const std::uint32_t 
       SP_WGMMA_RS_N64("f16.f16");
     }
   }
+}
+
+// FP8: d[64 x 128] (+)= A[64 x 32] · B[32 x 128] in e4m3, both operands K-major (the only
+// layout 8-bit wgmma reads: no transpose immediates), the accumulator laid out as wgmma_ss's.
+__device__ __forceinline__ void wgmma_ss_e4m3(float (&d)[16][4], std::uint64_t desc_a, std::uint64_t desc_b,
+                                              int accumulate) {
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n128k32.f32.e4m3.e4m3 " SP_D64 ", %64, %65, p, 1, 1;\n}\n"
+      : SP_ACC64(d)
+      : "l"(desc_a), "l"(desc_b), "r"(accumulate));
+}
+
+// FP8: d[64 x 128] += A[64 x 32] · B[32 x 128], A from registers: four 32-bit registers of four
+// e4m3 each, register r holding row g + 8·(r % 2) and k = 16·(r / 2) + 4t .. + 3 of the
+// thread (lane 4g + t) of its warp's 16 rows; B K-major in shared memory.
+__device__ __forceinline__ void wgmma_rs_e4m3(float (&d)[16][4], const std::uint32_t (&a)[4], std::uint64_t desc_b) {
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %69, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n128k32.f32.e4m3.e4m3 " SP_D64 ", {%64, %65, %66, %67}, %68, p, 1, 1;\n}\n"
+      : SP_ACC64(d)
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(1));
 }
 
 #undef SP_WGMMA_SS_N128

@@ -225,7 +225,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) permute_attend_kernel(const 
 
   float s[1][16][4];
   float o[Cfg::kDFrags][4];
-  std::uint32_t pf[8][4];
+  std::uint32_t pf[Cfg::kPvSteps][4];
   RowStats<1> stats;
   init_row_stats(stats);
   zero_acc(o);
@@ -289,7 +289,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) permute_attend_kernel(const 
     hw::fence_regs(o);
     scale_acc(o, alpha);
     if (it > 0) release(sm.v_free[prev]);
-    pack_p<Cfg::kBf16>(s, pf);
+    pack_p<Cfg>(s, pf);
     if (v < 0) continue;
     ++visited;
     if (v + 1 == n_rank) continue;  // no chunk follows: nothing to decide
