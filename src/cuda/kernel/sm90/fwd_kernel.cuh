@@ -919,14 +919,6 @@ int launch_fwd(const FwdParams& p, const SeqInfo* seqs, const std::int32_t* tabl
         encode_mean_map<Cfg>(&scratch_maps.v_mean, p.v_mean, p.mean_blocks, p.h_kv, p.batch))) {
     return static_cast<int>(cudaErrorNotSupported);
   }
-  if constexpr (Cfg::kFp8) {
-    if (p.v_t == nullptr || p.vt_stride < Cfg::kTileN || p.vt_stride % Cfg::kTileN != 0) {
-      return static_cast<int>(cudaErrorInvalidValue);
-    }
-    if (!encode_vt_map(&scratch_maps.v_t, p.v_t, p.vt_stride, p.batch * p.h_kv)) {
-      return static_cast<int>(cudaErrorNotSupported);
-    }
-  }
   std::vector<SeqMaps> maps(static_cast<std::size_t>(p.batch) + (paged ? 1 : 0));
   using Elem = std::conditional_t<Cfg::kFp8, std::uint8_t, std::uint16_t>;
   const auto* k = static_cast<const Elem*>(p.k);
@@ -983,6 +975,15 @@ int launch_fwd(const FwdParams& p, const SeqInfo* seqs, const std::int32_t* tabl
   // prefetch.tensormap and the TMA copies need each CUtensorMap 64-byte aligned.
   if (reinterpret_cast<std::uintptr_t>(map_device) % 64 != 0) return static_cast<int>(cudaErrorMisalignedAddress);
   if (paged && p.paged.block_table == nullptr) return static_cast<int>(cudaErrorInvalidValue);
+  if constexpr (Cfg::kFp8) {
+    // The transposed V is the call's scratch (a plan caching its maps has none yet).
+    if (p.v_t == nullptr || p.vt_stride < Cfg::kTileN || p.vt_stride % Cfg::kTileN != 0) {
+      return static_cast<int>(cudaErrorInvalidValue);
+    }
+    if (!encode_vt_map(&scratch_maps.v_t, p.v_t, p.vt_stride, p.batch * p.h_kv)) {
+      return static_cast<int>(cudaErrorInvalidValue);
+    }
+  }
   auto* kernel = fwd_kernel<Cfg>;
   const int smem = static_cast<int>(sizeof(Smem<Cfg>)) + 1024;  // + alignment slack
   cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
