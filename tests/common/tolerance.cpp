@@ -43,9 +43,20 @@ void lowp_row(const ref::Sequence& seq, const std::vector<float>& q, const std::
   const auto kv_at = [&](const std::vector<float>& x, std::int64_t t) {
     return &x[(static_cast<std::size_t>(t) * static_cast<std::size_t>(seq.h_kv) + static_cast<std::size_t>(hk)) * d];
   };
+  // FP8 inputs: Hopper's e4m3 tensor cores keep about 14 significant bits while they accumulate
+  // q·k, not fp32's 24 (DeepSeek-V3 technical report, §3.3.2), so the score keeps 14 bits after
+  // every addition here.
+  const bool fp8 = seq.dtype == DType::kFP8E4M3;
   const auto dot = [&](const float* a, const float* b) {
     float acc = 0.0f;
-    for (std::size_t i = 0; i < d; ++i) acc += a[i] * b[i];
+    for (std::size_t i = 0; i < d; ++i) {
+      acc += a[i] * b[i];
+      if (fp8) {
+        int e = 0;
+        const float m = std::frexp(acc, &e);
+        acc = std::ldexp(std::nearbyint(std::ldexp(m, 14)), e - 14);
+      }
+    }
     return acc;
   };
   const auto scale = static_cast<float>(seq.scale);
