@@ -65,10 +65,11 @@ struct FwdConfig {
   // setmaxnreg budgets: the warpgroups trade registers within the pool the CTA was launched
   // with, 384 threads at 168 (the most __launch_bounds__(384, 1) gives), so
   // 128·producer + 256·consumer <= 64512, not the SM's 65536 (an increase the pool cannot
-  // serve waits forever: 32 / 240 hung, commit 232c583). 24 / 240 for the TMA producer; the paged instances' producer may gather rows with cp.async (gather_tile),
-  // whose address chain ran latency-bound at 24 (1.50x the contiguous time at 16-key pages,
-  // 1.28x at 56 / 224 with the loop unrolled; record 2026-11-29-h200-paged-producer); 56 at
-  // d = 64 spills 16 bytes in the consumers, 40 / 232 none.
+  // serve waits forever: 32 / 240 hung, commit 232c583). 24 / 240 for the TMA producer; the
+  // paged instances' producer may gather rows with cp.async (gather_tile), whose address chain
+  // ran latency-bound at 24 (1.50x the contiguous time at 16-key pages, 1.28x at 56 / 224 with
+  // the loop unrolled; record 2026-11-29-h200-paged-producer); 56 at d = 64 spills 16 bytes in
+  // the consumers, 40 / 232 none.
   static constexpr int kProducerRegs = !kPaged_ ? 24 : kHeadDim_ == 128 ? 56 : 40;
   static constexpr int kConsumerRegs = !kPaged_ ? 240 : kHeadDim_ == 128 ? 224 : 232;
   static_assert(128 * kProducerRegs + 256 * kConsumerRegs <= kThreads * 168, "the CTA's register pool");
@@ -614,7 +615,8 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
   init_row_stats(stats);
   zero_acc(o);
   // FP8: q's and k's descales scale every score, v's every output row (docs/semantics.md §1).
-  const float scale_log2 = Cfg::kFp8 ? p.scale_log2 * descale_of(p, 0, b, hk) * descale_of(p, 1, b, hk) : p.scale_log2;
+  const float scale_log2 =
+      Cfg::kFp8 ? p.scale_log2 * descale_of(p, 0, b, hk) * descale_of(p, 1, b, hk) : p.scale_log2;
   const float o_descale = Cfg::kFp8 ? descale_of(p, 2, b, hk) : 1.f;
   const std::uint64_t q_desc = kmajor_desc<Cfg>(hw::smem_u32(sm.q) + wg * 64 * kRowBytes);
   auto issue_qk = [&](int st) { wgmma_qk<Cfg>(s, q_desc, kmajor_desc<Cfg>(hw::smem_u32(sm.k[st]))); };
@@ -785,7 +787,8 @@ __global__ void __launch_bounds__(256) transpose_v_kernel(const __grid_constant_
 #pragma unroll
     for (int t = 0; t < 4; ++t) {  // bytes 4t .. 4t + 3: keys 16g + 2t, + 1, + 8, + 9
       const int k = 16 * g + 2 * t;
-      w[t] = tile[k][dd] | (tile[k + 1][dd] << 8) | (tile[k + 8][dd] << 16) | (static_cast<std::uint32_t>(tile[k + 9][dd]) << 24);
+      w[t] = tile[k][dd] | (tile[k + 1][dd] << 8) | (tile[k + 8][dd] << 16) |
+             (static_cast<std::uint32_t>(tile[k + 9][dd]) << 24);
     }
     *reinterpret_cast<uint4*>(out + dd * p.vt_stride + 16 * g) = make_uint4(w[0], w[1], w[2], w[3]);
   }
@@ -795,7 +798,8 @@ __global__ void __launch_bounds__(256) transpose_v_kernel(const __grid_constant_
 // The tensor maps' element type: e4m3 bytes travel as UINT8.
 template <class Cfg>
 constexpr CUtensorMapDataType map_dtype() {
-  return Cfg::kFp8 ? CU_TENSOR_MAP_DATA_TYPE_UINT8 : Cfg::kBf16 ? CU_TENSOR_MAP_DATA_TYPE_BFLOAT16 : CU_TENSOR_MAP_DATA_TYPE_FLOAT16;
+  if (Cfg::kFp8) return CU_TENSOR_MAP_DATA_TYPE_UINT8;
+  return Cfg::kBf16 ? CU_TENSOR_MAP_DATA_TYPE_BFLOAT16 : CU_TENSOR_MAP_DATA_TYPE_FLOAT16;
 }
 
 // cuTensorMapEncodeTiled from the driver through the runtime's entry-point query (no -lcuda).
@@ -813,8 +817,8 @@ inline PFN_cuTensorMapEncodeTiled_v12000 tensor_map_encoder() {
 }
 
 // 3-D map (d, head, row) over one sequence's rows of a [s, h, d] tensor with element strides;
-// boxes of [box_rows][128 bytes] with 128B swizzle; rows past `rows` read as zero. A dimension of
-// extent 1 is never stepped over, so its stride is replaced by a valid one (TMA wants
+// boxes of [box_rows][128 bytes] with 128B swizzle; rows past `rows` read as zero. A dimension
+// of extent 1 is never stepped over, so its stride is replaced by a valid one (TMA wants
 // multiples of 16).
 template <class Cfg>
 bool encode_map(CUtensorMap* map, const void* base, std::int64_t rows, int heads, std::int64_t row_stride,
@@ -828,8 +832,8 @@ bool encode_map(CUtensorMap* map, const void* base, std::int64_t rows, int heads
   const cuuint32_t box[3] = {Cfg::kHalfDim, 1, static_cast<cuuint32_t>(box_rows)};
   const cuuint32_t elem_strides[3] = {1, 1, 1};
   const CUresult r = tensor_map_encoder()(
-      map, map_dtype<Cfg>(), 3, const_cast<void*>(base),
-      dims, strides, box, elem_strides, CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
+      map, map_dtype<Cfg>(), 3, const_cast<void*>(base), dims, strides, box, elem_strides,
+      CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
       CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
   return r == CUDA_SUCCESS;
 }
@@ -851,8 +855,8 @@ bool encode_cache_map(CUtensorMap* map, const void* base, std::int64_t pages, in
   const cuuint32_t box[4] = {Cfg::kHalfDim, 1, static_cast<cuuint32_t>(paged_box_rows(page_size)), 1};
   const cuuint32_t elem_strides[4] = {1, 1, 1, 1};
   const CUresult r = tensor_map_encoder()(
-      map, map_dtype<Cfg>(), 4, const_cast<void*>(base),
-      dims, strides, box, elem_strides, CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
+      map, map_dtype<Cfg>(), 4, const_cast<void*>(base), dims, strides, box, elem_strides,
+      CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
       CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
   return r == CUDA_SUCCESS;
 }
