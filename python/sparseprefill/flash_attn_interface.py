@@ -6,8 +6,8 @@ flash_attn_with_kvcache), plus policy= (Dense() by default) and layer= (for stat
 
 FP8 as FA3 takes it: torch.float8_e4m3fn q, k, v with optional float32 q_descale, k_descale,
 v_descale [batch, h_kv] (attention on q * q_descale[b, h // group], k * k_descale[b, kv head],
-v * v_descale[b, kv head]); out is bfloat16. Policies dense and block_sparse, host backends
-(docs/semantics.md §1).
+v * v_descale[b, kv head]); out is bfloat16. Policies dense and block_sparse, on the CPU backend and,
+on a compute capability 9.0 GPU with head_dim 128, the Hopper kernel (docs/semantics.md §1).
 
 Accepted and ignored (performance knobs): deterministic, num_splits, pack_gqa, sm_margin,
 scheduler_metadata. Raised as UnsupportedError naming the argument: dropout_p != 0,
