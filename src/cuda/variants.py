@@ -22,7 +22,7 @@ Hopper forward kernel has one more axis:
             through the block table) differ at compile time, so the contiguous instances keep
             exactly the code they had before paged K/V ran there.
 and one more dtype, fp8 (e4m3 inputs, bf16 output, d = 128, contiguous K/V: one instance; e4m3
-wgmma, V transposed by the launch; dense and block_sparse only, DESIGN.md §2).
+wgmma, V transposed by the launch; dense and block_sparse only, docs/semantics.md §1).
 """
 
 import argparse
