@@ -83,6 +83,19 @@ def translation_unit(kernel_header, body):
             + "}\n\n}  // namespace sparseprefill::cuda\n")
 
 
+def fwd90_unit(name, config):
+    """A Hopper forward instance's .cu file: `name` launching sm90::launch_fwd<`config`>."""
+    call = f"  return sm90::launch_fwd<{config}>("
+    args = "params, host_seqs, host_block_table, upload, stream);\n"
+    if len(call) + len(args) > 121:  # the 120-column limit: the last argument on its own line
+        args = "params, host_seqs, host_block_table, upload,\n" + " " * len(call) + "stream);\n"
+    return translation_unit(
+        "cuda/kernel/sm90/fwd_kernel.cuh",
+        "static_assert(sizeof(sm90::SeqMaps) == kFwd90MapBytesPerSeq);\n\n"
+        f"int {name}(const FwdParams& params, const SeqInfo* host_seqs, const std::int32_t* host_block_table,\n"
+        f"{' ' * (len(name) + 5)}const HostUpload& upload, void* stream) {{\n" + call + args)
+
+
 def expected_files():
     files = {}
     registry = [HEADER, "// SP_FWD_VARIANT(launch function, DType enumerator, head_dim)\n",
@@ -126,22 +139,10 @@ def expected_files():
             enum, is_bf16 = DTYPES[dtype]
             for d in SM90_HEAD_DIMS:
                 name = fwd90_name(dtype, d, paged)
-                config = f"sm90::FwdConfig<{is_bf16}, {d}{', true' if paged else ''}>"
-                files[f"{name}.cu"] = translation_unit(
-                    "cuda/kernel/sm90/fwd_kernel.cuh",
-                    "static_assert(sizeof(sm90::SeqMaps) == kFwd90MapBytesPerSeq);\n\n"
-                    f"int {name}(const FwdParams& params, const SeqInfo* host_seqs, const std::int32_t* host_block_table,\n"
-                    f"{' ' * (len(name) + 5)}const HostUpload& upload, void* stream) {{\n"
-                    f"  return sm90::launch_fwd<{config}>(params, host_seqs, host_block_table, upload, stream);\n")
+                files[f"{name}.cu"] = fwd90_unit(name, f"sm90::FwdConfig<{is_bf16}, {d}{', true' if paged else ''}>")
                 registry.append(f"SP_FWD90_VARIANT({name}, {enum}, {d}, {'true' if paged else 'false'})\n")
     name = fwd90_name("fp8", 128, False)
-    files[f"{name}.cu"] = translation_unit(
-        "cuda/kernel/sm90/fwd_kernel.cuh",
-        "static_assert(sizeof(sm90::SeqMaps) == kFwd90MapBytesPerSeq);\n\n"
-        f"int {name}(const FwdParams& params, const SeqInfo* host_seqs, const std::int32_t* host_block_table,\n"
-        f"{' ' * (len(name) + 5)}const HostUpload& upload, void* stream) {{\n"
-        f"  return sm90::launch_fwd<sm90::FwdConfig<true, 128, false, true>>(params, host_seqs, host_block_table, upload,\n"
-        f"                                                                  stream);\n")
+    files[f"{name}.cu"] = fwd90_unit(name, "sm90::FwdConfig<true, 128, false, true>")
     registry.append(f"SP_FWD90_VARIANT({name}, kFP8E4M3, 128, false)\n")
     for dtype in SM90_DTYPES:
         enum, is_bf16 = DTYPES[dtype]
