@@ -87,7 +87,7 @@ grep -E "tests passed|Failed|\*\*\*" "$out/tests.log" | tail -20 | tee -a "$summ
 test_bin=$build/tests/cuda/cuda_attention_test
 sanitizer() {
   timeout 240 compute-sanitizer --tool memcheck --error-exitcode 3 "$test_bin" \
-    --gtest_filter="${SP_MEMCHECK_FILTER:-CudaDense.GqaGroups*:CudaDense.VarlenChunked*:CudaBlockSparse.AllVisible*:CudaExactGate.MinusInfinity*:CudaEstimateSelect.VarlenBatchOfTwo:CudaPermuteStop.Varlen*:CudaPermuteStop.NaNValues*:CudaFp8.*}"
+    --gtest_filter="${SP_MEMCHECK_FILTER:-CudaDense.GqaGroups*:CudaDense.VarlenChunked*:CudaBlockSparse.AllVisible*:CudaExactGate.MinusInfinity*:CudaEstimateSelect.VarlenBatchOfTwo:CudaPermuteStop.Varlen*:CudaPermuteStop.NaNValues*:CudaFp8.*:CudaPaged.DenseShortCaches*}"
   echo "memcheck rc=$?"
   timeout 180 compute-sanitizer --tool racecheck --error-exitcode 3 "$test_bin" \
     --gtest_filter='CudaExactGate.MinusInfinity*:CudaSoftmaxSkip.OffWhen*:CudaPermuteStop.TauZero*:CudaEstimateSelect.VarlenBatchOfTwo'

@@ -33,21 +33,26 @@ Status cuda_status(cudaError_t err, const std::string& what) {
 
 #define SP_CUDA_TRY(expr, what) SP_RETURN_IF_ERROR(cuda_status((expr), (what)))
 
-// One memory pool per device that keeps freed memory for the next call (a release threshold
-// of "never"), so per-call scratch costs no cudaMalloc after the first call.
-Status pool_for(int device, cudaMemPool_t* pool) {
+// Two memory pools per device. Per-call scratch comes from one that keeps freed memory for the
+// next call (a release threshold of "never"), so it costs no cudaMalloc after the first call.
+// Staged paged K/V (plan_kv_staging: up to a layer's whole K/V) comes from one that returns
+// its memory to the device at the next synchronisation (threshold 0), so that a long prefill
+// does not hold it afterwards; calls between synchronisations reuse it in stream order.
+enum class PoolKind { kScratch, kStaging };
+Status pool_for(int device, PoolKind kind, cudaMemPool_t* pool) {
   static std::mutex mutex;
-  static std::vector<cudaMemPool_t> pools;
+  static std::vector<cudaMemPool_t> pools[2];
   std::lock_guard<std::mutex> lock(mutex);
-  if (device >= static_cast<int>(pools.size())) pools.resize(static_cast<std::size_t>(device) + 1, nullptr);
-  cudaMemPool_t& p = pools[static_cast<std::size_t>(device)];
+  std::vector<cudaMemPool_t>& of_kind = pools[static_cast<int>(kind)];
+  if (device >= static_cast<int>(of_kind.size())) of_kind.resize(static_cast<std::size_t>(device) + 1, nullptr);
+  cudaMemPool_t& p = of_kind[static_cast<std::size_t>(device)];
   if (p == nullptr) {
     cudaMemPoolProps props{};
     props.allocType = cudaMemAllocationTypePinned;
     props.location.type = cudaMemLocationTypeDevice;
     props.location.id = device;
     SP_CUDA_TRY(cudaMemPoolCreate(&p, &props), "cudaMemPoolCreate");
-    std::uint64_t keep = ~std::uint64_t{0};
+    std::uint64_t keep = kind == PoolKind::kScratch ? ~std::uint64_t{0} : 0;
     SP_CUDA_TRY(cudaMemPoolSetAttribute(p, cudaMemPoolAttrReleaseThreshold, &keep), "cudaMemPoolSetAttribute");
   }
   *pool = p;
@@ -130,11 +135,13 @@ MetadataCache& metadata_cache() {
 
 // Stream-ordered scratch of one call: allocated from the device's pool on the call's stream
 // and freed on it when the call returns (the frees are ordered after the kernels). Under CUDA
-// graph capture these become the graph's allocation and free nodes.
+// graph capture these become the graph's allocation and free nodes. `cache_metadata` false:
+// uploads bypass the metadata cache (the call's tensors are staged copies whose addresses
+// need not repeat, so caching their tensor maps would only fill the cache).
 class Scratch {
  public:
-  Scratch(cudaStream_t stream, cudaMemPool_t pool, int device, bool capturing)
-      : stream_(stream), pool_(pool), device_(device), capturing_(capturing) {}
+  Scratch(cudaStream_t stream, cudaMemPool_t pool, int device, bool capturing, bool cache_metadata = true)
+      : stream_(stream), pool_(pool), device_(device), capturing_(capturing), cache_metadata_(cache_metadata) {}
   Scratch(const Scratch&) = delete;
   Scratch& operator=(const Scratch&) = delete;
   ~Scratch() {
@@ -163,7 +170,7 @@ class Scratch {
   Status upload_bytes(const void* host, std::size_t bytes, const void** out) {
     *out = nullptr;
     if (bytes == 0) return {};
-    SP_RETURN_IF_ERROR(metadata_cache().find_or_add(device_, host, bytes, capturing_, stream_, out));
+    if (cache_metadata_) SP_RETURN_IF_ERROR(metadata_cache().find_or_add(device_, host, bytes, capturing_, stream_, out));
     if (*out != nullptr) return {};
     if (capturing_) {
       return unsupported("cuda_stream: is capturing a CUDA graph, and this call's metadata (" + std::to_string(bytes) +
@@ -199,6 +206,7 @@ class Scratch {
   cudaMemPool_t pool_;
   int device_;
   bool capturing_;
+  bool cache_metadata_;
   std::vector<void*> owned_;
 };
 
@@ -224,6 +232,8 @@ Status launch_status(int err, const char* name) {
 // whether calls are sent to the portable path.
 thread_local std::string t_last_fwd_instance;
 thread_local bool t_portable_only = false;
+thread_local KvStagingForTesting t_kv_staging = KvStagingForTesting::kAuto;
+thread_local bool t_last_staged = false;
 
 // The device's compute capability (choose_fwd_path needs it).
 Status compute_capability(int device, int* major, int* minor) {
@@ -544,7 +554,7 @@ Status make_plan_state(const AttentionProblem& problem, const ProblemShape& shap
   // The device's memory pool is created on its first use, which a capturing stream forbids:
   // create it here, so that the plan's first run may be captured.
   cudaMemPool_t pool = nullptr;
-  SP_RETURN_IF_ERROR(pool_for(shape.device.index, &pool));
+  SP_RETURN_IF_ERROR(pool_for(shape.device.index, PoolKind::kScratch, &pool));
   auto state = std::make_shared<PlanState>();
   state->device = shape.device.index;
   state->seqs_host = contiguous_output_seqs(problem, shape);
@@ -577,7 +587,7 @@ Status select_cuda(const AttentionProblem& problem, const ProblemShape& shape, c
   DeviceGuard guard;
   SP_RETURN_IF_ERROR(guard.enter(shape.device.index));
   cudaMemPool_t pool = nullptr;
-  SP_RETURN_IF_ERROR(pool_for(shape.device.index, &pool));
+  SP_RETURN_IF_ERROR(pool_for(shape.device.index, PoolKind::kScratch, &pool));
   const auto stream = static_cast<cudaStream_t>(options.cuda_stream);
   bool capturing = false;
   SP_RETURN_IF_ERROR(is_capturing(stream, &capturing));
@@ -604,33 +614,23 @@ Status can_run_cuda(const ProblemShape& shape, const Policy& policy) {
 
 std::string last_fwd_instance_for_testing() { return t_last_fwd_instance; }
 void set_portable_only_for_testing(bool portable_only) { t_portable_only = portable_only; }
+void set_kv_staging_for_testing(KvStagingForTesting mode) { t_kv_staging = mode; }
+bool last_call_staged_kv_for_testing() { return t_last_staged; }
 
 std::string cuda_build_info() {
   return std::string("cuda architectures (portable path): ") + SP_CUDA_ARCHS + "; Hopper path: 90a-real\n" + "cuda kernels: " +
          support_summary() + "\n" + compiled_instances();
 }
 
-Status run_cuda(const AttentionProblem& problem, const ProblemShape& shape, const Policy& policy,
-                const AttentionOutput& output, const RunOptions& options, Decisions* decisions,
-                const PlanState* plan) {
-  int block_k = 0;
-  SP_RETURN_IF_ERROR(check_support(shape, policy, &block_k));
-  SP_RETURN_IF_ERROR(check_layout(problem, output));
+namespace {
+
+// run_cuda after its checks, on the call's device, with K/V as the kernels read them (staged
+// K/V: varlen rows in transient buffers, hence `cache_metadata` false).
+Status run_checked(const AttentionProblem& problem, const ProblemShape& shape, const Policy& policy, int block_k,
+                   const AttentionOutput& output, cudaStream_t stream, cudaMemPool_t pool, bool capturing,
+                   bool cache_metadata, Decisions* decisions, const PlanState* plan) {
   const FwdVariant* fwd = find_fwd(shape.dtype, shape.d);
-  DeviceGuard guard;
-  SP_RETURN_IF_ERROR(guard.enter(shape.device.index));
-  cudaMemPool_t pool = nullptr;
-  SP_RETURN_IF_ERROR(pool_for(shape.device.index, &pool));
-  const auto stream = static_cast<cudaStream_t>(options.cuda_stream);
-  // Under CUDA graph capture every device operation becomes a graph node; metadata comes from
-  // the cache (Scratch::upload_bytes), and nothing may be read back to the host.
-  bool capturing = false;
-  SP_RETURN_IF_ERROR(is_capturing(stream, &capturing));
-  if (capturing && decisions != nullptr) {
-    return unsupported("cuda_stream: is capturing a CUDA graph, so decisions and statistics cannot be read back; "
-                       "request none under capture");
-  }
-  Scratch scratch(stream, pool, shape.device.index, capturing);
+  Scratch scratch(stream, pool, shape.device.index, capturing, cache_metadata);
 
   FwdParams p = make_fwd_params(problem, shape, output, block_k);
   const std::vector<SeqInfo> seqs = make_seq_infos(problem, shape, output);
@@ -779,6 +779,83 @@ Status run_cuda(const AttentionProblem& problem, const ProblemShape& shape, cons
   return {};
 }
 
+// Paged K/V copied into contiguous varlen rows from `scratch` (kernel/stage_kv.cuh): *staged
+// is `problem` with k and v viewing them, [staging.rows, h_kv, d].
+Status stage_kv_rows(const AttentionProblem& problem, const ProblemShape& shape, const KvStaging& staging,
+                     const AttentionOutput& output, Scratch* scratch, cudaStream_t stream, AttentionProblem* staged) {
+  const ProblemShape to = staged_shape(shape, staging);
+  const std::size_t elem = dtype_size(shape.dtype);
+  std::uint8_t* rows[2] = {nullptr, nullptr};
+  for (std::uint8_t*& r : rows) SP_RETURN_IF_ERROR(scratch->alloc(staging.bytes / 2, &r));
+  *staged = problem;
+  staged->k = TensorView::contiguous(rows[0], shape.dtype, {staging.rows, shape.h_kv, shape.d}, shape.device);
+  staged->v = TensorView::contiguous(rows[1], shape.dtype, {staging.rows, shape.h_kv, shape.d}, shape.device);
+  const std::vector<SeqInfo> seqs = make_seq_infos(*staged, to, output);
+  const std::vector<std::int32_t> table = compact_block_table(problem, shape);
+  StageKvParams sp{};
+  const TensorView* caches[2] = {&problem.k, &problem.v};
+  for (int i = 0; i < 2; ++i) {
+    sp.src[i] = caches[i]->data;
+    sp.dst[i] = rows[i];
+    sp.page_stride[i] = caches[i]->stride[0];
+    sp.row_stride[i] = caches[i]->stride[1];
+    sp.head_stride[i] = caches[i]->stride[2];
+  }
+  SP_RETURN_IF_ERROR(scratch->upload(table, &sp.block_table));
+  SP_RETURN_IF_ERROR(scratch->upload(seqs, &sp.seqs));
+  sp.table_stride = block_table_stride(shape);
+  sp.page_size = shape.page_size;
+  sp.batch = shape.batch;
+  sp.h_kv = shape.h_kv;
+  sp.elem_bytes = static_cast<int>(elem);
+  sp.row_chunks = static_cast<int>(static_cast<std::size_t>(shape.d) * elem / 16);
+  sp.max_s_k = shape.max_seq_k();
+  return launch_status(stage_paged_kv(sp, stream), "stage_kv_sm80");
+}
+
+}  // namespace
+
+Status run_cuda(const AttentionProblem& problem, const ProblemShape& shape, const Policy& policy,
+                const AttentionOutput& output, const RunOptions& options, Decisions* decisions,
+                const PlanState* plan) {
+  int block_k = 0;
+  SP_RETURN_IF_ERROR(check_support(shape, policy, &block_k));
+  SP_RETURN_IF_ERROR(check_layout(problem, output));
+  DeviceGuard guard;
+  SP_RETURN_IF_ERROR(guard.enter(shape.device.index));
+  cudaMemPool_t pool = nullptr;
+  SP_RETURN_IF_ERROR(pool_for(shape.device.index, PoolKind::kScratch, &pool));
+  const auto stream = static_cast<cudaStream_t>(options.cuda_stream);
+  // Under CUDA graph capture every device operation becomes a graph node; metadata comes from
+  // the cache (Scratch::upload_bytes), and nothing may be read back to the host.
+  bool capturing = false;
+  SP_RETURN_IF_ERROR(is_capturing(stream, &capturing));
+  if (capturing && decisions != nullptr) {
+    return unsupported("cuda_stream: is capturing a CUDA graph, so decisions and statistics cannot be read back; "
+                       "request none under capture");
+  }
+  t_last_staged = false;
+  // Paged K/V: staged into contiguous rows when plan_kv_staging finds the copy cheaper than
+  // reading pages in the kernels, never under capture (a graph would own the buffers' memory).
+  KvStaging staging;
+  if (shape.kv_layout == KvLayout::kPaged && !capturing && t_kv_staging != KvStagingForTesting::kNever) {
+    std::size_t free_bytes = 0, total_bytes = 0;
+    SP_CUDA_TRY(cudaMemGetInfo(&free_bytes, &total_bytes), "cudaMemGetInfo");
+    staging = plan_kv_staging(shape, policy, free_bytes);
+    if (t_kv_staging == KvStagingForTesting::kAlways) staging.stage = staging.rows > 0;
+  }
+  if (!staging.stage) return run_checked(problem, shape, policy, block_k, output, stream, pool, capturing, true, decisions, plan);
+  cudaMemPool_t staging_pool = nullptr;
+  SP_RETURN_IF_ERROR(pool_for(shape.device.index, PoolKind::kStaging, &staging_pool));
+  Scratch buffers(stream, staging_pool, shape.device.index, capturing, false);  // freed after the call's kernels
+  AttentionProblem staged;
+  SP_RETURN_IF_ERROR(stage_kv_rows(problem, shape, staging, output, &buffers, stream, &staged));
+  SP_RETURN_IF_ERROR(run_checked(staged, staged_shape(shape, staging), policy, block_k, output, stream, pool, capturing,
+                                 false, decisions, plan));
+  t_last_staged = true;
+  return {};
+}
+
 // ---------------------------------------------------------------- calibration statistics
 
 namespace {
@@ -793,7 +870,7 @@ struct StatisticsCall {
   Status enter(const AttentionProblem& sample, const ProblemShape& shape, void* cuda_stream) {
     SP_RETURN_IF_ERROR(check_qk_layout(sample));
     SP_RETURN_IF_ERROR(guard.enter(shape.device.index));
-    SP_RETURN_IF_ERROR(pool_for(shape.device.index, &pool));
+    SP_RETURN_IF_ERROR(pool_for(shape.device.index, PoolKind::kScratch, &pool));
     stream = static_cast<cudaStream_t>(cuda_stream);
     cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
     SP_CUDA_TRY(cudaStreamIsCapturing(stream, &capture), "cudaStreamIsCapturing");

@@ -55,5 +55,11 @@ std::string cuda_build_info();
 // (choose_fwd_path) decides.
 std::string last_fwd_instance_for_testing();
 void set_portable_only_for_testing(bool portable_only);
+// Likewise for paged K/V: whether calls stage it into contiguous rows as plan_kv_staging
+// decides (kAuto), always (outside graph capture) or never, and whether the last successful
+// run_cuda staged.
+enum class KvStagingForTesting { kAuto, kAlways, kNever };
+void set_kv_staging_for_testing(KvStagingForTesting mode);
+bool last_call_staged_kv_for_testing();
 
 }  // namespace sparseprefill::cuda

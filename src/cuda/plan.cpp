@@ -3,6 +3,7 @@
 // BlockMask conversions. Pure host code (g++), no CUDA headers.
 #include "cuda/plan.h"
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <string>
@@ -307,6 +308,78 @@ std::vector<std::int32_t> compact_block_table(const AttentionProblem& problem, c
     }
   }
   return table;
+}
+
+namespace {
+
+// (query, key) pairs the mask lets a sequence's queries see: row i of a causal call sees
+// keys 0 .. i + s_k - s_q (bottom-right aligned).
+double visible_pairs(std::int64_t s_q, std::int64_t s_k, bool causal) {
+  if (s_q <= 0 || s_k <= 0) return 0.0;
+  if (!causal) return static_cast<double>(s_q) * static_cast<double>(s_k);
+  const std::int64_t first = geom::max64(0, s_q - s_k);  // the first row that sees a key
+  const double rows = static_cast<double>(s_q - first);
+  // Row i sees i + s_k - s_q + 1 keys: from first + s_k - s_q + 1 up to s_k.
+  return rows * (static_cast<double>(first + s_k - s_q + 1) + static_cast<double>(s_k)) / 2.0;
+}
+
+}  // namespace
+
+KvStaging plan_kv_staging(const ProblemShape& shape, const Policy& policy, std::size_t free_bytes) {
+  // Dense attention FLOP/s over copy bytes/s on the H200: 558 TFLOP/s (bf16 causal 128K, record
+  // 2026-11-29-h200-fp8-hopper-dense) over the staging copy's 3.5 TB/s (record
+  // 2026-11-29-h200-paged-staging).
+  constexpr double kFlopsPerCopyByte = 160.0;
+  // The lightest block-table reading measured in the kernels: 1.10x the contiguous time
+  // (Hopper, gathered 16- and 32-key pages, record 2026-11-29-h200-paged-gathered-32-key-pages;
+  // the portable kernel costs 1.08-1.56x, record 2026-11-29-h200-portable-sm80-paged-tiles).
+  constexpr double kGatheredCost = 0.10;
+  constexpr double kSparseDensity = 0.05;
+  constexpr int kMaxBatch = 65535;  // the copy's grid.y
+  KvStaging out;
+  if (shape.kv_layout != KvLayout::kPaged || shape.batch > kMaxBatch) return out;
+  double pairs = 0.0;
+  out.k_start.resize(static_cast<std::size_t>(shape.batch));
+  for (int b = 0; b < shape.batch; ++b) {
+    const auto u = static_cast<std::size_t>(b);
+    out.k_start[u] = out.rows;
+    out.rows += shape.seq_k[u];
+    pairs += visible_pairs(shape.seq_q[u], shape.seq_k[u], shape.causal);
+  }
+  const std::size_t row_bytes = static_cast<std::size_t>(shape.h_kv) * static_cast<std::size_t>(shape.d) *
+                                dtype_size(shape.dtype);
+  out.bytes = 2 * static_cast<std::size_t>(out.rows) * row_bytes;
+  if (out.rows == 0 || pairs == 0.0) return out;
+  const double density = std::visit(
+      [&](const auto& p) -> double {
+        using P = std::decay_t<decltype(p)>;
+        if constexpr (std::is_same_v<P, BlockSparseParams>) {
+          double kept = 0.0;
+          for (std::size_t r = 0; r < p.mask.full_count.size(); ++r) {
+            kept += static_cast<double>(p.mask.full_count[r]) + static_cast<double>(p.mask.partial_count[r]);
+          }
+          const double units = p.mask.per_kv_head ? shape.h_kv : shape.h_q;
+          const double visible = pairs * units / (static_cast<double>(p.mask.block_q) * p.mask.block_k);
+          return visible > 0.0 ? std::min(1.0, kept / visible) : 1.0;
+        } else if constexpr (std::is_same_v<P, EstimateSelectParams> || std::is_same_v<P, PermuteStopParams>) {
+          return kSparseDensity;
+        } else {
+          return 1.0;
+        }
+      },
+      policy);
+  const double attention_flops = 4.0 * shape.d * shape.h_q * pairs * density;
+  const double copy_bytes = 2.0 * static_cast<double>(out.bytes);  // read and write
+  out.stage = copy_bytes * kFlopsPerCopyByte <= kGatheredCost * attention_flops && out.bytes <= free_bytes / 4;
+  return out;
+}
+
+ProblemShape staged_shape(const ProblemShape& shape, const KvStaging& staging) {
+  ProblemShape s = shape;
+  s.kv_layout = KvLayout::kVarlen;
+  s.page_size = 0;
+  s.k_start = staging.k_start;
+  return s;
 }
 
 CompactMask compact_mask(const BlockMask& mask) {

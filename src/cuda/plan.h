@@ -4,6 +4,7 @@
 // conversions between BlockMask and the kernels' device formats.
 #pragma once
 
+#include <cstddef>
 #include <cstdint>
 #include <string>
 #include <vector>
@@ -79,6 +80,27 @@ FwdParams make_fwd_params(const AttentionProblem& problem, const ProblemShape& s
 // only what is read.
 std::int64_t block_table_stride(const ProblemShape& shape);
 std::vector<std::int32_t> compact_block_table(const AttentionProblem& problem, const ProblemShape& shape);
+
+// Paged K/V staged into contiguous rows before the call (kernel/stage_kv.cuh; docs/cuda.md,
+// "Staging paged K/V"): the forward call then reads [Σ seq_k, h_kv, d] varlen K/V, so it runs
+// the contiguous kernels, bit for bit their results.
+struct KvStaging {
+  bool stage = false;
+  std::vector<std::int64_t> k_start;  // [batch] first staged row of each sequence
+  std::int64_t rows = 0;              // Σ seq_k
+  std::size_t bytes = 0;              // staged K and V together
+};
+// Stages when the copy (read and write of every used K/V row) is estimated to cost less than
+// the lightest block-table reading measured inside the kernels (kGatheredCost of the call's
+// attention time), and the staged rows need at most a quarter of `free_bytes` (the device's
+// free memory: a full device declines, and the kernels read the pages directly). The attention
+// time counts the visible (query, key) pairs at the dense rate, times the policy's density:
+// a block mask's own, an assumed 5% for estimate_select and permute_stop (the densities their
+// papers run at), 1 for dense and the gates (which compute every Q·Kᵀ tile). Not paged, or an
+// empty call: no staging.
+KvStaging plan_kv_staging(const ProblemShape& shape, const Policy& policy, std::size_t free_bytes);
+// The shape of the staged call: varlen K/V with rows from staging.k_start, no pages.
+ProblemShape staged_shape(const ProblemShape& shape, const KvStaging& staging);
 
 // A BlockMask in the kernels' compact layout: counts as in the mask, each row's indices
 // packed after the previous row's (starts per row).

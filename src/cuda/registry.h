@@ -40,6 +40,9 @@ struct SortPairs {
 // Sorts (or, with s.temp == nullptr, sets *temp_bytes only, enqueuing nothing); *current is the
 // pair index holding the result. Returns a cudaError_t value. One instance, every dtype.
 int permute_sort_pairs(const SortPairs& s, std::size_t* temp_bytes, int* current, void* stream);
+// Paged K/V copied into contiguous rows (kernel/stage_kv.cuh). Returns a cudaError_t value.
+// One instance, every dtype.
+int stage_paged_kv(const StageKvParams& params, void* stream);
 // Copies `bytes` of host memory into device memory that stays valid and unchanged until the
 // launch has run — and, under CUDA graph capture, for every replay — and returns it in
 // *device, 64-byte aligned. Returns a cudaError_t value (0 = success) or kUploadRefused.

@@ -12,12 +12,12 @@ Axes (each one multiplies the compile time of CI's 2 cores; add one only with a 
 Everything else (policy, causal, block_k 64 or 128, mean correction) is a runtime value: the
 kernel branches on it once per block, outside the inner loops.
 
-Two kernel families: the portable sm80 path (FWD/SELECT/PERMUTE/CALIB plus permute_stop's one
-dtype-free sort instance, every architecture of SP_PORTABLE_ARCHS) and the Hopper sm90 path
-(FWD90: dense and every policy on 128-key blocks; PERMUTE90: permute_stop's attention with
-128-key chunks, after the portable instance's ranking; compiled for sm_90a alone; file names
-contain "sm90", which src/cuda/CMakeLists.txt uses to build them as their own target). The
-Hopper forward kernel has one more axis:
+Two kernel families: the portable sm80 path (FWD/SELECT/PERMUTE/CALIB plus two dtype-free
+instances, permute_stop's sort and the paged K/V staging copy, every architecture of
+SP_PORTABLE_ARCHS) and the Hopper sm90 path (FWD90: dense and every policy on 128-key blocks;
+PERMUTE90: permute_stop's attention with 128-key chunks, after the portable instance's ranking;
+compiled for sm_90a alone; file names contain "sm90", which src/cuda/CMakeLists.txt uses to
+build them as their own target). The Hopper forward kernel has one more axis:
   kv        contiguous or paged: the producer's K/V loads (contiguous tensor maps, or boxes
             through the block table) differ at compile time, so the contiguous instances keep
             exactly the code they had before paged K/V ran there.
@@ -51,6 +51,8 @@ def permute_name(dtype, d):
 
 # permute_stop's segmented sorts are dtype-free: one CUB instance for every variant.
 PERMUTE_SORT = "permute_sort_sm80"
+# Staging paged K/V into contiguous rows copies 16-byte chunks: one instance for every variant.
+STAGE_KV = "stage_kv_sm80"
 
 
 def calib_name(dtype, d):
@@ -134,6 +136,10 @@ def expected_files():
         "cuda/kernel/permute_sort.cuh",
         "int permute_sort_pairs(const SortPairs& s, std::size_t* temp_bytes, int* current, void* stream) {\n"
         "  return permute::sort_pairs_descending(s, temp_bytes, current, stream);\n")
+    files[f"{STAGE_KV}.cu"] = translation_unit(
+        "cuda/kernel/stage_kv.cuh",
+        "int stage_paged_kv(const StageKvParams& params, void* stream) {\n"
+        "  return stage::launch_stage_paged_kv(params, stream);\n")
     for paged in SM90_KV:
         for dtype in SM90_DTYPES:
             enum, is_bf16 = DTYPES[dtype]

@@ -74,6 +74,18 @@ class PortableOnly {
   PortableOnly& operator=(const PortableOnly&) = delete;
 };
 
+// Paged K/V staged into contiguous rows (always) or read through the table (never) for the
+// guard's lifetime, whatever plan_kv_staging would decide.
+class StagedKv {
+ public:
+  explicit StagedKv(bool on) {
+    cuda::set_kv_staging_for_testing(on ? cuda::KvStagingForTesting::kAlways : cuda::KvStagingForTesting::kNever);
+  }
+  ~StagedKv() { cuda::set_kv_staging_for_testing(cuda::KvStagingForTesting::kAuto); }
+  StagedKv(const StagedKv&) = delete;
+  StagedKv& operator=(const StagedKv&) = delete;
+};
+
 // The forward kernel family the default path must launch for (tp, policy) on this device: the
 // plan's choice (host-tested in cuda_plan_host_test) on an sm_90 device, the portable one elsewhere.
 std::string expected_instance_prefix(const TestProblem& tp, const Policy& policy, bool portable) {
@@ -771,20 +783,22 @@ TestProblem paged_problem(const Inputs& in, int page_size, bool causal = true) {
 }
 
 // The forward kernel `ran` must be for a call whose expected_instance_prefix is `want`: on the
-// Hopper path a paged call runs the paged instance.
+// Hopper path a paged call runs the paged instance, any other call a contiguous one.
 void expect_instance(const std::string& ran, const std::string& want, bool paged) {
   const std::string prefix = paged && want == "fwd_sm90_" ? "fwd_sm90_paged_" : want;
   EXPECT_EQ(ran.rfind(prefix, 0), 0u) << "ran " << ran << ", expected " << prefix << "*";
+  if (!paged) EXPECT_NE(ran.rfind("fwd_sm90_paged_", 0), 0u) << "ran " << ran << " on contiguous K/V";
 }
 
 // `policy` on paged K/V (shuffled pages, NaN in every storage no valid key uses) at every page
 // size of kPageSizes against the same call on contiguous varlen K/V, on both paths (the
-// default one, asserted through the instance that ran, and the portable kernel, forced): the
+// default one, asserted through the instance that ran, and the portable kernel, forced), with
+// the pages read by the kernels and staged into contiguous rows first (both forced): the
 // same decisions (the oracle's and the CPU backend's too), O and LSE bit for bit with the
 // contiguous call on the same kernel (the same tiles reach shared memory, only their
 // addresses differ; the Hopper kernel's paged boxes compose into the contiguous tile, rows
-// past s_k masked as there), every output written and within the calibrated tolerance of the
-// oracle.
+// past s_k masked as there; staged rows are the contiguous rows), every output written and
+// within the calibrated tolerance of the oracle.
 void expect_paged_equals_contiguous(const Inputs& in, const Policy& policy, bool causal = true) {
   TestProblem contiguous = make_problem(in, causal, Layout::kVarlen);
   const ref::Result ref64 = oracle(contiguous, policy);
@@ -806,22 +820,31 @@ void expect_paged_equals_contiguous(const Inputs& in, const Policy& policy, bool
     EXPECT_TRUE(same_decisions(ref64.decisions, w.decisions));
     EXPECT_TRUE(same_decisions(cpu, w.decisions));
   }
-  const bool contiguous_hopper = expected_instance_prefix(contiguous, policy, false) == "fwd_sm90_";
+  const std::string contiguous_prefix[2] = {expected_instance_prefix(contiguous, policy, false),
+                                            expected_instance_prefix(contiguous, policy, true)};
   for (int page : kPageSizes) {
     TestProblem paged = paged_problem(in, page, causal);
-    for (bool portable : {false, true}) {
-      SCOPED_TRACE("page_size " + std::to_string(page) + (portable ? ", portable path" : ", default path"));
-      const PortableOnly guard(portable);
-      const GpuRun got = run_gpu(&paged, policy);
-      ASSERT_TRUE(got.status.ok()) << got.status.to_string();
-      const std::string expected = expected_instance_prefix(paged, policy, portable);
-      expect_instance(cuda::last_fwd_instance_for_testing(), expected, true);
-      const bool hopper = expected == "fwd_sm90_";
-      if (hopper) EXPECT_TRUE(contiguous_hopper);
-      EXPECT_TRUE(fully_written(got.out, ref64));
-      EXPECT_TRUE(close_calibrated(in.dtype, got.out, ref64, lowp));
-      EXPECT_TRUE(same_decisions(ref64.decisions, got.decisions));
-      EXPECT_TRUE(same_result(got.out, want[hopper ? 0 : 1].out, 0.0));
+    for (bool staged : {false, true}) {
+      for (bool portable : {false, true}) {
+        SCOPED_TRACE("page_size " + std::to_string(page) + (staged ? ", staged" : ", pages read in the kernel") +
+                     (portable ? ", portable path" : ", default path"));
+        const PortableOnly guard(portable);
+        const StagedKv staging(staged);
+        const GpuRun got = run_gpu(&paged, policy);
+        ASSERT_TRUE(got.status.ok()) << got.status.to_string();
+        EXPECT_EQ(cuda::last_call_staged_kv_for_testing(), staged);
+        // Staged: the contiguous call's kernel on the staged rows.
+        const std::string expected = expected_instance_prefix(staged ? contiguous : paged, policy, portable);
+        expect_instance(cuda::last_fwd_instance_for_testing(), expected, !staged);
+        EXPECT_TRUE(fully_written(got.out, ref64));
+        EXPECT_TRUE(close_calibrated(in.dtype, got.out, ref64, lowp));
+        EXPECT_TRUE(same_decisions(ref64.decisions, got.decisions));
+        // Bit for bit the contiguous run of the same kernel family (paged permute_stop reads
+        // pages on the portable kernel only).
+        const int same = expected == contiguous_prefix[0] ? 0 : 1;
+        EXPECT_EQ(expected, contiguous_prefix[same]);
+        EXPECT_TRUE(same_result(got.out, want[same].out, 0.0));
+      }
     }
   }
 }

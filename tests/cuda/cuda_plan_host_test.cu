@@ -298,6 +298,70 @@ TEST(CudaPlan, PagedParamsAndTheCompactBlockTable) {
   EXPECT_EQ(compact_block_table(tp.problem(), s).size(), 1u);
 }
 
+// Staging paged K/V: a long prefill stages (the copy is a fraction of a percent of its
+// attention), a short chunk over a long cache or a sparse call does not, a full device does not,
+// and the staged shape reads varlen rows packed sequence after sequence.
+TEST(CudaPlan, PagedKvStagedWhenTheCopyIsCheaperThanReadingPages) {
+  constexpr std::size_t kFree = std::size_t{100} << 30;
+  const auto paged = [](std::vector<std::int64_t> s_q, std::vector<std::int64_t> s_k) {
+    ProblemShape s = shape_of(1, 1, 32, 8, 128);
+    s.batch = static_cast<int>(s_q.size());
+    s.seq_q = s_q;
+    s.seq_k = s_k;
+    s.q_start.assign(s_q.size(), 0);
+    s.k_start.assign(s_q.size(), 0);
+    s.kv_layout = KvLayout::kPaged;
+    s.page_size = 16;
+    return s;
+  };
+  // 32K one shot, Llama-3.1-8B: 256 MiB of K/V read and written against 8.8 TFLOP.
+  const ProblemShape one_shot = paged({32768}, {32768});
+  const KvStaging st = plan_kv_staging(one_shot, DenseParams{}, kFree);
+  EXPECT_TRUE(st.stage);
+  EXPECT_EQ(st.rows, 32768);
+  EXPECT_EQ(st.bytes, std::size_t{2} * 32768 * 8 * 128 * 2);
+  // Not with less than four times the staged bytes free.
+  EXPECT_FALSE(plan_kv_staging(one_shot, DenseParams{}, 4 * st.bytes - 1).stage);
+  EXPECT_TRUE(plan_kv_staging(one_shot, DenseParams{}, 4 * st.bytes).stage);
+  // Contiguous K/V: nothing to stage.
+  ProblemShape contiguous = one_shot;
+  contiguous.kv_layout = KvLayout::kBatched;
+  contiguous.page_size = 0;
+  EXPECT_FALSE(plan_kv_staging(contiguous, DenseParams{}, kFree).stage);
+  // 256 queries over a 128K cache: the copy of the cache would cost more than the reading.
+  EXPECT_FALSE(plan_kv_staging(paged({256}, {131072}), DenseParams{}, kFree).stage);
+  // 8K chunks over a 128K cache stage dense, not sparse (the attention is 20x cheaper there).
+  const ProblemShape chunk = paged({8192}, {131072});
+  EXPECT_TRUE(plan_kv_staging(chunk, DenseParams{}, kFree).stage);
+  EXPECT_TRUE(plan_kv_staging(chunk, SoftmaxSkipParams{}, kFree).stage);
+  EXPECT_FALSE(plan_kv_staging(chunk, EstimateSelectParams{}, kFree).stage);
+  EXPECT_FALSE(plan_kv_staging(chunk, PermuteStopParams{}, kFree).stage);
+  // A block mask's own density counts: every visible block stages like dense, one block per
+  // row does not.
+  BlockSparseParams all;
+  all.mask = BlockMask::all_visible(chunk, 128, 128, false);
+  EXPECT_TRUE(plan_kv_staging(chunk, all, kFree).stage);
+  BlockSparseParams one = all;
+  for (std::size_t r = 0; r < one.mask.full_count.size(); ++r) {
+    one.mask.full_count[r] = std::min(one.mask.full_count[r], 1);
+    one.mask.partial_count[r] = 0;
+  }
+  EXPECT_FALSE(plan_kv_staging(chunk, one, kFree).stage);
+  // Three sequences (one without keys): rows packed in order.
+  const ProblemShape three = paged({16384, 16384, 16384}, {16384, 0, 20000});
+  const KvStaging st3 = plan_kv_staging(three, DenseParams{}, kFree);
+  EXPECT_TRUE(st3.stage);
+  EXPECT_EQ(st3.k_start, (std::vector<std::int64_t>{0, 16384, 16384}));
+  EXPECT_EQ(st3.rows, 36384);
+  const ProblemShape to = staged_shape(three, st3);
+  EXPECT_EQ(to.kv_layout, KvLayout::kVarlen);
+  EXPECT_EQ(to.page_size, 0);
+  EXPECT_EQ(to.k_start, st3.k_start);
+  EXPECT_EQ(to.seq_k, three.seq_k);
+  // Every sequence empty: nothing to copy.
+  EXPECT_FALSE(plan_kv_staging(paged({128}, {0}), DenseParams{}, kFree).stage);
+}
+
 TEST(CudaPlan, TmaDescribesPositiveStridesBelow2To40Bytes) {
   const test::Inputs in = test::random_inputs({{40, 40}, {17, 33}}, 4, 2, 64, DType::kBF16, 11, 1.0);
   test::LayoutOptions varlen;

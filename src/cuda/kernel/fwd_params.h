@@ -67,6 +67,27 @@ constexpr bool gather_offsets_fit(std::int64_t pages, int page_size, std::int64_
   return (pages - 1) * page_stride + last_row < kLimit;
 }
 
+// Paged K/V staged into contiguous rows before the call (plan_kv_staging, plan.h): the
+// rows below s_k of every sequence, read through the block table and written to
+// dst[i] [Σ s_k, h_kv, d] row-major at the forward call's own SeqInfo::k_off / v_off, which
+// then reads them as varlen K/V. Element strides of the caches as in PagedKv.
+struct StageKvParams {
+  const void* src[2];                 // k, v caches [num_pages, page_size, h_kv, d]
+  void* dst[2];                       // staged k, v
+  std::int64_t page_stride[2];        // elements between pages
+  std::int64_t row_stride[2];         // between rows of a page
+  std::int64_t head_stride[2];        // between heads of a row
+  const std::int32_t* block_table;    // compact_block_table, device
+  std::int64_t table_stride;
+  int page_size;
+  const SeqInfo* seqs;                // [batch], device: s_k and the staged k_off / v_off
+  int batch;
+  int h_kv;
+  int elem_bytes;                     // of the dtype
+  int row_chunks;                     // 16-byte chunks per (row, head): d · elem_bytes / 16
+  std::int64_t max_s_k;
+};
+
 struct FwdParams {
   // Tensors. q/o [.., s, h_q, d], k/v [.., s, h_kv, d] in the input dtype (bf16, fp16, or fp8
   // e4m3 with a bf16 o); row and head strides in elements; the last dimension is contiguous
