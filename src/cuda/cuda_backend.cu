@@ -135,13 +135,11 @@ MetadataCache& metadata_cache() {
 
 // Stream-ordered scratch of one call: allocated from the device's pool on the call's stream
 // and freed on it when the call returns (the frees are ordered after the kernels). Under CUDA
-// graph capture these become the graph's allocation and free nodes. `cache_metadata` false:
-// uploads bypass the metadata cache (the call's tensors are staged copies whose addresses
-// need not repeat, so caching their tensor maps would only fill the cache).
+// graph capture these become the graph's allocation and free nodes.
 class Scratch {
  public:
-  Scratch(cudaStream_t stream, cudaMemPool_t pool, int device, bool capturing, bool cache_metadata = true)
-      : stream_(stream), pool_(pool), device_(device), capturing_(capturing), cache_metadata_(cache_metadata) {}
+  Scratch(cudaStream_t stream, cudaMemPool_t pool, int device, bool capturing)
+      : stream_(stream), pool_(pool), device_(device), capturing_(capturing) {}
   Scratch(const Scratch&) = delete;
   Scratch& operator=(const Scratch&) = delete;
   ~Scratch() {
@@ -165,12 +163,12 @@ class Scratch {
     return {};
   }
   // Host bytes in device memory, 64-byte aligned: the metadata cache's copy when it has or can
-  // take one, else a per-call copy (pageable source: staged before cudaMemcpyAsync returns,
+  // take one (`cacheable` false: never, for bytes that will not repeat), else a per-call copy (pageable source: staged before cudaMemcpyAsync returns,
   // so the host buffer may die afterwards) — which a capturing stream cannot record.
-  Status upload_bytes(const void* host, std::size_t bytes, const void** out) {
+  Status upload_bytes(const void* host, std::size_t bytes, const void** out, bool cacheable = true) {
     *out = nullptr;
     if (bytes == 0) return {};
-    if (cache_metadata_) SP_RETURN_IF_ERROR(metadata_cache().find_or_add(device_, host, bytes, capturing_, stream_, out));
+    if (cacheable) SP_RETURN_IF_ERROR(metadata_cache().find_or_add(device_, host, bytes, capturing_, stream_, out));
     if (*out != nullptr) return {};
     if (capturing_) {
       return unsupported("cuda_stream: is capturing a CUDA graph, and this call's metadata (" + std::to_string(bytes) +
@@ -206,7 +204,6 @@ class Scratch {
   cudaMemPool_t pool_;
   int device_;
   bool capturing_;
-  bool cache_metadata_;
   std::vector<void*> owned_;
 };
 
@@ -214,10 +211,11 @@ class Scratch {
 // here and the launch returns kUploadRefused.
 struct UploadContext {
   Scratch* scratch;
+  bool cacheable;  // false: the maps describe staged K/V (run_checked)
   Status status;
   static int call(void* context, const void* host, std::size_t bytes, const void** device) {
     auto* self = static_cast<UploadContext*>(context);
-    Status st = self->scratch->upload_bytes(host, bytes, device);
+    Status st = self->scratch->upload_bytes(host, bytes, device, self->cacheable);
     const int result = st.ok() ? 0 : kUploadRefused;
     std::swap(self->status, st);  // (nvcc flags an assignment of a [[nodiscard]] type as discarded)
     return result;
@@ -625,12 +623,13 @@ std::string cuda_build_info() {
 namespace {
 
 // run_cuda after its checks, on the call's device, with K/V as the kernels read them (staged
-// K/V: varlen rows in transient buffers, hence `cache_metadata` false).
+// K/V: varlen rows in transient buffers whose addresses need not repeat, so `cache_maps` false
+// keeps their Hopper tensor maps out of the metadata cache, which they would only fill).
 Status run_checked(const AttentionProblem& problem, const ProblemShape& shape, const Policy& policy, int block_k,
                    const AttentionOutput& output, cudaStream_t stream, cudaMemPool_t pool, bool capturing,
-                   bool cache_metadata, Decisions* decisions, const PlanState* plan) {
+                   bool cache_maps, Decisions* decisions, const PlanState* plan) {
   const FwdVariant* fwd = find_fwd(shape.dtype, shape.d);
-  Scratch scratch(stream, pool, shape.device.index, capturing, cache_metadata);
+  Scratch scratch(stream, pool, shape.device.index, capturing);
 
   FwdParams p = make_fwd_params(problem, shape, output, block_k);
   const std::vector<SeqInfo> seqs = make_seq_infos(problem, shape, output);
@@ -748,7 +747,7 @@ Status run_checked(const AttentionProblem& problem, const ProblemShape& shape, c
                                            static_cast<std::size_t>(shape.d) * static_cast<std::size_t>(p.vt_stride),
                                        &p.v_t));
     }
-    UploadContext upload_context{&scratch, {}};
+    UploadContext upload_context{&scratch, cache_maps, {}};
     const HostUpload upload{&upload_context, &UploadContext::call};
     const int err = fwd90->launch(p, seqs.data(), paged ? table.data() : nullptr, upload, stream);
     if (err == kUploadRefused) return upload_context.status;
@@ -847,7 +846,7 @@ Status run_cuda(const AttentionProblem& problem, const ProblemShape& shape, cons
   if (!staging.stage) return run_checked(problem, shape, policy, block_k, output, stream, pool, capturing, true, decisions, plan);
   cudaMemPool_t staging_pool = nullptr;
   SP_RETURN_IF_ERROR(pool_for(shape.device.index, PoolKind::kStaging, &staging_pool));
-  Scratch buffers(stream, staging_pool, shape.device.index, capturing, false);  // freed after the call's kernels
+  Scratch buffers(stream, staging_pool, shape.device.index, capturing);  // freed after the call's kernels
   AttentionProblem staged;
   SP_RETURN_IF_ERROR(stage_kv_rows(problem, shape, staging, output, &buffers, stream, &staged));
   SP_RETURN_IF_ERROR(run_checked(staged, staged_shape(shape, staging), policy, block_k, output, stream, pool, capturing,
