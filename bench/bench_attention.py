@@ -23,7 +23,9 @@ Implementations:
          --page-sizes keys in a shuffled order, the same values) at --paged-lengths; and
          chunked prefill at --chunked-lengths: the prompt in chunks of --chunk queries, each
          a call over the prefix so far plus itself (bottom-right causal), every policy, the
-         time of all chunks together against the one-shot rows.
+         time of all chunks together against the one-shot rows (structured inputs too, at
+         --chunked-lengths that are also --structured-lengths: estimate_select+mc told the
+         prompt's length, and permute_stop).
 
 Method:
   - The same inputs for every implementation: q, k, v drawn from randn (never zeros) in bf16,
@@ -720,6 +722,19 @@ class StructuredCase(Case):
         self.time_selection(self.estimate_policy(alpha), target)
         self.ours("ours_permute_stop", "ours permute_stop (τ=0.005)",
                   lib.policy("permute_stop", {"segment": 2048, "tau": 0.005}))
+        if self.n in ints(self.args.chunked_lengths):
+            # Issue 8 on inputs the selectors are sparse on: the prompt in chunks, each over the
+            # keys so far; estimate_select told the prompt's length, so that its tail is the
+            # prompt's (the one-shot call's decisions, docs/semantics.md §1).
+            k = self.args.chunk
+            self.ours("ours_dense_chunked", f"ours dense chunks of {k}", lib.policy("dense"), chunk=k)
+            chunked = self.estimate_policy(self.record["alpha"], mc=True)
+            prompt_len = torch.tensor([self.n], dtype=torch.int32)
+            chunked.set_prompt_len(sp_ctypes.tensor_from_torch(prompt_len), owner=prompt_len)
+            self.ours("ours_estimate_select_mc_chunked", f"ours estimate_select+mc ~{target:.0%} chunks of {k}",
+                      chunked, target=target, chunk=k, extra={"alpha": self.record["alpha"]})
+            self.ours("ours_permute_stop_chunked", f"ours permute_stop (τ=0.005) chunks of {k}",
+                      lib.policy("permute_stop", {"segment": 2048, "tau": 0.005}), chunk=k)
         # Issue 5 reports permute_stop's error against dense beside estimate_select's at the
         # same density: alpha tuned again, to the density permute_stop reached.
         permute = next((r for r in self.record["rows"]

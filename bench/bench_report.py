@@ -210,11 +210,14 @@ def selection_checks(c):
     return checks
 
 
-# Chunked-prefill rows (bench_attention.py --chunked-lengths) and the one-shot row of the
-# same policy.
-CHUNKED = [("ours_exact_gate_chunked", "ours_exact_gate", 0.2),
-           ("ours_softmax_skip_chunked", "ours_softmax_skip", None),
-           ("ours_estimate_select_chunked", "ours_estimate_select", None)]
+# Chunked-prefill rows (bench_attention.py --chunked-lengths; random inputs, and structured
+# inputs for estimate_select+mc and permute_stop) and the one-shot row of the same policy (the
+# same target density).
+CHUNKED = [("ours_exact_gate_chunked", "ours_exact_gate"),
+           ("ours_softmax_skip_chunked", "ours_softmax_skip"),
+           ("ours_estimate_select_chunked", "ours_estimate_select"),
+           ("ours_estimate_select_mc_chunked", "ours_estimate_select_mc"),
+           ("ours_permute_stop_chunked", "ours_permute_stop")]
 
 
 def serving_checks(c):
@@ -233,8 +236,9 @@ def serving_checks(c):
             t = r["ms"] / base["ms"]
             checks.append((f"#8 {impl}: time / contiguous ≤ 1.05", n, t, 1.05, t <= 1.05))
     dense, dense_chunked = find(c, "ours_dense"), find(c, "ours_dense_chunked")
-    for chunked_impl, one_shot_impl, target in CHUNKED:
-        chunked, one_shot = find(c, chunked_impl, target), find(c, one_shot_impl, target)
+    for chunked_impl, one_shot_impl in CHUNKED:
+        chunked = next((r for r in c["rows"] if r["impl"] == chunked_impl and r.get("status") == "ok"), None)
+        one_shot = find(c, one_shot_impl, chunked.get("target")) if chunked else None
         if not (dense and dense_chunked and chunked and one_shot):
             continue
         kept = ratio(dense_chunked, chunked) / ratio(dense, one_shot)

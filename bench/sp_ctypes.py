@@ -134,6 +134,12 @@ class Policy:
         self._lib.check(self._lib.dll.sp_policy_set_thresholds(self.handle, ctypes.byref(t)))
         self.keep_alive.append(owner)
 
+    def set_prompt_len(self, t, owner=None):
+        """estimate_select under chunked prefill: t, a host int32 [b] Tensor view of each
+        prompt's whole length; owner as in set_thresholds."""
+        self._lib.check(self._lib.dll.sp_policy_set_prompt_len(self.handle, ctypes.byref(t)))
+        self.keep_alive.append(owner)
+
     def set_block_mask(self, problem, block_q, block_k, indptr_ptr, num_rows, indices_ptr,
                        num_indices, per_kv_head=False):
         csr = BlockMaskCsr(block_q, block_k, int(per_kv_head), num_rows, indptr_ptr,
@@ -210,6 +216,8 @@ class Library:
         d.sp_policy_destroy.argtypes = [ctypes.c_void_p]
         d.sp_policy_set_thresholds.restype = ctypes.c_int
         d.sp_policy_set_thresholds.argtypes = [ctypes.c_void_p, ctypes.POINTER(Tensor)]
+        d.sp_policy_set_prompt_len.restype = ctypes.c_int
+        d.sp_policy_set_prompt_len.argtypes = [ctypes.c_void_p, ctypes.POINTER(Tensor)]
         d.sp_policy_set_block_mask.restype = ctypes.c_int
         d.sp_policy_set_block_mask.argtypes = [ctypes.c_void_p, ctypes.POINTER(Problem),
                                                ctypes.POINTER(BlockMaskCsr)]

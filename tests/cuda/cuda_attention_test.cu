@@ -404,7 +404,7 @@ TEST(CudaFp8, DenseAndBlockSparseMatchTheOracle) {
   for (const Case& c : {Case{{{300, 300}}, 4, 1, true, Layout::kBatched},
                         Case{{{700, 1100}, {129, 40}, {5, 0}}, 8, 2, true, Layout::kVarlen},
                         Case{{{333, 333}, {333, 333}}, 2, 2, false, Layout::kBatched},
-                        Case{{{1000, 1000}, {257, 900}}, 8, 8, false, Layout::kVarlen}}) {
+                        Case{{{520, 520}, {257, 300}}, 8, 8, false, Layout::kVarlen}}) {
     SCOPED_TRACE(std::to_string(c.lens.size()) + " sequence(s), h_q " + std::to_string(c.h_q) + ", h_kv " +
                  std::to_string(c.h_kv) + (c.causal ? ", causal" : ", non-causal"));
     const Inputs in = random_inputs(c.lens, c.h_q, c.h_kv, 128, DType::kFP8E4M3, 900 + c.h_q, 3.0);
