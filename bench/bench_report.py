@@ -172,6 +172,7 @@ def target_checks(cases):
     for c in cases:
         if structured(c):
             checks += selection_checks(c)
+            checks += serving_checks(c)  # the chunked rows of the selectors
     return checks
 
 
