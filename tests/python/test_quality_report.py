@@ -190,3 +190,21 @@ def test_mean_correction_differences_below_the_kl_floor_are_ties():
     assert "lower in 1, higher in 0, tied in 1" in text
     assert "| 0.4 | 2048 | 0.400 | 0.03 | 0.031 | no | 0.004 | tie |" in text
     assert "(or, without one, of the nearest shorter length)" in text
+
+
+def test_operator_timing_section():
+    d = doc()
+    assert "## Operator time on real activations" not in report.render(d, "r.json", {})
+    d["meta"]["device"] = "cuda"
+    d["operator"]["dense_cuda"] = {"0": {"ms": 0.4, "select_ms": 0.0, "attend_ms": 0.3},
+                                   "1": {"ms": 0.6, "select_ms": 0.0, "attend_ms": 0.5}}
+    d["operator"]["timing_repeats"] = 5
+    for p in d["operator"]["points"]:
+        if p["policy"] == "estimate_select":  # layer 0 and 1: 0.2 and 0.3 ms, selection 0.05 and 0.07
+            p.update({"cuda_ms": 0.2 + 0.1 * p["layer"], "cuda_select_ms": 0.05 + 0.02 * p["layer"],
+                      "cuda_attend_ms": 0.1})
+    text = report.render(d, "r.json", {})
+    assert "Dense: 0.500 ms per call (0.400 ms in its kernel)" in text
+    # Averaged over the two layers: 0.25 ms, 2.00x dense, selection 0.06 ms.
+    assert "| estimate_select | alpha=0.1 | 0.100 | 0.250 | 2.00 | 0.060 | 0.100 |" in text
+    assert "| exact_gate |" not in text.split("## Operator time on real activations")[1].split("##")[0]

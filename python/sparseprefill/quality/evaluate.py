@@ -20,7 +20,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Tuple
 
 import numpy as np
 
@@ -77,7 +77,8 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     p.add_argument("--map-layer", type=int, default=15, help="layer of the attention map figure (-1: none)")
     p.add_argument("--timing-repeats", type=int, default=0,
                    help="prefill timing: timed runs per setting and length after one warm-up (0: not measured; "
-                        "meant for the GPU, where torch SDPA with cuDNN is timed too)")
+                        "meant for the GPU, where torch SDPA with cuDNN is timed too); on a CUDA device also the "
+                        "operator sweep's calls on the captured Q/K/V")
     p.add_argument("--device", default="cpu")
     p.add_argument("--dtype", default="auto")
     p.add_argument("--seed", type=int, default=7, help="passkey digits")
@@ -162,9 +163,55 @@ def prefill_times(model: Any, inputs: Dict[int, List[int]], settings: List[Setti
     return out
 
 
-def operator_sweep(qkv: Dict[int, Any], cal: Any, block: int, segment: int) -> List[Dict[str, Any]]:
+# Kernels of a CUDA call that decide what to compute (estimate_select's block means and
+# selector, permute_stop's ranking and sorts); the rest of a call's kernel time is attention.
+_SELECTION_KERNELS = ("block_means_kernel", "select_kernel", "prefix_scores_kernel", "guide_kernel", "q_mean_kernel",
+                      "order_init_kernel", "DeviceSegmentedRadixSort")
+
+
+def cuda_times(q: Any, k: Any, v: Any, policy: Any, repeats: int) -> Dict[str, float]:
+    """One policy on CUDA tensors: ms, the median of `repeats` calls after a warm-up (CUDA
+    events around each call), and one profiled call's kernel time split into select_ms (the
+    selection kernels) and attend_ms (the rest, copies excluded)."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    import sparseprefill as sp
+
+    def call() -> None:
+        sp.run(q, k, v, policy, causal=True, stats=False)
+
+    call()
+    times = []
+    for _ in range(repeats):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        call()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        call()
+        torch.cuda.synchronize()
+    select_us = attend_us = 0.0
+    for e in prof.events():
+        if e.device_type != torch.autograd.DeviceType.CUDA or e.device_time_total <= 0:
+            continue
+        if any(n in e.name for n in _SELECTION_KERNELS):
+            select_us += e.device_time_total
+        elif not e.name.startswith(("Memcpy", "Memset")):
+            attend_us += e.device_time_total
+    return {"ms": float(np.median(times)), "select_ms": select_us / 1e3, "attend_ms": attend_us / 1e3}
+
+
+def operator_sweep(qkv: Dict[int, Any], cal: Any, block: int, segment: int,
+                   timing_repeats: int = 0) -> Tuple[List[Dict[str, Any]], Dict[str, float]]:
     """Every policy over a grid of settings on captured Q/K/V [1, s, h, d] (fp32 NumPy), against
-    the CPU backend's dense output: (policy, setting, layer, density, pair_density, rel_err)."""
+    the CPU backend's dense output: (policy, setting, layer, density, pair_density, rel_err).
+    timing_repeats > 0 (a CUDA device): each point also gets cuda_times() on the same Q/K/V in
+    bf16 on the GPU (cuda_ms, cuda_select_ms, cuda_attend_ms), and the second result holds
+    dense's cuda_times per layer."""
     import sparseprefill as sp
 
     alphas = [0.0003, 0.001, 0.003, 0.01, 0.03, 0.1, 0.3]
@@ -172,8 +219,15 @@ def operator_sweep(qkv: Dict[int, Any], cal: Any, block: int, segment: int) -> L
     points = []
     grid = (len(cal.gate_budgets) + len(cal.skip_targets) + 2 * len(alphas) + len(taus)) * len(qkv)
     bar = data.progress(total=grid, desc="operator sweep")
+    dense_times: Dict[str, Any] = {}
     for layer, (q, k, v) in qkv.items():
         dense = sp.run(q, k, v, sp.Dense(), causal=True).out
+        on_gpu = None
+        if timing_repeats > 0:
+            import torch
+
+            on_gpu = [torch.from_numpy(x).to("cuda", torch.bfloat16) for x in (q, k, v)]
+            dense_times[str(layer)] = cuda_times(*on_gpu, sp.Dense(), timing_repeats)
         cases = [("exact_gate", f"budget={b}", cal.exact_gate(layer, b)) for b in cal.gate_budgets]
         cases += [("softmax_skip", f"skip_target={t:.6g}", cal.softmax_skip(layer, t)) for t in cal.skip_targets]
         base = cal.estimate_select(layer, cal.density_targets[0])
@@ -186,9 +240,13 @@ def operator_sweep(qkv: Dict[int, Any], cal: Any, block: int, segment: int) -> L
             r = sp.run(q, k, v, policy, causal=True)
             points.append({"policy": name, "setting": setting, "layer": layer, "density": r.stats.density,
                            "pair_density": r.stats.pair_density, "rel_err": metrics.relative_error(r.out, dense)})
+            if on_gpu is not None:
+                t = cuda_times(*on_gpu, policy, timing_repeats)
+                points[-1].update({"cuda_ms": t["ms"], "cuda_select_ms": t["select_ms"],
+                                   "cuda_attend_ms": t["attend_ms"]})
             bar.update(1)
     bar.close()
-    return points
+    return points, dense_times
 
 
 def attention_map(q: np.ndarray, k: np.ndarray, v: np.ndarray, layer: int, head: int, block: int, cal_path: str,
@@ -346,7 +404,8 @@ def main(argv: Optional[List[str]] = None) -> int:
         timing = prefill_times(model, inputs, settings, lambda st: backend_config(
             st, cal, layers, block, args.segment, args.dense_layers), args.timing_repeats)
     t0 = time.time()
-    op_points = operator_sweep(qkv, cal, block, args.segment)
+    op_points, op_dense = operator_sweep(qkv, cal, block, args.segment,
+                                         args.timing_repeats if args.device.startswith("cuda") else 0)
     t_op = time.time() - t0
     amap = None
     if map_qkv is not None:
@@ -381,7 +440,8 @@ def main(argv: Optional[List[str]] = None) -> int:
             "seconds_total": None, "seconds_operator": round(t_op, 1),
         },
         "settings": results,
-        "operator": {"length": max(args.lengths), "layers": sorted(qkv), "points": op_points},
+        "operator": {"length": max(args.lengths), "layers": sorted(qkv), "points": op_points,
+                     "dense_cuda": op_dense, "timing_repeats": args.timing_repeats if op_dense else 0},
         "attention_map": amap,
         "timing": timing,
     }

