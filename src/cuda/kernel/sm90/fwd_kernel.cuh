@@ -47,9 +47,8 @@ struct FwdConfig {
   static constexpr int kTileN = 128;  // keys per K/V tile
   static constexpr int kConsumers = 2;
   static constexpr int kThreads = 128 * (1 + kConsumers);
-  // 16-bit: 3 measured slower (dev/ v4: 224 KB smem, 603-660 TFLOP/s vs 626-685). FP8 tiles are
-  // half the bytes and take half the tensor time, so twice the tiles are in flight for the same
-  // latency (not tuned: one setting measured).
+  // 16-bit: 3 measured slower (dev/ v4: 224 KB smem, 603-660 TFLOP/s vs 626-685). FP8: 2, 3, 4
+  // and 6 measured equal (11.2-11.3 ms at 32K, record 2026-11-29-h200-fp8-stages).
   static constexpr int kStages = kFp8 ? 4 : 2;
   static constexpr int kElemBytes = kFp8 ? 1 : 2;
   static constexpr int kRowBytes = 128;                  // one swizzle row
