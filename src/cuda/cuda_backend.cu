@@ -5,6 +5,7 @@
 #include <cuda_runtime.h>
 
 #include <cstdint>
+#include <cstdlib>
 #include <cstring>
 #include <mutex>
 #include <string>
@@ -251,7 +252,11 @@ Status cache_hopper_maps(const AttentionProblem& problem, const ProblemShape& sh
   if (std::holds_alternative<PermuteStopParams>(policy)) return {};
   int cc_major = 0, cc_minor = 0;
   SP_RETURN_IF_ERROR(compute_capability(shape.device.index, &cc_major, &cc_minor));
-  if (choose_fwd_path(shape, policy, tma_describable(problem), cc_major, cc_minor) != FwdPath::kHopper) return {};
+  bool forced = false;
+  SP_RETURN_IF_ERROR(portable_forced(std::getenv(kPathEnv), &forced));
+  if (forced || choose_fwd_path(shape, policy, tma_describable(problem), cc_major, cc_minor) != FwdPath::kHopper) {
+    return {};
+  }
   struct CacheOnly {
     int device;
     cudaStream_t stream;
@@ -639,13 +644,18 @@ Status run_checked(const AttentionProblem& problem, const ProblemShape& shape, c
                                      &scratch, &p, &table));
   int cc_major = 0, cc_minor = 0;
   SP_RETURN_IF_ERROR(compute_capability(shape.device.index, &cc_major, &cc_minor));
-  const FwdPath path = t_portable_only ? FwdPath::kPortable
-                                       : choose_fwd_path(shape, policy, tma_describable(problem), cc_major, cc_minor);
+  bool forced = false;
+  SP_RETURN_IF_ERROR(portable_forced(std::getenv(kPathEnv), &forced));
+  const FwdPath path = t_portable_only || forced
+                           ? FwdPath::kPortable
+                           : choose_fwd_path(shape, policy, tma_describable(problem), cc_major, cc_minor);
   const bool fp8 = shape.dtype == DType::kFP8E4M3;
   if (fp8 && path != FwdPath::kHopper) {
     return unsupported("q: fp8_e4m3 inputs run on the Hopper kernel only: a compute capability 9.0 device (this one is " +
                        std::to_string(cc_major) + "." + std::to_string(cc_minor) +
-                       ") and q, k, v whose rows and strides are multiples of 16 bytes");
+                       ") and q, k, v whose rows and strides are multiples of 16 bytes" +
+                       (forced ? std::string(", and ") + kPathEnv + "=portable sends every call to the portable kernels"
+                               : std::string()));
   }
   const bool want = decisions != nullptr;
   Decisions local;

@@ -95,6 +95,13 @@ bool hopper_can_box_pages(int page_size) {
 
 bool hopper_gathers_pages(int page_size) { return !(hopper_can_box_pages(page_size) && page_size >= 64); }
 
+Status portable_forced(const char* env_value, bool* forced) {
+  const std::string v = env_value == nullptr ? std::string() : std::string(env_value);
+  *forced = v == "portable";
+  if (v.empty() || v == "auto" || *forced) return {};
+  return invalid_argument(std::string(kPathEnv) + ": expected \"auto\" or \"portable\" (or unset), got \"" + v + "\"");
+}
+
 FwdPath choose_fwd_path(const ProblemShape& shape, const Policy& policy, bool tma_ok, int cc_major, int cc_minor) {
   const bool hopper = cc_major == 9 && cc_minor == 0;
   // Paged K/V of any page size: the Hopper kernel's paged instances load a key tile as one TMA

@@ -52,6 +52,13 @@ bool hopper_gathers_pages(int page_size);
 // lose to gathering (dev/tiles.cu `paged` times both).
 bool hopper_can_box_pages(int page_size);
 
+// The environment variable that overrides the path choice (docs/cuda.md, "When it runs"):
+// unset, empty or "auto": choose_fwd_path decides; "portable": every call runs the portable
+// kernels, also on compute capability 9.0 (to compare the paths, or to work around the Hopper
+// kernels). Anything else is an error naming the variable and the values it takes.
+constexpr const char* kPathEnv = "SPARSEPREFILL_CUDA_PATH";
+Status portable_forced(const char* env_value, bool* forced);
+
 // The path of a call that check_support accepted, on a device of compute capability
 // (cc_major, cc_minor): Hopper on 9.0 when an sm90 instance of (dtype, head_dim, contiguous or
 // paged K/V) is compiled, the tensors are TMA-describable and the policy is dense or works on

@@ -11,6 +11,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstdlib>
 #include <cstring>
 #include <functional>
 #include <initializer_list>
@@ -174,6 +175,36 @@ void shift_hot_keys(Inputs* in, int chunk, double shift) {
 }
 
 // ------------------------------------------------------------------ dense
+
+// SPARSEPREFILL_CUDA_PATH=portable sends a call the plan would give the Hopper kernel
+// to the portable one, with the portable kernel's result bit for bit (the same kernel as the
+// test hook's); an unknown value fails the call with a message naming the variable.
+TEST(CudaDense, PathOverrideFromTheEnvironment) {
+  SP_REQUIRE_GPU();
+  Inputs in = make_inputs({{300, 300}}, 4, 2, 128, 1700);
+  TestProblem tp = make_problem(in);
+  GpuRun hook;
+  {
+    const PortableOnly portable(true);
+    hook = run_gpu(&tp, DenseParams{});
+    ASSERT_TRUE(hook.status.ok()) << hook.status.to_string();
+  }
+  ASSERT_EQ(setenv(cuda::kPathEnv, "portable", 1), 0);
+  const GpuRun forced = run_gpu(&tp, DenseParams{});
+  const std::string ran = cuda::last_fwd_instance_for_testing();
+  ASSERT_EQ(setenv(cuda::kPathEnv, "hopper", 1), 0);
+  const GpuRun bad = run_gpu(&tp, DenseParams{});
+  ASSERT_EQ(unsetenv(cuda::kPathEnv), 0);
+  ASSERT_TRUE(forced.status.ok()) << forced.status.to_string();
+  EXPECT_EQ(ran.rfind("fwd_sm80_", 0), 0u) << ran;
+  EXPECT_TRUE(same_result(forced.out, hook.out, 0.0));
+  EXPECT_EQ(bad.status.code(), StatusCode::kInvalidArgument);
+  EXPECT_NE(bad.status.message().find("SPARSEPREFILL_CUDA_PATH"), std::string::npos) << bad.status.message();
+  // Unset again: the plan's choice.
+  const GpuRun chosen = run_gpu(&tp, DenseParams{});
+  ASSERT_TRUE(chosen.status.ok()) << chosen.status.to_string();
+  EXPECT_EQ(cuda::last_fwd_instance_for_testing().rfind(expected_instance_prefix(tp, DenseParams{}, false), 0), 0u);
+}
 
 TEST(CudaDense, OddLengthsBothDtypesAndHeadDims) {
   SP_REQUIRE_GPU();

@@ -301,6 +301,25 @@ TEST(CudaPlan, PagedParamsAndTheCompactBlockTable) {
 // Staging paged K/V: a long prefill stages (the copy is a fraction of a percent of its
 // attention), a short chunk over a long cache or a sparse call does not, a full device does not,
 // and the staged shape reads varlen rows packed sequence after sequence.
+// SPARSEPREFILL_CUDA_PATH: unset, empty and "auto" leave the choice to choose_fwd_path,
+// "portable" forces the portable kernels, anything else is an error naming the variable.
+TEST(CudaPlan, PathOverrideFromTheEnvironment) {
+  bool forced = true;
+  for (const char* v : {static_cast<const char*>(nullptr), "", "auto"}) {
+    ASSERT_TRUE(portable_forced(v, &forced).ok()) << (v ? v : "(unset)");
+    EXPECT_FALSE(forced) << (v ? v : "(unset)");
+  }
+  ASSERT_TRUE(portable_forced("portable", &forced).ok());
+  EXPECT_TRUE(forced);
+  for (const char* v : {"hopper", "Portable", "portable "}) {
+    const Status st = portable_forced(v, &forced);
+    EXPECT_EQ(st.code(), StatusCode::kInvalidArgument) << v;
+    EXPECT_NE(st.message().find("SPARSEPREFILL_CUDA_PATH: expected \"auto\" or \"portable\""), std::string::npos)
+        << st.message();
+    EXPECT_NE(st.message().find(v), std::string::npos) << st.message();
+  }
+}
+
 TEST(CudaPlan, PagedKvStagedWhenTheCopyIsCheaperThanReadingPages) {
   constexpr std::size_t kFree = std::size_t{100} << 30;
   const auto paged = [](std::vector<std::int64_t> s_q, std::vector<std::int64_t> s_k) {
