@@ -785,6 +785,9 @@ def main():
               "commit": commit(),
               "command": os.environ.get("SP_BENCH_COMMAND", " ".join(sys.argv)),
               "peers_only": args.peers_only, "env": environment(lib),
+              # The kernels ours ran on: the plan's choice, or the portable ones when
+              # SPARSEPREFILL_CUDA_PATH=portable forces them (docs/cuda.md).
+              "cuda_path": os.environ.get("SPARSEPREFILL_CUDA_PATH") or "auto",
               "method": __doc__.split("Method:")[1].split("Writes")[0].strip(), "cases": []}
     print(json.dumps(result["env"]), flush=True)
     t_start = time.perf_counter()
