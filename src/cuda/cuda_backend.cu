@@ -468,6 +468,22 @@ Status is_capturing(cudaStream_t stream, bool* capturing) {
   return {};
 }
 
+// What every call that launches work sets up: its device made current (restored when this
+// dies), the device's scratch pool, the caller's stream and whether it is capturing a graph.
+struct DeviceCall {
+  DeviceGuard guard;
+  cudaMemPool_t pool = nullptr;
+  cudaStream_t stream = nullptr;
+  bool capturing = false;
+
+  Status enter(int device, void* cuda_stream) {
+    SP_RETURN_IF_ERROR(guard.enter(device));
+    SP_RETURN_IF_ERROR(pool_for(device, PoolKind::kScratch, &pool));
+    stream = static_cast<cudaStream_t>(cuda_stream);
+    return is_capturing(stream, &capturing);
+  }
+};
+
 // The output view of a plan's per-sequence table, and of the selector alone (which writes no
 // output): O contiguous in q's shape, LSE contiguous ([b, h_q, s_q] or [h_q, total_q]).
 std::vector<SeqInfo> contiguous_output_seqs(const AttentionProblem& problem, const ProblemShape& shape) {
@@ -587,18 +603,14 @@ Status select_cuda(const AttentionProblem& problem, const ProblemShape& shape, c
   // The selector writes no output: q's layout stands in for O so the shared builders apply.
   const AttentionOutput no_output{problem.q, TensorView{}};
   SP_RETURN_IF_ERROR(check_layout(problem, no_output));
-  DeviceGuard guard;
-  SP_RETURN_IF_ERROR(guard.enter(shape.device.index));
-  cudaMemPool_t pool = nullptr;
-  SP_RETURN_IF_ERROR(pool_for(shape.device.index, PoolKind::kScratch, &pool));
-  const auto stream = static_cast<cudaStream_t>(options.cuda_stream);
-  bool capturing = false;
-  SP_RETURN_IF_ERROR(is_capturing(stream, &capturing));
-  if (capturing) {
+  DeviceCall call;
+  SP_RETURN_IF_ERROR(call.enter(shape.device.index, options.cuda_stream));
+  if (call.capturing) {
     return unsupported("cuda_stream: is capturing a CUDA graph, and select() reads its mask back to the host; "
                        "select outside capture");
   }
-  Scratch scratch(stream, pool, shape.device.index, capturing);
+  const cudaStream_t stream = call.stream;
+  Scratch scratch(stream, call.pool, shape.device.index, false);
   FwdParams p = make_fwd_params(problem, shape, no_output, block_k);
   const std::vector<SeqInfo> seqs = make_seq_infos(problem, shape, no_output);
   std::vector<std::int32_t> table;
@@ -830,15 +842,13 @@ Status run_cuda(const AttentionProblem& problem, const ProblemShape& shape, cons
   int block_k = 0;
   SP_RETURN_IF_ERROR(check_support(shape, policy, &block_k));
   SP_RETURN_IF_ERROR(check_layout(problem, output));
-  DeviceGuard guard;
-  SP_RETURN_IF_ERROR(guard.enter(shape.device.index));
-  cudaMemPool_t pool = nullptr;
-  SP_RETURN_IF_ERROR(pool_for(shape.device.index, PoolKind::kScratch, &pool));
-  const auto stream = static_cast<cudaStream_t>(options.cuda_stream);
+  DeviceCall call;
+  SP_RETURN_IF_ERROR(call.enter(shape.device.index, options.cuda_stream));
+  const cudaStream_t stream = call.stream;
+  const cudaMemPool_t pool = call.pool;
   // Under CUDA graph capture every device operation becomes a graph node; metadata comes from
   // the cache (Scratch::upload_bytes), and nothing may be read back to the host.
-  bool capturing = false;
-  SP_RETURN_IF_ERROR(is_capturing(stream, &capturing));
+  const bool capturing = call.capturing;
   if (capturing && decisions != nullptr) {
     return unsupported("cuda_stream: is capturing a CUDA graph, so decisions and statistics cannot be read back; "
                        "request none under capture");
@@ -871,19 +881,11 @@ namespace {
 
 // What both statistics launches share: the device, the pool, a stream that is not capturing
 // (the statistics are read back), scratch and the sequence table.
-struct StatisticsCall {
-  DeviceGuard guard;
-  cudaStream_t stream = nullptr;
-  cudaMemPool_t pool = nullptr;
-
+struct StatisticsCall : DeviceCall {
   Status enter(const AttentionProblem& sample, const ProblemShape& shape, void* cuda_stream) {
     SP_RETURN_IF_ERROR(check_qk_layout(sample));
-    SP_RETURN_IF_ERROR(guard.enter(shape.device.index));
-    SP_RETURN_IF_ERROR(pool_for(shape.device.index, PoolKind::kScratch, &pool));
-    stream = static_cast<cudaStream_t>(cuda_stream);
-    cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
-    SP_CUDA_TRY(cudaStreamIsCapturing(stream, &capture), "cudaStreamIsCapturing");
-    if (capture != cudaStreamCaptureStatusNone) {
+    SP_RETURN_IF_ERROR(DeviceCall::enter(shape.device.index, cuda_stream));
+    if (capturing) {
       return unsupported("cuda_stream: is capturing a CUDA graph, and calibration statistics are read back to the host");
     }
     return {};
