@@ -164,8 +164,9 @@ class Scratch {
     return {};
   }
   // Host bytes in device memory, 64-byte aligned: the metadata cache's copy when it has or can
-  // take one (`cacheable` false: never, for bytes that will not repeat), else a per-call copy (pageable source: staged before cudaMemcpyAsync returns,
-  // so the host buffer may die afterwards) — which a capturing stream cannot record.
+  // take one (`cacheable` false: never, for bytes that will not repeat), else a per-call copy
+  // (pageable source: staged before cudaMemcpyAsync returns, so the host buffer may die
+  // afterwards) — which a capturing stream cannot record.
   Status upload_bytes(const void* host, std::size_t bytes, const void** out, bool cacheable = true) {
     *out = nullptr;
     if (bytes == 0) return {};
@@ -863,7 +864,9 @@ Status run_cuda(const AttentionProblem& problem, const ProblemShape& shape, cons
     staging = plan_kv_staging(shape, policy, free_bytes);
     if (t_kv_staging == KvStagingForTesting::kAlways) staging.stage = staging.rows > 0;
   }
-  if (!staging.stage) return run_checked(problem, shape, policy, block_k, output, stream, pool, capturing, true, decisions, plan);
+  if (!staging.stage) {
+    return run_checked(problem, shape, policy, block_k, output, stream, pool, capturing, true, decisions, plan);
+  }
   cudaMemPool_t staging_pool = nullptr;
   SP_RETURN_IF_ERROR(pool_for(shape.device.index, PoolKind::kStaging, &staging_pool));
   Scratch buffers(stream, staging_pool, shape.device.index, capturing);  // freed after the call's kernels
