@@ -122,14 +122,17 @@ def floats(s):
 
 
 def commit():
+    """SP_COMMIT, else HEAD of this checkout's own repository; "unknown" when the checkout has
+    none (the GPU machine's copy: a repository above it would give a stale, foreign hash)."""
     if os.environ.get("SP_COMMIT"):
         return os.environ["SP_COMMIT"]
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     try:
-        return subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
-                              check=True, cwd=os.path.dirname(os.path.abspath(__file__))
-                              ).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
+        top, head = subprocess.run(["git", "rev-parse", "--show-toplevel", "HEAD"], capture_output=True,
+                                   text=True, check=True, cwd=root).stdout.split()
+    except (OSError, subprocess.CalledProcessError, ValueError):
         return "unknown"
+    return head if os.path.realpath(top) == os.path.realpath(root) else "unknown"
 
 
 def environment(lib):
