@@ -89,8 +89,8 @@ std::int64_t block_table_stride(const ProblemShape& shape);
 std::vector<std::int32_t> compact_block_table(const AttentionProblem& problem, const ProblemShape& shape);
 
 // Paged K/V staged into contiguous rows before the call (kernel/stage_kv.cuh; docs/cuda.md,
-// "Staging paged K/V"): the forward call then reads [Σ seq_k, h_kv, d] varlen K/V, so it runs
-// the contiguous kernels, bit for bit their results.
+// "Paged K/V and chunked prefill", Staging): the forward call then reads [Σ seq_k, h_kv, d]
+// varlen K/V, so it runs the contiguous kernels, bit for bit their results.
 struct KvStaging {
   bool stage = false;
   std::vector<std::int64_t> k_start;  // [batch] first staged row of each sequence

@@ -206,7 +206,7 @@ def cuda_times(q: Any, k: Any, v: Any, policy: Any, repeats: int) -> Dict[str, f
 
 
 def operator_sweep(qkv: Dict[int, Any], cal: Any, block: int, segment: int,
-                   timing_repeats: int = 0) -> Tuple[List[Dict[str, Any]], Dict[str, float]]:
+                   timing_repeats: int = 0) -> Tuple[List[Dict[str, Any]], Dict[str, Dict[str, float]]]:
     """Every policy over a grid of settings on captured Q/K/V [1, s, h, d] (fp32 NumPy), against
     the CPU backend's dense output: (policy, setting, layer, density, pair_density, rel_err).
     timing_repeats > 0 (a CUDA device): each point also gets cuda_times() on the same Q/K/V in
@@ -219,7 +219,7 @@ def operator_sweep(qkv: Dict[int, Any], cal: Any, block: int, segment: int,
     points = []
     grid = (len(cal.gate_budgets) + len(cal.skip_targets) + 2 * len(alphas) + len(taus)) * len(qkv)
     bar = data.progress(total=grid, desc="operator sweep")
-    dense_times: Dict[str, Any] = {}
+    dense_times: Dict[str, Dict[str, float]] = {}
     for layer, (q, k, v) in qkv.items():
         dense = sp.run(q, k, v, sp.Dense(), causal=True).out
         on_gpu = None
