@@ -67,13 +67,17 @@ def latest_targets(records):
     """The newest measurement of every (target, length) over the records, issue by issue. Issue
     3's targets are the portable kernels' and come from runs that forced them
     (cuda_path "portable"); issues 4, 5 and 8 come from runs on the plan's path. A check named
-    for two issues ("#3/#4") counts for the one whose path the run took."""
+    for two issues ("#3/#4") counts for the one whose path the run took. A record's `superseded`
+    (a reason, or {part of a target's name: reason}) leaves out the whole record or those rows."""
     latest = {}
     for r in records:
-        if r.get("peers_only") or r.get("superseded"):
+        superseded = r.get("superseded")
+        if r.get("peers_only") or isinstance(superseded, str):
             continue
         portable = r.get("cuda_path", "auto") == "portable"
         for name, n, value, need, ok in bench_report.target_checks(r["cases"]):
+            if superseded and any(part in name for part in superseded):
+                continue
             issues = name.split(" ", 1)[0].lstrip("#").split("/#")
             issue = "3" if portable else next((i for i in issues if i != "3"), None)
             if issue is None or (issue == "3") != portable or issue not in issues:
@@ -91,10 +95,15 @@ def targets_md(records):
              "Every target of issues 3, 4, 5 and 8 that a record checks, at each length, from the newest "
              "record that measured it (issue 3 on the portable kernels forced on the H200, the others on "
              "the plan's path). The records hold the peers measured in the same run. A row is as old as "
-             "its record; records whose rows no longer describe what the library runs are left out "
-             "(key `superseded`):", ""]
-    lines += [f"- [{r['record']}](../bench/records/{r['record']}.md): {r['superseded']}"
-              for r in records if r.get("superseded")]
+             "its record; records, or rows of records (named by a part of the target), that no longer "
+             "describe what the library runs are left out (key `superseded`):", ""]
+    for r in records:
+        superseded = r.get("superseded")
+        if not superseded:
+            continue
+        why = superseded if isinstance(superseded, str) else "; ".join(
+            f"rows with `{part}`: {reason}" for part, reason in superseded.items())
+        lines.append(f"- [{r['record']}](../bench/records/{r['record']}.md): {why}")
     lines += ["",
              "| issue | target | s | measured | required | verdict | record |", "|---|---|---|---|---|---|---|"]
     for (issue, name, n), (value, need, ok, record, date) in rows:
