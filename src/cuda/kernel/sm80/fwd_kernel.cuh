@@ -231,13 +231,16 @@ __global__ void __launch_bounds__(Cfg::kThreads, 2) fwd_kernel(const __grid_cons
 
   // Element masks of sub-tile `sub` of position j: the causal diagonal band and the sequence's
   // last, short key block for key blocks; the marked pooled blocks for mean tiles. Rows past
-  // s_q are left alone (never stored, excluded from the gates).
+  // s_q are left alone (never stored, excluded from the gates). Blocks below full_end are full
+  // (geo.is_full; its 64-bit division by block_k hoisted out of the loop: ptxas recomputed it
+  // per sub-tile, a CALL or an I2F/F2I sequence between Q·Kᵀ and the softmax).
+  const int full_end = geo.full_end(qb);
   auto mask_scores = [&](int j, int sub) {
     if (j < visit.n_reg) {
       const int kb = visit.block(j);
       const std::int64_t key0 = geo.key_begin(kb) + sub * kBlockN;
       const std::int64_t key_end = geo.key_end(kb);
-      if (geo.is_full(qb, kb) && key0 + kBlockN <= key_end) return;
+      if (kb < full_end && key0 + kBlockN <= key_end) return;
       // Column limit per row: the last key the row sees (causal: its position; always before
       // the block's end), relative to the sub-tile, clamped to [-1, kBlockN].
       const std::int64_t end_limit = key_end - 1 - key0;
