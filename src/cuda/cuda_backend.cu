@@ -231,6 +231,7 @@ Status launch_status(int err, const char* name) {
 // Test hooks (cuda_backend.h): per calling thread, the forward instance last launched and
 // whether calls are sent to the portable path.
 thread_local std::string t_last_fwd_instance;
+thread_local std::string t_last_select_instance;
 thread_local bool t_portable_only = false;
 thread_local KvStagingForTesting t_kv_staging = KvStagingForTesting::kAuto;
 thread_local bool t_last_staged = false;
@@ -239,6 +240,19 @@ thread_local bool t_last_staged = false;
 Status compute_capability(int device, int* major, int* minor) {
   SP_CUDA_TRY(cudaDeviceGetAttribute(major, cudaDevAttrComputeCapabilityMajor, device), "cudaDeviceGetAttribute");
   SP_CUDA_TRY(cudaDeviceGetAttribute(minor, cudaDevAttrComputeCapabilityMinor, device), "cudaDeviceGetAttribute");
+  return {};
+}
+
+// estimate_select's selector instance for a call on the shape's device (choose_select_path;
+// the path override and the test hook send it to the portable one).
+Status find_selector(const ProblemShape& shape, const SelectVariant** out) {
+  int cc_major = 0, cc_minor = 0;
+  SP_RETURN_IF_ERROR(compute_capability(shape.device.index, &cc_major, &cc_minor));
+  bool forced = false;
+  SP_RETURN_IF_ERROR(portable_forced(std::getenv(kPathEnv), &forced));
+  const bool hopper = choose_select_path(shape, cc_major, cc_minor, forced || t_portable_only) == FwdPath::kHopper;
+  *out = hopper ? find_select90(shape.dtype, shape.d) : find_select(shape.dtype, shape.d);
+  t_last_select_instance = (*out)->name;
   return {};
 }
 
@@ -433,7 +447,8 @@ Status launch_selection(const ProblemShape& shape, const FwdParams& p, const Est
     sp.corrected_words = bitmap_words(sp.num_k_blocks);
     SP_RETURN_IF_ERROR(scratch->zeros(sel->rows * static_cast<std::size_t>(sp.corrected_words), &sp.corrected_bits));
   }
-  const SelectVariant* select = find_select(shape.dtype, shape.d);
+  const SelectVariant* select = nullptr;
+  SP_RETURN_IF_ERROR(find_selector(shape, &select));
   return launch_status(select->launch(sp, stream), select->name);
 }
 
@@ -629,6 +644,7 @@ Status can_run_cuda(const ProblemShape& shape, const Policy& policy) {
 }
 
 std::string last_fwd_instance_for_testing() { return t_last_fwd_instance; }
+std::string last_select_instance_for_testing() { return t_last_select_instance; }
 void set_portable_only_for_testing(bool portable_only) { t_portable_only = portable_only; }
 void set_kv_staging_for_testing(KvStagingForTesting mode) { t_kv_staging = mode; }
 bool last_call_staged_kv_for_testing() { return t_last_staged; }
@@ -950,7 +966,8 @@ Status select_statistics_cuda(const AttentionProblem& sample, const ProblemShape
     const std::size_t cells = static_cast<std::size_t>(shape.batch) * static_cast<std::size_t>(units) *
                               static_cast<std::size_t>(sp.num_q_blocks) * static_cast<std::size_t>(sp.num_k_blocks);
     SP_RETURN_IF_ERROR(scratch.zeros(cells, &sp.energy_ratio));
-    const SelectVariant* select = find_select(shape.dtype, shape.d);
+    const SelectVariant* select = nullptr;
+    SP_RETURN_IF_ERROR(find_selector(shape, &select));
     SP_RETURN_IF_ERROR(launch_status(select->launch(sp, call.stream), select->name));
     SP_RETURN_IF_ERROR(scratch.download(sp.energy_ratio, cells, &ratio));
     SP_CUDA_TRY(cudaStreamSynchronize(call.stream), "cudaStreamSynchronize (calibration statistics)");

@@ -55,6 +55,8 @@ std::string cuda_build_info();
 // (choose_fwd_path) decides.
 std::string last_fwd_instance_for_testing();
 void set_portable_only_for_testing(bool portable_only);
+// The estimate_select selector instance last chosen (e.g. "select_sm90_bf16_hd128"; "" before any).
+std::string last_select_instance_for_testing();
 // Likewise for paged K/V: whether calls stage it into contiguous rows as plan_kv_staging
 // decides (kAuto), always (outside graph capture) or never, and whether the last successful
 // run_cuda staged.

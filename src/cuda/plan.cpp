@@ -130,6 +130,11 @@ FwdPath choose_fwd_path(const ProblemShape& shape, const Policy& policy, bool tm
   return served ? FwdPath::kHopper : FwdPath::kPortable;
 }
 
+FwdPath choose_select_path(const ProblemShape& shape, int cc_major, int cc_minor, bool portable) {
+  const bool hopper = cc_major == 9 && cc_minor == 0 && !portable;
+  return hopper && find_select90(shape.dtype, shape.d) != nullptr ? FwdPath::kHopper : FwdPath::kPortable;
+}
+
 int dense_block_k(int head_dim) {
   // Dense has no gate, so every 64-key sub-tile is its own step whatever the block size;
   // 64 keeps the per-block bookkeeping trivial (docs/cuda.md, tile choices).

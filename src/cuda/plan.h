@@ -67,6 +67,12 @@ Status portable_forced(const char* env_value, bool* forced);
 // (block_k 64, paged permute_stop, every other device).
 FwdPath choose_fwd_path(const ProblemShape& shape, const Policy& policy, bool tma_ok, int cc_major, int cc_minor);
 
+// The instance family of estimate_select's selector (a launch of its own, before the attention
+// kernel): Hopper (wgmma; no tensor maps, so any layout check_layout accepts) on compute
+// capability 9.0 when an sm90 selector of (dtype, head_dim) is compiled and `portable` (the
+// path override is set) is false; portable otherwise.
+FwdPath choose_select_path(const ProblemShape& shape, int cc_major, int cc_minor, bool portable);
+
 // The key-block size dense attention runs with (a tuning value, no effect on results).
 int dense_block_k(int head_dim);
 

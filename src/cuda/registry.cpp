@@ -21,6 +21,11 @@ constexpr SelectVariant kSelectVariants[] = {
 #include "cuda/instances/registry.inc"
 };
 
+constexpr SelectVariant kSelect90Variants[] = {
+#define SP_SELECT90_VARIANT(fn, dtype, head_dim) {#fn, DType::dtype, head_dim, &fn},
+#include "cuda/instances/registry.inc"
+};
+
 constexpr Fwd90Variant kFwd90Variants[] = {
 #define SP_FWD90_VARIANT(fn, dtype, head_dim, paged) {#fn, DType::dtype, head_dim, paged, &fn},
 #include "cuda/instances/registry.inc"
@@ -58,6 +63,10 @@ const FwdVariant* find_fwd(DType dtype, int head_dim) {
 
 const SelectVariant* find_select(DType dtype, int head_dim) {
   return find_in(kSelectVariants, [&](const SelectVariant& v) { return v.dtype == dtype && v.head_dim == head_dim; });
+}
+
+const SelectVariant* find_select90(DType dtype, int head_dim) {
+  return find_in(kSelect90Variants, [&](const SelectVariant& v) { return v.dtype == dtype && v.head_dim == head_dim; });
 }
 
 const PermuteVariant* find_permute(DType dtype, int head_dim) {
@@ -103,6 +112,7 @@ std::string compiled_instances() {
   for (const PermuteVariant& v : kPermuteVariants) os << v.name << "\n";
   for (const Fwd90Variant& v : kFwd90Variants) os << v.name << "\n";
   for (const Permute90Variant& v : kPermute90Variants) os << v.name << "\n";
+  for (const SelectVariant& v : kSelect90Variants) os << v.name << "\n";
   for (const CalibVariant& v : kCalibVariants) os << v.name << "\n";
   return os.str();
 }

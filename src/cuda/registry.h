@@ -93,7 +93,7 @@ struct Permute90Variant {
 };
 
 struct SelectVariant {
-  const char* name;  // e.g. "select_sm80_bf16_hd128"
+  const char* name;  // e.g. "select_sm80_bf16_hd128", "select_sm90_bf16_hd128"
   DType dtype;
   int head_dim;
   SelectLaunchFn launch;
@@ -111,6 +111,7 @@ struct CalibVariant {
 #define SP_CALIB_VARIANT(fn, dtype, head_dim) int fn(const CalibParams& params, void* stream);
 #define SP_PERMUTE_VARIANT(fn, dtype, head_dim) int fn(PermuteParams& params, PermuteAttendFn attend, void* stream);
 #define SP_PERMUTE90_VARIANT(fn, dtype, head_dim) int fn(const PermuteParams& params, void* stream);
+#define SP_SELECT90_VARIANT(fn, dtype, head_dim) int fn(const SelectParams& params, void* stream);
 #define SP_FWD90_VARIANT(fn, dtype, head_dim, paged)                                                   \
   int fn(const FwdParams& params, const SeqInfo* host_seqs, const std::int32_t* host_block_table, \
          const HostUpload& upload, void* stream);
@@ -120,6 +121,7 @@ struct CalibVariant {
 // nullptr when none is compiled.
 const FwdVariant* find_fwd(DType dtype, int head_dim);
 const SelectVariant* find_select(DType dtype, int head_dim);
+const SelectVariant* find_select90(DType dtype, int head_dim);
 const PermuteVariant* find_permute(DType dtype, int head_dim);
 const Permute90Variant* find_permute90(DType dtype, int head_dim);
 const Fwd90Variant* find_fwd90(DType dtype, int head_dim, bool paged);

@@ -87,6 +87,11 @@ class StagedKv {
   StagedKv& operator=(const StagedKv&) = delete;
 };
 
+// The estimate_select selector family a call must choose (choose_select_path).
+std::string expected_selector_prefix(bool portable) {
+  return portable || !hopper_device() ? "select_sm80_" : "select_sm90_";
+}
+
 // The forward kernel family the default path must launch for (tp, policy) on this device: the
 // plan's choice (host-tested in cuda_plan_host_test) on an sm_90 device, the portable one elsewhere.
 std::string expected_instance_prefix(const TestProblem& tp, const Policy& policy, bool portable) {
@@ -128,6 +133,11 @@ std::vector<GpuRun> expect_both_paths_match(TestProblem* tp, const Policy& polic
       const std::string want = expected_instance_prefix(*tp, policy, portable);
       const std::string ran = cuda::last_fwd_instance_for_testing();
       EXPECT_EQ(ran.rfind(want, 0), 0u) << "ran " << ran << ", expected " << want << "*";
+      if (std::holds_alternative<EstimateSelectParams>(policy)) {
+        const std::string selector = expected_selector_prefix(portable);
+        const std::string chosen = cuda::last_select_instance_for_testing();
+        EXPECT_EQ(chosen.rfind(selector, 0), 0u) << "selected with " << chosen << ", expected " << selector << "*";
+      }
     }
     runs.push_back(std::move(r));
   }
@@ -1422,12 +1432,18 @@ TEST(CudaSelect, EstimateSelectEqualsCpuSelect) {
     dev.v = to_device(tp.v, &v);
     RunOptions gpu;
     gpu.backend = Backend::kCUDA;
-    const Status st = select(dev, policy, gpu, &actual, &gpu_stats);
-    ASSERT_TRUE(st.ok()) << st.to_string();
-    EXPECT_TRUE(same_decisions(expected, actual));
-    EXPECT_GT(actual.corrected.selected_blocks(), 0);
-    EXPECT_EQ(gpu_stats.density(), cpu_stats.density());
-    EXPECT_LT(gpu_stats.density(), 1.0);
+    for (const bool portable : {false, true}) {  // the Hopper selector on an sm_90 device, and the portable one
+      SCOPED_TRACE(portable ? "portable selector" : "default selector");
+      const PortableOnly guard(portable);
+      const Status st = select(dev, policy, gpu, &actual, &gpu_stats);
+      ASSERT_TRUE(st.ok()) << st.to_string();
+      EXPECT_EQ(cuda::last_select_instance_for_testing().rfind(expected_selector_prefix(portable), 0), 0u)
+          << cuda::last_select_instance_for_testing();
+      EXPECT_TRUE(same_decisions(expected, actual));
+      EXPECT_GT(actual.corrected.selected_blocks(), 0);
+      EXPECT_EQ(gpu_stats.density(), cpu_stats.density());
+      EXPECT_LT(gpu_stats.density(), 1.0);
+    }
   }
 }
 

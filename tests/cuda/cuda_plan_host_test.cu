@@ -154,6 +154,20 @@ TEST(CudaPlan, HopperPathOnComputeCapability90For128KeyBlocks) {
   }
 }
 
+// estimate_select's selector needs no tensor maps: Hopper on 9.0 for every compiled (dtype,
+// head_dim), also where the tensors keep the attention portable; the override wins.
+TEST(CudaPlan, HopperSelectorOnComputeCapability90) {
+  for (const ProblemShape& s : {shape_of(300, 300, 4, 1, 128), shape_of(17, 40, 8, 8, 64, DType::kFP16)}) {
+    EXPECT_EQ(choose_select_path(s, 9, 0, false), FwdPath::kHopper);
+    EXPECT_EQ(choose_select_path(s, 9, 0, true), FwdPath::kPortable);
+    EXPECT_EQ(choose_select_path(s, 8, 0, false), FwdPath::kPortable);
+    EXPECT_EQ(choose_select_path(s, 8, 9, false), FwdPath::kPortable);
+    EXPECT_EQ(choose_select_path(s, 10, 0, false), FwdPath::kPortable);
+  }
+  // No sm90 selector for fp8 (estimate_select takes 16-bit inputs).
+  EXPECT_EQ(choose_select_path(shape_of(300, 300, 4, 1, 128, DType::kFP8E4M3), 9, 0, false), FwdPath::kPortable);
+}
+
 // A paged problem (shuffled pages, NaN in every storage no valid key uses) and its shape.
 test::TestProblem paged_problem(int page_size, ProblemShape* shape) {
   const test::Inputs in = test::random_inputs({{40, 70}, {17, 33}, {5, 0}}, 4, 2, 64, DType::kBF16, 13, 1.0);

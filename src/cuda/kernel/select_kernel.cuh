@@ -154,49 +154,67 @@ struct SelectTile {
   }
 };
 
+// v[0] = op over v[0 .. kN - 1] as a pairwise tree (depth log2 kN); the rest is clobbered.
+// Recursion on kN, not a halving loop: nvcc does not unroll the latter and keeps v in local
+// memory.
+template <int kN, class Op>
+__device__ __forceinline__ void tree_reduce(float (&v)[kN], const Op& op) {
+  if constexpr (kN > 1) {
+#pragma unroll
+    for (int i = 0; i < kN / 2; ++i) v[i] = op(v[i], v[i + kN / 2]);
+    tree_reduce<kN / 2>(reinterpret_cast<float(&)[kN / 2]>(v), op);
+  }
+}
+
 // One warp's part of the energies: accumulator rows g and g + 8 (blocks j0 + g, j0 + g + 8) of
 // raw scores q·k̄ over kNF n8 column groups (query rows q0 + 8·nf + 2·t4 + e % 2), in the
 // mma.sync accumulator layout. Per row λ = log2 Σ 2^{y}, y = scale·log2(e)·q·k̄ over the
 // contributing pairs (a row with none gets -inf), written to lambda[j] for j < A, added to what
 // is there (log-sum-exp) when `add` (the later heads of a pack_gqa group). `masked`: some pair
-// of these rows and columns may not contribute; otherwise the per-pair test is skipped.
+// of these rows and columns may not contribute; otherwise the per-pair test is skipped. The
+// max is taken on the raw scores (scale > 0) and the scale folded into the exponent's FMA; max
+// and sum are pairwise trees, so that a row's dependency chain is log2(2·kNF) deep, not 2·kNF
+// (the selector runs 4 warps per SM sub-partition: its chains are not hidden).
 template <int kNF>
 __device__ __forceinline__ void warp_lambdas(float (&acc)[kNF][4], const SelectTile& t, int bs, float scale_log2, int j0,
                                              int q0, bool masked, bool add, float* lambda, int lane) {
+  static_assert((kNF & (kNF - 1)) == 0, "a power of two of column groups");
   const int g = lane / 4, t4 = lane % 4;
+  if (masked) {
 #pragma unroll
-  for (int nf = 0; nf < kNF; ++nf) {
+    for (int nf = 0; nf < kNF; ++nf) {
 #pragma unroll
-    for (int e = 0; e < 4; ++e) {
-      float y = acc[nf][e] * scale_log2;
-      if (masked) {
+      for (int e = 0; e < 4; ++e) {
         const int q = q0 + nf * 8 + 2 * t4 + (e & 1);
         const int j = j0 + g + 8 * (e / 2);
         const bool contributes = q < t.rows_valid && j < t.scored && t.a_f + q >= static_cast<std::int64_t>(j) * bs;
-        if (!contributes) y = -INFINITY;
+        if (!contributes) acc[nf][e] = -INFINITY;
       }
-      acc[nf][e] = y;
     }
   }
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
-    float mx = -INFINITY;
+    float part[kNF];
 #pragma unroll
-    for (int nf = 0; nf < kNF; ++nf) mx = ptx::max_nan(mx, ptx::max_nan(acc[nf][2 * r], acc[nf][2 * r + 1]));
+    for (int nf = 0; nf < kNF; ++nf) part[nf] = ptx::max_nan(acc[nf][2 * r], acc[nf][2 * r + 1]);
+    tree_reduce<kNF>(part, [](float a, float b) { return ptx::max_nan(a, b); });
+    float mx = part[0];
     mx = ptx::max_nan(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
     mx = ptx::max_nan(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
     // -inf when no pair of the row contributed: every term is e^{-inf} = 0, no NaN.
-    const float m_use = mx == -INFINITY ? 0.f : mx;
-    float sum = 0.f;
+    const float m_use = mx == -INFINITY ? 0.f : mx * scale_log2;
 #pragma unroll
     for (int nf = 0; nf < kNF; ++nf) {
-      sum += ptx::exp2f_fast(acc[nf][2 * r] - m_use) + ptx::exp2f_fast(acc[nf][2 * r + 1] - m_use);
+      part[nf] = ptx::exp2f_fast(fmaf(acc[nf][2 * r], scale_log2, -m_use)) +
+                 ptx::exp2f_fast(fmaf(acc[nf][2 * r + 1], scale_log2, -m_use));
     }
+    tree_reduce<kNF>(part, [](float a, float b) { return a + b; });
+    float sum = part[0];
     sum += __shfl_xor_sync(0xffffffffu, sum, 1);
     sum += __shfl_xor_sync(0xffffffffu, sum, 2);
     const int j = j0 + g + 8 * r;
     if (t4 == 0 && j < t.scored) {
-      const float l = mx + __log2f(sum);
+      const float l = (mx == -INFINITY ? mx : m_use) + __log2f(sum);
       lambda[j] = add ? log2_add(lambda[j], l) : l;
     }
   }

@@ -1,0 +1,183 @@
+// SPDX-License-Identifier: Apache-2.0
+// estimate_select's selector on Hopper (sm_90a): the portable selector's scoring
+// (select_kernel.cuh: S^T = K̄ · Q^T, E_j a row sum of the accumulator) with wgmma in place of
+// mma.sync: the 128 query rows against 64 pooled blocks are 8 m64n128k16 instructions per
+// warpgroup instead of 64 ldmatrix/mma pairs per warp. The block means, the energies' reduction
+// (warp_lambdas) and the mask writing are the portable kernel's. Selector alone at 16K / 32K /
+// 128K (Llama-3.1-8B, structured inputs): 0.135 / 0.304 / 2.49 ms against the portable
+// kernel's 0.125 / 0.318 / 3.14 on the same H200 (records 2026-11-30-h200-selector-hopper-
+// lockstep and -selector-portable-tree). Included only by generated instance files.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+#include "cuda/kernel/fwd_params.h"
+#include "cuda/kernel/ptx.cuh"
+#include "cuda/kernel/select_kernel.cuh"
+#include "cuda/kernel/sm90/hopper.cuh"
+
+namespace sparseprefill::cuda::select90 {
+
+// A CTA selects for one query tile of 128 rows and one unit (query head, or KV group with
+// pack_gqa): two warpgroups, each scoring its own chunks of 64 pooled blocks (warpgroup w takes
+// chunks w, w + 2, ...) against the whole tile, double-buffered. Tiles are [d / 64][rows][64]
+// with the 128-byte swizzle, the layout the Hopper forward kernel's TMA writes.
+template <bool kBf16_, int kD>
+struct Select90Config {
+  static constexpr bool kBf16 = kBf16_;
+  static constexpr int kHeadDim = kD;
+  static constexpr int kWarpgroups = 2;
+  static constexpr int kThreads = 128 * kWarpgroups;
+  static constexpr int kRows = 128;   // query rows: wgmma N
+  static constexpr int kChunk = 64;   // pooled blocks of a warpgroup step: wgmma M
+  static constexpr int kStages = 2;   // k̄ buffers per warpgroup
+  static constexpr int kRowBytes = 128;
+  static constexpr int kHalves = kD / 64;
+  static constexpr int kKSteps = kD / 16;
+  static constexpr int kQHalfBytes = kRows * kRowBytes;
+  static constexpr int kQBytes = kHalves * kQHalfBytes;
+  static constexpr int kChunkHalfBytes = kChunk * kRowBytes;
+  static constexpr int kChunkBytes = kHalves * kChunkHalfBytes;
+  static constexpr int kSmemFixed = kQBytes + kWarpgroups * kStages * kChunkBytes;
+  static_assert(kRows == kBlockQ, "one query tile of block 128 per CTA");
+  static_assert(kD == 64 || kD == 128, "d = 64 or 128");
+  // Plus λ per block and the slack that aligns the tiles to the swizzle period (1024 B).
+  static std::size_t smem_bytes(int num_k_blocks) {
+    return 1024 + kSmemFixed + static_cast<std::size_t>(num_k_blocks) * sizeof(float);
+  }
+};
+
+// Rows 0 .. valid - 1 of a [kRows][kD] source (row r at base + r·row_stride elements) into the
+// swizzled tile at `dst` (16-byte chunk c of row r at d-half c / 8, chunk (c % 8) ^ (r % 8)),
+// rows past `valid` zero-filled without reading. kThreads threads, `t` this one's index; the
+// caller commits the group. A thread's rows are kRowStep (a multiple of 8) apart: one swizzle.
+template <int kRows, int kD, int kThreads>
+__device__ __forceinline__ void load_rows_sw128(std::uint32_t dst, const std::uint16_t* base, std::int64_t row_stride,
+                                                int valid, int t) {
+  constexpr int kChunks = kD / 8;
+  constexpr int kRowStep = kThreads / kChunks;
+  static_assert(kRowStep % 8 == 0 && kRows % kRowStep == 0, "constant swizzle per thread");
+  const int c = t % kChunks, r0 = t / kChunks;
+  const std::uint32_t to = dst + static_cast<std::uint32_t>((c / 8) * kRows * 128 + r0 * 128 + (((c % 8) ^ (r0 & 7)) << 4));
+  const std::uint16_t* from = base + static_cast<std::int64_t>(r0) * row_stride + 8 * c;
+#pragma unroll
+  for (int i = 0; i < kRows / kRowStep; ++i) {
+    // Rows past `valid` are not read (ignore-src), so their address need not be valid.
+    ptx::cp_async_16_or_zero(to + static_cast<std::uint32_t>(i * kRowStep * 128),
+                             from + static_cast<std::int64_t>(i * kRowStep) * row_stride, r0 + i * kRowStep < valid);
+  }
+}
+
+// K-major operand with the 128-byte swizzle: 8-row groups 1024 B apart (SBO); the 16-element
+// K step kk at +32·(kk % 4) bytes inside d-half kk / 4 (`half_bytes` apart), added to the
+// descriptor's address field (16-byte units).
+__device__ __forceinline__ std::uint64_t kmajor_desc(std::uint32_t tile) { return sm90::hw::desc_sw128(tile, 16, 1024); }
+template <int kHalfBytes>
+__device__ __forceinline__ std::uint64_t k_step(int kk) {
+  return static_cast<std::uint64_t>(((kk / 4) * kHalfBytes + (kk % 4) * 32) >> 4);
+}
+
+// Per head (pack_gqa: the group's heads in turn) the CTA loads the Q tile; then in steps
+// s = 0 .. ceil(chunks / 2) - 1 warpgroup w scores chunk 2s + w, if it exists, both warpgroups in
+// step (one CTA barrier per step) while the other CTA resident on the SM fills the tensor pipe.
+// Warpgroups out of step (a named barrier each) measured 2.34 against 2.49 ms at 128K and equal
+// at 16K-32K, but compute-sanitizer's racecheck then reports hazards on finish_selection's
+// counts, which only barrier 0 orders (record 2026-11-30-h200-selector-hopper-lockstep): not
+// worth a sanitizer exception. Invariant at the top of a step: the only cp.async group in
+// flight holds this step's chunks (buffer `buf`).
+template <bool kBf16, int kD>
+__global__ void __launch_bounds__(Select90Config<kBf16, kD>::kThreads, 2)
+    select90_kernel(const __grid_constant__ SelectParams p) {
+  using Cfg = Select90Config<kBf16, kD>;
+  constexpr int kChunk = Cfg::kChunk;
+  extern __shared__ std::uint8_t smem_raw[];
+  __shared__ float s_red[Cfg::kThreads / 32];
+  __shared__ int s_count[2][Cfg::kThreads / 32];
+
+  const int tid = threadIdx.x, wg = tid / 128, wt = tid % 128, lane = tid % 32;
+  select::SelectTile t;
+  if (!t.init(p, blockIdx.x)) return;
+  const std::uint32_t raw = sm90::hw::smem_u32(smem_raw);
+  const std::uint32_t pad = (1024 - (raw & 1023)) & 1023;
+  const std::uint32_t s_q = raw + pad;
+  const std::uint32_t s_chunks = s_q + Cfg::kQBytes + static_cast<std::uint32_t>(wg * Cfg::kStages * Cfg::kChunkBytes);
+  float* energy = reinterpret_cast<float*>(smem_raw + pad + Cfg::kSmemFixed);  // λ_j, j < A
+
+  const int chunks = (t.scored + kChunk - 1) / kChunk;
+  const float scale_log2 = p.scale * 1.4426950408889634f;
+  const auto* mean = static_cast<const std::uint16_t*>(p.k_mean) +
+                     (static_cast<std::int64_t>(t.b) * p.h_kv + t.hk) * p.num_k_blocks * static_cast<std::int64_t>(kD);
+  // This warpgroup's chunk c into its buffer `buf` (rows past A zero-filled).
+  auto load_chunk = [&](int c, int buf) {
+    const int valid = t.scored - c * kChunk;
+    load_rows_sw128<kChunk, kD, 128>(s_chunks + static_cast<std::uint32_t>(buf * Cfg::kChunkBytes),
+                                     mean + static_cast<std::int64_t>(c) * kChunk * kD, kD,
+                                     valid < kChunk ? valid : kChunk, wt);
+  };
+#pragma unroll 1
+  for (int head = 0; chunks > 0 && head < t.heads; ++head) {
+    if (head > 0) __syncthreads();  // both warpgroups are done with the previous head's Q
+    load_rows_sw128<Cfg::kRows, kD, Cfg::kThreads>(
+        s_q, static_cast<const std::uint16_t*>(p.q) + t.seq.q_off + (t.h0 + head) * p.q_head_stride + t.row0 * p.q_row_stride,
+        p.q_row_stride, t.rows_valid, tid);
+    if (wg < chunks) load_chunk(wg, 0);
+    ptx::cp_async_commit();  // with Q: the first step's wait covers both
+    int buf = 0;
+    const int steps = (chunks + 1) / 2;
+#pragma unroll 1
+    for (int s = 0; s < steps; ++s, buf ^= 1) {
+      const int c = 2 * s + wg;
+      ptx::cp_async_wait<0>();        // this step's chunks landed for this thread,
+      sm90::hw::fence_proxy_async();  // ordered before wgmma's reads,
+      __syncthreads();                // for every thread; every warp is done with the previous step
+      if (c + 2 < chunks) load_chunk(c + 2, buf ^ 1);
+      ptx::cp_async_commit();
+      if (c >= chunks) continue;
+      const std::uint64_t a = kmajor_desc(s_chunks + static_cast<std::uint32_t>(buf * Cfg::kChunkBytes));
+      const std::uint64_t b = kmajor_desc(s_q);
+      float acc[16][4];
+      sm90::hw::wgmma_fence();
+#pragma unroll
+      for (int kk = 0; kk < Cfg::kKSteps; ++kk) {
+        sm90::hw::wgmma_ss<kBf16>(acc, a + k_step<Cfg::kChunkHalfBytes>(kk), b + k_step<Cfg::kQHalfBytes>(kk), kk > 0);
+      }
+      sm90::hw::wgmma_commit();
+      sm90::hw::wgmma_wait<0>();
+      sm90::hw::fence_regs(acc);
+      // Warp w of the warpgroup holds blocks j0 .. j0 + 15 against all 128 rows. Pairs that do
+      // not contribute exist only in the chunk holding A - 1, the tile's own blocks or a short
+      // tile: the mask is applied only there.
+      const int j0 = c * kChunk + (wt / 32) * 16;
+      const bool masked = j0 + 15 >= t.scored || Cfg::kRows > t.rows_valid ||
+                          t.a_f < static_cast<std::int64_t>(j0 + 15) * p.block;
+      select::warp_lambdas(acc, t, p.block, scale_log2, j0, 0, masked, head > 0, energy, lane);
+    }
+  }
+  __syncthreads();  // every λ written
+  select::finish_selection<Cfg::kThreads / 32>(p, t, energy, nullptr, s_red, s_count);
+}
+
+// The block means (the portable kernel), then the selector; returns a cudaError_t value.
+template <bool kBf16, int kD>
+int launch_select(const SelectParams& p, void* stream) {
+  using Cfg = Select90Config<kBf16, kD>;
+  const auto st = static_cast<cudaStream_t>(stream);
+  if (p.batch == 0 || p.num_k_blocks == 0) return 0;
+  select::block_means_kernel<kBf16, kD><<<dim3(p.num_k_blocks, p.h_kv, p.batch), kD, 0, st>>>(p);
+  cudaError_t err = cudaGetLastError();
+  if (err != cudaSuccess) return static_cast<int>(err);
+  const std::size_t smem = Cfg::smem_bytes(p.num_k_blocks);
+  auto* kernel = select90_kernel<kBf16, kD>;
+  err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem));
+  if (err != cudaSuccess) return static_cast<int>(err);
+  const int units = p.pack_gqa ? p.h_kv : p.h_q;
+  const unsigned grid = static_cast<unsigned>(p.num_q_blocks) * static_cast<unsigned>(units) *
+                        static_cast<unsigned>(p.batch);
+  if (grid == 0) return 0;
+  kernel<<<grid, Cfg::kThreads, smem, st>>>(p);
+  return static_cast<int>(cudaGetLastError());
+}
+
+}  // namespace sparseprefill::cuda::select90
