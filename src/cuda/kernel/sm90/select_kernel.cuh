@@ -4,9 +4,10 @@
 // mma.sync: the 128 query rows against 64 pooled blocks are 8 m64n128k16 instructions per
 // warpgroup instead of 64 ldmatrix/mma pairs per warp. The block means, the energies' reduction
 // (warp_lambdas) and the mask writing are the portable kernel's. Selector alone at 16K / 32K /
-// 128K (Llama-3.1-8B, structured inputs): 0.135 / 0.304 / 2.49 ms against the portable
-// kernel's 0.125 / 0.318 / 3.14 on the same H200 (records 2026-11-30-h200-selector-hopper-
-// lockstep and -selector-portable-tree). Included only by generated instance files.
+// 128K (Llama-3.1-8B, structured inputs, H200): 0.135 / 0.303 / 2.55 ms against the portable
+// kernel's 0.125 / 0.316 / 3.16 (records 2026-11-30-h200-selector-hopper and
+// -portable-path-forced-full-end-hoisted, one machine, one commit). Included only by generated
+// instance files.
 #pragma once
 
 #include <cuda_runtime.h>
@@ -84,8 +85,8 @@ __device__ __forceinline__ std::uint64_t k_step(int kk) {
 // step (one CTA barrier per step) while the other CTA resident on the SM fills the tensor pipe.
 // Warpgroups out of step (a named barrier each) measured 2.34 against 2.49 ms at 128K and equal
 // at 16K-32K, but compute-sanitizer's racecheck then reports hazards on finish_selection's
-// counts, which only barrier 0 orders (record 2026-11-30-h200-selector-hopper-lockstep): not
-// worth a sanitizer exception. Invariant at the top of a step: the only cp.async group in
+// counts, which only barrier 0 orders (records 2026-11-30-h200-selector-hopper-out-of-step and
+// -in-step): not worth a sanitizer exception. Invariant at the top of a step: the only cp.async group in
 // flight holds this step's chunks (buffer `buf`).
 template <bool kBf16, int kD>
 __global__ void __launch_bounds__(Select90Config<kBf16, kD>::kThreads, 2)
