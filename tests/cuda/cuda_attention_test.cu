@@ -60,21 +60,6 @@ Decisions cpu_decisions(TestProblem* tp, const Policy& policy) {
   return d;
 }
 
-// Whether the GPU runs the Hopper kernel here (sm_90a code: compute capability 9.0).
-bool hopper_device() {
-  cudaDeviceProp prop;
-  return cudaGetDeviceProperties(&prop, 0) == cudaSuccess && prop.major == 9 && prop.minor == 0;
-}
-
-// While alive, sends this thread's calls to the portable kernel.
-class PortableOnly {
- public:
-  explicit PortableOnly(bool on) { cuda::set_portable_only_for_testing(on); }
-  ~PortableOnly() { cuda::set_portable_only_for_testing(false); }
-  PortableOnly(const PortableOnly&) = delete;
-  PortableOnly& operator=(const PortableOnly&) = delete;
-};
-
 // Paged K/V staged into contiguous rows (always) or read through the table (never) for the
 // guard's lifetime, whatever plan_kv_staging would decide.
 class StagedKv {
@@ -86,11 +71,6 @@ class StagedKv {
   StagedKv(const StagedKv&) = delete;
   StagedKv& operator=(const StagedKv&) = delete;
 };
-
-// The estimate_select selector family a call must choose (choose_select_path).
-std::string expected_selector_prefix(bool portable) {
-  return portable || !hopper_device() ? "select_sm80_" : "select_sm90_";
-}
 
 // The forward kernel family the default path must launch for (tp, policy) on this device: the
 // plan's choice (host-tested in cuda_plan_host_test) on an sm_90 device, the portable one elsewhere.

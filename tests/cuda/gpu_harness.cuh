@@ -9,11 +9,13 @@
 
 #include <cstdint>
 #include <memory>
+#include <string>
 #include <vector>
 
 #include "common/inputs.h"
 #include "common/poison.h"
 #include "common/tolerance.h"
+#include "cuda/cuda_backend.h"
 #include "reference/reference.h"
 #include "sparseprefill/attention.h"
 
@@ -24,6 +26,26 @@ namespace sparseprefill::test {
     const cudaError_t sp_err_ = (expr);                                                  \
     ASSERT_EQ(sp_err_, cudaSuccess) << #expr << ": " << cudaGetErrorString(sp_err_);     \
   } while (0)
+
+// Whether the GPU runs the Hopper kernels here (sm_90a code: compute capability 9.0).
+inline bool hopper_device() {
+  cudaDeviceProp prop;
+  return cudaGetDeviceProperties(&prop, 0) == cudaSuccess && prop.major == 9 && prop.minor == 0;
+}
+
+// While alive, sends this thread's calls to the portable kernels (the selector included).
+class PortableOnly {
+ public:
+  explicit PortableOnly(bool on) { cuda::set_portable_only_for_testing(on); }
+  ~PortableOnly() { cuda::set_portable_only_for_testing(false); }
+  PortableOnly(const PortableOnly&) = delete;
+  PortableOnly& operator=(const PortableOnly&) = delete;
+};
+
+// The estimate_select selector family a call must choose (choose_select_path).
+inline std::string expected_selector_prefix(bool portable) {
+  return portable || !hopper_device() ? "select_sm80_" : "select_sm90_";
+}
 
 // Device memory owned by a test.
 struct DeviceBuffer {
