@@ -169,8 +169,8 @@ __device__ __forceinline__ void tree_reduce(float (&v)[kN], const Op& op) {
 // One warp's part of the energies: accumulator rows g and g + 8 (blocks j0 + g, j0 + g + 8) of
 // raw scores q·k̄ over kNF n8 column groups (query rows q0 + 8·nf + 2·t4 + e % 2), in the
 // mma.sync accumulator layout. Per row λ = log2 Σ 2^{y}, y = scale·log2(e)·q·k̄ over the
-// contributing pairs (a row with none gets -inf), written to lambda[j] for j < A, added to what
-// is there (log-sum-exp) when `add` (the later heads of a pack_gqa group). `masked`: some pair
+// contributing pairs (a row with none gets -inf), written to lambda[j - first] for j < A, added
+// to what is there (log-sum-exp) when `add` (the later heads of a pack_gqa group). `masked`: some pair
 // of these rows and columns may not contribute; otherwise the per-pair test is skipped. The
 // max is taken on the raw scores (scale > 0) and the scale folded into the exponent's FMA; max
 // and sum are pairwise trees, so that a row's dependency chain is log2(2·kNF) deep, not 2·kNF
@@ -179,7 +179,7 @@ __device__ __forceinline__ void tree_reduce(float (&v)[kN], const Op& op) {
 // final and 2026-11-30-h200-portable-path-forced-full-end-hoisted).
 template <int kNF>
 __device__ __forceinline__ void warp_lambdas(float (&acc)[kNF][4], const SelectTile& t, int bs, float scale_log2, int j0,
-                                             int q0, bool masked, bool add, float* lambda, int lane) {
+                                             int q0, bool masked, bool add, float* lambda, int first, int lane) {
   static_assert((kNF & (kNF - 1)) == 0, "a power of two of column groups");
   const int g = lane / 4, t4 = lane % 4;
   if (masked) {
@@ -217,7 +217,8 @@ __device__ __forceinline__ void warp_lambdas(float (&acc)[kNF][4], const SelectT
     const int j = j0 + g + 8 * r;
     if (t4 == 0 && j < t.scored) {
       const float l = (mx == -INFINITY ? mx : m_use) + __log2f(sum);
-      lambda[j] = add ? log2_add(lambda[j], l) : l;
+      float& out = lambda[j - first];
+      out = add ? log2_add(out, l) : l;
     }
   }
 }
@@ -395,7 +396,7 @@ __global__ void __launch_bounds__(SelectConfig<kBf16, kD>::kThreads, 2)
         // tile's own blocks, or in a short tile: the mask is applied only there.
         const bool masked = j0 + 15 >= t.scored || q0 + kHalf > t.rows_valid ||
                             t.a_f + q0 < static_cast<std::int64_t>(j0 + 15) * p.block;
-        warp_lambdas(acc, t, p.block, scale_log2, j0, q0, masked, head > 0, half_energy, lane);
+        warp_lambdas(acc, t, p.block, scale_log2, j0, q0, masked, head > 0, half_energy, 0, lane);
       }
       if (c + 1 == chunks && head + 1 < t.heads) {  // the next head's Q once every warp is done with this one
         __syncthreads();

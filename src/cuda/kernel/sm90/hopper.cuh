@@ -146,6 +146,12 @@ __device__ __forceinline__ void fence_regs(float (&a)[kN][4]) {
       "wgmma.mma_async.sync.aligned.m64n128k16.f32." TY " " SP_D64 ", %64, %65, p, 1, 1, 0, 0;\n}\n" \
       : SP_ACC64(d)                                                                               \
       : "l"(desc_a), "l"(desc_b), "r"(accumulate))
+#define SP_WGMMA_SS_N64(TY)                                                                     \
+  asm volatile(                                                                                 \
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"                                              \
+      "wgmma.mma_async.sync.aligned.m64n64k16.f32." TY " " SP_D32 ", %32, %33, p, 1, 1, 0, 0;\n}\n" \
+      : SP_ACC32(d)                                                                             \
+      : "l"(desc_a), "l"(desc_b), "r"(accumulate))
 #define SP_WGMMA_RS_N128(TY)                                                                                \
   asm volatile(                                                                                             \
       "{\n.reg .pred p;\nsetp.ne.b32 p, %69, 0;\n"                                                          \
@@ -167,6 +173,16 @@ __device__ __forceinline__ void wgmma_ss(float (&d)[16][4], std::uint64_t desc_a
     SP_WGMMA_SS_N128("bf16.bf16");
   } else {
     SP_WGMMA_SS_N128("f16.f16");
+  }
+}
+
+// As wgmma_ss, N = 64 (the selector's split last chunk: half the query tile).
+template <bool kBf16>
+__device__ __forceinline__ void wgmma_ss_n64(float (&d)[8][4], std::uint64_t desc_a, std::uint64_t desc_b, int accumulate) {
+  if constexpr (kBf16) {
+    SP_WGMMA_SS_N64("bf16.bf16");
+  } else {
+    SP_WGMMA_SS_N64("f16.f16");
   }
 }
 
@@ -213,6 +229,7 @@ __device__ __forceinline__ void wgmma_rs_e4m3(float (&d)[16][4], const std::uint
 }
 
 #undef SP_WGMMA_SS_N128
+#undef SP_WGMMA_SS_N64
 #undef SP_WGMMA_RS_N128
 #undef SP_WGMMA_RS_N64
 #undef SP_D64

@@ -23,7 +23,8 @@ namespace sparseprefill::cuda::select90 {
 
 // A CTA selects for one query tile of 128 rows and one unit (query head, or KV group with
 // pack_gqa): two warpgroups, each scoring its own chunks of 64 pooled blocks (warpgroup w takes
-// chunks w, w + 2, ...) against the whole tile, double-buffered. Tiles are [d / 64][rows][64]
+// chunks w, w + 2, ...; an odd count's last one both, by query rows) against the tile,
+// double-buffered. Tiles are [d / 64][rows][64]
 // with the 128-byte swizzle, the layout the Hopper forward kernel's TMA writes.
 template <bool kBf16_, int kD>
 struct Select90Config {
@@ -81,21 +82,28 @@ __device__ __forceinline__ std::uint64_t k_step(int kk) {
 }
 
 // Per head (pack_gqa: the group's heads in turn) the CTA loads the Q tile; then in steps
-// s = 0 .. ceil(chunks / 2) - 1 warpgroup w scores chunk 2s + w, if it exists, both warpgroups in
-// step (one CTA barrier per step) while the other CTA resident on the SM fills the tensor pipe.
-// Warpgroups out of step (a named barrier each) measured 2.34 against 2.49 ms at 128K and equal
-// at 16K-32K, but compute-sanitizer's racecheck then reports hazards on finish_selection's
-// counts, which only barrier 0 orders (records 2026-11-30-h200-selector-hopper-out-of-step and
-// -in-step): not worth a sanitizer exception. Invariant at the top of a step: the only cp.async group in
-// flight holds this step's chunks (buffer `buf`).
+// s = 0 .. ceil(chunks / 2) - 1 warpgroup w scores chunk 2s + w against all 128 rows, both
+// warpgroups in step (one CTA barrier per step) while the other CTA resident on the SM fills the
+// tensor pipe. An odd count's last chunk is split by query rows instead (each warpgroup its 64
+// rows, m64n64k16; warpgroup 1's λ added after the step): whole, it left warpgroup 1 idle for a
+// step, and warps waiting at the barrier after the loop were 20% of Nsight's samples at 64K (log
+// bench/records/2026-11-30-h200-selector-hopper-ncu-64k.log), a whole tile's worth at 16K where
+// a tile has one or two chunks. Warpgroups out of step (a named barrier each) measured 2.34
+// against 2.49 ms at 128K and equal at 16K-32K, but compute-sanitizer's racecheck then reports
+// hazards on finish_selection's counts, which only barrier 0 orders (records
+// 2026-11-30-h200-selector-hopper-out-of-step and -in-step): not worth a sanitizer exception.
+// Invariant at the top of a step: the only cp.async group in flight holds this step's chunks
+// (buffer `buf`).
 template <bool kBf16, int kD>
 __global__ void __launch_bounds__(Select90Config<kBf16, kD>::kThreads, 2)
     select90_kernel(const __grid_constant__ SelectParams p) {
   using Cfg = Select90Config<kBf16, kD>;
   constexpr int kChunk = Cfg::kChunk;
+  constexpr int kHalfRows = Cfg::kRows / Cfg::kWarpgroups;
   extern __shared__ std::uint8_t smem_raw[];
   __shared__ float s_red[Cfg::kThreads / 32];
   __shared__ int s_count[2][Cfg::kThreads / 32];
+  __shared__ float s_split[kChunk];  // warpgroup 1's λ of a split last chunk
 
   const int tid = threadIdx.x, wg = tid / 128, wt = tid % 128, lane = tid % 32;
   select::SelectTile t;
@@ -103,10 +111,14 @@ __global__ void __launch_bounds__(Select90Config<kBf16, kD>::kThreads, 2)
   const std::uint32_t raw = sm90::hw::smem_u32(smem_raw);
   const std::uint32_t pad = (1024 - (raw & 1023)) & 1023;
   const std::uint32_t s_q = raw + pad;
-  const std::uint32_t s_chunks = s_q + Cfg::kQBytes + static_cast<std::uint32_t>(wg * Cfg::kStages * Cfg::kChunkBytes);
+  const std::uint32_t s_chunks0 = s_q + Cfg::kQBytes;  // warpgroup 0's buffers, then warpgroup 1's
+  const std::uint32_t s_chunks = s_chunks0 + static_cast<std::uint32_t>(wg * Cfg::kStages * Cfg::kChunkBytes);
   float* energy = reinterpret_cast<float*>(smem_raw + pad + Cfg::kSmemFixed);  // λ_j, j < A
 
   const int chunks = (t.scored + kChunk - 1) / kChunk;
+  const int steps = (chunks + 1) / 2;
+  const bool split_last = chunks % 2 == 1;
+  const int last0 = (chunks - 1) * kChunk;  // the last chunk's first block
   const float scale_log2 = p.scale * 1.4426950408889634f;
   const auto* mean = static_cast<const std::uint16_t*>(p.k_mean) +
                      (static_cast<std::int64_t>(t.b) * p.h_kv + t.hk) * p.num_k_blocks * static_cast<std::int64_t>(kD);
@@ -119,14 +131,13 @@ __global__ void __launch_bounds__(Select90Config<kBf16, kD>::kThreads, 2)
   };
 #pragma unroll 1
   for (int head = 0; chunks > 0 && head < t.heads; ++head) {
-    if (head > 0) __syncthreads();  // both warpgroups are done with the previous head's Q
+    if (head > 0) __syncthreads();  // both warpgroups are done with the previous head's Q and s_split
     load_rows_sw128<Cfg::kRows, kD, Cfg::kThreads>(
         s_q, static_cast<const std::uint16_t*>(p.q) + t.seq.q_off + (t.h0 + head) * p.q_head_stride + t.row0 * p.q_row_stride,
         p.q_row_stride, t.rows_valid, tid);
     if (wg < chunks) load_chunk(wg, 0);
     ptx::cp_async_commit();  // with Q: the first step's wait covers both
     int buf = 0;
-    const int steps = (chunks + 1) / 2;
 #pragma unroll 1
     for (int s = 0; s < steps; ++s, buf ^= 1) {
       const int c = 2 * s + wg;
@@ -135,7 +146,30 @@ __global__ void __launch_bounds__(Select90Config<kBf16, kD>::kThreads, 2)
       __syncthreads();                // for every thread; every warp is done with the previous step
       if (c + 2 < chunks) load_chunk(c + 2, buf ^ 1);
       ptx::cp_async_commit();
-      if (c >= chunks) continue;
+      // Warp w of the warpgroup holds blocks j0 .. j0 + 15. Pairs that do not contribute exist
+      // only in the chunk holding A - 1, the tile's own blocks or a short tile: the mask is
+      // applied only there.
+      if (split_last && s + 1 == steps) {
+        // The last chunk, in warpgroup 0's buffer: this warpgroup's 64 query rows.
+        const std::uint64_t a = kmajor_desc(s_chunks0 + static_cast<std::uint32_t>(buf * Cfg::kChunkBytes));
+        const std::uint64_t b = kmajor_desc(s_q + static_cast<std::uint32_t>(wg * kHalfRows * Cfg::kRowBytes));
+        float acc[8][4];
+        sm90::hw::wgmma_fence();
+#pragma unroll
+        for (int kk = 0; kk < Cfg::kKSteps; ++kk) {
+          sm90::hw::wgmma_ss_n64<kBf16>(acc, a + k_step<Cfg::kChunkHalfBytes>(kk), b + k_step<Cfg::kQHalfBytes>(kk),
+                                        kk > 0);
+        }
+        sm90::hw::wgmma_commit();
+        sm90::hw::wgmma_wait<0>();
+        sm90::hw::fence_regs(acc);
+        const int j0 = last0 + (wt / 32) * 16, q0 = wg * kHalfRows;
+        const bool masked = j0 + 15 >= t.scored || q0 + kHalfRows > t.rows_valid ||
+                            t.a_f + q0 < static_cast<std::int64_t>(j0 + 15) * p.block;
+        select::warp_lambdas(acc, t, p.block, scale_log2, j0, q0, masked, wg == 0 && head > 0,
+                             wg == 0 ? energy : s_split, wg == 0 ? 0 : last0, lane);
+        continue;
+      }
       const std::uint64_t a = kmajor_desc(s_chunks + static_cast<std::uint32_t>(buf * Cfg::kChunkBytes));
       const std::uint64_t b = kmajor_desc(s_q);
       float acc[16][4];
@@ -147,13 +181,14 @@ __global__ void __launch_bounds__(Select90Config<kBf16, kD>::kThreads, 2)
       sm90::hw::wgmma_commit();
       sm90::hw::wgmma_wait<0>();
       sm90::hw::fence_regs(acc);
-      // Warp w of the warpgroup holds blocks j0 .. j0 + 15 against all 128 rows. Pairs that do
-      // not contribute exist only in the chunk holding A - 1, the tile's own blocks or a short
-      // tile: the mask is applied only there.
       const int j0 = c * kChunk + (wt / 32) * 16;
       const bool masked = j0 + 15 >= t.scored || Cfg::kRows > t.rows_valid ||
                           t.a_f < static_cast<std::int64_t>(j0 + 15) * p.block;
-      select::warp_lambdas(acc, t, p.block, scale_log2, j0, 0, masked, head > 0, energy, lane);
+      select::warp_lambdas(acc, t, p.block, scale_log2, j0, 0, masked, head > 0, energy, 0, lane);
+    }
+    if (split_last) {  // warpgroup 1's half of the last chunk joins warpgroup 0's
+      __syncthreads();
+      for (int j = last0 + tid; j < t.scored; j += Cfg::kThreads) energy[j] = select::log2_add(energy[j], s_split[j - last0]);
     }
   }
   __syncthreads();  // every λ written
