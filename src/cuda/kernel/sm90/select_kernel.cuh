@@ -4,9 +4,9 @@
 // mma.sync: the 128 query rows against 64 pooled blocks are 8 m64n128k16 instructions per
 // warpgroup instead of 64 ldmatrix/mma pairs per warp. The block means, the energies' reduction
 // (warp_lambdas) and the mask writing are the portable kernel's. Selector alone at 16K / 32K /
-// 128K (Llama-3.1-8B, structured inputs, H200): 0.135 / 0.303 / 2.55 ms against the portable
-// kernel's 0.125 / 0.316 / 3.16 (records 2026-11-30-h200-selector-hopper and
-// -portable-path-forced-full-end-hoisted, one machine, one commit). Included only by generated
+// 128K (Llama-3.1-8B, structured inputs, H200): 0.131 / 0.294 / 2.34 ms (record
+// 2026-11-30-h200-selector-hopper-split-last-chunk) against the portable kernel's 0.125 / 0.316 /
+// 3.16 (record 2026-11-30-h200-portable-path-forced-full-end-hoisted). Included only by generated
 // instance files.
 #pragma once
 
