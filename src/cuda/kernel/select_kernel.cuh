@@ -409,24 +409,32 @@ __global__ void __launch_bounds__(SelectConfig<kBf16, kD>::kThreads, 2)
   finish_selection<Cfg::kWarps>(p, t, energy, energy + p.num_k_blocks, s_red, s_count);
 }
 
-// Host-side launches; each returns a cudaError_t value (0 = success).
+// Host side: the block means, then `kernel`, a selector of `threads` threads per mask row with
+// `smem` bytes of dynamic shared memory (this file's, or the Hopper one). Returns a cudaError_t
+// value (0 = success).
 template <bool kBf16, int kD>
-int launch_select(const SelectParams& p, void* stream) {
+int launch_means_and_selector(const SelectParams& p, void* stream, void (*kernel)(SelectParams), int threads,
+                              std::size_t smem) {
   const auto st = static_cast<cudaStream_t>(stream);
   if (p.batch == 0 || p.num_k_blocks == 0) return 0;
   block_means_kernel<kBf16, kD><<<dim3(p.num_k_blocks, p.h_kv, p.batch), kD, 0, st>>>(p);
   cudaError_t err = cudaGetLastError();
   if (err != cudaSuccess) return static_cast<int>(err);
-  const std::size_t smem = SelectConfig<kBf16, kD>::smem_bytes(p.num_k_blocks);
-  auto* kernel = select_kernel<kBf16, kD>;
   err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem));
   if (err != cudaSuccess) return static_cast<int>(err);
   const int units = p.pack_gqa ? p.h_kv : p.h_q;
   const unsigned grid = static_cast<unsigned>(p.num_q_blocks) * static_cast<unsigned>(units) *
                         static_cast<unsigned>(p.batch);
   if (grid == 0) return 0;
-  kernel<<<grid, SelectConfig<kBf16, kD>::kThreads, smem, st>>>(p);
+  kernel<<<grid, threads, smem, st>>>(p);
   return static_cast<int>(cudaGetLastError());
+}
+
+template <bool kBf16, int kD>
+int launch_select(const SelectParams& p, void* stream) {
+  using Cfg = SelectConfig<kBf16, kD>;
+  return launch_means_and_selector<kBf16, kD>(p, stream, select_kernel<kBf16, kD>, Cfg::kThreads,
+                                              Cfg::smem_bytes(p.num_k_blocks));
 }
 
 }  // namespace sparseprefill::cuda::select

@@ -199,21 +199,8 @@ __global__ void __launch_bounds__(Select90Config<kBf16, kD>::kThreads, 2)
 template <bool kBf16, int kD>
 int launch_select(const SelectParams& p, void* stream) {
   using Cfg = Select90Config<kBf16, kD>;
-  const auto st = static_cast<cudaStream_t>(stream);
-  if (p.batch == 0 || p.num_k_blocks == 0) return 0;
-  select::block_means_kernel<kBf16, kD><<<dim3(p.num_k_blocks, p.h_kv, p.batch), kD, 0, st>>>(p);
-  cudaError_t err = cudaGetLastError();
-  if (err != cudaSuccess) return static_cast<int>(err);
-  const std::size_t smem = Cfg::smem_bytes(p.num_k_blocks);
-  auto* kernel = select90_kernel<kBf16, kD>;
-  err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem));
-  if (err != cudaSuccess) return static_cast<int>(err);
-  const int units = p.pack_gqa ? p.h_kv : p.h_q;
-  const unsigned grid = static_cast<unsigned>(p.num_q_blocks) * static_cast<unsigned>(units) *
-                        static_cast<unsigned>(p.batch);
-  if (grid == 0) return 0;
-  kernel<<<grid, Cfg::kThreads, smem, st>>>(p);
-  return static_cast<int>(cudaGetLastError());
+  return select::launch_means_and_selector<kBf16, kD>(p, stream, select90_kernel<kBf16, kD>, Cfg::kThreads,
+                                                      Cfg::smem_bytes(p.num_k_blocks));
 }
 
 }  // namespace sparseprefill::cuda::select90
