@@ -170,8 +170,8 @@ __device__ __forceinline__ void tree_reduce(float (&v)[kN], const Op& op) {
 // raw scores q·k̄ over kNF n8 column groups (query rows q0 + 8·nf + 2·t4 + e % 2), in the
 // mma.sync accumulator layout. Per row λ = log2 Σ 2^{y}, y = scale·log2(e)·q·k̄ over the
 // contributing pairs (a row with none gets -inf), written to lambda[j - first] for j < A, added
-// to what is there (log-sum-exp) when `add` (the later heads of a pack_gqa group). `masked`: some pair
-// of these rows and columns may not contribute; otherwise the per-pair test is skipped. The
+// to what is there (log-sum-exp) when `add` (the later heads of a pack_gqa group). `masked`:
+// some pair of these rows and columns may not contribute; otherwise the per-pair test is skipped. The
 // max is taken on the raw scores (scale > 0) and the scale folded into the exponent's FMA; max
 // and sum are pairwise trees, so that a row's dependency chain is log2(2·kNF) deep, not 2·kNF
 // (the selector runs 4 warps per SM sub-partition: its chains are not hidden; the portable

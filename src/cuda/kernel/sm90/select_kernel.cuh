@@ -24,8 +24,8 @@ namespace sparseprefill::cuda::select90 {
 // A CTA selects for one query tile of 128 rows and one unit (query head, or KV group with
 // pack_gqa): two warpgroups, each scoring its own chunks of 64 pooled blocks (warpgroup w takes
 // chunks w, w + 2, ...; an odd count's last one both, by query rows) against the tile,
-// double-buffered. Tiles are [d / 64][rows][64]
-// with the 128-byte swizzle, the layout the Hopper forward kernel's TMA writes.
+// double-buffered. Tiles are [d / 64][rows][64] with the 128-byte swizzle, the layout the
+// Hopper forward kernel's TMA writes.
 template <bool kBf16_, int kD>
 struct Select90Config {
   static constexpr bool kBf16 = kBf16_;
