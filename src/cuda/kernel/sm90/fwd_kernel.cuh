@@ -240,7 +240,8 @@ __device__ __forceinline__ void pack_p(const float (&s)[1][16][4], std::uint32_t
 // address fields are in 16-byte units.
 template <class Cfg>
 __device__ __forceinline__ std::uint64_t kmajor_desc(std::uint32_t addr) {
-  return hw::desc_sw128(addr, 16, Cfg::kAtomBytes);
+  static_assert(Cfg::kAtomBytes == 1024, "the 128-byte swizzle period");
+  return hw::kmajor_desc_sw128(addr);
 }
 template <class Cfg>
 __device__ __forceinline__ std::uint64_t v_desc(std::uint32_t addr) {
@@ -249,7 +250,7 @@ __device__ __forceinline__ std::uint64_t v_desc(std::uint32_t addr) {
 }
 template <class Cfg>
 __device__ __forceinline__ std::uint64_t k_step(int kk) {
-  return static_cast<std::uint64_t>(((kk / 4) * Cfg::kHalfBytes + (kk % 4) * 32) >> 4);
+  return hw::kmajor_k_step<Cfg::kHalfBytes>(kk);
 }
 
 // S = Q·Kᵀ of the warpgroup's 64 rows against a 128-key tile, as one commit group.

@@ -101,6 +101,16 @@ __device__ __forceinline__ std::uint64_t desc_sw128(std::uint32_t addr, std::uin
          (static_cast<std::uint64_t>((sbo & 0x3FFFF) >> 4) << 32) | (1ull << 62);
 }
 
+// A K-major operand with the 128-byte swizzle (rows of 128 B, 8-row groups 1024 B apart: SBO;
+// LBO unused), stored as d-halves of kHalfBytes: the descriptor of the tile at `addr`, and the
+// offset (16-byte units, added to the descriptor) of 32-byte K step kk, at +32·(kk % 4) bytes
+// inside d-half kk / 4.
+__device__ __forceinline__ std::uint64_t kmajor_desc_sw128(std::uint32_t addr) { return desc_sw128(addr, 16, 1024); }
+template <int kHalfBytes>
+__device__ __forceinline__ std::uint64_t kmajor_k_step(int kk) {
+  return static_cast<std::uint64_t>(((kk / 4) * kHalfBytes + (kk % 4) * 32) >> 4);
+}
+
 // Four fp32 -> one register of four e4m3 (x0 in the low byte), round to nearest even,
 // saturating finite values to ±448 (P is in [0, 1]: nothing saturates; NaN stays NaN).
 __device__ __forceinline__ std::uint32_t pack4_e4m3(float x0, float x1, float x2, float x3) {

@@ -21,6 +21,8 @@
 
 namespace sparseprefill::cuda::select90 {
 
+namespace hw = sm90::hw;
+
 // A CTA selects for one query tile of 128 rows and one unit (query head, or KV group with
 // pack_gqa): two warpgroups, each scoring its own chunks of 64 pooled blocks (warpgroup w takes
 // chunks w, w + 2, ...; an odd count's last one both, by query rows) against the tile,
@@ -72,15 +74,6 @@ __device__ __forceinline__ void load_rows_sw128(std::uint32_t dst, const std::ui
   }
 }
 
-// K-major operand with the 128-byte swizzle: 8-row groups 1024 B apart (SBO); the 16-element
-// K step kk at +32·(kk % 4) bytes inside d-half kk / 4 (`half_bytes` apart), added to the
-// descriptor's address field (16-byte units).
-__device__ __forceinline__ std::uint64_t kmajor_desc(std::uint32_t tile) { return sm90::hw::desc_sw128(tile, 16, 1024); }
-template <int kHalfBytes>
-__device__ __forceinline__ std::uint64_t k_step(int kk) {
-  return static_cast<std::uint64_t>(((kk / 4) * kHalfBytes + (kk % 4) * 32) >> 4);
-}
-
 // Per head (pack_gqa: the group's heads in turn) the CTA loads the Q tile; then in steps
 // s = 0 .. ceil(chunks / 2) - 1 warpgroup w scores chunk 2s + w against all 128 rows, both
 // warpgroups in step (one CTA barrier per step) while the other CTA resident on the SM fills the
@@ -108,7 +101,7 @@ __global__ void __launch_bounds__(Select90Config<kBf16, kD>::kThreads, 2)
   const int tid = threadIdx.x, wg = tid / 128, wt = tid % 128, lane = tid % 32;
   select::SelectTile t;
   if (!t.init(p, blockIdx.x)) return;
-  const std::uint32_t raw = sm90::hw::smem_u32(smem_raw);
+  const std::uint32_t raw = hw::smem_u32(smem_raw);
   const std::uint32_t pad = (1024 - (raw & 1023)) & 1023;
   const std::uint32_t s_q = raw + pad;
   const std::uint32_t s_chunks0 = s_q + Cfg::kQBytes;  // warpgroup 0's buffers, then warpgroup 1's
@@ -142,7 +135,7 @@ __global__ void __launch_bounds__(Select90Config<kBf16, kD>::kThreads, 2)
     for (int s = 0; s < steps; ++s, buf ^= 1) {
       const int c = 2 * s + wg;
       ptx::cp_async_wait<0>();        // this step's chunks landed for this thread,
-      sm90::hw::fence_proxy_async();  // ordered before wgmma's reads,
+      hw::fence_proxy_async();  // ordered before wgmma's reads,
       __syncthreads();                // for every thread; every warp is done with the previous step
       if (c + 2 < chunks) load_chunk(c + 2, buf ^ 1);
       ptx::cp_async_commit();
@@ -151,18 +144,18 @@ __global__ void __launch_bounds__(Select90Config<kBf16, kD>::kThreads, 2)
       // applied only there.
       if (split_last && s + 1 == steps) {
         // The last chunk, in warpgroup 0's buffer: this warpgroup's 64 query rows.
-        const std::uint64_t a = kmajor_desc(s_chunks0 + static_cast<std::uint32_t>(buf * Cfg::kChunkBytes));
-        const std::uint64_t b = kmajor_desc(s_q + static_cast<std::uint32_t>(wg * kHalfRows * Cfg::kRowBytes));
+        const std::uint64_t a = hw::kmajor_desc_sw128(s_chunks0 + static_cast<std::uint32_t>(buf * Cfg::kChunkBytes));
+        const std::uint64_t b = hw::kmajor_desc_sw128(s_q + static_cast<std::uint32_t>(wg * kHalfRows * Cfg::kRowBytes));
         float acc[8][4];
-        sm90::hw::wgmma_fence();
+        hw::wgmma_fence();
 #pragma unroll
         for (int kk = 0; kk < Cfg::kKSteps; ++kk) {
-          sm90::hw::wgmma_ss_n64<kBf16>(acc, a + k_step<Cfg::kChunkHalfBytes>(kk), b + k_step<Cfg::kQHalfBytes>(kk),
-                                        kk > 0);
+          hw::wgmma_ss_n64<kBf16>(acc, a + hw::kmajor_k_step<Cfg::kChunkHalfBytes>(kk),
+                                  b + hw::kmajor_k_step<Cfg::kQHalfBytes>(kk), kk > 0);
         }
-        sm90::hw::wgmma_commit();
-        sm90::hw::wgmma_wait<0>();
-        sm90::hw::fence_regs(acc);
+        hw::wgmma_commit();
+        hw::wgmma_wait<0>();
+        hw::fence_regs(acc);
         const int j0 = last0 + (wt / 32) * 16, q0 = wg * kHalfRows;
         const bool masked = j0 + 15 >= t.scored || q0 + kHalfRows > t.rows_valid ||
                             t.a_f + q0 < static_cast<std::int64_t>(j0 + 15) * p.block;
@@ -170,17 +163,18 @@ __global__ void __launch_bounds__(Select90Config<kBf16, kD>::kThreads, 2)
                              wg == 0 ? energy : s_split, wg == 0 ? 0 : last0, lane);
         continue;
       }
-      const std::uint64_t a = kmajor_desc(s_chunks + static_cast<std::uint32_t>(buf * Cfg::kChunkBytes));
-      const std::uint64_t b = kmajor_desc(s_q);
+      const std::uint64_t a = hw::kmajor_desc_sw128(s_chunks + static_cast<std::uint32_t>(buf * Cfg::kChunkBytes));
+      const std::uint64_t b = hw::kmajor_desc_sw128(s_q);
       float acc[16][4];
-      sm90::hw::wgmma_fence();
+      hw::wgmma_fence();
 #pragma unroll
       for (int kk = 0; kk < Cfg::kKSteps; ++kk) {
-        sm90::hw::wgmma_ss<kBf16>(acc, a + k_step<Cfg::kChunkHalfBytes>(kk), b + k_step<Cfg::kQHalfBytes>(kk), kk > 0);
+        hw::wgmma_ss<kBf16>(acc, a + hw::kmajor_k_step<Cfg::kChunkHalfBytes>(kk),
+                            b + hw::kmajor_k_step<Cfg::kQHalfBytes>(kk), kk > 0);
       }
-      sm90::hw::wgmma_commit();
-      sm90::hw::wgmma_wait<0>();
-      sm90::hw::fence_regs(acc);
+      hw::wgmma_commit();
+      hw::wgmma_wait<0>();
+      hw::fence_regs(acc);
       const int j0 = c * kChunk + (wt / 32) * 16;
       const bool masked = j0 + 15 >= t.scored || Cfg::kRows > t.rows_valid ||
                           t.a_f < static_cast<std::int64_t>(j0 + 15) * p.block;
