@@ -24,20 +24,19 @@ namespace sparseprefill::cuda::select90 {
 namespace hw = sm90::hw;
 
 // A CTA selects for one query tile of 128 rows and one unit (query head, or KV group with
-// pack_gqa): two warpgroups, warpgroup w scoring query rows 64·w .. 64·w + 63 against every chunk
-// of 64 pooled blocks (wgmma m64n64k16), each with its own λ per block (added in
-// finish_selection). Chunks of k̄ are shared by both warpgroups, kStages deep. Tiles are
-// [d / 64][rows][64] with the 128-byte swizzle, the layout the Hopper forward kernel's TMA writes.
+// pack_gqa): two warpgroups, each scoring its own chunks of 64 pooled blocks (warpgroup w takes
+// chunks w, w + 2, ...; an odd count's last one both, by query rows) against the tile,
+// double-buffered. Tiles are [d / 64][rows][64] with the 128-byte swizzle, the layout the
+// Hopper forward kernel's TMA writes.
 template <bool kBf16_, int kD>
 struct Select90Config {
   static constexpr bool kBf16 = kBf16_;
   static constexpr int kHeadDim = kD;
   static constexpr int kWarpgroups = 2;
   static constexpr int kThreads = 128 * kWarpgroups;
-  static constexpr int kRows = 128;                     // query rows of the tile
-  static constexpr int kWgRows = kRows / kWarpgroups;  // a warpgroup's rows: wgmma N
-  static constexpr int kChunk = 64;                     // pooled blocks of a step: wgmma M
-  static constexpr int kStages = 4;                     // k̄ chunks in shared memory
+  static constexpr int kRows = 128;   // query rows: wgmma N
+  static constexpr int kChunk = 64;   // pooled blocks of a warpgroup step: wgmma M
+  static constexpr int kStages = 2;   // k̄ buffers per warpgroup
   static constexpr int kRowBytes = 128;
   static constexpr int kHalves = kD / 64;
   static constexpr int kKSteps = kD / 16;
@@ -45,13 +44,12 @@ struct Select90Config {
   static constexpr int kQBytes = kHalves * kQHalfBytes;
   static constexpr int kChunkHalfBytes = kChunk * kRowBytes;
   static constexpr int kChunkBytes = kHalves * kChunkHalfBytes;
-  static constexpr int kSmemFixed = kQBytes + kStages * kChunkBytes;
+  static constexpr int kSmemFixed = kQBytes + kWarpgroups * kStages * kChunkBytes;
   static_assert(kRows == kBlockQ, "one query tile of block 128 per CTA");
   static_assert(kD == 64 || kD == 128, "d = 64 or 128");
-  // Plus λ per warpgroup and block, and the slack that aligns the tiles to the swizzle period
-  // (1024 B).
+  // Plus λ per block and the slack that aligns the tiles to the swizzle period (1024 B).
   static std::size_t smem_bytes(int num_k_blocks) {
-    return 1024 + kSmemFixed + static_cast<std::size_t>(kWarpgroups) * static_cast<std::size_t>(num_k_blocks) * sizeof(float);
+    return 1024 + kSmemFixed + static_cast<std::size_t>(num_k_blocks) * sizeof(float);
   }
 };
 
@@ -76,24 +74,29 @@ __device__ __forceinline__ void load_rows_sw128(std::uint32_t dst, const std::ui
   }
 }
 
-// Per head (pack_gqa: the group's heads in turn) the CTA loads the Q tile and the first chunks;
-// then step c issues the wgmma of chunk c + 1 into one accumulator set before reducing chunk c's
-// scores from the other, so that the tensor pipe works while the warpgroup takes its
-// exponentials (two sets of 32 registers: the 64-row N keeps them, and two CTAs, inside 128
-// registers). Both warpgroups read the same chunk, so every chunk is loaded once per tile and
-// there is no odd last chunk to split. One CTA barrier per step: after it every chunk up to c + 1
-// has landed for every thread and every warpgroup has finished the wgmma of chunk c (waited at
-// the end of step c - 1), so chunk c + kStages may load into chunk c's buffer.
-// Invariant at the top of step c: acc_cur holds chunk c's scores; the cp.async groups in flight
-// hold chunks c + 1 .. c + kStages - 1 (one group per chunk, empty past the last).
+// Per head (pack_gqa: the group's heads in turn) the CTA loads the Q tile; then in steps
+// s = 0 .. ceil(chunks / 2) - 1 warpgroup w scores chunk 2s + w against all 128 rows, both
+// warpgroups in step (one CTA barrier per step) while the other CTA resident on the SM fills the
+// tensor pipe. An odd count's last chunk is split by query rows instead (each warpgroup its 64
+// rows, m64n64k16; warpgroup 1's λ added after the step): whole, it left warpgroup 1 idle for a
+// step, and warps waiting at the barrier after the loop were 20% of Nsight's samples at 64K (log
+// bench/records/2026-11-30-h200-selector-hopper-ncu-64k.log), a whole tile's worth at 16K where
+// a tile has one or two chunks. Warpgroups out of step (a named barrier each) measured 2.34
+// against 2.49 ms at 128K and equal at 16K-32K, but compute-sanitizer's racecheck then reports
+// hazards on finish_selection's counts, which only barrier 0 orders (records
+// 2026-11-30-h200-selector-hopper-out-of-step and -in-step): not worth a sanitizer exception.
+// Invariant at the top of a step: the only cp.async group in flight holds this step's chunks
+// (buffer `buf`).
 template <bool kBf16, int kD>
 __global__ void __launch_bounds__(Select90Config<kBf16, kD>::kThreads, 2)
     select90_kernel(const __grid_constant__ SelectParams p) {
   using Cfg = Select90Config<kBf16, kD>;
-  constexpr int kChunk = Cfg::kChunk, kStages = Cfg::kStages;
+  constexpr int kChunk = Cfg::kChunk;
+  constexpr int kHalfRows = Cfg::kRows / Cfg::kWarpgroups;
   extern __shared__ std::uint8_t smem_raw[];
   __shared__ float s_red[Cfg::kThreads / 32];
   __shared__ int s_count[2][Cfg::kThreads / 32];
+  __shared__ float s_split[kChunk];  // warpgroup 1's λ of a split last chunk
 
   const int tid = threadIdx.x, wg = tid / 128, wt = tid % 128, lane = tid % 32;
   select::SelectTile t;
@@ -101,90 +104,89 @@ __global__ void __launch_bounds__(Select90Config<kBf16, kD>::kThreads, 2)
   const std::uint32_t raw = hw::smem_u32(smem_raw);
   const std::uint32_t pad = (1024 - (raw & 1023)) & 1023;
   const std::uint32_t s_q = raw + pad;
-  const std::uint32_t s_chunks = s_q + Cfg::kQBytes;
-  // λ_j of warpgroup 0's rows, then warpgroup 1's ([2][num_k_blocks], entries j < A used).
-  float* energy = reinterpret_cast<float*>(smem_raw + pad + Cfg::kSmemFixed);
-  float* wg_energy = energy + wg * p.num_k_blocks;
+  const std::uint32_t s_chunks0 = s_q + Cfg::kQBytes;  // warpgroup 0's buffers, then warpgroup 1's
+  const std::uint32_t s_chunks = s_chunks0 + static_cast<std::uint32_t>(wg * Cfg::kStages * Cfg::kChunkBytes);
+  float* energy = reinterpret_cast<float*>(smem_raw + pad + Cfg::kSmemFixed);  // λ_j, j < A
 
   const int chunks = (t.scored + kChunk - 1) / kChunk;
-  const int q0 = wg * Cfg::kWgRows;
+  const int steps = (chunks + 1) / 2;
+  const bool split_last = chunks % 2 == 1;
+  const int last0 = (chunks - 1) * kChunk;  // the last chunk's first block
   const float scale_log2 = p.scale * 1.4426950408889634f;
   const auto* mean = static_cast<const std::uint16_t*>(p.k_mean) +
                      (static_cast<std::int64_t>(t.b) * p.h_kv + t.hk) * p.num_k_blocks * static_cast<std::int64_t>(kD);
-  const std::uint64_t b_desc = hw::kmajor_desc_sw128(s_q + static_cast<std::uint32_t>(q0 * Cfg::kRowBytes));
-  // Chunk c into its buffer, then commit (an empty group past the last chunk); rows past A
-  // zero-filled.
-  auto load_chunk = [&](int c) {
-    if (c < chunks) {
-      const int valid = t.scored - c * kChunk;
-      load_rows_sw128<kChunk, kD, Cfg::kThreads>(s_chunks + static_cast<std::uint32_t>((c % kStages) * Cfg::kChunkBytes),
-                                                 mean + static_cast<std::int64_t>(c) * kChunk * kD, kD,
-                                                 valid < kChunk ? valid : kChunk, tid);
-    }
-    ptx::cp_async_commit();
+  // This warpgroup's chunk c into its buffer `buf` (rows past A zero-filled).
+  auto load_chunk = [&](int c, int buf) {
+    const int valid = t.scored - c * kChunk;
+    load_rows_sw128<kChunk, kD, 128>(s_chunks + static_cast<std::uint32_t>(buf * Cfg::kChunkBytes),
+                                     mean + static_cast<std::int64_t>(c) * kChunk * kD, kD,
+                                     valid < kChunk ? valid : kChunk, wt);
   };
-  // Chunk c's scores of this warpgroup's rows into `acc` (issued, not waited).
-  auto issue = [&](float (&acc)[Cfg::kWgRows / 8][4], int c) {
-    const std::uint64_t a = hw::kmajor_desc_sw128(s_chunks + static_cast<std::uint32_t>((c % kStages) * Cfg::kChunkBytes));
-    hw::wgmma_fence();
-#pragma unroll
-    for (int kk = 0; kk < Cfg::kKSteps; ++kk) {
-      hw::wgmma_ss_n64<kBf16>(acc, a + hw::kmajor_k_step<Cfg::kChunkHalfBytes>(kk),
-                              b_desc + hw::kmajor_k_step<Cfg::kQHalfBytes>(kk), kk > 0);
-    }
-    hw::wgmma_commit();
-  };
-  // Chunk c + 1 landed for every thread (and every warpgroup past chunk c's wgmma): chunk
-  // c + kStages into chunk c's buffer.
-  auto next_landed = [&](int c) {
-    ptx::cp_async_wait<kStages - 2>();
-    hw::fence_proxy_async();  // the cp.async writes ordered before wgmma's reads
-    __syncthreads();
-    load_chunk(c + kStages);
-  };
-  // Step c: chunk c + 1's wgmma into `nxt`, chunk c's energies from `cur`, then wait for `nxt`.
-  auto step = [&](float (&cur)[Cfg::kWgRows / 8][4], float (&nxt)[Cfg::kWgRows / 8][4], int c, bool add) {
-    if (c + 1 < chunks) {
-      next_landed(c);
-      issue(nxt, c + 1);
-    }
-    // Warp w of the warpgroup holds blocks j0 .. j0 + 15. Pairs that do not contribute exist
-    // only in the chunk holding A - 1, the tile's own blocks or a short tile: the mask is
-    // applied only there.
-    const int j0 = c * kChunk + (wt / 32) * 16;
-    const bool masked = j0 + 15 >= t.scored || q0 + Cfg::kWgRows > t.rows_valid ||
-                        t.a_f + q0 < static_cast<std::int64_t>(j0 + 15) * p.block;
-    select::warp_lambdas(cur, t, p.block, scale_log2, j0, q0, masked, add, wg_energy, 0, lane);
-    hw::wgmma_wait<0>();
-    hw::fence_regs(nxt);
-  };
-
 #pragma unroll 1
   for (int head = 0; chunks > 0 && head < t.heads; ++head) {
-    if (head > 0) __syncthreads();  // every warpgroup is done with the previous head's Q and chunks
+    if (head > 0) __syncthreads();  // both warpgroups are done with the previous head's Q and s_split
     load_rows_sw128<Cfg::kRows, kD, Cfg::kThreads>(
         s_q, static_cast<const std::uint16_t*>(p.q) + t.seq.q_off + (t.h0 + head) * p.q_head_stride + t.row0 * p.q_row_stride,
         p.q_row_stride, t.rows_valid, tid);
-    load_chunk(0);  // with Q: one group
-#pragma unroll
-    for (int c = 1; c < kStages; ++c) load_chunk(c);
-    float acc0[Cfg::kWgRows / 8][4], acc1[Cfg::kWgRows / 8][4];
-    ptx::cp_async_wait<kStages - 1>();  // Q and chunk 0
-    hw::fence_proxy_async();
-    __syncthreads();
-    issue(acc0, 0);
-    hw::wgmma_wait<0>();
-    hw::fence_regs(acc0);
-    // Chunk 0's buffer is refilled at step 0: the barrier there orders every warpgroup's wait
-    // above before it.
+    if (wg < chunks) load_chunk(wg, 0);
+    ptx::cp_async_commit();  // with Q: the first step's wait covers both
+    int buf = 0;
 #pragma unroll 1
-    for (int c = 0; c < chunks; c += 2) {
-      step(acc0, acc1, c, head > 0);
-      if (c + 1 < chunks) step(acc1, acc0, c + 1, head > 0);
+    for (int s = 0; s < steps; ++s, buf ^= 1) {
+      const int c = 2 * s + wg;
+      ptx::cp_async_wait<0>();        // this step's chunks landed for this thread,
+      hw::fence_proxy_async();  // ordered before wgmma's reads,
+      __syncthreads();                // for every thread; every warp is done with the previous step
+      if (c + 2 < chunks) load_chunk(c + 2, buf ^ 1);
+      ptx::cp_async_commit();
+      // Warp w of the warpgroup holds blocks j0 .. j0 + 15. Pairs that do not contribute exist
+      // only in the chunk holding A - 1, the tile's own blocks or a short tile: the mask is
+      // applied only there.
+      if (split_last && s + 1 == steps) {
+        // The last chunk, in warpgroup 0's buffer: this warpgroup's 64 query rows.
+        const std::uint64_t a = hw::kmajor_desc_sw128(s_chunks0 + static_cast<std::uint32_t>(buf * Cfg::kChunkBytes));
+        const std::uint64_t b = hw::kmajor_desc_sw128(s_q + static_cast<std::uint32_t>(wg * kHalfRows * Cfg::kRowBytes));
+        float acc[8][4];
+        hw::wgmma_fence();
+#pragma unroll
+        for (int kk = 0; kk < Cfg::kKSteps; ++kk) {
+          hw::wgmma_ss_n64<kBf16>(acc, a + hw::kmajor_k_step<Cfg::kChunkHalfBytes>(kk),
+                                  b + hw::kmajor_k_step<Cfg::kQHalfBytes>(kk), kk > 0);
+        }
+        hw::wgmma_commit();
+        hw::wgmma_wait<0>();
+        hw::fence_regs(acc);
+        const int j0 = last0 + (wt / 32) * 16, q0 = wg * kHalfRows;
+        const bool masked = j0 + 15 >= t.scored || q0 + kHalfRows > t.rows_valid ||
+                            t.a_f + q0 < static_cast<std::int64_t>(j0 + 15) * p.block;
+        select::warp_lambdas(acc, t, p.block, scale_log2, j0, q0, masked, wg == 0 && head > 0,
+                             wg == 0 ? energy : s_split, wg == 0 ? 0 : last0, lane);
+        continue;
+      }
+      const std::uint64_t a = hw::kmajor_desc_sw128(s_chunks + static_cast<std::uint32_t>(buf * Cfg::kChunkBytes));
+      const std::uint64_t b = hw::kmajor_desc_sw128(s_q);
+      float acc[16][4];
+      hw::wgmma_fence();
+#pragma unroll
+      for (int kk = 0; kk < Cfg::kKSteps; ++kk) {
+        hw::wgmma_ss<kBf16>(acc, a + hw::kmajor_k_step<Cfg::kChunkHalfBytes>(kk),
+                            b + hw::kmajor_k_step<Cfg::kQHalfBytes>(kk), kk > 0);
+      }
+      hw::wgmma_commit();
+      hw::wgmma_wait<0>();
+      hw::fence_regs(acc);
+      const int j0 = c * kChunk + (wt / 32) * 16;
+      const bool masked = j0 + 15 >= t.scored || Cfg::kRows > t.rows_valid ||
+                          t.a_f < static_cast<std::int64_t>(j0 + 15) * p.block;
+      select::warp_lambdas(acc, t, p.block, scale_log2, j0, 0, masked, head > 0, energy, 0, lane);
+    }
+    if (split_last) {  // warpgroup 1's half of the last chunk joins warpgroup 0's
+      __syncthreads();
+      for (int j = last0 + tid; j < t.scored; j += Cfg::kThreads) energy[j] = select::log2_add(energy[j], s_split[j - last0]);
     }
   }
   __syncthreads();  // every λ written
-  select::finish_selection<Cfg::kThreads / 32>(p, t, energy, energy + p.num_k_blocks, s_red, s_count);
+  select::finish_selection<Cfg::kThreads / 32>(p, t, energy, nullptr, s_red, s_count);
 }
 
 // The block means (the portable kernel), then the selector; returns a cudaError_t value.
