@@ -117,25 +117,29 @@ __device__ __forceinline__ float log2_add(float a, float b) {
   return hi + __log2f(ptx::exp2f_fast(a - hi) + ptx::exp2f_fast(b - hi));
 }
 
-// The mask row one CTA selects for: block index = (i · batch + b) · units + unit, the unit a
-// query head or (pack_gqa) a KV head whose group's heads are scored together. For the tile's
-// valid rows r at positions a_r and the scored blocks j < A = (a_l + 1) / B, x[r, j] =
-// scale · q_r · k̄_j where a_r >= j·B, and E_j = Σ_r e^{x[r, j]}.
+// The query tile and KV group one CTA selects for: block index = ((Q - 1 - i) · batch + b) · h_kv
+// + hk for Q = num_q_blocks, the longest tiles first. The CTA takes the group's heads h0 .. h0 +
+// heads - 1 in turn, each its own mask row (unit = its query head) or, with pack_gqa, their
+// energies added into the group's one row (unit = hk). For the tile's valid rows r at positions
+// a_r and the scored blocks j < A = (a_l + 1) / B, x[r, j] = scale · q_r · k̄_j where a_r >= j·B,
+// and E_j = Σ_r e^{x[r, j]}. A CTA per group, not per head: a tile's fixed cost (its start, the
+// first Q and k̄ loads) is paid once per group, and the next head's loads are in flight while
+// the previous head's mask is written.
 struct SelectTile {
   int units, unit, b, i;
   SeqInfo seq;
   geom::BlockGeometry geo;
   std::int64_t row0, a_f, a_l, fqb, lqb;
   int rows_valid, scored, heads, h0, hk;
+  bool per_head;  // a mask row per query head (not pack_gqa)
 
   // False when the CTA has nothing to select: past its sequence's tiles, or no row sees a key
-  // (the row stays empty: counts zeroed by the host).
+  // (the rows stay empty: counts zeroed by the host).
   __device__ __forceinline__ bool init(const SelectParams& p, int block_index) {
-    units = p.pack_gqa ? p.h_kv : p.h_q;
-    unit = block_index % units;
-    block_index /= units;
+    hk = block_index % p.h_kv;
+    block_index /= p.h_kv;
     b = block_index % p.batch;
-    i = block_index / p.batch;
+    i = p.num_q_blocks - 1 - block_index / p.batch;
     seq = p.seqs[b];
     geo = geom::BlockGeometry{{seq.s_q, seq.s_k, true}, p.block, p.block};
     if (i >= geo.num_q_blocks()) return false;
@@ -147,9 +151,11 @@ struct SelectTile {
     fqb = geom::floor_div(a_f, p.block);
     lqb = a_l / p.block;
     scored = static_cast<int>((a_l + 1) / p.block);
-    heads = p.pack_gqa ? p.group : 1;
-    h0 = p.pack_gqa ? unit * p.group : unit;
-    hk = h0 / p.group;
+    heads = p.group;
+    h0 = hk * p.group;
+    per_head = !p.pack_gqa;
+    units = per_head ? p.h_q : p.h_kv;
+    unit = per_head ? h0 : hk;
     return true;
   }
 };
@@ -402,17 +408,22 @@ __global__ void __launch_bounds__(SelectConfig<kBf16, kD>::kThreads, 2)
         // tile's own blocks, or in a short tile: the mask is applied only there.
         const bool masked = j0 + 15 >= t.scored || q0 + kHalf > t.rows_valid ||
                             t.a_f + q0 < static_cast<std::int64_t>(j0 + 15) * p.block;
-        warp_lambdas(acc, t, p.block, scale_log2, j0, q0, masked, head > 0, half_energy, 0, lane);
+        warp_lambdas(acc, t, p.block, scale_log2, j0, q0, masked, !t.per_head && head > 0, half_energy, 0, lane);
       }
-      if (c + 1 == chunks && head + 1 < t.heads) {  // the next head's Q once every warp is done with this one
-        __syncthreads();
-        load_q(t.h0 + head + 1);
-        ptx::cp_async_commit();
+      if (c + 1 == chunks) {
+        __syncthreads();  // every warp has written this head's λ and is done with its Q
+        if (head + 1 < t.heads) {
+          load_q(t.h0 + head + 1);
+          ptx::cp_async_commit();
+        }
       }
     }
+    // The mask row (per head: this head's, while the next head's Q and first chunk load).
+    if (t.per_head || head + 1 == t.heads) {
+      if (t.per_head) t.unit = t.h0 + head;
+      finish_selection<Cfg::kWarps>(p, t, energy, energy + p.num_k_blocks, s_red, s_count);
+    }
   }
-  __syncthreads();  // every λ written
-  finish_selection<Cfg::kWarps>(p, t, energy, energy + p.num_k_blocks, s_red, s_count);
 }
 
 // Host side: the block means, then `kernel`, a selector of `threads` threads per mask row with
@@ -428,8 +439,7 @@ int launch_means_and_selector(const SelectParams& p, void* stream, void (*kernel
   if (err != cudaSuccess) return static_cast<int>(err);
   err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem));
   if (err != cudaSuccess) return static_cast<int>(err);
-  const int units = p.pack_gqa ? p.h_kv : p.h_q;
-  const unsigned grid = static_cast<unsigned>(p.num_q_blocks) * static_cast<unsigned>(units) *
+  const unsigned grid = static_cast<unsigned>(p.num_q_blocks) * static_cast<unsigned>(p.h_kv) *
                         static_cast<unsigned>(p.batch);
   if (grid == 0) return 0;
   kernel<<<grid, threads, smem, st>>>(p);

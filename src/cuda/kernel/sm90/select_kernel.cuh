@@ -74,7 +74,8 @@ __device__ __forceinline__ void load_rows_sw128(std::uint32_t dst, const std::ui
   }
 }
 
-// Per head (pack_gqa: the group's heads in turn) the CTA loads the Q tile; then in steps
+// The CTA takes its KV group's heads in turn (SelectTile). Per head it loads the Q tile (the next
+// head's, with its first chunks, while this head's mask row is written); then in steps
 // s = 0 .. ceil(chunks / 2) - 1 warpgroup w scores chunk 2s + w against all 128 rows, both
 // warpgroups in step (one CTA barrier per step) while the other CTA resident on the SM fills the
 // tensor pipe. An odd count's last chunk is split by query rows instead (each warpgroup its 64
@@ -122,14 +123,18 @@ __global__ void __launch_bounds__(Select90Config<kBf16, kD>::kThreads, 2)
                                      mean + static_cast<std::int64_t>(c) * kChunk * kD, kD,
                                      valid < kChunk ? valid : kChunk, wt);
   };
-#pragma unroll 1
-  for (int head = 0; chunks > 0 && head < t.heads; ++head) {
-    if (head > 0) __syncthreads();  // both warpgroups are done with the previous head's Q and s_split
+  // This head's Q tile and each warpgroup's first chunk, as one group.
+  auto load_head = [&](int head) {
     load_rows_sw128<Cfg::kRows, kD, Cfg::kThreads>(
         s_q, static_cast<const std::uint16_t*>(p.q) + t.seq.q_off + (t.h0 + head) * p.q_head_stride + t.row0 * p.q_row_stride,
         p.q_row_stride, t.rows_valid, tid);
     if (wg < chunks) load_chunk(wg, 0);
-    ptx::cp_async_commit();  // with Q: the first step's wait covers both
+    ptx::cp_async_commit();
+  };
+  if (chunks > 0) load_head(0);
+#pragma unroll 1
+  for (int head = 0; head < t.heads; ++head) {
+    const bool add = !t.per_head && head > 0;  // pack_gqa: the group's heads into one λ
     int buf = 0;
 #pragma unroll 1
     for (int s = 0; s < steps; ++s, buf ^= 1) {
@@ -159,8 +164,8 @@ __global__ void __launch_bounds__(Select90Config<kBf16, kD>::kThreads, 2)
         const int j0 = last0 + (wt / 32) * 16, q0 = wg * kHalfRows;
         const bool masked = j0 + 15 >= t.scored || q0 + kHalfRows > t.rows_valid ||
                             t.a_f + q0 < static_cast<std::int64_t>(j0 + 15) * p.block;
-        select::warp_lambdas(acc, t, p.block, scale_log2, j0, q0, masked, wg == 0 && head > 0,
-                             wg == 0 ? energy : s_split, wg == 0 ? 0 : last0, lane);
+        select::warp_lambdas(acc, t, p.block, scale_log2, j0, q0, masked, wg == 0 && add, wg == 0 ? energy : s_split,
+                             wg == 0 ? 0 : last0, lane);
         continue;
       }
       const std::uint64_t a = hw::kmajor_desc_sw128(s_chunks + static_cast<std::uint32_t>(buf * Cfg::kChunkBytes));
@@ -178,15 +183,24 @@ __global__ void __launch_bounds__(Select90Config<kBf16, kD>::kThreads, 2)
       const int j0 = c * kChunk + (wt / 32) * 16;
       const bool masked = j0 + 15 >= t.scored || Cfg::kRows > t.rows_valid ||
                           t.a_f < static_cast<std::int64_t>(j0 + 15) * p.block;
-      select::warp_lambdas(acc, t, p.block, scale_log2, j0, 0, masked, head > 0, energy, 0, lane);
+      select::warp_lambdas(acc, t, p.block, scale_log2, j0, 0, masked, add, energy, 0, lane);
     }
     if (split_last) {  // warpgroup 1's half of the last chunk joins warpgroup 0's
       __syncthreads();
       for (int j = last0 + tid; j < t.scored; j += Cfg::kThreads) energy[j] = select::log2_add(energy[j], s_split[j - last0]);
     }
+    // Every λ of this head written, and both warpgroups done with its Q, chunks and s_split:
+    // the next head's loads fly while this head's mask row is written.
+    __syncthreads();
+    if (chunks > 0 && head + 1 < t.heads) load_head(head + 1);
+    if (t.per_head) {
+      t.unit = t.h0 + head;
+      select::finish_selection<Cfg::kThreads / 32>(p, t, energy, nullptr, s_red, s_count);
+    }
   }
-  __syncthreads();  // every λ written
-  select::finish_selection<Cfg::kThreads / 32>(p, t, energy, nullptr, s_red, s_count);
+  // pack_gqa: after the loop, not at its last head: ptxas then keeps the loads' addresses live
+  // across the loop and spills 500 bytes.
+  if (!t.per_head) select::finish_selection<Cfg::kThreads / 32>(p, t, energy, nullptr, s_red, s_count);
 }
 
 // The block means (the portable kernel), then the selector; returns a cudaError_t value.
