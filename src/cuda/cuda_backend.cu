@@ -235,6 +235,7 @@ thread_local std::string t_last_select_instance;
 thread_local bool t_portable_only = false;
 thread_local KvStagingForTesting t_kv_staging = KvStagingForTesting::kAuto;
 thread_local bool t_last_staged = false;
+thread_local int t_last_q_pack = 1;
 
 // The device's compute capability (choose_fwd_path needs it).
 Status compute_capability(int device, int* major, int* minor) {
@@ -648,6 +649,7 @@ std::string last_select_instance_for_testing() { return t_last_select_instance; 
 void set_portable_only_for_testing(bool portable_only) { t_portable_only = portable_only; }
 void set_kv_staging_for_testing(KvStagingForTesting mode) { t_kv_staging = mode; }
 bool last_call_staged_kv_for_testing() { return t_last_staged; }
+int last_q_pack_for_testing() { return t_last_q_pack; }
 
 std::string cuda_build_info() {
   return std::string("cuda architectures (portable path): ") + SP_CUDA_ARCHS + "; Hopper path: 90a-real\n" + "cuda kernels: " +
@@ -675,6 +677,8 @@ Status run_checked(const AttentionProblem& problem, const ProblemShape& shape, c
   SP_RETURN_IF_ERROR(compute_capability(shape.device.index, &cc_major, &cc_minor));
   bool forced = false;
   SP_RETURN_IF_ERROR(portable_forced(std::getenv(kPathEnv), &forced));
+  PackGqa pack_gqa = PackGqa::kAuto;
+  SP_RETURN_IF_ERROR(pack_gqa_mode(std::getenv(kPackGqaEnv), &pack_gqa));
   const FwdPath path = t_portable_only || forced
                            ? FwdPath::kPortable
                            : choose_fwd_path(shape, policy, tma_describable(problem), cc_major, cc_minor);
@@ -786,6 +790,7 @@ Status run_checked(const AttentionProblem& problem, const ProblemShape& shape, c
                                            static_cast<std::size_t>(shape.d) * static_cast<std::size_t>(p.vt_stride),
                                        &p.v_t));
     }
+    p.q_pack = choose_q_pack(shape, p.mode, p.mask_per_kv_head, pack_gqa);
     UploadContext upload_context{&scratch, cache_maps, {}};
     const HostUpload upload{&upload_context, &UploadContext::call};
     const int err = fwd90->launch(p, seqs.data(), paged ? table.data() : nullptr, upload, stream);
@@ -794,13 +799,16 @@ Status run_checked(const AttentionProblem& problem, const ProblemShape& shape, c
     if (err != cudaErrorNotSupported) {
       SP_RETURN_IF_ERROR(launch_status(err, fwd90->name));
       t_last_fwd_instance = fwd90->name;
+      t_last_q_pack = p.q_pack;
       launched = true;
     }
+    p.q_pack = 1;  // the portable kernel below, if the Hopper one declined, does not pack
   }
   if (!launched) {
     if (fp8) return unsupported("q: the driver cannot describe these fp8_e4m3 tensors for TMA, and fp8 has no portable kernel");
     SP_RETURN_IF_ERROR(launch_status(fwd->launch(p, stream), fwd->name));
     t_last_fwd_instance = fwd->name;
+    t_last_q_pack = 1;
   }
   if (!want) return {};
 

@@ -63,5 +63,8 @@ std::string last_select_instance_for_testing();
 enum class KvStagingForTesting { kAuto, kAlways, kNever };
 void set_kv_staging_for_testing(KvStagingForTesting mode);
 bool last_call_staged_kv_for_testing();
+// Query heads per tile of the last forward launch (FwdParams::q_pack: 1, or the group when the
+// Hopper kernel packed it).
+int last_q_pack_for_testing();
 
 }  // namespace sparseprefill::cuda

@@ -130,6 +130,34 @@ FwdPath choose_fwd_path(const ProblemShape& shape, const Policy& policy, bool tm
   return served ? FwdPath::kHopper : FwdPath::kPortable;
 }
 
+Status pack_gqa_mode(const char* env_value, PackGqa* mode) {
+  const std::string v = env_value == nullptr ? std::string() : std::string(env_value);
+  if (v.empty() || v == "auto") {
+    *mode = PackGqa::kAuto;
+  } else if (v == "always") {
+    *mode = PackGqa::kAlways;
+  } else if (v == "never") {
+    *mode = PackGqa::kNever;
+  } else {
+    return invalid_argument(std::string(kPackGqaEnv) + ": expected \"auto\", \"always\" or \"never\" (or unset), got \"" +
+                            v + "\"");
+  }
+  return {};
+}
+
+int choose_q_pack(const ProblemShape& shape, PolicyMode mode, bool mask_per_kv_head, PackGqa pack) {
+  const int g = shape.group();
+  const bool shared_visits = mode == PolicyMode::kDense || (mode == PolicyMode::kBlockMask && mask_per_kv_head);
+  if (pack == PackGqa::kNever || g < 2 || kBlockQ % g != 0 || !shared_visits) return 1;
+  if (pack == PackGqa::kAlways) return g;
+  std::int64_t packed = 0, unpacked = 0;
+  for (const std::int64_t s : shape.seq_q) {
+    packed += geom::ceil_div(s * g, kBlockQ) * shape.h_kv;
+    unpacked += geom::ceil_div(s, kBlockQ) * shape.h_q;
+  }
+  return 10 * packed < 9 * unpacked ? g : 1;
+}
+
 FwdPath choose_select_path(const ProblemShape& shape, int cc_major, int cc_minor, bool portable) {
   const bool hopper = cc_major == 9 && cc_minor == 0 && !portable;
   return hopper && find_select90(shape.dtype, shape.d) != nullptr ? FwdPath::kHopper : FwdPath::kPortable;
@@ -287,6 +315,7 @@ FwdParams make_fwd_params(const AttentionProblem& problem, const ProblemShape& s
   p.h_kv = shape.h_kv;
   p.group = shape.group();
   p.num_q_blocks = static_cast<int>(geom::ceil_div(shape.max_seq_q(), kBlockQ));
+  p.q_pack = 1;
   p.causal = shape.causal;
   p.scale = static_cast<float>(shape.scale);
   p.scale_log2 = static_cast<float>(shape.scale * 1.4426950408889634);  // scale · log2(e)

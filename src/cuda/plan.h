@@ -67,6 +67,25 @@ Status portable_forced(const char* env_value, bool* forced);
 // (block_k 64, paged permute_stop, every other device).
 FwdPath choose_fwd_path(const ProblemShape& shape, const Policy& policy, bool tma_ok, int cc_major, int cc_minor);
 
+// GQA packing on the Hopper kernel (docs/cuda.md, "GQA packing"): a tile of 128 rows holds
+// 128 / G query positions of all G query heads of a KV group (rows ordered position-major), so
+// each K/V tile is loaded once for the group and a short or ragged s_q fills its tiles. Results
+// do not depend on it. The environment variable kPackGqaEnv chooses: unset, empty or "auto"
+// (pack where it cuts the tile count by 10% or more: short chunks, decode-like steps, ragged
+// varlen batches), "always" (wherever packing applies) or "never". Anything else is an error
+// naming the variable and the values it takes.
+enum class PackGqa { kAuto, kAlways, kNever };
+constexpr const char* kPackGqaEnv = "SPARSEPREFILL_PACK_GQA";
+Status pack_gqa_mode(const char* env_value, PackGqa* mode);
+
+// Query heads per Hopper forward tile for a call (FwdParams::q_pack): the group G = h_q / h_kv
+// when packing applies and `mode` asks for it, else 1. It applies to G > 1 dividing 128 and to
+// the policies whose visits are shared by a KV group's heads: dense, and block masks with one
+// row per KV head (mask_per_kv_head: estimate_select's pack_gqa, or a per-KV-head BlockMask);
+// never to the gates, whose decisions are per query head. kAuto packs when
+// Σ_b ceil(s_q,b · G / 128) · h_kv tiles are fewer than 0.9 · Σ_b ceil(s_q,b / 128) · h_q.
+int choose_q_pack(const ProblemShape& shape, PolicyMode mode, bool mask_per_kv_head, PackGqa pack);
+
 // The instance family of estimate_select's selector (a launch of its own, before the attention
 // kernel): Hopper (wgmma; no tensor maps, so any layout check_layout accepts) on compute
 // capability 9.0 when an sm90 selector of (dtype, head_dim) is compiled and `portable` (the

@@ -648,6 +648,93 @@ TEST(CudaEstimateSelect, VarlenBatchOfTwo) {
   expect_gpu_matches(&tp, select_params(alpha, true, false));
 }
 
+// ------------------------------------------------------------------ GQA packing
+
+// SPARSEPREFILL_PACK_GQA set to `value` while alive.
+class PackGqaEnv {
+ public:
+  explicit PackGqaEnv(const char* value) { EXPECT_EQ(setenv(cuda::kPackGqaEnv, value, 1), 0); }
+  ~PackGqaEnv() { unsetenv(cuda::kPackGqaEnv); }
+  PackGqaEnv(const PackGqaEnv&) = delete;
+  PackGqaEnv& operator=(const PackGqaEnv&) = delete;
+};
+
+// `policy` with the Hopper kernel's tiles packed (SPARSEPREFILL_PACK_GQA=always: 128 / G rows
+// of each of a KV group's G query heads per tile, choose_q_pack) and unpacked (never): the packed
+// run matches the oracle and equals the unpacked one element for element (every row sees the
+// same key tiles in the same order, only its place in the tile moves). The instance that ran
+// packed exactly on an sm_90 device; nothing packs elsewhere.
+void expect_packed_equals_unpacked(TestProblem* tp, const Policy& policy, int group) {
+  const ref::Result ref64 = oracle(*tp, policy);
+  ref::Result lowp;
+  const Status st = run_lowp_reference(tp->problem(), policy, ref64.decisions, &lowp);
+  ASSERT_TRUE(st.ok()) << st.to_string();
+  GpuRun packed, unpacked;
+  int packed_q = 0, unpacked_q = 0;
+  {
+    const PackGqaEnv env("always");
+    packed = run_gpu(tp, policy);
+    packed_q = cuda::last_q_pack_for_testing();
+  }
+  {
+    const PackGqaEnv env("never");
+    unpacked = run_gpu(tp, policy);
+    unpacked_q = cuda::last_q_pack_for_testing();
+  }
+  ASSERT_TRUE(packed.status.ok()) << packed.status.to_string();
+  ASSERT_TRUE(unpacked.status.ok()) << unpacked.status.to_string();
+  EXPECT_EQ(packed_q, hopper_device() ? group : 1);
+  EXPECT_EQ(unpacked_q, 1);
+  EXPECT_TRUE(fully_written(packed.out, ref64));
+  EXPECT_TRUE(close_calibrated(tp->q.dtype(), packed.out, ref64, lowp));
+  EXPECT_TRUE(same_decisions(ref64.decisions, packed.decisions));
+  EXPECT_TRUE(same_result(packed.out, unpacked.out, 0.0));
+}
+
+// Dense and per-KV-head block masks: a chunk of 32 rows over a cache (one packed tile), ragged
+// varlen rows with a sequence of one row and one with fewer keys than rows, causal or not,
+// groups 2 to 16, both head dims and dtypes; estimate_select with pack_gqa and mean correction.
+TEST(CudaPackGqa, PackedTilesEqualUnpackedAndMatchTheOracle) {
+  SP_REQUIRE_GPU();
+  struct Case {
+    std::vector<SeqLen> lens;
+    int h_q, h_kv, d;
+    DType dtype;
+    bool causal;
+  };
+  int seed = 0;
+  for (const Case& c : {Case{{{32, 2000}}, 8, 2, 128, DType::kBF16, true},
+                        Case{{{5, 700}, {300, 300}, {1, 1}, {130, 900}, {200, 60}}, 8, 1, 64, DType::kFP16, true},
+                        Case{{{257, 257}}, 4, 2, 128, DType::kFP16, false},
+                        Case{{{100, 3000}}, 16, 1, 64, DType::kBF16, true}}) {
+    const int group = c.h_q / c.h_kv;
+    SCOPED_TRACE("group " + std::to_string(group) + ", " + std::to_string(c.lens.size()) + " sequence(s), first " +
+                 std::to_string(c.lens[0].s_q) + "x" + std::to_string(c.lens[0].s_k));
+    const Inputs in = make_inputs(c.lens, c.h_q, c.h_kv, c.d, 1900 + static_cast<std::uint64_t>(seed++), c.dtype);
+    TestProblem tp = make_problem(in, c.causal, c.lens.size() > 1 ? Layout::kVarlen : Layout::kBatched);
+    {
+      SCOPED_TRACE("dense");
+      expect_packed_equals_unpacked(&tp, DenseParams{}, group);
+    }
+    ProblemShape shape;
+    ASSERT_TRUE(validate_problem(tp.problem(), nullptr, &shape).ok());
+    std::vector<std::vector<int>> dead;
+    BlockSparseParams mask;
+    mask.mask = random_mask(shape, 128, true, 91 + static_cast<std::uint64_t>(seed), &dead);
+    SCOPED_TRACE("block_sparse, a mask row per KV head");
+    expect_packed_equals_unpacked(&tp, mask, group);
+  }
+  Inputs in = make_inputs({{300, 1500}}, 8, 2, 128, 1950, DType::kBF16, 2.5);
+  shift_hot_keys(&in, 128, 1.5);
+  TestProblem tp = make_problem(in);
+  const double alpha = stable_parameter(tp, {0.3, 0.2, 0.5, 0.1, 0.05},
+                                        [&](double x) -> Policy { return select_params(x, true, true); },
+                                        some_skipped(visible_blocks({{300, 1500}}, 2, true, 128, 128)));
+  ASSERT_FALSE(std::isnan(alpha)) << "no alpha with a margin prunes anything";
+  SCOPED_TRACE("estimate_select, pack_gqa, mean correction");
+  expect_packed_equals_unpacked(&tp, select_params(alpha, true, true), 4);
+}
+
 // ------------------------------------------------------------------ permute_stop
 
 PermuteStopParams permute_params(double tau, int segment, int block_k) {

@@ -334,6 +334,62 @@ TEST(CudaPlan, PathOverrideFromTheEnvironment) {
   }
 }
 
+TEST(CudaPlan, PackGqaModeFromTheEnvironment) {
+  PackGqa mode = PackGqa::kNever;
+  for (const char* v : {static_cast<const char*>(nullptr), "", "auto"}) {
+    ASSERT_TRUE(pack_gqa_mode(v, &mode).ok()) << (v ? v : "(unset)");
+    EXPECT_EQ(mode, PackGqa::kAuto) << (v ? v : "(unset)");
+  }
+  ASSERT_TRUE(pack_gqa_mode("always", &mode).ok());
+  EXPECT_EQ(mode, PackGqa::kAlways);
+  ASSERT_TRUE(pack_gqa_mode("never", &mode).ok());
+  EXPECT_EQ(mode, PackGqa::kNever);
+  for (const char* v : {"on", "1", "Always", "never "}) {
+    const Status st = pack_gqa_mode(v, &mode);
+    EXPECT_EQ(st.code(), StatusCode::kInvalidArgument) << v;
+    EXPECT_NE(st.message().find("SPARSEPREFILL_PACK_GQA: expected \"auto\", \"always\" or \"never\""),
+              std::string::npos)
+        << st.message();
+    EXPECT_NE(st.message().find(v), std::string::npos) << st.message();
+  }
+}
+
+// GQA packing: only the group, only where every head of the group visits the same blocks, and
+// under kAuto only where it saves 10% of the tiles.
+TEST(CudaPlan, GqaPackingWhereTheGroupSharesItsVisits) {
+  const PolicyMode dense = PolicyMode::kDense, mask = PolicyMode::kBlockMask;
+  // Llama-3.1-8B (G = 4): a 32-token chunk fills one packed tile instead of four quarter-full
+  // ones; 32K tokens fill their tiles either way.
+  EXPECT_EQ(choose_q_pack(shape_of(32, 4096, 32, 8, 128), dense, false, PackGqa::kAuto), 4);
+  EXPECT_EQ(choose_q_pack(shape_of(32768, 32768, 32, 8, 128), dense, false, PackGqa::kAuto), 1);
+  EXPECT_EQ(choose_q_pack(shape_of(32768, 32768, 32, 8, 128), dense, false, PackGqa::kAlways), 4);
+  EXPECT_EQ(choose_q_pack(shape_of(32, 4096, 32, 8, 128), dense, false, PackGqa::kNever), 1);
+  // The 10% rule: 200 rows, G = 4: 7 packed tiles against 8 (packs); 1000 rows: 32 against 32.
+  EXPECT_EQ(choose_q_pack(shape_of(200, 200, 8, 2, 64), dense, false, PackGqa::kAuto), 4);
+  EXPECT_EQ(choose_q_pack(shape_of(1000, 1000, 8, 2, 64), dense, false, PackGqa::kAuto), 1);
+  // Varlen: summed over the sequences (three of 40 rows and one of 128: 2 + 2 + 2 + 4 = 10
+  // packed tiles of G = 4 against 4 · 4 = 16).
+  ProblemShape ragged = shape_of(40, 40, 8, 2, 128);
+  ragged.batch = 4;
+  ragged.seq_q = {40, 40, 40, 128};
+  ragged.seq_k = {40, 40, 40, 128};
+  ragged.q_start = {0, 40, 80, 120};
+  ragged.k_start = {0, 40, 80, 120};
+  EXPECT_EQ(choose_q_pack(ragged, dense, false, PackGqa::kAuto), 4);
+  // Block masks: only with one row per KV head.
+  EXPECT_EQ(choose_q_pack(shape_of(32, 4096, 32, 8, 128), mask, true, PackGqa::kAlways), 4);
+  EXPECT_EQ(choose_q_pack(shape_of(32, 4096, 32, 8, 128), mask, false, PackGqa::kAlways), 1);
+  // The gates decide per query head: never packed.
+  for (PolicyMode gate : {PolicyMode::kExactGate, PolicyMode::kSoftmaxSkip}) {
+    EXPECT_EQ(choose_q_pack(shape_of(32, 4096, 32, 8, 128), gate, false, PackGqa::kAlways), 1);
+  }
+  // No group, or one that does not divide the 128-row tile (SmolLM2's 3, Qwen2.5-7B's 7).
+  EXPECT_EQ(choose_q_pack(shape_of(32, 4096, 8, 8, 128), dense, false, PackGqa::kAlways), 1);
+  EXPECT_EQ(choose_q_pack(shape_of(32, 4096, 9, 3, 64), dense, false, PackGqa::kAlways), 1);
+  EXPECT_EQ(choose_q_pack(shape_of(32, 4096, 28, 4, 128), dense, false, PackGqa::kAlways), 1);
+  EXPECT_EQ(choose_q_pack(shape_of(32, 4096, 64, 4, 128), dense, false, PackGqa::kAlways), 16);
+}
+
 TEST(CudaPlan, PagedKvStagedWhenTheCopyIsCheaperThanReadingPages) {
   constexpr std::size_t kFree = std::size_t{100} << 30;
   const auto paged = [](std::vector<std::int64_t> s_q, std::vector<std::int64_t> s_k) {

@@ -390,9 +390,14 @@ __device__ __forceinline__ void gather_tile(const FwdParams& p, const SeqInfo& s
 }
 
 // ------------------------------------------------------------------ the kernel
-// Grid: one CTA per (query block, batch, query head), heads fastest so that the query heads of
-// a KV group run on adjacent CTAs and share each K/V tile through L2, and the last query blocks
-// (the longest under causal) first. The CTA visits the positions of its VisitList (policy.cuh,
+// Grid: one CTA per (tile, batch, unit), units fastest so that the query heads of a KV group
+// run on adjacent CTAs and share each K/V tile through L2, and the last tiles (the longest
+// under causal) first. A unit is a query head and a tile a query block of 128 rows, or, with
+// GQA packing (p.q_pack = G > 1, choose_q_pack), a KV group whose G query heads share the
+// tile: 128 / G query rows of each, row r of the tile being query row r / G of head r % G, so
+// the group's K/V tiles are loaded once. Packing applies to dense and per-KV-head block masks,
+// whose visits are the same for every head of the group: the tile visits those of its query
+// block, and masks each row at its own position. The CTA visits the positions of its VisitList (policy.cuh,
 // over 128-key blocks: dense and the gates descend from the last visible block, a block mask
 // walks its partial then its full list), then its mean-correction tiles. Only partial (causal
 // band) and short (s_k tail) key tiles are masked.
@@ -412,18 +417,23 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
   const std::uint32_t raw = hw::smem_u32(smem_raw);
   S& sm = *reinterpret_cast<S*>(smem_raw + ((1024 - (raw & 1023)) & 1023));
 
+  const int pack = p.q_pack;
   int tile_id = blockIdx.x;
-  const int h = tile_id % p.h_q;
-  tile_id /= p.h_q;
+  const int h = (tile_id % (p.h_q / pack)) * pack;  // the tile's (first) query head
+  tile_id /= p.h_q / pack;
   const int b = tile_id % p.batch;
-  const int qb_rev = tile_id / p.batch;
+  const int tile_rev = tile_id / p.batch;
   const int hk = h / p.group;
   const SeqInfo seq = p.seqs[b];
   const geom::BlockGeometry geo{{seq.s_q, seq.s_k, p.causal}, Cfg::kTileM, kTileN};
-  if (qb_rev >= geo.num_q_blocks()) return;
-  const int qb = geo.num_q_blocks() - 1 - qb_rev;
+  const int tile_rows = Cfg::kTileM / pack;  // query rows of one head in the tile
+  const std::int64_t tiles = geom::ceil_div(seq.s_q, tile_rows);
+  if (tile_rev >= tiles) return;
+  const std::int64_t first_row = (tiles - 1 - tile_rev) * tile_rows;
+  const int qb = static_cast<int>(first_row / Cfg::kTileM);  // the query block holding the tile
   const std::int64_t row0 = geo.row_begin(qb);
   const int rows_valid = static_cast<int>(geo.row_end(qb) - row0);
+  const int tile_row0 = static_cast<int>(first_row - row0);  // 0 unpacked
   // Key tiles >= mask_lo are partial (causal band) or short (the s_k tail) and get an element
   // mask; the ones below are full.
   const int full_tiles = static_cast<int>(seq.s_k / kTileN);
@@ -489,9 +499,10 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
         }
         const std::uint32_t q_bar = hw::smem_u32(&sm.q_loaded);
         hw::mbar_expect_tx(q_bar, Cfg::kTileBytes);
+        // Packed: the map's boxes are [128 / G rows][G heads][128 bytes], the tile's row order.
         for (int half = 0; half < Cfg::kHalves; ++half) {
           hw::tma_load_3d(hw::smem_u32(sm.q) + half * kHalfBytes, &m->q, q_bar, half * Cfg::kHalfDim, h,
-                          static_cast<int>(row0));
+                          static_cast<int>(first_row));
         }
       }
       // The K (value = false) or V tile of position j (key block kb) into `dst`, completing on
@@ -605,7 +616,14 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
   const int wg = warpgroup - 1;  // 0 or 1: query rows 64·wg .. 64·wg + 63 of the block
   const int warp = (threadIdx.x / 32) % 4;
   const int lane = threadIdx.x % 32;
-  const int r0 = wg * 64 + warp * 16 + lane / 4;  // the thread's first block row; also r0 + 8
+  const int r0 = wg * 64 + warp * 16 + lane / 4;  // the thread's first tile row; also r0 + 8
+  // The query rows (relative to row0) and heads of the thread's two tile rows.
+  int qrow[2], qhead[2];
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    qrow[r] = tile_row0 + (r0 + 8 * r) / pack;
+    qhead[r] = h + (r0 + 8 * r) % pack;
+  }
   std::uint32_t* kept_row = wg == 0 && warp == 0 && lane == 0 ? kept_row_of(p, b, h, qb) : nullptr;
 
   float s[1][16][4];            // scores, then p: [64 x 128] per warpgroup
@@ -634,7 +652,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
     int limit[2];
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
-      const std::int64_t lim = p.causal ? geom::min64(diag + r0 + 8 * r, end_limit) : end_limit;
+      const std::int64_t lim = p.causal ? geom::min64(diag + qrow[r], end_limit) : end_limit;
       limit[r] = static_cast<int>(geom::min64(geom::max64(lim, -1), kTileN));
     }
     mask_tile(s, limit);
@@ -644,7 +662,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
   auto vote = [&](int j, const float (&mx)[2]) -> bool {
     bool keep = false;
 #pragma unroll
-    for (int r = 0; r < 2; ++r) keep |= gate.keeps_row(mx[r], stats.m[r], r0 + 8 * r < rows_valid, p.scale, p.scale_log2);
+    for (int r = 0; r < 2; ++r) keep |= gate.keeps_row(mx[r], stats.m[r], qrow[r] < rows_valid, p.scale, p.scale_log2);
     keep = __any_sync(0xffffffffu, keep);
     const int g = j - first_gated;
     if (lane == 0) {
@@ -734,7 +752,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
 
   // ---------------------------------------------------------------- epilogue: O and LSE
   // Each row's l is spread over the quad of threads that hold it. Rows past s_q are not stored.
-  auto* o_base = static_cast<std::uint16_t*>(p.o) + seq.o_off + row0 * p.o_row_stride + h * p.o_head_stride;
+  auto* o_base = static_cast<std::uint16_t*>(p.o) + seq.o_off + row0 * p.o_row_stride;
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
     float l = stats.l[r];
@@ -743,9 +761,9 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
     float o_scale, lse;
     finalize_row(stats.m[r], l, &o_scale, &lse);
     o_scale *= o_descale;
-    const int row = r0 + 8 * r;
+    const int row = qrow[r];
     if (row >= rows_valid) continue;
-    std::uint16_t* o_row = o_base + row * p.o_row_stride;
+    std::uint16_t* o_row = o_base + row * p.o_row_stride + qhead[r] * p.o_head_stride;
 #pragma unroll
     for (int j = 0; j < Cfg::kDFrags; ++j) {
       const int col = 8 * j + 2 * (lane % 4);
@@ -753,7 +771,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
           ptx::pack2<Cfg::kBf16>(o[j][2 * r] * o_scale, o[j][2 * r + 1] * o_scale);
     }
     if (p.lse != nullptr && lane % 4 == 0) {
-      p.lse[seq.lse_off + h * p.lse_head_stride + (row0 + row) * p.lse_row_stride] = lse;
+      p.lse[seq.lse_off + qhead[r] * p.lse_head_stride + (row0 + row) * p.lse_row_stride] = lse;
     }
   }
 }
@@ -817,19 +835,19 @@ inline PFN_cuTensorMapEncodeTiled_v12000 tensor_map_encoder() {
 }
 
 // 3-D map (d, head, row) over one sequence's rows of a [s, h, d] tensor with element strides;
-// boxes of [box_rows][128 bytes] with 128B swizzle; rows past `rows` read as zero. A dimension
-// of extent 1 is never stepped over, so its stride is replaced by a valid one (TMA wants
-// multiples of 16).
+// boxes of [box_rows][box_heads][128 bytes] with 128B swizzle; rows past `rows` read as zero. A
+// dimension of extent 1 is never stepped over, so its stride is replaced by a valid one (TMA
+// wants multiples of 16).
 template <class Cfg>
 bool encode_map(CUtensorMap* map, const void* base, std::int64_t rows, int heads, std::int64_t row_stride,
-                std::int64_t head_stride, int box_rows = Cfg::kTileN) {
+                std::int64_t head_stride, int box_rows = Cfg::kTileN, int box_heads = 1) {
   constexpr std::int64_t kElem = Cfg::kElemBytes;
   const std::int64_t row_bytes = Cfg::kHeadDim * kElem;
   const cuuint64_t dims[3] = {static_cast<cuuint64_t>(Cfg::kHeadDim), static_cast<cuuint64_t>(heads),
                               static_cast<cuuint64_t>(rows > 0 ? rows : 1)};
   const cuuint64_t strides[2] = {static_cast<cuuint64_t>(heads > 1 ? head_stride * kElem : row_bytes),
                                  static_cast<cuuint64_t>(rows > 1 ? row_stride * kElem : row_bytes * heads)};
-  const cuuint32_t box[3] = {Cfg::kHalfDim, 1, static_cast<cuuint32_t>(box_rows)};
+  const cuuint32_t box[3] = {Cfg::kHalfDim, static_cast<cuuint32_t>(box_heads), static_cast<cuuint32_t>(box_rows)};
   const cuuint32_t elem_strides[3] = {1, 1, 1};
   const CUresult r = tensor_map_encoder()(
       map, map_dtype<Cfg>(), 3, const_cast<void*>(base), dims, strides, box, elem_strides,
@@ -917,6 +935,12 @@ int launch_fwd(const FwdParams& p, const SeqInfo* seqs, const std::int32_t* tabl
       (paged && !gather && p.paged.page_size % 8 != 0)) {
     return static_cast<int>(cudaErrorNotSupported);
   }
+  // GQA packing only as choose_q_pack gives it: the group, for visits shared by its heads.
+  const int pack = p.q_pack;
+  if (pack < 1 || (pack > 1 && (pack != p.group || Cfg::kTileM % pack != 0 || p.kept_bits != nullptr ||
+                                !(p.mode == PolicyMode::kDense || (p.mode == PolicyMode::kBlockMask && p.mask_per_kv_head))))) {
+    return static_cast<int>(cudaErrorInvalidValue);
+  }
   ScratchMaps scratch_maps{};
   if (p.k_mean != nullptr &&
       !(encode_mean_map<Cfg>(&scratch_maps.k_mean, p.k_mean, p.mean_blocks, p.h_kv, p.batch) &&
@@ -933,7 +957,7 @@ int launch_fwd(const FwdParams& p, const SeqInfo* seqs, const std::int32_t* tabl
     const SeqInfo& s = seqs[b];
     SeqMaps& m = maps[static_cast<std::size_t>(b)];
     bool ok = encode_map<Cfg>(&m.q, static_cast<const Elem*>(p.q) + s.q_off, s.s_q, p.h_q, p.q_row_stride,
-                              p.q_head_stride);
+                              p.q_head_stride, Cfg::kTileM / pack, pack);
     if (!paged) {
       // FP8 reads V through scratch_maps.v_t (the transposed copy), not through m.v.
       ok = ok && encode_map<Cfg>(&m.k, k + s.k_off, s.s_k, p.h_kv, p.k_row_stride, p.k_head_stride) &&
@@ -970,8 +994,10 @@ int launch_fwd(const FwdParams& p, const SeqInfo* seqs, const std::int32_t* tabl
     if (!ok) return static_cast<int>(cudaErrorNotSupported);
   }
   const auto st = static_cast<cudaStream_t>(stream);
+  std::int64_t tiles = 0;  // per (sequence, unit): the longest sequence's
+  for (int b = 0; b < p.batch; ++b) tiles = std::max(tiles, (seqs[b].s_q + Cfg::kTileM / pack - 1) / (Cfg::kTileM / pack));
   const unsigned grid =
-      static_cast<unsigned>(p.num_q_blocks) * static_cast<unsigned>(p.batch) * static_cast<unsigned>(p.h_q);
+      static_cast<unsigned>(tiles) * static_cast<unsigned>(p.batch) * static_cast<unsigned>(p.h_q / pack);
   if (grid == 0) return 0;
   const void* map_device = nullptr;
   const int uploaded = upload.fn(upload.context, maps.data(), maps.size() * sizeof(SeqMaps), &map_device);
