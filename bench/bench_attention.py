@@ -26,6 +26,11 @@ Implementations:
          time of all chunks together against the one-shot rows (structured inputs too, at
          --chunked-lengths that are also --structured-lengths: estimate_select+mc told the
          prompt's length, and permute_stop).
+         Batched chunks at --batch-lengths: --batch sequences of --batch-chunk queries each at
+         the end of the case's length of keys (a batch of chunked-prefill or verify steps;
+         bottom-right causal): dense with the GQA packing the plan chooses and with it off
+         (SPARSEPREFILL_PACK_GQA=never); peers SDPA flash and cuDNN with the lower-right
+         causal bias.
 
 Method:
   - The same inputs for every implementation: q, k, v drawn from randn (never zeros) in bf16,
@@ -94,6 +99,10 @@ def parse_args():
     ap.add_argument("--chunked-lengths", default="131072",
                     help="Llama-3.1-8B lengths with chunked-prefill rows (subset of --lengths)")
     ap.add_argument("--chunk", type=int, default=8192, help="queries per chunk of the chunked rows")
+    ap.add_argument("--batch-lengths", default="",
+                    help="Llama-3.1-8B key lengths of the batched-chunks case (none by default)")
+    ap.add_argument("--batch", type=int, default=64, help="sequences of the batched-chunks case")
+    ap.add_argument("--batch-chunk", type=int, default=32, help="queries per sequence of the batched-chunks case")
     ap.add_argument("--structured-lengths", default="16384,32768,131072",
                     help="Llama-shape lengths of the structured-input cases (issue 5; empty: none)")
     ap.add_argument("--peakedness", type=float, default=1.0, help="structured generator peakedness")
@@ -751,6 +760,46 @@ class StructuredCase(Case):
         return self.record
 
 
+class BatchCase(Case):
+    """--batch sequences, each --batch-chunk queries over the case's n keys, the queries being
+    the last positions (bottom-right causal, as a chunk over its cache): where a 128-row tile
+    per query head is mostly empty and GQA packing fills it with the group's heads."""
+
+    INPUTS = "batched chunks"
+
+    def __init__(self, model, n, args, lib):
+        self.batch, self.chunk = args.batch, args.batch_chunk
+        super().__init__(model, n, args, lib)
+        self.record.update(batch=self.batch, chunk=self.chunk,
+                           set_mb=self.batch * 2 * self.d * (self.chunk * self.h_q + 2 * n * self.h_kv) / 1e6)
+        per_seq = self.chunk * (n - self.chunk) + self.chunk * (self.chunk + 1) // 2
+        self.dense_pairs = self.batch * self.h_q * per_seq
+
+    def make_sets(self):
+        # One set: at 64 sequences of 4K keys it is about 0.5 GB, far past the L2 cache.
+        shapes = [(self.batch, self.chunk, self.h_q), (self.batch, self.n, self.h_kv), (self.batch, self.n, self.h_kv)]
+        return [InputSet(*(torch.randn(b, s, h, self.d, device=DEV, dtype=torch.bfloat16, generator=self.gen)
+                           for b, s, h in shapes))]
+
+    def run(self):
+        from torch.nn.attention.bias import causal_lower_right
+        s, bias = self.sets, causal_lower_right(self.chunk, self.n)
+        self.peer("sdpa_flash", "SDPA flash",
+                  lambda i: F.scaled_dot_product_attention(s[i].q, s[i].k_rep, s[i].v_rep, attn_mask=bias),
+                  backend=SDPBackend.FLASH_ATTENTION)
+        self.peer("sdpa_cudnn", "SDPA cuDNN",
+                  lambda i: F.scaled_dot_product_attention(s[i].q, s[i].k_rep, s[i].v_rep, attn_mask=bias),
+                  backend=SDPBackend.CUDNN_ATTENTION)
+        if self.lib is not None:
+            self.ours("ours_dense", "ours dense", self.lib.policy("dense"))
+            os.environ["SPARSEPREFILL_PACK_GQA"] = "never"
+            try:
+                self.ours("ours_dense_unpacked", "ours dense, GQA packing off", self.lib.policy("dense"))
+            finally:
+                del os.environ["SPARSEPREFILL_PACK_GQA"]
+        return self.record
+
+
 class _Null:
     def __enter__(self):
         return self
@@ -796,7 +845,8 @@ def main():
     t_start = time.perf_counter()
     todo = [(Case, "llama-3.1-8b", n) for n in ints(args.lengths)] + \
            [(Case, "smollm2-135m", n) for n in ints(args.small_lengths)] + \
-           [(StructuredCase, "llama-3.1-8b", n) for n in (ints(args.structured_lengths) if lib else [])]
+           [(StructuredCase, "llama-3.1-8b", n) for n in (ints(args.structured_lengths) if lib else [])] + \
+           [(BatchCase, "llama-3.1-8b", n) for n in ints(args.batch_lengths)]
     for kind, model, n in todo:
         print(f"{model} s={n} ({kind.INPUTS} inputs)", flush=True)
         t0 = time.perf_counter()

@@ -52,14 +52,18 @@ def structured(case):
 
 
 def case_name(case):
+    if "batch" in case:
+        return f"{case['model']} ({case['batch']} × {case['chunk']} queries)"
     return case["model"] + (" (structured)" if structured(case) else "")
 
 
 def case_title(case):
     extra = (f"; structured inputs, alpha {case['alpha']:.4g} for density {case['alpha_density']:.3f}"
              if structured(case) and "alpha" in case else "")
+    batch = (f"batch {case['batch']} of {case['chunk']} queries at the end of s keys (bottom-right)"
+             if "batch" in case else "batch 1")
     return (f"{case_name(case)} — s={case['n']} (h_q {case['h_q']}, h_kv {case['h_kv']}, "
-            f"d {case['d']}, bf16, causal, batch 1; {case['n_sets']} input set(s) of "
+            f"d {case['d']}, bf16, causal, {batch}; {case['n_sets']} input set(s) of "
             f"{case['set_mb']:.0f} MB{extra})")
 
 
@@ -126,7 +130,7 @@ def target_checks(cases):
     """(target, case, value, required, verdict) for the benchmark targets of issues 3, 4 and 8
     (Llama-3.1-8B shape only); rows whose inputs are missing are left out."""
     checks = []
-    llama = [c for c in cases if c["model"].startswith("llama") and not structured(c)]
+    llama = [c for c in cases if c["model"].startswith("llama") and not structured(c) and "batch" not in c]
     for c in llama:
         n = c["n"]
         dense = find(c, "ours_dense")
