@@ -4,10 +4,10 @@
 // mma.sync: the 128 query rows against 64 pooled blocks are 8 m64n128k16 instructions per
 // warpgroup instead of 64 ldmatrix/mma pairs per warp. The block means, the energies' reduction
 // (warp_lambdas) and the mask writing are the portable kernel's. Selector alone at 16K / 32K /
-// 128K (Llama-3.1-8B, structured inputs, H200): 0.131 / 0.294 / 2.34 ms (record
-// 2026-11-30-h200-selector-hopper-split-last-chunk) against the portable kernel's 0.125 / 0.316 /
-// 3.16 (record 2026-11-30-h200-portable-path-forced-full-end-hoisted). Included only by generated
-// instance files.
+// 128K (Llama-3.1-8B, structured inputs, H200): 0.114 / 0.260 / 2.30 ms (record
+// 2026-11-30-h200-selector-per-group-heads), against the portable kernel's 0.125 / 0.316 / 3.16
+// with a CTA per head (record 2026-11-30-h200-portable-path-forced-full-end-hoisted). Included
+// only by generated instance files.
 #pragma once
 
 #include <cuda_runtime.h>
@@ -86,6 +86,10 @@ __device__ __forceinline__ void load_rows_sw128(std::uint32_t dst, const std::ui
 // against 2.49 ms at 128K and equal at 16K-32K, but compute-sanitizer's racecheck then reports
 // hazards on finish_selection's counts, which only barrier 0 orders (records
 // 2026-11-30-h200-selector-hopper-out-of-step and -in-step): not worth a sanitizer exception.
+// Both warpgroups on every chunk (64 rows each, m64n64k16) with chunk c + 1's wgmma in flight
+// over chunk c's energies measured 2.94 ms at 128K (record
+// 2026-11-30-h200-selector-hopper-row-halves-pipelined): N = 64 reads more shared memory per
+// chunk and doubles the barriers per unit of work.
 // Invariant at the top of a step: the only cp.async group in flight holds this step's chunks
 // (buffer `buf`).
 template <bool kBf16, int kD>
