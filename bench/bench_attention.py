@@ -840,6 +840,8 @@ def main():
               # The kernels ours ran on: the plan's choice, or the portable ones when
               # SPARSEPREFILL_CUDA_PATH=portable forces them (docs/cuda.md).
               "cuda_path": os.environ.get("SPARSEPREFILL_CUDA_PATH") or "auto",
+              # GQA packing on the Hopper kernel: the plan's choice, or forced (docs/cuda.md).
+              "pack_gqa": os.environ.get("SPARSEPREFILL_PACK_GQA") or "auto",
               "method": __doc__.split("Method:")[1].split("Writes")[0].strip(), "cases": []}
     print(json.dumps(result["env"]), flush=True)
     t_start = time.perf_counter()

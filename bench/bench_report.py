@@ -272,6 +272,12 @@ def path_note(cuda_path):
     return "the plan's choice (the Hopper kernels on compute capability 9.0)"
 
 
+def pack_note(pack_gqa):
+    if pack_gqa == "auto":
+        return "the plan's choice (choose_q_pack)"
+    return f"forced with SPARSEPREFILL_PACK_GQA={pack_gqa}"
+
+
 def render(result, heading_level=2):
     h = "#" * heading_level
     env = result["env"]
@@ -284,6 +290,7 @@ def render(result, heading_level=2):
              f"- command: `{result.get('command')}`",
              f"- ours: {'not run (--peers-only)' if result.get('peers_only') else 'libsparseprefill_c'}",
              f"- CUDA path of ours: {path_note(result.get('cuda_path', 'auto'))}",
+             f"- GQA packing of ours: {pack_note(result.get('pack_gqa', 'auto'))}",
              "", f"{h} Summary (ms, median)", "", summary_table(result["cases"]), "",
              f"{h} Targets (issues 3, 4, 5 and 8)", "",
              targets_table(result["cases"], result.get("cuda_path", "auto")), ""]
