@@ -2,7 +2,8 @@
 // The CUDA kernels against the fp64 oracle: every policy within the calibrated tolerance, the
 // CPU backend's (and the oracle's) decisions exactly on inputs placed away from ties, poisoned
 // outputs fully written, NaN K/V in blocks that must not be read, odd lengths, s_q != s_k,
-// GQA groups 1/4/8, varlen, both dtypes and head dims, and clear errors for what is not built.
+// GQA groups 1/4/8 (and the Hopper kernel's packed GQA tiles against its unpacked ones), varlen,
+// both dtypes and head dims, and clear errors for what is not built.
 // Every case runs on both forward paths: the default one (on an sm_90 device the Hopper kernel
 // for dense and 128-key blocks) and the portable kernel (forced).
 #include <cuda_runtime.h>

@@ -397,10 +397,10 @@ __device__ __forceinline__ void gather_tile(const FwdParams& p, const SeqInfo& s
 // tile: 128 / G query rows of each, row r of the tile being query row r / G of head r % G, so
 // the group's K/V tiles are loaded once. Packing applies to dense and per-KV-head block masks,
 // whose visits are the same for every head of the group: the tile visits those of its query
-// block, and masks each row at its own position. The CTA visits the positions of its VisitList (policy.cuh,
-// over 128-key blocks: dense and the gates descend from the last visible block, a block mask
-// walks its partial then its full list), then its mean-correction tiles. Only partial (causal
-// band) and short (s_k tail) key tiles are masked.
+// block, and masks each row at its own position. The CTA visits the positions of its VisitList
+// (policy.cuh, over 128-key blocks: dense and the gates descend from the last visible block, a
+// block mask walks its partial then its full list), then its mean-correction tiles. Only
+// partial (causal band) and short (s_k tail) key tiles are masked.
 //
 // Gated positions (exact_gate's full blocks, softmax_skip's after the first): once S is in
 // registers, every consumer warp votes (policy.cuh's per-row rule over its rows) and all wait
