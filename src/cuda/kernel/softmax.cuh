@@ -113,10 +113,14 @@ __device__ __forceinline__ void exp_pack(const float (&s)[kM][kN][4], const floa
 }
 
 // Final normalisation of one row: the factor O is multiplied by and the natural-log LSE.
-// l_sum is the quad-reduced sum. An empty row (l = 0: it saw no key) gets O = 0 and
-// LSE = -inf; a NaN row gets NaN for both.
-__device__ __forceinline__ void finalize_row(float m, float l_sum, float* o_scale, float* lse) {
+// l_part is this thread's part of the row sum, added here over the quad of threads that hold
+// the row (every thread of the quad calls it). An empty row (l = 0: it saw no key) gets O = 0
+// and LSE = -inf; a NaN row gets NaN for both.
+__device__ __forceinline__ void finalize_row(float m, float l_part, float* o_scale, float* lse) {
   constexpr float kLn2 = 0.6931471805599453f;
+  float l_sum = l_part;
+  l_sum += __shfl_xor_sync(0xffffffffu, l_sum, 1);
+  l_sum += __shfl_xor_sync(0xffffffffu, l_sum, 2);
   if (l_sum == 0.f) {
     *o_scale = 0.f;
     *lse = -INFINITY;

@@ -419,10 +419,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 2) fwd_kernel(const __grid_cons
   float o_scale[2 * kM], lse[2 * kM];
 #pragma unroll
   for (int r = 0; r < 2 * kM; ++r) {
-    float l = st.l[r];
-    l += __shfl_xor_sync(0xffffffffu, l, 1);
-    l += __shfl_xor_sync(0xffffffffu, l, 2);
-    finalize_row(st.m[r], l, &o_scale[r], &lse[r]);
+    finalize_row(st.m[r], st.l[r], &o_scale[r], &lse[r]);
   }
   // A query block with nothing to visit (every row sees no key, or the mask selects none)
   // never waited for its Q load, whose rows any thread may have copied: it must land for all

@@ -398,10 +398,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 2) permute_kernel(const __grid_
   float o_scale[2 * kM], lse[2 * kM];
 #pragma unroll
   for (int r = 0; r < 2 * kM; ++r) {
-    float l = st.l[r];
-    l += __shfl_xor_sync(0xffffffffu, l, 1);
-    l += __shfl_xor_sync(0xffffffffu, l, 2);
-    finalize_row(st.m[r], l, &o_scale[r], &lse[r]);
+    finalize_row(st.m[r], st.l[r], &o_scale[r], &lse[r]);
   }
   __syncwarp();  // the warp's last Q fragment reads are done before its rows are overwritten
   auto* s_o = reinterpret_cast<std::uint32_t*>(smem);

@@ -751,15 +751,12 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
   }
 
   // ---------------------------------------------------------------- epilogue: O and LSE
-  // Each row's l is spread over the quad of threads that hold it. Rows past s_q are not stored.
+  // Rows past s_q are not stored.
   auto* o_base = static_cast<std::uint16_t*>(p.o) + seq.o_off + row0 * p.o_row_stride;
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
-    float l = stats.l[r];
-    l += __shfl_xor_sync(0xffffffffu, l, 1);
-    l += __shfl_xor_sync(0xffffffffu, l, 2);
     float o_scale, lse;
-    finalize_row(stats.m[r], l, &o_scale, &lse);
+    finalize_row(stats.m[r], stats.l[r], &o_scale, &lse);
     o_scale *= o_descale;
     const int row = qrow[r];
     if (row >= rows_valid) continue;

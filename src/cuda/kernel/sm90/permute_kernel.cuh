@@ -326,11 +326,8 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) permute_attend_kernel(const 
   auto* o_head = static_cast<std::uint16_t*>(p.o) + seq.o_off + h * p.o_head_stride;
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
-    float l = stats.l[r];
-    l += __shfl_xor_sync(0xffffffffu, l, 1);
-    l += __shfl_xor_sync(0xffffffffu, l, 2);
     float o_scale, lse;
-    finalize_row(stats.m[r], l, &o_scale, &lse);
+    finalize_row(stats.m[r], stats.l[r], &o_scale, &lse);
     if (!row_ok[r]) continue;
     const std::int64_t row = sm.rows[r0 + 8 * r];
     std::uint16_t* o_row = o_head + row * p.o_row_stride;
