@@ -776,7 +776,7 @@ class BatchCase(Case):
         self.dense_pairs = self.batch * self.h_q * per_seq
 
     def make_sets(self):
-        # One set: at 64 sequences of 4K keys it is about 0.5 GB, far past the L2 cache.
+        # One set: at 64 sequences of 4K keys it is about 1.1 GB, far past the L2 cache.
         shapes = [(self.batch, self.chunk, self.h_q), (self.batch, self.n, self.h_kv), (self.batch, self.n, self.h_kv)]
         return [InputSet(*(torch.randn(b, s, h, self.d, device=DEV, dtype=torch.bfloat16, generator=self.gen)
                            for b, s, h in shapes))]
@@ -792,11 +792,15 @@ class BatchCase(Case):
                   backend=SDPBackend.CUDNN_ATTENTION)
         if self.lib is not None:
             self.ours("ours_dense", "ours dense", self.lib.policy("dense"))
+            before = os.environ.get("SPARSEPREFILL_PACK_GQA")
             os.environ["SPARSEPREFILL_PACK_GQA"] = "never"
             try:
                 self.ours("ours_dense_unpacked", "ours dense, GQA packing off", self.lib.policy("dense"))
-            finally:
-                del os.environ["SPARSEPREFILL_PACK_GQA"]
+            finally:  # the run's own setting (recorded as pack_gqa) for the rows after this one
+                if before is None:
+                    del os.environ["SPARSEPREFILL_PACK_GQA"]
+                else:
+                    os.environ["SPARSEPREFILL_PACK_GQA"] = before
         return self.record
 
 
