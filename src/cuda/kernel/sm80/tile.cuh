@@ -91,7 +91,7 @@ __device__ __forceinline__ void load_rows(std::uint32_t smem, const RowPtr& row_
   }
 }
 
-// The tile of `src` (as load_rows): addresses advance by constants for contiguous rows and come
+// The tile of `src` (as load_rows): addresses advance by a constant for contiguous rows and come
 // from the addressor for rows spanning pages.
 template <class Tile, int kRows>
 __device__ __forceinline__ void load_tile(std::uint32_t smem, const TileSrc& src, int tid) {
@@ -100,12 +100,16 @@ __device__ __forceinline__ void load_tile(std::uint32_t smem, const TileSrc& src
     static_assert(kRowStep % 8 == 0 && kRows % kRowStep == 0, "constant swizzle per thread");
     const int r0 = tid / Tile::kChunks, c = tid % Tile::kChunks;
     const std::uint32_t dst = smem + swizzle<Tile>(r0, c);
+    // One pointer stepped by a 64-bit add per row, and rows past `valid` not read (ignore-src,
+    // so their address need not be valid): a multiply and a select per row made the two tile
+    // loads of a dense sub-tile about 230 instructions per thread (SASS at sm_90), most of what
+    // the kernel executed beyond FlashAttention-2 (Nsight: 3.04 against 2.60 G instructions,
+    // Llama 16K; record 2026-11-30-h200-portable-dense-ncu-16k).
+    const std::int64_t step = static_cast<std::int64_t>(kRowStep) * src.rows.row_stride;
     const std::uint16_t* g = src.rows.row(src.first + r0) + c * 8;
 #pragma unroll
-    for (int i = 0; i < kRows / kRowStep; ++i) {
-      const bool ok = r0 + i * kRowStep < src.valid;
-      ptx::cp_async_16(dst + i * kRowStep * Tile::kRowBytes, ok ? g + i * kRowStep * src.rows.row_stride : src.rows.base,
-                       ok ? 16 : 0);
+    for (int i = 0; i < kRows / kRowStep; ++i, g += step) {
+      ptx::cp_async_16_or_zero(dst + i * kRowStep * Tile::kRowBytes, g, r0 + i * kRowStep < src.valid);
     }
     return;
   }
