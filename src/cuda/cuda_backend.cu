@@ -664,7 +664,7 @@ namespace {
 Status run_checked(const AttentionProblem& problem, const ProblemShape& shape, const Policy& policy, int block_k,
                    const AttentionOutput& output, cudaStream_t stream, cudaMemPool_t pool, bool capturing,
                    bool cache_maps, Decisions* decisions, const PlanState* plan) {
-  const FwdVariant* fwd = find_fwd(shape.dtype, shape.d, shape.kv_layout == KvLayout::kPaged);
+  const FwdVariant* fwd = find_fwd(shape.dtype, shape.d);
   Scratch scratch(stream, pool, shape.device.index, capturing);
 
   FwdParams p = make_fwd_params(problem, shape, output, block_k);

@@ -64,10 +64,9 @@ using Fwd90LaunchFn = int (*)(const FwdParams& params, const SeqInfo* host_seqs,
 constexpr std::size_t kFwd90MapBytesPerSeq = 3 * 128;  // CUtensorMap of q, k and v
 
 struct FwdVariant {
-  const char* name;  // e.g. "fwd_sm80_bf16_hd128", "fwd_sm80_paged_bf16_hd128"
+  const char* name;  // e.g. "fwd_sm80_bf16_hd128"
   DType dtype;
   int head_dim;
-  bool paged;  // reads K/V through the block table (contiguous K/V otherwise)
   FwdLaunchFn launch;
 };
 
@@ -107,7 +106,7 @@ struct CalibVariant {
   CalibLaunchFn launch;
 };
 
-#define SP_FWD_VARIANT(fn, dtype, head_dim, paged) int fn(const FwdParams& params, void* stream);
+#define SP_FWD_VARIANT(fn, dtype, head_dim) int fn(const FwdParams& params, void* stream);
 #define SP_SELECT_VARIANT(fn, dtype, head_dim) int fn(const SelectParams& params, void* stream);
 #define SP_CALIB_VARIANT(fn, dtype, head_dim) int fn(const CalibParams& params, void* stream);
 #define SP_PERMUTE_VARIANT(fn, dtype, head_dim) int fn(PermuteParams& params, PermuteAttendFn attend, void* stream);
@@ -118,9 +117,9 @@ struct CalibVariant {
          const HostUpload& upload, void* stream);
 #include "cuda/instances/registry.inc"  // undefines the macros
 
-// The instance for (dtype, head_dim) (and, for the forward kernels, K/V paged or not), or
+// The instance for (dtype, head_dim) (and, for the Hopper kernel, K/V paged or not), or
 // nullptr when none is compiled.
-const FwdVariant* find_fwd(DType dtype, int head_dim, bool paged);
+const FwdVariant* find_fwd(DType dtype, int head_dim);
 const SelectVariant* find_select(DType dtype, int head_dim);
 const SelectVariant* find_select90(DType dtype, int head_dim);
 const PermuteVariant* find_permute(DType dtype, int head_dim);

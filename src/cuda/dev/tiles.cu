@@ -170,7 +170,7 @@ void run_shape(const Shape& sh, const Options& opt) {
     p.scale_log2 = p.scale * 1.4426950408889634f;
 
     std::vector<Instance> instances;
-    if (const FwdVariant* var = find_fwd(dtype, sh.d, false)) {
+    if (const FwdVariant* var = find_fwd(dtype, sh.d)) {
       instances.push_back({var->name, [var](const FwdParams& fp) { return var->launch(fp, nullptr); }, false});
     }
     const Fwd90Variant* var90 = find_fwd90(dtype, sh.d, false);
@@ -184,7 +184,6 @@ void run_shape(const Shape& sh, const Options& opt) {
     }
     // The paged Hopper instance (time_paged), launched with the host copy of its block table.
     const Fwd90Variant* var90_paged = hopper ? find_fwd90(dtype, sh.d, true) : nullptr;
-    const FwdVariant* var_paged = find_fwd(dtype, sh.d, true);
     for (const Instance& inst : instances) {
       if (opt.paged_only && hopper && !inst.hopper) continue;  // what runs on 9.0: the Hopper kernel
       const char* tag = inst.name.c_str();
@@ -195,9 +194,9 @@ void run_shape(const Shape& sh, const Options& opt) {
                   static_cast<long long>(sh.s), dense, flop / dense * 1e-9);
       // The same call on K/V read as pages of `page` keys through a shuffled block table (the
       // buffers are reinterpreted as [s / page, page, h_kv, d]; timing does not depend on
-      // values): the paged instance of the same kernel.
+      // values): the portable instance, or for the Hopper one its paged instance.
       auto time_paged = [&](const FwdParams& base, const char* what, double contiguous) {
-        if (inst.hopper ? var90_paged == nullptr : var_paged == nullptr) return;
+        if (inst.hopper && var90_paged == nullptr) return;
         for (int page : opt.page_sizes) {
           // paged_only: pages shuffled and in order as the plan loads them, and on the Hopper
           // kernel the other way too where both work (mode 2: boxes for gathered sizes that
@@ -232,8 +231,7 @@ void run_shape(const Shape& sh, const Options& opt) {
                                          return var90_paged->launch(fp, &seq, table.data(), upload, nullptr);
                                        },
                                        true}
-                            : Instance{var_paged->name, [var_paged](const FwdParams& fp) { return var_paged->launch(fp, nullptr); },
-                                       false};
+                            : inst;
             const double t = median_ms(paged_inst, pp, 7);
             std::printf("%-8s %s d=%3d s=%6lld %s paged (page %3d, %s%s): %8.3f ms (%.3f of contiguous)\n", sh.name,
                         paged_inst.name.c_str(), sh.d, static_cast<long long>(sh.s), what, page,

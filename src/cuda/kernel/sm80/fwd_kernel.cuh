@@ -26,13 +26,10 @@ namespace sparseprefill::cuda::sm80 {
 // two 64-key sub-tiles. 4 warps of 32 rows (two m16 fragments each share every K/V fragment
 // they load) and 96 KB of smem at d = 128, so two CTAs share an SM and hide each other's
 // barriers and load latency (the FlashAttention-2 shape; docs/cuda.md has the measurements).
-template <bool kBf16_, int kHeadDim_, bool kPaged_ = false>
+template <bool kBf16_, int kHeadDim_>
 struct FwdConfig {
   static constexpr bool kBf16 = kBf16_;
   static constexpr int kHeadDim = kHeadDim_;
-  // K/V through the block table (p.paged.block_table set), or contiguous (null): every tile
-  // load's addressing is fixed at compile time (variants.py, axis kv).
-  static constexpr bool kPaged = kPaged_;
   static constexpr int kBlockM = kBlockQ;
   static constexpr int kBlockN = 64;  // keys per sub-tile
   static constexpr int kWarps = 4;
@@ -114,13 +111,11 @@ __device__ __forceinline__ void warp_pv(std::uint32_t v_tile, int lane, const st
 
 // K (value = false) or V rows of sequence b (seq = p.seqs[b]) and KV head hk, contiguous or
 // through the block table: the forward and permute_stop kernels read K/V only through this.
-// kMayPage false: the caller's K/V are contiguous (known at compile time).
-template <bool kMayPage = true>
 __device__ __forceinline__ KvRows kv_rows_of(const FwdParams& p, const SeqInfo& seq, int b, int hk, bool value) {
   const auto* base = static_cast<const std::uint16_t*>(value ? p.v : p.k) + (value ? seq.v_off : seq.k_off) +
                      hk * (value ? p.v_head_stride : p.k_head_stride);
   const std::int64_t stride = value ? p.v_row_stride : p.k_row_stride;
-  if (!kMayPage || p.paged.block_table == nullptr) return contiguous_rows(base, stride);
+  if (p.paged.block_table == nullptr) return contiguous_rows(base, stride);
   return {base, stride, p.paged.block_table + b * p.paged.table_stride, p.paged.page_size,
           value ? p.paged.v_page_stride : p.paged.k_page_stride};
 }
@@ -184,7 +179,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 2) fwd_kernel(const __grid_cons
   auto row_of = [&](int r) { return warp_row + 16 * (r / 2) + g + 8 * (r % 2); };
   auto row_ok = [&](int r) { return row_of(r) < rows_valid; };
 
-  auto kv_rows = [&](bool value) { return kv_rows_of<Cfg::kPaged>(p, seq, b, hk, value); };
+  auto kv_rows = [&](bool value) { return kv_rows_of(p, seq, b, hk, value); };
   const std::int64_t mean_base = (static_cast<std::int64_t>(b) * p.h_kv + hk) * p.mean_blocks * static_cast<std::int64_t>(kD);
 
   // 64-key sub-tiles of visit position j: one or two for a key block, one for a mean tile.
@@ -193,24 +188,19 @@ __global__ void __launch_bounds__(Cfg::kThreads, 2) fwd_kernel(const __grid_cons
     const int kb = visit.block(j);
     return static_cast<int>(geom::ceil_div(geo.key_end(kb) - geo.key_begin(kb), kBlockN));
   };
-  // Source of the K (value = false) or V sub-tile `sub` of position j. Key arithmetic in int32
-  // (keys of a sequence fit int32, as KvRows assumes): this runs twice per sub-tile, and in 64
-  // bits it cost about 20 instructions per thread and load (SASS at sm_90).
-  const int s_k32 = static_cast<int>(seq.s_k);
+  // Source of the K (value = false) or V sub-tile `sub` of position j.
   auto sub_src = [&](int j, int sub, bool value) -> TileSrc {
     if (j < visit.n_reg) {
-      const int block0 = visit.block(j) * p.block_k;
-      const int key0 = block0 + sub * kBlockN;
-      return tile_src(kv_rows(value), key0, min(kBlockN, min(block0 + p.block_k, s_k32) - key0));
+      const int kb = visit.block(j);
+      const std::int64_t key0 = geo.key_begin(kb) + sub * kBlockN;
+      const std::int64_t valid = geom::min64(kBlockN, geo.key_end(kb) - key0);
+      return tile_src(kv_rows(value), key0, static_cast<int>(valid));
     }
     const int c = s_chunks[j - visit.n_reg];
     const auto* mean = static_cast<const std::uint16_t*>(value ? p.v_mean : p.k_mean);
     const int valid = mean_blocks_seq - c * kMeanChunk;
     return {contiguous_rows(mean + mean_base + static_cast<std::int64_t>(c) * kMeanChunk * kD, kD), 0,
             valid < kMeanChunk ? valid : kMeanChunk};
-  };
-  auto load_sub = [&](std::uint32_t dst, int j, int sub, bool value) {
-    load_tile<Tile, kBlockN>(dst, sub_src(j, sub, value), tid);
   };
 
   // ---- prologue: Q and the first K sub-tile in one group.
@@ -221,7 +211,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 2) fwd_kernel(const __grid_cons
   }
   __syncthreads();  // publishes s_chunks / s_num_chunks
   const int n_visit = visit.n_reg + (means ? s_num_chunks : 0);
-  if (n_visit > 0) load_sub(s_k_tile, 0, 0, false);
+  if (n_visit > 0) load_tile<Tile, kBlockN>(s_k_tile, sub_src(0, 0, false), tid);
   ptx::cp_async_commit();
 
   float acc[kM][kDFrags][4];
@@ -303,9 +293,9 @@ __global__ void __launch_bounds__(Cfg::kThreads, 2) fwd_kernel(const __grid_cons
     // group counts of the waits below hold at the end of the list too.
     auto prefetch_next_k = [&](int sub) {
       if (sub + 1 < n_sub) {
-        load_sub(s_k_tile + (stage ^ 1) * Cfg::kKVBytes, j, sub + 1, false);
+        load_tile<Tile, kBlockN>(s_k_tile + (stage ^ 1) * Cfg::kKVBytes, sub_src(j, sub + 1, false), tid);
       } else if (j + 1 < n_visit) {
-        load_sub(s_k_tile + (stage ^ 1) * Cfg::kKVBytes, j + 1, 0, false);
+        load_tile<Tile, kBlockN>(s_k_tile + (stage ^ 1) * Cfg::kKVBytes, sub_src(j + 1, 0, false), tid);
       }
       ptx::cp_async_commit();
     };
@@ -317,7 +307,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 2) fwd_kernel(const __grid_cons
         ptx::cp_async_wait<0>();  // K(j, sub) has landed for this thread...
         __syncthreads();          // ...for all; and every warp is done with the previous
                                   // sub-tile (its Q·Kᵀ read the other K stage, its P·V the V slot)
-        load_sub(s_v_tile, j, sub, true);
+        load_tile<Tile, kBlockN>(s_v_tile, sub_src(j, sub, true), tid);
         ptx::cp_async_commit();  // group V(j, sub)
         prefetch_next_k(sub);    // group K(next)
         compute_scores(stage);
@@ -401,7 +391,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 2) fwd_kernel(const __grid_cons
       }
       __syncthreads();  // every thread has read its stash before V overwrites the slots
     }
-    for (int sub = 0; sub < n_sub; ++sub) load_sub(s_v_tile + sub * Cfg::kKVBytes, j, sub, true);
+    for (int sub = 0; sub < n_sub; ++sub) load_tile<Tile, kBlockN>(s_v_tile + sub * Cfg::kKVBytes, sub_src(j, sub, true), tid);
     ptx::cp_async_commit();  // V of the kept block, overlapping the last sub-tile's softmax
     std::uint32_t p_last[kM][Cfg::kPSteps][4];
     exp_pack<Cfg::kBf16>(s, m_use, p.scale_log2, st.l, p_last);
@@ -479,7 +469,6 @@ __global__ void __launch_bounds__(Cfg::kThreads, 2) fwd_kernel(const __grid_cons
 // Host-side launch of one instance; returns a cudaError_t value (0 = success).
 template <class Cfg>
 int launch_fwd(const FwdParams& p, void* stream) {
-  if (Cfg::kPaged != (p.paged.block_table != nullptr)) return static_cast<int>(cudaErrorInvalidValue);
   auto* kernel = fwd_kernel<Cfg>;
   cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Cfg::kSmemBytes);
   if (err != cudaSuccess) return static_cast<int>(err);

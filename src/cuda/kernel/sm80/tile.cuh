@@ -91,34 +91,26 @@ __device__ __forceinline__ void load_rows(std::uint32_t smem, const RowPtr& row_
   }
 }
 
-// Rows 0 .. valid - 1 of a tile whose row r is at first_row + r · row_stride (as load_rows).
-// One pointer stepped by a 64-bit add per row, and rows past `valid` not read (ignore-src, so
-// their address need not be valid): a multiply and a select per row made the two tile loads of a
-// dense sub-tile about 230 instructions per thread (SASS at sm_90), most of what the forward
-// kernel executed beyond FlashAttention-2 (Nsight: 3.04 against 2.60 G instructions, Llama 16K;
-// record 2026-11-30-h200-portable-dense-ncu-16k).
-template <class Tile, int kRows>
-__device__ __forceinline__ void load_strided(std::uint32_t smem, const std::uint16_t* first_row, std::int64_t row_stride,
-                                             int valid, int tid) {
-  constexpr int kRowStep = Tile::kThreads / Tile::kChunks;
-  static_assert(kRowStep % 8 == 0 && kRows % kRowStep == 0, "constant swizzle per thread");
-  const int r0 = tid / Tile::kChunks, c = tid % Tile::kChunks;
-  const std::uint32_t dst = smem + swizzle<Tile>(r0, c);
-  const std::int64_t step = static_cast<std::int64_t>(kRowStep) * row_stride;
-  const std::uint16_t* g = first_row + r0 * row_stride + c * 8;
-  const int rows_left = valid - r0;  // row r0 + i·kRowStep is read iff i·kRowStep < rows_left
-#pragma unroll
-  for (int i = 0; i < kRows / kRowStep; ++i, g += step) {
-    ptx::cp_async_16_or_zero(dst + i * kRowStep * Tile::kRowBytes, g, i * kRowStep < rows_left);
-  }
-}
-
-// The tile of `src` (as load_rows): contiguous rows strided, rows spanning pages through the
-// addressor.
+// The tile of `src` (as load_rows): addresses advance by a constant for contiguous rows and come
+// from the addressor for rows spanning pages.
 template <class Tile, int kRows>
 __device__ __forceinline__ void load_tile(std::uint32_t smem, const TileSrc& src, int tid) {
   if (src.rows.pages == nullptr) {
-    load_strided<Tile, kRows>(smem, src.rows.row(src.first), src.rows.row_stride, src.valid, tid);
+    constexpr int kRowStep = Tile::kThreads / Tile::kChunks;
+    static_assert(kRowStep % 8 == 0 && kRows % kRowStep == 0, "constant swizzle per thread");
+    const int r0 = tid / Tile::kChunks, c = tid % Tile::kChunks;
+    const std::uint32_t dst = smem + swizzle<Tile>(r0, c);
+    // One pointer stepped by a 64-bit add per row, and rows past `valid` not read (ignore-src,
+    // so their address need not be valid): a multiply and a select per row made the two tile
+    // loads of a dense sub-tile about 230 instructions per thread (SASS at sm_90), most of what
+    // the kernel executed beyond FlashAttention-2 (Nsight: 3.04 against 2.60 G instructions,
+    // Llama 16K; record 2026-11-30-h200-portable-dense-ncu-16k).
+    const std::int64_t step = static_cast<std::int64_t>(kRowStep) * src.rows.row_stride;
+    const std::uint16_t* g = src.rows.row(src.first + r0) + c * 8;
+#pragma unroll
+    for (int i = 0; i < kRows / kRowStep; ++i, g += step) {
+      ptx::cp_async_16_or_zero(dst + i * kRowStep * Tile::kRowBytes, g, r0 + i * kRowStep < src.valid);
+    }
     return;
   }
   load_rows<Tile, kRows>(smem, [&](int r) { return src.rows.row(src.first + r); }, src.valid, src.rows.base, tid);
