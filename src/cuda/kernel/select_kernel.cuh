@@ -185,34 +185,27 @@ __device__ __forceinline__ void tree_reduce(float (&v)[kN], const Op& op) {
 // selector at 128K went from 3.86 to 3.16 ms, records 2026-11-29-h200-fp32-rank-keys-selector-
 // final and 2026-11-30-h200-portable-path-forced-full-end-hoisted).
 template <int kNF>
-__device__ __forceinline__ void warp_lambdas(const float (&acc)[kNF][4], const SelectTile& t, int bs, float scale_log2,
-                                             int j0, int q0, bool masked, bool add, float* lambda, int first,
-                                             int lane) {
-  static_assert((kNF & (kNF - 1)) == 0 && kNF <= 16, "a power of two of column groups, at most 16");
+__device__ __forceinline__ void warp_lambdas(float (&acc)[kNF][4], const SelectTile& t, int bs, float scale_log2, int j0,
+                                             int q0, bool masked, bool add, float* lambda, int first, int lane) {
+  static_assert((kNF & (kNF - 1)) == 0, "a power of two of column groups");
   const int g = lane / 4, t4 = lane % 4;
+  if (masked) {
 #pragma unroll
-  for (int r = 0; r < 2; ++r) {
-    // Bit 2·nf + c: the pair (row j0 + g + 8r, column group nf, column c) does not contribute.
-    // acc is read, never written: the Hopper selector reduces one accumulator set while its next
-    // wgmma writes the other, and a written accumulator there makes ptxas serialise the wgmma
-    // (C7515).
-    std::uint32_t off = 0;
-    if (masked) {
-      const int j = j0 + g + 8 * r;
+    for (int nf = 0; nf < kNF; ++nf) {
 #pragma unroll
-      for (int nf = 0; nf < kNF; ++nf) {
-#pragma unroll
-        for (int c = 0; c < 2; ++c) {
-          const int q = q0 + nf * 8 + 2 * t4 + c;
-          const bool contributes = q < t.rows_valid && j < t.scored && t.a_f + q >= static_cast<std::int64_t>(j) * bs;
-          off |= static_cast<std::uint32_t>(!contributes) << (2 * nf + c);
-        }
+      for (int e = 0; e < 4; ++e) {
+        const int q = q0 + nf * 8 + 2 * t4 + (e & 1);
+        const int j = j0 + g + 8 * (e / 2);
+        const bool contributes = q < t.rows_valid && j < t.scored && t.a_f + q >= static_cast<std::int64_t>(j) * bs;
+        if (!contributes) acc[nf][e] = -INFINITY;
       }
     }
-    auto x = [&](int nf, int c) { return (off >> (2 * nf + c)) & 1u ? -INFINITY : acc[nf][2 * r + c]; };
+  }
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
     float part[kNF];
 #pragma unroll
-    for (int nf = 0; nf < kNF; ++nf) part[nf] = ptx::max_nan(x(nf, 0), x(nf, 1));
+    for (int nf = 0; nf < kNF; ++nf) part[nf] = ptx::max_nan(acc[nf][2 * r], acc[nf][2 * r + 1]);
     tree_reduce<kNF>(part, [](float a, float b) { return ptx::max_nan(a, b); });
     float mx = part[0];
     mx = ptx::max_nan(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
@@ -221,7 +214,8 @@ __device__ __forceinline__ void warp_lambdas(const float (&acc)[kNF][4], const S
     const float m_use = mx == -INFINITY ? 0.f : mx * scale_log2;
 #pragma unroll
     for (int nf = 0; nf < kNF; ++nf) {
-      part[nf] = ptx::exp2f_fast(fmaf(x(nf, 0), scale_log2, -m_use)) + ptx::exp2f_fast(fmaf(x(nf, 1), scale_log2, -m_use));
+      part[nf] = ptx::exp2f_fast(fmaf(acc[nf][2 * r], scale_log2, -m_use)) +
+                 ptx::exp2f_fast(fmaf(acc[nf][2 * r + 1], scale_log2, -m_use));
     }
     tree_reduce<kNF>(part, [](float a, float b) { return a + b; });
     float sum = part[0];

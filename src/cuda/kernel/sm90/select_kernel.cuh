@@ -36,9 +36,7 @@ struct Select90Config {
   static constexpr int kThreads = 128 * kWarpgroups;
   static constexpr int kRows = 128;   // query rows: wgmma N
   static constexpr int kChunk = 64;   // pooled blocks of a warpgroup step: wgmma M
-  // k̄ buffers per warpgroup: the chunk whose wgmma is in flight, the next one landing, and the
-  // one after it loading into the buffer of the chunk just reduced.
-  static constexpr int kStages = 3;
+  static constexpr int kStages = 2;   // k̄ buffers per warpgroup
   static constexpr int kRowBytes = 128;
   static constexpr int kHalves = kD / 64;
   static constexpr int kKSteps = kD / 16;
@@ -79,31 +77,26 @@ __device__ __forceinline__ void load_rows_sw128(std::uint32_t dst, const std::ui
 // The CTA takes its KV group's heads in turn (SelectTile). Per head it loads the Q tile (the next
 // head's, with its first chunks, while this head's mask row is written); then in steps
 // s = 0 .. ceil(chunks / 2) - 1 warpgroup w scores chunk 2s + w against all 128 rows, both
-// warpgroups in step (one CTA barrier per step). Step s issues step s + 1's wgmma into the other
-// accumulator set before reducing its own chunk's scores, so that the tensor pipe multiplies
-// while the warpgroups take their exponentials: two sets of 64 registers, one CTA per SM. (With
-// one set and two CTAs per SM, the multiplies and the exponentials did not overlap: 2.30 ms at
-// 128K, Nsight 42% of issue slots busy, the wgmma wait the hottest instruction; record
-// 2026-11-30-h200-selector-per-group-heads.) An odd count's last chunk is split by query rows
-// instead, after the pipelined steps (each warpgroup its 64 rows, m64n64k16; warpgroup 1's λ
-// added after it): whole, it left warpgroup 1 idle for a step, and warps waiting at the barrier
-// after the loop were 20% of Nsight's samples at 64K (log
-// bench/records/2026-11-30-h200-selector-hopper-ncu-64k.log). Warpgroups out of step (a named
-// barrier each) made compute-sanitizer's racecheck report hazards on finish_selection's counts,
-// which only barrier 0 orders (records 2026-11-30-h200-selector-hopper-out-of-step and -in-step).
-// Both warpgroups on every chunk (64 rows each, m64n64k16, two CTAs per SM) with chunk c + 1's
-// wgmma in flight over chunk c's energies measured 2.94 ms at 128K (record
+// warpgroups in step (one CTA barrier per step) while the other CTA resident on the SM fills the
+// tensor pipe. An odd count's last chunk is split by query rows instead (each warpgroup its 64
+// rows, m64n64k16; warpgroup 1's λ added after the step): whole, it left warpgroup 1 idle for a
+// step, and warps waiting at the barrier after the loop were 20% of Nsight's samples at 64K (log
+// bench/records/2026-11-30-h200-selector-hopper-ncu-64k.log), a whole tile's worth at 16K where
+// a tile has one or two chunks. Warpgroups out of step (a named barrier each) measured 2.34
+// against 2.49 ms at 128K and equal at 16K-32K, but compute-sanitizer's racecheck then reports
+// hazards on finish_selection's counts, which only barrier 0 orders (records
+// 2026-11-30-h200-selector-hopper-out-of-step and -in-step): not worth a sanitizer exception.
+// Both warpgroups on every chunk (64 rows each, m64n64k16) with chunk c + 1's wgmma in flight
+// over chunk c's energies measured 2.94 ms at 128K (record
 // 2026-11-30-h200-selector-hopper-row-halves-pipelined): N = 64 reads more shared memory per
 // chunk and doubles the barriers per unit of work.
-// Chunk loads: step s's chunks (warpgroup w's chunk 2s + w; the split chunk into warpgroup 0's
-// buffer) go to buffer s % kStages of each warpgroup, one cp.async group per step (empty past
-// the last). Invariant at the top of step s: acc_cur holds step s's scores (its wgmma waited
-// for by every thread), and the groups in flight are steps s + 1 and s + 2.
+// Invariant at the top of a step: the only cp.async group in flight holds this step's chunks
+// (buffer `buf`).
 template <bool kBf16, int kD>
-__global__ void __launch_bounds__(Select90Config<kBf16, kD>::kThreads, 1)
+__global__ void __launch_bounds__(Select90Config<kBf16, kD>::kThreads, 2)
     select90_kernel(const __grid_constant__ SelectParams p) {
   using Cfg = Select90Config<kBf16, kD>;
-  constexpr int kChunk = Cfg::kChunk, kStages = Cfg::kStages;
+  constexpr int kChunk = Cfg::kChunk;
   constexpr int kHalfRows = Cfg::kRows / Cfg::kWarpgroups;
   extern __shared__ std::uint8_t smem_raw[];
   __shared__ float s_red[Cfg::kThreads / 32];
@@ -117,113 +110,87 @@ __global__ void __launch_bounds__(Select90Config<kBf16, kD>::kThreads, 1)
   const std::uint32_t pad = (1024 - (raw & 1023)) & 1023;
   const std::uint32_t s_q = raw + pad;
   const std::uint32_t s_chunks0 = s_q + Cfg::kQBytes;  // warpgroup 0's buffers, then warpgroup 1's
-  const std::uint32_t s_chunks = s_chunks0 + static_cast<std::uint32_t>(wg * kStages * Cfg::kChunkBytes);
+  const std::uint32_t s_chunks = s_chunks0 + static_cast<std::uint32_t>(wg * Cfg::kStages * Cfg::kChunkBytes);
   float* energy = reinterpret_cast<float*>(smem_raw + pad + Cfg::kSmemFixed);  // λ_j, j < A
 
   const int chunks = (t.scored + kChunk - 1) / kChunk;
-  const int full_steps = chunks / 2;  // steps where both warpgroups have a whole chunk
+  const int steps = (chunks + 1) / 2;
   const bool split_last = chunks % 2 == 1;
   const int last0 = (chunks - 1) * kChunk;  // the last chunk's first block
   const float scale_log2 = p.scale * 1.4426950408889634f;
   const auto* mean = static_cast<const std::uint16_t*>(p.k_mean) +
                      (static_cast<std::int64_t>(t.b) * p.h_kv + t.hk) * p.num_k_blocks * static_cast<std::int64_t>(kD);
-  auto buffer = [&](std::uint32_t base, int s) { return base + static_cast<std::uint32_t>((s % kStages) * Cfg::kChunkBytes); };
-  // Step s's chunk of this warpgroup into its buffer (rows past A zero-filled), then the commit.
-  auto load_step = [&](int s) {
-    const int c = 2 * s + wg;
-    if (c < chunks) {
-      const int valid = t.scored - c * kChunk;
-      load_rows_sw128<kChunk, kD, 128>(buffer(s_chunks, s), mean + static_cast<std::int64_t>(c) * kChunk * kD, kD,
-                                       valid < kChunk ? valid : kChunk, wt);
-    }
-    ptx::cp_async_commit();
+  // This warpgroup's chunk c into its buffer `buf` (rows past A zero-filled).
+  auto load_chunk = [&](int c, int buf) {
+    const int valid = t.scored - c * kChunk;
+    load_rows_sw128<kChunk, kD, 128>(s_chunks + static_cast<std::uint32_t>(buf * Cfg::kChunkBytes),
+                                     mean + static_cast<std::int64_t>(c) * kChunk * kD, kD,
+                                     valid < kChunk ? valid : kChunk, wt);
   };
-  // This head's Q tile with step 0's chunks (one group), then steps 1 and 2.
+  // This head's Q tile and each warpgroup's first chunk, as one group.
   auto load_head = [&](int head) {
     load_rows_sw128<Cfg::kRows, kD, Cfg::kThreads>(
         s_q, static_cast<const std::uint16_t*>(p.q) + t.seq.q_off + (t.h0 + head) * p.q_head_stride + t.row0 * p.q_row_stride,
         p.q_row_stride, t.rows_valid, tid);
-#pragma unroll
-    for (int s = 0; s < kStages; ++s) load_step(s);
+    if (wg < chunks) load_chunk(wg, 0);
+    ptx::cp_async_commit();
   };
-  // Step s's wgmma (this warpgroup's whole chunk against the 128 rows) into `acc`, not waited.
-  auto issue = [&](float (&acc)[16][4], int s) {
-    const std::uint64_t a = hw::kmajor_desc_sw128(buffer(s_chunks, s));
-    const std::uint64_t b = hw::kmajor_desc_sw128(s_q);
-    hw::wgmma_fence();
-#pragma unroll
-    for (int kk = 0; kk < Cfg::kKSteps; ++kk) {
-      hw::wgmma_ss<kBf16>(acc, a + hw::kmajor_k_step<Cfg::kChunkHalfBytes>(kk), b + hw::kmajor_k_step<Cfg::kQHalfBytes>(kk),
-                          kk > 0);
-    }
-    hw::wgmma_commit();
-  };
-  // Step s + 1's chunks landed for every thread (and every warpgroup done with step s's wgmma,
-  // waited for before the barrier): step s + 3's chunks into step s's buffers.
-  auto next_landed = [&](int s) {
-    ptx::cp_async_wait<1>();
-    hw::fence_proxy_async();  // the cp.async writes ordered before wgmma's reads
-    __syncthreads();
-    load_step(s + kStages);
-  };
-  // Step s: step s + 1's wgmma into `nxt` (when both warpgroups have one), step s's energies from
-  // `cur`, then the wait for `nxt`. Warp w of the warpgroup holds blocks j0 .. j0 + 15; pairs
-  // that do not contribute exist only in the chunk holding A - 1, the tile's own blocks or a
-  // short tile: the mask is applied only there.
-  auto step = [&](float (&cur)[16][4], float (&nxt)[16][4], int s, bool add) {
-    if (s + 1 < full_steps) {
-      next_landed(s);
-      issue(nxt, s + 1);
-    }
-    const int j0 = (2 * s + wg) * kChunk + (wt / 32) * 16;
-    const bool masked = j0 + 15 >= t.scored || Cfg::kRows > t.rows_valid ||
-                        t.a_f < static_cast<std::int64_t>(j0 + 15) * p.block;
-    select::warp_lambdas(cur, t, p.block, scale_log2, j0, 0, masked, add, energy, 0, lane);
-    hw::wgmma_wait<0>();
-    hw::fence_regs(nxt);
-  };
-
   if (chunks > 0) load_head(0);
 #pragma unroll 1
   for (int head = 0; head < t.heads; ++head) {
     const bool add = !t.per_head && head > 0;  // pack_gqa: the group's heads into one λ
-    if (full_steps > 0) {
-      float acc0[16][4], acc1[16][4];
-      ptx::cp_async_wait<kStages - 1>();  // Q and step 0's chunks
-      hw::fence_proxy_async();
-      __syncthreads();
-      issue(acc0, 0);
-      hw::wgmma_wait<0>();
-      hw::fence_regs(acc0);
+    int buf = 0;
 #pragma unroll 1
-      for (int s = 0; s < full_steps; s += 2) {
-        step(acc0, acc1, s, add);
-        if (s + 1 < full_steps) step(acc1, acc0, s + 1, add);
+    for (int s = 0; s < steps; ++s, buf ^= 1) {
+      const int c = 2 * s + wg;
+      ptx::cp_async_wait<0>();        // this step's chunks landed for this thread,
+      hw::fence_proxy_async();  // ordered before wgmma's reads,
+      __syncthreads();                // for every thread; every warp is done with the previous step
+      if (c + 2 < chunks) load_chunk(c + 2, buf ^ 1);
+      ptx::cp_async_commit();
+      // Warp w of the warpgroup holds blocks j0 .. j0 + 15. Pairs that do not contribute exist
+      // only in the chunk holding A - 1, the tile's own blocks or a short tile: the mask is
+      // applied only there.
+      if (split_last && s + 1 == steps) {
+        // The last chunk, in warpgroup 0's buffer: this warpgroup's 64 query rows.
+        const std::uint64_t a = hw::kmajor_desc_sw128(s_chunks0 + static_cast<std::uint32_t>(buf * Cfg::kChunkBytes));
+        const std::uint64_t b = hw::kmajor_desc_sw128(s_q + static_cast<std::uint32_t>(wg * kHalfRows * Cfg::kRowBytes));
+        float acc[8][4];
+        hw::wgmma_fence();
+#pragma unroll
+        for (int kk = 0; kk < Cfg::kKSteps; ++kk) {
+          hw::wgmma_ss_n64<kBf16>(acc, a + hw::kmajor_k_step<Cfg::kChunkHalfBytes>(kk),
+                                  b + hw::kmajor_k_step<Cfg::kQHalfBytes>(kk), kk > 0);
+        }
+        hw::wgmma_commit();
+        hw::wgmma_wait<0>();
+        hw::fence_regs(acc);
+        const int j0 = last0 + (wt / 32) * 16, q0 = wg * kHalfRows;
+        const bool masked = j0 + 15 >= t.scored || q0 + kHalfRows > t.rows_valid ||
+                            t.a_f + q0 < static_cast<std::int64_t>(j0 + 15) * p.block;
+        select::warp_lambdas(acc, t, p.block, scale_log2, j0, q0, masked, wg == 0 && add, wg == 0 ? energy : s_split,
+                             wg == 0 ? 0 : last0, lane);
+        continue;
       }
-    }
-    if (split_last) {
-      // The last chunk (step full_steps, in warpgroup 0's buffer): this warpgroup's 64 query rows.
-      ptx::cp_async_wait<kStages - 2>();  // step full_steps landed (full_steps > 0: after next_landed's group)
-      hw::fence_proxy_async();
-      __syncthreads();
-      const std::uint64_t a = hw::kmajor_desc_sw128(buffer(s_chunks0, full_steps));
-      const std::uint64_t b = hw::kmajor_desc_sw128(s_q + static_cast<std::uint32_t>(wg * kHalfRows * Cfg::kRowBytes));
-      float acc[8][4];
+      const std::uint64_t a = hw::kmajor_desc_sw128(s_chunks + static_cast<std::uint32_t>(buf * Cfg::kChunkBytes));
+      const std::uint64_t b = hw::kmajor_desc_sw128(s_q);
+      float acc[16][4];
       hw::wgmma_fence();
 #pragma unroll
       for (int kk = 0; kk < Cfg::kKSteps; ++kk) {
-        hw::wgmma_ss_n64<kBf16>(acc, a + hw::kmajor_k_step<Cfg::kChunkHalfBytes>(kk),
-                                b + hw::kmajor_k_step<Cfg::kQHalfBytes>(kk), kk > 0);
+        hw::wgmma_ss<kBf16>(acc, a + hw::kmajor_k_step<Cfg::kChunkHalfBytes>(kk),
+                            b + hw::kmajor_k_step<Cfg::kQHalfBytes>(kk), kk > 0);
       }
       hw::wgmma_commit();
       hw::wgmma_wait<0>();
       hw::fence_regs(acc);
-      const int j0 = last0 + (wt / 32) * 16, q0 = wg * kHalfRows;
-      const bool masked = j0 + 15 >= t.scored || q0 + kHalfRows > t.rows_valid ||
-                          t.a_f + q0 < static_cast<std::int64_t>(j0 + 15) * p.block;
-      select::warp_lambdas(acc, t, p.block, scale_log2, j0, q0, masked, wg == 0 && add, wg == 0 ? energy : s_split,
-                           wg == 0 ? 0 : last0, lane);
-      __syncthreads();  // warpgroup 1's half of the last chunk joins warpgroup 0's
+      const int j0 = c * kChunk + (wt / 32) * 16;
+      const bool masked = j0 + 15 >= t.scored || Cfg::kRows > t.rows_valid ||
+                          t.a_f < static_cast<std::int64_t>(j0 + 15) * p.block;
+      select::warp_lambdas(acc, t, p.block, scale_log2, j0, 0, masked, add, energy, 0, lane);
+    }
+    if (split_last) {  // warpgroup 1's half of the last chunk joins warpgroup 0's
+      __syncthreads();
       for (int j = last0 + tid; j < t.scored; j += Cfg::kThreads) energy[j] = select::log2_add(energy[j], s_split[j - last0]);
     }
     // Every λ of this head written, and both warpgroups done with its Q, chunks and s_split:
