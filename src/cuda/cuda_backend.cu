@@ -664,7 +664,6 @@ namespace {
 Status run_checked(const AttentionProblem& problem, const ProblemShape& shape, const Policy& policy, int block_k,
                    const AttentionOutput& output, cudaStream_t stream, cudaMemPool_t pool, bool capturing,
                    bool cache_maps, Decisions* decisions, const PlanState* plan) {
-  const FwdVariant* fwd = find_fwd(shape.dtype, shape.d);
   Scratch scratch(stream, pool, shape.device.index, capturing);
 
   FwdParams p = make_fwd_params(problem, shape, output, block_k);
@@ -806,6 +805,10 @@ Status run_checked(const AttentionProblem& problem, const ProblemShape& shape, c
   }
   if (!launched) {
     if (fp8) return unsupported("q: the driver cannot describe these fp8_e4m3 tensors for TMA, and fp8 has no portable kernel");
+    const FwdVariant* fwd = find_fwd(shape.dtype, shape.d, gated_mode(p.mode));
+    if (fwd == nullptr) {
+      return unsupported(std::string("no compiled portable CUDA kernel for this call (") + support_summary() + ")");
+    }
     SP_RETURN_IF_ERROR(launch_status(fwd->launch(p, stream), fwd->name));
     t_last_fwd_instance = fwd->name;
     t_last_q_pack = 1;

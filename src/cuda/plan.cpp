@@ -248,7 +248,8 @@ Status check_support(const ProblemShape& shape, const Policy& policy, int* block
       },
       policy);
   SP_RETURN_IF_ERROR(st);
-  if (find_fwd(shape.dtype, shape.d) == nullptr) {
+  const bool gated = std::holds_alternative<ExactGateParams>(policy) || std::holds_alternative<SoftmaxSkipParams>(policy);
+  if (find_fwd(shape.dtype, shape.d, gated) == nullptr) {
     return unsupported(std::string("no compiled CUDA kernel for dtype ") + dtype_name(shape.dtype) + ", head_dim " +
                        std::to_string(shape.d) + " (" + support_summary() + ")");
   }

@@ -9,6 +9,11 @@ files differ from what this script would write (CI runs it).
 Axes (each one multiplies the compile time of CI's 2 cores; add one only with a measurement):
   dtype     bf16, fp16: the input dtype; the mma instruction differs.
   head_dim  64, 128: register tiles are sized by it.
+The portable forward kernel has one more:
+  gates     without or with the in-kernel gates (exact_gate, softmax_skip): the gated blocks'
+            code (scores stashed for the vote, V deferred) costs the ungated loop registers and
+            spills even where it never runs; dense without it ran 4-5% faster (record
+            2026-11-30-h200-portable-dense-ungated-instances).
 Everything else (policy, causal, block_k 64 or 128, mean correction) is a runtime value: the
 kernel branches on it once per block, outside the inner loops.
 
@@ -38,8 +43,11 @@ DTYPES = {"bf16": ("kBF16", "true"), "fp16": ("kFP16", "false")}
 HEAD_DIMS = (64, 128)
 
 
-def fwd_name(dtype, d):
-    return f"fwd_sm80_{dtype}_hd{d}"
+PORTABLE_GATES = (False, True)
+
+
+def fwd_name(dtype, d, gated):
+    return f"fwd_sm80_{'gated_' if gated else ''}{dtype}_hd{d}"
 
 
 def select_name(dtype, d):
@@ -105,7 +113,7 @@ def fwd90_unit(name, config):
 
 def expected_files():
     files = {}
-    registry = [HEADER, "// SP_FWD_VARIANT(launch function, DType enumerator, head_dim)\n",
+    registry = [HEADER, "// SP_FWD_VARIANT(launch function, DType enumerator, head_dim, gated)\n",
                 "// SP_SELECT_VARIANT(launch function, DType enumerator, head_dim)\n",
                 "// SP_PERMUTE_VARIANT(launch function, DType enumerator, head_dim)\n",
                 "// SP_FWD90_VARIANT(launch function, DType enumerator, head_dim, paged)\n",
@@ -114,12 +122,14 @@ def expected_files():
                 "// SP_CALIB_VARIANT(launch function, DType enumerator, head_dim)\n"]
     for dtype, (enum, is_bf16) in DTYPES.items():
         for d in HEAD_DIMS:
-            name = fwd_name(dtype, d)
-            files[f"{name}.cu"] = translation_unit(
-                "cuda/kernel/sm80/fwd_kernel.cuh",
-                f"int {name}(const FwdParams& params, void* stream) {{\n"
-                f"  return sm80::launch_fwd<sm80::FwdConfig<{is_bf16}, {d}>>(params, stream);\n")
-            registry.append(f"SP_FWD_VARIANT({name}, {enum}, {d})\n")
+            for gated in PORTABLE_GATES:
+                name = fwd_name(dtype, d, gated)
+                config = f"sm80::FwdConfig<{is_bf16}, {d}{', true' if gated else ''}>"
+                files[f"{name}.cu"] = translation_unit(
+                    "cuda/kernel/sm80/fwd_kernel.cuh",
+                    f"int {name}(const FwdParams& params, void* stream) {{\n"
+                    f"  return sm80::launch_fwd<{config}>(params, stream);\n")
+                registry.append(f"SP_FWD_VARIANT({name}, {enum}, {d}, {'true' if gated else 'false'})\n")
             name = select_name(dtype, d)
             files[f"{name}.cu"] = translation_unit(
                 "cuda/kernel/select_kernel.cuh",
@@ -173,7 +183,7 @@ def expected_files():
             registry.append(f"SP_SELECT90_VARIANT({name}, {enum}, {d})\n")
     # Every kind's macro defaults to nothing and is undefined at the end, so an includer
     # defines only the kinds it wants.
-    kinds = ["SP_FWD_VARIANT(fn, dtype, head_dim)", "SP_SELECT_VARIANT(fn, dtype, head_dim)",
+    kinds = ["SP_FWD_VARIANT(fn, dtype, head_dim, gated)", "SP_SELECT_VARIANT(fn, dtype, head_dim)",
              "SP_PERMUTE_VARIANT(fn, dtype, head_dim)", "SP_FWD90_VARIANT(fn, dtype, head_dim, paged)",
              "SP_PERMUTE90_VARIANT(fn, dtype, head_dim)", "SP_SELECT90_VARIANT(fn, dtype, head_dim)",
              "SP_CALIB_VARIANT(fn, dtype, head_dim)"]

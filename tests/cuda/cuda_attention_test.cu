@@ -78,14 +78,19 @@ class StagedKv {
 std::string expected_instance_prefix(const TestProblem& tp, const Policy& policy, bool portable) {
   // permute_stop has its own kernel family (gathered, permuted tiles) on both paths.
   const bool permute = std::holds_alternative<PermuteStopParams>(policy);
-  if (portable) return permute ? "permute_sm80_" : "fwd_sm80_";
+  // The portable forward kernel runs the gates in its gated instances and every other policy in
+  // the ungated ones (whose names are not prefixes of the gated ones').
+  const bool gated = std::holds_alternative<ExactGateParams>(policy) || std::holds_alternative<SoftmaxSkipParams>(policy);
+  const std::string fwd80 =
+      gated ? "fwd_sm80_gated_" : std::string("fwd_sm80_") + (tp.q.dtype() == DType::kFP16 ? "fp16_" : "bf16_");
+  if (portable) return permute ? "permute_sm80_" : fwd80;
   ProblemShape shape;
   const Status st = validate_problem(tp.problem(), nullptr, &shape);
   EXPECT_TRUE(st.ok()) << st.to_string();
   const bool hopper = st.ok() && hopper_device() &&
                       cuda::choose_fwd_path(shape, policy, true, 9, 0) == cuda::FwdPath::kHopper;
   if (permute) return hopper ? "permute_sm90_" : "permute_sm80_";
-  return hopper ? "fwd_sm90_" : "fwd_sm80_";
+  return hopper ? "fwd_sm90_" : fwd80;
 }
 
 // The policy through both forward paths: the default one (on an sm_90 device the Hopper kernel

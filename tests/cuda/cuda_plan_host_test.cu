@@ -17,6 +17,7 @@
 #include "core/geometry.h"
 #include "cuda/kernel/rank_key.h"
 #include "cuda/plan.h"
+#include "cuda/registry.h"
 #include "sparseprefill/attention.h"
 
 namespace sparseprefill::cuda {
@@ -108,6 +109,31 @@ TEST(CudaPlan, Fp8RunsDenseAndBlockSparseOnTheHopperInstance) {
   paged.kv_layout = KvLayout::kPaged;
   paged.page_size = 16;
   expect_unsupported(paged, DenseParams{}, "fp8_e4m3 inputs need contiguous K/V on CUDA");
+}
+
+// The portable forward kernel's gates run in its gated instances, everything else in the
+// ungated ones (launch_fwd refuses the other instance's calls); both exist for every compiled
+// (dtype, head_dim).
+TEST(CudaPlan, PortableInstancesSplitByTheGates) {
+  EXPECT_FALSE(gated_mode(PolicyMode::kDense));
+  EXPECT_FALSE(gated_mode(PolicyMode::kBlockMask));
+  EXPECT_TRUE(gated_mode(PolicyMode::kExactGate));
+  EXPECT_TRUE(gated_mode(PolicyMode::kSoftmaxSkip));
+  for (DType dtype : {DType::kBF16, DType::kFP16}) {
+    for (int d : {64, 128}) {
+      const FwdVariant* plain = find_fwd(dtype, d, false);
+      const FwdVariant* gated = find_fwd(dtype, d, true);
+      ASSERT_NE(plain, nullptr) << dtype_name(dtype) << " d=" << d;
+      ASSERT_NE(gated, nullptr) << dtype_name(dtype) << " d=" << d;
+      EXPECT_FALSE(plain->gated);
+      EXPECT_TRUE(gated->gated);
+      EXPECT_EQ(plain->dtype, dtype);
+      EXPECT_EQ(gated->head_dim, d);
+      EXPECT_EQ(std::string(gated->name).rfind("fwd_sm80_gated_", 0), 0u) << gated->name;
+      EXPECT_EQ(std::string(plain->name).find("gated"), std::string::npos) << plain->name;
+    }
+  }
+  EXPECT_EQ(find_fwd(DType::kFP8E4M3, 128, false), nullptr);  // fp8 runs on the Hopper kernel only
 }
 
 TEST(CudaPlan, HopperPathOnComputeCapability90For128KeyBlocks) {

@@ -170,8 +170,15 @@ void run_shape(const Shape& sh, const Options& opt) {
     p.scale_log2 = p.scale * 1.4426950408889634f;
 
     std::vector<Instance> instances;
-    if (const FwdVariant* var = find_fwd(dtype, sh.d)) {
-      instances.push_back({var->name, [var](const FwdParams& fp) { return var->launch(fp, nullptr); }, false});
+    // The portable kernel: its ungated instance, or the gated one for the gate rows.
+    const FwdVariant* var = find_fwd(dtype, sh.d, false);
+    const FwdVariant* var_gated = find_fwd(dtype, sh.d, true);
+    if (var != nullptr && var_gated != nullptr) {
+      instances.push_back({var->name,
+                           [var, var_gated](const FwdParams& fp) {
+                             return (gated_mode(fp.mode) ? var_gated : var)->launch(fp, nullptr);
+                           },
+                           false});
     }
     const Fwd90Variant* var90 = find_fwd90(dtype, sh.d, false);
     if (var90 != nullptr && hopper) {

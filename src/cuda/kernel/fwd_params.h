@@ -25,6 +25,10 @@ enum class PolicyMode : std::int32_t {
   kSoftmaxSkip = 3,  // BLASST: every block after the first gated against the running max
 };
 
+// The in-kernel gates: the modes the portable forward kernel's gated instances run (and only
+// they: variants.py, axis gates).
+constexpr bool gated_mode(PolicyMode mode) { return mode == PolicyMode::kExactGate || mode == PolicyMode::kSoftmaxSkip; }
+
 // Per-sequence geometry and element offsets, [batch] on the device. Offsets are in elements of
 // the tensor they index and point at the sequence's first row (head 0, dim 0).
 struct SeqInfo {

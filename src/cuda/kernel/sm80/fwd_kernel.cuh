@@ -26,10 +26,15 @@ namespace sparseprefill::cuda::sm80 {
 // two 64-key sub-tiles. 4 warps of 32 rows (two m16 fragments each share every K/V fragment
 // they load) and 96 KB of smem at d = 128, so two CTAs share an SM and hide each other's
 // barriers and load latency (the FlashAttention-2 shape; docs/cuda.md has the measurements).
-template <bool kBf16_, int kHeadDim_>
+// kGated: the instance runs the in-kernel gates (gated_mode), and only those. Without the gated
+// blocks' code the loop of dense and block masks keeps more in registers (spills at sm_90:
+// 108 / 160 bytes stored / loaded against 176 / 236) and ran 4-5% faster (record
+// 2026-11-30-h200-portable-dense-ungated-instances).
+template <bool kBf16_, int kHeadDim_, bool kGated_ = false>
 struct FwdConfig {
   static constexpr bool kBf16 = kBf16_;
   static constexpr int kHeadDim = kHeadDim_;
+  static constexpr bool kGated = kGated_;
   static constexpr int kBlockM = kBlockQ;
   static constexpr int kBlockN = 64;  // keys per sub-tile
   static constexpr int kWarps = 4;
@@ -272,7 +277,8 @@ __global__ void __launch_bounds__(Cfg::kThreads, 2) fwd_kernel(const __grid_cons
     warp_pv<Cfg>(s_v_tile + slot * Cfg::kKVBytes, lane, pp, acc);
   };
 
-  auto gated = [&](int j) { return gate.gated(j, visit.n_a); };
+  // Ungated instances compile no gated block (the code after the ungated branch is dead there).
+  auto gated = [&](int j) { return Cfg::kGated && gate.gated(j, visit.n_a); };
   // The gate of a block from its row maxima over all its sub-tiles, as one CTA-wide vote.
   auto vote = [&](const float (&mx)[2 * kM]) -> bool {
     bool keep = false;
@@ -469,6 +475,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 2) fwd_kernel(const __grid_cons
 // Host-side launch of one instance; returns a cudaError_t value (0 = success).
 template <class Cfg>
 int launch_fwd(const FwdParams& p, void* stream) {
+  if (Cfg::kGated != gated_mode(p.mode)) return static_cast<int>(cudaErrorInvalidValue);  // the other instance's call
   auto* kernel = fwd_kernel<Cfg>;
   cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Cfg::kSmemBytes);
   if (err != cudaSuccess) return static_cast<int>(err);
