@@ -12,7 +12,8 @@ Axes (each one multiplies the compile time of CI's 2 cores; add one only with a 
 The portable forward kernel has one more:
   gates     without or with the in-kernel gates (exact_gate, softmax_skip): the gated blocks'
             code (scores stashed for the vote, V deferred) costs the ungated loop registers and
-            spills even where it never runs; dense without it ran 4-5% faster (record
+            spills even where it never runs; dense without it ran 1.5-2% faster at 16K-32K,
+            timed against one instance in the same call (record
             2026-11-30-h200-portable-dense-ungated-instances).
 Everything else (policy, causal, block_k 64 or 128, mean correction) is a runtime value: the
 kernel branches on it once per block, outside the inner loops.

@@ -28,8 +28,9 @@ namespace sparseprefill::cuda::sm80 {
 // barriers and load latency (the FlashAttention-2 shape; docs/cuda.md has the measurements).
 // kGated: the instance runs the in-kernel gates (gated_mode), and only those. Without the gated
 // blocks' code the loop of dense and block masks keeps more in registers (spills at sm_90:
-// 108 / 160 bytes stored / loaded against 176 / 236) and ran 4-5% faster (record
-// 2026-11-30-h200-portable-dense-ungated-instances).
+// 108 / 160 bytes stored / loaded against 176 / 236 at d = 128, none against 100 / 204 at
+// d = 64) and dense ran 1.5-2% faster at 16K-32K than with one instance, in the same call
+// (record 2026-11-30-h200-portable-dense-ungated-instances).
 template <bool kBf16_, int kHeadDim_, bool kGated_ = false>
 struct FwdConfig {
   static constexpr bool kBf16 = kBf16_;
