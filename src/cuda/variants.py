@@ -15,8 +15,8 @@ The portable forward kernel has one more:
             spills even where it never runs; dense without it ran 1.5-2% faster at 16K-32K,
             timed against one instance in the same call (record
             2026-11-30-h200-portable-dense-ungated-instances).
-Everything else (policy, causal, block_k 64 or 128, mean correction) is a runtime value: the
-kernel branches on it once per block, outside the inner loops.
+Everything else (the policy within an instance, causal, block_k 64 or 128, mean correction) is
+a runtime value: the kernel branches on it once per block, outside the inner loops.
 
 Two kernel families: the portable sm80 path (FWD/SELECT/PERMUTE/CALIB plus two dtype-free
 instances, permute_stop's sort and the paged K/V staging copy, every architecture of
