@@ -30,7 +30,8 @@ namespace sparseprefill::cuda::sm80 {
 // blocks' code the loop of dense and block masks keeps more in registers (spills at sm_90:
 // 108 / 160 bytes stored / loaded against 176 / 236 at d = 128, none against 100 / 204 at
 // d = 64) and dense ran 1.5-2% faster at 16K-32K than with one instance, in the same call
-// (record 2026-11-30-h200-portable-dense-ungated-instances).
+// (record 2026-11-30-h200-portable-dense-ungated-instances); warp_scores' look-ahead since then
+// (88 / 180 bytes at d = 128) is for the ungated instances only.
 template <bool kBf16_, int kHeadDim_, bool kGated_ = false>
 struct FwdConfig {
   static constexpr bool kBf16 = kBf16_;
