@@ -78,11 +78,13 @@ __device__ __forceinline__ void warp_scores(std::uint32_t q_tile, std::uint32_t 
 #pragma unroll
     for (int nf = 0; nf < Cfg::kNFrags; ++nf) s[mi][nf][0] = s[mi][nf][1] = s[mi][nf][2] = s[mi][nf][3] = 0.f;
   }
-  // Ungated instances: the fragments of k-step kk + 1 load while the MMAs of kk run (two
-  // register sets; ldmatrix and mma are volatile asm, so this order is the SASS order). Dense
-  // ran 2.5-4.5% faster that way, the gated instance 1-1.5% slower on the Llama shape, in one
-  // same-call A/B (record 2026-11-30-h200-portable-dense-pipelined-fragments): the gated
-  // instance loads each k-step's fragments just before its MMAs.
+  // Ungated configs (the ungated forward instances, and permute_stop's portable kernel, whose
+  // PermuteConfig is an ungated FwdConfig): the fragments of k-step kk + 1 load while the MMAs
+  // of kk run (two register sets; ldmatrix and mma are volatile asm, so this order is the SASS
+  // order). Dense ran 2.5-4.5% faster that way, the gated instance 1-1.5% slower on the Llama
+  // shape, in one same-call A/B (record 2026-11-30-h200-portable-dense-pipelined-fragments): the
+  // gated instance loads each k-step's fragments just before its MMAs. (The permute kernel's
+  // spills at d = 128 fell from 156 / 196 to 36 / 48 bytes with it; not timed yet.)
   if constexpr (Cfg::kGated) {
 #pragma unroll
     for (int kk = 0; kk < Cfg::kKSteps; ++kk) {
