@@ -79,48 +79,40 @@ __device__ __forceinline__ void warp_scores(std::uint32_t q_tile, std::uint32_t 
     for (int nf = 0; nf < Cfg::kNFrags; ++nf) s[mi][nf][0] = s[mi][nf][1] = s[mi][nf][2] = s[mi][nf][3] = 0.f;
   }
   // Ungated configs (the ungated forward instances, and permute_stop's portable kernel, whose
-  // PermuteConfig is an ungated FwdConfig): the fragments of k-step kk + 1 load while the MMAs
+  // PermuteConfig is an ungated FwdConfig) load the fragments of k-step kk + 1 while the MMAs
   // of kk run (two register sets; ldmatrix and mma are volatile asm, so this order is the SASS
   // order). Dense ran 2.5-4.5% faster that way, the gated instance 1-1.5% slower on the Llama
   // shape, in one same-call A/B (record 2026-11-30-h200-portable-dense-pipelined-fragments): the
-  // gated instance loads each k-step's fragments just before its MMAs. (The permute kernel's
-  // spills at d = 128 fell from 156 / 196 to 36 / 48 bytes with it; not timed yet.)
-  if constexpr (Cfg::kGated) {
-#pragma unroll
-    for (int kk = 0; kk < Cfg::kKSteps; ++kk) {
-      std::uint32_t qa[Cfg::kM][4];
-#pragma unroll
-      for (int mi = 0; mi < Cfg::kM; ++mi) load_a_frag<Tile>(q_tile, warp_row + 16 * mi, kk, lane, qa[mi]);
-#pragma unroll
-      for (int np = 0; np < Cfg::kNFrags / 2; ++np) {
-        std::uint32_t bk[4];
-        load_k_frags<Tile>(k_tile, np * 16, kk, lane, bk);
-#pragma unroll
-        for (int mi = 0; mi < Cfg::kM; ++mi) {
-          ptx::mma_16816<Cfg::kBf16>(s[mi][2 * np], qa[mi], bk[0], bk[1]);
-          ptx::mma_16816<Cfg::kBf16>(s[mi][2 * np + 1], qa[mi], bk[2], bk[3]);
-        }
-      }
-    }
-    return;
-  }
+  // gated instance loads each fragment just before its MMAs. (The permute kernel's spills at
+  // d = 128 fell from 156 / 196 to 36 / 48 bytes with it; not timed yet.)
+  constexpr bool kAhead = !Cfg::kGated;
   std::uint32_t qa[2][Cfg::kM][4], bk[2][Cfg::kNFrags / 2][4];
-  auto load = [&](int kk, int buf) {
+  auto load_q = [&](int kk, int buf) {
 #pragma unroll
     for (int mi = 0; mi < Cfg::kM; ++mi) load_a_frag<Tile>(q_tile, warp_row + 16 * mi, kk, lane, qa[buf][mi]);
-#pragma unroll
-    for (int np = 0; np < Cfg::kNFrags / 2; ++np) load_k_frags<Tile>(k_tile, np * 16, kk, lane, bk[buf][np]);
   };
-  load(0, 0);
+  auto load_k = [&](int kk, int np, int buf) { load_k_frags<Tile>(k_tile, np * 16, kk, lane, bk[buf][np]); };
+  auto load_step = [&](int kk, int buf) {
+    load_q(kk, buf);
+#pragma unroll
+    for (int np = 0; np < Cfg::kNFrags / 2; ++np) load_k(kk, np, buf);
+  };
+  if constexpr (kAhead) load_step(0, 0);
 #pragma unroll
   for (int kk = 0; kk < Cfg::kKSteps; ++kk) {
-    if (kk + 1 < Cfg::kKSteps) load(kk + 1, (kk + 1) & 1);
+    const int cur = kk & 1;
+    if constexpr (kAhead) {
+      if (kk + 1 < Cfg::kKSteps) load_step(kk + 1, cur ^ 1);
+    } else {
+      load_q(kk, cur);
+    }
 #pragma unroll
     for (int np = 0; np < Cfg::kNFrags / 2; ++np) {
+      if constexpr (!kAhead) load_k(kk, np, cur);
 #pragma unroll
       for (int mi = 0; mi < Cfg::kM; ++mi) {
-        ptx::mma_16816<Cfg::kBf16>(s[mi][2 * np], qa[kk & 1][mi], bk[kk & 1][np][0], bk[kk & 1][np][1]);
-        ptx::mma_16816<Cfg::kBf16>(s[mi][2 * np + 1], qa[kk & 1][mi], bk[kk & 1][np][2], bk[kk & 1][np][3]);
+        ptx::mma_16816<Cfg::kBf16>(s[mi][2 * np], qa[cur][mi], bk[cur][np][0], bk[cur][np][1]);
+        ptx::mma_16816<Cfg::kBf16>(s[mi][2 * np + 1], qa[cur][mi], bk[cur][np][2], bk[cur][np][3]);
       }
     }
   }
