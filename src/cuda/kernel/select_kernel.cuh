@@ -24,63 +24,97 @@ __device__ __forceinline__ std::uint16_t* cache_at(const MeanCache& c, int b, in
 
 // k̄_j and v̄_j of one (block j, kv head, sequence): the mean of the block's valid keys,
 // accumulated in double, rounded to fp32 and then to the input dtype, exactly as the oracle
-// stores them. One thread per head-dim element (coalesced rows). Grid (num_k_blocks, h_kv, b).
-// Chunked prefill: blocks j < cached are copied from the cache; the blocks this call completes
-// (cached <= j < s_k / B) are written to it. Every thread reads and writes only its own
-// element (b, hk, j, i) of the cache and of the means, so no synchronisation is needed; the
-// selector reads the means after this kernel on the same stream.
+// stores them. Thread t of a CTA owns the 16-byte chunk c = t % (d / 8) of block
+// j = blockIdx.x · kMeansBlocksPerCta + t / (d / 8): 8 elements, each summed over the block's
+// keys in key order (the oracle's), from one 16-byte load per key row. (One thread per element
+// and a 2-byte load per key took 0.24 ms at 128K on the Llama shape, about half of HBM's rate:
+// record 2026-11-30-h200-selector-per-group-heads.) Grid (ceil(num_k_blocks /
+// kMeansBlocksPerCta), h_kv, b), kMeansThreads threads. Chunked prefill: blocks j < cached are
+// copied from the cache; the blocks this call completes (cached <= j < s_k / B) are written to
+// it. Every thread reads and writes only its own elements (b, hk, j, 8c .. 8c + 7) of the cache
+// and of the means, so no synchronisation is needed; the selector reads the means after this
+// kernel on the same stream. K/V rows and the means are 16-byte aligned (plan.cpp's
+// check_view); the cache, a caller's tensor, is read and written element by element.
+constexpr int kMeansThreads = 128;
+template <int kD>
+constexpr int kMeansBlocksPerCta = kMeansThreads / (kD / 8);
+
 template <bool kBf16, int kD>
-__global__ void __launch_bounds__(kD) block_means_kernel(const __grid_constant__ SelectParams p) {
-  const int j = blockIdx.x, hk = blockIdx.y, b = blockIdx.z, i = threadIdx.x;
+__global__ void __launch_bounds__(kMeansThreads) block_means_kernel(const __grid_constant__ SelectParams p) {
+  constexpr int kChunks = kD / 8;
+  const int c = threadIdx.x % kChunks, hk = blockIdx.y, b = blockIdx.z;
+  const int j = blockIdx.x * kMeansBlocksPerCta<kD> + threadIdx.x / kChunks;
+  if (j >= p.num_k_blocks) return;
   const SeqInfo seq = p.seqs[b];
   const std::int64_t key0 = static_cast<std::int64_t>(j) * p.block;
-  const std::int64_t out = ((static_cast<std::int64_t>(b) * p.h_kv + hk) * p.num_k_blocks + j) * kD + i;
+  const std::int64_t out = ((static_cast<std::int64_t>(b) * p.h_kv + hk) * p.num_k_blocks + j) * kD + 8 * c;
+  auto* k_out = static_cast<std::uint16_t*>(p.k_mean) + out;
+  auto* v_out = static_cast<std::uint16_t*>(p.v_mean) + out;
   if (key0 >= seq.s_k) {
     // Past this sequence's last block: masked out wherever it is read (the Hopper kernel loads
     // whole 128-block tiles of means), but its P·V term is 0 · v̄ only if v̄ is finite.
-    static_cast<std::uint16_t*>(p.k_mean)[out] = 0;
-    static_cast<std::uint16_t*>(p.v_mean)[out] = 0;
+    *reinterpret_cast<uint4*>(k_out) = make_uint4(0, 0, 0, 0);
+    *reinterpret_cast<uint4*>(v_out) = make_uint4(0, 0, 0, 0);
     return;
   }
   const std::int64_t cached = p.select_seqs != nullptr ? p.select_seqs[b].cached : 0;
   if (j < cached) {  // cached <= s_k / B (validated on the host): a complete block
-    static_cast<std::uint16_t*>(p.k_mean)[out] = *cache_at(p.cache_k, b, hk, j, i);
-    static_cast<std::uint16_t*>(p.v_mean)[out] = *cache_at(p.cache_v, b, hk, j, i);
+#pragma unroll
+    for (int e = 0; e < 8; ++e) {
+      k_out[e] = *cache_at(p.cache_k, b, hk, j, 8 * c + e);
+      v_out[e] = *cache_at(p.cache_v, b, hk, j, 8 * c + e);
+    }
     return;
   }
-  const std::int64_t len = geom::min64(p.block, seq.s_k - key0);
+  const std::int64_t end = key0 + geom::min64(p.block, seq.s_k - key0);
   // The keys' rows through the forward kernel's addressor (contiguous or paged).
   const auto* k = static_cast<const std::uint16_t*>(p.k) + seq.k_off + hk * p.k_head_stride;
   const auto* v = static_cast<const std::uint16_t*>(p.v) + seq.v_off + hk * p.v_head_stride;
   const std::int32_t* pages = p.paged.block_table == nullptr ? nullptr : p.paged.block_table + b * p.paged.table_stride;
   const sm80::KvRows k_rows{k, p.k_row_stride, pages, p.paged.page_size, p.paged.k_page_stride};
   const sm80::KvRows v_rows{v, p.v_row_stride, pages, p.paged.page_size, p.paged.v_page_stride};
-  // Summed in key order (the oracle's), 8 keys' loads issued before their adds: each thread
-  // reads one element per key, so the loads, not the adds, are the latency.
-  constexpr int kBatch = 8;
-  double k_sum = 0.0, v_sum = 0.0;
-  for (std::int64_t t0 = key0; t0 < key0 + len; t0 += kBatch) {
-    std::uint16_t k_raw[kBatch], v_raw[kBatch];
+  // kBatch keys' loads issued before their adds: the loads, not the adds, are the latency.
+  constexpr int kBatch = 4;
+  double k_sum[8] = {}, v_sum[8] = {};
+  for (std::int64_t t0 = key0; t0 < end; t0 += kBatch) {
+    uint4 k_raw[kBatch], v_raw[kBatch];
 #pragma unroll
     for (int u = 0; u < kBatch; ++u) {
-      const bool ok = t0 + u < key0 + len;
-      k_raw[u] = ok ? k_rows.row(t0 + u)[i] : 0;
-      v_raw[u] = ok ? v_rows.row(t0 + u)[i] : 0;
+      const bool ok = t0 + u < end;
+      k_raw[u] = ok ? *reinterpret_cast<const uint4*>(k_rows.row(t0 + u) + 8 * c) : make_uint4(0, 0, 0, 0);
+      v_raw[u] = ok ? *reinterpret_cast<const uint4*>(v_rows.row(t0 + u) + 8 * c) : make_uint4(0, 0, 0, 0);
     }
 #pragma unroll
     for (int u = 0; u < kBatch; ++u) {
-      if (t0 + u >= key0 + len) break;
-      k_sum += ptx::to_float<kBf16>(k_raw[u]);
-      v_sum += ptx::to_float<kBf16>(v_raw[u]);
+      if (t0 + u >= end) break;
+      const std::uint32_t kw[4] = {k_raw[u].x, k_raw[u].y, k_raw[u].z, k_raw[u].w};
+      const std::uint32_t vw[4] = {v_raw[u].x, v_raw[u].y, v_raw[u].z, v_raw[u].w};
+#pragma unroll
+      for (int e = 0; e < 8; ++e) {  // element e: half e % 2 of word e / 2 (little-endian)
+        k_sum[e] += ptx::to_float<kBf16>(static_cast<std::uint16_t>(kw[e / 2] >> (16 * (e % 2))));
+        v_sum[e] += ptx::to_float<kBf16>(static_cast<std::uint16_t>(vw[e / 2] >> (16 * (e % 2))));
+      }
     }
   }
-  const std::uint16_t k_bar = ptx::from_float<kBf16>(static_cast<float>(k_sum / static_cast<double>(len)));
-  const std::uint16_t v_bar = ptx::from_float<kBf16>(static_cast<float>(v_sum / static_cast<double>(len)));
-  static_cast<std::uint16_t*>(p.k_mean)[out] = k_bar;
-  static_cast<std::uint16_t*>(p.v_mean)[out] = v_bar;
+  const double len = static_cast<double>(end - key0);
+  std::uint16_t k_bar[8], v_bar[8];
+#pragma unroll
+  for (int e = 0; e < 8; ++e) {
+    k_bar[e] = ptx::from_float<kBf16>(static_cast<float>(k_sum[e] / len));
+    v_bar[e] = ptx::from_float<kBf16>(static_cast<float>(v_sum[e] / len));
+  }
+  auto pack = [](const std::uint16_t (&h)[8]) {
+    auto w = [&](int i) { return static_cast<std::uint32_t>(h[2 * i]) | (static_cast<std::uint32_t>(h[2 * i + 1]) << 16); };
+    return make_uint4(w(0), w(1), w(2), w(3));
+  };
+  *reinterpret_cast<uint4*>(k_out) = pack(k_bar);
+  *reinterpret_cast<uint4*>(v_out) = pack(v_bar);
   if (p.cache_k.data != nullptr && j < seq.s_k / p.block) {
-    *cache_at(p.cache_k, b, hk, j, i) = k_bar;
-    *cache_at(p.cache_v, b, hk, j, i) = v_bar;
+#pragma unroll
+    for (int e = 0; e < 8; ++e) {
+      *cache_at(p.cache_k, b, hk, j, 8 * c + e) = k_bar[e];
+      *cache_at(p.cache_v, b, hk, j, 8 * c + e) = v_bar[e];
+    }
   }
 }
 
@@ -435,7 +469,8 @@ int launch_means_and_selector(const SelectParams& p, void* stream, void (*kernel
                               std::size_t smem) {
   const auto st = static_cast<cudaStream_t>(stream);
   if (p.batch == 0 || p.num_k_blocks == 0) return 0;
-  block_means_kernel<kBf16, kD><<<dim3(p.num_k_blocks, p.h_kv, p.batch), kD, 0, st>>>(p);
+  const unsigned mean_ctas = static_cast<unsigned>((p.num_k_blocks + kMeansBlocksPerCta<kD> - 1) / kMeansBlocksPerCta<kD>);
+  block_means_kernel<kBf16, kD><<<dim3(mean_ctas, p.h_kv, p.batch), kMeansThreads, 0, st>>>(p);
   cudaError_t err = cudaGetLastError();
   if (err != cudaSuccess) return static_cast<int>(err);
   err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem));
