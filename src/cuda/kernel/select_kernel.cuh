@@ -26,9 +26,9 @@ __device__ __forceinline__ std::uint16_t* cache_at(const MeanCache& c, int b, in
 // accumulated in double, rounded to fp32 and then to the input dtype, exactly as the oracle
 // stores them. Thread t of a CTA owns the 16-byte chunk c = t % (d / 8) of block
 // j = blockIdx.x · kMeansBlocksPerCta + t / (d / 8): 8 elements, each summed over the block's
-// keys in key order (the oracle's), from one 16-byte load per key row. (One thread per element
-// and a 2-byte load per key took 0.24 ms at 128K on the Llama shape, about half of HBM's rate:
-// record 2026-11-30-h200-selector-per-group-heads.) Grid (ceil(num_k_blocks /
+// keys in key order (the oracle's), from one 16-byte load per key row: 0.148 ms at 128K on the
+// Llama shape against 0.250 with one thread per element and a 2-byte load per key (record
+// 2026-11-30-h200-selector-block-means-vectorized). Grid (ceil(num_k_blocks /
 // kMeansBlocksPerCta), h_kv, b), kMeansThreads threads. Chunked prefill: blocks j < cached are
 // copied from the cache; the blocks this call completes (cached <= j < s_k / B) are written to
 // it. Every thread reads and writes only its own elements (b, hk, j, 8c .. 8c + 7) of the cache

@@ -107,9 +107,9 @@ __device__ __forceinline__ void load_tile(std::uint32_t smem, const TileSrc& src
     // Llama 16K; record 2026-11-30-h200-portable-dense-ncu-16k).
     const std::int64_t step = static_cast<std::int64_t>(kRowStep) * src.rows.row_stride;
     const std::uint16_t* g = src.rows.row(src.first + r0) + c * 8;
-    // A whole tile at d = 128 takes no row predicates: with one K prefetch site (fwd_kernel)
-    // dense ran 1.9% faster at 16K and the gated SmolLM2 instance 4.6%, while the same path at
-    // d = 64 made SmolLM2 dense 1.3% slower (same-call A/B, records
+    // A whole tile at d = 128 takes no row predicates. With the forward kernel's single K
+    // prefetch site, Llama dense ran 1.9% faster at 16K; at d = 64 this path made SmolLM2 dense
+    // 1.3% slower, where the prefetch site alone left it within 0.3% (same-call A/Bs, records
     // 2026-11-30-h200-portable-dense-whole-tiles and -whole-tiles-every-head-dim).
     if (Tile::kHeadDim == 128 && src.valid >= kRows) {
 #pragma unroll
