@@ -44,7 +44,7 @@ cmd+=" -gencode=arch=compute_$arch,code=sm_$arch"
   exit 1
 }
 
-demangle=cat
+demangle="cat"
 command -v c++filt >/dev/null && demangle=c++filt
 echo "== ptxas (sm_$arch): registers | spills"
 awk '/Compiling entry function/ {name=$7; gsub(/\x27/, "", name)}
