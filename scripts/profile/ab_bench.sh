@@ -3,7 +3,7 @@
 # GPU machine: a same-call A/B of a kernel change. Between device calls the same build's times
 # move by up to 4% (docs/cuda.md), so changes of a few percent are decided only by builds timed
 # alternately in one call: the tree as it is (old), then with PATCH applied (new), ROUNDS times
-# (old / new / old / new ...), each `cmake --build build/h200 --target sparseprefill_c` and then
+# (old / new / old / new ...), each the h200 preset's sparseprefill_c (ncu_common.sh's ncu_build) and then
 # bench/run_benchmarks.sh with the given arguments. The tree is left as it was.
 # Usage: scripts/profile/ab_bench.sh OUTDIR PATCH [bench_attention.py arguments]
 #   PATCH: a `git diff` of the change (the GPU machine has no .git), relative to the repository
@@ -28,12 +28,8 @@ patch --dry-run -p1 <"$patch_file" >/dev/null || {
   echo "ab_bench: $patch_file does not apply to this tree" >&2
   exit 1
 }
-prefix=()
-[[ -d $root/.carry/gtest/usr ]] && prefix=(-DCMAKE_PREFIX_PATH="$root/.carry/gtest/usr")
-cmake --preset h200 "${prefix[@]}" >"$out/configure.log" 2>&1 || {
-  tail -20 "$out/configure.log"
-  exit 1
-}
+# shellcheck source=scripts/profile/ncu_common.sh
+source "$root/scripts/profile/ncu_common.sh"  # ncu_build: the h200 preset's target, log in $out/build.log
 applied=0
 restore() { ((applied)) && patch -R -p1 <"$patch_file" >/dev/null && applied=0; }
 trap restore EXIT
@@ -42,10 +38,7 @@ for ((i = 1; i <= rounds; ++i)); do
   for side in old new; do
     if [[ $side == new ]]; then patch -p1 <"$patch_file" >/dev/null && applied=1; else restore; fi
     run=$side$i
-    if ! cmake --build build/h200 -j"${JOBS:-16}" --target sparseprefill_c >"$out/build_$run.log" 2>&1; then
-      grep -E "error" -A3 "$out/build_$run.log" | head -30
-      exit 1
-    fi
+    ncu_build sparseprefill_c || exit 1
     bench/run_benchmarks.sh "$out/$run" "$@" >"$out/$run.log" 2>&1 || {
       tail -20 "$out/$run.log"
       exit 1
@@ -72,4 +65,4 @@ PY
 cat "$out/ab.txt"
 cp "$out/old$rounds/bench.json" "$out/old.json"
 cp "$out/new$rounds/bench.json" "$out/new.json"
-rm -rf "${runs[@]/#/$out/}" "$out"/build_*.log "$out"/*[0-9].log "$out/configure.log"
+rm -rf "${runs[@]/#/$out/}" "$out"/*[0-9].log "$out/build.log"

@@ -1,5 +1,6 @@
 # SPDX-License-Identifier: Apache-2.0
-# Sourced by scripts/profile/ncu_*.sh: the build they profile and the summary of a report.
+# Sourced by scripts/profile/ncu_*.sh (and ab_bench.sh, for the build): the build they profile
+# and the summary of a report.
 # Needs $root (the repository) and $out (the output folder).
 
 # Builds TARGET of the h200 preset (JOBS, default 16; GoogleTest from .carry/gtest when
