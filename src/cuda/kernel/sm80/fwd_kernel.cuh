@@ -38,6 +38,11 @@ struct FwdConfig {
   static constexpr bool kBf16 = kBf16_;
   static constexpr int kHeadDim = kHeadDim_;
   static constexpr bool kGated = kGated_;
+  // Fragment addresses in frag_addr's XOR form. Ungated: dense 6-7% and block masks 5% faster
+  // at 8K-32K (Llama shape), while the gated instance and the permute kernel (PermuteConfig)
+  // ran 1-2.5% slower with it, in one same-call A/B (record
+  // 2026-11-30-h200-portable-xor-fragment-addresses).
+  static constexpr bool kXorFragments = !kGated;
   static constexpr int kBlockM = kBlockQ;
   static constexpr int kBlockN = 64;  // keys per sub-tile
   static constexpr int kWarps = 4;
@@ -90,9 +95,9 @@ __device__ __forceinline__ void warp_scores(std::uint32_t q_tile, std::uint32_t 
   std::uint32_t qa[2][Cfg::kM][4], bk[2][Cfg::kNFrags / 2][4];
   auto load_q = [&](int kk, int buf) {
 #pragma unroll
-    for (int mi = 0; mi < Cfg::kM; ++mi) load_a_frag<Tile>(q_tile, warp_row + 16 * mi, kk, lane, qa[buf][mi]);
+    for (int mi = 0; mi < Cfg::kM; ++mi) load_a_frag<Tile, Cfg::kXorFragments>(q_tile, warp_row + 16 * mi, kk, lane, qa[buf][mi]);
   };
-  auto load_k = [&](int kk, int np, int buf) { load_k_frags<Tile>(k_tile, np * 16, kk, lane, bk[buf][np]); };
+  auto load_k = [&](int kk, int np, int buf) { load_k_frags<Tile, Cfg::kXorFragments>(k_tile, np * 16, kk, lane, bk[buf][np]); };
   auto load_step = [&](int kk, int buf) {
     load_q(kk, buf);
 #pragma unroll
@@ -129,7 +134,7 @@ __device__ __forceinline__ void warp_pv(std::uint32_t v_tile, int lane, const st
 #pragma unroll
     for (int dp = 0; dp < Cfg::kDFrags / 2; ++dp) {
       std::uint32_t bv[4];
-      load_v_frags<Tile>(v_tile, kk, dp, lane, bv);
+      load_v_frags<Tile, Cfg::kXorFragments>(v_tile, kk, dp, lane, bv);
 #pragma unroll
       for (int mi = 0; mi < Cfg::kM; ++mi) {
         ptx::mma_16816<Cfg::kBf16>(acc[mi][2 * dp], pp[mi][kk], bv[0], bv[1]);

@@ -31,6 +31,7 @@ namespace sparseprefill::cuda::sm80 {
 template <bool kBf16_, int kHeadDim_>
 struct PermuteConfig : FwdConfig<kBf16_, kHeadDim_> {
   using Base = FwdConfig<kBf16_, kHeadDim_>;
+  static constexpr bool kXorFragments = false;  // FwdConfig::kXorFragments: slower here
   static constexpr int kSmemBytes = Base::kQBytes + 4 * Base::kKVBytes;
   static_assert(Base::kThreads == Base::kBlockM, "one thread per query row of the tile");
 };

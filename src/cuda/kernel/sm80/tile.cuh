@@ -133,26 +133,42 @@ __device__ __forceinline__ void load_tile_rows(std::uint32_t smem, const KvRows&
   load_rows<Tile, kRows>(smem, [&](int r) { return rows.row(index[r]); }, valid, rows.base, tid);
 }
 
-// A fragment of 16 rows starting at row0, head dims kk·16 .. kk·16 + 15 (ldmatrix.x4: lanes
-// 0-15 address rows 0-15 of the left 8 columns, lanes 16-31 the right 8).
-template <class Tile>
-__device__ __forceinline__ void load_a_frag(std::uint32_t tile, int row0, int kk, int lane, std::uint32_t (&a)[4]) {
-  ptx::ldmatrix_x4(tile + swizzle<Tile>(row0 + (lane & 15), kk * 2 + (lane >> 4)), a);
+// Address of an ldmatrix lane's row: row row0 + r (row0 a multiple of 8, 0 <= r < 16) of a tile,
+// 16-byte chunk 2·kk + h (h = 0 or 1). Since row0 % 8 = 0 and 2·kk + h = 2·kk ^ h, that is
+// row0·kRowBytes + (swizzle(r, h) ^ (kk << 5)) (kk << 5 < kRowBytes, a power of two), and kXor
+// forms it so: the lane's offset swizzle(r, h) once, the k-step as an XOR with a constant, the
+// fragment's first row as an addend. The two forms give the same address; which one compiles
+// better depends on the kernel's register pressure (FwdConfig::kXorFragments).
+template <class Tile, bool kXor>
+__device__ __forceinline__ std::uint32_t frag_addr(std::uint32_t tile, int row0, int r, int kk, int h) {
+  if constexpr (kXor) {
+    return tile + row0 * Tile::kRowBytes + (swizzle<Tile>(r, h) ^ (kk << 5));
+  } else {
+    return tile + swizzle<Tile>(row0 + r, kk * 2 + h);
+  }
 }
 
-// B fragments of two n8 column groups for S = Q·Kᵀ: keys key0 .. key0 + 15 of a K tile
-// [keys, head_dim], head dims kk·16 .. +15. b[0], b[1]: keys key0..+7; b[2], b[3]: key0+8..+15.
-template <class Tile>
+// A fragment of 16 rows starting at row0 (a multiple of 8), head dims kk·16 .. kk·16 + 15
+// (ldmatrix.x4: lanes 0-15 address rows 0-15 of the left 8 columns, lanes 16-31 the right 8).
+template <class Tile, bool kXor = false>
+__device__ __forceinline__ void load_a_frag(std::uint32_t tile, int row0, int kk, int lane, std::uint32_t (&a)[4]) {
+  ptx::ldmatrix_x4(frag_addr<Tile, kXor>(tile, row0, lane & 15, kk, lane >> 4), a);
+}
+
+// B fragments of two n8 column groups for S = Q·Kᵀ: keys key0 (a multiple of 8) .. key0 + 15
+// of a K tile [keys, head_dim], head dims kk·16 .. +15. b[0], b[1]: keys key0..+7; b[2], b[3]:
+// key0+8..+15.
+template <class Tile, bool kXor = false>
 __device__ __forceinline__ void load_k_frags(std::uint32_t tile, int key0, int kk, int lane, std::uint32_t (&b)[4]) {
-  ptx::ldmatrix_x4(tile + swizzle<Tile>(key0 + (lane >> 4) * 8 + (lane & 7), kk * 2 + ((lane >> 3) & 1)), b);
+  ptx::ldmatrix_x4(frag_addr<Tile, kXor>(tile, key0, (lane >> 4) * 8 + (lane & 7), kk, (lane >> 3) & 1), b);
 }
 
 // B fragments of two n8 column groups for O += P·V: keys kk·16 .. +15 of a V tile
 // [keys, head_dim], head dims dp·16 .. +15 (transposed load). b[0], b[1]: dims dp·16..+7;
 // b[2], b[3]: dims dp·16+8..+15.
-template <class Tile>
+template <class Tile, bool kXor = false>
 __device__ __forceinline__ void load_v_frags(std::uint32_t tile, int kk, int dp, int lane, std::uint32_t (&b)[4]) {
-  ptx::ldmatrix_x4_trans(tile + swizzle<Tile>(kk * 16 + (lane & 7) + ((lane >> 3) & 1) * 8, dp * 2 + (lane >> 4)), b);
+  ptx::ldmatrix_x4_trans(frag_addr<Tile, kXor>(tile, kk * 16, (lane & 7) + ((lane >> 3) & 1) * 8, dp, lane >> 4), b);
 }
 
 }  // namespace sparseprefill::cuda::sm80
