@@ -11,7 +11,8 @@
 #   tool copies it).
 # Env: SP_AB_ROUNDS (default 2), SPARSEPREFILL_CUDA_PATH (passed through; `portable` for the
 #      portable kernels on a Hopper GPU), SP_COMMIT (the commit the tree came from), JOBS.
-# Writes OUTDIR/ab.txt (one line per benchmark row: median ms of every run in order, old first)
+# Writes OUTDIR/ab.txt (one line per benchmark row: median ms of every run in order, old first;
+# with --kernel-profile also one line per kernel of a row: its time in the profiled call)
 # and OUTDIR/{old,new}.json (the last run of each), the only files that come back.
 set -uo pipefail
 if (($# < 2)); then
@@ -58,6 +59,9 @@ for run in runs:
             key = f"{case['model']} {case['n']} | {row['label']}"
             ms = row.get("ms")
             table.setdefault(key, {})[run] = f"{ms:.4g}" if ms else row.get("status", "?")
+            # --kernel-profile: each kernel's device time in the profiled call, [name, calls, ms]
+            for name, _, kernel_ms in row.get("kernels", []):
+                table.setdefault(f"{key} | {name}", {})[run] = f"{kernel_ms:.4g}"
 print("row | " + " / ".join(runs) + " (ms)")
 for key, times in table.items():
     print(f"{key} | " + " / ".join(times.get(r, "-") for r in runs))
