@@ -100,7 +100,7 @@ __global__ void __launch_bounds__(Select90Config<kBf16, kD>::kThreads, 2)
   constexpr int kHalfRows = Cfg::kRows / Cfg::kWarpgroups;
   extern __shared__ std::uint8_t smem_raw[];
   __shared__ float s_red[Cfg::kThreads / 32];
-  __shared__ int s_count[2][Cfg::kThreads / 32];
+  __shared__ int s_count[2][select::kScanRounds][Cfg::kThreads / 32];
   __shared__ float s_split[kChunk];  // warpgroup 1's λ of a split last chunk
 
   const int tid = threadIdx.x, wg = tid / 128, wt = tid % 128, lane = tid % 32;
