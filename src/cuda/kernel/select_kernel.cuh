@@ -272,7 +272,7 @@ __device__ __forceinline__ void warp_lambdas(float (&acc)[kNF][4], const SelectT
 // Blocks go in rounds of one per thread; the lists of up to kScanRounds rounds are placed
 // after one barrier (their per-warp counts in s_count[list][round][warp]): 1024 blocks (128K
 // tokens at block 128) at 256 threads in one barrier pair instead of four. select90_kernel ran
-// 2.5-6% faster at 32K-128K so, in a same-call A/B of three rounds (record
+// 2-3% faster at 128K and up to 6% at 32K so, in a same-call A/B of three rounds (record
 // 2026-11-30-h200-selector-one-scan).
 constexpr int kScanRounds = 4;
 template <int kWarps>
