@@ -2,42 +2,58 @@
 # SPDX-License-Identifier: Apache-2.0
 # GPU machine: a same-call A/B of a kernel change. Between device calls the same build's times
 # move by up to 4% (docs/cuda.md), so changes of a few percent are decided only by builds timed
-# alternately in one call: the tree as it is (old), then with PATCH applied (new), ROUNDS times
-# (old / new / old / new ...), each the h200 preset's sparseprefill_c (ncu_common.sh's ncu_build) and then
-# bench/run_benchmarks.sh with the given arguments. The tree is left as it was.
-# Usage: scripts/profile/ab_bench.sh OUTDIR PATCH [bench_attention.py arguments]
+# alternately in one call: the tree as it is (old), then with each PATCH applied alone, ROUNDS
+# times (old / new / old / new ...), each the h200 preset's sparseprefill_c (ncu_common.sh's
+# ncu_build) and then bench/run_benchmarks.sh with the given arguments. The tree is left as it was.
+# Usage: scripts/profile/ab_bench.sh OUTDIR PATCH[,PATCH...] [bench_attention.py arguments]
 #   PATCH: a `git diff` of the change (the GPU machine has no .git), relative to the repository
-#   root, e.g. made here with `git diff main..my-branch > ab.patch` (untracked, so the device
-#   tool copies it).
+#   root, e.g. made here with `git diff main...my-branch > ab.patch` (untracked, so the device
+#   tool copies it). One patch is the side `new`; with several, each side is named after its
+#   file (lazy.patch: `lazy`), and a round runs old then each of them.
 # Env: SP_AB_ROUNDS (default 2), SPARSEPREFILL_CUDA_PATH (passed through; `portable` for the
 #      portable kernels on a Hopper GPU), SP_COMMIT (the commit the tree came from), JOBS.
 # Writes OUTDIR/ab.txt (one line per benchmark row: median ms of every run in order, old first;
 # with --kernel-profile also one line per kernel of a row: its time in the profiled call)
-# and OUTDIR/{old,new}.json (the last run of each), the only files that come back.
+# and OUTDIR/<side>.json (each side's last run: old.json, new.json), the only files that come
+# back.
 set -uo pipefail
 if (($# < 2)); then
-  echo "usage: $0 OUTDIR PATCH [bench_attention.py arguments]" >&2
+  echo "usage: $0 OUTDIR PATCH[,PATCH...] [bench_attention.py arguments]" >&2
   exit 2
 fi
 out=$(mkdir -p "$1" && cd "$1" && pwd)
-patch_file=$(cd "$(dirname "$2")" && pwd)/$(basename "$2")
+IFS=, read -ra patch_args <<<"$2"
 shift 2
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)
-cd "$root" || exit 1
 rounds=${SP_AB_ROUNDS:-2}
-patch --dry-run -p1 <"$patch_file" >/dev/null || {
-  echo "ab_bench: $patch_file does not apply to this tree" >&2
-  exit 1
-}
+sides=(old)
+declare -A patch_of
+for arg in "${patch_args[@]}"; do
+  file=$(cd "$(dirname "$arg")" && pwd)/$(basename "$arg")
+  side=new
+  ((${#patch_args[@]} > 1)) && side=$(basename "$file" .patch)
+  if [[ $side == old || -n ${patch_of[$side]:-} || ! $side =~ ^[A-Za-z0-9_-]+$ ]]; then
+    echo "ab_bench: $arg: a side needs its own name of letters, digits, - and _ (not old)" >&2
+    exit 2
+  fi
+  (cd "$root" && patch --dry-run -p1 <"$file" >/dev/null) || {
+    echo "ab_bench: $arg does not apply to this tree" >&2
+    exit 1
+  }
+  sides+=("$side")
+  patch_of[$side]=$file
+done
+cd "$root" || exit 1
 # shellcheck source=scripts/profile/ncu_common.sh
 source "$root/scripts/profile/ncu_common.sh"  # ncu_build: the h200 preset's target, log in $out/build.log
-applied=0
-restore() { ((applied)) && patch -R -p1 <"$patch_file" >/dev/null && applied=0; }
+applied=""  # the patch file the tree carries now
+restore() { [[ -n $applied ]] && patch -R -p1 <"$applied" >/dev/null && applied=""; }
 trap restore EXIT
 runs=()
 for ((i = 1; i <= rounds; ++i)); do
-  for side in old new; do
-    if [[ $side == new ]]; then patch -p1 <"$patch_file" >/dev/null && applied=1; else restore; fi
+  for side in "${sides[@]}"; do
+    restore
+    if [[ $side != old ]]; then patch -p1 <"${patch_of[$side]}" >/dev/null && applied=${patch_of[$side]}; fi
     run=$side$i
     ncu_build sparseprefill_c || exit 1
     bench/run_benchmarks.sh "$out/$run" "$@" >"$out/$run.log" 2>&1 || {
@@ -67,6 +83,5 @@ for key, times in table.items():
     print(f"{key} | " + " / ".join(times.get(r, "-") for r in runs))
 PY
 cat "$out/ab.txt"
-cp "$out/old$rounds/bench.json" "$out/old.json"
-cp "$out/new$rounds/bench.json" "$out/new.json"
+for side in "${sides[@]}"; do cp "$out/$side$rounds/bench.json" "$out/$side.json"; done
 rm -rf "${runs[@]/#/$out/}" "$out"/*[0-9].log "$out/build.log"
