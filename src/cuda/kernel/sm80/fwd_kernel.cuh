@@ -90,7 +90,8 @@ __device__ __forceinline__ void warp_scores(std::uint32_t q_tile, std::uint32_t 
   // order). Dense ran 2.5-4.5% faster that way, the gated instance 1-1.5% slower on the Llama
   // shape, in one same-call A/B (record 2026-11-30-h200-portable-dense-pipelined-fragments): the
   // gated instance loads each fragment just before its MMAs. (The permute kernel's spills at
-  // d = 128 fell from 156 / 196 to 36 / 48 bytes with it; not timed yet.)
+  // d = 128 fell from 156 / 196 to 36 / 48 bytes with it; timed since only beside other
+  // changes, record 2026-11-30-h200-portable-xor-fragment-addresses.)
   constexpr bool kAhead = !Cfg::kGated;
   std::uint32_t qa[2][Cfg::kM][4], bk[2][Cfg::kNFrags / 2][4];
   auto load_q = [&](int kk, int buf) {
