@@ -305,6 +305,32 @@ TEST(CudaDense, NaNInputsPropagateWithoutCrashing) {
   }
 }
 
+// Scores that trend along the keys: every query has q[0] = 1 and key t has k[t][0] = slope·t,
+// so a row's running max rises by about |slope|·64·scale·log2(e) per 64 keys visited in the
+// trend's direction (d = 128: 0.8, 4 and 33 in the log2 domain); both signs, since the Hopper
+// kernel visits tiles last first. The kernels keep a warp's running max while no row outgrows
+// it by more than 8 (softmax.cuh, kLazyMaxLog2): the gentle slopes run many steps on a stale
+// max (p up to 2^8) before a rescale, the steep ones rescale at every step. Within the
+// oracle's tolerance on both paths, causal and not.
+TEST(CudaDense, RunningMaxTrendingAlongTheKeys) {
+  SP_REQUIRE_GPU();
+  for (double slope : {-4.0, -0.5, -0.1, 0.1, 0.5, 4.0}) {
+    for (bool causal : {true, false}) {
+      SCOPED_TRACE("slope " + std::to_string(slope) + (causal ? ", causal" : ", non-causal"));
+      Inputs in = make_inputs({{700, 1500}}, 4, 2, 128, 460);
+      SequenceData& seq = in.seqs[0];
+      for (std::int64_t t = 0; t < 700; ++t) {
+        for (int h = 0; h < in.h_q; ++h) set(&seq.q, (t * in.h_q + h) * in.d, 1.0);
+      }
+      for (std::int64_t t = 0; t < 1500; ++t) {
+        for (int g = 0; g < in.h_kv; ++g) set(&seq.k, (t * in.h_kv + g) * in.d, slope * static_cast<double>(t));
+      }
+      TestProblem tp = make_problem(in, causal);
+      expect_dense_matches(&tp);
+    }
+  }
+}
+
 // ------------------------------------------------------------------ block_sparse
 
 // A random mask over `shape` that never selects the "dead" key blocks (every third block of

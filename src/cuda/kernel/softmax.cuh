@@ -82,6 +82,28 @@ __device__ __forceinline__ void rescale(RowStats<kM>& st, const float (&mx)[2 * 
   }
 }
 
+// Lazy rescaling (FlashAttention-4's conditional rescale): the max a tile's exponents subtract
+// may lag the row's true running max by up to kLazyMaxLog2 (log2 domain), so p <= 2^8 = 256:
+// no 16-bit or e4m3 P saturates, and each rounds p with the same relative error. While no row
+// of a warp outgrows its running max by more than that, the warp keeps m and skips the rescale
+// of l and O (the kernel's loop then multiplies no accumulator); m, l and O describe the same
+// sums at any reference max, so only roundings move. Invariant: the true running max is at
+// most m + kLazyMaxLog2 (a rescale sets m to max(m, tile max)). Not under softmax_skip, whose
+// gate compares tile maxima with the running max itself.
+constexpr float kLazyMaxLog2 = 8.f;
+
+// Whether some row of the warp must move its running max m (log2 domain) to include a tile
+// whose raw row maxima are mx: its scaled max exceeds m by more than kLazyMaxLog2, or m is
+// -inf (no key seen yet: -inf - -inf is NaN too) or a NaN is involved, where rescale's exact
+// rules apply. Warp-uniform: every lane of the warp calls it.
+template <int kRows>
+__device__ __forceinline__ bool warp_must_rescale(const float (&m)[kRows], const float (&mx)[kRows], float scale_log2) {
+  bool grow = false;
+#pragma unroll
+  for (int r = 0; r < kRows; ++r) grow |= !(mx[r] * scale_log2 - m[r] <= kLazyMaxLog2);
+  return __any_sync(0xffffffffu, grow);
+}
+
 // p = exp2(s · scale_log2 - m_use) for a raw score tile, summed into l, and packed as the A
 // fragments of P·V: [kM][kN / 2][4] 16-bit pairs, rounded to the input dtype (the P rounding
 // the tolerance of docs/numerics.md allows for). A NaN max propagates into p and l.

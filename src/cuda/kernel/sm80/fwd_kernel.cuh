@@ -351,7 +351,15 @@ __global__ void __launch_bounds__(Cfg::kThreads, 2) fwd_kernel(const __grid_cons
         mask_scores(j, sub);
         float mx[2 * kM], m_use[2 * kM];
         row_max(s, mx);
-        rescale(st, mx, p.scale_log2, acc, m_use);
+        // Lazy in the ungated instances (softmax.cuh, kLazyMaxLog2): in the gated one it spilled
+        // more (200 / 404 bytes against 160 / 364 at d = 128, ptxas at sm_90), and softmax_skip's
+        // gate reads the exact running max.
+        if (Cfg::kGated || warp_must_rescale(st.m, mx, p.scale_log2)) {
+          rescale(st, mx, p.scale_log2, acc, m_use);
+        } else {
+#pragma unroll
+          for (int r = 0; r < 2 * kM; ++r) m_use[r] = st.m[r];
+        }
         std::uint32_t pf[kM][Cfg::kPSteps][4];
         exp_pack<Cfg::kBf16>(s, m_use, p.scale_log2, st.l, pf);
         ptx::cp_async_wait<1>();  // V(j, sub) landed (K(next) may still be in flight)...

@@ -175,17 +175,24 @@ __device__ __forceinline__ void row_max_tile(const float (&s)[1][16][4], float (
 // (row_max_tile) and turns s into p = exp2(s·scale_log2 - m_use) in place, adding p to l. The
 // output accumulator may still be in flight (the previous P·V), so its factor
 // alpha = exp2(m_old - m_use) is returned for scale_acc once that P·V has completed. A row that
-// has seen no key (m = -inf) gets alpha = 0 and p = 0.
-__device__ __forceinline__ void softmax_tile(float (&s)[1][16][4], const float (&mx)[2], RowStats<1>& st,
-                                             float scale_log2, float (&alpha)[2]) {
+// has seen no key (m = -inf) gets alpha = 0 and p = 0. lazy: the warp keeps m while
+// warp_must_rescale says it may (softmax.cuh); returns whether it moved m, i.e. whether O
+// needs scale_acc (warp-uniform).
+__device__ __forceinline__ bool softmax_tile(float (&s)[1][16][4], const float (&mx)[2], RowStats<1>& st,
+                                             float scale_log2, bool lazy, float (&alpha)[2]) {
   float m_use[2];
+  const bool move = !lazy || warp_must_rescale(st.m, mx, scale_log2);
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
-    const float m_new = ptx::max_nan(st.m[r], mx[r] * scale_log2);
-    m_use[r] = m_new == -INFINITY ? 0.f : m_new;
-    alpha[r] = ptx::exp2f_fast(st.m[r] - m_use[r]);
-    st.m[r] = m_new;
-    st.l[r] *= alpha[r];
+    if (move) {
+      const float m_new = ptx::max_nan(st.m[r], mx[r] * scale_log2);
+      m_use[r] = m_new == -INFINITY ? 0.f : m_new;
+      alpha[r] = ptx::exp2f_fast(st.m[r] - m_use[r]);
+      st.m[r] = m_new;
+      st.l[r] *= alpha[r];
+    } else {
+      m_use[r] = st.m[r];
+    }
   }
 #pragma unroll
   for (int j = 0; j < 16; ++j) {
@@ -195,6 +202,7 @@ __device__ __forceinline__ void softmax_tile(float (&s)[1][16][4], const float (
       st.l[e / 2] += s[0][j][e];
     }
   }
+  return move;
 }
 
 template <int kDFrags>
@@ -444,6 +452,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
   const VisitList visit = make_visit_list(p, geo, qb, mask_row);
   const Gate gate = make_gate(p, geo, qb, h);
   const int first_gated = gate.first_gated(visit.n_a);
+  const bool lazy = !gate.skip;  // softmax_tile's rescale (softmax.cuh, kLazyMaxLog2)
   const bool means = p.mode == PolicyMode::kBlockMask && p.k_mean != nullptr;
   const int mean_blocks_seq = means ? mean_blocks_of(p, seq.s_k) : 0;
   const std::uint32_t* mean_bits = means ? p.corrected_bits + mask_row * p.corrected_words : nullptr;
@@ -722,10 +731,10 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
       row_max_tile(s, mx);
       const bool keep = !gated || vote(it, mx);
       float alpha[2] = {1.f, 1.f};
-      if (keep) softmax_tile(s, mx, stats, scale_log2, alpha);
+      const bool moved = keep && softmax_tile(s, mx, stats, scale_log2, lazy, alpha);
       hw::wgmma_wait<0>();  // P·V done: its P registers and V stage are free
       hw::fence_regs(o);
-      scale_acc(o, alpha);  // for this tile's P·V, next round
+      if (moved) scale_acc(o, alpha);  // for this tile's P·V, next round
       if (pending) {
         release(sm.v_free[v_st]);
         ++v_count;
