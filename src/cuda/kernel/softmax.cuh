@@ -59,19 +59,42 @@ __device__ __forceinline__ void row_max(const float (&s)[kM][kN][4], float (&mx)
   }
 }
 
-// Moves the running max to include a tile (or block) whose raw row maxima are mx: rescales l
-// and the output accumulator acc[kM][kD][4] by alpha = exp2(m_old - m_new) and returns in
-// m_use the max the tile's exponents subtract. Numerics: when the new max is -inf (the row
-// has seen no key, this tile included) m_use is 0, so exp2(-inf - 0) = 0 and no
-// -inf - (-inf) = NaN appears; alpha is then exp2(-inf) = 0 on an all-zero accumulator.
+// Lazy rescaling (FlashAttention-4's conditional rescale): the max a tile's exponents subtract
+// may lag the row's true running max by up to kLazyMaxLog2 (log2 domain), so p <= 2^8 = 256:
+// no 16-bit or e4m3 P saturates, and each rounds p with the same relative error. A row keeps
+// its running max m while the tile's scaled max stays within kLazyMaxLog2 of it, and then its
+// l and O need no rescale; m, l and O describe the same sums at any reference max, so only
+// roundings move. The decision is the row's own (a row's result never depends on which rows
+// share its warp: pack_gqa's packed tiles equal the unpacked ones bitwise); the warp only
+// skips the accumulator's multiply when none of its rows moves. Invariant: the true running
+// max is at most m + kLazyMaxLog2 (a move sets m to max(m, tile max)). Not under
+// softmax_skip, whose gate compares tile maxima with the running max itself.
+constexpr float kLazyMaxLog2 = 8.f;
+
+// Whether a row with running max m (log2 domain) must move it to include a tile whose raw row
+// max is mx: the scaled max exceeds m by more than kLazyMaxLog2, or m is -inf (no key seen
+// yet: -inf - -inf is NaN too) or a NaN is involved, where rescale's exact rules apply. A row
+// that keeps m has a finite m (or +inf, which only an infinite score gives, and then l is
+// already NaN).
+__device__ __forceinline__ bool row_must_move(float m, float mx, float scale_log2) {
+  return !(mx * scale_log2 - m <= kLazyMaxLog2);
+}
+
+// Moves the running max of the rows marked in `move` to include a tile (or block) whose raw
+// row maxima are mx: rescales their l and their rows of the output accumulator
+// acc[kM][kD][4] by alpha = exp2(m_old - m_new), and returns in m_use the max the tile's
+// exponents subtract (a row not moved keeps m: m_use = m, alpha = 1). Numerics: when the new
+// max is -inf (the row has seen no key, this tile included) m_use is 0, so exp2(-inf - 0) = 0
+// and no -inf - (-inf) = NaN appears; alpha is then exp2(-inf) = 0 on an all-zero accumulator.
 template <int kM, int kD>
-__device__ __forceinline__ void rescale(RowStats<kM>& st, const float (&mx)[2 * kM], float scale_log2,
-                                        float (&acc)[kM][kD][4], float (&m_use)[2 * kM]) {
+__device__ __forceinline__ void move_rows(RowStats<kM>& st, const float (&mx)[2 * kM], float scale_log2,
+                                          const bool (&move)[2 * kM], float (&acc)[kM][kD][4],
+                                          float (&m_use)[2 * kM]) {
 #pragma unroll
   for (int r = 0; r < 2 * kM; ++r) {
-    const float m_new = ptx::max_nan(st.m[r], mx[r] * scale_log2);
+    const float m_new = move[r] ? ptx::max_nan(st.m[r], mx[r] * scale_log2) : st.m[r];
     m_use[r] = m_new == -INFINITY ? 0.f : m_new;
-    const float alpha = ptx::exp2f_fast(st.m[r] - m_use[r]);
+    const float alpha = move[r] ? ptx::exp2f_fast(st.m[r] - m_use[r]) : 1.f;
     st.m[r] = m_new;
     st.l[r] *= alpha;
 #pragma unroll
@@ -82,26 +105,30 @@ __device__ __forceinline__ void rescale(RowStats<kM>& st, const float (&mx)[2 * 
   }
 }
 
-// Lazy rescaling (FlashAttention-4's conditional rescale): the max a tile's exponents subtract
-// may lag the row's true running max by up to kLazyMaxLog2 (log2 domain), so p <= 2^8 = 256:
-// no 16-bit or e4m3 P saturates, and each rounds p with the same relative error. While no row
-// of a warp outgrows its running max by more than that, the warp keeps m and skips the rescale
-// of l and O (the kernel's loop then multiplies no accumulator); m, l and O describe the same
-// sums at any reference max, so only roundings move. Invariant: the true running max is at
-// most m + kLazyMaxLog2 (a rescale sets m to max(m, tile max)). Not under softmax_skip, whose
-// gate compares tile maxima with the running max itself.
-constexpr float kLazyMaxLog2 = 8.f;
-
-// Whether some row of the warp must move its running max m (log2 domain) to include a tile
-// whose raw row maxima are mx: its scaled max exceeds m by more than kLazyMaxLog2, or m is
-// -inf (no key seen yet: -inf - -inf is NaN too) or a NaN is involved, where rescale's exact
-// rules apply. Warp-uniform: every lane of the warp calls it.
-template <int kRows>
-__device__ __forceinline__ bool warp_must_rescale(const float (&m)[kRows], const float (&mx)[kRows], float scale_log2) {
-  bool grow = false;
+// The exact update: every row moves.
+template <int kM, int kD>
+__device__ __forceinline__ void rescale(RowStats<kM>& st, const float (&mx)[2 * kM], float scale_log2,
+                                        float (&acc)[kM][kD][4], float (&m_use)[2 * kM]) {
+  bool all[2 * kM];
 #pragma unroll
-  for (int r = 0; r < kRows; ++r) grow |= !(mx[r] * scale_log2 - m[r] <= kLazyMaxLog2);
-  return __any_sync(0xffffffffu, grow);
+  for (int r = 0; r < 2 * kM; ++r) all[r] = true;
+  move_rows(st, mx, scale_log2, all, acc, m_use);
+}
+
+// The lazy update: the rows row_must_move names move; when no row of the warp moves, acc is
+// not touched at all. Warp-uniform: every lane of the warp calls it.
+template <int kM, int kD>
+__device__ __forceinline__ void rescale_lazy(RowStats<kM>& st, const float (&mx)[2 * kM], float scale_log2,
+                                             float (&acc)[kM][kD][4], float (&m_use)[2 * kM]) {
+  bool move[2 * kM];
+  bool any = false;
+#pragma unroll
+  for (int r = 0; r < 2 * kM; ++r) {
+    move[r] = row_must_move(st.m[r], mx[r], scale_log2);
+    any |= move[r];
+    m_use[r] = st.m[r];
+  }
+  if (__any_sync(0xffffffffu, any)) move_rows(st, mx, scale_log2, move, acc, m_use);
 }
 
 // p = exp2(s · scale_log2 - m_use) for a raw score tile, summed into l, and packed as the A

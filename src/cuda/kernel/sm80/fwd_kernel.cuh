@@ -354,11 +354,10 @@ __global__ void __launch_bounds__(Cfg::kThreads, 2) fwd_kernel(const __grid_cons
         // Lazy in the ungated instances (softmax.cuh, kLazyMaxLog2): in the gated one it spilled
         // more (200 / 404 bytes against 160 / 364 at d = 128, ptxas at sm_90), and softmax_skip's
         // gate reads the exact running max.
-        if (Cfg::kGated || warp_must_rescale(st.m, mx, p.scale_log2)) {
+        if constexpr (Cfg::kGated) {
           rescale(st, mx, p.scale_log2, acc, m_use);
         } else {
-#pragma unroll
-          for (int r = 0; r < 2 * kM; ++r) m_use[r] = st.m[r];
+          rescale_lazy(st, mx, p.scale_log2, acc, m_use);
         }
         std::uint32_t pf[kM][Cfg::kPSteps][4];
         exp_pack<Cfg::kBf16>(s, m_use, p.scale_log2, st.l, pf);

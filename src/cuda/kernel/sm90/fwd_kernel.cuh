@@ -175,15 +175,17 @@ __device__ __forceinline__ void row_max_tile(const float (&s)[1][16][4], float (
 // (row_max_tile) and turns s into p = exp2(s·scale_log2 - m_use) in place, adding p to l. The
 // output accumulator may still be in flight (the previous P·V), so its factor
 // alpha = exp2(m_old - m_use) is returned for scale_acc once that P·V has completed. A row that
-// has seen no key (m = -inf) gets alpha = 0 and p = 0. lazy: the warp keeps m while
-// warp_must_rescale says it may (softmax.cuh); returns whether it moved m, i.e. whether O
-// needs scale_acc (warp-uniform).
+// has seen no key (m = -inf) gets alpha = 0 and p = 0. lazy: a row keeps m, with alpha = 1,
+// while row_must_move says it may (softmax.cuh); returns whether some row of the warp moved m,
+// i.e. whether O needs scale_acc (warp-uniform).
 __device__ __forceinline__ bool softmax_tile(float (&s)[1][16][4], const float (&mx)[2], RowStats<1>& st,
                                              float scale_log2, bool lazy, float (&alpha)[2]) {
   float m_use[2];
-  const bool move = !lazy || warp_must_rescale(st.m, mx, scale_log2);
+  bool moved = false;
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
+    const bool move = !lazy || row_must_move(st.m[r], mx[r], scale_log2);
+    moved |= move;
     if (move) {
       const float m_new = ptx::max_nan(st.m[r], mx[r] * scale_log2);
       m_use[r] = m_new == -INFINITY ? 0.f : m_new;
@@ -192,6 +194,7 @@ __device__ __forceinline__ bool softmax_tile(float (&s)[1][16][4], const float (
       st.l[r] *= alpha[r];
     } else {
       m_use[r] = st.m[r];
+      alpha[r] = 1.f;
     }
   }
 #pragma unroll
@@ -202,7 +205,7 @@ __device__ __forceinline__ bool softmax_tile(float (&s)[1][16][4], const float (
       st.l[e / 2] += s[0][j][e];
     }
   }
-  return move;
+  return !lazy || __any_sync(0xffffffffu, moved);
 }
 
 template <int kDFrags>
