@@ -121,10 +121,11 @@ __device__ __forceinline__ int mean_blocks_of(const FwdParams& p, std::int64_t s
 }
 
 // One warp writes the indices of the tiles to visit, ascending, to out[] and returns their
-// count (in every lane). bits: the row's bitmap.
-template <int kTile>
+// count (in every lane). bits: the row's bitmap. Index: out's element type; the host caps the
+// tiles at kMaxMeanChunks · kMeanChunk / kTile (plan.cpp).
+template <int kTile, class Index>
 __device__ __forceinline__ int collect_mean_tiles(const FwdParams& p, const std::uint32_t* bits, int mean_blocks_seq,
-                                                  int lane, int* out) {
+                                                  int lane, Index* out) {
   static_assert(kTile % 32 == 0, "a mean tile covers whole bitmap words");
   constexpr int kWords = kTile / 32;
   const int tiles = (mean_blocks_seq + kTile - 1) / kTile;
@@ -140,7 +141,7 @@ __device__ __forceinline__ int collect_mean_tiles(const FwdParams& p, const std:
       }
     }
     const unsigned ballot = __ballot_sync(0xffffffffu, any);
-    if (any) out[count + __popc(ballot & ((1u << lane) - 1u))] = c;
+    if (any) out[count + __popc(ballot & ((1u << lane) - 1u))] = static_cast<Index>(c);
     count += __popc(ballot);
   }
   return count;

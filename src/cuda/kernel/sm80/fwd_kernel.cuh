@@ -24,8 +24,8 @@ namespace sparseprefill::cuda::sm80 {
 // Compile-time shape of one instance. Tile values never change results: kBlockM is the
 // block_q every policy uses on CUDA; a block of block_k = 64 or 128 keys is visited as one or
 // two 64-key sub-tiles. 4 warps of 32 rows (two m16 fragments each share every K/V fragment
-// they load) and 96 KB of smem at d = 128, so two CTAs share an SM and hide each other's
-// barriers and load latency (the FlashAttention-2 shape; docs/cuda.md has the measurements).
+// they load), so that two CTAs share an SM and hide each other's barriers and load latency
+// (the FlashAttention-2 shape; docs/cuda.md has the measurements; kSmemBytes below).
 // kGated: the instance runs the in-kernel gates (gated_mode), and only those. Without the gated
 // blocks' code the loop of dense and block masks keeps more in registers (spills at sm_90:
 // 108 / 160 bytes stored / loaded against 176 / 236 at d = 128, none against 100 / 204 at
@@ -59,10 +59,21 @@ struct FwdConfig {
   // sub-tile's raw scores wait in smem, thread-private, in the region of the V slots (unused
   // until the decision), since the registers hold the output accumulator.
   static constexpr int kStashBytes = kThreads * kM * kNFrags * 4 * 4;
-  static constexpr int kVRegionBytes = 2 * kKVBytes > kStashBytes ? 2 * kKVBytes : kStashBytes;
-  // Q (reused for the O epilogue), K double-buffered, then the two V slots (one per sub-tile
-  // of a gated 128-key block) overlapping the stash: 96 KB at d = 128, 64 KB at d = 64.
+  static constexpr int kVRegionBytes =
+      !kGated ? kKVBytes : (2 * kKVBytes > kStashBytes ? 2 * kKVBytes : kStashBytes);
+  // Q (reused for the O epilogue), K double-buffered, then the V region: one slot, or in the
+  // gated instance two (one per sub-tile of a gated 128-key block) overlapping the stash.
+  // Ungated 80 KB at d = 128 and 40 KB at d = 64, gated 96 and 64 KB. The registers allow two
+  // CTAs per SM (255 × 128 threads); shared memory allows two ungated ones on every portable
+  // GPU at d = 64 and on an A100's 164 KB at d = 128 (2 × (80 KB + 640 B static + 1 KB the
+  // driver reserves per CTA) <= 164 KB; one only with a 96 KB V region or 1152 B static),
+  // and two gated ones from 228 KB per SM (H100, H200).
   static constexpr int kSmemBytes = kQBytes + 2 * kKVBytes + kVRegionBytes;
+  static constexpr int kStaticSmemBytes = 640;  // fwd_kernel's __shared__ arrays, in 128-byte units
+  // Compute capability 8.0: 164 KB of shared memory per SM, 1 KB of it reserved per CTA
+  // (the CUDA C++ Programming Guide's table of compute capabilities).
+  static_assert(kGated || 2 * (kSmemBytes + kStaticSmemBytes + 1024) <= 164 * 1024,
+                "two ungated CTAs per SM of an A100");
   // After the decision the first sub-tile's P (16-bit, half the stash) is parked in the free K
   // stage where it fits (d = 128: the accumulator leaves no room for a second P in registers);
   // at d = 64 it stays in registers.
@@ -162,8 +173,11 @@ __global__ void __launch_bounds__(Cfg::kThreads, 2) fwd_kernel(const __grid_cons
   constexpr int kBlockM = Cfg::kBlockM, kBlockN = Cfg::kBlockN, kD = Cfg::kHeadDim;
   constexpr int kM = Cfg::kM, kNFrags = Cfg::kNFrags, kDFrags = Cfg::kDFrags;
   extern __shared__ __align__(128) unsigned char smem[];
-  __shared__ int s_chunks[kMaxMeanChunks];  // mean-correction tiles to visit
+  __shared__ std::uint16_t s_chunks[kMaxMeanChunks];  // mean-correction tiles to visit (16-bit: kSmemBytes)
   __shared__ int s_num_chunks;
+  static_assert(kMaxMeanChunks <= 65536, "16-bit tile indices");
+  static_assert((sizeof(s_chunks) + sizeof(s_num_chunks) + 127) / 128 * 128 <= Cfg::kStaticSmemBytes,
+                "the static shared memory FwdConfig counts on");
 
   const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
   const int g = lane / 4, t4 = lane % 4;  // accumulator row (and row + 8) and column pair
