@@ -208,3 +208,21 @@ def test_operator_timing_section():
     # Averaged over the two layers: 0.25 ms, 2.00x dense, selection 0.06 ms.
     assert "| estimate_select | alpha=0.1 | 0.100 | 0.250 | 2.00 | 0.060 | 0.100 |" in text
     assert "| exact_gate |" not in text.split("## Operator time on real activations")[1].split("##")[0]
+
+
+def test_mc_analysis_section_and_summary():
+    points = [{"layer": 0, "alpha": 0.1, "density": 0.5, "library_mc": 0.1000001, "none": 0.2, "zero_order": 0.1,
+               "exact_mass": 0.3, "exact_value": 0.05, "exact": 1e-16, "mass_share": 0.1},
+              {"layer": 1, "alpha": 0.1, "density": 0.6, "library_mc": 0.25, "none": 0.2, "zero_order": 0.25,
+               "exact_mass": 0.1, "exact_value": 0.2, "exact": 2e-16, "mass_share": 0.3}]
+    mc = {"model": "m", "length": 4096, "block": 128, "command": "python -m sparseprefill.quality.mc_analysis x",
+          "points": points}
+    assert "Why mean correction" not in report.render(doc(), "r.json", {})
+    text = report.render(doc(), "r.json", {}, (), (mc, "a.json"))
+    assert "its pseudo-tokens carry 10%–30% of the pruned blocks' true mass" in text  # the summary
+    assert "| 0 | 0.1 | 0.500 | 0.2000 | 0.1000 | 0.3000 | 0.0500 | 0.100 |" in text
+    assert "to within 1e-07" in text and "dense to within 2e-16" in text
+    assert "higher than with no correction at all in 1 of 2 cases" in text
+    assert "lowers the error in 1 of 2 cases, by 50.0% at the median (-25.0% to +50.0%)" in text
+    assert "python -m sparseprefill.quality.mc_analysis x\npython -m sparseprefill.quality.report r.json " \
+        "--mc-analysis a.json" in text

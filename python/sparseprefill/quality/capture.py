@@ -7,11 +7,13 @@ the sparseprefill backend (its current BackendConfig; dense by default)."""
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Callable, Iterator, Optional
+from typing import Any, Callable, Dict, Iterator, List, Optional
+
+import numpy as np
 
 from .. import transformers as spt
 
-__all__ = ["NAME", "register", "capturing"]
+__all__ = ["NAME", "register", "capturing", "numpy_sink"]
 
 NAME = "sparseprefill_capture"
 
@@ -45,3 +47,12 @@ def capturing(sink: Optional[Callable[[int, Any, Any, Any], None]]) -> Iterator[
         yield
     finally:
         _sink = previous
+
+
+def numpy_sink(store: Dict[int, Any], layers: List[int]) -> Callable[[int, Any, Any, Any], None]:
+    """A sink that keeps the listed layers' q, k, v in `store` as contiguous float32 NumPy
+    arrays [1, s, h, d]."""
+    def sink(layer: int, q: Any, k: Any, v: Any) -> None:
+        if layer in layers:
+            store[layer] = tuple(np.ascontiguousarray(t.detach().float().cpu().numpy()) for t in (q, k, v))
+    return sink

@@ -355,7 +355,7 @@ def main(argv: Optional[List[str]] = None) -> int:
                         wanted = (args.operator_layers if length == max(args.lengths) else []) + \
                             ([args.map_layer] if length == min(args.lengths) and args.map_layer >= 0 else [])
                     captured: Dict[int, Any] = {}
-                    with torch.no_grad(), capture.capturing(_op_sink(captured, wanted) if wanted else None):
+                    with torch.no_grad(), capture.capturing(capture.numpy_sink(captured, wanted) if wanted else None):
                         logits = model(x, use_cache=False).logits[0, :-1]
                     if length == max(args.lengths):
                         qkv.update({l: t for l, t in captured.items() if l in args.operator_layers})
@@ -470,13 +470,6 @@ def dumps(doc: Dict[str, Any]) -> str:
     text = json.dumps(_rounded(doc), indent=1)
     flat = re.sub(r"\[\s+([-+0-9.eE, \n]+?)\s+\]", lambda m: "[" + re.sub(r"\s+", " ", m.group(1)) + "]", text)
     return flat + "\n"
-
-
-def _op_sink(store: Dict[int, Any], layers: List[int]):
-    def sink(layer, q, k, v):
-        if layer in layers:
-            store[layer] = tuple(np.ascontiguousarray(t.detach().float().cpu().numpy()) for t in (q, k, v))
-    return sink
 
 
 def _per_layer_values(st: Setting, cal: Any, layers: int) -> List[float]:
