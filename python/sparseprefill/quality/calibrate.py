@@ -52,11 +52,7 @@ def _ints(s: str) -> List[int]:
 def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m sparseprefill.quality.calibrate", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", required=True, help="a .gguf file or a transformers model folder")
-    p.add_argument("--model-name", help="recorded in the metadata (default: the file or folder name)")
-    p.add_argument("--text", required=True, help="the long document (UTF-8); its first part calibrates")
-    p.add_argument("--split-fraction", type=float, default=data.DEFAULT_SPLIT_FRACTION,
-                   help="calibration text ends at the first paragraph break after this fraction")
+    data.add_model_args(p, "the long document (UTF-8); its first part calibrates")
     p.add_argument("--samples", type=int, default=3, help="windows of the calibration text (one sample each)")
     p.add_argument("--length", type=int, default=4096, help="tokens per window")
     p.add_argument("--block", type=int, default=128,

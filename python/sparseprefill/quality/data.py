@@ -5,6 +5,7 @@ token windows, passkey prompts, and loading a model from a GGUF file or a transf
 
 from __future__ import annotations
 
+import argparse
 import hashlib
 import os
 import random
@@ -34,6 +35,17 @@ class TextSplit:
         return {"path": os.path.basename(self.path), "sha256": self.sha256, "chars": self.length,
                 "calibration_chars": [0, self.boundary], "evaluation_chars": [self.boundary, self.length],
                 "split": "one document, cut at the first paragraph break at or after the split fraction"}
+
+
+def add_model_args(p: argparse.ArgumentParser, text_help: str) -> None:
+    """The arguments every quality command takes: --model, --model-name, --text (helped by
+    text_help: which part of it the command reads) and --split-fraction."""
+    p.add_argument("--model", required=True, help="a .gguf file or a transformers model folder")
+    p.add_argument("--model-name", help="recorded in the output (default: the file or folder name)")
+    p.add_argument("--text", required=True, help=text_help)
+    p.add_argument("--split-fraction", type=float, default=DEFAULT_SPLIT_FRACTION,
+                   help="calibration text ends at the first paragraph break after this fraction "
+                        f"(default {DEFAULT_SPLIT_FRACTION}); the rest is held out")
 
 
 def split_text(text: str, fraction: float = DEFAULT_SPLIT_FRACTION) -> int:

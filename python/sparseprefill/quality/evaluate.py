@@ -53,10 +53,7 @@ def _ints(s: str) -> List[int]:
 def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m sparseprefill.quality.evaluate", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", required=True, help="a .gguf file or a transformers model folder")
-    p.add_argument("--model-name", help="recorded in the results (default: the file name)")
-    p.add_argument("--text", required=True, help="the long document; its held-out part is evaluated")
-    p.add_argument("--split-fraction", type=float, default=data.DEFAULT_SPLIT_FRACTION)
+    data.add_model_args(p, "the long document (UTF-8); its held-out part is evaluated")
     p.add_argument("--calibration", required=True, help="file from python -m sparseprefill.quality.calibrate")
     p.add_argument("--output", required=True, help="results JSON")
     p.add_argument("--lengths", type=_ints, default=[2048, 4096], help="prompt lengths in tokens")
@@ -413,7 +410,7 @@ def main(argv: Optional[List[str]] = None) -> int:
                              cal_path=args.calibration, cli=cli, settings=settings)
     doc = {
         "meta": {
-            "model": args.model_name or os.path.basename(args.model),
+            "model": args.model_name or os.path.basename(os.path.normpath(args.model)),
             "model_file": os.path.basename(args.model),
             "model_sha256": data.file_sha256(args.model) if os.path.isfile(args.model) else "",
             "architecture": {k: getattr(model.config, k, None) for k in (

@@ -98,10 +98,7 @@ def decompose(q: np.ndarray, k: np.ndarray, v: np.ndarray, kept: List[np.ndarray
 def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m sparseprefill.quality.mc_analysis", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", required=True, help="a .gguf file or a transformers model folder")
-    p.add_argument("--model-name", help="recorded in the results (default: the file name)")
-    p.add_argument("--text", required=True, help="the long document; a window of its held-out part is used")
-    p.add_argument("--split-fraction", type=float, default=data.DEFAULT_SPLIT_FRACTION)
+    data.add_model_args(p, "the long document (UTF-8); a window of its held-out part is used")
     p.add_argument("--length", type=int, default=4096, help="tokens of the window (default 4096)")
     p.add_argument("--layers", default="2,10,20,29", help="captured layers (default 2,10,20,29)")
     p.add_argument("--alphas", default="0.01,0.03,0.1,0.3,1",
@@ -158,7 +155,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     doc = {
         "kind": "mc_analysis",
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "model": args.model_name or os.path.basename(args.model),
+        "model": args.model_name or os.path.basename(os.path.normpath(args.model)),
         "text": split.describe(),
         "length": args.length,
         "block": args.block,
