@@ -30,4 +30,11 @@ timeout 480 ncu --clock-control none --set full --import-source no --kernel-name
 rc=$?
 tail -3 "$out/ncu.log"
 ((rc == 0)) || exit "$rc"
+# The benchmark launches a kernel only a few times at --max-reps 1 (a warm-up, a timing
+# estimate, one rep: ours_exact_gate's fwd_kernel 3 times at 32K), so a SKIP past the last
+# launch profiles nothing, which ncu reports without failing.
+if grep -q "No kernels were profiled" "$out/ncu.log"; then
+  echo "ncu_bench: no launch of '$kernel' after skipping $skip: try a smaller SKIP ($out/ncu.log lists the launched kernels)" >&2
+  exit 1
+fi
 ncu_summarise 30
