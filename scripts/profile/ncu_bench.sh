@@ -19,7 +19,7 @@ kernel=$2
 skip=$3
 shift 3
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)
-cd "$root"
+cd "$root" || exit 1
 # shellcheck source=scripts/profile/ncu_common.sh
 source "$root/scripts/profile/ncu_common.sh"
 ncu_build sparseprefill_c || exit 1
