@@ -80,22 +80,31 @@ __device__ __forceinline__ bool row_must_move(float m, float mx, float scale_log
   return !(mx * scale_log2 - m <= kLazyMaxLog2);
 }
 
+// One row's running max m (log2 domain) moved to include a tile whose raw row max is mx: the
+// max the tile's exponents subtract (m_use) and the factor of the row's l and O
+// (alpha = exp2(m_old - m_use)). When the new max is -inf (the row has seen no key, this tile
+// included) m_use is 0, so exp2(-inf - 0) = 0 and no -inf - (-inf) = NaN appears; alpha is then
+// exp2(-inf) = 0 on an all-zero accumulator.
+__device__ __forceinline__ void move_row(float& m, float mx, float scale_log2, float& m_use, float& alpha) {
+  const float m_new = ptx::max_nan(m, mx * scale_log2);
+  m_use = m_new == -INFINITY ? 0.f : m_new;
+  alpha = ptx::exp2f_fast(m - m_use);
+  m = m_new;
+}
+
 // Moves the running max of the rows marked in `move` to include a tile (or block) whose raw
-// row maxima are mx: rescales their l and their rows of the output accumulator
-// acc[kM][kD][4] by alpha = exp2(m_old - m_new), and returns in m_use the max the tile's
-// exponents subtract (a row not moved keeps m: m_use = m, alpha = 1). Numerics: when the new
-// max is -inf (the row has seen no key, this tile included) m_use is 0, so exp2(-inf - 0) = 0
-// and no -inf - (-inf) = NaN appears; alpha is then exp2(-inf) = 0 on an all-zero accumulator.
+// row maxima are mx (move_row): rescales their l and their rows of the output accumulator
+// acc[kM][kD][4] by alpha, and returns in m_use the max the tile's exponents subtract (a row
+// not moved keeps m: m_use = m, alpha = 1).
 template <int kM, int kD>
 __device__ __forceinline__ void move_rows(RowStats<kM>& st, const float (&mx)[2 * kM], float scale_log2,
                                           const bool (&move)[2 * kM], float (&acc)[kM][kD][4],
                                           float (&m_use)[2 * kM]) {
 #pragma unroll
   for (int r = 0; r < 2 * kM; ++r) {
-    const float m_new = move[r] ? ptx::max_nan(st.m[r], mx[r] * scale_log2) : st.m[r];
-    m_use[r] = m_new == -INFINITY ? 0.f : m_new;
-    const float alpha = move[r] ? ptx::exp2f_fast(st.m[r] - m_use[r]) : 1.f;
-    st.m[r] = m_new;
+    float alpha = 1.f;
+    m_use[r] = st.m[r];
+    if (move[r]) move_row(st.m[r], mx[r], scale_log2, m_use[r], alpha);
     st.l[r] *= alpha;
 #pragma unroll
     for (int df = 0; df < kD; ++df) {

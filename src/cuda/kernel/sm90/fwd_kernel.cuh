@@ -187,10 +187,7 @@ __device__ __forceinline__ bool softmax_tile(float (&s)[1][16][4], const float (
     const bool move = !lazy || row_must_move(st.m[r], mx[r], scale_log2);
     moved |= move;
     if (move) {
-      const float m_new = ptx::max_nan(st.m[r], mx[r] * scale_log2);
-      m_use[r] = m_new == -INFINITY ? 0.f : m_new;
-      alpha[r] = ptx::exp2f_fast(st.m[r] - m_use[r]);
-      st.m[r] = m_new;
+      move_row(st.m[r], mx[r], scale_log2, m_use[r], alpha[r]);
       st.l[r] *= alpha[r];
     } else {
       m_use[r] = st.m[r];

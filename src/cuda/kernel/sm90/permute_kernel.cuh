@@ -90,10 +90,7 @@ __device__ __forceinline__ void softmax_tile_part(float (&s)[1][16][4], const fl
   float m_use[2];
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
-    const float m_new = ptx::max_nan(st.m[r], mx[r] * scale_log2);
-    m_use[r] = m_new == -INFINITY ? 0.f : m_new;
-    alpha[r] = ptx::exp2f_fast(st.m[r] - m_use[r]);
-    st.m[r] = m_new;
+    move_row(st.m[r], mx[r], scale_log2, m_use[r], alpha[r]);
     part[r] = 0.f;
   }
 #pragma unroll
