@@ -805,7 +805,7 @@ Status run_checked(const AttentionProblem& problem, const ProblemShape& shape, c
   }
   if (!launched) {
     if (fp8) return unsupported("q: the driver cannot describe these fp8_e4m3 tensors for TMA, and fp8 has no portable kernel");
-    const FwdVariant* fwd = find_fwd(shape.dtype, shape.d, gated_mode(p.mode));
+    const FwdVariant* fwd = find_fwd(shape.dtype, shape.d, gated_mode(p.mode), plain_call(p));
     if (fwd == nullptr) {
       return unsupported(std::string("no compiled portable CUDA kernel for this call (") + support_summary() + ")");
     }

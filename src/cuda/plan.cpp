@@ -249,7 +249,8 @@ Status check_support(const ProblemShape& shape, const Policy& policy, int* block
       policy);
   SP_RETURN_IF_ERROR(st);
   const bool gated = std::holds_alternative<ExactGateParams>(policy) || std::holds_alternative<SoftmaxSkipParams>(policy);
-  if (find_fwd(shape.dtype, shape.d, gated) == nullptr) {
+  // Every compiled (dtype, head_dim) has its plain, general and gated instances (variants.py).
+  if (find_fwd(shape.dtype, shape.d, gated, false) == nullptr) {
     return unsupported(std::string("no compiled CUDA kernel for dtype ") + dtype_name(shape.dtype) + ", head_dim " +
                        std::to_string(shape.d) + " (" + support_summary() + ")");
   }

@@ -12,7 +12,7 @@ namespace {
 
 // Each table takes its kind's lines of registry.inc (which leaves the other kinds empty).
 constexpr FwdVariant kFwdVariants[] = {
-#define SP_FWD_VARIANT(fn, dtype, head_dim, gated) {#fn, DType::dtype, head_dim, gated, &fn},
+#define SP_FWD_VARIANT(fn, dtype, head_dim, gated, plain) {#fn, DType::dtype, head_dim, gated, plain, &fn},
 #include "cuda/instances/registry.inc"
 };
 
@@ -57,9 +57,10 @@ const V* find_in(const V (&table)[N], const Match& match) {
 
 }  // namespace
 
-const FwdVariant* find_fwd(DType dtype, int head_dim, bool gated) {
-  return find_in(kFwdVariants,
-                 [&](const FwdVariant& v) { return v.dtype == dtype && v.head_dim == head_dim && v.gated == gated; });
+const FwdVariant* find_fwd(DType dtype, int head_dim, bool gated, bool plain) {
+  return find_in(kFwdVariants, [&](const FwdVariant& v) {
+    return v.dtype == dtype && v.head_dim == head_dim && v.gated == gated && v.plain == plain;
+  });
 }
 
 const SelectVariant* find_select(DType dtype, int head_dim) {
@@ -92,7 +93,7 @@ std::string compiled_fwd_summary() {
   std::ostringstream os;
   for (std::size_t i = 0; i < std::size(kFwdVariants); ++i) {
     const FwdVariant& v = kFwdVariants[i];
-    if (v.gated) continue;  // every (dtype, head_dim) has both instances
+    if (!v.plain) continue;  // every (dtype, head_dim) has its three instances
     os << (i ? ", " : "") << dtype_name(v.dtype) << " d=" << v.head_dim;
   }
   return os.str();

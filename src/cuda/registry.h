@@ -64,10 +64,11 @@ using Fwd90LaunchFn = int (*)(const FwdParams& params, const SeqInfo* host_seqs,
 constexpr std::size_t kFwd90MapBytesPerSeq = 3 * 128;  // CUtensorMap of q, k and v
 
 struct FwdVariant {
-  const char* name;  // e.g. "fwd_sm80_bf16_hd128", "fwd_sm80_gated_bf16_hd128"
+  const char* name;  // e.g. "fwd_sm80_bf16_hd128", "fwd_sm80_bf16_hd128_general", "fwd_sm80_gated_bf16_hd128"
   DType dtype;
   int head_dim;
   bool gated;  // runs the in-kernel gates (gated_mode), and only those
+  bool plain;  // runs the plain_call calls, and only those
   FwdLaunchFn launch;
 };
 
@@ -107,7 +108,7 @@ struct CalibVariant {
   CalibLaunchFn launch;
 };
 
-#define SP_FWD_VARIANT(fn, dtype, head_dim, gated) int fn(const FwdParams& params, void* stream);
+#define SP_FWD_VARIANT(fn, dtype, head_dim, gated, plain) int fn(const FwdParams& params, void* stream);
 #define SP_SELECT_VARIANT(fn, dtype, head_dim) int fn(const SelectParams& params, void* stream);
 #define SP_CALIB_VARIANT(fn, dtype, head_dim) int fn(const CalibParams& params, void* stream);
 #define SP_PERMUTE_VARIANT(fn, dtype, head_dim) int fn(PermuteParams& params, PermuteAttendFn attend, void* stream);
@@ -118,9 +119,10 @@ struct CalibVariant {
          const HostUpload& upload, void* stream);
 #include "cuda/instances/registry.inc"  // undefines the macros
 
-// The instance for (dtype, head_dim) (and, for the portable forward kernel, gated or not; for
-// the Hopper one, K/V paged or not), or nullptr when none is compiled.
-const FwdVariant* find_fwd(DType dtype, int head_dim, bool gated);
+// The instance for (dtype, head_dim) (and, for the portable forward kernel, gated or not and
+// plain or not: plain_call; for the Hopper one, K/V paged or not), or nullptr when none is
+// compiled.
+const FwdVariant* find_fwd(DType dtype, int head_dim, bool gated, bool plain);
 const SelectVariant* find_select(DType dtype, int head_dim);
 const SelectVariant* find_select90(DType dtype, int head_dim);
 const PermuteVariant* find_permute(DType dtype, int head_dim);

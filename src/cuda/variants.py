@@ -10,13 +10,16 @@ Axes (each one multiplies the compile time of CI's 2 cores; add one only with a 
   dtype     bf16, fp16: the input dtype; the mma instruction differs.
   head_dim  64, 128: register tiles are sized by it.
 The portable forward kernel has one more:
-  gates     without or with the in-kernel gates (exact_gate, softmax_skip): the gated blocks'
-            code (scores stashed for the vote, V deferred) costs the ungated loop registers and
-            spills even where it never runs; dense without it ran 1.5-2% faster at 16K-32K,
-            timed against one instance in the same call (record
-            2026-11-30-h200-portable-dense-ungated-instances).
-Everything else (the policy within an instance, causal, block_k 64 or 128, mean correction) is
-a runtime value: the kernel branches on it once per block, outside the inner loops.
+  loops     plain, general or gated. gated: the in-kernel gates (exact_gate, softmax_skip),
+            whose blocks' code (scores stashed for the vote, V deferred) costs the ungated loop
+            registers and spills even where it never runs (dense without it ran 1.5-2% faster
+            at 16K-32K, timed against one instance in the same call: record
+            2026-11-30-h200-portable-dense-ungated-instances). plain: ungated calls over
+            contiguous K/V without mean correction (dense, block masks: fwd_params.h's
+            plain_call), with the paged row lookup and the mean tiles compiled out. general:
+            the other ungated calls (paged K/V read in the kernel, mean correction).
+Everything else (the policy within an instance, causal, block_k 64 or 128) is a runtime value:
+the kernel branches on it once per block, outside the inner loops.
 
 Two kernel families: the portable sm80 path (FWD/SELECT/PERMUTE/CALIB plus two dtype-free
 instances, permute_stop's sort and the paged K/V staging copy, every architecture of
@@ -44,11 +47,20 @@ DTYPES = {"bf16": ("kBF16", "true"), "fp16": ("kFP16", "false")}
 HEAD_DIMS = (64, 128)
 
 
-PORTABLE_GATES = (False, True)
+PORTABLE_LOOPS = ("plain", "general", "gated")
 
 
-def fwd_name(dtype, d, gated):
-    return f"fwd_sm80_{'gated_' if gated else ''}{dtype}_hd{d}"
+def fwd_name(dtype, d, loop):
+    """The gated instances' names are not prefixes of the ungated ones', and the plain one's name
+    is a prefix of the general one's (the GPU tests check an instance family by prefix)."""
+    if loop == "gated":
+        return f"fwd_sm80_gated_{dtype}_hd{d}"
+    return f"fwd_sm80_{dtype}_hd{d}{'_general' if loop == 'general' else ''}"
+
+
+def fwd_config(is_bf16, d, loop):
+    flags = {"plain": ", false, true", "general": "", "gated": ", true"}[loop]
+    return f"sm80::FwdConfig<{is_bf16}, {d}{flags}>"
 
 
 def select_name(dtype, d):
@@ -114,7 +126,7 @@ def fwd90_unit(name, config):
 
 def expected_files():
     files = {}
-    registry = [HEADER, "// SP_FWD_VARIANT(launch function, DType enumerator, head_dim, gated)\n",
+    registry = [HEADER, "// SP_FWD_VARIANT(launch function, DType enumerator, head_dim, gated, plain)\n",
                 "// SP_SELECT_VARIANT(launch function, DType enumerator, head_dim)\n",
                 "// SP_PERMUTE_VARIANT(launch function, DType enumerator, head_dim)\n",
                 "// SP_FWD90_VARIANT(launch function, DType enumerator, head_dim, paged)\n",
@@ -123,14 +135,14 @@ def expected_files():
                 "// SP_CALIB_VARIANT(launch function, DType enumerator, head_dim)\n"]
     for dtype, (enum, is_bf16) in DTYPES.items():
         for d in HEAD_DIMS:
-            for gated in PORTABLE_GATES:
-                name = fwd_name(dtype, d, gated)
-                config = f"sm80::FwdConfig<{is_bf16}, {d}{', true' if gated else ''}>"
+            for loop in PORTABLE_LOOPS:
+                name = fwd_name(dtype, d, loop)
                 files[f"{name}.cu"] = translation_unit(
                     "cuda/kernel/sm80/fwd_kernel.cuh",
                     f"int {name}(const FwdParams& params, void* stream) {{\n"
-                    f"  return sm80::launch_fwd<{config}>(params, stream);\n")
-                registry.append(f"SP_FWD_VARIANT({name}, {enum}, {d}, {'true' if gated else 'false'})\n")
+                    f"  return sm80::launch_fwd<{fwd_config(is_bf16, d, loop)}>(params, stream);\n")
+                flags = f"{'true' if loop == 'gated' else 'false'}, {'true' if loop == 'plain' else 'false'}"
+                registry.append(f"SP_FWD_VARIANT({name}, {enum}, {d}, {flags})\n")
             name = select_name(dtype, d)
             files[f"{name}.cu"] = translation_unit(
                 "cuda/kernel/select_kernel.cuh",
@@ -184,7 +196,7 @@ def expected_files():
             registry.append(f"SP_SELECT90_VARIANT({name}, {enum}, {d})\n")
     # Every kind's macro defaults to nothing and is undefined at the end, so an includer
     # defines only the kinds it wants.
-    kinds = ["SP_FWD_VARIANT(fn, dtype, head_dim, gated)", "SP_SELECT_VARIANT(fn, dtype, head_dim)",
+    kinds = ["SP_FWD_VARIANT(fn, dtype, head_dim, gated, plain)", "SP_SELECT_VARIANT(fn, dtype, head_dim)",
              "SP_PERMUTE_VARIANT(fn, dtype, head_dim)", "SP_FWD90_VARIANT(fn, dtype, head_dim, paged)",
              "SP_PERMUTE90_VARIANT(fn, dtype, head_dim)", "SP_SELECT90_VARIANT(fn, dtype, head_dim)",
              "SP_CALIB_VARIANT(fn, dtype, head_dim)"]

@@ -111,29 +111,54 @@ TEST(CudaPlan, Fp8RunsDenseAndBlockSparseOnTheHopperInstance) {
   expect_unsupported(paged, DenseParams{}, "fp8_e4m3 inputs need contiguous K/V on CUDA");
 }
 
-// The portable forward kernel's gates run in its gated instances, everything else in the
-// ungated ones (launch_fwd refuses the other instance's calls); both exist for every compiled
-// (dtype, head_dim).
-TEST(CudaPlan, PortableInstancesSplitByTheGates) {
+// The portable forward kernel's gates run in its gated instances, contiguous ungated calls
+// without mean correction in the plain ones and the rest in the general ones (launch_fwd
+// refuses the others' calls); all three exist for every compiled (dtype, head_dim).
+TEST(CudaPlan, PortableInstancesSplitByTheGatesAndTheLayout) {
   EXPECT_FALSE(gated_mode(PolicyMode::kDense));
   EXPECT_FALSE(gated_mode(PolicyMode::kBlockMask));
   EXPECT_TRUE(gated_mode(PolicyMode::kExactGate));
   EXPECT_TRUE(gated_mode(PolicyMode::kSoftmaxSkip));
+  // plain_call: ungated, contiguous K/V, no mean correction.
+  FwdParams p{};
+  p.mode = PolicyMode::kDense;
+  EXPECT_TRUE(plain_call(p));
+  p.mode = PolicyMode::kBlockMask;
+  EXPECT_TRUE(plain_call(p));
+  const std::uint16_t means[1] = {0};
+  p.k_mean = means;  // mean correction
+  EXPECT_FALSE(plain_call(p));
+  p.mode = PolicyMode::kDense;
+  EXPECT_TRUE(plain_call(p));  // means only count under block masks
+  p.k_mean = nullptr;
+  const std::int32_t table[1] = {0};
+  p.paged.block_table = table;  // paged K/V read in the kernel
+  EXPECT_FALSE(plain_call(p));
+  p.paged.block_table = nullptr;
+  p.mode = PolicyMode::kExactGate;
+  EXPECT_FALSE(plain_call(p));
   for (DType dtype : {DType::kBF16, DType::kFP16}) {
     for (int d : {64, 128}) {
-      const FwdVariant* plain = find_fwd(dtype, d, false);
-      const FwdVariant* gated = find_fwd(dtype, d, true);
+      const FwdVariant* plain = find_fwd(dtype, d, false, true);
+      const FwdVariant* general = find_fwd(dtype, d, false, false);
+      const FwdVariant* gated = find_fwd(dtype, d, true, false);
       ASSERT_NE(plain, nullptr) << dtype_name(dtype) << " d=" << d;
+      ASSERT_NE(general, nullptr) << dtype_name(dtype) << " d=" << d;
       ASSERT_NE(gated, nullptr) << dtype_name(dtype) << " d=" << d;
-      EXPECT_FALSE(plain->gated);
-      EXPECT_TRUE(gated->gated);
+      EXPECT_EQ(find_fwd(dtype, d, true, true), nullptr);  // the gated instance runs every layout
+      EXPECT_TRUE(plain->plain && !plain->gated);
+      EXPECT_TRUE(!general->plain && !general->gated);
+      EXPECT_TRUE(gated->gated && !gated->plain);
       EXPECT_EQ(plain->dtype, dtype);
       EXPECT_EQ(gated->head_dim, d);
+      // The GPU tests check an instance family by prefix: the plain name starts the general
+      // one, and neither starts the gated one.
+      EXPECT_EQ(std::string(general->name).rfind(plain->name, 0), 0u) << general->name;
       EXPECT_EQ(std::string(gated->name).rfind("fwd_sm80_gated_", 0), 0u) << gated->name;
       EXPECT_EQ(std::string(plain->name).find("gated"), std::string::npos) << plain->name;
     }
   }
-  EXPECT_EQ(find_fwd(DType::kFP8E4M3, 128, false), nullptr);  // fp8 runs on the Hopper kernel only
+  EXPECT_EQ(find_fwd(DType::kFP8E4M3, 128, false, true), nullptr);  // fp8 runs on the Hopper kernel only
 }
 
 TEST(CudaPlan, HopperPathOnComputeCapability90For128KeyBlocks) {

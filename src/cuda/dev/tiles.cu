@@ -170,13 +170,12 @@ void run_shape(const Shape& sh, const Options& opt) {
     p.scale_log2 = p.scale * 1.4426950408889634f;
 
     std::vector<Instance> instances;
-    // The portable kernel: its ungated instance, or the gated one for the gate rows.
-    const FwdVariant* var = find_fwd(dtype, sh.d, false);
-    const FwdVariant* var_gated = find_fwd(dtype, sh.d, true);
-    if (var != nullptr && var_gated != nullptr) {
+    // The portable kernel: the instance its launch would choose for each row.
+    const FwdVariant* var = find_fwd(dtype, sh.d, false, true);
+    if (var != nullptr) {
       instances.push_back({var->name,
-                           [var, var_gated](const FwdParams& fp) {
-                             return (gated_mode(fp.mode) ? var_gated : var)->launch(fp, nullptr);
+                           [dtype, d = sh.d](const FwdParams& fp) {
+                             return find_fwd(dtype, d, gated_mode(fp.mode), plain_call(fp))->launch(fp, nullptr);
                            },
                            false});
     }

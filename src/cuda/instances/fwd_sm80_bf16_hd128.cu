@@ -6,7 +6,7 @@
 namespace sparseprefill::cuda {
 
 int fwd_sm80_bf16_hd128(const FwdParams& params, void* stream) {
-  return sm80::launch_fwd<sm80::FwdConfig<true, 128>>(params, stream);
+  return sm80::launch_fwd<sm80::FwdConfig<true, 128, false, true>>(params, stream);
 }
 
 }  // namespace sparseprefill::cuda

@@ -6,7 +6,7 @@
 namespace sparseprefill::cuda {
 
 int fwd_sm80_fp16_hd64(const FwdParams& params, void* stream) {
-  return sm80::launch_fwd<sm80::FwdConfig<false, 64>>(params, stream);
+  return sm80::launch_fwd<sm80::FwdConfig<false, 64, false, true>>(params, stream);
 }
 
 }  // namespace sparseprefill::cuda

@@ -171,6 +171,14 @@ struct FwdParams {
   std::int64_t vt_stride;  // keys per (b, kv head, d) row: max s_k rounded up to 128
 };
 
+// Whether the portable forward kernel's plain instances run a call (variants.py, axis loops):
+// ungated, contiguous K/V (paged calls the launch did not stage into rows) and no mean
+// correction. The other ungated instances run the rest.
+constexpr bool plain_call(const FwdParams& p) {
+  return !gated_mode(p.mode) && p.paged.block_table == nullptr &&
+         !(p.mode == PolicyMode::kBlockMask && p.k_mean != nullptr);
+}
+
 // estimate_select under chunked prefill (EstimateSelectParams::prompt_len and the cache of
 // block means; core/estimate_chunks.h reads them on the host), [batch] on the device.
 struct SelectSeq {

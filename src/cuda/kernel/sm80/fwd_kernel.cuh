@@ -33,11 +33,16 @@ namespace sparseprefill::cuda::sm80 {
 // (record 2026-11-30-h200-portable-dense-ungated-instances); warp_scores' look-ahead since then
 // (88 / 180 bytes at d = 128; 60 / 88 with one K prefetch site, the gated instance 160 / 364)
 // is for the ungated instances only.
-template <bool kBf16_, int kHeadDim_, bool kGated_ = false>
+// kPlain (ungated only): the instance runs calls over contiguous K/V without mean-correction
+// tiles (dense and block masks), so the paged row lookup and the mean tiles compile out;
+// the other ungated instance (kPlain false) runs paged K/V and mean correction.
+template <bool kBf16_, int kHeadDim_, bool kGated_ = false, bool kPlain_ = false>
 struct FwdConfig {
   static constexpr bool kBf16 = kBf16_;
   static constexpr int kHeadDim = kHeadDim_;
   static constexpr bool kGated = kGated_;
+  static constexpr bool kPlain = kPlain_;
+  static_assert(!(kGated && kPlain), "the gated instance runs every K/V layout");
   // Fragment addresses in frag_addr's XOR form. Ungated: dense 6-7% and block masks 5% faster
   // at 8K-32K (Llama shape), while the gated instance and the permute kernel (PermuteConfig)
   // ran 1-2.5% slower with it, in one same-call A/B (record
@@ -234,17 +239,19 @@ __global__ void __launch_bounds__(Cfg::kThreads, 2) fwd_kernel(const __grid_cons
 
   // 64-key sub-tiles of visit position j: one or two for a key block, one for a mean tile.
   auto num_sub = [&](int j) -> int {
-    if (j >= visit.n_reg) return 1;
+    if (!Cfg::kPlain && j >= visit.n_reg) return 1;
     const int kb = visit.block(j);
     return static_cast<int>(geom::ceil_div(geo.key_end(kb) - geo.key_begin(kb), kBlockN));
   };
   // Source of the K (value = false) or V sub-tile `sub` of position j.
   auto sub_src = [&](int j, int sub, bool value) -> TileSrc {
-    if (j < visit.n_reg) {
+    if (Cfg::kPlain || j < visit.n_reg) {
       const int kb = visit.block(j);
       const std::int64_t key0 = geo.key_begin(kb) + sub * kBlockN;
       const std::int64_t valid = geom::min64(kBlockN, geo.key_end(kb) - key0);
-      return tile_src(kv_rows(value), key0, static_cast<int>(valid));
+      KvRows rows = kv_rows(value);
+      if constexpr (Cfg::kPlain) rows = contiguous_rows(rows.base, rows.row_stride);
+      return tile_src(rows, key0, static_cast<int>(valid));
     }
     const int c = s_chunks[j - visit.n_reg];
     const auto* mean = static_cast<const std::uint16_t*>(value ? p.v_mean : p.k_mean);
@@ -287,7 +294,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 2) fwd_kernel(const __grid_cons
   // faster, records 2026-11-30-h200-portable-path-forced and -full-end-hoisted).
   const int full_end = geo.full_end(qb);
   auto mask_scores = [&](int j, int sub) {
-    if (j < visit.n_reg) {
+    if (Cfg::kPlain || j < visit.n_reg) {
       const int kb = visit.block(j);
       const std::int64_t key0 = geo.key_begin(kb) + sub * kBlockN;
       const std::int64_t key_end = geo.key_end(kb);
@@ -528,6 +535,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 2) fwd_kernel(const __grid_cons
 template <class Cfg>
 int launch_fwd(const FwdParams& p, void* stream) {
   if (Cfg::kGated != gated_mode(p.mode)) return static_cast<int>(cudaErrorInvalidValue);  // the other instance's call
+  if (Cfg::kPlain && !plain_call(p)) return static_cast<int>(cudaErrorInvalidValue);      // the general one's
   auto* kernel = fwd_kernel<Cfg>;
   cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Cfg::kSmemBytes);
   if (err != cudaSuccess) return static_cast<int>(err);
