@@ -91,8 +91,9 @@ void lowp_row(const ref::Sequence& seq, const std::vector<float>& q, const std::
   std::vector<float> acc(d, 0.0f);
   for (std::size_t u = 0; u < n; ++u) {
     const float p = std::exp(s[u] - m);
-    l += p;
     const float p_rounded = round_to(seq.dtype, p);
+    // FP8: the kernel sums the rounded P for l too (docs/numerics.md, FP8).
+    l += fp8 ? p_rounded : p;
     for (std::size_t c = 0; c < d; ++c) acc[c] += p_rounded * value[u][c];
   }
   // O in the output dtype (bf16 for fp8 inputs, whose P is rounded to fp8 as an FP8 kernel's).

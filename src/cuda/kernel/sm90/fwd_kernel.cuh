@@ -58,6 +58,13 @@ struct FwdConfig {
   static constexpr int kHalfBytes = kTileN * kRowBytes;  // one [128][128 B] box: 16 KB
   static constexpr int kTileBytes = kHalves * kHalfBytes;
   static constexpr int kDFrags = kHeadDim / 8;  // n8 fragments of an output row
+  // FP8: P·V's B is Vᵀ plus one 8-row atom of e4m3 ones (wgmma N = 136), so that the output
+  // accumulator's extra fragment sums the rounded P of each row: l without 64 FADDs per tile
+  // (and O / l then normalises by exactly the weights P·V used). Each V stage is followed by
+  // its ones atom, written once before the loop.
+  static constexpr bool kRowSumInPv = kFp8;
+  static constexpr int kOFrags = kDFrags + (kRowSumInPv ? 1 : 0);
+  static constexpr int kVStageBytes = kTileBytes + (kRowSumInPv ? kAtomBytes : 0);
   // wgmma K steps of 32 bytes: k16 of 16-bit elements, k32 of e4m3.
   static constexpr int kQkSteps = kHeadDim * kElemBytes / 32;
   static constexpr int kPvSteps = kTileN * kElemBytes / 32;
@@ -88,7 +95,7 @@ struct alignas(1024) Smem {
   // starts on a 1024-byte boundary (the swizzle is a function of the address bits).
   std::uint8_t q[Cfg::kTileBytes];
   std::uint8_t k[Cfg::kStages][Cfg::kTileBytes];
-  std::uint8_t v[Cfg::kStages][Cfg::kTileBytes];
+  std::uint8_t v[Cfg::kStages][Cfg::kVStageBytes];  // + FP8's ones atom (kRowSumInPv)
   // mbarriers, named after the event they signal.
   std::uint64_t q_loaded;                 // TMA -> consumers, once
   std::uint64_t k_loaded[Cfg::kStages];   // TMA -> consumers (transaction bytes)
@@ -177,7 +184,9 @@ __device__ __forceinline__ void row_max_tile(const float (&s)[1][16][4], float (
 // alpha = exp2(m_old - m_use) is returned for scale_acc once that P·V has completed. A row that
 // has seen no key (m = -inf) gets alpha = 0 and p = 0. lazy: a row keeps m, with alpha = 1,
 // while row_must_move says it may (softmax.cuh); returns whether some row of the warp moved m,
-// i.e. whether O needs scale_acc (warp-uniform).
+// i.e. whether O needs scale_acc (warp-uniform). kSumL = false (FwdConfig::kRowSumInPv): l is
+// not kept here, P·V sums P into the accumulator's extra fragment, which alpha rescales.
+template <bool kSumL>
 __device__ __forceinline__ bool softmax_tile(float (&s)[1][16][4], const float (&mx)[2], RowStats<1>& st,
                                              float scale_log2, bool lazy, float (&alpha)[2]) {
   float m_use[2];
@@ -188,7 +197,7 @@ __device__ __forceinline__ bool softmax_tile(float (&s)[1][16][4], const float (
     moved |= move;
     if (move) {
       move_row(st.m[r], mx[r], scale_log2, m_use[r], alpha[r]);
-      st.l[r] *= alpha[r];
+      if constexpr (kSumL) st.l[r] *= alpha[r];
     } else {
       m_use[r] = st.m[r];
       alpha[r] = 1.f;
@@ -199,7 +208,7 @@ __device__ __forceinline__ bool softmax_tile(float (&s)[1][16][4], const float (
 #pragma unroll
     for (int e = 0; e < 4; ++e) {
       s[0][j][e] = ptx::exp2f_fast(fmaf(s[0][j][e], scale_log2, -m_use[e / 2]));
-      st.l[e / 2] += s[0][j][e];
+      if constexpr (kSumL) st.l[e / 2] += s[0][j][e];
     }
   }
   return !lazy || __any_sync(0xffffffffu, moved);
@@ -278,7 +287,7 @@ __device__ __forceinline__ void wgmma_qk(float (&s)[1][16][4], std::uint64_t q, 
 
 // O += P·V with P in registers (pack_p), as one commit group.
 template <class Cfg>
-__device__ __forceinline__ void wgmma_pv(float (&o)[Cfg::kDFrags][4], const std::uint32_t (&pf)[Cfg::kPvSteps][4],
+__device__ __forceinline__ void wgmma_pv(float (&o)[Cfg::kOFrags][4], const std::uint32_t (&pf)[Cfg::kPvSteps][4],
                                          std::uint64_t v) {
   hw::wgmma_fence();
 #pragma unroll
@@ -478,6 +487,18 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
     const int count = means ? collect_mean_tiles<kTileN>(p, mean_bits, mean_blocks_seq, threadIdx.x % 32, sm.mean_tiles) : 0;
     if (threadIdx.x % 32 == 0) sm.num_mean_tiles = count;
   }
+  if constexpr (Cfg::kRowSumInPv) {
+    // The ones atom after each V stage: e4m3 1.0 (0x38) in every byte, which any swizzle leaves
+    // as it is; generic-proxy stores, fenced for the wgmma's async-proxy reads.
+    if (warpgroup == 1) {
+      constexpr int kChunks = Cfg::kAtomBytes / 16;
+      for (int i = threadIdx.x - 128; i < Cfg::kStages * kChunks; i += 128) {
+        reinterpret_cast<uint4*>(sm.v[i / kChunks] + Cfg::kTileBytes)[i % kChunks] =
+            make_uint4(0x38383838u, 0x38383838u, 0x38383838u, 0x38383838u);
+      }
+      hw::fence_proxy_async();
+    }
+  }
   __syncthreads();
   // Positions 0 .. n_reg-1 are key blocks, then the mean tiles. n_visit = 0: every row of the
   // block sees no key (or the mask selects none).
@@ -626,17 +647,15 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
   const int warp = (threadIdx.x / 32) % 4;
   const int lane = threadIdx.x % 32;
   const int r0 = wg * 64 + warp * 16 + lane / 4;  // the thread's first tile row; also r0 + 8
-  // The query rows (relative to row0) and heads of the thread's two tile rows.
-  int qrow[2], qhead[2];
+  // The query rows (relative to row0) of the thread's two tile rows; their heads are computed
+  // where the epilogue needs them (registers: FP8's extra accumulator fragment, kRowSumInPv).
+  int qrow[2];
 #pragma unroll
-  for (int r = 0; r < 2; ++r) {
-    qrow[r] = tile_row0 + (r0 + 8 * r) / pack;
-    qhead[r] = h + (r0 + 8 * r) % pack;
-  }
+  for (int r = 0; r < 2; ++r) qrow[r] = tile_row0 + (r0 + 8 * r) / pack;
   std::uint32_t* kept_row = wg == 0 && warp == 0 && lane == 0 ? kept_row_of(p, b, h, qb) : nullptr;
 
   float s[1][16][4];            // scores, then p: [64 x 128] per warpgroup
-  float o[Cfg::kDFrags][4];     // output accumulator [64 x d]
+  float o[Cfg::kOFrags][4];     // output accumulator [64 x d] (+ FP8's row sums: kRowSumInPv)
   std::uint32_t pf[Cfg::kPvSteps][4];  // P as A fragments (16-bit or e4m3)
   RowStats<1> stats;
   init_row_stats(stats);
@@ -733,7 +752,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
       row_max_tile(s, mx);
       const bool keep = !gated || vote(it, mx);
       float alpha[2] = {1.f, 1.f};
-      const bool moved = keep && softmax_tile(s, mx, stats, scale_log2, kPlain || lazy, alpha);
+      const bool moved = keep && softmax_tile<!Cfg::kRowSumInPv>(s, mx, stats, scale_log2, kPlain || lazy, alpha);
       hw::wgmma_wait<0>();  // P·V done: its P registers and V stage are free
       hw::fence_regs(o);
       if (moved) scale_acc(o, alpha);  // for this tile's P·V, next round
@@ -763,7 +782,9 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
   if (n_visit > 0) {
     if (wg == 1) hw::named_arrive(1);  // warpgroup 0 issues first
     hw::mbar_wait(hw::smem_u32(&sm.q_loaded), 0);
-    if (!gate.exact && !gate.skip && n_visit == visit.n_reg) {
+    if constexpr (Cfg::kFp8) {
+      rounds(std::true_type{});  // FP8 runs dense and block masks only (policy.cpp)
+    } else if (!gate.exact && !gate.skip && n_visit == visit.n_reg) {
       rounds(std::true_type{});
     } else {
       rounds(std::false_type{});
@@ -776,11 +797,15 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
     float o_scale, lse;
-    finalize_row(stats.m[r], stats.l[r], &o_scale, &lse);
+    // kRowSumInPv: every thread of the quad holds the row's whole sum (d[kDFrags] columns all
+    // sum the row); the first brings it to finalize_row's quad reduction.
+    const float l_part = !Cfg::kRowSumInPv ? stats.l[r] : lane % 4 == 0 ? o[Cfg::kOFrags - 1][2 * r] : 0.f;
+    finalize_row(stats.m[r], l_part, &o_scale, &lse);
     o_scale *= o_descale;
     const int row = qrow[r];
+    const int qhead = h + (r0 + 8 * r) % pack;
     if (row >= rows_valid) continue;
-    std::uint16_t* o_row = o_base + row * p.o_row_stride + qhead[r] * p.o_head_stride;
+    std::uint16_t* o_row = o_base + row * p.o_row_stride + qhead * p.o_head_stride;
 #pragma unroll
     for (int j = 0; j < Cfg::kDFrags; ++j) {
       const int col = 8 * j + 2 * (lane % 4);
@@ -788,7 +813,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
           ptx::pack2<Cfg::kBf16>(o[j][2 * r] * o_scale, o[j][2 * r + 1] * o_scale);
     }
     if (p.lse != nullptr && lane % 4 == 0) {
-      p.lse[seq.lse_off + qhead[r] * p.lse_head_stride + (row0 + row) * p.lse_row_stride] = lse;
+      p.lse[seq.lse_off + qhead * p.lse_head_stride + (row0 + row) * p.lse_row_stride] = lse;
     }
   }
 }
