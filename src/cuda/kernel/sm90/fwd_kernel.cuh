@@ -701,11 +701,14 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
   };
 
   const int my_turn = 1 + wg, other_turn = 2 - wg;
-  // The rounds over the visit list. kPlain (dense and block masks without mean tiles, CTA-
-  // uniform): no gate, no mean tile and the lazy rescale are compile-time facts, so the loop
-  // carries none of their tests and register moves.
-  auto rounds = [&](auto plain) {
-    constexpr bool kPlain = decltype(plain)::value;
+  // The rounds over the visit list, compiled once per kind of CTA (CTA-uniform): gated
+  // (exact_gate, softmax_skip), with mean tiles (block masks with mean correction) or plain
+  // (dense and block masks). Gates and mean tiles never meet (policy.cuh), so each copy carries
+  // none of the others' tests and register moves, and the lazy rescale is a compile-time fact
+  // outside the gated one.
+  auto rounds = [&](auto gated_tag, auto means_tag) {
+    constexpr bool kGated = decltype(gated_tag)::value, kMeans = decltype(means_tag)::value;
+    constexpr bool kRegOnly = !kMeans;  // every position is a key block
     // A kept tile's P waits in pf for its P·V, issued in the next round with the next S
     // (pending); alpha rescales O just before it. A skipped tile leaves m, l, O and alpha as
     // they were.
@@ -713,7 +716,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
     int v_count = 0;  // V tiles consumed: the V ring's position
     for (int it = 0; it < n_visit; ++it) {
       const int st = it % Cfg::kStages;
-      const int kb = kPlain || it < visit.n_reg ? visit.block(it) : -1;  // mask mode: a global load, issued early
+      const int kb = kRegOnly || it < visit.n_reg ? visit.block(it) : -1;  // mask mode: a global load, issued early
       const int v_st = v_count % Cfg::kStages;
       hw::mbar_wait(hw::smem_u32(&sm.k_loaded[st]), (it / Cfg::kStages) & 1);
       if (gather) hw::fence_proxy_async();  // cp.async wrote the tile: the wgmma reads it
@@ -723,7 +726,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
       // (tensor order S0, S1, P·V0, P·V1: the vote waits for one Q·Kᵀ, not a P·V and a Q·Kᵀ);
       // measured neutral within the run-to-run spread
       // (bench/records/2026-11-29-h200-hopper-policies-kernel-tiles.md).
-      const bool gated = !kPlain && gate.gated(it, visit.n_a);
+      const bool gated = kGated && gate.gated(it, visit.n_a);
       hw::named_sync(my_turn);
       issue_qk(st);
       if (gated) {
@@ -743,7 +746,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
       hw::wgmma_wait<1>();  // S of this tile done; the P·V may still run
       hw::fence_regs(s[0]);
       release(sm.k_free[st]);
-      if (kPlain || it < visit.n_reg) {
+      if (kRegOnly || it < visit.n_reg) {
         mask_if_needed(kb);
       } else {
         mask_mean_tile(p, s, mean_bits, sm.mean_tiles[it - visit.n_reg], seq.s_k, mean_blocks_seq);
@@ -752,7 +755,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
       row_max_tile(s, mx);
       const bool keep = !gated || vote(it, mx);
       float alpha[2] = {1.f, 1.f};
-      const bool moved = keep && softmax_tile<!Cfg::kRowSumInPv>(s, mx, stats, scale_log2, kPlain || lazy, alpha);
+      const bool moved = keep && softmax_tile<!Cfg::kRowSumInPv>(s, mx, stats, scale_log2, !kGated || lazy, alpha);
       hw::wgmma_wait<0>();  // P·V done: its P registers and V stage are free
       hw::fence_regs(o);
       if (moved) scale_acc(o, alpha);  // for this tile's P·V, next round
@@ -766,7 +769,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
       pending = keep;
       pack_p<Cfg>(s, pf);
       if (keep) {
-        if (kPlain || it < visit.n_reg) record_kept(kept_row, kb);
+        if (kRegOnly || it < visit.n_reg) record_kept(kept_row, kb);
       }
     }
     if (pending) {  // the last kept tile's P·V
@@ -783,11 +786,13 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
     if (wg == 1) hw::named_arrive(1);  // warpgroup 0 issues first
     hw::mbar_wait(hw::smem_u32(&sm.q_loaded), 0);
     if constexpr (Cfg::kFp8) {
-      rounds(std::true_type{});  // FP8 runs dense and block masks only (policy.cpp)
-    } else if (!gate.exact && !gate.skip && n_visit == visit.n_reg) {
-      rounds(std::true_type{});
+      rounds(std::false_type{}, std::false_type{});  // FP8 runs dense and block masks only (policy.cpp)
+    } else if (gate.exact || gate.skip) {
+      rounds(std::true_type{}, std::false_type{});
+    } else if (n_visit > visit.n_reg) {
+      rounds(std::false_type{}, std::true_type{});
     } else {
-      rounds(std::false_type{});
+      rounds(std::false_type{}, std::false_type{});
     }
   }
 
