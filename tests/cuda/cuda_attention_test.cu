@@ -527,18 +527,12 @@ TEST(CudaExactGate, MinusInfinityKeepsAllAndEqualsDense) {
   TestProblem tp = make_problem(in);
   HostTensor thr(DType::kFP32, {4, 3});
   for (int i = 0; i < 12; ++i) thr.as<float>()[i] = -std::numeric_limits<float>::infinity();
-  {
-    const PortableOnly portable(true);  // the same kernel: the Hopper one tiles keys by 128
-    const GpuRun dense = run_gpu(&tp, DenseParams{});
-    // block_k 64: every block is one step with the same sums as dense (both take the lazy
-    // running-max update); the two code paths may contract multiply-adds differently, so O
-    // may differ by one rounding of the dtype.
-    const GpuRun gate = run_gpu(&tp, gate_params(thr, 64));
-    ASSERT_TRUE(gate.status.ok()) << gate.status.to_string();
-    EXPECT_TRUE(same_result(gate.out, dense.out, 1e-3));
-    EXPECT_EQ(gate.decisions.kept.selected_blocks(), visible_blocks({{500, 700}}, 4, true, 128, 64));
-  }
-  expect_gpu_matches(&tp, gate_params(thr, 64));
+  // block_k 64 (the portable kernel on every device: the Hopper one tiles keys by 128): every
+  // block is kept, and O matches the dense oracle within its tolerance. Not compared with the
+  // portable dense run directly: the gated instance takes the exact running-max update and
+  // dense the lazy one (softmax.cuh), so their P roundings differ.
+  const GpuRun gate = expect_gpu_matches(&tp, gate_params(thr, 64));
+  EXPECT_EQ(gate.decisions.kept.selected_blocks(), visible_blocks({{500, 700}}, 4, true, 128, 64));
   // block_k 128 decides on whole blocks (the portable kernel: one rescale per block): within
   // the tolerance on both paths.
   const GpuRun gate128 = expect_gpu_matches(&tp, gate_params(thr, 128));
