@@ -423,7 +423,13 @@ __global__ void __launch_bounds__(Cfg::kThreads, 2) fwd_kernel(const __grid_cons
     if (!vote(mx_block)) continue;  // the vote's barrier: every thread agrees
 
     float m_use[2 * kM];
-    rescale(st, mx_block, p.scale_log2, acc, m_use);
+    // exact_gate's vote reads thresholds, not m: lazy as the ungated instances; softmax_skip's
+    // reads the running max itself, which must stay exact.
+    if (gate.skip) {
+      rescale(st, mx_block, p.scale_log2, acc, m_use);
+    } else {
+      rescale_lazy(st, mx_block, p.scale_log2, acc, m_use);
+    }
     // P of the first sub-tile, from the stash. At d = 128 it is parked thread-private in the K
     // stage the second sub-tile was read from (free after the vote; the next K streams into the
     // other stage), so that at most one P tile is ever live in registers.
