@@ -686,7 +686,12 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
     mask_tile(s, limit);
   };
   // This warp's vote on gated position j from its rows' maxima (before the softmax moves m),
-  // then the CTA's decision.
+  // then the CTA's decision: the OR of the eight warps' votes, so a warp that votes keep knows it
+  // without waiting for the others (the other warpgroup's S may still be in flight); every warp
+  // of a warpgroup still reaches the same answer, which its P·V wgmma needs. Skipping the wait
+  // leaves the slot safe to reuse: all warps stay within a round of each other (the turn
+  // barriers), the producer within two positions (it reads a decision before the next K load),
+  // and there are kVoteSlots = 4 slots.
   auto vote = [&](int j, const float (&mx)[2]) -> bool {
     bool keep = false;
 #pragma unroll
@@ -697,7 +702,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
       sm.votes[g % Cfg::kVoteSlots][wg * 4 + warp] = keep ? 1 : 0;
       hw::mbar_arrive(hw::smem_u32(&sm.decided[g % Cfg::kVoteSlots]));  // release: orders the vote byte
     }
-    return decision(j);
+    return keep || decision(j);
   };
 
   const int my_turn = 1 + wg, other_turn = 2 - wg;
@@ -721,18 +726,14 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
       hw::mbar_wait(hw::smem_u32(&sm.k_loaded[st]), (it / Cfg::kStages) & 1);
       if (gather) hw::fence_proxy_async();  // cp.async wrote the tile: the wgmma reads it
       // Ping-pong: wait for the other warpgroup to have issued its GEMMs of this round, issue
-      // ours, then let it go: its softmax overlaps our GEMMs and ours its next ones. A gated
-      // tile's decision needs both warpgroups' S, so there the turn passes after Q·Kᵀ as well
-      // (tensor order S0, S1, P·V0, P·V1: the vote waits for one Q·Kᵀ, not a P·V and a Q·Kᵀ);
-      // measured neutral within the run-to-run spread
-      // (bench/records/2026-11-29-h200-hopper-policies-kernel-tiles.md).
+      // ours, then let it go: its softmax overlaps our GEMMs and ours its next ones. Gated rounds
+      // keep that order: passing the turn after Q·Kᵀ too (tensor order S0, S1, P·V0, P·V1, so a
+      // skip vote waits for one Q·Kᵀ less) ran 2-8% slower for softmax_skip once a warp voting
+      // keep no longer waited for the decision, and equal for exact_gate
+      // (bench/records/2026-11-30-h200-gate-early-keep-ab.log).
       const bool gated = kGated && gate.gated(it, visit.n_a);
       hw::named_sync(my_turn);
       issue_qk(st);
-      if (gated) {
-        hw::named_arrive(other_turn);
-        hw::named_sync(my_turn);
-      }
       if (pending) {
         hw::mbar_wait(hw::smem_u32(&sm.v_loaded[v_st]), (v_count / Cfg::kStages) & 1);
         if (gather) hw::fence_proxy_async();
