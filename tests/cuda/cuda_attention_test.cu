@@ -579,6 +579,50 @@ TEST(CudaExactGate, NaNValuesOfSkippedBlocksAreNeverRead) {
   }
 }
 
+// Blocks that one half of a query block's rows keeps and the other skips: on the Hopper kernel
+// each consumer warpgroup owns 64 rows, so there one warpgroup's warps vote keep and go on
+// while the other's wait for the decision, both ways. Rows 0-63 of each 128-row block look
+// along dimension 1, rows 64-127 along dimension 0; key blocks with kb % 4 == 1 hold A in
+// dimension 0, kb % 4 == 3 in dimension 1, the others neither, so the gate keeps exactly
+// blocks 1 and 3 mod 4: their maxima reach A² / sqrt(d) = 5.7 after scaling, the others' about
+// 0.4 (entries of size 0.5 elsewhere), on either side of T = 2.
+TEST(CudaExactGate, BlocksThatOneHalfOfTheQueryRowsKeeps) {
+  SP_REQUIRE_GPU();
+  const SeqLen len{256, 2048};
+  constexpr double kA = 8.0;
+  Inputs in = make_inputs({len}, 2, 1, 128, 1000, DType::kBF16, 0.5);
+  SequenceData& seq = in.seqs[0];
+  for (std::int64_t pos = 0; pos < len.s_q; ++pos) {
+    // Query blocks start at s_k - s_q (bottom-right causal), a multiple of 128.
+    const bool second_half = pos % 128 >= 64;
+    for (int h = 0; h < in.h_q; ++h) {
+      set(&seq.q, (pos * in.h_q + h) * in.d + 0, second_half ? kA : 0.0);
+      set(&seq.q, (pos * in.h_q + h) * in.d + 1, second_half ? 0.0 : kA);
+    }
+  }
+  for (std::int64_t pos = 0; pos < len.s_k; ++pos) {
+    const int kb = static_cast<int>(pos / 128);
+    set(&seq.k, pos * in.d + 0, kb % 4 == 1 ? kA : 0.0);
+    set(&seq.k, pos * in.d + 1, kb % 4 == 3 ? kA : 0.0);
+  }
+  TestProblem tp = make_problem(in);
+  const int positions = static_cast<int>(len.s_k / 128) + 1;
+  HostTensor thr(DType::kFP32, {in.h_q, positions});
+  for (int i = 0; i < in.h_q * positions; ++i) thr.as<float>()[i] = 2.f;
+  const GpuRun r = expect_gpu_matches(&tp, gate_params(thr, 128));
+  ASSERT_TRUE(r.status.ok());
+  const geom::BlockGeometry g = geometry(len.s_q, len.s_k, true, 128, 128);
+  for (int h = 0; h < in.h_q; ++h) {
+    for (int qb = 0; qb < g.num_q_blocks(); ++qb) {
+      for (int kb = 0; kb < g.visible_end(qb); ++kb) {
+        if (!g.is_full(qb, kb)) continue;  // group A: never gated
+        EXPECT_EQ(r.decisions.kept.contains(0, h, qb, kb), kb % 4 == 1 || kb % 4 == 3)
+            << "head " << h << ", query block " << qb << ", key block " << kb;
+      }
+    }
+  }
+}
+
 // ------------------------------------------------------------------ softmax_skip
 
 SoftmaxSkipParams skip_params(double a, int bk) {
