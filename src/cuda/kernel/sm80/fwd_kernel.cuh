@@ -372,9 +372,9 @@ __global__ void __launch_bounds__(Cfg::kThreads, 2) fwd_kernel(const __grid_cons
         mask_scores(j, sub);
         float mx[2 * kM], m_use[2 * kM];
         row_max(s, mx);
-        // Lazy in the ungated instances (softmax.cuh, kLazyMaxLog2): in the gated one it spilled
-        // more (200 / 404 bytes against 160 / 364 at d = 128, ptxas at sm_90), and softmax_skip's
-        // gate reads the exact running max.
+        // Lazy in the ungated instances (softmax.cuh, kLazyMaxLog2). The gated one's ungated
+        // blocks stay exact: lazy there too (a second choice on gate.skip, whose vote reads the
+        // exact running max) spilled 272 / 500 bytes against 196 / 364 at d = 128 (ptxas, sm_90).
         if constexpr (Cfg::kGated) {
           rescale(st, mx, p.scale_log2, acc, m_use);
         } else {
