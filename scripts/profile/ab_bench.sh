@@ -10,8 +10,9 @@
 #   root, e.g. made here with `git diff main...my-branch > ab.patch` (untracked, so the device
 #   tool copies it). One patch is the side `new`; with several, each side is named after its
 #   file (lazy.patch: `lazy`), and a round runs old then each of them.
-# Env: SP_AB_ROUNDS (default 2), SPARSEPREFILL_CUDA_PATH (passed through; `portable` for the
-#      portable kernels on a Hopper GPU), SP_COMMIT (the commit the tree came from), JOBS.
+# Env: SP_AB_ROUNDS (default 2), SP_AB_RUN_SECONDS (each benchmark run's limit, default 300),
+#      SPARSEPREFILL_CUDA_PATH (passed through; `portable` for the portable kernels on a Hopper
+#      GPU), SP_COMMIT (the commit the tree came from), JOBS.
 # Writes OUTDIR/ab.txt (one line per benchmark row: median ms of every run in order, old first;
 # with --kernel-profile also one line per kernel of a row: its time in the profiled call)
 # and OUTDIR/<side>.json (each side's last run: old.json, new.json), the only files that come
@@ -26,6 +27,7 @@ IFS=, read -ra patch_args <<<"$2"
 shift 2
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)
 rounds=${SP_AB_ROUNDS:-2}
+run_limit=${SP_AB_RUN_SECONDS:-300}
 sides=(old)
 declare -A patch_of
 for arg in "${patch_args[@]}"; do
@@ -56,8 +58,11 @@ for ((i = 1; i <= rounds; ++i)); do
     if [[ $side != old ]]; then patch -p1 <"${patch_of[$side]}" >/dev/null && applied=${patch_of[$side]}; fi
     run=$side$i
     ncu_build sparseprefill_c || exit 1
-    bench/run_benchmarks.sh "$out/$run" "$@" >"$out/$run.log" 2>&1 || {
+    # A patch that deadlocks a kernel would otherwise hold the device call to its limit.
+    timeout "$run_limit" bench/run_benchmarks.sh "$out/$run" "$@" >"$out/$run.log" 2>&1 || {
+      rc=$?
       tail -20 "$out/$run.log"
+      ((rc == 124)) && echo "ab_bench: $run ran past ${run_limit} s (SP_AB_RUN_SECONDS): stopped" >&2
       exit 1
     }
     runs+=("$run")
