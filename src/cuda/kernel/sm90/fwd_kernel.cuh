@@ -67,6 +67,12 @@ struct FwdConfig {
   static constexpr int kVStageBytes = kTileBytes + (kRowSumInPv ? kAtomBytes : 0);
   // wgmma K steps of 32 bytes: k16 of 16-bit elements, k32 of e4m3.
   static constexpr int kQkSteps = kHeadDim * kElemBytes / 32;
+  // The 16-bit contiguous d = 128 instances keep Q in registers (32 per thread) as Q·Kᵀ's A
+  // operand, so a Q·Kᵀ reads only K from shared memory: dense 1.6% faster at 16K, exact_gate
+  // 20% 2% at 64K, block_sparse 20% 5% at 16K, while d = 64 (SmolLM2 8K) ran dense 2-3% slower
+  // (record 2026-11-30-h200-hopper-q-in-registers-ab.log). FP8's A would need its own fragment
+  // order, and the paged instances' consumers have 224 registers.
+  static constexpr bool kQInRegs = !kFp8 && !kPaged && kHeadDim == 128;
   static constexpr int kPvSteps = kTileN * kElemBytes / 32;
   // setmaxnreg budgets: the warpgroups trade registers within the pool the CTA was launched
   // with, 384 threads at 168 (the most __launch_bounds__(384, 1) gives), so
@@ -283,6 +289,33 @@ __device__ __forceinline__ void wgmma_qk(float (&s)[1][16][4], std::uint64_t q, 
     }
   }
   hw::wgmma_commit();
+}
+
+// The same with Q in registers (load_q_frags).
+template <class Cfg>
+__device__ __forceinline__ void wgmma_qk(float (&s)[1][16][4], const std::uint32_t (&qf)[Cfg::kQkSteps][4],
+                                         std::uint64_t k) {
+  hw::wgmma_fence();
+#pragma unroll
+  for (int kk = 0; kk < Cfg::kQkSteps; ++kk) hw::wgmma_rs_kmajor<Cfg::kBf16>(s[0], qf[kk], k + k_step<Cfg>(kk), kk > 0);
+  hw::wgmma_commit();
+}
+
+// The warpgroup's 64 Q rows as wgmma A fragments, from the tile TMA wrote ([d-half][row][64],
+// 128B swizzle: 16-byte chunk c of row r at chunk c ^ (r % 8)): ldmatrix.x4 per k-step, lane l
+// addressing row 16·warp + l % 8 + 8·(l / 8 % 2) at chunk 2·kk + l / 16, so that registers 0-3
+// are the m16n8k16 A fragment's a0-a3.
+template <class Cfg>
+__device__ __forceinline__ void load_q_frags(std::uint32_t (&qf)[Cfg::kQkSteps][4], std::uint32_t q_tile, int wg) {
+  const int lane = threadIdx.x % 32, warp = (threadIdx.x / 32) % 4;
+  const int row = wg * 64 + warp * 16 + lane % 8 + 8 * (lane / 8 % 2);
+  const std::uint32_t row_addr = q_tile + static_cast<std::uint32_t>(row * Cfg::kRowBytes);
+#pragma unroll
+  for (int kk = 0; kk < Cfg::kQkSteps; ++kk) {
+    const int chunk = 2 * kk + lane / 16;
+    const int half = chunk / 8, c = chunk % 8;
+    ptx::ldmatrix_x4(row_addr + static_cast<std::uint32_t>(half * Cfg::kHalfBytes + ((c ^ (row % 8)) << 4)), qf[kk]);
+  }
 }
 
 // O += P·V with P in registers (pack_p), as one commit group.
@@ -665,7 +698,14 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
       Cfg::kFp8 ? p.scale_log2 * descale_of(p, 0, b, hk) * descale_of(p, 1, b, hk) : p.scale_log2;
   const float o_descale = Cfg::kFp8 ? descale_of(p, 2, b, hk) : 1.f;
   const std::uint64_t q_desc = kmajor_desc<Cfg>(hw::smem_u32(sm.q) + wg * 64 * kRowBytes);
-  auto issue_qk = [&](int st) { wgmma_qk<Cfg>(s, q_desc, kmajor_desc<Cfg>(hw::smem_u32(sm.k[st]))); };
+  std::uint32_t qf[Cfg::kQInRegs ? Cfg::kQkSteps : 1][4];  // Q's A fragments (kQInRegs)
+  auto issue_qk = [&](int st) {
+    if constexpr (Cfg::kQInRegs) {
+      wgmma_qk<Cfg>(s, qf, kmajor_desc<Cfg>(hw::smem_u32(sm.k[st])));
+    } else {
+      wgmma_qk<Cfg>(s, q_desc, kmajor_desc<Cfg>(hw::smem_u32(sm.k[st])));
+    }
+  };
   auto issue_pv = [&](int st) { wgmma_pv<Cfg>(o, pf, v_desc<Cfg>(hw::smem_u32(sm.v[st]))); };
   // One arrival per warp on a free barrier: the warp's wgmma wait before it covered its lanes.
   auto release = [&](std::uint64_t& bar) {
@@ -786,6 +826,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
   if (n_visit > 0) {
     if (wg == 1) hw::named_arrive(1);  // warpgroup 0 issues first
     hw::mbar_wait(hw::smem_u32(&sm.q_loaded), 0);
+    if constexpr (Cfg::kQInRegs) load_q_frags<Cfg>(qf, hw::smem_u32(sm.q), wg);
     if constexpr (Cfg::kFp8) {
       rounds(std::false_type{}, std::false_type{});  // FP8 runs dense and block masks only (policy.cpp)
     } else if (gate.exact || gate.skip) {

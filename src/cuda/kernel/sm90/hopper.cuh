@@ -201,6 +201,25 @@ __device__ __forceinline__ void wgmma_ss_n64(float (&d)[8][4], std::uint64_t des
   }
 }
 
+// As wgmma_ss with A from registers (the m16n8k16 A fragment of the thread's warp rows), B
+// K-major in shared memory (imm-trans-b = 0): Q·Kᵀ with Q held in registers.
+template <bool kBf16>
+__device__ __forceinline__ void wgmma_rs_kmajor(float (&d)[16][4], const std::uint32_t (&a)[4], std::uint64_t desc_b,
+                                                int accumulate) {
+#define SP_WGMMA_RS_KMAJOR_N128(TY)                                                                          \
+  asm volatile(                                                                                             \
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %69, 0;\n"                                                          \
+      "wgmma.mma_async.sync.aligned.m64n128k16.f32." TY " " SP_D64 ", {%64, %65, %66, %67}, %68, p, 1, 1, 0;\n}\n" \
+      : SP_ACC64(d)                                                                                         \
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(accumulate))
+  if constexpr (kBf16) {
+    SP_WGMMA_RS_KMAJOR_N128("bf16.bf16");
+  } else {
+    SP_WGMMA_RS_KMAJOR_N128("f16.f16");
+  }
+#undef SP_WGMMA_RS_KMAJOR_N128
+}
+
 // d[64 x 8·kN] += A[64 x 16] · B[16 x 8·kN] (P·V), A from registers (the m16n8k16 A fragment of
 // the thread's warp rows), B N-major in shared memory (imm-trans-b = 1). kN = 16 or 8 (d = 128, 64).
 template <bool kBf16, int kN>
