@@ -180,6 +180,13 @@ __device__ __forceinline__ void fence_regs(float (&a)[kN][4]) {
       : SP_ACC32(d)                                                                                        \
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(1))
 
+#define SP_WGMMA_RS_KMAJOR_N128(TY)                                                                          \
+  asm volatile(                                                                                             \
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %69, 0;\n"                                                          \
+      "wgmma.mma_async.sync.aligned.m64n128k16.f32." TY " " SP_D64 ", {%64, %65, %66, %67}, %68, p, 1, 1, 0;\n}\n" \
+      : SP_ACC64(d)                                                                                         \
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(accumulate))
+
 // d[64 x 128] (+)= A[64 x 16] · B[16 x 128], both from shared memory, both K-major (Q·Kᵀ). The
 // accumulator of thread (warp w, lane 4g + t) is d[j][e] = D[16w + g + 8(e / 2)][8j + 2t + e % 2].
 template <bool kBf16>
@@ -206,18 +213,11 @@ __device__ __forceinline__ void wgmma_ss_n64(float (&d)[8][4], std::uint64_t des
 template <bool kBf16>
 __device__ __forceinline__ void wgmma_rs_kmajor(float (&d)[16][4], const std::uint32_t (&a)[4], std::uint64_t desc_b,
                                                 int accumulate) {
-#define SP_WGMMA_RS_KMAJOR_N128(TY)                                                                          \
-  asm volatile(                                                                                             \
-      "{\n.reg .pred p;\nsetp.ne.b32 p, %69, 0;\n"                                                          \
-      "wgmma.mma_async.sync.aligned.m64n128k16.f32." TY " " SP_D64 ", {%64, %65, %66, %67}, %68, p, 1, 1, 0;\n}\n" \
-      : SP_ACC64(d)                                                                                         \
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(accumulate))
   if constexpr (kBf16) {
     SP_WGMMA_RS_KMAJOR_N128("bf16.bf16");
   } else {
     SP_WGMMA_RS_KMAJOR_N128("f16.f16");
   }
-#undef SP_WGMMA_RS_KMAJOR_N128
 }
 
 // d[64 x 8·kN] += A[64 x 16] · B[16 x 8·kN] (P·V), A from registers (the m16n8k16 A fragment of
@@ -267,6 +267,7 @@ __device__ __forceinline__ void wgmma_rs_e4m3(float (&d)[17][4], const std::uint
 #undef SP_WGMMA_SS_N64
 #undef SP_WGMMA_RS_N128
 #undef SP_WGMMA_RS_N64
+#undef SP_WGMMA_RS_KMAJOR_N128
 #undef SP_D64
 #undef SP_D32
 #undef SP_ACC64
