@@ -92,6 +92,10 @@ def parse_args():
                     help="sequence lengths of the Llama-3.1-8B shape")
     ap.add_argument("--small-lengths", default="8192", help="lengths of the SmolLM2 shape")
     ap.add_argument("--densities", default="0.05,0.2,0.5", help="random block-mask densities")
+    ap.add_argument("--mask-heads", choices=("q", "kv"), default="q",
+                    help="draw each random block mask per query head (q) or per KV head, the "
+                         "group's query heads then sharing it (kv: a probe of K/V sharing "
+                         "through L2, left out of the issue targets)")
     ap.add_argument("--gate-densities", default="0.2,0.5", help="exact_gate target densities")
     ap.add_argument("--paged-lengths", default="32768,131072",
                     help="Llama-3.1-8B lengths with paged K/V rows (subset of --lengths)")
@@ -633,8 +637,11 @@ class Case:
     def run(self):
         nb = self.n // BLOCK
         masks = [Mask(random_block_map(self.h_q, nb, 1.0, self.gen), "dense", None)]
+        group = self.h_q // self.h_kv if self.args.mask_heads == "kv" else 1
+        if group > 1:
+            self.record["mask_heads"] = "kv"
         for dens in floats(self.args.densities):
-            keep = random_block_map(self.h_q, nb, dens, self.gen)
+            keep = random_block_map(self.h_q // group, nb, dens, self.gen).repeat_interleave(group, dim=1)
             masks.append(Mask(keep, f"{dens:.0%}", dens))
             del keep
         self.run_peers(masks)
