@@ -67,13 +67,13 @@ struct FwdConfig {
   static constexpr int kVStageBytes = kTileBytes + (kRowSumInPv ? kAtomBytes : 0);
   // wgmma K steps of 32 bytes: k16 of 16-bit elements, k32 of e4m3.
   static constexpr int kQkSteps = kHeadDim * kElemBytes / 32;
+  static constexpr int kPvSteps = kTileN * kElemBytes / 32;
   // The 16-bit contiguous d = 128 instances keep Q in registers (32 per thread) as Q·Kᵀ's A
   // operand, so a Q·Kᵀ reads only K from shared memory: dense 1.6% faster at 16K, exact_gate
   // 20% 2% at 64K, block_sparse 20% 5% at 16K, while d = 64 (SmolLM2 8K) ran dense 2-3% slower
   // (record 2026-11-30-h200-hopper-q-in-registers-ab.log). FP8's A would need its own fragment
   // order, and the paged instances' consumers have 224 registers.
   static constexpr bool kQInRegs = !kFp8 && !kPaged && kHeadDim == 128;
-  static constexpr int kPvSteps = kTileN * kElemBytes / 32;
   // setmaxnreg budgets: the warpgroups trade registers within the pool the CTA was launched
   // with, 384 threads at 168 (the most __launch_bounds__(384, 1) gives), so
   // 128·producer + 256·consumer <= 64512, not the SM's 65536 (an increase the pool cannot
