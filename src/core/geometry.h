@@ -120,4 +120,21 @@ struct SegmentGeometry {
   SP_HD std::int64_t key_end(std::int64_t s) const { return min64((s + 1) * len, seq.s_k); }
 };
 
+// The work tile of CTA `index` in a forward grid of tiles · batch · units CTAs: `units` per row
+// tile (query heads, or packed head groups), `units_per_kv` consecutive ones sharing a KV head;
+// tile_rev counts row tiles from each sequence's last (the longest under causal), so both
+// orders start the longest tiles first. Query heads fastest: unit, then batch, then tile_rev.
+// KV-major: the unit within its KV head, batch, tile_rev, then the KV head.
+struct GridTile {
+  int unit;
+  int b;
+  int tile_rev;
+};
+SP_HD GridTile grid_tile(int index, int units, int units_per_kv, int batch, int tiles, bool kv_major) {
+  if (!kv_major) return {index % units, index / units % batch, index / units / batch};
+  const int in_kv = index % units_per_kv;
+  const int rest = index / units_per_kv;
+  return {rest / batch / tiles * units_per_kv + in_kv, rest % batch, rest / batch % tiles};
+}
+
 }  // namespace sparseprefill::geom

@@ -244,6 +244,14 @@ Status compute_capability(int device, int* major, int* minor) {
   return {};
 }
 
+// The device's L2 size in bytes (kv_major_grid needs it).
+Status l2_bytes(int device, std::int64_t* bytes) {
+  int l2 = 0;
+  SP_CUDA_TRY(cudaDeviceGetAttribute(&l2, cudaDevAttrL2CacheSize, device), "cudaDeviceGetAttribute");
+  *bytes = l2;
+  return {};
+}
+
 // estimate_select's selector instance for a call on the shape's device (choose_select_path;
 // the path override and the test hook send it to the portable one).
 Status find_selector(const ProblemShape& shape, const SelectVariant** out) {
@@ -674,6 +682,9 @@ Status run_checked(const AttentionProblem& problem, const ProblemShape& shape, c
                                      &scratch, &p, &table));
   int cc_major = 0, cc_minor = 0;
   SP_RETURN_IF_ERROR(compute_capability(shape.device.index, &cc_major, &cc_minor));
+  std::int64_t l2 = 0;
+  SP_RETURN_IF_ERROR(l2_bytes(shape.device.index, &l2));
+  p.kv_major = kv_major_grid(shape, l2);
   bool forced = false;
   SP_RETURN_IF_ERROR(portable_forced(std::getenv(kPathEnv), &forced));
   PackGqa pack_gqa = PackGqa::kAuto;

@@ -145,6 +145,13 @@ Status pack_gqa_mode(const char* env_value, PackGqa* mode) {
   return {};
 }
 
+bool kv_major_grid(const ProblemShape& shape, std::int64_t l2_bytes) {
+  std::int64_t kv_bytes = 0;
+  const auto row_bytes = static_cast<std::int64_t>(2 * shape.h_kv * shape.d * dtype_size(shape.dtype));
+  for (const std::int64_t s_k : shape.seq_k) kv_bytes += s_k * row_bytes;
+  return kv_bytes > l2_bytes;
+}
+
 int choose_q_pack(const ProblemShape& shape, PolicyMode mode, bool mask_per_kv_head, PackGqa pack) {
   const int g = shape.group();
   const bool shared_visits = mode == PolicyMode::kDense || (mode == PolicyMode::kBlockMask && mask_per_kv_head);

@@ -86,6 +86,19 @@ Status pack_gqa_mode(const char* env_value, PackGqa* mode);
 // Σ_b ceil(s_q,b · G / 128) · h_kv tiles are fewer than 0.9 · Σ_b ceil(s_q,b / 128) · h_q.
 int choose_q_pack(const ProblemShape& shape, PolicyMode mode, bool mask_per_kv_head, PackGqa pack);
 
+// The forward kernels' grid order (FwdParams::kv_major). Both start the longest query tiles
+// (the last, under causal) first. Query heads fastest: the CTAs running at once are every head
+// of a few query blocks, so they stream every KV head's K/V. KV head outermost: they are the
+// heads of one KV group over a run of consecutive query blocks (about one wave), which load
+// the same K/V tiles, so each tile is reused from L2 by all of them. True when the call's K and
+// V (Σ_b seq_k,b · h_kv · d · 2 elements) exceed `l2_bytes`, the device's L2: there the other
+// order makes every head group re-read its tiles from DRAM. Measured on the H200 (50 MB L2;
+// record 2026-11-30-h200-kv-major-grid-ab.log): Llama-3.1-8B shape at 128K (512 MB of K/V)
+// block masks 17% faster, exact_gate at 20% 9%, dense 1.5%, estimate_select + mean correction
+// 3.5%; at 16K (64 MB) dense 2% and block masks at 50% 3.6%; SmolLM2 at 8K (6 MB, resident in L2
+// either way) block masks and exact_gate 3-4% slower, so it keeps query heads fastest.
+bool kv_major_grid(const ProblemShape& shape, std::int64_t l2_bytes);
+
 // The instance family of estimate_select's selector (a launch of its own, before the attention
 // kernel): Hopper (wgmma; no tensor maps, so any layout check_layout accepts) on compute
 // capability 9.0 when an sm90 selector of (dtype, head_dim) is compiled and `portable` (the

@@ -135,6 +135,37 @@ TEST(Geometry, SegmentsMatchTheOraclesDefinition) {
   }
 }
 
+// The forward grid's two orders: each visits every (unit, sequence, row tile) exactly once, and
+// both start with the last row tiles. Query heads fastest: the first units · batch CTAs are
+// row tile 0 of every unit. KV-major: the first units_per_kv · batch · tiles CTAs are KV head
+// 0's, their row tiles never decreasing; packed tiles (units_per_kv 1) go by unit alone.
+TEST(Geometry, GridTileOrdersCoverEveryTileOnce) {
+  struct Grid {
+    int units, per_kv, batch, tiles;
+  };
+  for (const Grid gr : {Grid{8, 4, 3, 5}, Grid{9, 3, 1, 64}, Grid{2, 1, 2, 7}, Grid{1, 1, 1, 1}}) {
+    for (const bool kv_major : {false, true}) {
+      const int n = gr.units * gr.batch * gr.tiles;
+      std::vector<int> seen(static_cast<std::size_t>(n), 0);
+      for (int i = 0; i < n; ++i) {
+        const sp::geom::GridTile t = sp::geom::grid_tile(i, gr.units, gr.per_kv, gr.batch, gr.tiles, kv_major);
+        const std::string what = "kv_major " + std::to_string(kv_major) + " units " + std::to_string(gr.units) +
+                                 " index " + std::to_string(i);
+        ASSERT_TRUE(t.unit >= 0 && t.unit < gr.units && t.b >= 0 && t.b < gr.batch && t.tile_rev >= 0 &&
+                    t.tile_rev < gr.tiles)
+            << what;
+        ++seen[static_cast<std::size_t>((t.tile_rev * gr.batch + t.b) * gr.units + t.unit)];
+        if (!kv_major && i < gr.units * gr.batch) EXPECT_EQ(t.tile_rev, 0) << what;
+        if (kv_major) {
+          EXPECT_EQ(t.unit / gr.per_kv, i / (gr.per_kv * gr.batch * gr.tiles)) << what;
+          EXPECT_EQ(t.tile_rev, i / (gr.per_kv * gr.batch) % gr.tiles) << what;
+        }
+      }
+      EXPECT_EQ(std::count(seen.begin(), seen.end(), 1), n) << "kv_major " << kv_major;
+    }
+  }
+}
+
 // A tiny batched problem over owned host storage.
 struct Tiny {
   std::vector<float> q, k, v, o, lse;

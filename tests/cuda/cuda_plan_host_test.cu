@@ -441,6 +441,27 @@ TEST(CudaPlan, GqaPackingWhereTheGroupSharesItsVisits) {
   EXPECT_EQ(choose_q_pack(shape_of(32, 4096, 64, 4, 128), dense, false, PackGqa::kAlways), 16);
 }
 
+// The grid goes KV head outermost exactly when the call's K and V exceed the L2 (the H200's
+// 50 MiB here): Llama-3.1-8B's 8 KV heads × d 128 in bf16 take 4 KiB per key.
+TEST(CudaPlan, KvMajorGridOnceKvOutgrowsTheL2) {
+  constexpr std::int64_t kL2 = std::int64_t{50} << 20;
+  EXPECT_FALSE(kv_major_grid(shape_of(8192, 8192, 32, 8, 128), kL2));    // 32 MiB
+  EXPECT_TRUE(kv_major_grid(shape_of(16384, 16384, 32, 8, 128), kL2));   // 64 MiB
+  EXPECT_TRUE(kv_major_grid(shape_of(128, 16384, 32, 8, 128), kL2));     // a chunk reads every key
+  EXPECT_FALSE(kv_major_grid(shape_of(8192, 8192, 9, 3, 64), kL2));      // SmolLM2: 6 MiB
+  EXPECT_FALSE(kv_major_grid(shape_of(16384, 16384, 32, 8, 128, DType::kFP8E4M3), kL2));  // 32 MiB
+  EXPECT_TRUE(kv_major_grid(shape_of(16384, 16384, 32, 8, 128, DType::kFP8E4M3), kL2 / 2));
+  // The boundary: exactly the L2 stays heads-fastest (12800 keys × 4 KiB = 50 MiB).
+  EXPECT_FALSE(kv_major_grid(shape_of(12800, 12800, 32, 8, 128), kL2));
+  EXPECT_TRUE(kv_major_grid(shape_of(12801, 12801, 32, 8, 128), kL2));
+  // Varlen: summed over the sequences (4 × 4096 keys = 64 MiB).
+  ProblemShape four = shape_of(4096, 4096, 32, 8, 128);
+  four.batch = 4;
+  four.seq_q = four.seq_k = {4096, 4096, 4096, 4096};
+  four.q_start = four.k_start = {0, 4096, 8192, 12288};
+  EXPECT_TRUE(kv_major_grid(four, kL2));
+}
+
 TEST(CudaPlan, PagedKvStagedWhenTheCopyIsCheaperThanReadingPages) {
   constexpr std::size_t kFree = std::size_t{100} << 30;
   const auto paged = [](std::vector<std::int64_t> s_q, std::vector<std::int64_t> s_k) {

@@ -115,6 +115,7 @@ struct FwdParams {
   int group;          // h_q / h_kv (contiguous GQA: q head h reads kv head h / group)
   int num_q_blocks;   // max over the batch of ceil(s_q / kBlockM): the grid's extent
   int q_pack;         // Hopper kernel: query heads per tile, 1 or the group (choose_q_pack)
+  bool kv_major;      // grid order: KV head outermost instead of query heads fastest (kv_major_grid)
   bool causal;        // bottom-right aligned
   float scale;        // softmax scale (natural-log domain)
   float scale_log2;   // scale · log2(e): kernels work in the exp2 domain

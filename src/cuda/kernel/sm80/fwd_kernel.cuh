@@ -187,16 +187,10 @@ __global__ void __launch_bounds__(Cfg::kThreads, 2) fwd_kernel(const __grid_cons
   const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
   const int g = lane / 4, t4 = lane % 4;  // accumulator row (and row + 8) and column pair
 
-  // Work tile. Heads vary fastest, so the query heads of one KV group run on adjacent CTAs and
-  // share each K/V tile through L2, and the last query blocks (the longest under causal) of
-  // every head start first: the best tail at a few waves. (Ordering by KV head first, so that
-  // the CTAs running at once stream one head's K/V, measured +0.4% at 32K Llama and -29% at 8K
-  // SmolLM2 on the H200: docs/cuda.md.)
-  int tile = blockIdx.x;
-  const int h = tile % p.h_q;
-  tile /= p.h_q;
-  const int b = tile % p.batch;
-  const int qb_rev = tile / p.batch;
+  // Work tile in the order kv_major_grid (plan.h) chose: the last query blocks (the longest
+  // under causal) start first either way.
+  const auto gt = geom::grid_tile(static_cast<int>(blockIdx.x), p.h_q, p.group, p.batch, p.num_q_blocks, p.kv_major);
+  const int h = gt.unit, b = gt.b, qb_rev = gt.tile_rev;
   const int hk = h / p.group;
   const SeqInfo seq = p.seqs[b];
   const geom::BlockGeometry geo{{seq.s_q, seq.s_k, p.causal}, kBlockM, p.block_k};

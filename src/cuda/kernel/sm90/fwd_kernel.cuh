@@ -469,11 +469,12 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
   S& sm = *reinterpret_cast<S*>(smem_raw + ((1024 - (raw & 1023)) & 1023));
 
   const int pack = p.q_pack;
-  int tile_id = blockIdx.x;
-  const int h = (tile_id % (p.h_q / pack)) * pack;  // the tile's (first) query head
-  tile_id /= p.h_q / pack;
-  const int b = tile_id % p.batch;
-  const int tile_rev = tile_id / p.batch;
+  const int units = p.h_q / pack;
+  const auto gt = geom::grid_tile(static_cast<int>(blockIdx.x), units, p.group / pack, p.batch,
+                                  static_cast<int>(gridDim.x) / (p.batch * units), p.kv_major);
+  const int h = gt.unit * pack;  // the tile's (first) query head
+  const int b = gt.b;
+  const int tile_rev = gt.tile_rev;
   const int hk = h / p.group;
   const SeqInfo seq = p.seqs[b];
   const geom::BlockGeometry geo{{seq.s_q, seq.s_k, p.causal}, Cfg::kTileM, kTileN};
