@@ -92,11 +92,13 @@ int choose_q_pack(const ProblemShape& shape, PolicyMode mode, bool mask_per_kv_h
 // heads of one KV group over a run of consecutive query blocks (about one wave), which load
 // the same K/V tiles, so each tile is reused from L2 by all of them. True when the call's K and
 // V (Σ_b seq_k,b · h_kv · d · 2 elements) exceed `l2_bytes`, the device's L2: there the other
-// order makes every head group re-read its tiles from DRAM. Measured on the H200 (50 MB L2;
+// order makes every head group re-read its tiles from DRAM. Measured on the H200 (60 MB of L2;
 // record 2026-11-30-h200-kv-major-grid-ab.log): Llama-3.1-8B shape at 128K (512 MB of K/V)
 // block masks 17% faster, exact_gate at 20% 9%, dense 1.5%, estimate_select + mean correction
 // 3.5%; at 16K (64 MB) dense 2% and block masks at 50% 3.6%; SmolLM2 at 8K (6 MB, resident in L2
-// either way) block masks and exact_gate 3-4% slower, so it keeps query heads fastest.
+// either way) block masks and exact_gate 3-4% slower, so it keeps query heads fastest. Packed
+// tiles (q_pack = G) take it too: estimate_select + mean correction with pack_gqa at 128K ran
+// as before (16.9 ms; record 2026-11-30-h200-kv-major-grid).
 bool kv_major_grid(const ProblemShape& shape, std::int64_t l2_bytes);
 
 // The instance family of estimate_select's selector (a launch of its own, before the attention

@@ -441,8 +441,8 @@ TEST(CudaPlan, GqaPackingWhereTheGroupSharesItsVisits) {
   EXPECT_EQ(choose_q_pack(shape_of(32, 4096, 64, 4, 128), dense, false, PackGqa::kAlways), 16);
 }
 
-// The grid goes KV head outermost exactly when the call's K and V exceed the L2 (the H200's
-// 50 MiB here): Llama-3.1-8B's 8 KV heads × d 128 in bf16 take 4 KiB per key.
+// The grid goes KV head outermost exactly when the call's K and V exceed the L2 (50 MiB here,
+// an H100's; an H200 has 60): Llama-3.1-8B's 8 KV heads × d 128 in bf16 take 4 KiB per key.
 TEST(CudaPlan, KvMajorGridOnceKvOutgrowsTheL2) {
   constexpr std::int64_t kL2 = std::int64_t{50} << 20;
   EXPECT_FALSE(kv_major_grid(shape_of(8192, 8192, 32, 8, 128), kL2));    // 32 MiB
