@@ -96,10 +96,10 @@ int choose_q_pack(const ProblemShape& shape, PolicyMode mode, bool mask_per_kv_h
 // record 2026-11-30-h200-kv-major-grid-ab.log): Llama-3.1-8B shape at 128K (512 MB of K/V)
 // block masks 17% faster, exact_gate at 20% 9%, dense 1.5%, estimate_select + mean correction
 // 3.5%; at 16K (64 MB) dense 2% and block masks at 50% 3.6%; at 32K and 64K dense 2% and
-// exact_gate 3-6% (2026-11-30-h200-kv-major-grid-32k-64k-ab.log); SmolLM2 at 8K (6 MB, resident in L2
-// either way) block masks and exact_gate 3-4% slower, so it keeps query heads fastest. Packed
-// tiles (q_pack = G) take it too: estimate_select + mean correction with pack_gqa at 128K ran
-// as before (16.9 ms; record 2026-11-30-h200-kv-major-grid).
+// exact_gate 3-6% (2026-11-30-h200-kv-major-grid-32k-64k-ab.log); SmolLM2 at 8K (6 MB,
+// resident in L2 either way) block masks and exact_gate 3-4% slower, so it keeps query heads
+// fastest. Packed tiles (q_pack = G) take it too: estimate_select + mean correction with
+// pack_gqa at 128K ran as before (16.9 ms; record 2026-11-30-h200-kv-major-grid).
 bool kv_major_grid(const ProblemShape& shape, std::int64_t l2_bytes);
 
 // The instance family of estimate_select's selector (a launch of its own, before the attention
