@@ -71,9 +71,9 @@ struct FwdConfig {
   // The 16-bit contiguous d = 128 instances keep Q in registers (32 per thread) as Q·Kᵀ's A
   // operand, so a Q·Kᵀ reads only K from shared memory: dense 1.6% faster at 16K, exact_gate
   // 20% 2% at 64K, block_sparse 20% 5% at 16K, while d = 64 (SmolLM2 8K) ran dense 2-3% slower
-  // (record 2026-11-30-h200-hopper-q-in-registers-ab.log). FP8 (whose A fragments the same
-  // ldmatrix addresses would give) is not timed with it yet, and the paged instances' consumers
-  // (224 registers) spill 8 bytes with it.
+  // (record 2026-11-30-h200-hopper-q-in-registers-ab.log). FP8 with it (e4m3 wgmma RS) ran 3-5%
+  // slower (2026-11-30-h200-fp8-q-in-registers-ab.log), and the paged instances' consumers (224
+  // registers) spill 8 bytes with it.
   static constexpr bool kQInRegs = !kFp8 && !kPaged && kHeadDim == 128;
   // setmaxnreg budgets: the warpgroups trade registers within the pool the CTA was launched
   // with, 384 threads at 168 (the most __launch_bounds__(384, 1) gives), so

@@ -268,8 +268,10 @@ __device__ __forceinline__ void wgmma_rs_e4m3(float (&d)[17][4], const std::uint
 #undef SP_WGMMA_RS_N128
 #undef SP_WGMMA_RS_N64
 #undef SP_WGMMA_RS_KMAJOR_N128
+#undef SP_D68
 #undef SP_D64
 #undef SP_D32
+#undef SP_ACC68
 #undef SP_ACC64
 #undef SP_ACC32
 #undef SP_F4
