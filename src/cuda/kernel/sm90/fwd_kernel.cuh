@@ -799,9 +799,25 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
       const bool keep = !gated || vote(it, mx);
       float alpha[2] = {1.f, 1.f};
       const bool moved = keep && softmax_tile<!Cfg::kRowSumInPv>(s, mx, stats, scale_log2, !kGated || lazy, alpha);
-      hw::wgmma_wait<0>();  // P·V done: its P registers and V stage are free
-      hw::fence_regs(o);
-      if (moved) scale_acc(o, alpha);  // for this tile's P·V, next round
+      // This warpgroup's previous P·V is still in flight; the wait for it ends the round. ptxas
+      // hoists a wgmma wait to the top of its basic block, which in the plain and mean-tile
+      // rounds put it before the row max: their softmax waited for the P·V it should overlap.
+      // In branches of their own the waits stay after the softmax: dense 3.3-4.8% faster at
+      // 16K-128K, block masks at 20% 2-6%, estimate_select + mean correction at 128K 1.5%
+      // (bench/records/2026-11-30-h200-wait-after-softmax-ab.log). FP8 keeps one wait, which
+      // ptxas hoists as before: the overlap made it 5% slower (same record; not profiled).
+      if constexpr (Cfg::kFp8) {
+        hw::wgmma_wait<0>();  // P·V done: its P registers and V stage are free
+        hw::fence_regs(o);
+        if (moved) scale_acc(o, alpha);  // for this tile's P·V, next round
+      } else if (moved) {
+        hw::wgmma_wait<0>();
+        hw::fence_regs(o);
+        scale_acc(o, alpha);
+      } else {
+        hw::wgmma_wait<0>();
+        hw::fence_regs(o);
+      }
       if (pending) {
         release(sm.v_free[v_st]);
         ++v_count;
