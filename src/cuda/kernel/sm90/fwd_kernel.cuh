@@ -806,6 +806,9 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
       // 16K-128K, block masks at 20% 2-6%, estimate_select + mean correction at 128K 1.5%
       // (bench/records/2026-11-30-h200-wait-after-softmax-ab.log). FP8 keeps one wait, which
       // ptxas hoists as before: the overlap made it 5% slower (same record; not profiled).
+      // ptxas's schedule follows this exact form (a lambda for the wait, or the FP8 arm written
+      // otherwise, gave other SASS): compare the SASS (scripts/profile/sass_local.sh) before
+      // rewriting it.
       if constexpr (Cfg::kFp8) {
         hw::wgmma_wait<0>();  // P·V done: its P registers and V stage are free
         hw::fence_regs(o);
