@@ -236,6 +236,8 @@ thread_local bool t_portable_only = false;
 thread_local KvStagingForTesting t_kv_staging = KvStagingForTesting::kAuto;
 thread_local bool t_last_staged = false;
 thread_local int t_last_q_pack = 1;
+thread_local int t_last_gate_passes = 0;
+thread_local int t_gate_passes = 0;
 
 // The device's compute capability (choose_fwd_path needs it).
 Status compute_capability(int device, int* major, int* minor) {
@@ -461,6 +463,41 @@ Status launch_selection(const ProblemShape& shape, const FwdParams& p, const Est
   return launch_status(select->launch(sp, stream), select->name);
 }
 
+// exact_gate's first pass (choose_gate_passes): launches the decision kernel `gate` for the
+// forward call `p` (mode kExactGate; it writes the kept bitmap if p->kept_bits is set) and turns
+// `p` into the block-mask call over the rows it writes: one per query head, in the capacity
+// layout, as the selector's.
+Status launch_gate_decisions(const ProblemShape& shape, const Gate90Variant& gate, Scratch* scratch,
+                             cudaStream_t stream, FwdParams* p) {
+  const int k_blocks = static_cast<int>(geom::ceil_div(shape.max_seq_k(), hopper_block_k()));
+  GateParams gp{};
+  gp.fwd = *p;
+  gp.fwd.mask_k_blocks = k_blocks;
+  gp.heads_per_cta = gate_heads_per_cta(shape.group());
+  gp.words = bitmap_words(k_blocks);
+  const std::size_t rows = static_cast<std::size_t>(shape.batch) * static_cast<std::size_t>(shape.h_q) *
+                           static_cast<std::size_t>(p->num_q_blocks);
+  const std::size_t cap = rows * static_cast<std::size_t>(k_blocks);
+  SP_RETURN_IF_ERROR(scratch->alloc(rows, &gp.full_count));
+  SP_RETURN_IF_ERROR(scratch->alloc(rows, &gp.partial_count));
+  SP_RETURN_IF_ERROR(scratch->alloc(cap, &gp.full_index));
+  SP_RETURN_IF_ERROR(scratch->alloc(cap, &gp.partial_index));
+  SP_RETURN_IF_ERROR(launch_status(gate.launch(gp, stream), gate.name));
+  p->mode = PolicyMode::kBlockMask;
+  p->full_count = gp.full_count;
+  p->full_index = gp.full_index;
+  p->partial_count = gp.partial_count;
+  p->partial_index = gp.partial_index;
+  p->full_start = nullptr;
+  p->partial_start = nullptr;
+  p->mask_heads = shape.h_q;
+  p->mask_per_kv_head = false;
+  p->mask_q_blocks = p->num_q_blocks;
+  p->mask_k_blocks = k_blocks;
+  p->kept_bits = nullptr;  // written by the decision kernel
+  return {};
+}
+
 // Copies a launched selection back into `out` (kept, and corrected with mean correction);
 // synchronises the stream.
 Status read_selection(const ProblemShape& shape, const EstimateSelectParams& es, const Selection& sel,
@@ -658,6 +695,8 @@ void set_portable_only_for_testing(bool portable_only) { t_portable_only = porta
 void set_kv_staging_for_testing(KvStagingForTesting mode) { t_kv_staging = mode; }
 bool last_call_staged_kv_for_testing() { return t_last_staged; }
 int last_q_pack_for_testing() { return t_last_q_pack; }
+int last_gate_passes_for_testing() { return t_last_gate_passes; }
+void set_gate_passes_for_testing(int passes) { t_gate_passes = passes; }
 
 std::string cuda_build_info() {
   return std::string("cuda architectures (portable path): ") + SP_CUDA_ARCHS + "; Hopper path: 90a-real\n" + "cuda kernels: " +
@@ -789,6 +828,14 @@ Status run_checked(const AttentionProblem& problem, const ProblemShape& shape, c
       policy);
   SP_RETURN_IF_ERROR(st);
 
+  if (p.mode == PolicyMode::kExactGate) {
+    GatePasses passes = t_gate_passes == 1 ? GatePasses::kOne : t_gate_passes == 2 ? GatePasses::kTwo : GatePasses::kAuto;
+    if (t_gate_passes == 0) SP_RETURN_IF_ERROR(gate_passes_mode(std::getenv(kGatePassesEnv), &passes));
+    const Gate90Variant* gate90 = find_gate90(shape.dtype, shape.d);
+    const bool two = choose_gate_passes(shape, path, gate90 != nullptr, passes);
+    if (two) SP_RETURN_IF_ERROR(launch_gate_decisions(shape, *gate90, &scratch, stream, &p));
+    t_last_gate_passes = two ? 2 : 1;
+  }
   bool launched = false;
   if (path == FwdPath::kHopper) {
     const bool paged = shape.kv_layout == KvLayout::kPaged;

@@ -66,5 +66,10 @@ bool last_call_staged_kv_for_testing();
 // Query heads per tile of the last forward launch (FwdParams::q_pack: 1, or the group when the
 // Hopper kernel packed it).
 int last_q_pack_for_testing();
+// Passes of the last exact_gate call (choose_gate_passes: 1 or 2; 0 before any), and a
+// per-thread override of SPARSEPREFILL_EXACT_GATE_PASSES (1 or 2; 0: the variable, or the plan,
+// decides), so that the GPU suite runs both executions on an H100/H200.
+int last_gate_passes_for_testing();
+void set_gate_passes_for_testing(int passes);
 
 }  // namespace sparseprefill::cuda

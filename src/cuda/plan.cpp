@@ -168,6 +168,34 @@ int choose_q_pack(const ProblemShape& shape, PolicyMode mode, bool mask_per_kv_h
   return 10 * packed < 9 * unpacked ? g : 1;
 }
 
+Status gate_passes_mode(const char* env_value, GatePasses* mode) {
+  const std::string v = env_value == nullptr ? std::string() : std::string(env_value);
+  if (v.empty() || v == "auto") {
+    *mode = GatePasses::kAuto;
+  } else if (v == "1") {
+    *mode = GatePasses::kOne;
+  } else if (v == "2") {
+    *mode = GatePasses::kTwo;
+  } else {
+    return invalid_argument(std::string(kGatePassesEnv) + ": expected \"auto\", \"1\" or \"2\" (or unset), got \"" + v +
+                            "\"");
+  }
+  return {};
+}
+
+bool choose_gate_passes(const ProblemShape& shape, FwdPath path, bool instance, GatePasses mode) {
+  const bool possible = path == FwdPath::kHopper && instance && shape.kv_layout != KvLayout::kPaged &&
+                        shape.dtype != DType::kFP8E4M3;
+  return possible && mode == GatePasses::kTwo;
+}
+
+int gate_heads_per_cta(int group) {
+  for (int h = 4; h > 1; --h) {
+    if (group % h == 0) return h;
+  }
+  return 1;
+}
+
 FwdPath choose_select_path(const ProblemShape& shape, int cc_major, int cc_minor, bool portable) {
   const bool hopper = cc_major == 9 && cc_minor == 0 && !portable;
   return hopper && find_select90(shape.dtype, shape.d) != nullptr ? FwdPath::kHopper : FwdPath::kPortable;

@@ -103,6 +103,28 @@ int choose_q_pack(const ProblemShape& shape, PolicyMode mode, bool mask_per_kv_h
 // kernel at 128K: block masks 12.5%, exact_gate 5.5% faster (-portable-kv-major-grid-ab.log).
 bool kv_major_grid(const ProblemShape& shape, std::int64_t l2_bytes);
 
+// exact_gate's execution on the Hopper path (docs/cuda.md, "exact_gate in two passes"): one
+// pass, the forward kernel's in-loop gate (every gated block's S, a CTA-wide vote, then the
+// softmax and P·V of the kept ones), or two: the decision kernel (kernel/sm90/gate_kernel.cuh)
+// computes every gated block's S and writes the kept blocks as a block mask, then the forward
+// kernel runs that mask. Decisions, the blocks visited and their order are the same either
+// way. The environment variable kGatePassesEnv chooses: unset, empty or "auto"
+// (choose_gate_passes), "1" or "2"; anything else is an error naming the variable and the
+// values it takes.
+enum class GatePasses { kAuto, kOne, kTwo };
+constexpr const char* kGatePassesEnv = "SPARSEPREFILL_EXACT_GATE_PASSES";
+Status gate_passes_mode(const char* env_value, GatePasses* mode);
+
+// Whether an exact_gate call on `path` runs two passes: only on the Hopper path over contiguous
+// 16-bit K/V with a decision instance of (dtype, head_dim) compiled (`instance`); then as
+// `mode` asks, kAuto: TBD.
+bool choose_gate_passes(const ProblemShape& shape, FwdPath path, bool instance, GatePasses mode);
+
+// Query heads of one KV group the decision kernel scores against each K tile it loads: the
+// largest divisor of the group that is at most 4 (its shared memory holds 4 Q tiles of d = 128
+// beside two K stages).
+int gate_heads_per_cta(int group);
+
 // The instance family of estimate_select's selector (a launch of its own, before the attention
 // kernel): Hopper (wgmma; no tensor maps, so any layout check_layout accepts) on compute
 // capability 9.0 when an sm90 selector of (dtype, head_dim) is compiled and `portable` (the

@@ -46,6 +46,11 @@ constexpr CalibVariant kCalibVariants[] = {
 #include "cuda/instances/registry.inc"
 };
 
+constexpr Gate90Variant kGate90Variants[] = {
+#define SP_GATE90_VARIANT(fn, dtype, head_dim) {#fn, DType::dtype, head_dim, &fn},
+#include "cuda/instances/registry.inc"
+};
+
 // The first entry of `table` that `match` accepts, or nullptr.
 template <class V, std::size_t N, class Match>
 const V* find_in(const V (&table)[N], const Match& match) {
@@ -89,6 +94,10 @@ const CalibVariant* find_calib(DType dtype, int head_dim) {
   return find_in(kCalibVariants, [&](const CalibVariant& v) { return v.dtype == dtype && v.head_dim == head_dim; });
 }
 
+const Gate90Variant* find_gate90(DType dtype, int head_dim) {
+  return find_in(kGate90Variants, [&](const Gate90Variant& v) { return v.dtype == dtype && v.head_dim == head_dim; });
+}
+
 std::string compiled_fwd_summary() {
   std::ostringstream os;
   for (std::size_t i = 0; i < std::size(kFwdVariants); ++i) {
@@ -117,6 +126,7 @@ std::string compiled_instances() {
   for (const Permute90Variant& v : kPermute90Variants) os << v.name << "\n";
   for (const SelectVariant& v : kSelect90Variants) os << v.name << "\n";
   for (const CalibVariant& v : kCalibVariants) os << v.name << "\n";
+  for (const Gate90Variant& v : kGate90Variants) os << v.name << "\n";
   return os.str();
 }
 

@@ -17,6 +17,7 @@ namespace sparseprefill::cuda {
 using FwdLaunchFn = int (*)(const FwdParams& params, void* stream);
 using SelectLaunchFn = int (*)(const SelectParams& params, void* stream);
 using CalibLaunchFn = int (*)(const CalibParams& params, void* stream);
+using GateLaunchFn = int (*)(const GateParams& params, void* stream);
 // permute_stop's attention over the ranked, sorted orders (params.ranked and params.query_order
 // set): the Hopper instances (permute_sm90_*).
 using PermuteAttendFn = int (*)(const PermuteParams& params, void* stream);
@@ -108,12 +109,20 @@ struct CalibVariant {
   CalibLaunchFn launch;
 };
 
+struct Gate90Variant {
+  const char* name;  // e.g. "gate_sm90_bf16_hd128"
+  DType dtype;
+  int head_dim;
+  GateLaunchFn launch;
+};
+
 #define SP_FWD_VARIANT(fn, dtype, head_dim, gated, plain) int fn(const FwdParams& params, void* stream);
 #define SP_SELECT_VARIANT(fn, dtype, head_dim) int fn(const SelectParams& params, void* stream);
 #define SP_CALIB_VARIANT(fn, dtype, head_dim) int fn(const CalibParams& params, void* stream);
 #define SP_PERMUTE_VARIANT(fn, dtype, head_dim) int fn(PermuteParams& params, PermuteAttendFn attend, void* stream);
 #define SP_PERMUTE90_VARIANT(fn, dtype, head_dim) int fn(const PermuteParams& params, void* stream);
 #define SP_SELECT90_VARIANT(fn, dtype, head_dim) int fn(const SelectParams& params, void* stream);
+#define SP_GATE90_VARIANT(fn, dtype, head_dim) int fn(const GateParams& params, void* stream);
 #define SP_FWD90_VARIANT(fn, dtype, head_dim, paged)                                                   \
   int fn(const FwdParams& params, const SeqInfo* host_seqs, const std::int32_t* host_block_table, \
          const HostUpload& upload, void* stream);
@@ -129,6 +138,7 @@ const PermuteVariant* find_permute(DType dtype, int head_dim);
 const Permute90Variant* find_permute90(DType dtype, int head_dim);
 const Fwd90Variant* find_fwd90(DType dtype, int head_dim, bool paged);
 const CalibVariant* find_calib(DType dtype, int head_dim);
+const Gate90Variant* find_gate90(DType dtype, int head_dim);
 // "bf16 d=64, ..." for messages, and one instance name per line for build_info.
 std::string compiled_fwd_summary();
 std::string compiled_fwd90_summary();

@@ -25,7 +25,8 @@ Two kernel families: the portable sm80 path (FWD/SELECT/PERMUTE/CALIB plus two d
 instances, permute_stop's sort and the paged K/V staging copy, every architecture of
 SP_PORTABLE_ARCHS) and the Hopper sm90 path (FWD90: dense and every policy on 128-key blocks;
 PERMUTE90: permute_stop's attention with 128-key chunks, after the portable instance's ranking;
-SELECT90: estimate_select's selector on wgmma, after the portable block-means kernel;
+SELECT90: estimate_select's selector on wgmma, after the portable block-means kernel; GATE90:
+exact_gate's decisions ahead of the attention (the two-pass execution);
 compiled for sm_90a alone; file names contain "sm90", which src/cuda/CMakeLists.txt uses to
 build them as their own target). The Hopper forward kernel has one more axis:
   kv        contiguous or paged: the producer's K/V loads (contiguous tensor maps, or boxes
@@ -100,6 +101,10 @@ def select90_name(dtype, d):
     return f"select_sm90_{dtype}_hd{d}"
 
 
+def gate90_name(dtype, d):
+    return f"gate_sm90_{dtype}_hd{d}"
+
+
 def translation_unit(kernel_header, body):
     """One instance's .cu file: the kernel header, the registry, and `body` (the launch function)
     inside the backend's namespace."""
@@ -132,7 +137,8 @@ def expected_files():
                 "// SP_FWD90_VARIANT(launch function, DType enumerator, head_dim, paged)\n",
                 "// SP_PERMUTE90_VARIANT(launch function, DType enumerator, head_dim)\n",
                 "// SP_SELECT90_VARIANT(launch function, DType enumerator, head_dim)\n",
-                "// SP_CALIB_VARIANT(launch function, DType enumerator, head_dim)\n"]
+                "// SP_CALIB_VARIANT(launch function, DType enumerator, head_dim)\n",
+                "// SP_GATE90_VARIANT(launch function, DType enumerator, head_dim)\n"]
     for dtype, (enum, is_bf16) in DTYPES.items():
         for d in HEAD_DIMS:
             for loop in PORTABLE_LOOPS:
@@ -194,15 +200,21 @@ def expected_files():
                 f"int {name}(const SelectParams& params, void* stream) {{\n"
                 f"  return select90::launch_select<{is_bf16}, {d}>(params, stream);\n")
             registry.append(f"SP_SELECT90_VARIANT({name}, {enum}, {d})\n")
+            name = gate90_name(dtype, d)
+            files[f"{name}.cu"] = translation_unit(
+                "cuda/kernel/sm90/gate_kernel.cuh",
+                f"int {name}(const GateParams& params, void* stream) {{\n"
+                f"  return gate90::launch_gate<{is_bf16}, {d}>(params, stream);\n")
+            registry.append(f"SP_GATE90_VARIANT({name}, {enum}, {d})\n")
     # Every kind's macro defaults to nothing and is undefined at the end, so an includer
     # defines only the kinds it wants.
     kinds = ["SP_FWD_VARIANT(fn, dtype, head_dim, gated, plain)", "SP_SELECT_VARIANT(fn, dtype, head_dim)",
              "SP_PERMUTE_VARIANT(fn, dtype, head_dim)", "SP_FWD90_VARIANT(fn, dtype, head_dim, paged)",
              "SP_PERMUTE90_VARIANT(fn, dtype, head_dim)", "SP_SELECT90_VARIANT(fn, dtype, head_dim)",
-             "SP_CALIB_VARIANT(fn, dtype, head_dim)"]
+             "SP_CALIB_VARIANT(fn, dtype, head_dim)", "SP_GATE90_VARIANT(fn, dtype, head_dim)"]
     defaults = "".join(f"#ifndef {k.split('(')[0]}\n#define {k}\n#endif\n" for k in kinds)
     undefs = "".join(f"#undef {k.split('(')[0]}\n" for k in kinds)
-    files["registry.inc"] = registry[0] + "".join(registry[1:8]) + defaults + "".join(registry[8:]) + undefs
+    files["registry.inc"] = registry[0] + "".join(registry[1:9]) + defaults + "".join(registry[9:]) + undefs
     return files
 
 

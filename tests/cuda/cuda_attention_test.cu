@@ -623,6 +623,60 @@ TEST(CudaExactGate, BlocksThatOneHalfOfTheQueryRowsKeeps) {
   }
 }
 
+// exact_gate's execution forced to one or two passes (choose_gate_passes) for the guard's
+// lifetime, whatever SPARSEPREFILL_EXACT_GATE_PASSES and the plan would choose.
+class GatePassesForced {
+ public:
+  explicit GatePassesForced(int passes) { cuda::set_gate_passes_for_testing(passes); }
+  ~GatePassesForced() { cuda::set_gate_passes_for_testing(0); }
+  GatePassesForced(const GatePassesForced&) = delete;
+  GatePassesForced& operator=(const GatePassesForced&) = delete;
+};
+
+// exact_gate in one pass (the forward kernel's in-loop gate) and in two (the decision kernel,
+// then the forward kernel on the block mask it writes). On the Hopper path both compute S with
+// the same wgmma and visit the kept blocks in the same order with the same softmax steps, so
+// the decisions and every output bit agree; batch-1 cases also match the oracle and the CPU
+// backend's decisions on both paths (expect_gpu_matches, the default execution). GQA groups 1,
+// 3, 4 and 8 (the decision kernel scores 1, 3, 4 and 4 heads per CTA; 8: two CTAs per KV
+// head), head dims 64 and 128, bf16 and fp16, causal with s_q < s_k, a query block of 5 rows
+// whose short last key block is gated, non-causal with a short last block, and a varlen batch
+// with a sequence without keys. Elsewhere than on an sm_90 device every call takes one pass.
+TEST(CudaExactGate, TwoPassesEqualOnePass) {
+  SP_REQUIRE_GPU();
+  struct Case {
+    std::vector<SeqLen> lens;
+    bool causal;
+    int h_q, h_kv, d;
+    DType dtype;
+    Layout layout;
+  };
+  for (const Case& c : {Case{{{700, 1000}}, true, 8, 2, 128, DType::kBF16, Layout::kBatched},
+                        Case{{{5, 1000}}, true, 4, 1, 128, DType::kBF16, Layout::kBatched},
+                        Case{{{300, 900}}, false, 6, 2, 64, DType::kFP16, Layout::kBatched},
+                        Case{{{1100, 1100}, {260, 1500}, {5, 0}}, true, 8, 1, 128, DType::kFP16, Layout::kVarlen},
+                        Case{{{500, 777}}, true, 3, 3, 64, DType::kBF16, Layout::kBatched}}) {
+    SCOPED_TRACE(std::to_string(c.lens.size()) + " sequence(s), " + std::to_string(c.lens[0].s_q) + "x" +
+                 std::to_string(c.lens[0].s_k) + (c.causal ? " causal" : " non-causal") + ", h_q " +
+                 std::to_string(c.h_q) + ", h_kv " + std::to_string(c.h_kv) + ", d " + std::to_string(c.d));
+    const Inputs in = make_inputs(c.lens, c.h_q, c.h_kv, c.d, 1200 + static_cast<std::uint64_t>(c.h_q), c.dtype);
+    TestProblem tp = make_problem(in, c.causal, c.layout);
+    const HostTensor thr = midpoint_thresholds(in, c.causal, 128, 128, 0.3);
+    if (c.lens.size() == 1) expect_gpu_matches(&tp, gate_params(thr, 128));
+    std::vector<GpuRun> runs;
+    for (int passes : {1, 2}) {
+      const GatePassesForced forced(passes);
+      runs.push_back(run_gpu(&tp, gate_params(thr, 128)));
+      ASSERT_TRUE(runs.back().status.ok()) << runs.back().status.to_string();
+      EXPECT_EQ(cuda::last_gate_passes_for_testing(), hopper_device() ? passes : 1);
+    }
+    EXPECT_TRUE(same_decisions(runs[0].decisions, runs[1].decisions));
+    EXPECT_TRUE(same_result(runs[1].out, runs[0].out, 0.0));
+    EXPECT_LT(runs[1].decisions.kept.selected_blocks(), visible_blocks(c.lens, c.h_q, c.causal, 128, 128))
+        << "the thresholds should skip some blocks";
+  }
+}
+
 // ------------------------------------------------------------------ softmax_skip
 
 SoftmaxSkipParams skip_params(double a, int bk) {

@@ -172,6 +172,22 @@ struct FwdParams {
   std::int64_t vt_stride;  // keys per (b, kv head, d) row: max s_k rounded up to 128
 };
 
+// exact_gate's decisions ahead of the attention (plan.h, exact_gate_passes): the forward call's
+// parameters (mode kExactGate, its q, k, geometry, thresholds and kept bitmap) and the
+// BlockMask rows the decision kernel writes for the forward kernel to run as a block mask.
+struct GateParams {
+  FwdParams fwd;
+  int heads_per_cta;  // query heads of one KV group scored against each loaded K tile
+  int words;          // 32-bit words of a bitmap row over fwd.mask_k_blocks key blocks
+  // Rows (b, h_q, qb) of [batch, h_q, num_q_blocks]: counts, and ascending indices at
+  // row · mask_k_blocks (the capacity layout). Partial: the blocks no gate decides (group A);
+  // full: the gated blocks kept.
+  std::int32_t* full_count;
+  std::int32_t* full_index;
+  std::int32_t* partial_count;
+  std::int32_t* partial_index;
+};
+
 // Whether the portable forward kernel's plain instances run a call (variants.py, axis loops):
 // ungated, contiguous K/V (paged calls the launch did not stage into rows) and no mean
 // correction. The other ungated instances run the rest.

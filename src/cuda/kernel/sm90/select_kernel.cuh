@@ -18,6 +18,7 @@
 #include "cuda/kernel/ptx.cuh"
 #include "cuda/kernel/select_kernel.cuh"
 #include "cuda/kernel/sm90/hopper.cuh"
+#include "cuda/kernel/sm90/rows_sw128.cuh"
 
 namespace sparseprefill::cuda::select90 {
 
@@ -52,27 +53,6 @@ struct Select90Config {
     return 1024 + kSmemFixed + static_cast<std::size_t>(num_k_blocks) * sizeof(float);
   }
 };
-
-// Rows 0 .. valid - 1 of a [kRows][kD] source (row r at base + r·row_stride elements) into the
-// swizzled tile at `dst` (16-byte chunk c of row r at d-half c / 8, chunk (c % 8) ^ (r % 8)),
-// rows past `valid` zero-filled without reading. kThreads threads, `t` this one's index; the
-// caller commits the group. A thread's rows are kRowStep (a multiple of 8) apart: one swizzle.
-template <int kRows, int kD, int kThreads>
-__device__ __forceinline__ void load_rows_sw128(std::uint32_t dst, const std::uint16_t* base, std::int64_t row_stride,
-                                                int valid, int t) {
-  constexpr int kChunks = kD / 8;
-  constexpr int kRowStep = kThreads / kChunks;
-  static_assert(kRowStep % 8 == 0 && kRows % kRowStep == 0, "constant swizzle per thread");
-  const int c = t % kChunks, r0 = t / kChunks;
-  const std::uint32_t to = dst + static_cast<std::uint32_t>((c / 8) * kRows * 128 + r0 * 128 + (((c % 8) ^ (r0 & 7)) << 4));
-  const std::uint16_t* from = base + static_cast<std::int64_t>(r0) * row_stride + 8 * c;
-#pragma unroll
-  for (int i = 0; i < kRows / kRowStep; ++i) {
-    // Rows past `valid` are not read (ignore-src), so their address need not be valid.
-    ptx::cp_async_16_or_zero(to + static_cast<std::uint32_t>(i * kRowStep * 128),
-                             from + static_cast<std::int64_t>(i * kRowStep) * row_stride, r0 + i * kRowStep < valid);
-  }
-}
 
 // The CTA takes its KV group's heads in turn (SelectTile). Per head it loads the Q tile (the next
 // head's, with its first chunks, while this head's mask row is written); then in steps
@@ -123,13 +103,13 @@ __global__ void __launch_bounds__(Select90Config<kBf16, kD>::kThreads, 2)
   // This warpgroup's chunk c into its buffer `buf` (rows past A zero-filled).
   auto load_chunk = [&](int c, int buf) {
     const int valid = t.scored - c * kChunk;
-    load_rows_sw128<kChunk, kD, 128>(s_chunks + static_cast<std::uint32_t>(buf * Cfg::kChunkBytes),
+    sm90::load_rows_sw128<kChunk, kD, 128>(s_chunks + static_cast<std::uint32_t>(buf * Cfg::kChunkBytes),
                                      mean + static_cast<std::int64_t>(c) * kChunk * kD, kD,
                                      valid < kChunk ? valid : kChunk, wt);
   };
   // This head's Q tile and each warpgroup's first chunk, as one group.
   auto load_head = [&](int head) {
-    load_rows_sw128<Cfg::kRows, kD, Cfg::kThreads>(
+    sm90::load_rows_sw128<Cfg::kRows, kD, Cfg::kThreads>(
         s_q, static_cast<const std::uint16_t*>(p.q) + t.seq.q_off + (t.h0 + head) * p.q_head_stride + t.row0 * p.q_row_stride,
         p.q_row_stride, t.rows_valid, tid);
     if (wg < chunks) load_chunk(wg, 0);
