@@ -112,7 +112,7 @@ __global__ void __launch_bounds__(Gate90Config<kBf16, kD>::kThreads, 1)
   const int r = wg * 64 + (warp % 4) * 16 + lane / 4;
   const bool valid[2] = {r < rows_valid, r + 8 < rows_valid};
   const int pos_words = gp.words;
-  float acc[16][4];
+  float acc[2][16][4];
   auto issue = [&](float (&s)[16][4], int head, std::uint64_t k_desc) {
     const std::uint64_t q_desc =
         hw::kmajor_desc_sw128(s_q + static_cast<std::uint32_t>(head * Cfg::kTileBytes + wg * 64 * 128));
@@ -169,11 +169,24 @@ __global__ void __launch_bounds__(Gate90Config<kBf16, kD>::kThreads, 1)
     ptx::cp_async_commit();
     const std::uint64_t k_desc = hw::kmajor_desc_sw128(s_k + static_cast<std::uint32_t>(stage * Cfg::kTileBytes));
     const int keys = static_cast<int>(geo.key_end(kb) - geo.key_begin(kb));
-    for (int i = 0; i < heads; ++i) {
-      issue(acc, i, k_desc);
-      hw::wgmma_wait<0>();
-      hw::fence_regs(acc);
-      decide(acc, i, kb, keys);
+    // Heads in pairs, the second's wgmma in flight while the first's maximum is taken; each
+    // branch ends with nothing in flight (one branch condition per wait: with the second wait
+    // under a condition of its own, ptxas injected a wait at the loop's back edge, C7517).
+    for (int i = 0; i < heads; i += 2) {
+      issue(acc[0], i, k_desc);
+      if (i + 1 < heads) {
+        issue(acc[1], i + 1, k_desc);
+        hw::wgmma_wait<1>();
+        hw::fence_regs(acc[0]);
+        decide(acc[0], i, kb, keys);
+        hw::wgmma_wait<0>();
+        hw::fence_regs(acc[1]);
+        decide(acc[1], i + 1, kb, keys);
+      } else {
+        hw::wgmma_wait<0>();
+        hw::fence_regs(acc[0]);
+        decide(acc[0], i, kb, keys);
+      }
     }
   }
   __syncthreads();  // every vote is in the bitmaps
