@@ -56,8 +56,7 @@ struct Gate90Config {
 // (group B: the full blocks under causal, all but the last non-causal; policy.cuh) descend as
 // the forward kernel visits them. Per K tile: one barrier (the tile landed for every thread, and
 // both warpgroups are done with the other stage), the next tile's load, then each head's
-// [64 x 128] S and its maximum: while one warpgroup takes its maximum, the other's wgmma keeps
-// the tensor pipe busy. A warp keeps the block for a head iff one of its rows does; the CTA's bitmaps
+// [64 x 128] S and its maximum. A warp keeps the block for a head iff one of its rows does; the CTA's bitmaps
 // in shared memory collect the votes (atomicOr), and the rows are written after the last tile.
 template <bool kBf16, int kD>
 __global__ void __launch_bounds__(Gate90Config<kBf16, kD>::kThreads, 1)
@@ -169,24 +168,34 @@ __global__ void __launch_bounds__(Gate90Config<kBf16, kD>::kThreads, 1)
     ptx::cp_async_commit();
     const std::uint64_t k_desc = hw::kmajor_desc_sw128(s_k + static_cast<std::uint32_t>(stage * Cfg::kTileBytes));
     const int keys = static_cast<int>(geo.key_end(kb) - geo.key_begin(kb));
-    // Heads in pairs, the second's wgmma in flight while the first's maximum is taken; each
-    // branch ends with nothing in flight (one branch condition per wait: with the second wait
-    // under a condition of its own, ptxas injected a wait at the loop's back edge, C7517).
-    for (int i = 0; i < heads; i += 2) {
-      issue(acc[0], i, k_desc);
-      if (i + 1 < heads) {
-        issue(acc[1], i + 1, k_desc);
-        hw::wgmma_wait<1>();
-        hw::fence_regs(acc[0]);
-        decide(acc[0], i, kb, keys);
-        hw::wgmma_wait<0>();
-        hw::fence_regs(acc[1]);
-        decide(acc[1], i + 1, kb, keys);
-      } else {
-        hw::wgmma_wait<0>();
-        hw::fence_regs(acc[0]);
-        decide(acc[0], i, kb, keys);
-      }
+    // One head's wgmma in flight while the previous head's maximum is taken: head i in
+    // acc[i % 2]; at the loop's head exactly head i is in flight, and each branch after it ends
+    // with none (ptxas then needs no wait of its own: with a wait under a second condition it
+    // injected one at the loop's back edge, C7517).
+    issue(acc[0], 0, k_desc);
+    int i = 0;
+    for (; i + 2 < heads; i += 2) {
+      issue(acc[1], i + 1, k_desc);
+      hw::wgmma_wait<1>();
+      hw::fence_regs(acc[0]);
+      decide(acc[0], i, kb, keys);
+      issue(acc[0], i + 2, k_desc);
+      hw::wgmma_wait<1>();
+      hw::fence_regs(acc[1]);
+      decide(acc[1], i + 1, kb, keys);
+    }
+    if (i + 1 < heads) {
+      issue(acc[1], i + 1, k_desc);
+      hw::wgmma_wait<1>();
+      hw::fence_regs(acc[0]);
+      decide(acc[0], i, kb, keys);
+      hw::wgmma_wait<0>();
+      hw::fence_regs(acc[1]);
+      decide(acc[1], i + 1, kb, keys);
+    } else {
+      hw::wgmma_wait<0>();
+      hw::fence_regs(acc[0]);
+      decide(acc[0], i, kb, keys);
     }
   }
   __syncthreads();  // every vote is in the bitmaps
