@@ -186,7 +186,7 @@ Status gate_passes_mode(const char* env_value, GatePasses* mode) {
 bool choose_gate_passes(const ProblemShape& shape, FwdPath path, bool instance, GatePasses mode) {
   const bool possible = path == FwdPath::kHopper && instance && shape.kv_layout != KvLayout::kPaged &&
                         shape.dtype != DType::kFP8E4M3;
-  return possible && (mode == GatePasses::kTwo || (mode == GatePasses::kAuto && shape.d == 128));
+  return possible && mode != GatePasses::kOne;
 }
 
 int gate_heads_per_cta(int group) {

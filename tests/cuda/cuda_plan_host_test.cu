@@ -405,6 +405,50 @@ TEST(CudaPlan, PackGqaModeFromTheEnvironment) {
   }
 }
 
+TEST(CudaPlan, GatePassesFromTheEnvironment) {
+  GatePasses mode = GatePasses::kOne;
+  for (const char* v : {static_cast<const char*>(nullptr), "", "auto"}) {
+    ASSERT_TRUE(gate_passes_mode(v, &mode).ok()) << (v ? v : "(unset)");
+    EXPECT_EQ(mode, GatePasses::kAuto) << (v ? v : "(unset)");
+  }
+  ASSERT_TRUE(gate_passes_mode("1", &mode).ok());
+  EXPECT_EQ(mode, GatePasses::kOne);
+  ASSERT_TRUE(gate_passes_mode("2", &mode).ok());
+  EXPECT_EQ(mode, GatePasses::kTwo);
+  for (const char* v : {"two", "3", "0", "1 "}) {
+    const Status st = gate_passes_mode(v, &mode);
+    EXPECT_EQ(st.code(), StatusCode::kInvalidArgument) << v;
+    EXPECT_NE(st.message().find("SPARSEPREFILL_EXACT_GATE_PASSES: expected \"auto\", \"1\" or \"2\""), std::string::npos)
+        << st.message();
+    EXPECT_NE(st.message().find(v), std::string::npos) << st.message();
+  }
+}
+
+// Two passes only where the decision kernel reads K (the Hopper path, contiguous 16-bit K/V,
+// its instance compiled), and there unless one pass is asked for.
+TEST(CudaPlan, GatePassesWhereTheDecisionKernelRuns) {
+  const ProblemShape llama = shape_of(32768, 32768, 32, 8, 128);
+  const ProblemShape smol = shape_of(8192, 8192, 9, 3, 64, DType::kFP16);
+  for (const ProblemShape& s : {llama, smol}) {
+    EXPECT_TRUE(choose_gate_passes(s, FwdPath::kHopper, true, GatePasses::kAuto));
+    EXPECT_TRUE(choose_gate_passes(s, FwdPath::kHopper, true, GatePasses::kTwo));
+    EXPECT_FALSE(choose_gate_passes(s, FwdPath::kHopper, true, GatePasses::kOne));
+    EXPECT_FALSE(choose_gate_passes(s, FwdPath::kHopper, false, GatePasses::kTwo));
+    EXPECT_FALSE(choose_gate_passes(s, FwdPath::kPortable, true, GatePasses::kTwo));
+  }
+  ProblemShape paged = llama;
+  paged.kv_layout = KvLayout::kPaged;
+  EXPECT_FALSE(choose_gate_passes(paged, FwdPath::kHopper, true, GatePasses::kTwo));
+  const ProblemShape fp8 = shape_of(4096, 4096, 32, 8, 128, DType::kFP8E4M3);
+  EXPECT_FALSE(choose_gate_passes(fp8, FwdPath::kHopper, true, GatePasses::kTwo));
+}
+
+// The heads a decision CTA scores: the largest divisor of the group up to 4.
+TEST(CudaPlan, GateHeadsPerCta) {
+  const std::pair<int, int> cases[] = {{1, 1}, {2, 2}, {3, 3}, {4, 4}, {5, 1}, {6, 3}, {7, 1}, {8, 4}, {9, 3}, {12, 4}, {16, 4}};
+  for (const auto& [group, heads] : cases) EXPECT_EQ(gate_heads_per_cta(group), heads) << "group " << group;
+}
+
 // GQA packing: only the group, only where every head of the group visits the same blocks, and
 // under kAuto only where it saves 10% of the tiles.
 TEST(CudaPlan, GqaPackingWhereTheGroupSharesItsVisits) {
