@@ -463,17 +463,17 @@ Status launch_selection(const ProblemShape& shape, const FwdParams& p, const Est
   return launch_status(select->launch(sp, stream), select->name);
 }
 
-// exact_gate's first pass (choose_gate_passes): launches the decision kernel `gate` for the
-// forward call `p` (mode kExactGate; it writes the kept bitmap if p->kept_bits is set) and turns
-// `p` into the block-mask call over the rows it writes: one per query head, in the capacity
-// layout, as the selector's.
-Status launch_gate_decisions(const ProblemShape& shape, const Gate90Variant& gate, Scratch* scratch,
+// exact_gate's first pass (choose_gate_passes): launches the decision kernel `gate` of `path`
+// for the forward call `p` (mode kExactGate; it writes the kept bitmap if p->kept_bits is set)
+// and turns `p` into the block-mask call over the rows it writes: one per query head, in the
+// capacity layout, as the selector's.
+Status launch_gate_decisions(const ProblemShape& shape, FwdPath path, const GateVariant& gate, Scratch* scratch,
                              cudaStream_t stream, FwdParams* p) {
-  const int k_blocks = static_cast<int>(geom::ceil_div(shape.max_seq_k(), hopper_block_k()));
+  const int k_blocks = static_cast<int>(geom::ceil_div(shape.max_seq_k(), p->block_k));
   GateParams gp{};
   gp.fwd = *p;
   gp.fwd.mask_k_blocks = k_blocks;
-  gp.heads_per_cta = gate_heads_per_cta(shape.group());
+  gp.heads_per_cta = path == FwdPath::kHopper ? gate_heads_per_cta(shape.group()) : 1;
   gp.words = bitmap_words(k_blocks);
   const std::size_t rows = static_cast<std::size_t>(shape.batch) * static_cast<std::size_t>(shape.h_q) *
                            static_cast<std::size_t>(p->num_q_blocks);
@@ -831,9 +831,10 @@ Status run_checked(const AttentionProblem& problem, const ProblemShape& shape, c
   if (p.mode == PolicyMode::kExactGate) {
     GatePasses passes = t_gate_passes == 1 ? GatePasses::kOne : t_gate_passes == 2 ? GatePasses::kTwo : GatePasses::kAuto;
     if (t_gate_passes == 0) SP_RETURN_IF_ERROR(gate_passes_mode(std::getenv(kGatePassesEnv), &passes));
-    const Gate90Variant* gate90 = find_gate90(shape.dtype, shape.d);
-    const bool two = choose_gate_passes(shape, path, gate90 != nullptr, passes);
-    if (two) SP_RETURN_IF_ERROR(launch_gate_decisions(shape, *gate90, &scratch, stream, &p));
+    const GateVariant* gate =
+        path == FwdPath::kHopper ? find_gate90(shape.dtype, shape.d) : find_gate(shape.dtype, shape.d);
+    const bool two = choose_gate_passes(shape, gate != nullptr, passes);
+    if (two) SP_RETURN_IF_ERROR(launch_gate_decisions(shape, path, *gate, &scratch, stream, &p));
     t_last_gate_passes = two ? 2 : 1;
   }
   bool launched = false;

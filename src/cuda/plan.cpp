@@ -183,9 +183,8 @@ Status gate_passes_mode(const char* env_value, GatePasses* mode) {
   return {};
 }
 
-bool choose_gate_passes(const ProblemShape& shape, FwdPath path, bool instance, GatePasses mode) {
-  const bool possible = path == FwdPath::kHopper && instance && shape.kv_layout != KvLayout::kPaged &&
-                        shape.dtype != DType::kFP8E4M3;
+bool choose_gate_passes(const ProblemShape& shape, bool instance, GatePasses mode) {
+  const bool possible = instance && shape.kv_layout != KvLayout::kPaged && shape.dtype != DType::kFP8E4M3;
   return possible && mode != GatePasses::kOne;
 }
 

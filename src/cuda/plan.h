@@ -115,12 +115,13 @@ enum class GatePasses { kAuto, kOne, kTwo };
 constexpr const char* kGatePassesEnv = "SPARSEPREFILL_EXACT_GATE_PASSES";
 Status gate_passes_mode(const char* env_value, GatePasses* mode);
 
-// Whether an exact_gate call on `path` runs two passes: where they apply (the Hopper path over
-// contiguous 16-bit K/V, with a decision instance of (dtype, head_dim) compiled: `instance`)
-// unless `mode` is kOne. Measured on the H200 against one pass, same calls (records
-// 2026-11-30-h200-exact-gate-two-passes-ab.log): Llama-3.1-8B shape at ρ 0.2 11-18% faster at
-// 4K-128K, at ρ 0.5 within ±3%; SmolLM2 (d = 64) at 8K 2-7% faster at ρ 0.2, equal at 0.5.
-bool choose_gate_passes(const ProblemShape& shape, FwdPath path, bool instance, GatePasses mode);
+// Whether an exact_gate call runs two passes: where they apply (contiguous 16-bit K/V, with the
+// decision instance of the call's path and (dtype, head_dim) compiled: `instance`; paged K/V the
+// launch stages into rows counts as contiguous) unless `mode` is kOne. Measured on the H200
+// against one pass, same calls (record 2026-11-30-h200-exact-gate-two-passes-ab.log): the
+// Hopper path on the Llama-3.1-8B shape at ρ 0.2 11-18% faster at 4K-128K, at ρ 0.5 within
+// ±3%; SmolLM2 (d = 64) at 8K 2-7% faster at ρ 0.2, equal at 0.5.
+bool choose_gate_passes(const ProblemShape& shape, bool instance, GatePasses mode);
 
 // Query heads of one KV group the decision kernel scores against each K tile it loads: the
 // largest divisor of the group that is at most 4 (its shared memory holds 4 Q tiles of d = 128

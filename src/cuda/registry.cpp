@@ -46,7 +46,12 @@ constexpr CalibVariant kCalibVariants[] = {
 #include "cuda/instances/registry.inc"
 };
 
-constexpr Gate90Variant kGate90Variants[] = {
+constexpr GateVariant kGateVariants[] = {
+#define SP_GATE_VARIANT(fn, dtype, head_dim) {#fn, DType::dtype, head_dim, &fn},
+#include "cuda/instances/registry.inc"
+};
+
+constexpr GateVariant kGate90Variants[] = {
 #define SP_GATE90_VARIANT(fn, dtype, head_dim) {#fn, DType::dtype, head_dim, &fn},
 #include "cuda/instances/registry.inc"
 };
@@ -94,8 +99,12 @@ const CalibVariant* find_calib(DType dtype, int head_dim) {
   return find_in(kCalibVariants, [&](const CalibVariant& v) { return v.dtype == dtype && v.head_dim == head_dim; });
 }
 
-const Gate90Variant* find_gate90(DType dtype, int head_dim) {
-  return find_in(kGate90Variants, [&](const Gate90Variant& v) { return v.dtype == dtype && v.head_dim == head_dim; });
+const GateVariant* find_gate(DType dtype, int head_dim) {
+  return find_in(kGateVariants, [&](const GateVariant& v) { return v.dtype == dtype && v.head_dim == head_dim; });
+}
+
+const GateVariant* find_gate90(DType dtype, int head_dim) {
+  return find_in(kGate90Variants, [&](const GateVariant& v) { return v.dtype == dtype && v.head_dim == head_dim; });
 }
 
 std::string compiled_fwd_summary() {
@@ -126,7 +135,8 @@ std::string compiled_instances() {
   for (const Permute90Variant& v : kPermute90Variants) os << v.name << "\n";
   for (const SelectVariant& v : kSelect90Variants) os << v.name << "\n";
   for (const CalibVariant& v : kCalibVariants) os << v.name << "\n";
-  for (const Gate90Variant& v : kGate90Variants) os << v.name << "\n";
+  for (const GateVariant& v : kGateVariants) os << v.name << "\n";
+  for (const GateVariant& v : kGate90Variants) os << v.name << "\n";
   return os.str();
 }
 

@@ -109,8 +109,8 @@ struct CalibVariant {
   CalibLaunchFn launch;
 };
 
-struct Gate90Variant {
-  const char* name;  // e.g. "gate_sm90_bf16_hd128"
+struct GateVariant {
+  const char* name;  // e.g. "gate_sm80_bf16_hd128", "gate_sm90_bf16_hd128"
   DType dtype;
   int head_dim;
   GateLaunchFn launch;
@@ -123,6 +123,7 @@ struct Gate90Variant {
 #define SP_PERMUTE90_VARIANT(fn, dtype, head_dim) int fn(const PermuteParams& params, void* stream);
 #define SP_SELECT90_VARIANT(fn, dtype, head_dim) int fn(const SelectParams& params, void* stream);
 #define SP_GATE90_VARIANT(fn, dtype, head_dim) int fn(const GateParams& params, void* stream);
+#define SP_GATE_VARIANT(fn, dtype, head_dim) int fn(const GateParams& params, void* stream);
 #define SP_FWD90_VARIANT(fn, dtype, head_dim, paged)                                                   \
   int fn(const FwdParams& params, const SeqInfo* host_seqs, const std::int32_t* host_block_table, \
          const HostUpload& upload, void* stream);
@@ -138,7 +139,8 @@ const PermuteVariant* find_permute(DType dtype, int head_dim);
 const Permute90Variant* find_permute90(DType dtype, int head_dim);
 const Fwd90Variant* find_fwd90(DType dtype, int head_dim, bool paged);
 const CalibVariant* find_calib(DType dtype, int head_dim);
-const Gate90Variant* find_gate90(DType dtype, int head_dim);
+const GateVariant* find_gate(DType dtype, int head_dim);
+const GateVariant* find_gate90(DType dtype, int head_dim);
 // "bf16 d=64, ..." for messages, and one instance name per line for build_info.
 std::string compiled_fwd_summary();
 std::string compiled_fwd90_summary();

@@ -21,7 +21,7 @@ The portable forward kernel has one more:
 Everything else (the policy within an instance, causal, block_k 64 or 128) is a runtime value:
 the kernel branches on it once per block, outside the inner loops.
 
-Two kernel families: the portable sm80 path (FWD/SELECT/PERMUTE/CALIB plus two dtype-free
+Two kernel families: the portable sm80 path (FWD/SELECT/PERMUTE/CALIB/GATE plus two dtype-free
 instances, permute_stop's sort and the paged K/V staging copy, every architecture of
 SP_PORTABLE_ARCHS) and the Hopper sm90 path (FWD90: dense and every policy on 128-key blocks;
 PERMUTE90: permute_stop's attention with 128-key chunks, after the portable instance's ranking;
@@ -82,6 +82,10 @@ def calib_name(dtype, d):
     return f"calib_sm80_{dtype}_hd{d}"
 
 
+def gate_name(dtype, d):
+    return f"gate_sm80_{dtype}_hd{d}"
+
+
 SM90_DTYPES = ("bf16", "fp16")
 SM90_HEAD_DIMS = (64, 128)
 
@@ -138,7 +142,8 @@ def expected_files():
                 "// SP_PERMUTE90_VARIANT(launch function, DType enumerator, head_dim)\n",
                 "// SP_SELECT90_VARIANT(launch function, DType enumerator, head_dim)\n",
                 "// SP_CALIB_VARIANT(launch function, DType enumerator, head_dim)\n",
-                "// SP_GATE90_VARIANT(launch function, DType enumerator, head_dim)\n"]
+                "// SP_GATE90_VARIANT(launch function, DType enumerator, head_dim)\n",
+                "// SP_GATE_VARIANT(launch function, DType enumerator, head_dim)\n"]
     for dtype, (enum, is_bf16) in DTYPES.items():
         for d in HEAD_DIMS:
             for loop in PORTABLE_LOOPS:
@@ -167,6 +172,12 @@ def expected_files():
                 f"int {name}(const CalibParams& params, void* stream) {{\n"
                 f"  return calib::launch_calib<{is_bf16}, {d}>(params, stream);\n")
             registry.append(f"SP_CALIB_VARIANT({name}, {enum}, {d})\n")
+            name = gate_name(dtype, d)
+            files[f"{name}.cu"] = translation_unit(
+                "cuda/kernel/sm80/gate_kernel.cuh",
+                f"int {name}(const GateParams& params, void* stream) {{\n"
+                f"  return gate80::launch_gate<{is_bf16}, {d}>(params, stream);\n")
+            registry.append(f"SP_GATE_VARIANT({name}, {enum}, {d})\n")
     files[f"{PERMUTE_SORT}.cu"] = translation_unit(
         "cuda/kernel/permute_sort.cuh",
         "int permute_sort_pairs(const SortPairs& s, std::size_t* temp_bytes, int* current, void* stream) {\n"
@@ -211,10 +222,11 @@ def expected_files():
     kinds = ["SP_FWD_VARIANT(fn, dtype, head_dim, gated, plain)", "SP_SELECT_VARIANT(fn, dtype, head_dim)",
              "SP_PERMUTE_VARIANT(fn, dtype, head_dim)", "SP_FWD90_VARIANT(fn, dtype, head_dim, paged)",
              "SP_PERMUTE90_VARIANT(fn, dtype, head_dim)", "SP_SELECT90_VARIANT(fn, dtype, head_dim)",
-             "SP_CALIB_VARIANT(fn, dtype, head_dim)", "SP_GATE90_VARIANT(fn, dtype, head_dim)"]
+             "SP_CALIB_VARIANT(fn, dtype, head_dim)", "SP_GATE90_VARIANT(fn, dtype, head_dim)",
+             "SP_GATE_VARIANT(fn, dtype, head_dim)"]
     defaults = "".join(f"#ifndef {k.split('(')[0]}\n#define {k}\n#endif\n" for k in kinds)
     undefs = "".join(f"#undef {k.split('(')[0]}\n" for k in kinds)
-    files["registry.inc"] = registry[0] + "".join(registry[1:9]) + defaults + "".join(registry[9:]) + undefs
+    files["registry.inc"] = registry[0] + "".join(registry[1:10]) + defaults + "".join(registry[10:]) + undefs
     return files
 
 

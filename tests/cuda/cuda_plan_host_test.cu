@@ -424,23 +424,23 @@ TEST(CudaPlan, GatePassesFromTheEnvironment) {
   }
 }
 
-// Two passes only where the decision kernel reads K (the Hopper path, contiguous 16-bit K/V,
-// its instance compiled), and there unless one pass is asked for.
+// Two passes only where a decision kernel reads K (contiguous 16-bit K/V, the path's decision
+// instance compiled), and there unless one pass is asked for.
 TEST(CudaPlan, GatePassesWhereTheDecisionKernelRuns) {
   const ProblemShape llama = shape_of(32768, 32768, 32, 8, 128);
   const ProblemShape smol = shape_of(8192, 8192, 9, 3, 64, DType::kFP16);
   for (const ProblemShape& s : {llama, smol}) {
-    EXPECT_TRUE(choose_gate_passes(s, FwdPath::kHopper, true, GatePasses::kAuto));
-    EXPECT_TRUE(choose_gate_passes(s, FwdPath::kHopper, true, GatePasses::kTwo));
-    EXPECT_FALSE(choose_gate_passes(s, FwdPath::kHopper, true, GatePasses::kOne));
-    EXPECT_FALSE(choose_gate_passes(s, FwdPath::kHopper, false, GatePasses::kTwo));
-    EXPECT_FALSE(choose_gate_passes(s, FwdPath::kPortable, true, GatePasses::kTwo));
+    EXPECT_TRUE(choose_gate_passes(s, true, GatePasses::kAuto));
+    EXPECT_TRUE(choose_gate_passes(s, true, GatePasses::kTwo));
+    EXPECT_FALSE(choose_gate_passes(s, true, GatePasses::kOne));
+    EXPECT_FALSE(choose_gate_passes(s, false, GatePasses::kTwo));
+    EXPECT_FALSE(choose_gate_passes(s, false, GatePasses::kAuto));
   }
   ProblemShape paged = llama;
   paged.kv_layout = KvLayout::kPaged;
-  EXPECT_FALSE(choose_gate_passes(paged, FwdPath::kHopper, true, GatePasses::kTwo));
+  EXPECT_FALSE(choose_gate_passes(paged, true, GatePasses::kTwo));
   const ProblemShape fp8 = shape_of(4096, 4096, 32, 8, 128, DType::kFP8E4M3);
-  EXPECT_FALSE(choose_gate_passes(fp8, FwdPath::kHopper, true, GatePasses::kTwo));
+  EXPECT_FALSE(choose_gate_passes(fp8, true, GatePasses::kTwo));
 }
 
 // The heads a decision CTA scores: the largest divisor of the group up to 4.

@@ -111,6 +111,53 @@ __device__ __forceinline__ void record_kept(std::uint32_t* kept_row, int kb) {
   if (kept_row != nullptr) atomicOr(kept_row + kb / 32, 1u << (kb % 32));
 }
 
+// ------------------------------------------------------------------ exact_gate in two passes
+// One warp writes the decisions of (b, h, qb) (GateParams): group A, the blocks n_gated ..
+// n_reg - 1 of its range-mode visit list (n_gated = n_reg - n_a), as the partial list; the
+// gated blocks whose bit is set in `kept` (the CTA's votes, words of 32 blocks), ascending, as
+// the full list; both in the kept bitmap when p.kept_bits is set. Rows in the capacity layout
+// (row · mask_k_blocks).
+__device__ __forceinline__ void write_gate_row(const GateParams& gp, int b, int h, int qb, const VisitList& visit,
+                                               const std::uint32_t* kept, int lane) {
+  const FwdParams& p = gp.fwd;
+  const int n_gated = visit.n_reg - visit.n_a;
+  const std::int64_t row = (static_cast<std::int64_t>(b) * p.h_q + h) * p.num_q_blocks + qb;
+  const std::int64_t list0 = row * p.mask_k_blocks;
+  for (int i = lane; i < visit.n_a; i += 32) gp.partial_index[list0 + i] = n_gated + i;
+  int count = 0;
+  const int used_words = (n_gated + 31) / 32;
+  for (int w0 = 0; w0 < used_words; w0 += 32) {
+    std::uint32_t word = w0 + lane < used_words ? kept[w0 + lane] : 0u;
+    const int n = __popc(word);
+    int upto = n;  // inclusive scan over the lanes
+#pragma unroll
+    for (int d = 1; d < 32; d *= 2) {
+      const int up = __shfl_up_sync(0xffffffffu, upto, d);
+      if (lane >= d) upto += up;
+    }
+    int at = count + upto - n;
+    while (word != 0u) {
+      gp.full_index[list0 + at++] = 32 * (w0 + lane) + __ffs(static_cast<int>(word)) - 1;
+      word &= word - 1u;
+    }
+    count += __shfl_sync(0xffffffffu, upto, 31);
+  }
+  if (lane == 0) {
+    gp.partial_count[row] = visit.n_a;
+    gp.full_count[row] = count;
+  }
+  if (p.kept_bits == nullptr) return;
+  std::uint32_t* kept_row = p.kept_bits + row * p.kept_words;
+  for (int w = lane; w < p.kept_words; w += 32) {
+    std::uint32_t word = w < used_words ? kept[w] : 0u;
+    // Group A's bits in this word: blocks max(n_gated, 32w) .. min(n_reg, 32w + 32) - 1.
+    const int lo = n_gated > 32 * w ? n_gated - 32 * w : 0;
+    const int hi = visit.n_reg < 32 * w + 32 ? visit.n_reg - 32 * w : 32;
+    if (lo < hi) word |= (hi - lo == 32 ? 0xffffffffu : ((1u << (hi - lo)) - 1u) << lo);
+    kept_row[w] = word;
+  }
+}
+
 // ------------------------------------------------------------------ mean correction
 // A mean tile is kTile consecutive pooled blocks (a multiple of 32: whole bitmap words); it is
 // visited when its words of the row's bitmap hold a marked block.

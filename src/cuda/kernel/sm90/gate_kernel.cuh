@@ -200,45 +200,8 @@ __global__ void __launch_bounds__(Gate90Config<kBf16, kD>::kThreads, 1)
   }
   __syncthreads();  // every vote is in the bitmaps
 
-  // Warp w writes head w's row: group A, the blocks n_gated .. n_reg - 1, as the partial list;
-  // the kept gated blocks, ascending, as the full list; both in the kept bitmap.
-  if (warp >= heads) return;
-  const std::int64_t row = (static_cast<std::int64_t>(b) * p.h_q + h0 + warp) * p.num_q_blocks + qb;
-  const std::int64_t list0 = row * p.mask_k_blocks;
-  const std::uint32_t* head_bits = bits + warp * pos_words;
-  for (int i = lane; i < visit.n_a; i += 32) gp.partial_index[list0 + i] = n_gated + i;
-  int count = 0;
-  const int used_words = (n_gated + 31) / 32;
-  for (int w0 = 0; w0 < used_words; w0 += 32) {
-    std::uint32_t word = w0 + lane < used_words ? head_bits[w0 + lane] : 0u;
-    const int n = __popc(word);
-    int before = n;  // inclusive scan over the lanes
-#pragma unroll
-    for (int d = 1; d < 32; d *= 2) {
-      const int up = __shfl_up_sync(0xffffffffu, before, d);
-      if (lane >= d) before += up;
-    }
-    int at = count + before - n;
-    while (word != 0u) {
-      gp.full_index[list0 + at++] = 32 * (w0 + lane) + __ffs(static_cast<int>(word)) - 1;
-      word &= word - 1u;
-    }
-    count += __shfl_sync(0xffffffffu, before, 31);
-  }
-  if (lane == 0) {
-    gp.partial_count[row] = visit.n_a;
-    gp.full_count[row] = count;
-  }
-  if (p.kept_bits == nullptr) return;
-  std::uint32_t* kept_row = p.kept_bits + row * p.kept_words;
-  for (int w = lane; w < p.kept_words; w += 32) {
-    std::uint32_t word = w < used_words ? head_bits[w] : 0u;
-    // Group A's bits in this word: blocks max(n_gated, 32w) .. min(n_reg, 32w + 32) - 1.
-    const int lo = n_gated > 32 * w ? n_gated - 32 * w : 0;
-    const int hi = visit.n_reg < 32 * w + 32 ? visit.n_reg - 32 * w : 32;
-    if (lo < hi) word |= (hi - lo == 32 ? 0xffffffffu : ((1u << (hi - lo)) - 1u) << lo);
-    kept_row[w] = word;
-  }
+  // Warp w writes head w's row.
+  if (warp < heads) write_gate_row(gp, b, h0 + warp, qb, visit, bits + warp * pos_words, lane);
 }
 
 // Launches the decision kernel; returns a cudaError_t value (0 = success).
