@@ -31,6 +31,7 @@
 #include "core/geometry.h"
 #include "cuda/cuda_backend.h"
 #include "cuda/plan.h"
+#include "cuda/registry.h"
 #include "gpu_harness.cuh"
 #include "reference/decide.h"
 #include "reference/reference.h"
@@ -73,22 +74,51 @@ class StagedKv {
   StagedKv& operator=(const StagedKv&) = delete;
 };
 
+// exact_gate's execution forced to one or two passes (choose_gate_passes) for the guard's
+// lifetime, whatever SPARSEPREFILL_EXACT_GATE_PASSES and the plan would choose.
+thread_local int t_forced_gate_passes = 0;
+class GatePassesForced {
+ public:
+  explicit GatePassesForced(int passes) {
+    cuda::set_gate_passes_for_testing(passes);
+    t_forced_gate_passes = passes;
+  }
+  ~GatePassesForced() {
+    cuda::set_gate_passes_for_testing(0);
+    t_forced_gate_passes = 0;
+  }
+  GatePassesForced(const GatePassesForced&) = delete;
+  GatePassesForced& operator=(const GatePassesForced&) = delete;
+};
+
+// Whether an exact_gate call of `shape` runs two passes on the Hopper or the portable path:
+// the plan's choice (host-tested in cuda_plan_host_test) under the forced execution, if any.
+bool runs_two_passes(const ProblemShape& shape, bool hopper) {
+  const cuda::GateVariant* gate = hopper ? cuda::find_gate90(shape.dtype, shape.d) : cuda::find_gate(shape.dtype, shape.d);
+  const cuda::GatePasses mode = t_forced_gate_passes == 1   ? cuda::GatePasses::kOne
+                                : t_forced_gate_passes == 2 ? cuda::GatePasses::kTwo
+                                                            : cuda::GatePasses::kAuto;
+  return cuda::choose_gate_passes(shape, gate != nullptr, mode);
+}
+
 // The forward kernel family the default path must launch for (tp, policy) on this device: the
 // plan's choice (host-tested in cuda_plan_host_test) on an sm_90 device, the portable one elsewhere.
 std::string expected_instance_prefix(const TestProblem& tp, const Policy& policy, bool portable) {
-  // permute_stop has its own kernel family (gathered, permuted tiles) on both paths.
-  const bool permute = std::holds_alternative<PermuteStopParams>(policy);
-  // The portable forward kernel runs the gates in its gated instances and every other policy in
-  // the ungated ones (whose names are not prefixes of the gated ones').
-  const bool gated = std::holds_alternative<ExactGateParams>(policy) || std::holds_alternative<SoftmaxSkipParams>(policy);
-  const std::string fwd80 =
-      gated ? "fwd_sm80_gated_" : std::string("fwd_sm80_") + (tp.q.dtype() == DType::kFP16 ? "fp16_" : "bf16_");
-  if (portable) return permute ? "permute_sm80_" : fwd80;
   ProblemShape shape;
   const Status st = validate_problem(tp.problem(), nullptr, &shape);
   EXPECT_TRUE(st.ok()) << st.to_string();
-  const bool hopper = st.ok() && hopper_device() &&
+  const bool hopper = st.ok() && !portable && hopper_device() &&
                       cuda::choose_fwd_path(shape, policy, true, 9, 0) == cuda::FwdPath::kHopper;
+  // permute_stop has its own kernel family (gathered, permuted tiles) on both paths.
+  const bool permute = std::holds_alternative<PermuteStopParams>(policy);
+  // The portable forward kernel runs the gates in its gated instances and every other policy in
+  // the ungated ones (whose names are not prefixes of the gated ones'); exact_gate in two
+  // passes runs a block mask.
+  const bool exact = std::holds_alternative<ExactGateParams>(policy);
+  const bool gated = (exact && !(st.ok() && runs_two_passes(shape, hopper))) ||
+                     std::holds_alternative<SoftmaxSkipParams>(policy);
+  const std::string fwd80 =
+      gated ? "fwd_sm80_gated_" : std::string("fwd_sm80_") + (tp.q.dtype() == DType::kFP16 ? "fp16_" : "bf16_");
   if (permute) return hopper ? "permute_sm90_" : "permute_sm80_";
   return hopper ? "fwd_sm90_" : fwd80;
 }
@@ -430,16 +460,6 @@ TEST(CudaBlockSparse, AllVisibleMaskEqualsDenseBitwise) {
 }
 
 // ------------------------------------------------------------------ exact_gate
-
-// exact_gate's execution forced to one or two passes (choose_gate_passes) for the guard's
-// lifetime, whatever SPARSEPREFILL_EXACT_GATE_PASSES and the plan would choose.
-class GatePassesForced {
- public:
-  explicit GatePassesForced(int passes) { cuda::set_gate_passes_for_testing(passes); }
-  ~GatePassesForced() { cuda::set_gate_passes_for_testing(0); }
-  GatePassesForced(const GatePassesForced&) = delete;
-  GatePassesForced& operator=(const GatePassesForced&) = delete;
-};
 
 ExactGateParams gate_params(const HostTensor& thr, int bk) {
   ExactGateParams p;
@@ -1081,6 +1101,18 @@ void expect_paged_equals_contiguous(const Inputs& in, const Policy& policy, bool
   }
   const std::string contiguous_prefix[2] = {expected_instance_prefix(contiguous, policy, false),
                                             expected_instance_prefix(contiguous, policy, true)};
+  // exact_gate over pages read in the kernel runs one pass (runs_two_passes), the contiguous
+  // calls two: compared with contiguous one-pass runs, on each path.
+  const bool exact = std::holds_alternative<ExactGateParams>(policy);
+  std::vector<GpuRun> want_one_pass;
+  if (exact) {
+    const GatePassesForced forced(1);
+    for (bool portable : {false, true}) {
+      const PortableOnly guard(portable);
+      want_one_pass.push_back(run_gpu(&contiguous, policy));
+      ASSERT_TRUE(want_one_pass.back().status.ok()) << want_one_pass.back().status.to_string();
+    }
+  }
   for (int page : kPageSizes) {
     TestProblem paged = paged_problem(in, page, causal);
     for (bool staged : {false, true}) {
@@ -1100,6 +1132,10 @@ void expect_paged_equals_contiguous(const Inputs& in, const Policy& policy, bool
         EXPECT_TRUE(same_decisions(ref64.decisions, got.decisions));
         // Bit for bit the contiguous run of the same kernel family (paged permute_stop reads
         // pages on the portable kernel only).
+        if (exact && !staged) {
+          EXPECT_TRUE(same_result(got.out, want_one_pass[portable ? 1 : 0].out, 0.0));
+          continue;
+        }
         const int same = expected == contiguous_prefix[0] ? 0 : 1;
         EXPECT_EQ(expected, contiguous_prefix[same]);
         EXPECT_TRUE(same_result(got.out, want[same].out, 0.0));
