@@ -69,6 +69,14 @@ struct BlockGeometry {
     if (seen >= seq.s_k) return num_k_blocks();
     return static_cast<int>(seen / block_k);
   }
+  // exact_gate's gated key blocks of query block qb, 0 .. gated_end - 1 (docs/semantics.md: the
+  // full blocks; non-causal every visible block but the last, which is always computed). The
+  // others, gated_end .. visible_end - 1, are at most ungated_room() blocks.
+  SP_HD int gated_end(int qb) const {
+    const int end = seq.causal ? full_end(qb) : visible_end(qb) - 1;
+    return end > 0 ? end : 0;
+  }
+  SP_HD int ungated_room() const { return static_cast<int>(ceil_div(block_q, block_k)) + 1; }
   SP_HD bool is_visible(int qb, int kb) const { return kb >= 0 && kb < visible_end(qb); }
   SP_HD bool is_full(int qb, int kb) const { return kb >= 0 && kb < full_end(qb); }
   SP_HD bool is_partial(int qb, int kb) const { return is_visible(qb, kb) && !is_full(qb, kb); }

@@ -465,8 +465,8 @@ Status launch_selection(const ProblemShape& shape, const FwdParams& p, const Est
 
 // exact_gate's first pass (choose_gate_passes): launches the decision kernel `gate` of `path`
 // for the forward call `p` (mode kExactGate; it writes the kept bitmap if p->kept_bits is set)
-// and turns `p` into the block-mask call over the rows it writes: one per query head, in the
-// capacity layout, as the selector's.
+// and turns `p` into the block-mask call over the rows it writes: one per query head, each at
+// the start it writes (gate_list_entries).
 Status launch_gate_decisions(const ProblemShape& shape, FwdPath path, const GateVariant& gate, Scratch* scratch,
                              cudaStream_t stream, FwdParams* p) {
   const int k_blocks = static_cast<int>(geom::ceil_div(shape.max_seq_k(), p->block_k));
@@ -477,19 +477,22 @@ Status launch_gate_decisions(const ProblemShape& shape, FwdPath path, const Gate
   gp.words = bitmap_words(k_blocks);
   const std::size_t rows = static_cast<std::size_t>(shape.batch) * static_cast<std::size_t>(shape.h_q) *
                            static_cast<std::size_t>(p->num_q_blocks);
-  const std::size_t cap = rows * static_cast<std::size_t>(k_blocks);
+  const GateListEntries entries = gate_list_entries(shape, p->block_k, p->num_q_blocks);
+  SP_RETURN_IF_ERROR(scratch->alloc(rows, &gp.full_start));
+  SP_RETURN_IF_ERROR(scratch->alloc(rows, &gp.partial_start));
   SP_RETURN_IF_ERROR(scratch->alloc(rows, &gp.full_count));
   SP_RETURN_IF_ERROR(scratch->alloc(rows, &gp.partial_count));
-  SP_RETURN_IF_ERROR(scratch->alloc(cap, &gp.full_index));
-  SP_RETURN_IF_ERROR(scratch->alloc(cap, &gp.partial_index));
+  // At least one entry each: a call whose rows hold no block still passes valid pointers.
+  SP_RETURN_IF_ERROR(scratch->alloc(static_cast<std::size_t>(entries.full > 0 ? entries.full : 1), &gp.full_index));
+  SP_RETURN_IF_ERROR(scratch->alloc(static_cast<std::size_t>(entries.partial > 0 ? entries.partial : 1), &gp.partial_index));
   SP_RETURN_IF_ERROR(launch_status(gate.launch(gp, stream), gate.name));
   p->mode = PolicyMode::kBlockMask;
   p->full_count = gp.full_count;
   p->full_index = gp.full_index;
   p->partial_count = gp.partial_count;
   p->partial_index = gp.partial_index;
-  p->full_start = nullptr;
-  p->partial_start = nullptr;
+  p->full_start = gp.full_start;
+  p->partial_start = gp.partial_start;
   p->mask_heads = shape.h_q;
   p->mask_per_kv_head = false;
   p->mask_q_blocks = p->num_q_blocks;

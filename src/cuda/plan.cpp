@@ -195,6 +195,21 @@ int gate_heads_per_cta(int group) {
   return 1;
 }
 
+GateListEntries gate_list_entries(const ProblemShape& shape, int block_k, int num_q_blocks) {
+  GateListEntries out;
+  for (int b = 0; b < shape.batch; ++b) {
+    const geom::BlockGeometry geo{{shape.seq_q[static_cast<std::size_t>(b)], shape.seq_k[static_cast<std::size_t>(b)],
+                                   shape.causal},
+                                  kBlockQ,
+                                  block_k};
+    std::int64_t gated = 0;
+    for (int qb = 0; qb < geo.num_q_blocks(); ++qb) gated += geo.gated_end(qb);
+    out.full += shape.h_q * gated;
+    out.partial += static_cast<std::int64_t>(shape.h_q) * num_q_blocks * geo.ungated_room();
+  }
+  return out;
+}
+
 FwdPath choose_select_path(const ProblemShape& shape, int cc_major, int cc_minor, bool portable) {
   const bool hopper = cc_major == 9 && cc_minor == 0 && !portable;
   return hopper && find_select90(shape.dtype, shape.d) != nullptr ? FwdPath::kHopper : FwdPath::kPortable;

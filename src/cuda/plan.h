@@ -128,6 +128,18 @@ bool choose_gate_passes(const ProblemShape& shape, bool instance, GatePasses mod
 // beside two K stages).
 int gate_heads_per_cta(int group);
 
+// Entries of the decision kernels' block-mask lists (GateParams; policy.cuh, "exact_gate in two
+// passes"), rows (b, h, qb) of [batch, h_q, num_q_blocks]: the partial lists hold
+// BlockGeometry::ungated_room() entries per row, the full lists every row's gated blocks
+// (gated_end) one after the other. About half of the capacity layout's num_k_blocks per row
+// under causal: 64 MB against 128 MB of full list for the Llama shape at 128K, 4.3 GB against
+// 8.6 at 1M.
+struct GateListEntries {
+  std::int64_t partial = 0;
+  std::int64_t full = 0;
+};
+GateListEntries gate_list_entries(const ProblemShape& shape, int block_k, int num_q_blocks);
+
 // The instance family of estimate_select's selector (a launch of its own, before the attention
 // kernel): Hopper (wgmma; no tensor maps, so any layout check_layout accepts) on compute
 // capability 9.0 when an sm90 selector of (dtype, head_dim) is compiled and `portable` (the

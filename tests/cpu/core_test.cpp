@@ -104,6 +104,33 @@ TEST(Geometry, NonCausalEverythingFull) {
   EXPECT_EQ(g.visible_pairs(1, 2), 1);  // one row (4) × one key (8)
 }
 
+// exact_gate's gated blocks as the CUDA kernels count them (BlockGeometry::gated_end) against
+// the oracle's definition (reference/exact_gate.cpp: causal, the full blocks; non-causal, every
+// block but the last), and the room the decision kernels leave for the others (ungated_room),
+// over square, chunked-prefill, empty-row and unaligned shapes.
+TEST(Geometry, GatedBlocksMatchTheOraclesDefinition) {
+  for (bool causal : {true, false}) {
+    for (int bk : {64, 128}) {
+      for (const auto& [s_q, s_k] : std::vector<std::pair<std::int64_t, std::int64_t>>{
+               {1000, 1000}, {300, 1300}, {5, 1000}, {1, 129}, {700, 200}, {129, 0}, {4096, 4096}, {257, 64}}) {
+        const BlockGeometry g = geo(s_q, s_k, causal, 128, bk);
+        for (int qb = 0; qb < g.num_q_blocks(); ++qb) {
+          int gated = 0;
+          for (int kb = 0; kb < g.visible_end(qb); ++kb) {
+            const bool forced = causal ? !g.is_full(qb, kb) : kb == g.num_k_blocks() - 1;
+            if (!forced) {
+              EXPECT_LT(kb, g.gated_end(qb)) << s_q << "x" << s_k << " qb " << qb << " kb " << kb;
+              ++gated;
+            }
+          }
+          EXPECT_EQ(g.gated_end(qb), gated) << s_q << "x" << s_k << (causal ? " causal" : "") << " bk " << bk << " qb " << qb;
+          EXPECT_LE(g.visible_end(qb) - g.gated_end(qb), g.ungated_room()) << s_q << "x" << s_k << " qb " << qb;
+        }
+      }
+    }
+  }
+}
+
 // permute_stop's segments as the CPU backend and the CUDA kernels see them
 // (geom::SegmentGeometry) against the oracle's own definition (reference/decide.h), over
 // square, chunked-prefill (s_q < s_k), empty-row (s_q > s_k) and empty shapes.

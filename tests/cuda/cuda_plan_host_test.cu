@@ -443,6 +443,34 @@ TEST(CudaPlan, GatePassesWhereTheDecisionKernelRuns) {
   EXPECT_FALSE(choose_gate_passes(fp8, true, GatePasses::kTwo));
 }
 
+// The decision kernels' lists: every row's group A in its fixed room, and every row's gated
+// blocks once (summed independently over the blocks here), for causal and non-causal varlen
+// batches whose query blocks run past the shorter sequences' ends.
+TEST(CudaPlan, GateListEntriesCountEveryRowsBlocks) {
+  for (bool causal : {true, false}) {
+    for (int bk : {64, 128}) {
+      ProblemShape s = shape_of(1000, 1300, 6, 2, 128);
+      s.causal = causal;
+      s.batch = 3;
+      s.seq_q = {1000, 5, 260};
+      s.seq_k = {1300, 1000, 200};
+      s.q_start = {0, 1000, 1005};
+      s.k_start = {0, 1300, 2300};
+      const int num_q_blocks = 8;  // ceil(1000 / 128)
+      std::int64_t full = 0;
+      for (int b = 0; b < s.batch; ++b) {
+        const geom::BlockGeometry g{{s.seq_q[static_cast<std::size_t>(b)], s.seq_k[static_cast<std::size_t>(b)], causal}, 128, bk};
+        for (int qb = 0; qb < g.num_q_blocks(); ++qb) {
+          for (int kb = 0; kb < g.visible_end(qb); ++kb) full += s.h_q * (causal ? g.is_full(qb, kb) : kb != g.num_k_blocks() - 1);
+        }
+      }
+      const GateListEntries e = gate_list_entries(s, bk, num_q_blocks);
+      EXPECT_EQ(e.full, full) << (causal ? "causal" : "non-causal") << " bk " << bk;
+      EXPECT_EQ(e.partial, std::int64_t{3} * 6 * num_q_blocks * (128 / bk + 1));
+    }
+  }
+}
+
 // The heads a decision CTA scores: the largest divisor of the group up to 4.
 TEST(CudaPlan, GateHeadsPerCta) {
   const std::pair<int, int> cases[] = {{1, 1}, {2, 2}, {3, 3}, {4, 4}, {5, 1}, {6, 3}, {7, 1}, {8, 4}, {9, 3}, {12, 4}, {16, 4}};

@@ -179,9 +179,12 @@ struct GateParams {
   FwdParams fwd;
   int heads_per_cta;  // query heads of one KV group scored against each loaded K tile
   int words;          // 32-bit words of a bitmap row over fwd.mask_k_blocks key blocks
-  // Rows (b, h_q, qb) of [batch, h_q, num_q_blocks]: counts, and ascending indices at
-  // row · mask_k_blocks (the capacity layout). Partial: the blocks no gate decides (group A);
-  // full: the gated blocks kept.
+  // Rows (b, h_q, qb) of [batch, h_q, num_q_blocks]: starts, counts, and ascending indices
+  // from each row's start (policy.cuh, "exact_gate in two passes": room for the row's group A,
+  // resp. for all its gated blocks). Partial: the blocks no gate decides (group A); full: the
+  // gated blocks kept.
+  std::int64_t* full_start;
+  std::int64_t* partial_start;
   std::int32_t* full_count;
   std::int32_t* full_index;
   std::int32_t* partial_count;

@@ -53,7 +53,8 @@ __device__ __forceinline__ VisitList make_visit_list(const FwdParams& p, const g
   } else {
     visit.a_hi = geo.visible_end(qb);
     // Causal: the partial blocks [full_end, visible_end). Non-causal: every block is full and
-    // the last one is the forced one.
+    // the last one is the forced one. (BlockGeometry::gated_end counts group B alike; written
+    // out here, since that form changed the forward kernels' SASS.)
     const int a_lo = p.causal ? geo.full_end(qb) : geo.visible_end(qb) - 1;
     visit.n_a = visit.a_hi - (a_lo < 0 ? 0 : a_lo);
     visit.n_reg = visit.a_hi;
@@ -112,18 +113,60 @@ __device__ __forceinline__ void record_kept(std::uint32_t* kept_row, int kb) {
 }
 
 // ------------------------------------------------------------------ exact_gate in two passes
-// One warp writes the decisions of (b, h, qb) (GateParams): group A, the blocks n_gated ..
-// n_reg - 1 of its range-mode visit list (n_gated = n_reg - n_a), as the partial list; the
-// gated blocks whose bit is set in `kept` (the CTA's votes, words of 32 blocks), ascending, as
-// the full list; both in the kept bitmap when p.kept_bits is set. Rows in the capacity layout
-// (row · mask_k_blocks).
-__device__ __forceinline__ void write_gate_row(const GateParams& gp, int b, int h, int qb, const VisitList& visit,
+// The decision kernels' block-mask rows (b, h, qb) (GateParams): the partial list of a row at
+// row · ungated_room(), the full list after the gated blocks (BlockGeometry::gated_end) of every
+// earlier row, rows ordered (b, h, qb): what plan.h's gate_list_entries allocates.
+
+// The sum of f(i) over i in [0, n) for every thread of the CTA (all of whose threads call it;
+// blockDim.x a multiple of 32); red: blockDim.x / 32 values of shared memory.
+template <class F>
+__device__ __forceinline__ std::int64_t cta_sum(int n, const F& f, std::int64_t* red) {
+  std::int64_t v = 0;
+  for (int i = static_cast<int>(threadIdx.x); i < n; i += static_cast<int>(blockDim.x)) v += f(i);
+#pragma unroll
+  for (int d = 16; d > 0; d /= 2) v += __shfl_xor_sync(0xffffffffu, v, d);
+  __syncthreads();  // the previous call's readers are done with red
+  if (threadIdx.x % 32 == 0) red[threadIdx.x / 32] = v;
+  __syncthreads();
+  std::int64_t total = 0;
+  for (int w = 0; w < static_cast<int>(blockDim.x / 32); ++w) total += red[w];
+  return total;
+}
+
+// The full-list start of rows (b, h, qb): first + h · per_head. Every thread of the CTA calls it.
+struct GateRowStart {
+  std::int64_t first;
+  std::int64_t per_head;
+};
+__device__ __forceinline__ GateRowStart gate_row_start(const FwdParams& p, int b, int qb, std::int64_t* red) {
+  auto geometry = [&](int bb) {
+    const SeqInfo s = p.seqs[bb];
+    return geom::BlockGeometry{{s.s_q, s.s_k, p.causal}, kBlockQ, p.block_k};
+  };
+  std::int64_t first = 0;
+  for (int bb = 0; bb < b; ++bb) {
+    const geom::BlockGeometry g = geometry(bb);
+    first += p.h_q * cta_sum(g.num_q_blocks(), [&](int q) { return g.gated_end(q); }, red);
+  }
+  const geom::BlockGeometry g = geometry(b);
+  const std::int64_t per_head = cta_sum(g.num_q_blocks(), [&](int q) { return g.gated_end(q); }, red);
+  first += cta_sum(qb, [&](int q) { return g.gated_end(q); }, red);
+  return {first, per_head};
+}
+
+// One warp writes the decisions of (b, h, qb), whose full list starts at full0: group A, the
+// blocks n_gated .. n_reg - 1 of its range-mode visit list (n_gated = n_reg - n_a), as the
+// partial list; the gated blocks whose bit is set in `kept` (the CTA's votes, words of 32
+// blocks), ascending, as the full list; the starts of both; both in the kept bitmap when
+// p.kept_bits is set.
+__device__ __forceinline__ void write_gate_row(const GateParams& gp, const geom::BlockGeometry& geo, int b, int h,
+                                               int qb, const VisitList& visit, std::int64_t full0,
                                                const std::uint32_t* kept, int lane) {
   const FwdParams& p = gp.fwd;
   const int n_gated = visit.n_reg - visit.n_a;
   const std::int64_t row = (static_cast<std::int64_t>(b) * p.h_q + h) * p.num_q_blocks + qb;
-  const std::int64_t list0 = row * p.mask_k_blocks;
-  for (int i = lane; i < visit.n_a; i += 32) gp.partial_index[list0 + i] = n_gated + i;
+  const std::int64_t partial0 = row * geo.ungated_room();
+  for (int i = lane; i < visit.n_a; i += 32) gp.partial_index[partial0 + i] = n_gated + i;
   int count = 0;
   const int used_words = (n_gated + 31) / 32;
   for (int w0 = 0; w0 < used_words; w0 += 32) {
@@ -137,12 +180,14 @@ __device__ __forceinline__ void write_gate_row(const GateParams& gp, int b, int 
     }
     int at = count + upto - n;
     while (word != 0u) {
-      gp.full_index[list0 + at++] = 32 * (w0 + lane) + __ffs(static_cast<int>(word)) - 1;
+      gp.full_index[full0 + at++] = 32 * (w0 + lane) + __ffs(static_cast<int>(word)) - 1;
       word &= word - 1u;
     }
     count += __shfl_sync(0xffffffffu, upto, 31);
   }
   if (lane == 0) {
+    gp.partial_start[row] = partial0;
+    gp.full_start[row] = full0;
     gp.partial_count[row] = visit.n_a;
     gp.full_count[row] = count;
   }

@@ -49,6 +49,7 @@ __global__ void __launch_bounds__(Gate80Config<kBf16, kD>::kThreads, 2) gate80_k
   constexpr int kM = Fwd::kM, kNFrags = Fwd::kNFrags, kBlockN = Fwd::kBlockN;
   const FwdParams& p = gp.fwd;
   extern __shared__ __align__(128) unsigned char smem[];
+  __shared__ std::int64_t s_red[Cfg::kThreads / 32];
 
   const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
   const auto gt = geom::grid_tile(static_cast<int>(blockIdx.x), p.h_q, p.group, p.batch, p.num_q_blocks, p.kv_major);
@@ -61,7 +62,7 @@ __global__ void __launch_bounds__(Gate80Config<kBf16, kD>::kThreads, 2) gate80_k
   const std::int64_t row0 = geo.row_begin(qb);
   const int rows_valid = static_cast<int>(geo.row_end(qb) - row0);
   const VisitList visit = make_visit_list(p, geo, qb, 0);  // range mode: p.mode is kExactGate
-  const int n_gated = visit.n_reg - visit.n_a;             // group B: key blocks 0 .. n_gated - 1
+  const int n_gated = geo.gated_end(qb);                   // group B: key blocks 0 .. n_gated - 1
 
   const std::uint32_t s_q = ptx::smem_addr(smem);
   const std::uint32_t s_k = s_q + Fwd::kQBytes;  // 2 stages
@@ -149,7 +150,8 @@ __global__ void __launch_bounds__(Gate80Config<kBf16, kD>::kThreads, 2) gate80_k
     if (__any_sync(0xffffffffu, keep) && lane == 0) atomicOr(bits + kb / 32, 1u << (kb % 32));
   }
   __syncthreads();  // every vote is in the bitmap
-  if (warp == 0) write_gate_row(gp, b, h, qb, visit, bits, lane);
+  const GateRowStart start = gate_row_start(p, b, qb, s_red);
+  if (warp == 0) write_gate_row(gp, geo, b, h, qb, visit, start.first + h * start.per_head, bits, lane);
 }
 
 // Launches the decision kernel; returns a cudaError_t value (0 = success).

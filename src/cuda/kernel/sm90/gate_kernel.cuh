@@ -66,6 +66,7 @@ __global__ void __launch_bounds__(Gate90Config<kBf16, kD>::kThreads, 1)
   const int heads = gp.heads_per_cta;
   extern __shared__ std::uint8_t smem_raw[];
   __shared__ float s_threshold[Cfg::kMaxHeads];
+  __shared__ std::int64_t s_red[Cfg::kThreads / 32];
 
   const int tid = threadIdx.x, wg = tid / 128, warp = tid / 32, lane = tid % 32;
   const auto gt = geom::grid_tile(static_cast<int>(blockIdx.x), p.h_q / heads, p.group / heads, p.batch,
@@ -79,7 +80,7 @@ __global__ void __launch_bounds__(Gate90Config<kBf16, kD>::kThreads, 1)
   const std::int64_t row0 = geo.row_begin(qb);
   const int rows_valid = static_cast<int>(geo.row_end(qb) - row0);
   const VisitList visit = make_visit_list(p, geo, qb, 0);  // range mode: p.mode is kExactGate
-  const int n_gated = visit.n_reg - visit.n_a;             // group B: key blocks 0 .. n_gated - 1
+  const int n_gated = geo.gated_end(qb);                   // group B: key blocks 0 .. n_gated - 1
 
   const std::uint32_t raw = hw::smem_u32(smem_raw);
   const std::uint32_t pad = (1024 - (raw & 1023)) & 1023;
@@ -201,7 +202,11 @@ __global__ void __launch_bounds__(Gate90Config<kBf16, kD>::kThreads, 1)
   __syncthreads();  // every vote is in the bitmaps
 
   // Warp w writes head w's row.
-  if (warp < heads) write_gate_row(gp, b, h0 + warp, qb, visit, bits + warp * pos_words, lane);
+  const GateRowStart start = gate_row_start(p, b, qb, s_red);
+  if (warp < heads) {
+    write_gate_row(gp, geo, b, h0 + warp, qb, visit, start.first + (h0 + warp) * start.per_head, bits + warp * pos_words,
+                   lane);
+  }
 }
 
 // Launches the decision kernel; returns a cudaError_t value (0 = success).
