@@ -214,7 +214,8 @@ template <bool kBf16, int kD>
 int launch_gate(const GateParams& gp, void* stream) {
   using Cfg = Gate90Config<kBf16, kD>;
   const FwdParams& p = gp.fwd;
-  if (gp.heads_per_cta < 1 || gp.heads_per_cta > Cfg::kMaxHeads || p.group % gp.heads_per_cta != 0) {
+  if (gp.heads_per_cta < 1 || gp.heads_per_cta > Cfg::kMaxHeads || p.group % gp.heads_per_cta != 0 ||
+      p.block_k != Cfg::kTileRows) {
     return static_cast<int>(cudaErrorInvalidValue);
   }
   const std::size_t smem = Cfg::smem_bytes(gp.heads_per_cta, gp.words);
