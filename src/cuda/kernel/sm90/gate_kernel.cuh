@@ -56,8 +56,9 @@ struct Gate90Config {
 // (group B: the full blocks under causal, all but the last non-causal; policy.cuh) descend as
 // the forward kernel visits them. Per K tile: one barrier (the tile landed for every thread, and
 // both warpgroups are done with the other stage), the next tile's load, then each head's
-// [64 x 128] S and its maximum. A warp keeps the block for a head iff one of its rows does; the CTA's bitmaps
-// in shared memory collect the votes (atomicOr), and the rows are written after the last tile.
+// [64 x 128] S and its maximum. A warp keeps the block for a head iff one of its rows does; the
+// CTA's bitmaps in shared memory collect the votes (atomicOr), and the rows are written after
+// the last tile.
 template <bool kBf16, int kD>
 __global__ void __launch_bounds__(Gate90Config<kBf16, kD>::kThreads, 1)
     gate90_kernel(const __grid_constant__ GateParams gp) {
@@ -111,7 +112,6 @@ __global__ void __launch_bounds__(Gate90Config<kBf16, kD>::kThreads, 1)
   // The thread's rows of its warpgroup's slab (the wgmma accumulator layout): r and r + 8.
   const int r = wg * 64 + (warp % 4) * 16 + lane / 4;
   const bool valid[2] = {r < rows_valid, r + 8 < rows_valid};
-  const int pos_words = gp.words;
   float acc[2][16][4];
   auto issue = [&](float (&s)[16][4], int head, std::uint64_t k_desc) {
     const std::uint64_t q_desc =
@@ -157,7 +157,7 @@ __global__ void __launch_bounds__(Gate90Config<kBf16, kD>::kThreads, 1)
       const float mx = ptx::max_nan(ptx::max_nan(m[0], m[1]), ptx::max_nan(m[2], m[3]));
       keep |= gate.keeps_row(mx, 0.f, valid[half], p.scale, p.scale_log2);
     }
-    if (__any_sync(0xffffffffu, keep) && lane == 0) atomicOr(bits + head * pos_words + kb / 32, 1u << (kb % 32));
+    if (__any_sync(0xffffffffu, keep) && lane == 0) atomicOr(bits + head * gp.words + kb / 32, 1u << (kb % 32));
   };
 
   for (int t = 0; t < n_gated; ++t) {
@@ -204,7 +204,7 @@ __global__ void __launch_bounds__(Gate90Config<kBf16, kD>::kThreads, 1)
   // Warp w writes head w's row.
   const GateRowStart start = gate_row_start(p, b, qb, s_red);
   if (warp < heads) {
-    write_gate_row(gp, geo, b, h0 + warp, qb, visit, start.first + (h0 + warp) * start.per_head, bits + warp * pos_words,
+    write_gate_row(gp, geo, b, h0 + warp, qb, visit, start.first + (h0 + warp) * start.per_head, bits + warp * gp.words,
                    lane);
   }
 }
