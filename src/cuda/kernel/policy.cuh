@@ -117,6 +117,37 @@ __device__ __forceinline__ void record_kept(std::uint32_t* kept_row, int kb) {
 // row · ungated_room(), the full list after the gated blocks (BlockGeometry::gated_end) of every
 // earlier row, rows ordered (b, h, qb): what plan.h's gate_list_entries allocates.
 
+// The work of one decision CTA: query block qb of sequence b for the query heads h0 ..
+// h0 + heads - 1 of one KV group (units of `heads` heads), in the forward kernels' grid order
+// (geom::grid_tile with FwdParams::kv_major). init is false when the query block lies past
+// its sequence's end (the CTA has nothing to do).
+struct GateTile {
+  int h0, b, hk, qb;
+  SeqInfo seq;
+  geom::BlockGeometry geo;
+  std::int64_t row0;
+  int rows_valid;
+  VisitList visit;  // range mode: p.mode is kExactGate
+  int n_gated;      // group B: key blocks 0 .. n_gated - 1
+
+  __device__ __forceinline__ bool init(const FwdParams& p, int heads) {
+    const auto gt = geom::grid_tile(static_cast<int>(blockIdx.x), p.h_q / heads, p.group / heads, p.batch,
+                                    p.num_q_blocks, p.kv_major);
+    h0 = gt.unit * heads;
+    b = gt.b;
+    hk = h0 / p.group;
+    seq = p.seqs[b];
+    geo = geom::BlockGeometry{{seq.s_q, seq.s_k, p.causal}, kBlockQ, p.block_k};
+    if (gt.tile_rev >= geo.num_q_blocks()) return false;
+    qb = geo.num_q_blocks() - 1 - gt.tile_rev;
+    row0 = geo.row_begin(qb);
+    rows_valid = static_cast<int>(geo.row_end(qb) - row0);
+    visit = make_visit_list(p, geo, qb, 0);
+    n_gated = geo.gated_end(qb);
+    return true;
+  }
+};
+
 // The sum of f(i) over i in [0, n) for every thread of the CTA (all of whose threads call it;
 // blockDim.x a multiple of 32); red: blockDim.x / 32 values of shared memory.
 template <class F>

@@ -52,17 +52,9 @@ __global__ void __launch_bounds__(Gate80Config<kBf16, kD>::kThreads, 2) gate80_k
   __shared__ std::int64_t s_red[Cfg::kThreads / 32];
 
   const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
-  const auto gt = geom::grid_tile(static_cast<int>(blockIdx.x), p.h_q, p.group, p.batch, p.num_q_blocks, p.kv_major);
-  const int h = gt.unit, b = gt.b;
-  const int hk = h / p.group;
-  const SeqInfo seq = p.seqs[b];
-  const geom::BlockGeometry geo{{seq.s_q, seq.s_k, p.causal}, Fwd::kBlockM, p.block_k};
-  if (gt.tile_rev >= geo.num_q_blocks()) return;
-  const int qb = geo.num_q_blocks() - 1 - gt.tile_rev;
-  const std::int64_t row0 = geo.row_begin(qb);
-  const int rows_valid = static_cast<int>(geo.row_end(qb) - row0);
-  const VisitList visit = make_visit_list(p, geo, qb, 0);  // range mode: p.mode is kExactGate
-  const int n_gated = geo.gated_end(qb);                   // group B: key blocks 0 .. n_gated - 1
+  GateTile tile;
+  if (!tile.init(p, 1)) return;
+  const int h = tile.h0;
 
   const std::uint32_t s_q = ptx::smem_addr(smem);
   const std::uint32_t s_k = s_q + Fwd::kQBytes;  // 2 stages
@@ -70,38 +62,38 @@ __global__ void __launch_bounds__(Gate80Config<kBf16, kD>::kThreads, 2) gate80_k
   for (int i = tid; i < gp.words; i += Cfg::kThreads) bits[i] = 0u;
 
   const sm80::KvRows k_rows = sm80::contiguous_rows(
-      static_cast<const std::uint16_t*>(p.k) + seq.k_off + hk * p.k_head_stride, p.k_row_stride);
+      static_cast<const std::uint16_t*>(p.k) + tile.seq.k_off + tile.hk * p.k_head_stride, p.k_row_stride);
   // Sub-tile `sub` of key block kb into stage `stage`; its valid keys.
   auto sub_keys = [&](int kb, int sub) {
-    return static_cast<int>(geom::min64(kBlockN, geo.key_end(kb) - geo.key_begin(kb) - sub * kBlockN));
+    return static_cast<int>(geom::min64(kBlockN, tile.geo.key_end(kb) - tile.geo.key_begin(kb) - sub * kBlockN));
   };
   auto load_sub = [&](int kb, int sub, int stage) {
     sm80::load_tile<Tile, kBlockN>(s_k + stage * Fwd::kKVBytes,
-                                   sm80::tile_src(k_rows, geo.key_begin(kb) + sub * kBlockN, sub_keys(kb, sub)), tid);
+                                   sm80::tile_src(k_rows, tile.geo.key_begin(kb) + sub * kBlockN, sub_keys(kb, sub)), tid);
   };
   auto num_sub = [&](int kb) {
-    return static_cast<int>(geom::ceil_div(geo.key_end(kb) - geo.key_begin(kb), kBlockN));
+    return static_cast<int>(geom::ceil_div(tile.geo.key_end(kb) - tile.geo.key_begin(kb), kBlockN));
   };
-  if (n_gated > 0) {
+  if (tile.n_gated > 0) {
     const sm80::TileSrc q_src{
-        sm80::contiguous_rows(static_cast<const std::uint16_t*>(p.q) + seq.q_off + h * p.q_head_stride, p.q_row_stride),
-        row0, rows_valid};
+        sm80::contiguous_rows(static_cast<const std::uint16_t*>(p.q) + tile.seq.q_off + h * p.q_head_stride, p.q_row_stride),
+        tile.row0, tile.rows_valid};
     sm80::load_tile<Tile, Fwd::kBlockM>(s_q, q_src, tid);
-    load_sub(n_gated - 1, 0, 0);
+    load_sub(tile.n_gated - 1, 0, 0);
   }
   ptx::cp_async_commit();
 
-  const Gate gate = make_gate(p, geo, qb, h);
+  const Gate gate = make_gate(p, tile.geo, tile.qb, h);
   const int g = lane / 4, t4 = lane % 4;
   const int warp_row = warp * 16 * kM;
   bool row_ok[2 * kM];
 #pragma unroll
-  for (int r = 0; r < 2 * kM; ++r) row_ok[r] = warp_row + 16 * (r / 2) + g + 8 * (r % 2) < rows_valid;
+  for (int r = 0; r < 2 * kM; ++r) row_ok[r] = warp_row + 16 * (r / 2) + g + 8 * (r % 2) < tile.rows_valid;
 
   float s[kM][kNFrags][4];
   int stage = 0;
-  for (int t = 0; t < n_gated; ++t) {
-    const int kb = n_gated - 1 - t;
+  for (int t = 0; t < tile.n_gated; ++t) {
+    const int kb = tile.n_gated - 1 - t;
     const int n_sub = num_sub(kb);
     // The thread's partial row maxima over the block (NaN-propagating).
     float mx[2 * kM];
@@ -112,7 +104,7 @@ __global__ void __launch_bounds__(Gate80Config<kBf16, kD>::kThreads, 2) gate80_k
       __syncthreads();          // ...for all; every warp is done with the other stage
       if (sub + 1 < n_sub) {
         load_sub(kb, sub + 1, stage ^ 1);
-      } else if (t + 1 < n_gated) {
+      } else if (t + 1 < tile.n_gated) {
         load_sub(kb - 1, 0, stage ^ 1);
       }
       ptx::cp_async_commit();
@@ -150,8 +142,8 @@ __global__ void __launch_bounds__(Gate80Config<kBf16, kD>::kThreads, 2) gate80_k
     if (__any_sync(0xffffffffu, keep) && lane == 0) atomicOr(bits + kb / 32, 1u << (kb % 32));
   }
   __syncthreads();  // every vote is in the bitmap
-  const GateRowStart start = gate_row_start(p, b, qb, s_red);
-  if (warp == 0) write_gate_row(gp, geo, b, h, qb, visit, start.first + h * start.per_head, bits, lane);
+  const GateRowStart start = gate_row_start(p, tile.b, tile.qb, s_red);
+  if (warp == 0) write_gate_row(gp, tile.geo, tile.b, h, tile.qb, tile.visit, start.first + h * start.per_head, bits, lane);
 }
 
 // Launches the decision kernel; returns a cudaError_t value (0 = success).

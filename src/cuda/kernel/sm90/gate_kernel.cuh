@@ -70,18 +70,8 @@ __global__ void __launch_bounds__(Gate90Config<kBf16, kD>::kThreads, 1)
   __shared__ std::int64_t s_red[Cfg::kThreads / 32];
 
   const int tid = threadIdx.x, wg = tid / 128, warp = tid / 32, lane = tid % 32;
-  const auto gt = geom::grid_tile(static_cast<int>(blockIdx.x), p.h_q / heads, p.group / heads, p.batch,
-                                  p.num_q_blocks, p.kv_major);
-  const int h0 = gt.unit * heads, b = gt.b;
-  const int hk = h0 / p.group;
-  const SeqInfo seq = p.seqs[b];
-  const geom::BlockGeometry geo{{seq.s_q, seq.s_k, p.causal}, kBlockQ, p.block_k};
-  if (gt.tile_rev >= geo.num_q_blocks()) return;
-  const int qb = geo.num_q_blocks() - 1 - gt.tile_rev;
-  const std::int64_t row0 = geo.row_begin(qb);
-  const int rows_valid = static_cast<int>(geo.row_end(qb) - row0);
-  const VisitList visit = make_visit_list(p, geo, qb, 0);  // range mode: p.mode is kExactGate
-  const int n_gated = geo.gated_end(qb);                   // group B: key blocks 0 .. n_gated - 1
+  GateTile tile;
+  if (!tile.init(p, heads)) return;
 
   const std::uint32_t raw = hw::smem_u32(smem_raw);
   const std::uint32_t pad = (1024 - (raw & 1023)) & 1023;
@@ -90,28 +80,29 @@ __global__ void __launch_bounds__(Gate90Config<kBf16, kD>::kThreads, 1)
   auto* bits = reinterpret_cast<std::uint32_t*>(smem_raw + pad + (heads + 2) * Cfg::kTileBytes);  // [heads][words]
 
   for (int i = tid; i < heads * gp.words; i += Cfg::kThreads) bits[i] = 0u;
-  if (tid < heads) s_threshold[tid] = make_gate(p, geo, qb, h0 + tid).threshold;
-  const auto* k_base = static_cast<const std::uint16_t*>(p.k) + seq.k_off + hk * p.k_head_stride;
+  if (tid < heads) s_threshold[tid] = make_gate(p, tile.geo, tile.qb, tile.h0 + tid).threshold;
+  const auto* k_base = static_cast<const std::uint16_t*>(p.k) + tile.seq.k_off + tile.hk * p.k_head_stride;
   auto load_k = [&](int kb, int stage) {
-    const std::int64_t key0 = geo.key_begin(kb);
+    const std::int64_t key0 = tile.geo.key_begin(kb);
     sm90::load_rows_sw128<Cfg::kTileRows, kD, Cfg::kThreads>(
         s_k + static_cast<std::uint32_t>(stage * Cfg::kTileBytes), k_base + key0 * p.k_row_stride, p.k_row_stride,
-        static_cast<int>(geo.key_end(kb) - key0), tid);
+        static_cast<int>(tile.geo.key_end(kb) - key0), tid);
   };
-  if (n_gated > 0) {
+  if (tile.n_gated > 0) {
     for (int i = 0; i < heads; ++i) {
       sm90::load_rows_sw128<Cfg::kTileRows, kD, Cfg::kThreads>(
           s_q + static_cast<std::uint32_t>(i * Cfg::kTileBytes),
-          static_cast<const std::uint16_t*>(p.q) + seq.q_off + (h0 + i) * p.q_head_stride + row0 * p.q_row_stride,
-          p.q_row_stride, rows_valid, tid);
+          static_cast<const std::uint16_t*>(p.q) + tile.seq.q_off + (tile.h0 + i) * p.q_head_stride +
+              tile.row0 * p.q_row_stride,
+          p.q_row_stride, tile.rows_valid, tid);
     }
-    load_k(n_gated - 1, 0);
+    load_k(tile.n_gated - 1, 0);
   }
   ptx::cp_async_commit();
 
   // The thread's rows of its warpgroup's slab (the wgmma accumulator layout): r and r + 8.
   const int r = wg * 64 + (warp % 4) * 16 + lane / 4;
-  const bool valid[2] = {r < rows_valid, r + 8 < rows_valid};
+  const bool valid[2] = {r < tile.rows_valid, r + 8 < tile.rows_valid};
   float acc[2][16][4];
   auto issue = [&](float (&s)[16][4], int head, std::uint64_t k_desc) {
     const std::uint64_t q_desc =
@@ -160,15 +151,15 @@ __global__ void __launch_bounds__(Gate90Config<kBf16, kD>::kThreads, 1)
     if (__any_sync(0xffffffffu, keep) && lane == 0) atomicOr(bits + head * gp.words + kb / 32, 1u << (kb % 32));
   };
 
-  for (int t = 0; t < n_gated; ++t) {
-    const int kb = n_gated - 1 - t, stage = t & 1;
+  for (int t = 0; t < tile.n_gated; ++t) {
+    const int kb = tile.n_gated - 1 - t, stage = t & 1;
     ptx::cp_async_wait<0>();  // K(kb) (and at t = 0 Q) landed for this thread,
     hw::fence_proxy_async();  // ordered before wgmma's reads,
     __syncthreads();          // for every thread; both warpgroups are done with the other stage
-    if (t + 1 < n_gated) load_k(kb - 1, stage ^ 1);
+    if (t + 1 < tile.n_gated) load_k(kb - 1, stage ^ 1);
     ptx::cp_async_commit();
     const std::uint64_t k_desc = hw::kmajor_desc_sw128(s_k + static_cast<std::uint32_t>(stage * Cfg::kTileBytes));
-    const int keys = static_cast<int>(geo.key_end(kb) - geo.key_begin(kb));
+    const int keys = static_cast<int>(tile.geo.key_end(kb) - tile.geo.key_begin(kb));
     // One head's wgmma in flight while the previous head's maximum is taken: head i in
     // acc[i % 2]; at the loop's head exactly head i is in flight, and each branch after it ends
     // with none (ptxas then needs no wait of its own: with a wait under a second condition it
@@ -202,9 +193,10 @@ __global__ void __launch_bounds__(Gate90Config<kBf16, kD>::kThreads, 1)
   __syncthreads();  // every vote is in the bitmaps
 
   // Warp w writes head w's row.
-  const GateRowStart start = gate_row_start(p, b, qb, s_red);
+  const GateRowStart start = gate_row_start(p, tile.b, tile.qb, s_red);
   if (warp < heads) {
-    write_gate_row(gp, geo, b, h0 + warp, qb, visit, start.first + (h0 + warp) * start.per_head, bits + warp * gp.words,
+    const int h = tile.h0 + warp;
+    write_gate_row(gp, tile.geo, tile.b, h, tile.qb, tile.visit, start.first + h * start.per_head, bits + warp * gp.words,
                    lane);
   }
 }
