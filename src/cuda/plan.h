@@ -103,12 +103,12 @@ int choose_q_pack(const ProblemShape& shape, PolicyMode mode, bool mask_per_kv_h
 // kernel at 128K: block masks 12.5%, exact_gate 5.5% faster (-portable-kv-major-grid-ab.log).
 bool kv_major_grid(const ProblemShape& shape, std::int64_t l2_bytes);
 
-// exact_gate's execution on the Hopper path (docs/cuda.md, "exact_gate in two passes"): one
-// pass, the forward kernel's in-loop gate (every gated block's S, a CTA-wide vote, then the
-// softmax and P·V of the kept ones), or two: the decision kernel (kernel/sm90/gate_kernel.cuh)
-// computes every gated block's S and writes the kept blocks as a block mask, then the forward
-// kernel runs that mask. Decisions, the blocks visited, their order and the output bits are the
-// same either way. The environment variable kGatePassesEnv chooses: unset, empty or "auto"
+// exact_gate's execution (docs/cuda.md, "exact_gate in two passes"): one pass, the forward
+// kernel's in-loop gate (every gated block's S, a CTA-wide vote, then the softmax and P·V of
+// the kept ones), or two: the path's decision kernel (kernel/sm90/gate_kernel.cuh,
+// kernel/sm80/gate_kernel.cuh) computes every gated block's S and writes the kept blocks as a
+// block mask, then the forward kernel runs that mask. The decisions, the blocks visited and
+// their order are the same either way, and on the Hopper path the output bits too. The environment variable kGatePassesEnv chooses: unset, empty or "auto"
 // (two passes wherever they apply), "1" or "2"; anything else is an error naming the variable
 // and the values it takes.
 enum class GatePasses { kAuto, kOne, kTwo };
@@ -119,8 +119,9 @@ Status gate_passes_mode(const char* env_value, GatePasses* mode);
 // decision instance of the call's path and (dtype, head_dim) compiled: `instance`; paged K/V the
 // launch stages into rows counts as contiguous) unless `mode` is kOne. Measured on the H200
 // against one pass, same calls (record 2026-11-30-h200-exact-gate-two-passes-ab.log): the
-// Hopper path on the Llama-3.1-8B shape at ρ 0.2 11-18% faster at 4K-128K, at ρ 0.5 within
-// ±3%; SmolLM2 (d = 64) at 8K 2-7% faster at ρ 0.2, equal at 0.5.
+// Hopper path on the Llama-3.1-8B shape at ρ 0.2 11-18% faster at 4K-128K, at ρ 0.5 from 6%
+// faster to 2% slower; SmolLM2 (d = 64) at 8K 2-7% faster at ρ 0.2, equal at 0.5; the
+// portable path 21% faster at ρ 0.2 and 8-10% at 0.5 (32K-128K; SmolLM2 16% and 6%).
 bool choose_gate_passes(const ProblemShape& shape, bool instance, GatePasses mode);
 
 // Query heads of one KV group the decision kernel scores against each K tile it loads: the

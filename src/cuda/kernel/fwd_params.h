@@ -172,7 +172,7 @@ struct FwdParams {
   std::int64_t vt_stride;  // keys per (b, kv head, d) row: max s_k rounded up to 128
 };
 
-// exact_gate's decisions ahead of the attention (plan.h, exact_gate_passes): the forward call's
+// exact_gate's decisions ahead of the attention (plan.h, choose_gate_passes): the forward call's
 // parameters (mode kExactGate, its q, k, geometry, thresholds and kept bitmap) and the
 // BlockMask rows the decision kernel writes for the forward kernel to run as a block mask.
 struct GateParams {

@@ -1,6 +1,6 @@
 // SPDX-License-Identifier: Apache-2.0
 // exact_gate's decisions ahead of the attention, on Hopper (sm_90a): the two-pass execution
-// (plan.h, exact_gate_passes). exact_gate keeps a gated block iff some valid row's maximum
+// (plan.h, choose_gate_passes). exact_gate keeps a gated block iff some valid row's maximum
 // score reaches the head's threshold (policy.cuh, Gate::keeps_row), which no running state
 // enters, so every decision can be taken before any softmax: this kernel computes each gated
 // block's scores with the forward kernel's wgmma (the same instruction, operand layouts and
