@@ -661,6 +661,58 @@ TEST(CudaExactGate, BlocksThatOneHalfOfTheQueryRowsKeeps) {
   }
 }
 
+// Blocks that a head keeps on one key only, in the first 64 keys of the block or in the last
+// 64: the Hopper decision kernel scores a block's second half only for the heads its first
+// half did not keep (the early keep), so each head of a CTA must see its own second half. Head
+// h looks along dimension h (four heads of one KV group: one decision CTA); key block kb holds
+// one key, at offset 5, 63, 64 or 123 for kb / 16 = 0, 1, 2, 3 (either half and the keys on
+// both sides of the boundary), with A in the dimensions of the bits of kb % 16 and 0 in
+// dimensions 0-3 elsewhere; so head h keeps exactly the full blocks with bit h of kb % 16 set,
+// every mix of heads appearing with the key at each offset. T = 2 between the key's A² / sqrt(d) = 5.7 and
+// the others' maxima of about 0.4 (entries of size 0.5). In one pass and in two, both paths.
+TEST(CudaExactGate, BlocksThatOneKeyOfEitherHalfKeeps) {
+  SP_REQUIRE_GPU();
+  const SeqLen len{256, 8192};
+  constexpr double kA = 8.0;
+  constexpr int kHeads = 4;
+  constexpr int kOffsets[4] = {5, 63, 64, 123};
+  Inputs in = make_inputs({len}, kHeads, 1, 128, 1100, DType::kBF16, 0.5);
+  SequenceData& seq = in.seqs[0];
+  for (std::int64_t pos = 0; pos < len.s_q; ++pos) {
+    for (int h = 0; h < kHeads; ++h) {
+      for (int dim = 0; dim < kHeads; ++dim) set(&seq.q, (pos * kHeads + h) * in.d + dim, dim == h ? kA : 0.0);
+    }
+  }
+  for (std::int64_t pos = 0; pos < len.s_k; ++pos) {
+    const int kb = static_cast<int>(pos / 128);
+    const bool special = pos % 128 == kOffsets[kb / 16 % 4];
+    for (int dim = 0; dim < kHeads; ++dim) set(&seq.k, pos * in.d + dim, special && ((kb % 16) >> dim) % 2 ? kA : 0.0);
+  }
+  TestProblem tp = make_problem(in);
+  const int positions = static_cast<int>(len.s_k / 128) + 1;
+  HostTensor thr(DType::kFP32, {kHeads, positions});
+  for (int i = 0; i < kHeads * positions; ++i) thr.as<float>()[i] = 2.f;
+  const geom::BlockGeometry g = geometry(len.s_q, len.s_k, true, 128, 128);
+  for (int passes : {1, 2}) {
+    SCOPED_TRACE(std::to_string(passes) + " pass(es)");
+    const GatePassesForced forced(passes);
+    const std::vector<GpuRun> runs = expect_both_paths_match(&tp, gate_params(thr, 128));
+    for (const GpuRun& r : runs) {
+      ASSERT_TRUE(r.status.ok());
+      EXPECT_EQ(cuda::last_gate_passes_for_testing(), passes);
+      for (int h = 0; h < kHeads; ++h) {
+        for (int qb = 0; qb < g.num_q_blocks(); ++qb) {
+          for (int kb = 0; kb < g.visible_end(qb); ++kb) {
+            if (!g.is_full(qb, kb)) continue;  // group A: never gated
+            EXPECT_EQ(r.decisions.kept.contains(0, h, qb, kb), ((kb % 16) >> h) % 2 == 1)
+                << "head " << h << ", query block " << qb << ", key block " << kb;
+          }
+        }
+      }
+    }
+  }
+}
+
 // exact_gate in one pass (the forward kernel's in-loop gate) and in two (the decision kernel,
 // then the forward kernel on the block mask it writes), on both paths: each run within the
 // calibrated tolerance of the oracle, every element written, the oracle's and the CPU
