@@ -31,29 +31,25 @@ namespace hw = sm90::hw;
 // A CTA decides for one query block of kBlockQ = 128 rows and heads_per_cta (H <= kMaxHeads)
 // query heads of one KV group, so that each K tile, loaded once, is scored by H · 128 rows:
 // alone (H = 1) a K tile would be read from L2 for every 1024 tensor-pipe cycles of work. Two
-// warpgroups; warpgroup w scores rows 64w .. 64w + 63 of every head. A key block is scored in
-// two halves of 64 keys (the early keep, below). Q tiles are [d / 64][128 rows][64] and K
-// halves [d / 64][64 keys][64], both with the 128-byte swizzle (the forward kernel's layout).
+// warpgroups share the jobs: a job scores one half of a head's rows (64) against one K tile.
+// Tiles are [d / 64][128 rows][64] with the 128-byte swizzle, the forward kernel's layout.
 template <bool kBf16_, int kD>
 struct Gate90Config {
   static constexpr bool kBf16 = kBf16_;
   static constexpr int kThreads = 256;
   static constexpr int kMaxHeads = 4;
-  static constexpr int kTileRows = 128;  // query rows of a head, keys of a block
-  static constexpr int kHalfKeys = kTileRows / 2;
-  static constexpr int kQDHalfBytes = kTileRows * 128;  // one d-half of a Q tile
-  static constexpr int kKDHalfBytes = kHalfKeys * 128;  // one d-half of a K half
-  static constexpr int kQTileBytes = kD / 64 * kQDHalfBytes;
-  static constexpr int kKHalfBytes = kD / 64 * kKDHalfBytes;
-  static constexpr int kKBuffers = 4;  // K halves in flight: the item's two and the next item's two
+  static constexpr int kTileRows = 128;  // query rows of a head, keys of a K tile
+  static constexpr int kHalfRows = kTileRows / 2;
+  static constexpr int kHalfBytes = kTileRows * 128;
+  static constexpr int kTileBytes = kD / 64 * kHalfBytes;
+  static constexpr int kStages = 3;  // K tiles: the item's two and the next item's
   static constexpr int kKSteps = kD / 16;
   static_assert(kTileRows == kBlockQ, "one query block per CTA");
   static_assert(kD == 64 || kD == 128, "d = 64 or 128");
-  // H Q tiles, four K halves and H kept bitmaps of `words` words; the slack aligns the tiles to
-  // the swizzle period (1024 B). d = 128, H = 4: 192 KB plus the bitmaps.
+  // H Q tiles, three K stages and H kept bitmaps of `words` words; the slack aligns the tiles
+  // to the swizzle period (1024 B). d = 128, H = 4: 224 KB plus the bitmaps.
   static std::size_t smem_bytes(int heads, int words) {
-    return 1024 + static_cast<std::size_t>(heads) * kQTileBytes + static_cast<std::size_t>(kKBuffers) * kKHalfBytes +
-           static_cast<std::size_t>(heads) * words * 4;
+    return 1024 + static_cast<std::size_t>(heads + kStages) * kTileBytes + static_cast<std::size_t>(heads) * words * 4;
   }
 };
 
@@ -62,17 +58,17 @@ struct Gate90Config {
 // (group B: the full blocks under causal, all but the last non-causal; policy.cuh) descend as
 // the forward kernel visits them: block kb = n_gated - 1 - u is the u-th.
 //
-// Early keep: a block is kept iff one of its 128 · 128 scores per head reaches the threshold, so
-// a head that keeps the block on its first 64 keys (the first half) needs not score the second.
-// With keep probability ρ per block and the halves alike, a head scores the second half with
-// probability √(1 − ρ): 71% of it at ρ 0.5, 89% at 0.2. Item u (u = −1 .. n_gated − 1) scores
-// the first half of block u + 1 for every head, then the second half of block u for the heads
-// the first half did not keep: the first-half votes are one barrier old when read. Per item one
-// barrier (its halves landed for every thread; both warpgroups are done with the previous
-// item's buffers), the next item's two halves' loads, then its [64 x 64] S per (head, half)
-// and their maxima. A warp keeps the block for a head iff one of its rows does; the CTA's
-// bitmaps in shared memory collect the votes (atomicOr), and the rows are written after the
-// last item.
+// Early keep: a head keeps a block iff one of its 128 rows reaches the threshold, so a head
+// whose first 64 rows keep the block needs not score the others. With keep probability ρ per
+// block and the halves alike, a head scores its second half with probability √(1 − ρ): 71% of
+// the time at ρ 0.5, 89% at 0.2. Item u (u = −1 .. n_gated − 1) scores the first halves of
+// block u + 1 (every head), then the second halves of block u (the heads whose first half did
+// not keep it): the first-half votes are one barrier old when read. The item's jobs alternate
+// between the warpgroups. Per item one barrier (its tiles landed for every thread; both
+// warpgroups are done with the last item's), the next item's K tile load, then each job's
+// [64 x 128] S and its maximum. A warp keeps the block for a head iff one of its rows does;
+// the CTA's bitmaps in shared memory collect the votes (atomicOr), and the rows are written
+// after the last item.
 template <bool kBf16, int kD>
 __global__ void __launch_bounds__(Gate90Config<kBf16, kD>::kThreads, 1)
     gate90_kernel(const __grid_constant__ GateParams gp) {
@@ -82,7 +78,7 @@ __global__ void __launch_bounds__(Gate90Config<kBf16, kD>::kThreads, 1)
   extern __shared__ std::uint8_t smem_raw[];
   __shared__ float s_threshold[Cfg::kMaxHeads];
   __shared__ std::int64_t s_red[Cfg::kThreads / 32];
-  // s_first_kept[u % 2][h] = u iff head h kept block u on its first half. Written in item u − 1,
+  // s_first_kept[u % 2][h] = u iff head h's first half kept block u. Written in item u − 1,
   // read in item u, rewritten (u + 2) in item u + 1: a barrier apart each time, so no clearing.
   __shared__ int s_first_kept[2][Cfg::kMaxHeads];
 
@@ -94,35 +90,25 @@ __global__ void __launch_bounds__(Gate90Config<kBf16, kD>::kThreads, 1)
   const std::uint32_t raw = hw::smem_u32(smem_raw);
   const std::uint32_t pad = (1024 - (raw & 1023)) & 1023;
   const std::uint32_t s_q = raw + pad;
-  const std::uint32_t s_k = s_q + static_cast<std::uint32_t>(heads * Cfg::kQTileBytes);
-  auto* bits = reinterpret_cast<std::uint32_t*>(smem_raw + pad + heads * Cfg::kQTileBytes +
-                                                Cfg::kKBuffers * Cfg::kKHalfBytes);  // [heads][words]
+  const std::uint32_t s_k = s_q + static_cast<std::uint32_t>(heads * Cfg::kTileBytes);
+  auto* bits = reinterpret_cast<std::uint32_t*>(smem_raw + pad + (heads + Cfg::kStages) * Cfg::kTileBytes);
 
   for (int i = tid; i < heads * gp.words; i += Cfg::kThreads) bits[i] = 0u;
   if (tid < heads) s_threshold[tid] = make_gate(p, tile.geo, tile.qb, tile.h0 + tid).threshold;
   if (tid < 2 * Cfg::kMaxHeads) s_first_kept[tid / Cfg::kMaxHeads][tid % Cfg::kMaxHeads] = -1;
   const auto* k_base = static_cast<const std::uint16_t*>(p.k) + tile.seq.k_off + tile.hk * p.k_head_stride;
-  // Half `half` of the u-th block: its valid keys (0 .. 64; a short last block is gated only
-  // when the query block's first row sees the sequence's end) and its buffer (halves are loaded
-  // and scored in the order 2u + half).
-  auto half_keys = [&](int u, int half) {
+  auto stage = [&](int u) { return s_k + static_cast<std::uint32_t>((u % Cfg::kStages) * Cfg::kTileBytes); };
+  auto load_k = [&](int u) {
     const int kb = n - 1 - u;
-    const int keys = static_cast<int>(tile.geo.key_end(kb) - tile.geo.key_begin(kb)) - half * Cfg::kHalfKeys;
-    return keys < 0 ? 0 : (keys < Cfg::kHalfKeys ? keys : Cfg::kHalfKeys);
-  };
-  auto buffer = [&](int u, int half) {
-    return s_k + static_cast<std::uint32_t>(((2 * u + half) % Cfg::kKBuffers) * Cfg::kKHalfBytes);
-  };
-  auto load_k = [&](int seq) {  // half seq % 2 of block seq / 2
-    const int u = seq / 2, half = seq % 2;
-    const std::int64_t key0 = tile.geo.key_begin(n - 1 - u) + half * Cfg::kHalfKeys;
-    sm90::load_rows_sw128<Cfg::kHalfKeys, kD, Cfg::kThreads>(buffer(u, half), k_base + key0 * p.k_row_stride,
-                                                             p.k_row_stride, half_keys(u, half), tid);
+    const std::int64_t key0 = tile.geo.key_begin(kb);
+    sm90::load_rows_sw128<Cfg::kTileRows, kD, Cfg::kThreads>(stage(u), k_base + key0 * p.k_row_stride,
+                                                             p.k_row_stride, static_cast<int>(tile.geo.key_end(kb) - key0),
+                                                             tid);
   };
   if (n > 0) {
     for (int i = 0; i < heads; ++i) {
       sm90::load_rows_sw128<Cfg::kTileRows, kD, Cfg::kThreads>(
-          s_q + static_cast<std::uint32_t>(i * Cfg::kQTileBytes),
+          s_q + static_cast<std::uint32_t>(i * Cfg::kTileBytes),
           static_cast<const std::uint16_t*>(p.q) + tile.seq.q_off + (tile.h0 + i) * p.q_head_stride +
               tile.row0 * p.q_row_stride,
           p.q_row_stride, tile.rows_valid, tid);
@@ -131,36 +117,35 @@ __global__ void __launch_bounds__(Gate90Config<kBf16, kD>::kThreads, 1)
   }
   ptx::cp_async_commit();
 
-  // The thread's rows of its warpgroup's slab (the wgmma accumulator layout): r and r + 8.
-  const int r = wg * 64 + (warp % 4) * 16 + lane / 4;
-  const bool valid[2] = {r < tile.rows_valid, r + 8 < tile.rows_valid};
-  // A job scores one half of one block for one head.
+  // A job: rows 64·half .. 64·half + 63 of head `head` against the u-th gated block.
   struct Job {
     int head, u, half;
   };
-  float acc[2][8][4];
-  auto issue = [&](float (&s)[8][4], Job job) {
-    const std::uint64_t q_desc =
-        hw::kmajor_desc_sw128(s_q + static_cast<std::uint32_t>(job.head * Cfg::kQTileBytes + wg * 64 * 128));
-    const std::uint64_t k_desc = hw::kmajor_desc_sw128(buffer(job.u, job.half));
+  float acc[2][16][4];
+  auto issue = [&](float (&s)[16][4], Job job) {
+    const std::uint64_t q_desc = hw::kmajor_desc_sw128(
+        s_q + static_cast<std::uint32_t>(job.head * Cfg::kTileBytes + job.half * Cfg::kHalfRows * 128));
+    const std::uint64_t k_desc = hw::kmajor_desc_sw128(stage(job.u));
     hw::wgmma_fence();
 #pragma unroll
     for (int kk = 0; kk < Cfg::kKSteps; ++kk) {
-      hw::wgmma_ss_n64<kBf16>(s, q_desc + hw::kmajor_k_step<Cfg::kQDHalfBytes>(kk),
-                              k_desc + hw::kmajor_k_step<Cfg::kKDHalfBytes>(kk), kk > 0);
+      hw::wgmma_ss<kBf16>(s, q_desc + hw::kmajor_k_step<Cfg::kHalfBytes>(kk), k_desc + hw::kmajor_k_step<Cfg::kHalfBytes>(kk),
+                          kk > 0);
     }
     hw::wgmma_commit();
   };
-  // The job's vote from its S (keys past the half's valid ones, zero-filled, are masked). Per
-  // thread the NaN-propagating maximum of each of its two rows over its 16 columns: the row's
-  // keep rule over those partial maxima, and over the two halves, is the rule over the row's
-  // maximum (rounding of a positive scale is monotone; a NaN keeps either way).
-  auto decide = [&](float (&s)[8][4], Job job) {
-    const int keys = half_keys(job.u, job.half);
-    if (keys < Cfg::kHalfKeys) {
+  // The job's vote from its S (keys past s_k, zero-filled, are masked: a short last block is
+  // gated only when the query block's first row sees the sequence's end). Per thread the
+  // NaN-propagating maximum of each of its two rows over its 32 columns: the row's keep rule
+  // over those partial maxima is the rule over the row's maximum (rounding of a positive scale
+  // is monotone; a NaN keeps either way), and a head keeps iff one of its halves does.
+  auto decide = [&](float (&s)[16][4], Job job) {
+    const int kb = n - 1 - job.u;
+    const int keys = static_cast<int>(tile.geo.key_end(kb) - tile.geo.key_begin(kb));
+    if (keys < Cfg::kTileRows) {
       const int t = lane % 4;
 #pragma unroll
-      for (int j = 0; j < 8; ++j) {
+      for (int j = 0; j < 16; ++j) {
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
           if (8 * j + 2 * t + e % 2 >= keys) s[j][e] = -INFINITY;
@@ -170,73 +155,79 @@ __global__ void __launch_bounds__(Gate90Config<kBf16, kD>::kThreads, 1)
     Gate gate;
     gate.exact = true;
     gate.threshold = s_threshold[job.head];
+    // The thread's rows (the wgmma accumulator layout): r and r + 8.
+    const int r = job.half * Cfg::kHalfRows + (warp % 4) * 16 + lane / 4;
     bool keep = false;
 #pragma unroll
     for (int row = 0; row < 2; ++row) {
-      float m[4];
+      float m[8];
 #pragma unroll
-      for (int j = 0; j < 4; ++j) {
+      for (int j = 0; j < 8; ++j) {
         m[j] = ptx::max_nan(ptx::max_nan(s[j][2 * row], s[j][2 * row + 1]),
-                            ptx::max_nan(s[j + 4][2 * row], s[j + 4][2 * row + 1]));
+                            ptx::max_nan(s[j + 8][2 * row], s[j + 8][2 * row + 1]));
       }
+#pragma unroll
+      for (int j = 0; j < 4; ++j) m[j] = ptx::max_nan(m[j], m[j + 4]);
       const float mx = ptx::max_nan(ptx::max_nan(m[0], m[1]), ptx::max_nan(m[2], m[3]));
-      keep |= gate.keeps_row(mx, 0.f, valid[row], p.scale, p.scale_log2);
+      keep |= gate.keeps_row(mx, 0.f, r + 8 * row < tile.rows_valid, p.scale, p.scale_log2);
     }
     if (__any_sync(0xffffffffu, keep) && lane == 0) {
-      const int kb = n - 1 - job.u;
       atomicOr(bits + job.head * gp.words + kb / 32, 1u << (kb % 32));
       if (job.half == 0) s_first_kept[job.u % 2][job.head] = job.u;
     }
   };
 
   for (int u = -1; u < n; ++u) {
-    ptx::cp_async_wait<0>();  // the item's halves (and at u = −1 Q) landed for this thread,
+    ptx::cp_async_wait<0>();  // K tile u + 1 (and at u = −1 Q) landed for this thread,
     hw::fence_proxy_async();  // ordered before wgmma's reads,
     __syncthreads();          // for every thread; both warpgroups are done with the last item
-    if (2 * u + 3 < 2 * n) load_k(2 * u + 3);
-    if (2 * u + 4 < 2 * n) load_k(2 * u + 4);
+    if (u + 2 < n) load_k(u + 2);
     ptx::cp_async_commit();
-    // The jobs: first halves of block u + 1 (every head), then second halves of block u (heads
-    // whose first half did not keep it), as every thread reads them after the barrier.
+    // The item's jobs, as every thread reads them after the barrier: first halves of block
+    // u + 1 (every head), then second halves of block u (heads whose first half did not keep
+    // it; none when the query block's second half has no valid row). Warpgroup wg runs jobs
+    // wg, wg + 2, ...
     const int n_first = u + 1 < n ? heads : 0;
     unsigned second = 0;
-    if (u >= 0) {
+    if (u >= 0 && tile.rows_valid > Cfg::kHalfRows) {
       for (int h = 0; h < heads; ++h) second |= static_cast<unsigned>(s_first_kept[u & 1][h] != u) << h;
     }
     const int n_jobs = n_first + __popc(second);
-    auto job = [&](int j) {
+    const int mine = (n_jobs - wg + 1) / 2;
+    auto job = [&](int i) {
+      const int j = wg + 2 * i;
       if (j < n_first) return Job{j, u + 1, 0};
       return Job{static_cast<int>(__fns(second, 0, j - n_first + 1)), u, 1};
     };
-    if (n_jobs == 0) continue;
-    // One job's wgmma in flight while the previous job's maximum is taken: job j in acc[j % 2];
-    // at the loop's head exactly job j is in flight, and each branch after it ends with none
-    // (ptxas then needs no wait of its own: with a wait under a second condition it injected
-    // one at the loop's back edge, C7517).
+    if (mine == 0) continue;
+    // One job's wgmma in flight while the previous job's maximum is taken: job i in
+    // acc[i % 2]; at the loop's head exactly job i is in flight, and each branch after it ends
+    // with none (ptxas then needs no wait of its own: with a wait under a second condition it
+    // injected one at the loop's back edge, C7517).
     issue(acc[0], job(0));
-    int j = 0;
-    for (; j + 2 < n_jobs; j += 2) {
-      issue(acc[1], job(j + 1));
+    int i = 0;
+    for (; i + 2 < mine; i += 2) {
+      issue(acc[1], job(i + 1));
       hw::wgmma_wait<1>();
       hw::fence_regs(acc[0]);
-      decide(acc[0], job(j));
-      issue(acc[0], job(j + 2));
+      decide(acc[0], job(i));
+      issue(acc[0], job(i + 2));
       hw::wgmma_wait<1>();
       hw::fence_regs(acc[1]);
-      decide(acc[1], job(j + 1));
+      decide(acc[1], job(i + 1));
     }
-    if (j + 1 < n_jobs) {
-      issue(acc[1], job(j + 1));
+    if (i + 1 < mine) {
+      issue(acc[1], job(i + 1));
       hw::wgmma_wait<1>();
       hw::fence_regs(acc[0]);
-      decide(acc[0], job(j));
+      decide(acc[0], job(i));
       hw::wgmma_wait<0>();
       hw::fence_regs(acc[1]);
-      decide(acc[1], job(j + 1));
+      decide(acc[1], job(i + 1));
     } else {
       hw::wgmma_wait<0>();
       hw::fence_regs(acc[0]);
-      decide(acc[0], job(j));
+      decide(acc[0], job(i));
     }
   }
   __syncthreads();  // every vote is in the bitmaps
