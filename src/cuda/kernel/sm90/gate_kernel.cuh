@@ -117,15 +117,13 @@ __global__ void __launch_bounds__(Gate90Config<kBf16, kD>::kThreads, 1)
   }
   ptx::cp_async_commit();
 
-  // A job: rows 64·half .. 64·half + 63 of head `head` against the u-th gated block.
-  struct Job {
-    int head, u, half;
-  };
+  // A job scores rows 64·half .. 64·half + 63 of one head against one K tile: the first
+  // halves of an item score block u + 1, the second halves block u. Its code: head | half << 2.
+  const std::uint64_t q_desc0 = hw::kmajor_desc_sw128(s_q);
   float acc[2][16][4];
-  auto issue = [&](float (&s)[16][4], Job job) {
-    const std::uint64_t q_desc = hw::kmajor_desc_sw128(
-        s_q + static_cast<std::uint32_t>(job.head * Cfg::kTileBytes + job.half * Cfg::kHalfRows * 128));
-    const std::uint64_t k_desc = hw::kmajor_desc_sw128(stage(job.u));
+  auto issue = [&](float (&s)[16][4], unsigned code, std::uint64_t k_desc) {
+    const std::uint64_t q_desc =
+        q_desc0 + (((code & 3u) * Cfg::kTileBytes + (code >> 2) * Cfg::kHalfRows * 128) >> 4);
     hw::wgmma_fence();
 #pragma unroll
     for (int kk = 0; kk < Cfg::kKSteps; ++kk) {
@@ -134,29 +132,30 @@ __global__ void __launch_bounds__(Gate90Config<kBf16, kD>::kThreads, 1)
     }
     hw::wgmma_commit();
   };
-  // The job's vote from its S (keys past s_k, zero-filled, are masked: a short last block is
-  // gated only when the query block's first row sees the sequence's end). Per thread the
-  // NaN-propagating maximum of each of its two rows over its 32 columns: the row's keep rule
-  // over those partial maxima is the rule over the row's maximum (rounding of a positive scale
-  // is monotone; a NaN keeps either way), and a head keeps iff one of its halves does.
-  auto decide = [&](float (&s)[16][4], Job job) {
-    const int kb = n - 1 - job.u;
-    const int keys = static_cast<int>(tile.geo.key_end(kb) - tile.geo.key_begin(kb));
-    if (keys < Cfg::kTileRows) {
+  // Only the last gated block (u = 0) can be short: a short last block is gated only when the
+  // query block's first row sees the sequence's end.
+  const int keys0 = n > 0 ? static_cast<int>(tile.geo.key_end(n - 1) - tile.geo.key_begin(n - 1)) : 0;
+  // The job's vote on block u from its S (keys past s_k, zero-filled, are masked). Per thread
+  // the NaN-propagating maximum of each of its two rows over its 32 columns: the row's keep
+  // rule over those partial maxima is the rule over the row's maximum (rounding of a positive
+  // scale is monotone; a NaN keeps either way), and a head keeps iff one of its halves does.
+  auto decide = [&](float (&s)[16][4], unsigned code, int u) {
+    const int head = static_cast<int>(code & 3u), half = static_cast<int>(code >> 2);
+    if (u == 0 && keys0 < Cfg::kTileRows) {
       const int t = lane % 4;
 #pragma unroll
       for (int j = 0; j < 16; ++j) {
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
-          if (8 * j + 2 * t + e % 2 >= keys) s[j][e] = -INFINITY;
+          if (8 * j + 2 * t + e % 2 >= keys0) s[j][e] = -INFINITY;
         }
       }
     }
     Gate gate;
     gate.exact = true;
-    gate.threshold = s_threshold[job.head];
+    gate.threshold = s_threshold[head];
     // The thread's rows (the wgmma accumulator layout): r and r + 8.
-    const int r = job.half * Cfg::kHalfRows + (warp % 4) * 16 + lane / 4;
+    const int r = half * Cfg::kHalfRows + (warp % 4) * 16 + lane / 4;
     bool keep = false;
 #pragma unroll
     for (int row = 0; row < 2; ++row) {
@@ -172,8 +171,9 @@ __global__ void __launch_bounds__(Gate90Config<kBf16, kD>::kThreads, 1)
       keep |= gate.keeps_row(mx, 0.f, r + 8 * row < tile.rows_valid, p.scale, p.scale_log2);
     }
     if (__any_sync(0xffffffffu, keep) && lane == 0) {
-      atomicOr(bits + job.head * gp.words + kb / 32, 1u << (kb % 32));
-      if (job.half == 0) s_first_kept[job.u % 2][job.head] = job.u;
+      const int kb = n - 1 - u;
+      atomicOr(bits + head * gp.words + kb / 32, 1u << (kb % 32));
+      if (half == 0) s_first_kept[u % 2][head] = u;
     }
   };
 
@@ -183,51 +183,57 @@ __global__ void __launch_bounds__(Gate90Config<kBf16, kD>::kThreads, 1)
     __syncthreads();          // for every thread; both warpgroups are done with the last item
     if (u + 2 < n) load_k(u + 2);
     ptx::cp_async_commit();
-    // The item's jobs, as every thread reads them after the barrier: first halves of block
-    // u + 1 (every head), then second halves of block u (heads whose first half did not keep
-    // it; none when the query block's second half has no valid row). Warpgroup wg runs jobs
-    // wg, wg + 2, ...
-    const int n_first = u + 1 < n ? heads : 0;
-    unsigned second = 0;
-    if (u >= 0 && tile.rows_valid > Cfg::kHalfRows) {
-      for (int h = 0; h < heads; ++h) second |= static_cast<unsigned>(s_first_kept[u & 1][h] != u) << h;
+    // The item's jobs, as every thread reads them after the barrier: the first halves of block
+    // u + 1 (every head), then the second halves of block u (heads whose first half did not
+    // keep it; none when the query block's second half has no valid row). Warpgroup wg runs
+    // jobs wg, wg + 2, ...: `mine` of them, codes 3 bits each in `list`.
+    unsigned list = 0;
+    int mine = 0, j = 0;
+#pragma unroll
+    for (int h = 0; h < Cfg::kMaxHeads; ++h) {
+      if (h < heads && u + 1 < n) {
+        if ((j++ & 1) == wg) list |= static_cast<unsigned>(h) << (3 * mine++);
+      }
     }
-    const int n_jobs = n_first + __popc(second);
-    const int mine = (n_jobs - wg + 1) / 2;
-    auto job = [&](int i) {
-      const int j = wg + 2 * i;
-      if (j < n_first) return Job{j, u + 1, 0};
-      return Job{static_cast<int>(__fns(second, 0, j - n_first + 1)), u, 1};
-    };
+#pragma unroll
+    for (int h = 0; h < Cfg::kMaxHeads; ++h) {
+      if (h < heads && u >= 0 && tile.rows_valid > Cfg::kHalfRows && s_first_kept[u & 1][h] != u) {
+        if ((j++ & 1) == wg) list |= static_cast<unsigned>(h | 4) << (3 * mine++);
+      }
+    }
     if (mine == 0) continue;
+    const std::uint64_t k_first = hw::kmajor_desc_sw128(stage(u + 1)), k_second = hw::kmajor_desc_sw128(stage(u));
+    auto code = [&](int i) { return (list >> (3 * i)) & 7u; };
+    auto run = [&](float (&s)[16][4], int i) { issue(s, code(i), code(i) & 4u ? k_second : k_first); };
+    auto vote = [&](float (&s)[16][4], int i) { decide(s, code(i), code(i) & 4u ? u : u + 1); };
     // One job's wgmma in flight while the previous job's maximum is taken: job i in
     // acc[i % 2]; at the loop's head exactly job i is in flight, and each branch after it ends
     // with none (ptxas then needs no wait of its own: with a wait under a second condition it
     // injected one at the loop's back edge, C7517).
-    issue(acc[0], job(0));
+    run(acc[0], 0);
     int i = 0;
     for (; i + 2 < mine; i += 2) {
-      issue(acc[1], job(i + 1));
+      run(acc[1], i + 1);
       hw::wgmma_wait<1>();
       hw::fence_regs(acc[0]);
-      decide(acc[0], job(i));
-      issue(acc[0], job(i + 2));
+      vote(acc[0], i);
+      run(acc[0], i + 2);
       hw::wgmma_wait<1>();
       hw::fence_regs(acc[1]);
-      decide(acc[1], job(i + 1));
+      vote(acc[1], i + 1);
     }
     if (i + 1 < mine) {
-      issue(acc[1], job(i + 1));
+      run(acc[1], i + 1);
       hw::wgmma_wait<1>();
       hw::fence_regs(acc[0]);
-      decide(acc[0], job(i));
+      vote(acc[0], i);
       hw::wgmma_wait<0>();
       hw::fence_regs(acc[1]);
-      decide(acc[1], job(i + 1));
+      vote(acc[1], i + 1);
     } else {
       hw::wgmma_wait<0>();
       hw::fence_regs(acc[0]);
-      decide(acc[0], job(i));
+      vote(acc[0], i);
     }
   }
   __syncthreads();  // every vote is in the bitmaps
