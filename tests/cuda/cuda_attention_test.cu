@@ -661,16 +661,19 @@ TEST(CudaExactGate, BlocksThatOneHalfOfTheQueryRowsKeeps) {
   }
 }
 
-// Blocks that a head keeps on one key only, in the first 64 keys of the block or in the last
-// 64: the Hopper decision kernel scores a block's second half only for the heads its first
-// half did not keep (the early keep), so each head of a CTA must see its own second half. Head
-// h looks along dimension h (four heads of one KV group: one decision CTA); key block kb holds
-// one key, at offset 5, 63, 64 or 123 for kb / 16 = 0, 1, 2, 3 (either half and the keys on
-// both sides of the boundary), with A in the dimensions of the bits of kb % 16 and 0 in
-// dimensions 0-3 elsewhere; so head h keeps exactly the full blocks with bit h of kb % 16 set,
-// every mix of heads appearing with the key at each offset. T = 2 between the key's A² / sqrt(d) = 5.7 and
-// the others' maxima of about 0.4 (entries of size 0.5). In one pass and in two, both paths.
-TEST(CudaExactGate, BlocksThatOneKeyOfEitherHalfKeeps) {
+// Blocks that a head keeps on one key only, anywhere in the block: each head's decision is its
+// own, in a decision CTA that scores four heads against each K tile with two heads' wgmma in
+// flight at once: a vote under the wrong head, or a maximum over part of the block, fails it
+// (written for an early keep that scored a block's second half only for the heads its first
+// half did not keep: bench/records/2026-11-30-h200-decision-kernel-early-keep-ab.log, not
+// kept). Head h looks along dimension h (four heads of one KV group); key block kb holds one
+// key, at offset 5, 63, 64 or 123 for kb / 16 = 0, 1, 2, 3 (either half and the keys on both
+// sides of the middle), with A in the dimensions of the bits of kb % 16 and 0 in dimensions
+// 0-3 elsewhere; so head h keeps exactly the full blocks with bit h of kb % 16 set, every mix
+// of heads appearing with the key at each offset. T = 2 between the key's A² / sqrt(d) = 5.7
+// and the others' maxima of about 0.4 (entries of size 0.5). In one pass and in two, both
+// paths.
+TEST(CudaExactGate, BlocksThatOneKeyKeepsForItsHeadsOnly) {
   SP_REQUIRE_GPU();
   const SeqLen len{256, 8192};
   constexpr double kA = 8.0;

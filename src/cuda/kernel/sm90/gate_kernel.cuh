@@ -31,44 +31,34 @@ namespace hw = sm90::hw;
 // A CTA decides for one query block of kBlockQ = 128 rows and heads_per_cta (H <= kMaxHeads)
 // query heads of one KV group, so that each K tile, loaded once, is scored by H · 128 rows:
 // alone (H = 1) a K tile would be read from L2 for every 1024 tensor-pipe cycles of work. Two
-// warpgroups share the jobs: a job scores one half of a head's rows (64) against one K tile.
-// Tiles are [d / 64][128 rows][64] with the 128-byte swizzle, the forward kernel's layout.
+// warpgroups; warpgroup w scores rows 64w .. 64w + 63 of every head. Tiles are [d / 64][128
+// rows][64] with the 128-byte swizzle, the forward kernel's layout.
 template <bool kBf16_, int kD>
 struct Gate90Config {
   static constexpr bool kBf16 = kBf16_;
   static constexpr int kThreads = 256;
   static constexpr int kMaxHeads = 4;
   static constexpr int kTileRows = 128;  // query rows of a head, keys of a K tile
-  static constexpr int kHalfRows = kTileRows / 2;
   static constexpr int kHalfBytes = kTileRows * 128;
   static constexpr int kTileBytes = kD / 64 * kHalfBytes;
-  static constexpr int kStages = 3;  // K tiles: the item's two and the next item's
   static constexpr int kKSteps = kD / 16;
   static_assert(kTileRows == kBlockQ, "one query block per CTA");
   static_assert(kD == 64 || kD == 128, "d = 64 or 128");
-  // H Q tiles, three K stages and H kept bitmaps of `words` words; the slack aligns the tiles
-  // to the swizzle period (1024 B). d = 128, H = 4: 224 KB plus the bitmaps.
+  // H Q tiles, two K stages and H kept bitmaps of `words` words; the slack aligns the tiles to
+  // the swizzle period (1024 B). d = 128, H = 4: 192 KB plus the bitmaps.
   static std::size_t smem_bytes(int heads, int words) {
-    return 1024 + static_cast<std::size_t>(heads + kStages) * kTileBytes + static_cast<std::size_t>(heads) * words * 4;
+    return 1024 + static_cast<std::size_t>(heads + 2) * kTileBytes + static_cast<std::size_t>(heads) * words * 4;
   }
 };
 
 // Grid: one CTA per (query block, batch, unit of H heads) in the forward kernels' order
 // (geom::grid_tile with FwdParams::kv_major), the last query blocks first. The gated blocks
 // (group B: the full blocks under causal, all but the last non-causal; policy.cuh) descend as
-// the forward kernel visits them: block kb = n_gated - 1 - u is the u-th.
-//
-// Early keep: a head keeps a block iff one of its 128 rows reaches the threshold, so a head
-// whose first 64 rows keep the block needs not score the others. With keep probability ρ per
-// block and the halves alike, a head scores its second half with probability √(1 − ρ): 71% of
-// the time at ρ 0.5, 89% at 0.2. Item u (u = −1 .. n_gated − 1) scores the first halves of
-// block u + 1 (every head), then the second halves of block u (the heads whose first half did
-// not keep it): the first-half votes are one barrier old when read. The item's jobs alternate
-// between the warpgroups. Per item one barrier (its tiles landed for every thread; both
-// warpgroups are done with the last item's), the next item's K tile load, then each job's
-// [64 x 128] S and its maximum. A warp keeps the block for a head iff one of its rows does;
-// the CTA's bitmaps in shared memory collect the votes (atomicOr), and the rows are written
-// after the last item.
+// the forward kernel visits them. Per K tile: one barrier (the tile landed for every thread, and
+// both warpgroups are done with the other stage), the next tile's load, then each head's
+// [64 x 128] S and its maximum. A warp keeps the block for a head iff one of its rows does; the
+// CTA's bitmaps in shared memory collect the votes (atomicOr), and the rows are written after
+// the last tile.
 template <bool kBf16, int kD>
 __global__ void __launch_bounds__(Gate90Config<kBf16, kD>::kThreads, 1)
     gate90_kernel(const __grid_constant__ GateParams gp) {
@@ -78,34 +68,27 @@ __global__ void __launch_bounds__(Gate90Config<kBf16, kD>::kThreads, 1)
   extern __shared__ std::uint8_t smem_raw[];
   __shared__ float s_threshold[Cfg::kMaxHeads];
   __shared__ std::int64_t s_red[Cfg::kThreads / 32];
-  // s_first_kept[u % 2][h] = u iff head h's first half kept block u. Written in item u − 1,
-  // read in item u, rewritten (u + 2) in item u + 1: a barrier apart each time, so no clearing.
-  __shared__ int s_first_kept[2][Cfg::kMaxHeads];
 
   const int tid = threadIdx.x, wg = tid / 128, warp = tid / 32, lane = tid % 32;
   GateTile tile;
   if (!tile.init(p, heads)) return;
-  const int n = tile.n_gated;
 
   const std::uint32_t raw = hw::smem_u32(smem_raw);
   const std::uint32_t pad = (1024 - (raw & 1023)) & 1023;
   const std::uint32_t s_q = raw + pad;
   const std::uint32_t s_k = s_q + static_cast<std::uint32_t>(heads * Cfg::kTileBytes);
-  auto* bits = reinterpret_cast<std::uint32_t*>(smem_raw + pad + (heads + Cfg::kStages) * Cfg::kTileBytes);
+  auto* bits = reinterpret_cast<std::uint32_t*>(smem_raw + pad + (heads + 2) * Cfg::kTileBytes);  // [heads][words]
 
   for (int i = tid; i < heads * gp.words; i += Cfg::kThreads) bits[i] = 0u;
   if (tid < heads) s_threshold[tid] = make_gate(p, tile.geo, tile.qb, tile.h0 + tid).threshold;
-  if (tid < 2 * Cfg::kMaxHeads) s_first_kept[tid / Cfg::kMaxHeads][tid % Cfg::kMaxHeads] = -1;
   const auto* k_base = static_cast<const std::uint16_t*>(p.k) + tile.seq.k_off + tile.hk * p.k_head_stride;
-  auto stage = [&](int u) { return s_k + static_cast<std::uint32_t>((u % Cfg::kStages) * Cfg::kTileBytes); };
-  auto load_k = [&](int u) {
-    const int kb = n - 1 - u;
+  auto load_k = [&](int kb, int stage) {
     const std::int64_t key0 = tile.geo.key_begin(kb);
-    sm90::load_rows_sw128<Cfg::kTileRows, kD, Cfg::kThreads>(stage(u), k_base + key0 * p.k_row_stride,
-                                                             p.k_row_stride, static_cast<int>(tile.geo.key_end(kb) - key0),
-                                                             tid);
+    sm90::load_rows_sw128<Cfg::kTileRows, kD, Cfg::kThreads>(
+        s_k + static_cast<std::uint32_t>(stage * Cfg::kTileBytes), k_base + key0 * p.k_row_stride, p.k_row_stride,
+        static_cast<int>(tile.geo.key_end(kb) - key0), tid);
   };
-  if (n > 0) {
+  if (tile.n_gated > 0) {
     for (int i = 0; i < heads; ++i) {
       sm90::load_rows_sw128<Cfg::kTileRows, kD, Cfg::kThreads>(
           s_q + static_cast<std::uint32_t>(i * Cfg::kTileBytes),
@@ -113,17 +96,17 @@ __global__ void __launch_bounds__(Gate90Config<kBf16, kD>::kThreads, 1)
               tile.row0 * p.q_row_stride,
           p.q_row_stride, tile.rows_valid, tid);
     }
-    load_k(0);
+    load_k(tile.n_gated - 1, 0);
   }
   ptx::cp_async_commit();
 
-  // A job scores rows 64·half .. 64·half + 63 of one head against one K tile: the first
-  // halves of an item score block u + 1, the second halves block u. Its code: head | half << 2.
-  const std::uint64_t q_desc0 = hw::kmajor_desc_sw128(s_q);
+  // The thread's rows of its warpgroup's slab (the wgmma accumulator layout): r and r + 8.
+  const int r = wg * 64 + (warp % 4) * 16 + lane / 4;
+  const bool valid[2] = {r < tile.rows_valid, r + 8 < tile.rows_valid};
   float acc[2][16][4];
-  auto issue = [&](float (&s)[16][4], unsigned code, std::uint64_t k_desc) {
+  auto issue = [&](float (&s)[16][4], int head, std::uint64_t k_desc) {
     const std::uint64_t q_desc =
-        q_desc0 + (((code & 3u) * Cfg::kTileBytes + (code >> 2) * Cfg::kHalfRows * 128) >> 4);
+        hw::kmajor_desc_sw128(s_q + static_cast<std::uint32_t>(head * Cfg::kTileBytes + wg * 64 * 128));
     hw::wgmma_fence();
 #pragma unroll
     for (int kk = 0; kk < Cfg::kKSteps; ++kk) {
@@ -132,108 +115,79 @@ __global__ void __launch_bounds__(Gate90Config<kBf16, kD>::kThreads, 1)
     }
     hw::wgmma_commit();
   };
-  // Only the last gated block (u = 0) can be short: a short last block is gated only when the
-  // query block's first row sees the sequence's end.
-  const int keys0 = n > 0 ? static_cast<int>(tile.geo.key_end(n - 1) - tile.geo.key_begin(n - 1)) : 0;
-  // The job's vote on block u from its S (keys past s_k, zero-filled, are masked). Per thread
-  // the NaN-propagating maximum of each of its two rows over its 32 columns: the row's keep
-  // rule over those partial maxima is the rule over the row's maximum (rounding of a positive
-  // scale is monotone; a NaN keeps either way), and a head keeps iff one of its halves does.
-  auto decide = [&](float (&s)[16][4], unsigned code, int u) {
-    const int head = static_cast<int>(code & 3u), half = static_cast<int>(code >> 2);
-    if (u == 0 && keys0 < Cfg::kTileRows) {
+  // Head `head`'s vote on key block kb from its S (keys past s_k, zero-filled, are masked: a
+  // short last block is gated only when the query block's first row sees the sequence's end).
+  // Per thread the NaN-propagating maximum of each of its two rows over its 32 columns: the
+  // row's keep rule over those partial maxima is the rule over the row's maximum (rounding of
+  // a positive scale is monotone; a NaN keeps either way).
+  auto decide = [&](float (&s)[16][4], int head, int kb, int keys) {
+    if (keys < Cfg::kTileRows) {
       const int t = lane % 4;
 #pragma unroll
       for (int j = 0; j < 16; ++j) {
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
-          if (8 * j + 2 * t + e % 2 >= keys0) s[j][e] = -INFINITY;
+          if (8 * j + 2 * t + e % 2 >= keys) s[j][e] = -INFINITY;
         }
       }
     }
     Gate gate;
     gate.exact = true;
     gate.threshold = s_threshold[head];
-    // The thread's rows (the wgmma accumulator layout): r and r + 8.
-    const int r = half * Cfg::kHalfRows + (warp % 4) * 16 + lane / 4;
     bool keep = false;
 #pragma unroll
-    for (int row = 0; row < 2; ++row) {
+    for (int half = 0; half < 2; ++half) {
       float m[8];
 #pragma unroll
       for (int j = 0; j < 8; ++j) {
-        m[j] = ptx::max_nan(ptx::max_nan(s[j][2 * row], s[j][2 * row + 1]),
-                            ptx::max_nan(s[j + 8][2 * row], s[j + 8][2 * row + 1]));
+        m[j] = ptx::max_nan(ptx::max_nan(s[j][2 * half], s[j][2 * half + 1]),
+                            ptx::max_nan(s[j + 8][2 * half], s[j + 8][2 * half + 1]));
       }
 #pragma unroll
       for (int j = 0; j < 4; ++j) m[j] = ptx::max_nan(m[j], m[j + 4]);
       const float mx = ptx::max_nan(ptx::max_nan(m[0], m[1]), ptx::max_nan(m[2], m[3]));
-      keep |= gate.keeps_row(mx, 0.f, r + 8 * row < tile.rows_valid, p.scale, p.scale_log2);
+      keep |= gate.keeps_row(mx, 0.f, valid[half], p.scale, p.scale_log2);
     }
-    if (__any_sync(0xffffffffu, keep) && lane == 0) {
-      const int kb = n - 1 - u;
-      atomicOr(bits + head * gp.words + kb / 32, 1u << (kb % 32));
-      if (half == 0) s_first_kept[u % 2][head] = u;
-    }
+    if (__any_sync(0xffffffffu, keep) && lane == 0) atomicOr(bits + head * gp.words + kb / 32, 1u << (kb % 32));
   };
 
-  for (int u = -1; u < n; ++u) {
-    ptx::cp_async_wait<0>();  // K tile u + 1 (and at u = −1 Q) landed for this thread,
+  for (int t = 0; t < tile.n_gated; ++t) {
+    const int kb = tile.n_gated - 1 - t, stage = t & 1;
+    ptx::cp_async_wait<0>();  // K(kb) (and at t = 0 Q) landed for this thread,
     hw::fence_proxy_async();  // ordered before wgmma's reads,
-    __syncthreads();          // for every thread; both warpgroups are done with the last item
-    if (u + 2 < n) load_k(u + 2);
+    __syncthreads();          // for every thread; both warpgroups are done with the other stage
+    if (t + 1 < tile.n_gated) load_k(kb - 1, stage ^ 1);
     ptx::cp_async_commit();
-    // The item's jobs, as every thread reads them after the barrier: the first halves of block
-    // u + 1 (every head), then the second halves of block u (heads whose first half did not
-    // keep it; none when the query block's second half has no valid row). Warpgroup wg runs
-    // jobs wg, wg + 2, ...: `mine` of them, codes 3 bits each in `list`.
-    unsigned list = 0;
-    int mine = 0, j = 0;
-#pragma unroll
-    for (int h = 0; h < Cfg::kMaxHeads; ++h) {
-      if (h < heads && u + 1 < n) {
-        if ((j++ & 1) == wg) list |= static_cast<unsigned>(h) << (3 * mine++);
-      }
-    }
-#pragma unroll
-    for (int h = 0; h < Cfg::kMaxHeads; ++h) {
-      if (h < heads && u >= 0 && tile.rows_valid > Cfg::kHalfRows && s_first_kept[u & 1][h] != u) {
-        if ((j++ & 1) == wg) list |= static_cast<unsigned>(h | 4) << (3 * mine++);
-      }
-    }
-    if (mine == 0) continue;
-    const std::uint64_t k_first = hw::kmajor_desc_sw128(stage(u + 1)), k_second = hw::kmajor_desc_sw128(stage(u));
-    auto code = [&](int i) { return (list >> (3 * i)) & 7u; };
-    auto run = [&](float (&s)[16][4], int i) { issue(s, code(i), code(i) & 4u ? k_second : k_first); };
-    auto vote = [&](float (&s)[16][4], int i) { decide(s, code(i), code(i) & 4u ? u : u + 1); };
-    // One job's wgmma in flight while the previous job's maximum is taken: job i in
-    // acc[i % 2]; at the loop's head exactly job i is in flight, and each branch after it ends
+    const std::uint64_t k_desc = hw::kmajor_desc_sw128(s_k + static_cast<std::uint32_t>(stage * Cfg::kTileBytes));
+    const int keys = static_cast<int>(tile.geo.key_end(kb) - tile.geo.key_begin(kb));
+    // One head's wgmma in flight while the previous head's maximum is taken: head i in
+    // acc[i % 2]; at the loop's head exactly head i is in flight, and each branch after it ends
     // with none (ptxas then needs no wait of its own: with a wait under a second condition it
     // injected one at the loop's back edge, C7517).
-    run(acc[0], 0);
+    issue(acc[0], 0, k_desc);
     int i = 0;
-    for (; i + 2 < mine; i += 2) {
-      run(acc[1], i + 1);
+    for (; i + 2 < heads; i += 2) {
+      issue(acc[1], i + 1, k_desc);
       hw::wgmma_wait<1>();
       hw::fence_regs(acc[0]);
-      vote(acc[0], i);
-      run(acc[0], i + 2);
+      decide(acc[0], i, kb, keys);
+      issue(acc[0], i + 2, k_desc);
       hw::wgmma_wait<1>();
       hw::fence_regs(acc[1]);
-      vote(acc[1], i + 1);
+      decide(acc[1], i + 1, kb, keys);
     }
-    if (i + 1 < mine) {
-      run(acc[1], i + 1);
+    if (i + 1 < heads) {
+      issue(acc[1], i + 1, k_desc);
       hw::wgmma_wait<1>();
       hw::fence_regs(acc[0]);
-      vote(acc[0], i);
+      decide(acc[0], i, kb, keys);
       hw::wgmma_wait<0>();
       hw::fence_regs(acc[1]);
-      vote(acc[1], i + 1);
+      decide(acc[1], i + 1, kb, keys);
     } else {
       hw::wgmma_wait<0>();
       hw::fence_regs(acc[0]);
-      vote(acc[0], i);
+      decide(acc[0], i, kb, keys);
     }
   }
   __syncthreads();  // every vote is in the bitmaps
