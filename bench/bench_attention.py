@@ -58,6 +58,7 @@ Method:
 Writes OUT/bench.json and OUT/bench.md after every case (a run cut short keeps what it had).
 """
 import argparse
+import contextlib
 import ctypes
 import datetime
 import json
@@ -799,16 +800,50 @@ class BatchCase(Case):
                   backend=SDPBackend.CUDNN_ATTENTION)
         if self.lib is not None:
             self.ours("ours_dense", "ours dense", self.lib.policy("dense"))
-            before = os.environ.get("SPARSEPREFILL_PACK_GQA")
-            os.environ["SPARSEPREFILL_PACK_GQA"] = "never"
-            try:
+            with env_set("SPARSEPREFILL_PACK_GQA", "never"):
                 self.ours("ours_dense_unpacked", "ours dense, GQA packing off", self.lib.policy("dense"))
-            finally:  # the run's own setting (recorded as pack_gqa) for the rows after this one
-                if before is None:
-                    del os.environ["SPARSEPREFILL_PACK_GQA"]
-                else:
-                    os.environ["SPARSEPREFILL_PACK_GQA"] = before
+            if self.wanted("ours_exact_gate") or self.wanted("ours_exact_gate_one_pass"):
+                # exact_gate ~20% in two passes (the default: a decision CTA per query block and
+                # 4 heads, which scores 128 rows of which `chunk` are valid, and sums the gated
+                # blocks of its own sequence only) and forced into one pass.
+                t = self.gate_threshold(0.2)
+                gate = self.lib.policy("exact_gate", {"block_q": BLOCK, "block_k": BLOCK})
+                table = torch.full((self.h_q, 1), t, dtype=torch.float32, device=DEV)
+                gate.set_thresholds(sp_ctypes.tensor_from_torch(table), owner=table)
+                self.ours("ours_exact_gate", "ours exact_gate ~20%", gate, target=0.2, extra={"threshold": t})
+                with env_set("SPARSEPREFILL_EXACT_GATE_PASSES", "1"):
+                    self.ours("ours_exact_gate_one_pass", "ours exact_gate ~20%, one pass", gate, target=0.2,
+                              extra={"threshold": t})
         return self.record
+
+    def gate_threshold(self, target):
+        """T with P(block max ≥ T) ≈ target over the full key blocks of a sequence's chunk
+        (its `chunk` query rows), from the exact block maxima of scale·QKᵀ of 8 sequences and
+        4 heads (iid inputs: one value serves every head and position)."""
+        s, full = self.sets[0], (self.n - self.chunk) // BLOCK
+        group = self.h_q // self.h_kv
+        maxima = []
+        for b in range(min(8, self.batch)):
+            for h in range(0, self.h_q, max(1, self.h_q // 4)):
+                scores = (s.q[b, h].float() @ s.k[b, h // group, :full * BLOCK].float().T) / math.sqrt(self.d)
+                maxima.append(scores.view(self.chunk, full, BLOCK).amax(dim=(0, 2)))
+        allm = torch.sort(torch.cat(maxima)).values
+        return float(allm[min(allm.numel() - 1, max(0, int(round((1.0 - target) * allm.numel()))))])
+
+
+@contextlib.contextmanager
+def env_set(name, value):
+    """The environment variable `name` set to `value` inside the block; the run's own setting
+    (recorded in the result's env) restored after it."""
+    before = os.environ.get(name)
+    os.environ[name] = value
+    try:
+        yield
+    finally:
+        if before is None:
+            del os.environ[name]
+        else:
+            os.environ[name] = before
 
 
 class _Null:

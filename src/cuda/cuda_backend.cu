@@ -78,7 +78,8 @@ class DeviceGuard {
   bool active_ = false;
 };
 
-// Small per-call metadata (the sequence table, the paged block table, the Hopper tensor maps)
+// Small per-call metadata (the sequence table, the paged block table, the Hopper tensor maps,
+// exact_gate's per-sequence sums of gated blocks)
 // kept in device memory keyed by its bytes and never freed. A call whose metadata repeats an
 // earlier call's (the same shapes and tensors, as every layer and step of a model repeats
 // them) copies nothing, and a call under CUDA graph capture reads memory that outlives the
@@ -174,7 +175,7 @@ class Scratch {
     if (*out != nullptr) return {};
     if (capturing_) {
       return unsupported("cuda_stream: is capturing a CUDA graph, and this call's metadata (" + std::to_string(bytes) +
-                         " bytes: sequence table, block table, tensor maps or block mask) was not uploaded by an earlier call; run "
+                         " bytes: sequence table, block table, tensor maps, block mask or exact_gate's sums per sequence) was not uploaded by an earlier call; run "
                          "the same call once outside capture first (block masks over 64 KiB: run through a plan, make_plan)");
     }
     std::uint8_t* dev = nullptr;
@@ -485,6 +486,7 @@ Status launch_gate_decisions(const ProblemShape& shape, FwdPath path, const Gate
   // At least one entry each: a call whose rows hold no block still passes valid pointers.
   SP_RETURN_IF_ERROR(scratch->alloc(static_cast<std::size_t>(entries.full > 0 ? entries.full : 1), &gp.full_index));
   SP_RETURN_IF_ERROR(scratch->alloc(static_cast<std::size_t>(entries.partial > 0 ? entries.partial : 1), &gp.partial_index));
+  SP_RETURN_IF_ERROR(scratch->upload(gate_seq_gated(shape, p->block_k), &gp.seq_gated));
   SP_RETURN_IF_ERROR(launch_status(gate.launch(gp, stream), gate.name));
   p->mode = PolicyMode::kBlockMask;
   p->full_count = gp.full_count;
@@ -654,6 +656,16 @@ Status make_plan_state(const AttentionProblem& problem, const ProblemShape& shap
     SP_RETURN_IF_ERROR(state->copy(c.partial_index, stream, &state->partial_index));
   }
   SP_RETURN_IF_ERROR(cache_hopper_maps(problem, shape, policy, state->seqs_host, stream));
+  // exact_gate's decision pass uploads its sequences' gated-block sums with each call
+  // (launch_gate_decisions): into the metadata cache here, so that the plan's first run may be
+  // captured.
+  std::vector<std::int64_t> seq_gated;
+  if (std::holds_alternative<ExactGateParams>(policy)) {
+    seq_gated = gate_seq_gated(shape, block_k);
+    const void* cached = nullptr;
+    SP_RETURN_IF_ERROR(metadata_cache().find_or_add(state->device, seq_gated.data(),
+                                                    seq_gated.size() * sizeof(std::int64_t), false, stream, &cached));
+  }
   // The host vectors die with this call: the copies must be complete before it returns.
   SP_CUDA_TRY(cudaStreamSynchronize(stream), "cudaStreamSynchronize (plan)");
   *out = std::move(state);

@@ -202,10 +202,22 @@ GateListEntries gate_list_entries(const ProblemShape& shape, int block_k, int nu
                                    shape.causal},
                                   kBlockQ,
                                   block_k};
+    out.partial += static_cast<std::int64_t>(shape.h_q) * num_q_blocks * geo.ungated_room();
+  }
+  out.full = shape.h_q * gate_seq_gated(shape, block_k).back();
+  return out;
+}
+
+std::vector<std::int64_t> gate_seq_gated(const ProblemShape& shape, int block_k) {
+  std::vector<std::int64_t> out(static_cast<std::size_t>(shape.batch) + 1, 0);
+  for (int b = 0; b < shape.batch; ++b) {
+    const geom::BlockGeometry geo{{shape.seq_q[static_cast<std::size_t>(b)], shape.seq_k[static_cast<std::size_t>(b)],
+                                   shape.causal},
+                                  kBlockQ,
+                                  block_k};
     std::int64_t gated = 0;
     for (int qb = 0; qb < geo.num_q_blocks(); ++qb) gated += geo.gated_end(qb);
-    out.full += shape.h_q * gated;
-    out.partial += static_cast<std::int64_t>(shape.h_q) * num_q_blocks * geo.ungated_room();
+    out[static_cast<std::size_t>(b) + 1] = out[static_cast<std::size_t>(b)] + gated;
   }
   return out;
 }

@@ -1656,7 +1656,10 @@ TEST(CudaGraph, CaptureAfterWarmUpReplaysOnNewInputs) {
   RunOptions opt;
   opt.backend = Backend::kCUDA;
   opt.cuda_stream = stream;
-  for (const Policy& policy : {Policy{DenseParams{}}, Policy{skip_params(40.0, 64)}, Policy{skip_params(40.0, 128)}}) {
+  // exact_gate at block_k 128: two passes, the decision pass's per-sequence sums from the cache.
+  const Policy gate = gate_params(midpoint_thresholds(first, true, 128, 128, 0.3), 128);
+  for (const Policy& policy :
+       {Policy{DenseParams{}}, Policy{skip_params(40.0, 64)}, Policy{skip_params(40.0, 128)}, gate}) {
     SCOPED_TRACE(policy_name(policy));
     SP_CUDA_CHECK(cudaMemcpy(q.ptr, tp.q.data(), q.bytes, cudaMemcpyHostToDevice));
     SP_CUDA_CHECK(cudaMemcpy(k.ptr, tp.k.data(), k.bytes, cudaMemcpyHostToDevice));
@@ -1756,31 +1759,9 @@ TEST(CudaSelect, EstimateSelectEqualsCpuSelect) {
   }
 }
 
-// A block_sparse plan on the device: run(plan) equals run() bit for bit, and a call made with
-// the plan is captured into a CUDA graph with no warm-up call of its shape (the plan holds the
-// mask and the sequence table, and has cached the Hopper kernel's tensor maps of its tensors),
-// replaying on new inputs as a direct call does. block_k 128: the Hopper kernel on an sm_90
-// device.
-TEST(CudaPlan, BlockSparsePlanCapturesWithoutWarmUp) {
-  SP_REQUIRE_GPU();
-  {
-    // One uncaptured call of another shape first: the process's first calls load the kernels
-    // (lazy module loading), which is not what this test is about.
-    TestProblem other = make_problem(make_inputs({{256, 256}}, 4, 2, 64, 1800));
-    ASSERT_TRUE(run_gpu(&other, DenseParams{}).status.ok());
-  }
-  // A shape no other test runs, so that no metadata of it is cached before the capture.
-  const std::vector<SeqLen> len = {{1411, 1411}};
-  const Inputs first = make_inputs(len, 4, 2, 64, 1801);
-  const Inputs second = make_inputs(len, 4, 2, 64, 1802);
-  TestProblem tp = make_problem(first);
-  TestProblem tp2 = make_problem(second);
-  ProblemShape shape;
-  ASSERT_TRUE(validate_problem(tp.problem(), nullptr, &shape).ok());
-  std::vector<std::vector<int>> dead;
-  BlockSparseParams policy;
-  policy.mask = random_mask(shape, 128, false, 1803, &dead);
-
+// The body of CudaPlan.PlansCaptureWithoutWarmUp for one policy: tp and tp2 hold two inputs of
+// one shape.
+void check_plan_capture(const TestProblem& tp, const TestProblem& tp2, const Policy& policy) {
   DeviceBuffer q, k, v, o, lse;
   AttentionProblem dev = tp.problem();
   dev.q = to_device(tp.q, &q);
@@ -1805,6 +1786,7 @@ TEST(CudaPlan, BlockSparsePlanCapturesWithoutWarmUp) {
   ASSERT_TRUE(captured.ok()) << captured.to_string();
   const std::string want = expected_instance_prefix(tp, policy, false);
   EXPECT_EQ(cuda::last_fwd_instance_for_testing().rfind(want, 0), 0u) << "captured " << cuda::last_fwd_instance_for_testing();
+  if (std::holds_alternative<ExactGateParams>(policy)) EXPECT_EQ(cuda::last_gate_passes_for_testing(), 2);
   cudaGraphExec_t exec = nullptr;
   SP_CUDA_CHECK(cudaGraphInstantiate(&exec, graph, 0));
 
@@ -1843,6 +1825,47 @@ TEST(CudaPlan, BlockSparsePlanCapturesWithoutWarmUp) {
   SP_CUDA_CHECK(cudaGraphExecDestroy(exec));
   SP_CUDA_CHECK(cudaGraphDestroy(graph));
   SP_CUDA_CHECK(cudaStreamDestroy(stream));
+}
+
+// Plans on the device: run(plan) equals run() bit for bit, and a call made with the plan is
+// captured into a CUDA graph with no warm-up call of its shape, replaying on new inputs as a
+// direct call does. block_sparse: the plan holds the mask and the sequence table, and has
+// cached the Hopper kernel's tensor maps of its tensors; exact_gate (two passes, on a varlen
+// batch of three sequences): the plan has also cached the decision pass's gated-block sums per
+// sequence (gate_seq_gated). block_k 128: the Hopper kernels on an sm_90 device.
+TEST(CudaPlan, PlansCaptureWithoutWarmUp) {
+  SP_REQUIRE_GPU();
+  {
+    // One uncaptured call of another shape first: the process's first calls load the kernels
+    // (lazy module loading), which is not what this test is about.
+    TestProblem other = make_problem(make_inputs({{256, 256}}, 4, 2, 64, 1800));
+    ASSERT_TRUE(run_gpu(&other, DenseParams{}).status.ok());
+  }
+  struct Case {
+    std::vector<SeqLen> lens;  // shapes no other test runs: no metadata of them is cached before
+    Layout layout;
+    bool gate;
+  };
+  for (const Case& c : {Case{{{1411, 1411}}, Layout::kBatched, false},
+                        Case{{{600, 1409}, {900, 900}, {333, 700}}, Layout::kVarlen, true}}) {
+    SCOPED_TRACE(c.gate ? "exact_gate, varlen" : "block_sparse");
+    const Inputs first = make_inputs(c.lens, 4, 2, 64, 1801);
+    const Inputs second = make_inputs(c.lens, 4, 2, 64, 1802);
+    TestProblem tp = make_problem(first, true, c.layout);
+    TestProblem tp2 = make_problem(second, true, c.layout);
+    ProblemShape shape;
+    ASSERT_TRUE(validate_problem(tp.problem(), nullptr, &shape).ok());
+    Policy policy;
+    if (c.gate) {
+      policy = gate_params(midpoint_thresholds(first, true, 128, 128, 0.3), 128);
+    } else {
+      std::vector<std::vector<int>> dead;
+      BlockSparseParams bs;
+      bs.mask = random_mask(shape, 128, false, 1803, &dead);
+      policy = bs;
+    }
+    check_plan_capture(tp, tp2, policy);
+  }
 }
 
 }  // namespace

@@ -445,7 +445,8 @@ TEST(CudaPlan, GatePassesWhereTheDecisionKernelRuns) {
 
 // The decision kernels' lists: every row's group A in its fixed room, and every row's gated
 // blocks once (summed independently over the blocks here), for causal and non-causal varlen
-// batches whose query blocks run past the shorter sequences' ends.
+// batches whose query blocks run past the shorter sequences' ends; and the per-sequence sums
+// the rows' starts come from (gate_seq_gated), a sequence at a time.
 TEST(CudaPlan, GateListEntriesCountEveryRowsBlocks) {
   for (bool causal : {true, false}) {
     for (int bk : {64, 128}) {
@@ -458,14 +459,19 @@ TEST(CudaPlan, GateListEntriesCountEveryRowsBlocks) {
       s.k_start = {0, 1300, 2300};
       const int num_q_blocks = 8;  // ceil(1000 / 128)
       std::int64_t full = 0;
+      std::vector<std::int64_t> seq_gated = {0};
       for (int b = 0; b < s.batch; ++b) {
         const geom::BlockGeometry g{{s.seq_q[static_cast<std::size_t>(b)], s.seq_k[static_cast<std::size_t>(b)], causal}, 128, bk};
+        std::int64_t gated = 0;
         for (int qb = 0; qb < g.num_q_blocks(); ++qb) {
-          for (int kb = 0; kb < g.visible_end(qb); ++kb) full += s.h_q * (causal ? g.is_full(qb, kb) : kb != g.num_k_blocks() - 1);
+          for (int kb = 0; kb < g.visible_end(qb); ++kb) gated += causal ? g.is_full(qb, kb) : kb != g.num_k_blocks() - 1;
         }
+        full += s.h_q * gated;
+        seq_gated.push_back(seq_gated.back() + gated);
       }
       const GateListEntries e = gate_list_entries(s, bk, num_q_blocks);
       EXPECT_EQ(e.full, full) << (causal ? "causal" : "non-causal") << " bk " << bk;
+      EXPECT_EQ(gate_seq_gated(s, bk), seq_gated) << (causal ? "causal" : "non-causal") << " bk " << bk;
       EXPECT_EQ(e.partial, std::int64_t{3} * 6 * num_q_blocks * (128 / bk + 1));
     }
   }

@@ -189,6 +189,9 @@ struct GateParams {
   std::int32_t* full_index;
   std::int32_t* partial_count;
   std::int32_t* partial_index;
+  // [batch + 1]: the gated blocks per query head of the sequences before b (plan.h,
+  // gate_seq_gated), for the rows' full-list starts.
+  const std::int64_t* seq_gated;
 };
 
 // Whether the portable forward kernel's plain instances run a call (variants.py, axis loops):

@@ -164,25 +164,16 @@ __device__ __forceinline__ std::int64_t cta_sum(int n, const F& f, std::int64_t*
   return total;
 }
 
-// The full-list start of rows (b, h, qb): first + h · per_head. Every thread of the CTA calls it.
+// The full-list start of rows (b, h, qb): first + h · per_head (plan.h, GateListEntries), geo
+// being sequence b's geometry. Every thread of the CTA calls it.
 struct GateRowStart {
   std::int64_t first;
   std::int64_t per_head;
 };
-__device__ __forceinline__ GateRowStart gate_row_start(const FwdParams& p, int b, int qb, std::int64_t* red) {
-  auto geometry = [&](int bb) {
-    const SeqInfo s = p.seqs[bb];
-    return geom::BlockGeometry{{s.s_q, s.s_k, p.causal}, kBlockQ, p.block_k};
-  };
-  std::int64_t first = 0;
-  for (int bb = 0; bb < b; ++bb) {
-    const geom::BlockGeometry g = geometry(bb);
-    first += p.h_q * cta_sum(g.num_q_blocks(), [&](int q) { return g.gated_end(q); }, red);
-  }
-  const geom::BlockGeometry g = geometry(b);
-  const std::int64_t per_head = cta_sum(g.num_q_blocks(), [&](int q) { return g.gated_end(q); }, red);
-  first += cta_sum(qb, [&](int q) { return g.gated_end(q); }, red);
-  return {first, per_head};
+__device__ __forceinline__ GateRowStart gate_row_start(const GateParams& gp, const geom::BlockGeometry& geo, int b,
+                                                       int qb, std::int64_t* red) {
+  const std::int64_t before = gp.seq_gated[b];
+  return {gp.fwd.h_q * before + cta_sum(qb, [&](int q) { return geo.gated_end(q); }, red), gp.seq_gated[b + 1] - before};
 }
 
 // One warp writes the decisions of (b, h, qb), whose full list starts at full0: group A, the

@@ -142,7 +142,7 @@ __global__ void __launch_bounds__(Gate80Config<kBf16, kD>::kThreads, 2) gate80_k
     if (__any_sync(0xffffffffu, keep) && lane == 0) atomicOr(bits + kb / 32, 1u << (kb % 32));
   }
   __syncthreads();  // every vote is in the bitmap
-  const GateRowStart start = gate_row_start(p, tile.b, tile.qb, s_red);
+  const GateRowStart start = gate_row_start(gp, tile.geo, tile.b, tile.qb, s_red);
   if (warp == 0) write_gate_row(gp, tile.geo, tile.b, h, tile.qb, tile.visit, start.first + h * start.per_head, bits, lane);
 }
 

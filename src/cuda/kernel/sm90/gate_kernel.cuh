@@ -193,7 +193,7 @@ __global__ void __launch_bounds__(Gate90Config<kBf16, kD>::kThreads, 1)
   __syncthreads();  // every vote is in the bitmaps
 
   // Warp w writes head w's row.
-  const GateRowStart start = gate_row_start(p, tile.b, tile.qb, s_red);
+  const GateRowStart start = gate_row_start(gp, tile.geo, tile.b, tile.qb, s_red);
   if (warp < heads) {
     const int h = tile.h0 + warp;
     write_gate_row(gp, tile.geo, tile.b, h, tile.qb, tile.visit, start.first + h * start.per_head, bits + warp * gp.words,
