@@ -1657,20 +1657,22 @@ TEST(CudaGraph, CaptureAfterWarmUpReplaysOnNewInputs) {
   opt.backend = Backend::kCUDA;
   opt.cuda_stream = stream;
   // exact_gate at block_k 128: two passes, the decision pass's per-sequence sums from the cache.
-  const Policy gate = gate_params(midpoint_thresholds(first, true, 128, 128, 0.3), 128);
+  const HostTensor thr = midpoint_thresholds(first, true, 128, 128, 0.3);
+  const Policy gate = gate_params(thr, 128);
   for (const Policy& policy :
        {Policy{DenseParams{}}, Policy{skip_params(40.0, 64)}, Policy{skip_params(40.0, 128)}, gate}) {
     SCOPED_TRACE(policy_name(policy));
+    const auto on_device = to_device(policy);  // exact_gate's thresholds on q's device
     SP_CUDA_CHECK(cudaMemcpy(q.ptr, tp.q.data(), q.bytes, cudaMemcpyHostToDevice));
     SP_CUDA_CHECK(cudaMemcpy(k.ptr, tp.k.data(), k.bytes, cudaMemcpyHostToDevice));
     SP_CUDA_CHECK(cudaMemcpy(v.ptr, tp.v.data(), v.bytes, cudaMemcpyHostToDevice));
-    const Status warm = run(dev, policy, out, opt);  // warm-up: uploads the metadata once
+    const Status warm = run(dev, on_device->policy, out, opt);  // warm-up: uploads the metadata once
     ASSERT_TRUE(warm.ok()) << warm.to_string();
     SP_CUDA_CHECK(cudaStreamSynchronize(stream));
 
     cudaGraph_t graph = nullptr;
     SP_CUDA_CHECK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
-    const Status captured = run(dev, policy, out, opt);
+    const Status captured = run(dev, on_device->policy, out, opt);
     SP_CUDA_CHECK(cudaStreamEndCapture(stream, &graph));
     ASSERT_TRUE(captured.ok()) << captured.to_string();
     cudaGraphExec_t exec = nullptr;
@@ -1775,8 +1777,9 @@ void check_plan_capture(const TestProblem& tp, const TestProblem& tp2, const Pol
   RunOptions opt;
   opt.backend = Backend::kCUDA;
   opt.cuda_stream = stream;
+  const auto on_device = to_device(policy);  // exact_gate's thresholds on q's device
   Plan plan;
-  const Status made = make_plan(dev, policy, opt, &plan);
+  const Status made = make_plan(dev, on_device->policy, opt, &plan);
   ASSERT_TRUE(made.ok()) << made.to_string();
 
   cudaGraph_t graph = nullptr;
@@ -1856,8 +1859,10 @@ TEST(CudaPlan, PlansCaptureWithoutWarmUp) {
     ProblemShape shape;
     ASSERT_TRUE(validate_problem(tp.problem(), nullptr, &shape).ok());
     Policy policy;
+    HostTensor thr;  // exact_gate's thresholds (the policy holds a view)
     if (c.gate) {
-      policy = gate_params(midpoint_thresholds(first, true, 128, 128, 0.3), 128);
+      thr = midpoint_thresholds(first, true, 128, 128, 0.3);
+      policy = gate_params(thr, 128);
     } else {
       std::vector<std::vector<int>> dead;
       BlockSparseParams bs;
