@@ -89,6 +89,9 @@ __global__ void __launch_bounds__(Gate80Config<kBf16, kD>::kThreads, 2) gate80_k
   bool row_ok[2 * kM];
 #pragma unroll
   for (int r = 0; r < 2 * kM; ++r) row_ok[r] = warp_row + 16 * (r / 2) + g + 8 * (r % 2) < tile.rows_valid;
+  // A warp whose rows all lie past s_q (a query block's last rows: a sequence's last block, or
+  // a short chunk) computes no scores.
+  const bool warp_has_rows = warp_row < tile.rows_valid;
 
   float s[kM][kNFrags][4];
   int stage = 0;
@@ -108,6 +111,10 @@ __global__ void __launch_bounds__(Gate80Config<kBf16, kD>::kThreads, 2) gate80_k
         load_sub(kb - 1, 0, stage ^ 1);
       }
       ptx::cp_async_commit();
+      if (!warp_has_rows) {  // no say: it loads and meets the barriers only
+        stage ^= 1;
+        continue;
+      }
       sm80::warp_scores<Fwd>(s_q, s_k + stage * Fwd::kKVBytes, warp_row, lane, s);
       // Keys past s_k (zero-filled) only in a short last block, gated only when the query
       // block's first row sees the sequence's end.

@@ -103,6 +103,7 @@ __global__ void __launch_bounds__(Gate90Config<kBf16, kD>::kThreads, 1)
   // The thread's rows of its warpgroup's slab (the wgmma accumulator layout): r and r + 8.
   const int r = wg * 64 + (warp % 4) * 16 + lane / 4;
   const bool valid[2] = {r < tile.rows_valid, r + 8 < tile.rows_valid};
+  const bool has_rows = wg * 64 < tile.rows_valid;  // the warpgroup's: uniform over its threads
   float acc[2][16][4];
   auto issue = [&](float (&s)[16][4], int head, std::uint64_t k_desc) {
     const std::uint64_t q_desc =
@@ -158,6 +159,10 @@ __global__ void __launch_bounds__(Gate90Config<kBf16, kD>::kThreads, 1)
     __syncthreads();          // for every thread; both warpgroups are done with the other stage
     if (t + 1 < tile.n_gated) load_k(kb - 1, stage ^ 1);
     ptx::cp_async_commit();
+    // A warpgroup whose 64 rows all lie past s_q (a query block of at most 64 rows: a
+    // sequence's last, or a short chunk) has no say: it loads K and meets the barriers only,
+    // and the other warpgroup has the tensor pipe to itself.
+    if (!has_rows) continue;
     const std::uint64_t k_desc = hw::kmajor_desc_sw128(s_k + static_cast<std::uint32_t>(stage * Cfg::kTileBytes));
     const int keys = static_cast<int>(tile.geo.key_end(kb) - tile.geo.key_begin(kb));
     // One head's wgmma in flight while the previous head's maximum is taken: head i in
