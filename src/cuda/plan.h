@@ -141,11 +141,11 @@ struct GateListEntries {
 };
 GateListEntries gate_list_entries(const ProblemShape& shape, int block_k, int num_q_blocks);
 
-// The full lists' rows are sequence-major: row (b, h, qb)'s starts at h_q · s[b] + h · (s[b + 1]
-// − s[b]) + the gated blocks of sequence b's query blocks before qb, where s = this: [batch + 1],
-// s[b] the gated blocks per query head of the sequences before b (GateParams::seq_gated,
-// uploaded with the call, so that a decision CTA sums its own sequence's blocks only, not every
-// earlier sequence's).
+// The full lists' rows are sequence-major: row (b, h, qb)'s list starts at
+// h_q · s[b] + h · (s[b + 1] − s[b]) + the gated blocks of sequence b's query blocks before qb,
+// where s = this, [batch + 1]: s[b] the gated blocks per query head of the sequences before b
+// (GateParams::seq_gated, uploaded with the call, so that a decision CTA sums its own
+// sequence's blocks only, not every earlier sequence's).
 std::vector<std::int64_t> gate_seq_gated(const ProblemShape& shape, int block_k);
 
 // The instance family of estimate_select's selector (a launch of its own, before the attention
