@@ -3,6 +3,7 @@
 // device selects, and reports per-head statistics and, on request, the keep/skip decisions.
 #pragma once
 
+#include <cstddef>
 #include <cstdint>
 #include <string>
 #include <vector>
@@ -23,11 +24,41 @@ enum class Backend : std::uint8_t {
 
 const char* backend_name(Backend backend);
 
+// How a CUDA call executes, where the library would otherwise choose (docs/cuda.md, "Path
+// selection"). None of these changes which blocks a policy keeps. kAuto (every default) defers
+// to the environment variable named beside each field, read once per process, and then to the
+// library's own rule; an explicit value here wins over the variable. A forced choice that the
+// call cannot take is an error (kUnsupported) naming it, never a silent fallback.
+struct ExecutionOverrides {
+  enum class CudaPath : std::uint8_t { kAuto, kPortable, kHopper };  // SPARSEPREFILL_CUDA_PATH
+  enum class Choice : std::uint8_t { kAuto, kAlways, kNever };
+  CudaPath cuda_path = CudaPath::kAuto;
+  Choice pack_gqa = Choice::kAuto;    // SPARSEPREFILL_PACK_GQA: GQA heads packed into one tile
+  Choice kv_staging = Choice::kAuto;  // SPARSEPREFILL_KV_STAGING: paged K/V copied into rows first
+  int gate_passes = 0;                // SPARSEPREFILL_EXACT_GATE_PASSES: 0 auto, 1 or 2
+};
+
 struct RunOptions {
   Backend backend = Backend::kAuto;
   void* cuda_stream = nullptr;  // cudaStream_t for kCUDA; nullptr = default stream
   int num_threads = 0;          // kCPU: 0 = every core
   bool collect_decisions = false;
+  ExecutionOverrides overrides;
+};
+
+// What a backend runs for a call: the execution plan's summary (Plan::execution(), RunStats).
+struct ExecutionInfo {
+  Backend backend = Backend::kAuto;
+  std::string path;               // "reference", "cpu", "cuda-portable", "cuda-hopper"
+  std::string instance;           // the attention kernel instance, e.g. "fwd_sm90_bf16_hd128"
+  std::string decision_instance;  // the kernel deciding ahead of it (selector, gate, ranking), or ""
+  int passes = 1;                 // exact_gate: 2 when a decision kernel runs ahead of attention
+  int q_pack = 1;                 // query heads per tile (GQA packing on the Hopper path)
+  bool kv_staged = false;         // paged K/V copied into contiguous rows before the call
+  bool kv_major = false;          // the grid walks KV heads outermost (L2 reuse of K/V tiles)
+  std::size_t scratch_bytes = 0;  // device scratch of one call
+  std::int64_t grid = 0;          // CTAs of the attention launch
+  std::string to_string() const;  // one line, e.g. for logs
 };
 
 // Work accounting for one (batch, query head). A block is "visible" when at least one valid
@@ -45,6 +76,7 @@ struct RunStats {
   int batch = 0;
   int h_q = 0;
   std::vector<HeadStats> heads;  // [batch, h_q]
+  ExecutionInfo execution;       // what ran
   double density() const;        // kept / visible blocks over the whole call
   double pair_density() const;   // computed / visible pairs
   double head_density(int b, int h) const;

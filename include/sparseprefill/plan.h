@@ -48,6 +48,9 @@ class Plan {
   const ProblemShape& shape() const;  // requires valid()
   const Policy& policy() const;       // requires valid()
   Backend backend() const;            // resolved (never kAuto); requires valid()
+  // What each run of the plan executes (path, kernel instances, passes, packing, staging,
+  // scratch, grid), decided once when the plan was made; requires valid().
+  const ExecutionInfo& execution() const;
 
  private:
   friend Status make_plan(const AttentionProblem&, const Policy&, const RunOptions&, Plan*);

@@ -3,6 +3,7 @@
 #include "core/stats.h"
 
 #include <algorithm>
+#include <string>
 #include <type_traits>
 
 #include "core/geometry.h"
@@ -12,6 +13,19 @@ namespace sparseprefill {
 namespace {
 double ratio(std::int64_t num, std::int64_t den) { return den > 0 ? static_cast<double>(num) / static_cast<double>(den) : 1.0; }
 }  // namespace
+
+std::string ExecutionInfo::to_string() const {
+  std::string s = path.empty() ? std::string(backend_name(backend)) : path;
+  if (!instance.empty()) s += " " + instance;
+  if (!decision_instance.empty()) s += " after " + decision_instance;
+  if (passes != 1) s += ", " + std::to_string(passes) + " passes";
+  if (q_pack != 1) s += ", " + std::to_string(q_pack) + " heads per tile";
+  if (kv_staged) s += ", K/V staged";
+  if (kv_major) s += ", KV-major grid";
+  if (grid > 0) s += ", grid " + std::to_string(grid);
+  if (scratch_bytes > 0) s += ", scratch " + std::to_string(scratch_bytes) + " B";
+  return s;
+}
 
 double RunStats::density() const {
   std::int64_t kept = 0, visible = 0;

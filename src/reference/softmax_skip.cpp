@@ -6,6 +6,7 @@
 #include <limits>
 #include <vector>
 
+#include "core/rules/softmax_skip.h"
 #include "reference/decide.h"
 
 namespace sparseprefill::ref {
@@ -22,9 +23,7 @@ Status decide_softmax_skip(const Sequence& seq, const ProblemShape& shape,
 
   for (int h = 0; h < seq.h_q; ++h) {
     for (int qb = 0; qb < g.num_q_blocks(); ++qb) {
-      std::vector<int> order;
-      for (int kb = g.visible_end(qb) - 1; kb >= g.full_end(qb); --kb) order.push_back(kb);
-      for (int kb = g.full_end(qb) - 1; kb >= 0; --kb) order.push_back(kb);
+      const std::vector<int> order = rules::blasst_order(g, qb);
 
       const std::int64_t r0 = g.row_begin(qb), rows = g.row_end(qb) - r0;
       // Running max over the kept blocks' keys; -inf while a row has seen no key.

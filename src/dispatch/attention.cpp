@@ -1,25 +1,19 @@
 // SPDX-License-Identifier: Apache-2.0
 // run(), select() and plans: validation, policy/problem consistency, backend choice and
 // statistics. No arithmetic happens here; the backends (src/reference, src/cpu, src/cuda)
-// compute.
+// compute, behind the interface of core/backend.h. Every run is a plan and one run of it: an
+// unplanned call makes a transient plan, so both take one code path.
 #include "sparseprefill/attention.h"
 
 #include <memory>
 #include <sstream>
-#include <thread>
 
 #include "core/estimate_chunks.h"
 #include "core/policy_dtype.h"
 #include "core/stats.h"
-#include "core/tensor_access.h"
-#include "cpu/cpu_backend.h"
-#include "cpu/cpu_policies.h"
-#include "reference/reference.h"
+#include "dispatch/dispatch.h"
 #include "sparseprefill/plan.h"
 #include "sparseprefill/version.h"
-#if defined(SP_WITH_CUDA)
-#include "cuda/cuda_backend.h"
-#endif
 
 namespace sparseprefill {
 namespace {
@@ -57,81 +51,34 @@ Backend resolve_backend(Backend requested, const ProblemShape& s) {
   return s.device.kind == DeviceKind::kCUDA ? Backend::kCUDA : Backend::kCPU;
 }
 
-Status require_host(const ProblemShape& s, Backend b) {
-  if (s.device.kind != DeviceKind::kCPU) {
-    return invalid_argument(std::string("backend ") + backend_name(b) + ": expected host (CPU) tensors, got CUDA tensors");
+// The compiled backend behind `b` (resolved), or why there is none.
+Status find_backend(Backend b, const detail::BackendImpl** out) {
+  *out = detail::backend_impl(b);
+  if (*out != nullptr) return {};
+  if (b == Backend::kCUDA) {
+    return unsupported("backend cuda: this build has no CUDA backend (configure with SP_ENABLE_CUDA=ON)");
   }
-  return {};
+  return {StatusCode::kInternal, std::string("backend ") + backend_name(b) + " was not resolved"};
 }
 
-// The CUDA backend is compiled in and the tensors are on a CUDA device.
-Status require_cuda(const ProblemShape& s) {
-#if defined(SP_WITH_CUDA)
-  if (s.device.kind != DeviceKind::kCUDA) return invalid_argument("backend cuda: expected CUDA tensors, got host tensors");
-  return {};
-#else
-  (void)s;
-  return unsupported("backend cuda: this build has no CUDA backend (configure with SP_ENABLE_CUDA=ON)");
-#endif
-}
-
-// The oracle computes in fp64 into its own arrays; store them through the output views.
-Status run_reference_into(const AttentionProblem& problem, const ProblemShape& s, const Policy& policy,
-                          const AttentionOutput& output, Decisions* decisions) {
-  ref::Result result;
-  SP_RETURN_IF_ERROR(ref::run_reference(problem, policy, &result));
-  const std::int64_t rows = s.total_q();
-  std::vector<double> lse_seq;
-  std::int64_t row0 = 0;
-  for (int b = 0; b < s.batch; ++b) {
-    const std::int64_t s_q = s.seq_q[static_cast<std::size_t>(b)];
-    lse_seq.resize(static_cast<std::size_t>(s_q * s.h_q));
-    for (int h = 0; h < s.h_q; ++h) {
-      for (std::int64_t r = 0; r < s_q; ++r) {
-        lse_seq[static_cast<std::size_t>(h * s_q + r)] = result.lse[static_cast<std::size_t>(h * rows + row0 + r)];
-      }
-    }
-    detail::store_output<double>(output, s, b, result.o.data() + row0 * s.h_q * s.d, lse_seq.data());
-    row0 += s_q;
-  }
-  *decisions = std::move(result.decisions);
-  return {};
-}
-
-// The work of run() once the problem and the policy are known to agree: `backend` resolved,
-// `plan_state` the CUDA plan's device state (or null).
-Status dispatch(const AttentionProblem& problem, const ProblemShape& shape, const Policy& policy,
-                const AttentionOutput& output, const RunOptions& options, Backend backend,
-                [[maybe_unused]] const void* plan_state, RunStats* stats, Decisions* decisions) {
+// The work of run() once the problem and the policy are known to agree and the call is
+// planned: `prepared` from backend.plan().
+Status run_prepared(const detail::BackendImpl& backend, const detail::PreparedRun& prepared,
+                    const AttentionProblem& problem, const ProblemShape& shape, const Policy& policy,
+                    const AttentionOutput& output, const RunOptions& options, RunStats* stats,
+                    Decisions* decisions) {
   if (options.num_threads < 0) return invalid_argument("num_threads: expected >= 0, got " + std::to_string(options.num_threads));
+  // Decisions cost a GPU backend a copy back and a synchronisation: only when asked for, or
+  // when stats need them (dense and block_sparse stats follow from the policy alone).
+  const bool stats_need = stats != nullptr && !std::holds_alternative<DenseParams>(policy) &&
+                          !std::holds_alternative<BlockSparseParams>(policy);
+  const bool want = stats_need || decisions != nullptr || options.collect_decisions;
   Decisions local;
-  switch (backend) {
-    case Backend::kReference:
-      SP_RETURN_IF_ERROR(require_host(shape, backend));
-      SP_RETURN_IF_ERROR(run_reference_into(problem, shape, policy, output, &local));
-      break;
-    case Backend::kCPU:
-      SP_RETURN_IF_ERROR(require_host(shape, backend));
-      SP_RETURN_IF_ERROR(cpu::run_cpu(problem, shape, policy, output, options.num_threads, &local));
-      break;
-    case Backend::kCUDA:
-      SP_RETURN_IF_ERROR(require_cuda(shape));
-#if defined(SP_WITH_CUDA)
-      {
-        // Device decisions cost a copy back and a synchronisation: only when asked for, or when
-        // stats need them (dense and block_sparse stats follow from the policy alone).
-        const bool stats_need = stats != nullptr && !std::holds_alternative<DenseParams>(policy) &&
-                                !std::holds_alternative<BlockSparseParams>(policy);
-        const bool want = stats_need || decisions != nullptr || options.collect_decisions;
-        SP_RETURN_IF_ERROR(cuda::run_cuda(problem, shape, policy, output, options, want ? &local : nullptr,
-                                          static_cast<const cuda::PlanState*>(plan_state)));
-      }
-#endif
-      break;
-    case Backend::kAuto:
-      return {StatusCode::kInternal, "backend auto was not resolved"};
+  SP_RETURN_IF_ERROR(backend.run(prepared, problem, shape, policy, output, options, want ? &local : nullptr));
+  if (stats != nullptr) {
+    *stats = detail::stats_from_decisions(shape, policy, local);
+    stats->execution = prepared.info;
   }
-  if (stats != nullptr) *stats = detail::stats_from_decisions(shape, policy, local);
   if (decisions != nullptr) *decisions = std::move(local);
   return {};
 }
@@ -201,8 +148,11 @@ Status run(const AttentionProblem& problem, const Policy& policy, const Attentio
   ProblemShape shape;
   SP_RETURN_IF_ERROR(validate_problem(problem, &output, &shape));
   SP_RETURN_IF_ERROR(validate_policy_for(policy, shape));
-  return dispatch(problem, shape, policy, output, options, resolve_backend(options.backend, shape), nullptr, stats,
-                  decisions);
+  const detail::BackendImpl* backend = nullptr;
+  SP_RETURN_IF_ERROR(find_backend(resolve_backend(options.backend, shape), &backend));
+  std::unique_ptr<detail::PreparedRun> prepared;
+  SP_RETURN_IF_ERROR(backend->plan(problem, shape, policy, options, /*persistent=*/false, &prepared));
+  return run_prepared(*backend, *prepared, problem, shape, policy, output, options, stats, decisions);
 }
 
 Status select(const AttentionProblem& problem, const Policy& policy, const RunOptions& options,
@@ -212,8 +162,9 @@ Status select(const AttentionProblem& problem, const Policy& policy, const RunOp
   SP_RETURN_IF_ERROR(validate_problem(problem, nullptr, &shape));
   SP_RETURN_IF_ERROR(validate_policy_for(policy, shape));
   if (options.num_threads < 0) return invalid_argument("num_threads: expected >= 0, got " + std::to_string(options.num_threads));
-  const Backend backend = resolve_backend(options.backend, shape);
-  SP_RETURN_IF_ERROR(backend == Backend::kCUDA ? require_cuda(shape) : require_host(shape, backend));
+  const detail::BackendImpl* backend = nullptr;
+  SP_RETURN_IF_ERROR(find_backend(resolve_backend(options.backend, shape), &backend));
+  SP_RETURN_IF_ERROR(backend->can_run(shape, policy));
   Decisions local;
   local.policy = policy_name(policy);
   if (std::holds_alternative<DenseParams>(policy)) {
@@ -222,26 +173,8 @@ Status select(const AttentionProblem& problem, const Policy& policy, const RunOp
     local.kept = BlockMask::all_visible(shape, kDenseSelectBlock, kDenseSelectBlock, false);
   } else if (const auto* bs = std::get_if<BlockSparseParams>(&policy)) {
     local.kept = bs->mask;
-  } else if (const auto* es = std::get_if<EstimateSelectParams>(&policy)) {
-    switch (backend) {
-      case Backend::kReference:
-        SP_RETURN_IF_ERROR(ref::decide_reference(problem, policy, &local));
-        break;
-      case Backend::kCPU: {
-        cpu::EstimatePlan plan;
-        SP_RETURN_IF_ERROR(cpu::estimate_select_plan(problem, shape, *es, options.num_threads, &plan));
-        local.kept = std::move(plan.kept);
-        local.corrected = std::move(plan.corrected);
-        break;
-      }
-      case Backend::kCUDA:
-#if defined(SP_WITH_CUDA)
-        SP_RETURN_IF_ERROR(cuda::select_cuda(problem, shape, *es, options, &local));
-#endif
-        break;
-      case Backend::kAuto:
-        return {StatusCode::kInternal, "backend auto was not resolved"};
-    }
+  } else if (std::holds_alternative<EstimateSelectParams>(policy)) {
+    SP_RETURN_IF_ERROR(backend->select(problem, shape, policy, options, &local));
   } else if (std::holds_alternative<PermuteStopParams>(policy)) {
     return unsupported("permute_stop: select() has no selection to return: pass 2 stops its ranked walk where the "
                        "attention it computes says so; run() with decisions returns the visit counts (tiles) and "
@@ -260,7 +193,8 @@ struct Plan::State {
   ProblemShape shape;
   Policy policy;
   Backend backend = Backend::kAuto;
-  std::shared_ptr<const void> device;  // cuda::PlanState on the CUDA backend
+  const detail::BackendImpl* impl = nullptr;
+  std::unique_ptr<const detail::PreparedRun> prepared;
 };
 
 Plan::Plan() = default;
@@ -272,6 +206,7 @@ Plan& Plan::operator=(Plan&&) noexcept = default;
 const ProblemShape& Plan::shape() const { return state_->shape; }
 const Policy& Plan::policy() const { return state_->policy; }
 Backend Plan::backend() const { return state_->backend; }
+const ExecutionInfo& Plan::execution() const { return state_->prepared->info; }
 
 Status make_plan(const AttentionProblem& problem, const Policy& policy, const RunOptions& options, Plan* plan) {
   if (plan == nullptr) return invalid_argument("plan: expected non-null");
@@ -279,23 +214,10 @@ Status make_plan(const AttentionProblem& problem, const Policy& policy, const Ru
   SP_RETURN_IF_ERROR(validate_problem(problem, nullptr, &state->shape));
   SP_RETURN_IF_ERROR(validate_policy_for(policy, state->shape));
   state->backend = resolve_backend(options.backend, state->shape);
-  switch (state->backend) {
-    case Backend::kReference:
-    case Backend::kCPU:
-      SP_RETURN_IF_ERROR(require_host(state->shape, state->backend));
-      break;
-    case Backend::kCUDA: {
-      SP_RETURN_IF_ERROR(require_cuda(state->shape));
-#if defined(SP_WITH_CUDA)
-      std::shared_ptr<const cuda::PlanState> device;
-      SP_RETURN_IF_ERROR(cuda::make_plan_state(problem, state->shape, policy, options, &device));
-      state->device = std::move(device);
-#endif
-      break;
-    }
-    case Backend::kAuto:
-      return {StatusCode::kInternal, "backend auto was not resolved"};
-  }
+  SP_RETURN_IF_ERROR(find_backend(state->backend, &state->impl));
+  std::unique_ptr<detail::PreparedRun> prepared;
+  SP_RETURN_IF_ERROR(state->impl->plan(problem, state->shape, policy, options, /*persistent=*/true, &prepared));
+  state->prepared = std::move(prepared);
   state->policy = policy;
   plan->state_ = std::move(state);
   return {};
@@ -312,39 +234,25 @@ Status run(const Plan& plan, const AttentionProblem& problem, const AttentionOut
   ProblemShape shape;
   SP_RETURN_IF_ERROR(validate_problem(problem, &output, &shape));
   SP_RETURN_IF_ERROR(check_plan_shape(state.shape, shape));
-  return dispatch(problem, shape, state.policy, output, options, state.backend, state.device.get(), stats,
-                  decisions);
+  return run_prepared(*state.impl, *state.prepared, problem, shape, state.policy, output, options, stats, decisions);
 }
 
 Status can_run(const AttentionProblem& problem, const Policy& policy, Backend backend) {
   ProblemShape shape;
   SP_RETURN_IF_ERROR(validate_problem(problem, nullptr, &shape));
   SP_RETURN_IF_ERROR(validate_policy_for(policy, shape));
-  backend = resolve_backend(backend, shape);
-  switch (backend) {
-    case Backend::kReference:
-    case Backend::kCPU: return require_host(shape, backend);
-    case Backend::kCUDA:
-#if defined(SP_WITH_CUDA)
-      return cuda::can_run_cuda(shape, policy);
-#else
-      return unsupported("backend cuda: this build has no CUDA backend (configure with SP_ENABLE_CUDA=ON)");
-#endif
-    case Backend::kAuto: break;
-  }
-  return {StatusCode::kInternal, "backend auto was not resolved"};
+  const detail::BackendImpl* impl = nullptr;
+  SP_RETURN_IF_ERROR(find_backend(resolve_backend(backend, shape), &impl));
+  return impl->can_run(shape, policy);
 }
 
 std::string build_info() {
   std::ostringstream os;
   os << "sparseprefill " << SPARSEPREFILL_VERSION_STRING << "\n";
-  os << "backend reference: fp64 oracle, every policy\n";
-  os << "backend cpu: fp32, " << std::thread::hardware_concurrency() << " threads, every policy\n";
-#if defined(SP_WITH_CUDA)
-  os << "backend cuda: compiled\n" << cuda::cuda_build_info();
-#else
-  os << "backend cuda: not compiled\n";
-#endif
+  for (Backend b : {Backend::kReference, Backend::kCPU, Backend::kCUDA}) {
+    const detail::BackendImpl* impl = detail::backend_impl(b);
+    os << (impl != nullptr ? impl->build_info() : std::string("backend ") + backend_name(b) + ": not compiled\n");
+  }
   return os.str();
 }
 

@@ -1,0 +1,160 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Per-call cost of the host path a serving engine exercises: many small calls back to back.
+
+Cases (Llama-3.1-8B attention shape: h_q 32, h_kv 8, d 128, bf16, causal, batch 1):
+  - s = 128 (a short chunk or a small prefill): the GPU work is a few microseconds, so the
+    per-call wall time is the host path's cost.
+  - s = 4K and 8K dense: the kernel takes 0.1-0.3 ms, so a host path slower than that, or one
+    that synchronises, shows up as a gap against SDPA cuDNN.
+Implementations, in one process on the same inputs:
+  sdpa_cudnn, sdpa_flash   torch SDPA with one backend enabled (K/V repeated to h_q heads
+                           beforehand, outside the timed calls, as the baselines do)
+  fa_func                  sparseprefill.flash_attn_func (a new out per call, as FA returns)
+  run_plan                 sparseprefill.run(plan, q, k, v, out=out, stats=False)
+  op                       torch.ops.sparseprefill.attention_out (the registered op itself)
+Each is timed over `layers` distinct input sets used in turn (a model's layers: new tensors
+each call, as a serving step sees them), `reps` calls back to back with one synchronisation at
+the end: per-call wall = elapsed / calls; host = time until the last call returned. With
+--profile, the cProfile of fa_func's and run_plan's calls (top entries by own time) follows.
+
+Writes OUT/host_overhead.json and OUT/host_overhead.md.
+Usage: python bench/host_overhead.py OUT [--lengths 128,4096,8192] [--layers 32] [--reps 400] [--profile]
+"""
+import argparse
+import cProfile
+import io
+import json
+import os
+import pstats
+import subprocess
+import time
+
+import torch
+import torch.nn.functional as F
+
+import sparseprefill as sp
+import sparseprefill.ops  # noqa: F401  (registers torch.ops.sparseprefill.*)
+from sparseprefill.flash_attn_interface import flash_attn_func
+
+
+def commit():
+    try:
+        return subprocess.check_output(["git", "rev-parse", "--short", "HEAD"], text=True,
+                                       cwd=os.path.dirname(os.path.abspath(__file__))).strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+
+
+def make_sets(s, layers, h_q=32, h_kv=8, d=128, seed=0):
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    sets = []
+    for _ in range(layers):
+        q = torch.randn(1, s, h_q, d, device="cuda", dtype=torch.bfloat16, generator=gen)
+        k = torch.randn(1, s, h_kv, d, device="cuda", dtype=torch.bfloat16, generator=gen)
+        v = torch.randn(1, s, h_kv, d, device="cuda", dtype=torch.bfloat16, generator=gen)
+        group = h_q // h_kv
+        # SDPA's layout [b, h, s, d], K/V repeated to h_q heads (outside the timed calls).
+        qt = q.transpose(1, 2).contiguous()
+        kt = k.transpose(1, 2).repeat_interleave(group, dim=1).contiguous()
+        vt = v.transpose(1, 2).repeat_interleave(group, dim=1).contiguous()
+        sets.append(dict(q=q, k=k, v=v, qt=qt, kt=kt, vt=vt, out=torch.empty_like(q)))
+    return sets
+
+
+def implementations(sets):
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    plan = sp.plan(sets[0]["q"], sets[0]["k"], sets[0]["v"], sp.Dense(), causal=True)
+    op = torch.ops.sparseprefill.attention_out
+    lse = {id(x): torch.empty(1, x["q"].shape[2], x["q"].shape[1], device="cuda", dtype=torch.float32) for x in sets}
+
+    def sdpa(backend):
+        def call(x):
+            with sdpa_kernel(backend):
+                return F.scaled_dot_product_attention(x["qt"], x["kt"], x["vt"], is_causal=True)
+        return call
+
+    def op_call(x):
+        op(x["q"], x["k"], x["v"], None, None, None, None, None, None, None, True, 0.0, "dense", "", None, None,
+           None, 0, 0, False, -1, None, None, None, None, x["out"], lse[id(x)])
+
+    return {
+        "sdpa_cudnn": sdpa(SDPBackend.CUDNN_ATTENTION),
+        "sdpa_flash": sdpa(SDPBackend.FLASH_ATTENTION),
+        "fa_func": lambda x: flash_attn_func(x["q"], x["k"], x["v"], causal=True),
+        "run_plan": lambda x: sp.run(plan, x["q"], x["k"], x["v"], out=x["out"], stats=False),
+        "op": op_call,
+    }
+
+
+def time_impl(fn, sets, reps):
+    for x in sets:  # warm-up: one call per input set (caches, autotuning, handles)
+        fn(x)
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for i in range(reps):
+        fn(sets[i % len(sets)])
+    host = time.perf_counter() - t0
+    torch.cuda.synchronize()
+    wall = time.perf_counter() - t0
+    return wall / reps * 1e6, host / reps * 1e6
+
+
+def profile(fn, sets, reps, top=25):
+    prof = cProfile.Profile()
+    prof.enable()
+    for i in range(reps):
+        fn(sets[i % len(sets)])
+    torch.cuda.synchronize()
+    prof.disable()
+    buf = io.StringIO()
+    pstats.Stats(prof, stream=buf).sort_stats("tottime").print_stats(top)
+    return buf.getvalue()
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("out")
+    ap.add_argument("--lengths", default="128,4096,8192")
+    ap.add_argument("--layers", type=int, default=32)
+    ap.add_argument("--reps", type=int, default=400)
+    ap.add_argument("--rounds", type=int, default=3, help="timed rounds per implementation (median kept)")
+    ap.add_argument("--profile", action="store_true")
+    args = ap.parse_args()
+    os.makedirs(args.out, exist_ok=True)
+    rows = []
+    profiles = {}
+    for s in (int(x) for x in args.lengths.split(",")):
+        sets = make_sets(s, args.layers)
+        impls = implementations(sets)
+        reps = args.reps if s <= 1024 else max(50, args.reps // 4)
+        for name, fn in impls.items():
+            rounds = sorted(time_impl(fn, sets, reps) for _ in range(args.rounds))
+            wall, host = rounds[len(rounds) // 2]
+            rows.append(dict(s=s, impl=name, wall_us=wall, host_us=host, reps=reps, layers=args.layers))
+            print(f"s={s:6d} {name:11s} wall {wall:9.1f} us/call  host {host:9.1f} us/call", flush=True)
+        if args.profile:
+            for name in ("fa_func", "run_plan"):
+                profiles[f"{name} s={s}"] = profile(impls[name], sets, reps)
+        del sets, impls
+        torch.cuda.empty_cache()
+    meta = dict(commit=commit(), gpu=torch.cuda.get_device_name(), torch=torch.__version__,
+                date=time.strftime("%Y-%m-%d"), command="python bench/host_overhead.py " + " ".join(
+                    f"--{k} {v}" if not isinstance(v, bool) else (f"--{k}" if v else "")
+                    for k, v in vars(args).items() if k != "out").strip())
+    with open(os.path.join(args.out, "host_overhead.json"), "w") as f:
+        json.dump(dict(meta=meta, rows=rows, profiles=profiles), f, indent=1)
+    lines = [f"# Host path per call ({meta['date']}, {meta['commit']}, {meta['gpu']}, torch {meta['torch']})", "",
+             f"`{meta['command']}`", "", "| s | impl | wall µs/call | host µs/call | vs sdpa_cudnn |", "|---:|---|---:|---:|---:|"]
+    for r in rows:
+        ref = next(x["wall_us"] for x in rows if x["s"] == r["s"] and x["impl"] == "sdpa_cudnn")
+        lines.append(f"| {r['s']} | {r['impl']} | {r['wall_us']:.1f} | {r['host_us']:.1f} | {ref / r['wall_us']:.2f}x |")
+    for what, text in profiles.items():
+        lines += ["", f"## cProfile of {what}", "", "```", text.strip(), "```"]
+    with open(os.path.join(args.out, "host_overhead.md"), "w") as f:
+        f.write("\n".join(lines) + "\n")
+    print("\n".join(lines[:len(rows) + 6]))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,17 @@
+// SPDX-License-Identifier: Apache-2.0
+// The backend interface's defaults.
+#include "core/backend.h"
+
+namespace sparseprefill::detail {
+
+Status BackendImpl::block_statistics(const char* who, const AttentionProblem&, const ProblemShape&, int, int, bool,
+                                     bool, void*, std::vector<BlockStatistics>*) const {
+  return unsupported(std::string(who) + ": backend " + backend_name(kind()) + " computes no calibration statistics");
+}
+
+Status BackendImpl::select_statistics(const char* who, const AttentionProblem&, const ProblemShape&,
+                                      const EstimateSelectParams&, void*, std::vector<SelectStatistics>*) const {
+  return unsupported(std::string(who) + ": backend " + backend_name(kind()) + " computes no calibration statistics");
+}
+
+}  // namespace sparseprefill::detail

@@ -1,0 +1,67 @@
+// SPDX-License-Identifier: Apache-2.0
+// Calibration statistics (calibration.h) routed to the backend of the sample's device.
+#include <string>
+#include <vector>
+
+#include "dispatch/dispatch.h"
+
+namespace sparseprefill {
+namespace detail {
+namespace {
+
+// The backend that computes statistics for a sample on `device`: the oracle for host tensors.
+Status statistics_backend(const char* who, const ProblemShape& shape, const BackendImpl** out) {
+  *out = backend_impl(shape.device.kind == DeviceKind::kCUDA ? Backend::kCUDA : Backend::kReference);
+  if (*out == nullptr) return unsupported(std::string(who) + ": sample: CUDA tensors, but this build has no CUDA backend");
+  return {};
+}
+
+}  // namespace
+
+Status check_sample(const char* who, const AttentionProblem& sample, ProblemShape* shape) {
+  Status st = validate_problem(sample, nullptr, shape);
+  if (!st.ok()) return Status(st.code(), std::string(who) + ": sample: " + st.message());
+  if (!shape->causal) {
+    return invalid_argument(std::string(who) + ": sample.causal: calibration expects causal (prefill) samples");
+  }
+  if (shape->dtype == DType::kFP8E4M3) {
+    return unsupported(std::string(who) + ": sample: fp8_e4m3 inputs run dense and block_sparse only, which need no "
+                       "calibration; calibrate on the bf16/fp16 activations");
+  }
+  return {};
+}
+
+Status block_statistics(const char* who, const AttentionProblem& sample, int block_q, int block_k, bool want_max,
+                        bool want_g, void* cuda_stream, std::vector<BlockStatistics>* out) {
+  if (block_q < 1 || block_k < 1) return invalid_argument(std::string(who) + ": block sizes must be >= 1");
+  ProblemShape shape;
+  SP_RETURN_IF_ERROR(check_sample(who, sample, &shape));
+  const BackendImpl* backend = nullptr;
+  SP_RETURN_IF_ERROR(statistics_backend(who, shape, &backend));
+  return backend->block_statistics(who, sample, shape, block_q, block_k, want_max, want_g, cuda_stream, out);
+}
+
+Status select_statistics(const char* who, const AttentionProblem& sample, const EstimateSelectParams& base,
+                         void* cuda_stream, std::vector<SelectStatistics>* out) {
+  if (base.block < 1) return invalid_argument(std::string(who) + ": base.block must be >= 1");
+  ProblemShape shape;
+  SP_RETURN_IF_ERROR(check_sample(who, sample, &shape));
+  const BackendImpl* backend = nullptr;
+  SP_RETURN_IF_ERROR(statistics_backend(who, shape, &backend));
+  return backend->select_statistics(who, sample, shape, base, cuda_stream, out);
+}
+
+}  // namespace detail
+
+Status compute_block_statistics(const AttentionProblem& sample, int block_q, int block_k, bool block_max, bool skip_g,
+                                std::vector<BlockStatistics>* out, void* cuda_stream) {
+  return detail::block_statistics("compute_block_statistics", sample, block_q, block_k, block_max, skip_g, cuda_stream,
+                                  out);
+}
+
+Status compute_select_statistics(const AttentionProblem& sample, const EstimateSelectParams& base,
+                                 std::vector<SelectStatistics>* out, void* cuda_stream) {
+  return detail::select_statistics("compute_select_statistics", sample, base, cuda_stream, out);
+}
+
+}  // namespace sparseprefill
