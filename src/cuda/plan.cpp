@@ -69,16 +69,18 @@ std::string support_summary() {
          "fp8_e4m3 inputs: dense and block_sparse on the Hopper path, head_dim 128, contiguous K/V; not on CUDA: fp32";
 }
 
-bool tma_describable(const AttentionProblem& problem) {
+bool tma_describable(const TensorView& t) {
   constexpr std::int64_t kMaxStrideBytes = std::int64_t{1} << 40;
-  for (const TensorView* t : {&problem.q, &problem.k, &problem.v}) {
-    const std::int64_t elem = static_cast<std::int64_t>(dtype_size(t->dtype));
-    for (int i = 0; i + 1 < t->rank; ++i) {
-      if (t->shape[i] <= 1) continue;
-      if (t->stride[i] <= 0 || t->stride[i] >= kMaxStrideBytes / elem || (t->stride[i] * elem) % 16 != 0) return false;
-    }
+  const std::int64_t elem = static_cast<std::int64_t>(dtype_size(t.dtype));
+  for (int i = 0; i + 1 < t.rank; ++i) {
+    if (t.shape[i] <= 1) continue;
+    if (t.stride[i] <= 0 || t.stride[i] >= kMaxStrideBytes / elem || (t.stride[i] * elem) % 16 != 0) return false;
   }
   return true;
+}
+
+bool tma_describable(const AttentionProblem& problem) {
+  return tma_describable(problem.q) && tma_describable(problem.k) && tma_describable(problem.v);
 }
 
 int hopper_block_k() { return 128; }
@@ -95,11 +97,19 @@ bool hopper_can_box_pages(int page_size) {
 
 bool hopper_gathers_pages(int page_size) { return !(hopper_can_box_pages(page_size) && page_size >= 64); }
 
-Status portable_forced(const char* env_value, bool* forced) {
+Status cuda_path_mode(const char* env_value, ExecutionOverrides::CudaPath* mode) {
   const std::string v = env_value == nullptr ? std::string() : std::string(env_value);
-  *forced = v == "portable";
-  if (v.empty() || v == "auto" || *forced) return {};
-  return invalid_argument(std::string(kPathEnv) + ": expected \"auto\" or \"portable\" (or unset), got \"" + v + "\"");
+  if (v.empty() || v == "auto") {
+    *mode = ExecutionOverrides::CudaPath::kAuto;
+  } else if (v == "portable") {
+    *mode = ExecutionOverrides::CudaPath::kPortable;
+  } else if (v == "hopper") {
+    *mode = ExecutionOverrides::CudaPath::kHopper;
+  } else {
+    return invalid_argument(std::string(kPathEnv) + ": expected \"auto\", \"portable\" or \"hopper\" (or unset), got \"" +
+                            v + "\"");
+  }
+  return {};
 }
 
 FwdPath choose_fwd_path(const ProblemShape& shape, const Policy& policy, bool tma_ok, int cc_major, int cc_minor) {

@@ -37,6 +37,7 @@ enum class FwdPath {
 // check_layout (16-byte aligned pointers and strides), every row and head stride of a
 // dimension with more than one element is positive and below 2^40 bytes.
 bool tma_describable(const AttentionProblem& problem);
+bool tma_describable(const TensorView& t);
 
 // The key-block size of the Hopper kernel (its key tile): policies with other blocks run the
 // portable kernel.
@@ -52,12 +53,13 @@ bool hopper_gathers_pages(int page_size);
 // lose to gathering (dev/tiles.cu `paged` times both).
 bool hopper_can_box_pages(int page_size);
 
-// The environment variable that overrides the path choice (docs/cuda.md, "When it runs"):
+// The environment variable that overrides the path choice (docs/cuda.md, "Path selection"):
 // unset, empty or "auto": choose_fwd_path decides; "portable": every call runs the portable
 // kernels, also on compute capability 9.0 (to compare the paths, or to work around the Hopper
-// kernels). Anything else is an error naming the variable and the values it takes.
+// kernels); "hopper": the Hopper kernels, and a call they cannot serve is an error. Anything
+// else is an error naming the variable and the values it takes.
 constexpr const char* kPathEnv = "SPARSEPREFILL_CUDA_PATH";
-Status portable_forced(const char* env_value, bool* forced);
+Status cuda_path_mode(const char* env_value, ExecutionOverrides::CudaPath* mode);
 
 // The path of a call that check_support accepted, on a device of compute capability
 // (cc_major, cc_minor): Hopper on 9.0 when an sm90 instance of (dtype, head_dim, contiguous or
@@ -74,7 +76,7 @@ FwdPath choose_fwd_path(const ProblemShape& shape, const Policy& policy, bool tm
 // (pack where it cuts the tile count by 10% or more: short chunks, decode-like steps, ragged
 // varlen batches), "always" (wherever packing applies) or "never". Anything else is an error
 // naming the variable and the values it takes.
-enum class PackGqa { kAuto, kAlways, kNever };
+using PackGqa = ExecutionOverrides::Choice;
 constexpr const char* kPackGqaEnv = "SPARSEPREFILL_PACK_GQA";
 Status pack_gqa_mode(const char* env_value, PackGqa* mode);
 

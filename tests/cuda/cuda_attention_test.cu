@@ -202,10 +202,11 @@ void shift_hot_keys(Inputs* in, int chunk, double shift) {
 
 // ------------------------------------------------------------------ dense
 
-// SPARSEPREFILL_CUDA_PATH=portable sends a call the plan would give the Hopper kernel
-// to the portable one, with the portable kernel's result bit for bit (the same kernel as the
-// test hook's); an unknown value fails the call with a message naming the variable.
-TEST(CudaDense, PathOverrideFromTheEnvironment) {
+// overrides.cuda_path (SPARSEPREFILL_CUDA_PATH's per-call form) = portable sends a call the
+// plan would give the Hopper kernel to the portable one, with the portable kernel's result bit
+// for bit (the same kernel as the test hook's); = hopper runs the Hopper kernel on a 9.0 device
+// and fails elsewhere; RunStats::execution names what ran.
+TEST(CudaDense, PathOverrideForcesEitherPath) {
   SP_REQUIRE_GPU();
   Inputs in = make_inputs({{300, 300}}, 4, 2, 128, 1700);
   TestProblem tp = make_problem(in);
@@ -215,21 +216,29 @@ TEST(CudaDense, PathOverrideFromTheEnvironment) {
     hook = run_gpu(&tp, DenseParams{});
     ASSERT_TRUE(hook.status.ok()) << hook.status.to_string();
   }
-  ASSERT_EQ(setenv(cuda::kPathEnv, "portable", 1), 0);
-  const GpuRun forced = run_gpu(&tp, DenseParams{});
-  const std::string ran = cuda::last_fwd_instance_for_testing();
-  ASSERT_EQ(setenv(cuda::kPathEnv, "hopper", 1), 0);
-  const GpuRun bad = run_gpu(&tp, DenseParams{});
-  ASSERT_EQ(unsetenv(cuda::kPathEnv), 0);
+  ExecutionOverrides portable;
+  portable.cuda_path = ExecutionOverrides::CudaPath::kPortable;
+  const GpuRun forced = run_gpu(&tp, DenseParams{}, nullptr, portable);
   ASSERT_TRUE(forced.status.ok()) << forced.status.to_string();
-  EXPECT_EQ(ran.rfind("fwd_sm80_", 0), 0u) << ran;
+  EXPECT_EQ(forced.stats.execution.path, "cuda-portable");
+  EXPECT_EQ(forced.stats.execution.instance.rfind("fwd_sm80_", 0), 0u) << forced.stats.execution.instance;
   EXPECT_TRUE(same_result(forced.out, hook.out, 0.0));
-  EXPECT_EQ(bad.status.code(), StatusCode::kInvalidArgument);
-  EXPECT_NE(bad.status.message().find("SPARSEPREFILL_CUDA_PATH"), std::string::npos) << bad.status.message();
-  // Unset again: the plan's choice.
+  ExecutionOverrides hopper;
+  hopper.cuda_path = ExecutionOverrides::CudaPath::kHopper;
+  const GpuRun on_hopper = run_gpu(&tp, DenseParams{}, nullptr, hopper);
+  if (hopper_device()) {
+    ASSERT_TRUE(on_hopper.status.ok()) << on_hopper.status.to_string();
+    EXPECT_EQ(on_hopper.stats.execution.path, "cuda-hopper");
+    EXPECT_EQ(on_hopper.stats.execution.instance.rfind("fwd_sm90_", 0), 0u) << on_hopper.stats.execution.instance;
+  } else {
+    EXPECT_EQ(on_hopper.status.code(), StatusCode::kUnsupported);
+    EXPECT_NE(on_hopper.status.message().find("hopper"), std::string::npos) << on_hopper.status.message();
+  }
+  // No override: the plan's choice.
   const GpuRun chosen = run_gpu(&tp, DenseParams{});
   ASSERT_TRUE(chosen.status.ok()) << chosen.status.to_string();
-  EXPECT_EQ(cuda::last_fwd_instance_for_testing().rfind(expected_instance_prefix(tp, DenseParams{}, false), 0), 0u);
+  EXPECT_EQ(chosen.stats.execution.instance.rfind(expected_instance_prefix(tp, DenseParams{}, false), 0), 0u)
+      << chosen.stats.execution.instance;
 }
 
 TEST(CudaDense, OddLengthsBothDtypesAndHeadDims) {

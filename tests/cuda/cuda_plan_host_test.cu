@@ -367,19 +367,23 @@ TEST(CudaPlan, PagedParamsAndTheCompactBlockTable) {
 // attention), a short chunk over a long cache or a sparse call does not, a full device does not,
 // and the staged shape reads varlen rows packed sequence after sequence.
 // SPARSEPREFILL_CUDA_PATH: unset, empty and "auto" leave the choice to choose_fwd_path,
-// "portable" forces the portable kernels, anything else is an error naming the variable.
+// "portable" and "hopper" force a path, anything else is an error naming the variable.
 TEST(CudaPlan, PathOverrideFromTheEnvironment) {
-  bool forced = true;
+  using CudaPath = ExecutionOverrides::CudaPath;
+  CudaPath mode = CudaPath::kHopper;
   for (const char* v : {static_cast<const char*>(nullptr), "", "auto"}) {
-    ASSERT_TRUE(portable_forced(v, &forced).ok()) << (v ? v : "(unset)");
-    EXPECT_FALSE(forced) << (v ? v : "(unset)");
+    ASSERT_TRUE(cuda_path_mode(v, &mode).ok()) << (v ? v : "(unset)");
+    EXPECT_EQ(mode, CudaPath::kAuto) << (v ? v : "(unset)");
   }
-  ASSERT_TRUE(portable_forced("portable", &forced).ok());
-  EXPECT_TRUE(forced);
-  for (const char* v : {"hopper", "Portable", "portable "}) {
-    const Status st = portable_forced(v, &forced);
+  ASSERT_TRUE(cuda_path_mode("portable", &mode).ok());
+  EXPECT_EQ(mode, CudaPath::kPortable);
+  ASSERT_TRUE(cuda_path_mode("hopper", &mode).ok());
+  EXPECT_EQ(mode, CudaPath::kHopper);
+  for (const char* v : {"sm90", "Portable", "portable "}) {
+    const Status st = cuda_path_mode(v, &mode);
     EXPECT_EQ(st.code(), StatusCode::kInvalidArgument) << v;
-    EXPECT_NE(st.message().find("SPARSEPREFILL_CUDA_PATH: expected \"auto\" or \"portable\""), std::string::npos)
+    EXPECT_NE(st.message().find("SPARSEPREFILL_CUDA_PATH: expected \"auto\", \"portable\" or \"hopper\""),
+              std::string::npos)
         << st.message();
     EXPECT_NE(st.message().find(v), std::string::npos) << st.message();
   }

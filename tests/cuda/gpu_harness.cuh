@@ -139,7 +139,8 @@ struct GpuRun {
 // Runs `policy` on the device copy of tp (outputs poisoned with NaN first) and reads O and LSE
 // back into tp's host output tensors and r.out (and a cache of block means into the policy's
 // host tensors).
-inline GpuRun run_gpu(TestProblem* tp, const Policy& policy, void* stream = nullptr) {
+inline GpuRun run_gpu(TestProblem* tp, const Policy& policy, void* stream = nullptr,
+                      const ExecutionOverrides& overrides = {}) {
   GpuRun r;
   const AttentionProblem host = tp->problem();
   DeviceBuffer q, k, v, o, lse;
@@ -163,6 +164,7 @@ inline GpuRun run_gpu(TestProblem* tp, const Policy& policy, void* stream = null
   RunOptions opt;
   opt.backend = Backend::kCUDA;
   opt.cuda_stream = stream;
+  opt.overrides = overrides;
   // (void): nvcc reads the assignment's Status& result as a discarded [[nodiscard]] value.
   static_cast<void>(r.status = run(dev, dev_policy->policy, out, opt, &r.stats, &r.decisions));
   EXPECT_EQ(cudaDeviceSynchronize(), cudaSuccess);

@@ -165,6 +165,8 @@ void run_shape(const Shape& sh, const Options& opt) {
     p.h_kv = sh.h_kv;
     p.group = sh.h_q / sh.h_kv;
     p.num_q_blocks = static_cast<int>((sh.s + kBlockQ - 1) / kBlockQ);
+    p.q_pack = 1;
+    p.grid = p.num_q_blocks * p.h_q;  // portable_grid and hopper_grid of one unpacked sequence
     p.causal = true;
     p.scale = 1.0f / std::sqrt(static_cast<float>(sh.d));
     p.scale_log2 = p.scale * 1.4426950408889634f;

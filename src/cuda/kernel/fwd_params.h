@@ -114,6 +114,7 @@ struct FwdParams {
   int h_kv;
   int group;          // h_q / h_kv (contiguous GQA: q head h reads kv head h / group)
   int num_q_blocks;   // max over the batch of ceil(s_q / kBlockM): the grid's extent
+  int grid;           // CTAs of the forward launch, from the execution plan (portable_grid, hopper_grid)
   int q_pack;         // Hopper kernel: query heads per tile, 1 or the group (choose_q_pack)
   bool kv_major;      // grid order: KV head outermost instead of query heads fastest (kv_major_grid)
   bool causal;        // bottom-right aligned

@@ -539,10 +539,9 @@ int launch_fwd(const FwdParams& p, void* stream) {
   auto* kernel = fwd_kernel<Cfg>;
   cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Cfg::kSmemBytes);
   if (err != cudaSuccess) return static_cast<int>(err);
-  const unsigned grid = static_cast<unsigned>(p.num_q_blocks) * static_cast<unsigned>(p.batch) *
-                        static_cast<unsigned>(p.h_q);
-  if (grid == 0) return 0;
-  kernel<<<grid, Cfg::kThreads, Cfg::kSmemBytes, static_cast<cudaStream_t>(stream)>>>(p);
+  // One CTA per (query block, batch, query head): the plan's portable_grid.
+  if (p.grid <= 0) return 0;
+  kernel<<<static_cast<unsigned>(p.grid), Cfg::kThreads, Cfg::kSmemBytes, static_cast<cudaStream_t>(stream)>>>(p);
   return static_cast<int>(cudaGetLastError());
 }
 

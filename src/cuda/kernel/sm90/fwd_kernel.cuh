@@ -1104,11 +1104,10 @@ int launch_fwd(const FwdParams& p, const SeqInfo* seqs, const std::int32_t* tabl
     if (!ok) return static_cast<int>(cudaErrorNotSupported);
   }
   const auto st = static_cast<cudaStream_t>(stream);
-  std::int64_t tiles = 0;  // per (sequence, unit): the longest sequence's
-  for (int b = 0; b < p.batch; ++b) tiles = std::max(tiles, (seqs[b].s_q + Cfg::kTileM / pack - 1) / (Cfg::kTileM / pack));
-  const unsigned grid =
-      static_cast<unsigned>(tiles) * static_cast<unsigned>(p.batch) * static_cast<unsigned>(p.h_q / pack);
-  if (grid == 0) return 0;
+  // One CTA per (tile of 128 / pack positions of the longest sequence, batch, unit of pack
+  // heads): the plan's hopper_grid, which the kernel decodes through gridDim.
+  const auto grid = static_cast<unsigned>(p.grid);
+  if (p.grid <= 0) return 0;
   const void* map_device = nullptr;
   const int uploaded = upload.fn(upload.context, maps.data(), maps.size() * sizeof(SeqMaps), &map_device);
   if (uploaded != 0) return uploaded;

@@ -1,0 +1,122 @@
+// SPDX-License-Identifier: Apache-2.0
+// estimate_select on CUDA: the block means and the selector (one instance: means, then energies
+// and the keep rule into a device BlockMask), ahead of the forward kernel that runs the mask;
+// and select(), the selector alone with its mask copied back.
+#include <cstddef>
+#include <cstdint>
+#include <vector>
+
+#include "core/estimate_chunks.h"
+#include "core/geometry.h"
+#include "cuda/launch.h"
+
+namespace sparseprefill::cuda {
+
+Status launch_selection(const Call& call, const ProblemShape& shape, const FwdParams& p,
+                        const EstimateSelectParams& pol, Selection* sel) {
+  SelectParams& sp = sel->sp;
+  sp.q = p.q;
+  sp.k = p.k;
+  sp.v = p.v;
+  sp.q_row_stride = p.q_row_stride;
+  sp.q_head_stride = p.q_head_stride;
+  sp.k_row_stride = p.k_row_stride;
+  sp.k_head_stride = p.k_head_stride;
+  sp.v_row_stride = p.v_row_stride;
+  sp.v_head_stride = p.v_head_stride;
+  sp.seqs = p.seqs;
+  sp.paged = p.paged;
+  sp.batch = shape.batch;
+  sp.h_q = shape.h_q;
+  sp.h_kv = shape.h_kv;
+  sp.group = shape.group();
+  sp.scale = p.scale;
+  sp.block = pol.block;
+  sp.num_q_blocks = static_cast<int>(geom::ceil_div(shape.max_seq_q(), pol.block));
+  sp.num_k_blocks = static_cast<int>(geom::ceil_div(shape.max_seq_k(), pol.block));
+  sp.alpha = static_cast<float>(pol.alpha);
+  sp.sink = pol.sink;
+  sp.window = pol.window;
+  sp.tail = pol.tail;
+  sp.pack_gqa = pol.pack_gqa;
+  sp.mean_correction = pol.mean_correction;
+  Scratch& scratch = call.scratch;
+  // Chunked prefill: validated and read on the host (run() has checked them already).
+  detail::EstimateChunks chunks;
+  SP_RETURN_IF_ERROR(detail::read_estimate_chunks(pol, shape, &chunks));
+  const std::vector<SelectSeq> select_seqs = make_select_seqs(pol, chunks);
+  if (!select_seqs.empty()) SP_RETURN_IF_ERROR(scratch.upload(select_seqs, &sp.select_seqs));
+  sp.cache_k = mean_cache(pol.k_block_means);
+  sp.cache_v = mean_cache(pol.v_block_means);
+  const int units = pol.pack_gqa ? shape.h_kv : shape.h_q;
+  sel->rows = static_cast<std::size_t>(shape.batch) * static_cast<std::size_t>(units) *
+              static_cast<std::size_t>(sp.num_q_blocks);
+  const std::size_t means = static_cast<std::size_t>(shape.batch) * static_cast<std::size_t>(shape.h_kv) *
+                            static_cast<std::size_t>(sp.num_k_blocks) * static_cast<std::size_t>(shape.d);
+  std::uint16_t* k_mean = nullptr;
+  std::uint16_t* v_mean = nullptr;
+  SP_RETURN_IF_ERROR(scratch.alloc(means, &k_mean));
+  SP_RETURN_IF_ERROR(scratch.alloc(means, &v_mean));
+  sp.k_mean = k_mean;
+  sp.v_mean = v_mean;
+  SP_RETURN_IF_ERROR(scratch.zeros(sel->rows, &sp.full_count));
+  SP_RETURN_IF_ERROR(scratch.zeros(sel->rows, &sp.partial_count));
+  const std::size_t cap = sel->rows * static_cast<std::size_t>(sp.num_k_blocks);
+  SP_RETURN_IF_ERROR(scratch.alloc(cap, &sp.full_index));
+  SP_RETURN_IF_ERROR(scratch.alloc(cap, &sp.partial_index));
+  if (pol.mean_correction) {
+    sp.corrected_words = bitmap_words(sp.num_k_blocks);
+    SP_RETURN_IF_ERROR(scratch.zeros(sel->rows * static_cast<std::size_t>(sp.corrected_words), &sp.corrected_bits));
+  }
+  const SelectVariant* select = call.plan.select;
+  return launch_status(select->launch(sp, call.stream), select->name);
+}
+
+Status read_selection(const Call& call, const ProblemShape& shape, const EstimateSelectParams& es, const Selection& sel,
+                      Decisions* out) {
+  const SelectParams& sp = sel.sp;
+  Scratch& scratch = call.scratch;
+  const std::size_t cap = sel.rows * static_cast<std::size_t>(sp.num_k_blocks);
+  std::vector<std::int32_t> full_count, full_index, partial_count, partial_index;
+  std::vector<std::uint32_t> corrected;
+  SP_RETURN_IF_ERROR(scratch.download(sp.full_count, sel.rows, &full_count));
+  SP_RETURN_IF_ERROR(scratch.download(sp.full_index, cap, &full_index));
+  SP_RETURN_IF_ERROR(scratch.download(sp.partial_count, sel.rows, &partial_count));
+  SP_RETURN_IF_ERROR(scratch.download(sp.partial_index, cap, &partial_index));
+  if (es.mean_correction) {
+    SP_RETURN_IF_ERROR(scratch.download(sp.corrected_bits, sel.rows * static_cast<std::size_t>(sp.corrected_words), &corrected));
+  }
+  SP_CUDA_TRY(cudaStreamSynchronize(call.stream), "cudaStreamSynchronize (decisions)");
+  SP_RETURN_IF_ERROR(mask_from_arrays(shape, es.block, es.pack_gqa, full_count, full_index, partial_count,
+                                      partial_index, &out->kept));
+  if (es.mean_correction) {
+    SP_RETURN_IF_ERROR(mask_from_bits(shape, es.block, es.block, es.pack_gqa, corrected, &out->corrected));
+  }
+  return {};
+}
+
+Status select_cuda(const AttentionProblem& problem, const ProblemShape& shape, const EstimateSelectParams& params,
+                   const ExecutionPlan& plan, void* cuda_stream, Decisions* decisions) {
+  // The selector writes no output: q's layout stands in for O so the shared builders apply.
+  const AttentionOutput no_output{problem.q, TensorView{}};
+  SP_RETURN_IF_ERROR(check_layout(problem, no_output));
+  DeviceCall device;
+  SP_RETURN_IF_ERROR(device.enter(shape.device.index, cuda_stream));
+  if (device.capturing) {
+    return unsupported("cuda_stream: is capturing a CUDA graph, and select() reads its mask back to the host; "
+                       "select outside capture");
+  }
+  Scratch scratch(device.stream, device.pool, shape.device.index, false);
+  const Call call{plan, scratch, device.stream, nullptr};
+  FwdParams p = make_fwd_params(problem, shape, no_output, plan.block_k);
+  const std::vector<SeqInfo> seqs = make_seq_infos(problem, shape, no_output);
+  std::vector<std::int32_t> table;
+  SP_RETURN_IF_ERROR(upload_metadata(problem, shape, seqs, nullptr, &scratch, &p, &table));
+  Selection sel;
+  SP_RETURN_IF_ERROR(launch_selection(call, shape, p, params, &sel));
+  *decisions = Decisions{};
+  decisions->policy = "estimate_select";
+  return read_selection(call, shape, params, sel, decisions);
+}
+
+}  // namespace sparseprefill::cuda

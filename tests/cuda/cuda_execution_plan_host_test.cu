@@ -1,0 +1,266 @@
+// SPDX-License-Identifier: Apache-2.0
+// The CUDA execution plan as a value (cuda/execution_plan.h), no GPU needed: for each call shape
+// and policy, on an H200's and an A100's capabilities, the path, instances, passes, packing,
+// staging and grid the plan holds, the overrides (parsed, merged, forced), and its errors.
+#include <gtest/gtest.h>
+
+#include <cstdint>
+#include <string>
+
+#include "cuda/execution_plan.h"
+
+namespace sparseprefill::cuda {
+namespace {
+
+constexpr DeviceCaps kH200{9, 0, std::int64_t{60} << 20, 132};
+constexpr DeviceCaps kA100{8, 0, std::int64_t{40} << 20, 108};
+constexpr TmaFacts kTma{true, true};
+
+ProblemShape shape_of(std::int64_t s_q, std::int64_t s_k, int h_q = 32, int h_kv = 8, int d = 128,
+                      DType dtype = DType::kBF16) {
+  ProblemShape s;
+  s.batch = 1;
+  s.h_q = h_q;
+  s.h_kv = h_kv;
+  s.d = d;
+  s.dtype = dtype;
+  s.causal = true;
+  s.scale = 1.0;
+  s.seq_q = {s_q};
+  s.seq_k = {s_k};
+  s.q_start = {0};
+  s.k_start = {0};
+  s.device = Device{DeviceKind::kCUDA, 0};
+  return s;
+}
+
+ProblemShape paged(ProblemShape s, int page_size) {
+  s.kv_layout = KvLayout::kPaged;
+  s.page_size = page_size;
+  return s;
+}
+
+ExecutionPlan plan_of(const ProblemShape& s, const Policy& policy, const DeviceCaps& caps = kH200,
+                      const ExecutionOverrides& ov = {}, std::size_t free_bytes = std::size_t{100} << 30,
+                      TmaFacts tma = kTma) {
+  ExecutionPlan plan;
+  const Status st = plan_execution(s, policy, tma, caps, ov, free_bytes, &plan);
+  EXPECT_TRUE(st.ok()) << st.to_string();
+  return plan;
+}
+
+ExactGateParams gate(int block_k = 128) {
+  ExactGateParams g;
+  g.block_k = block_k;
+  return g;
+}
+
+TEST(CudaExecutionPlan, DenseRunsTheHopperKernelOnAnH200AndThePortableOneElsewhere) {
+  const ProblemShape s = shape_of(4096, 4096);
+  const ExecutionPlan h = plan_of(s, DenseParams{});
+  EXPECT_EQ(h.path, FwdPath::kHopper);
+  ASSERT_NE(h.fwd90, nullptr);
+  EXPECT_STREQ(h.fwd90->name, "fwd_sm90_bf16_hd128");
+  ASSERT_NE(h.fwd, nullptr);  // the fallback where the driver cannot encode the tensor maps
+  EXPECT_EQ(h.mode, PolicyMode::kDense);
+  EXPECT_EQ(h.q_pack, 1);
+  EXPECT_EQ(h.grid, 32 * 32);  // 32 tiles of 128 rows x 32 heads
+  const ExecutionInfo info = execution_info(h, 0);
+  EXPECT_EQ(info.path, "cuda-hopper");
+  EXPECT_EQ(info.instance, "fwd_sm90_bf16_hd128");
+
+  const ExecutionPlan a = plan_of(s, DenseParams{}, kA100);
+  EXPECT_EQ(a.path, FwdPath::kPortable);
+  EXPECT_EQ(a.fwd90, nullptr);
+  ASSERT_NE(a.fwd, nullptr);
+  EXPECT_FALSE(a.fwd->gated);
+  EXPECT_TRUE(a.fwd->plain);
+  EXPECT_EQ(execution_info(a, 0).path, "cuda-portable");
+  EXPECT_EQ(a.grid, 32 * 32);
+
+  // Strides TMA cannot describe keep the portable kernel on the H200 too.
+  EXPECT_EQ(plan_of(s, DenseParams{}, kH200, {}, 0, TmaFacts{true, false}).path, FwdPath::kPortable);
+}
+
+TEST(CudaExecutionPlan, ShortChunksPackTheGqaGroupAndTheOverrideDecides) {
+  const ProblemShape s = shape_of(32, 4096);
+  const ExecutionPlan packed = plan_of(s, DenseParams{});
+  EXPECT_EQ(packed.q_pack, 4);
+  EXPECT_EQ(packed.grid, 1 * 8);  // 32 rows x 4 heads = one tile per KV head
+  ExecutionOverrides never;
+  never.pack_gqa = ExecutionOverrides::Choice::kNever;
+  const ExecutionPlan unpacked = plan_of(s, DenseParams{}, kH200, never);
+  EXPECT_EQ(unpacked.q_pack, 1);
+  EXPECT_EQ(unpacked.grid, 32);
+  ExecutionOverrides always;
+  always.pack_gqa = ExecutionOverrides::Choice::kAlways;
+  EXPECT_EQ(plan_of(shape_of(8192, 8192), DenseParams{}, kH200, always).q_pack, 4);
+  // The gates decide per query head: never packed.
+  EXPECT_EQ(plan_of(s, gate(), kH200, always).q_pack, 1);
+}
+
+TEST(CudaExecutionPlan, ExactGateTakesTwoPassesWhereTheDecisionKernelRuns) {
+  const ProblemShape s = shape_of(8192, 8192);
+  const ExecutionPlan two = plan_of(s, gate());
+  EXPECT_EQ(two.passes, 2);
+  ASSERT_NE(two.gate, nullptr);
+  EXPECT_STREQ(two.gate->name, "gate_sm90_bf16_hd128");
+  EXPECT_EQ(two.mode, PolicyMode::kBlockMask);
+  EXPECT_FALSE(two.fwd->gated);  // the fallback runs the decided mask, not the gate
+  const ExecutionInfo info = execution_info(two, 0);
+  EXPECT_EQ(info.decision_instance, "gate_sm90_bf16_hd128");
+  EXPECT_EQ(info.passes, 2);
+
+  ExecutionOverrides one;
+  one.gate_passes = 1;
+  const ExecutionPlan in_loop = plan_of(s, gate(), kH200, one);
+  EXPECT_EQ(in_loop.passes, 1);
+  EXPECT_EQ(in_loop.gate, nullptr);
+  EXPECT_EQ(in_loop.mode, PolicyMode::kExactGate);
+  EXPECT_TRUE(in_loop.fwd->gated);
+
+  // The portable path has its own decision kernel; block_k 64 runs there.
+  const ExecutionPlan a = plan_of(s, gate(), kA100);
+  EXPECT_EQ(a.passes, 2);
+  EXPECT_STREQ(a.gate->name, "gate_sm80_bf16_hd128");
+  const ExecutionPlan k64 = plan_of(s, gate(64));
+  EXPECT_EQ(k64.path, FwdPath::kPortable);
+  EXPECT_EQ(k64.block_k, 64);
+
+  // Paged K/V read in the kernels: one pass (the decision kernels read contiguous rows).
+  const ExecutionPlan pages = plan_of(paged(shape_of(64, 8192), 16), gate());
+  EXPECT_FALSE(pages.staging.stage);
+  EXPECT_EQ(pages.passes, 1);
+
+  ExecutionOverrides bad;
+  bad.gate_passes = 3;
+  ExecutionPlan plan;
+  const Status st = plan_execution(s, gate(), kTma, kH200, bad, 0, &plan);
+  EXPECT_EQ(st.code(), StatusCode::kInvalidArgument);
+  EXPECT_NE(st.message().find("gate_passes"), std::string::npos) << st.message();
+}
+
+TEST(CudaExecutionPlan, EstimateSelectNamesItsSelector) {
+  const ProblemShape s = shape_of(8192, 8192);
+  const ExecutionPlan h = plan_of(s, EstimateSelectParams{});
+  ASSERT_NE(h.select, nullptr);
+  EXPECT_STREQ(h.select->name, "select_sm90_bf16_hd128");
+  EXPECT_EQ(h.mode, PolicyMode::kBlockMask);
+  EXPECT_EQ(execution_info(h, 0).decision_instance, "select_sm90_bf16_hd128");
+  ExecutionOverrides portable;
+  portable.cuda_path = ExecutionOverrides::CudaPath::kPortable;
+  const ExecutionPlan p = plan_of(s, EstimateSelectParams{}, kH200, portable);
+  EXPECT_EQ(p.path, FwdPath::kPortable);
+  EXPECT_STREQ(p.select->name, "select_sm80_bf16_hd128");
+  EstimateSelectParams mc;
+  mc.mean_correction = true;
+  EXPECT_FALSE(plan_of(s, mc, kA100).fwd->plain);  // mean-correction tiles: the general instance
+}
+
+TEST(CudaExecutionPlan, LongPagedPrefillsStageAndShortChunksReadPages) {
+  const ProblemShape long_prefill = paged(shape_of(32768, 32768), 16);
+  const ExecutionPlan staged = plan_of(long_prefill, DenseParams{});
+  EXPECT_TRUE(staged.staging.stage);
+  EXPECT_EQ(staged.staging.rows, 32768);
+  ASSERT_NE(staged.fwd90, nullptr);
+  EXPECT_FALSE(staged.fwd90->paged);  // the staged rows are contiguous
+  EXPECT_TRUE(execution_info(staged, 0).kv_staged);
+  // The same on a full device declines; and the override decides either way.
+  EXPECT_FALSE(plan_of(long_prefill, DenseParams{}, kH200, {}, std::size_t{1} << 20).staging.stage);
+  ExecutionOverrides never;
+  never.kv_staging = ExecutionOverrides::Choice::kNever;
+  const ExecutionPlan pages = plan_of(long_prefill, DenseParams{}, kH200, never);
+  EXPECT_FALSE(pages.staging.stage);
+  EXPECT_TRUE(pages.fwd90->paged);
+  EXPECT_FALSE(pages.fwd->plain);  // the portable fallback's general instance reads pages
+
+  const ProblemShape chunk = paged(shape_of(64, 32768), 16);
+  EXPECT_FALSE(plan_of(chunk, DenseParams{}).staging.stage);
+  ExecutionOverrides always;
+  always.kv_staging = ExecutionOverrides::Choice::kAlways;
+  EXPECT_TRUE(plan_of(chunk, DenseParams{}, kH200, always).staging.stage);
+  // Staged, exact_gate's K/V are contiguous: two passes again.
+  EXPECT_EQ(plan_of(chunk, gate(), kH200, always).passes, 2);
+}
+
+TEST(CudaExecutionPlan, ForcingTheHopperPathFailsWhereItCannotRun) {
+  ExecutionOverrides hopper;
+  hopper.cuda_path = ExecutionOverrides::CudaPath::kHopper;
+  const ExecutionPlan h = plan_of(shape_of(1024, 1024), DenseParams{}, kH200, hopper);
+  EXPECT_EQ(h.path, FwdPath::kHopper);
+  EXPECT_TRUE(h.hopper_forced);
+  const struct {
+    ProblemShape shape;
+    Policy policy;
+    DeviceCaps caps;
+    const char* why;
+  } cases[] = {
+      {shape_of(1024, 1024), DenseParams{}, kA100, "compute capability 8.0"},
+      {shape_of(1024, 1024), Policy{gate(64)}, kH200, "128 keys"},
+  };
+  for (const auto& c : cases) {
+    ExecutionPlan plan;
+    const Status st = plan_execution(c.shape, c.policy, kTma, c.caps, hopper, 0, &plan);
+    EXPECT_EQ(st.code(), StatusCode::kUnsupported) << c.why;
+    EXPECT_NE(st.message().find("hopper"), std::string::npos) << st.message();
+    EXPECT_NE(st.message().find(c.why), std::string::npos) << st.message();
+  }
+  // FP8 has no portable kernel.
+  ExecutionOverrides portable;
+  portable.cuda_path = ExecutionOverrides::CudaPath::kPortable;
+  ExecutionPlan plan;
+  const Status st = plan_execution(shape_of(1024, 1024, 32, 8, 128, DType::kFP8E4M3), DenseParams{}, kTma, kH200,
+                                   portable, 0, &plan);
+  EXPECT_EQ(st.code(), StatusCode::kUnsupported);
+  EXPECT_NE(st.message().find("portable"), std::string::npos) << st.message();
+}
+
+TEST(CudaExecutionPlan, TheGridOrderFollowsTheL2) {
+  // Llama shape: K and V of 16K keys (64 MiB) exceed the H200's 60 MiB of L2; 8K do not.
+  EXPECT_TRUE(plan_of(shape_of(16384, 16384), DenseParams{}).kv_major);
+  EXPECT_FALSE(plan_of(shape_of(8192, 8192), DenseParams{}).kv_major);
+}
+
+TEST(CudaExecutionPlan, PermuteStopPlansItsRankingAndAttention) {
+  PermuteStopParams ps;
+  const ExecutionPlan h = plan_of(shape_of(4096, 4096), ps);
+  ASSERT_NE(h.permute, nullptr);
+  ASSERT_NE(h.permute90, nullptr);
+  EXPECT_EQ(execution_info(h, 0).instance, h.permute90->name);
+  EXPECT_GT(h.grid, 0);
+  ps.block_k = 64;
+  const ExecutionPlan p = plan_of(shape_of(4096, 4096), ps);
+  EXPECT_EQ(p.permute90, nullptr);
+  EXPECT_EQ(execution_info(p, 0).instance, p.permute->name);
+}
+
+TEST(CudaExecutionPlan, OverridesParseOnceAndTheCallsWin) {
+  OverrideEnv env;
+  env.cuda_path = "portable";
+  env.pack_gqa = "never";
+  env.kv_staging = "always";
+  env.gate_passes = "1";
+  ExecutionOverrides parsed;
+  ASSERT_TRUE(parse_overrides(env, &parsed).ok());
+  EXPECT_EQ(parsed.cuda_path, ExecutionOverrides::CudaPath::kPortable);
+  EXPECT_EQ(parsed.pack_gqa, ExecutionOverrides::Choice::kNever);
+  EXPECT_EQ(parsed.kv_staging, ExecutionOverrides::Choice::kAlways);
+  EXPECT_EQ(parsed.gate_passes, 1);
+  ExecutionOverrides call;
+  call.cuda_path = ExecutionOverrides::CudaPath::kHopper;
+  call.gate_passes = 2;
+  const ExecutionOverrides merged = merge_overrides(parsed, call);
+  EXPECT_EQ(merged.cuda_path, ExecutionOverrides::CudaPath::kHopper);
+  EXPECT_EQ(merged.pack_gqa, ExecutionOverrides::Choice::kNever);
+  EXPECT_EQ(merged.kv_staging, ExecutionOverrides::Choice::kAlways);
+  EXPECT_EQ(merged.gate_passes, 2);
+  EXPECT_EQ(merge_overrides(parsed, {}).cuda_path, ExecutionOverrides::CudaPath::kPortable);
+
+  env.kv_staging = "sometimes";
+  const Status st = parse_overrides(env, &parsed);
+  EXPECT_EQ(st.code(), StatusCode::kInvalidArgument);
+  EXPECT_NE(st.message().find("SPARSEPREFILL_KV_STAGING"), std::string::npos) << st.message();
+}
+
+}  // namespace
+}  // namespace sparseprefill::cuda
