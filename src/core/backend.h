@@ -38,10 +38,11 @@ class BackendImpl {
                       const RunOptions& options, bool persistent, std::unique_ptr<PreparedRun>* out) const = 0;
 
   // Runs `prepared` on `problem` (whose shape matches the plan's). `decisions` is null when the
-  // caller wants none (a GPU backend then reads nothing back).
+  // caller wants none (a GPU backend then reads nothing back). *ran receives what executed:
+  // the plan's info, or what the run fell back to (a GPU driver refusing the plan's tensor maps).
   virtual Status run(const PreparedRun& prepared, const AttentionProblem& problem, const ProblemShape& shape,
                      const Policy& policy, const AttentionOutput& output, const RunOptions& options,
-                     Decisions* decisions) const = 0;
+                     Decisions* decisions, ExecutionInfo* ran) const = 0;
 
   // The policy's selection alone (select(), plan.h): dense, block_sparse and estimate_select.
   virtual Status select(const AttentionProblem& problem, const ProblemShape& shape, const Policy& policy,

@@ -34,9 +34,10 @@ class CpuBackend final : public detail::BackendImpl {
     return {};
   }
 
-  Status run(const detail::PreparedRun&, const AttentionProblem& problem, const ProblemShape& shape,
+  Status run(const detail::PreparedRun& prepared, const AttentionProblem& problem, const ProblemShape& shape,
              const Policy& policy, const AttentionOutput& output, const RunOptions& options,
-             Decisions* decisions) const override {
+             Decisions* decisions, ExecutionInfo* ran) const override {
+    *ran = prepared.info;
     Decisions local;
     SP_RETURN_IF_ERROR(run_cpu(problem, shape, policy, output, options.num_threads, &local));
     if (decisions != nullptr) *decisions = std::move(local);

@@ -113,7 +113,7 @@ class CudaBackend final : public detail::BackendImpl {
 
   Status run(const detail::PreparedRun& prepared, const AttentionProblem& problem, const ProblemShape& shape,
              const Policy& policy, const AttentionOutput& output, const RunOptions& options,
-             Decisions* decisions) const override {
+             Decisions* decisions, ExecutionInfo* ran_out) const override {
     const auto& cuda = static_cast<const CudaPrepared&>(prepared);
     SP_RETURN_IF_ERROR(check_layout(problem, output));
     DeviceCall device;
@@ -148,6 +148,7 @@ class CudaBackend final : public detail::BackendImpl {
     }
     ran.scratch_bytes = scratch.bytes();
     t_last = ran;
+    *ran_out = std::move(ran);
     if (std::holds_alternative<ExactGateParams>(policy)) t_last_gate_passes = ran.passes;
     if (plan.select != nullptr) t_last_select = plan.select->name;
     return {};
@@ -174,7 +175,14 @@ class CudaBackend final : public detail::BackendImpl {
   Status select_statistics(const char* who, const AttentionProblem& sample, const ProblemShape& shape,
                            const EstimateSelectParams& base, void* cuda_stream,
                            std::vector<SelectStatistics>* out) const override {
-    return prefixed(who, select_statistics_cuda(sample, shape, base, cuda_stream, out));
+    ExecutionOverrides overrides;
+    SP_RETURN_IF_ERROR(prefixed(who, call_overrides(RunOptions{}, &overrides)));
+    DeviceCaps caps;
+    SP_RETURN_IF_ERROR(prefixed(who, device_caps(shape.device.index, &caps)));
+    const SelectVariant* select = choose_selector(shape, caps, overrides);
+    SP_RETURN_IF_ERROR(prefixed(who, select_statistics_cuda(sample, shape, base, select, cuda_stream, out)));
+    t_last_select = select->name;
+    return {};
   }
 
   std::string build_info() const override {

@@ -70,6 +70,13 @@ ExecutionOverrides merge_overrides(const ExecutionOverrides& env, const Executio
   return o;
 }
 
+const SelectVariant* choose_selector(const ProblemShape& shape, const DeviceCaps& caps,
+                                     const ExecutionOverrides& overrides) {
+  const bool hopper = caps.hopper() && overrides.cuda_path != ExecutionOverrides::CudaPath::kPortable;
+  const SelectVariant* s90 = hopper ? find_select90(shape.dtype, shape.d) : nullptr;
+  return s90 != nullptr ? s90 : find_select(shape.dtype, shape.d);
+}
+
 TmaFacts tma_facts(const AttentionProblem& problem) {
   return {tma_describable(problem.q), tma_describable(problem.k) && tma_describable(problem.v)};
 }
@@ -126,9 +133,7 @@ Status plan_execution(const ProblemShape& shape, const Policy& policy, const Tma
   if (const auto* es = std::get_if<EstimateSelectParams>(&policy)) {
     mask_per_kv_head = es->pack_gqa;
     mean_correction = es->mean_correction;
-    const bool hopper_selector = caps.hopper() && overrides.cuda_path != CudaPath::kPortable &&
-                                 find_select90(shape.dtype, shape.d) != nullptr;
-    plan.select = hopper_selector ? find_select90(shape.dtype, shape.d) : find_select(shape.dtype, shape.d);
+    plan.select = choose_selector(shape, caps, overrides);
     plan.mode = PolicyMode::kBlockMask;
   } else if (const auto* bs = std::get_if<BlockSparseParams>(&policy)) {
     mask_per_kv_head = bs->mask.per_kv_head;

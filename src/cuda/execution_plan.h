@@ -71,6 +71,11 @@ TmaFacts tma_facts(const AttentionProblem& problem);
 Status plan_execution(const ProblemShape& shape, const Policy& policy, const TmaFacts& tma, const DeviceCaps& caps,
                       const ExecutionOverrides& overrides, std::size_t free_bytes, ExecutionPlan* out);
 
+// estimate_select's selector instance (its scoring on wgmma on a 9.0 device unless the
+// portable path is forced), for calls and for calibration statistics alike.
+const SelectVariant* choose_selector(const ProblemShape& shape, const DeviceCaps& caps,
+                                     const ExecutionOverrides& overrides);
+
 // Its summary for users (Plan::execution, RunStats::execution). `scratch_bytes` is the run's.
 ExecutionInfo execution_info(const ExecutionPlan& plan, std::size_t scratch_bytes);
 

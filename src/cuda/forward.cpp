@@ -47,7 +47,12 @@ Status upload_metadata(const AttentionProblem& problem, const ProblemShape& shap
 
 Status cache_hopper_maps(const AttentionProblem& problem, const ProblemShape& shape, const ExecutionPlan& plan,
                          const std::vector<SeqInfo>& seqs, cudaStream_t stream) {
-  if (plan.path != FwdPath::kHopper || plan.fwd90 == nullptr || plan.staging.stage) return {};
+  // Calls whose maps travel as kernel parameters have nothing to cache (the launch would run).
+  const bool paged = shape.kv_layout == KvLayout::kPaged;
+  if (plan.path != FwdPath::kHopper || plan.fwd90 == nullptr || plan.staging.stage ||
+      shape.batch + (paged ? 1 : 0) <= kFwd90ParamSeqMaps) {
+    return {};
+  }
   // The instance encodes the maps exactly as a run does and hands them to this uploader, which
   // caches them and declines the launch (kUploadRefused: nothing is enqueued). Batches whose
   // maps travel as kernel parameters never call it.
@@ -67,7 +72,6 @@ Status cache_hopper_maps(const AttentionProblem& problem, const ProblemShape& sh
   FwdParams p = make_fwd_params(problem, shape, AttentionOutput{problem.q, TensorView{}}, hopper_block_k());
   p.q_pack = plan.q_pack;
   p.grid = static_cast<int>(plan.grid);
-  const bool paged = shape.kv_layout == KvLayout::kPaged;
   const std::vector<std::int32_t> table = paged ? compact_block_table(problem, shape) : std::vector<std::int32_t>{};
   const int err = plan.fwd90->launch(p, seqs.data(), paged ? table.data() : nullptr, {&cache_only, &CacheOnly::call},
                                      stream);

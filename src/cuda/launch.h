@@ -122,7 +122,9 @@ Status stage_kv_rows(const AttentionProblem& problem, const ProblemShape& shape,
 
 Status block_statistics_cuda(const AttentionProblem& sample, const ProblemShape& shape, int block_q, int block_k,
                              bool want_max, bool want_g, void* cuda_stream, std::vector<BlockStatistics>* out);
+// `select`: the selector instance calls of this shape run (choose_selector).
 Status select_statistics_cuda(const AttentionProblem& sample, const ProblemShape& shape,
-                              const EstimateSelectParams& base, void* cuda_stream, std::vector<SelectStatistics>* out);
+                              const EstimateSelectParams& base, const SelectVariant* select, void* cuda_stream,
+                              std::vector<SelectStatistics>* out);
 
 }  // namespace sparseprefill::cuda

@@ -59,7 +59,8 @@ Status block_statistics_cuda(const AttentionProblem& sample, const ProblemShape&
 }
 
 Status select_statistics_cuda(const AttentionProblem& sample, const ProblemShape& shape,
-                              const EstimateSelectParams& base, void* cuda_stream, std::vector<SelectStatistics>* out) {
+                              const EstimateSelectParams& base, const SelectVariant* select, void* cuda_stream,
+                              std::vector<SelectStatistics>* out) {
   SP_RETURN_IF_ERROR(check_select_statistics_support(shape, base));
   StatisticsCall call;
   SP_RETURN_IF_ERROR(call.enter(sample, shape, cuda_stream));
@@ -80,14 +81,6 @@ Status select_statistics_cuda(const AttentionProblem& sample, const ProblemShape
     const std::size_t cells = static_cast<std::size_t>(shape.batch) * static_cast<std::size_t>(units) *
                               static_cast<std::size_t>(sp.num_q_blocks) * static_cast<std::size_t>(sp.num_k_blocks);
     SP_RETURN_IF_ERROR(scratch.zeros(cells, &sp.energy_ratio));
-    // The selector of the path the device's calls take (overrides as for run()).
-    ExecutionOverrides overrides;
-    SP_RETURN_IF_ERROR(environment_overrides(&overrides));
-    DeviceCaps caps;
-    SP_RETURN_IF_ERROR(device_caps(shape.device.index, &caps));
-    const bool hopper = caps.hopper() && overrides.cuda_path != ExecutionOverrides::CudaPath::kPortable &&
-                        find_select90(shape.dtype, shape.d) != nullptr;
-    const SelectVariant* select = hopper ? find_select90(shape.dtype, shape.d) : find_select(shape.dtype, shape.d);
     SP_RETURN_IF_ERROR(launch_status(select->launch(sp, call.stream), select->name));
     SP_RETURN_IF_ERROR(scratch.download(sp.energy_ratio, cells, &ratio));
     SP_CUDA_TRY(cudaStreamSynchronize(call.stream), "cudaStreamSynchronize (calibration statistics)");

@@ -74,10 +74,11 @@ Status run_prepared(const detail::BackendImpl& backend, const detail::PreparedRu
                           !std::holds_alternative<BlockSparseParams>(policy);
   const bool want = stats_need || decisions != nullptr || options.collect_decisions;
   Decisions local;
-  SP_RETURN_IF_ERROR(backend.run(prepared, problem, shape, policy, output, options, want ? &local : nullptr));
+  ExecutionInfo ran;
+  SP_RETURN_IF_ERROR(backend.run(prepared, problem, shape, policy, output, options, want ? &local : nullptr, &ran));
   if (stats != nullptr) {
     *stats = detail::stats_from_decisions(shape, policy, local);
-    stats->execution = prepared.info;
+    stats->execution = std::move(ran);
   }
   if (decisions != nullptr) *decisions = std::move(local);
   return {};

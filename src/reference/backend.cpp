@@ -38,8 +38,9 @@ class ReferenceBackend final : public detail::BackendImpl {
     return {};
   }
 
-  Status run(const detail::PreparedRun&, const AttentionProblem& problem, const ProblemShape& s, const Policy& policy,
-             const AttentionOutput& output, const RunOptions&, Decisions* decisions) const override {
+  Status run(const detail::PreparedRun& prepared, const AttentionProblem& problem, const ProblemShape& s, const Policy& policy,
+             const AttentionOutput& output, const RunOptions&, Decisions* decisions, ExecutionInfo* ran) const override {
+    *ran = prepared.info;
     Result result;
     SP_RETURN_IF_ERROR(run_reference(problem, policy, &result));
     const std::int64_t rows = s.total_q();

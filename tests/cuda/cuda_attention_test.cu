@@ -885,16 +885,7 @@ TEST(CudaEstimateSelect, VarlenBatchOfTwo) {
 
 // ------------------------------------------------------------------ GQA packing
 
-// SPARSEPREFILL_PACK_GQA set to `value` while alive.
-class PackGqaEnv {
- public:
-  explicit PackGqaEnv(const char* value) { EXPECT_EQ(setenv(cuda::kPackGqaEnv, value, 1), 0); }
-  ~PackGqaEnv() { unsetenv(cuda::kPackGqaEnv); }
-  PackGqaEnv(const PackGqaEnv&) = delete;
-  PackGqaEnv& operator=(const PackGqaEnv&) = delete;
-};
-
-// `policy` with the Hopper kernel's tiles packed (SPARSEPREFILL_PACK_GQA=always: 128 / G rows
+// `policy` with the Hopper kernel's tiles packed (overrides.pack_gqa = always: 128 / G rows
 // of each of a KV group's G query heads per tile, choose_q_pack) and unpacked (never): the packed
 // run matches the oracle and equals the unpacked one element for element (every row sees the
 // same key tiles in the same order, only its place in the tile moves). The instance that ran
@@ -906,16 +897,13 @@ void expect_packed_equals_unpacked(TestProblem* tp, const Policy& policy, int gr
   ASSERT_TRUE(st.ok()) << st.to_string();
   GpuRun packed, unpacked;
   int packed_q = 0, unpacked_q = 0;
-  {
-    const PackGqaEnv env("always");
-    packed = run_gpu(tp, policy);
-    packed_q = cuda::last_q_pack_for_testing();
-  }
-  {
-    const PackGqaEnv env("never");
-    unpacked = run_gpu(tp, policy);
-    unpacked_q = cuda::last_q_pack_for_testing();
-  }
+  ExecutionOverrides pack;
+  pack.pack_gqa = ExecutionOverrides::Choice::kAlways;
+  packed = run_gpu(tp, policy, nullptr, pack);
+  packed_q = packed.stats.execution.q_pack;
+  pack.pack_gqa = ExecutionOverrides::Choice::kNever;
+  unpacked = run_gpu(tp, policy, nullptr, pack);
+  unpacked_q = unpacked.stats.execution.q_pack;
   ASSERT_TRUE(packed.status.ok()) << packed.status.to_string();
   ASSERT_TRUE(unpacked.status.ok()) << unpacked.status.to_string();
   EXPECT_EQ(packed_q, hopper_device() ? group : 1);

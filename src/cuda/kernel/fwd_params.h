@@ -11,6 +11,10 @@ namespace sparseprefill::cuda {
 
 // Query rows per CTA: the block_q every policy must use on CUDA.
 constexpr int kBlockQ = 128;
+// The Hopper forward kernel's tensor maps travel as a kernel parameter for calls with at most
+// this many sequence map sets (batch, plus one for paged K/V's cache maps); larger calls upload
+// them (sm90/fwd_kernel.cuh, ParamMaps).
+constexpr int kFwd90ParamSeqMaps = 4;
 // Pooled blocks per mean-correction tile, and the tiles one query block can visit.
 constexpr int kMeanChunk = 64;
 constexpr int kMaxMeanChunks = 256;

@@ -131,6 +131,16 @@ struct SeqMaps {
   CUtensorMap q, k, v;
 };
 
+// The SeqMaps of a call with at most kParamSeqMaps of them (its [batch], and paged K/V's cache
+// maps after them), passed by value as a kernel parameter: no upload and nothing to cache, so a
+// call whose tensors have new addresses (each layer of a model) costs no copy and no device
+// memory. 4 · 384 bytes keeps the parameters under the classic 4 KiB. Larger batches upload
+// theirs (the launch's `upload`).
+constexpr int kParamSeqMaps = kFwd90ParamSeqMaps;
+struct ParamMaps {
+  SeqMaps seq[kParamSeqMaps];
+};
+
 // Tensor maps of per-call scratch, passed by value as a kernel parameter: the scratch has a new
 // address each call, so its maps must not go through the metadata cache. k_mean / v_mean: the
 // block means k̄/v̄ [batch, h_kv, mean_blocks, d] (mean correction; zero without). v_t: FP8's
@@ -460,8 +470,10 @@ __device__ __forceinline__ void gather_tile(const FwdParams& p, const SeqInfo& s
 // the V ring therefore advances per loaded V tile, on both sides.
 template <class Cfg>
 __global__ void __launch_bounds__(Cfg::kThreads, 1)
-    fwd_kernel(const __grid_constant__ FwdParams p, const SeqMaps* __restrict__ maps,
-               const __grid_constant__ ScratchMaps scratch_maps) {
+    fwd_kernel(const __grid_constant__ FwdParams p, const SeqMaps* __restrict__ uploaded_maps,
+               const __grid_constant__ ScratchMaps scratch_maps, const __grid_constant__ ParamMaps param_maps) {
+  // The call's SeqMaps: uploaded to global memory (large batches), else the parameter's.
+  const SeqMaps* maps = uploaded_maps != nullptr ? uploaded_maps : param_maps.seq;
   using S = Smem<Cfg>;
   constexpr int kTileN = Cfg::kTileN, kHalfBytes = Cfg::kHalfBytes, kRowBytes = Cfg::kRowBytes;
   extern __shared__ std::uint8_t smem_raw[];
@@ -555,12 +567,14 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
       const SeqMaps* m = maps + b;
       const PagedRows pages = Cfg::kPaged ? paged_rows(p, maps, b, seq.s_k) : PagedRows{};
       if (leader) {
-        hw::fence_tensormap(&m->q);
-        hw::fence_tensormap(&m->k);
-        hw::fence_tensormap(&m->v);
-        if constexpr (Cfg::kPaged) {
-          hw::fence_tensormap(&pages.cache->k);
-          hw::fence_tensormap(&pages.cache->v);
+        if (uploaded_maps != nullptr) {  // parameters need no acquire: no proxy wrote them
+          hw::fence_tensormap(&m->q);
+          hw::fence_tensormap(&m->k);
+          hw::fence_tensormap(&m->v);
+          if constexpr (Cfg::kPaged) {
+            hw::fence_tensormap(&pages.cache->k);
+            hw::fence_tensormap(&pages.cache->v);
+          }
         }
         const std::uint32_t q_bar = hw::smem_u32(&sm.q_loaded);
         hw::mbar_expect_tx(q_bar, Cfg::kTileBytes);
@@ -1109,10 +1123,15 @@ int launch_fwd(const FwdParams& p, const SeqInfo* seqs, const std::int32_t* tabl
   const auto grid = static_cast<unsigned>(p.grid);
   if (p.grid <= 0) return 0;
   const void* map_device = nullptr;
-  const int uploaded = upload.fn(upload.context, maps.data(), maps.size() * sizeof(SeqMaps), &map_device);
-  if (uploaded != 0) return uploaded;
-  // prefetch.tensormap and the TMA copies need each CUtensorMap 64-byte aligned.
-  if (reinterpret_cast<std::uintptr_t>(map_device) % 64 != 0) return static_cast<int>(cudaErrorMisalignedAddress);
+  ParamMaps param_maps{};
+  if (maps.size() <= static_cast<std::size_t>(kParamSeqMaps)) {
+    std::copy(maps.begin(), maps.end(), param_maps.seq);
+  } else {
+    const int uploaded = upload.fn(upload.context, maps.data(), maps.size() * sizeof(SeqMaps), &map_device);
+    if (uploaded != 0) return uploaded;
+    // prefetch.tensormap and the TMA copies need each CUtensorMap 64-byte aligned.
+    if (reinterpret_cast<std::uintptr_t>(map_device) % 64 != 0) return static_cast<int>(cudaErrorMisalignedAddress);
+  }
   if (paged && p.paged.block_table == nullptr) return static_cast<int>(cudaErrorInvalidValue);
   if constexpr (Cfg::kFp8) {
     // The transposed V is the call's scratch (a plan caching its maps has none yet).
@@ -1134,7 +1153,7 @@ int launch_fwd(const FwdParams& p, const SeqInfo* seqs, const std::int32_t* tabl
     err = cudaGetLastError();
     if (err != cudaSuccess) return static_cast<int>(err);
   }
-  kernel<<<grid, Cfg::kThreads, smem, st>>>(p, static_cast<const SeqMaps*>(map_device), scratch_maps);
+  kernel<<<grid, Cfg::kThreads, smem, st>>>(p, static_cast<const SeqMaps*>(map_device), scratch_maps, param_maps);
   return static_cast<int>(cudaGetLastError());
 }
 
