@@ -65,4 +65,50 @@ struct BlockMask {
                          const std::vector<std::int32_t>& indices, BlockMask* out);
 };
 
+// A block mask whose arrays stay where the caller made them (a GPU selector's output, a torch
+// FlexAttention BlockMask): int32 tensors read by the kernels in place, with no host copy and
+// no synchronisation, so a call with a new mask each step can be captured in a CUDA graph.
+// Two forms:
+//   FlexAttention's: per row (b, h, qb) the first count[b, h, qb] entries of index[b, h, qb, :]
+//     are key blocks; `partial` is Flex's (kv_num_blocks, kv_indices), `full` its
+//     (full_kv_num_blocks, full_kv_indices) and may be undefined. counts [B, H, Q], indices
+//     [B, H, Q, K] with the last dimension contiguous; B = 1 and H = 1 broadcast over the batch
+//     and the heads (h is the query head, or the KV head with per_kv_head); Q >= the call's
+//     query blocks; any strides.
+//   CSR: csr_indptr [rows + 1] and csr_indices over rows (b, h, qb) in row-major order, as
+//     BlockMask::to_csr writes them (contiguous).
+// A row is a set of key blocks: the split into full and partial lists is Flex's bookkeeping,
+// and the call's geometry decides which blocks need the causal mask (as BlockMask::add
+// classifies them). Each list must be strictly ascending, every block causally visible to its
+// query block, and no block in both lists. These are checked on the device as the call runs:
+// a row is cut at its first bad entry (nothing out of bounds is ever read), and the first
+// offence is recorded on the device; check_device_errors() — and every later call that
+// synchronises its stream (decisions, select() to the host, plans) — reports it as
+// kInvalidArgument naming the tensor, the row and the entry. Host tensors work too (the host
+// backends read them as a BlockMask).
+struct DeviceBlockMask {
+  TensorView partial_count;  // Flex kv_num_blocks       int32 [B, H, Q]
+  TensorView partial_index;  // Flex kv_indices          int32 [B, H, Q, K]
+  TensorView full_count;     // Flex full_kv_num_blocks  int32 [B, H, Q], optional
+  TensorView full_index;     // Flex full_kv_indices     int32 [B, H, Q, K], optional
+  TensorView csr_indptr;     // or CSR: int32 [rows + 1]
+  TensorView csr_indices;    //         int32 [nnz]
+  int block_q = 128;
+  int block_k = 128;
+  bool per_kv_head = false;
+
+  bool defined() const { return partial_count.defined() || csr_indptr.defined(); }
+  bool is_csr() const { return csr_indptr.defined(); }
+  // Shapes, dtypes, devices and block sizes against the call (no data read). Errors name the
+  // tensor.
+  Status validate_for(const ProblemShape& shape) const;
+  // Host tensors only: the mask as a BlockMask (every check above, on the host).
+  Status to_block_mask(const ProblemShape& shape, BlockMask* out) const;
+};
+
+// The first offence the device checks of block masks (DeviceBlockMask) recorded on `device`
+// since the last report, as kInvalidArgument naming the tensor, row and entry; clears it.
+// Synchronises the device. OK when there is none (or the build has no CUDA backend).
+Status check_device_errors(int device = 0);
+
 }  // namespace sparseprefill

@@ -27,6 +27,18 @@ namespace sparseprefill {
 Status select(const AttentionProblem& problem, const Policy& policy, const RunOptions& options,
               Decisions* decisions, RunStats* stats = nullptr);
 
+// select() into the caller's tensors on the device, in FlexAttention's form, enqueued on
+// options.cuda_stream with no synchronisation (capturable): estimate_select's selection — the
+// blocks attention with it would visit — lands in out.partial_* (Flex's kv_num_blocks /
+// kv_indices: the blocks the causal mask cuts) and out.full_* (full_kv_*), int32 and contiguous,
+// counts [batch, units, q_blocks] and indices [batch, units, q_blocks, k_blocks] (units = h_q,
+// or h_kv with pack_gqa = out.per_kv_head; blocks of 128: q_blocks = ceil(max s_q / 128),
+// k_blocks = ceil(max s_k / 128)); entries past a row's count are left undefined. `out` can then
+// be run as block_sparse (BlockSparseParams::device_mask) or handed to FlexAttention. CUDA
+// tensors only; a cache of block means is updated as select() updates it.
+Status select_into(const AttentionProblem& problem, const Policy& policy, const RunOptions& options,
+                   const DeviceBlockMask& out);
+
 // A problem shape and a policy checked once, for many run() calls: the policy is validated
 // against the shape (a block_sparse mask: O(rows + selected blocks)), the backend resolved,
 // and on CUDA a block_sparse mask is compacted and uploaded into device memory the plan owns,

@@ -17,9 +17,17 @@ namespace sparseprefill {
 // Dense attention: nothing skipped.
 struct DenseParams {};
 
-// Runs a caller-given BlockMask: full blocks unmasked, partial blocks masked, nothing else.
+// Runs a caller-given block mask: full blocks unmasked, partial blocks masked, nothing else.
+// Either a BlockMask (host; validated and, on CUDA, compacted and uploaded by the call or once
+// by a plan) or a DeviceBlockMask (read in place on its device, checked there as the call runs).
 struct BlockSparseParams {
   BlockMask mask;
+  DeviceBlockMask device_mask;
+
+  bool in_place() const { return device_mask.defined(); }
+  int block_q() const { return in_place() ? device_mask.block_q : mask.block_q; }
+  int block_k() const { return in_place() ? device_mask.block_k : mask.block_k; }
+  bool per_kv_head() const { return in_place() ? device_mask.per_kv_head : mask.per_kv_head; }
 };
 
 // BSFA. Full blocks whose exact max of scale·QKᵀ (over the valid rows of the query block) is

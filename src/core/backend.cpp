@@ -14,4 +14,12 @@ Status BackendImpl::select_statistics(const char* who, const AttentionProblem&, 
   return unsupported(std::string(who) + ": backend " + backend_name(kind()) + " computes no calibration statistics");
 }
 
+Status BackendImpl::check_errors(int) const { return {}; }
+
+Status BackendImpl::select_into(const AttentionProblem&, const ProblemShape&, const Policy&, const RunOptions&,
+                                const DeviceBlockMask&) const {
+  return unsupported(std::string("select_into: backend ") + backend_name(kind()) +
+                     " has no device selection; use select() (its selection on the host)");
+}
+
 }  // namespace sparseprefill::detail

@@ -48,6 +48,11 @@ class BackendImpl {
   virtual Status select(const AttentionProblem& problem, const ProblemShape& shape, const Policy& policy,
                         const RunOptions& options, Decisions* decisions) const = 0;
 
+  // estimate_select's selection into the caller's device tensors (select_into, plan.h),
+  // without a synchronisation. Only a GPU backend has it.
+  virtual Status select_into(const AttentionProblem& problem, const ProblemShape& shape, const Policy& policy,
+                             const RunOptions& options, const DeviceBlockMask& out) const;
+
   // Calibration statistics of a sample (calibration.h), one record per sequence; messages
   // start with `who` (the calibrator or function asked). A backend without them says so.
   virtual Status block_statistics(const char* who, const AttentionProblem& sample, const ProblemShape& shape,
@@ -56,6 +61,10 @@ class BackendImpl {
   virtual Status select_statistics(const char* who, const AttentionProblem& sample, const ProblemShape& shape,
                                    const EstimateSelectParams& base, void* cuda_stream,
                                    std::vector<SelectStatistics>* out) const;
+
+  // The offences its device checks recorded on `device` since the last report
+  // (check_device_errors(), block_mask.h); clears them. The host backends have none.
+  virtual Status check_errors(int device) const;
 
   // What this backend computes with, one item per line (build_info()).
   virtual std::string build_info() const = 0;

@@ -71,8 +71,8 @@ std::string describe(const Policy& policy) {
   std::visit(Overloaded{
       [](const DenseParams&) {},
       [&](const BlockSparseParams& p) {
-        os << " block_q=" << p.mask.block_q << " block_k=" << p.mask.block_k
-           << (p.mask.per_kv_head ? " per_kv_head" : "");
+        os << " block_q=" << p.block_q() << " block_k=" << p.block_k() << (p.per_kv_head() ? " per_kv_head" : "")
+           << (p.in_place() ? (p.device_mask.is_csr() ? " device_csr" : " device_flex") : "");
       },
       [&](const ExactGateParams& p) {
         os << " block_q=" << p.block_q << " block_k=" << p.block_k << " thresholds=" << describe(p.thresholds);
@@ -157,7 +157,14 @@ Status parse_policy(std::string_view name, const std::vector<std::pair<std::stri
 Status validate_policy(const Policy& policy) {
   return std::visit(Overloaded{
       [](const DenseParams&) -> Status { return {}; },
-      [](const BlockSparseParams& p) -> Status { return p.mask.validate(); },
+      [](const BlockSparseParams& p) -> Status {
+        if (!p.in_place()) return p.mask.validate();
+        if (p.mask.batch != 0) return invalid_argument("mask: give a BlockMask or a device mask, not both");
+        if (p.device_mask.block_q < 1 || p.device_mask.block_k < 1) {
+          return invalid_argument("mask: block sizes must be >= 1");
+        }
+        return {};
+      },
       [](const ExactGateParams& p) -> Status {
         SP_RETURN_IF_ERROR(check_block("block_q", p.block_q));
         SP_RETURN_IF_ERROR(check_block("block_k", p.block_k));

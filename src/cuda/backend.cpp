@@ -147,6 +147,8 @@ class CudaBackend final : public detail::BackendImpl {
                                      &ran));
     }
     ran.scratch_bytes = scratch.bytes();
+    // Decisions synchronised the stream: a device mask's offence is this call's error.
+    if (decisions != nullptr) SP_RETURN_IF_ERROR(report_mask_faults(shape.device.index));
     t_last = ran;
     *ran_out = std::move(ran);
     if (std::holds_alternative<ExactGateParams>(policy)) t_last_gate_passes = ran.passes;
@@ -164,6 +166,14 @@ class CudaBackend final : public detail::BackendImpl {
     SP_RETURN_IF_ERROR(select_cuda(problem, shape, *es, plan, options.cuda_stream, decisions));
     t_last_select = plan.select->name;
     return {};
+  }
+
+  Status select_into(const AttentionProblem& problem, const ProblemShape& shape, const Policy& policy,
+                     const RunOptions& options, const DeviceBlockMask& out) const override {
+    SP_RETURN_IF_ERROR(require_cuda(shape));
+    ExecutionPlan plan;
+    SP_RETURN_IF_ERROR(plan_call(problem, shape, policy, options, &plan));
+    return select_into_cuda(problem, shape, std::get<EstimateSelectParams>(policy), plan, options.cuda_stream, out);
   }
 
   Status block_statistics(const char* who, const AttentionProblem& sample, const ProblemShape& shape, int block_q,
@@ -184,6 +194,8 @@ class CudaBackend final : public detail::BackendImpl {
     t_last_select = select->name;
     return {};
   }
+
+  Status check_errors(int device) const override { return report_mask_faults(device); }
 
   std::string build_info() const override {
     return std::string("backend cuda: compiled\ncuda architectures (portable path): ") + SP_CUDA_ARCHS +

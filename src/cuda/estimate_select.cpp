@@ -1,7 +1,7 @@
 // SPDX-License-Identifier: Apache-2.0
-// estimate_select on CUDA: the block means and the selector (one instance: means, then energies
-// and the keep rule into a device BlockMask), ahead of the forward kernel that runs the mask;
-// and select(), the selector alone with its mask copied back.
+// estimate_select on CUDA: the block means, then the selector (energies and the keep rule into a
+// device BlockMask), ahead of the forward kernel that runs the mask; and select(), the
+// selector alone with its mask copied back.
 #include <cstddef>
 #include <cstdint>
 #include <vector>
@@ -13,7 +13,7 @@
 namespace sparseprefill::cuda {
 
 Status launch_selection(const Call& call, const ProblemShape& shape, const FwdParams& p,
-                        const EstimateSelectParams& pol, Selection* sel) {
+                        const EstimateSelectParams& pol, Selection* sel, const DeviceBlockMask* into) {
   SelectParams& sp = sel->sp;
   sp.q = p.q;
   sp.k = p.k;
@@ -59,17 +59,28 @@ Status launch_selection(const Call& call, const ProblemShape& shape, const FwdPa
   SP_RETURN_IF_ERROR(scratch.alloc(means, &v_mean));
   sp.k_mean = k_mean;
   sp.v_mean = v_mean;
-  SP_RETURN_IF_ERROR(scratch.zeros(sel->rows, &sp.full_count));
-  SP_RETURN_IF_ERROR(scratch.zeros(sel->rows, &sp.partial_count));
   const std::size_t cap = sel->rows * static_cast<std::size_t>(sp.num_k_blocks);
-  SP_RETURN_IF_ERROR(scratch.alloc(cap, &sp.full_index));
-  SP_RETURN_IF_ERROR(scratch.alloc(cap, &sp.partial_index));
+  if (into != nullptr) {
+    // The caller's tensors (select_into): FlexAttention's kv_* are the partial lists.
+    sp.full_count = static_cast<std::int32_t*>(into->full_count.data);
+    sp.full_index = static_cast<std::int32_t*>(into->full_index.data);
+    sp.partial_count = static_cast<std::int32_t*>(into->partial_count.data);
+    sp.partial_index = static_cast<std::int32_t*>(into->partial_index.data);
+    SP_CUDA_TRY(cudaMemsetAsync(sp.full_count, 0, sel->rows * sizeof(std::int32_t), call.stream), "cudaMemsetAsync");
+    SP_CUDA_TRY(cudaMemsetAsync(sp.partial_count, 0, sel->rows * sizeof(std::int32_t), call.stream), "cudaMemsetAsync");
+  } else {
+    SP_RETURN_IF_ERROR(scratch.zeros(sel->rows, &sp.full_count));
+    SP_RETURN_IF_ERROR(scratch.zeros(sel->rows, &sp.partial_count));
+    SP_RETURN_IF_ERROR(scratch.alloc(cap, &sp.full_index));
+    SP_RETURN_IF_ERROR(scratch.alloc(cap, &sp.partial_index));
+  }
   if (pol.mean_correction) {
     sp.corrected_words = bitmap_words(sp.num_k_blocks);
     SP_RETURN_IF_ERROR(scratch.zeros(sel->rows * static_cast<std::size_t>(sp.corrected_words), &sp.corrected_bits));
   }
   const SelectVariant* select = call.plan.select;
-  return launch_status(select->launch(sp, call.stream), select->name);
+  SP_RETURN_IF_ERROR(launch_status(select->launch(SelectStage::kMeans, sp, call.stream), select->name));
+  return launch_status(select->launch(SelectStage::kSelect, sp, call.stream), select->name);
 }
 
 Status read_selection(const Call& call, const ProblemShape& shape, const EstimateSelectParams& es, const Selection& sel,
@@ -95,6 +106,59 @@ Status read_selection(const Call& call, const ProblemShape& shape, const Estimat
   return {};
 }
 
+namespace {
+
+// select_into's tensors: int32, contiguous, on q's device, counts [batch, units, nqb] and
+// indices [batch, units, nqb, nkb] exactly.
+Status check_into(const ProblemShape& shape, const EstimateSelectParams& params, const DeviceBlockMask& out) {
+  const std::int64_t units = params.pack_gqa ? shape.h_kv : shape.h_q;
+  const std::int64_t nqb = geom::ceil_div(shape.max_seq_q(), params.block);
+  const std::int64_t nkb = geom::ceil_div(shape.max_seq_k(), params.block);
+  const struct {
+    const char* name;
+    const TensorView* t;
+    bool index;
+  } tensors[] = {{"kv_num_blocks", &out.partial_count, false}, {"kv_indices", &out.partial_index, true},
+                 {"full_kv_num_blocks", &out.full_count, false}, {"full_kv_indices", &out.full_index, true}};
+  for (const auto& x : tensors) {
+    const TensorView& t = *x.t;
+    const std::int64_t want[4] = {shape.batch, units, nqb, nkb};
+    const int rank = x.index ? 4 : 3;
+    bool ok = t.defined() && t.dtype == DType::kInt32 && t.rank == rank && t.device == shape.device && t.data != nullptr;
+    std::int64_t step = 1;
+    for (int i = rank - 1; ok && i >= 0; --i) {
+      ok = t.shape[i] == want[i] && (t.shape[i] == 1 || t.stride[i] == step);
+      step *= t.shape[i];
+    }
+    if (!ok) {
+      return invalid_argument(std::string("out.") + x.name + ": expected contiguous int32 [" + std::to_string(shape.batch) +
+                              ", " + std::to_string(units) + ", " + std::to_string(nqb) +
+                              (x.index ? ", " + std::to_string(nkb) : std::string()) + "] on q's device, got " +
+                              describe(t));
+    }
+  }
+  return {};
+}
+
+}  // namespace
+
+Status select_into_cuda(const AttentionProblem& problem, const ProblemShape& shape, const EstimateSelectParams& params,
+                        const ExecutionPlan& plan, void* cuda_stream, const DeviceBlockMask& out) {
+  SP_RETURN_IF_ERROR(check_into(shape, params, out));
+  const AttentionOutput no_output{problem.q, TensorView{}};
+  SP_RETURN_IF_ERROR(check_layout(problem, no_output));
+  DeviceCall device;
+  SP_RETURN_IF_ERROR(device.enter(shape.device.index, cuda_stream));
+  Scratch scratch(device.stream, device.pool, shape.device.index, device.capturing);
+  const Call call{plan, scratch, device.stream, nullptr};
+  FwdParams p = make_fwd_params(problem, shape, no_output, plan.block_k);
+  const std::vector<SeqInfo> seqs = make_seq_infos(problem, shape, no_output);
+  std::vector<std::int32_t> table;
+  SP_RETURN_IF_ERROR(upload_metadata(problem, shape, seqs, nullptr, &scratch, &p, &table));
+  Selection sel;
+  return launch_selection(call, shape, p, params, &sel, &out);
+}
+
 Status select_cuda(const AttentionProblem& problem, const ProblemShape& shape, const EstimateSelectParams& params,
                    const ExecutionPlan& plan, void* cuda_stream, Decisions* decisions) {
   // The selector writes no output: q's layout stands in for O so the shared builders apply.
@@ -113,7 +177,7 @@ Status select_cuda(const AttentionProblem& problem, const ProblemShape& shape, c
   std::vector<std::int32_t> table;
   SP_RETURN_IF_ERROR(upload_metadata(problem, shape, seqs, nullptr, &scratch, &p, &table));
   Selection sel;
-  SP_RETURN_IF_ERROR(launch_selection(call, shape, p, params, &sel));
+  SP_RETURN_IF_ERROR(launch_selection(call, shape, p, params, &sel, nullptr));
   *decisions = Decisions{};
   decisions->policy = "estimate_select";
   return read_selection(call, shape, params, sel, decisions);

@@ -136,7 +136,7 @@ Status plan_execution(const ProblemShape& shape, const Policy& policy, const Tma
     plan.select = choose_selector(shape, caps, overrides);
     plan.mode = PolicyMode::kBlockMask;
   } else if (const auto* bs = std::get_if<BlockSparseParams>(&policy)) {
-    mask_per_kv_head = bs->mask.per_kv_head;
+    mask_per_kv_head = bs->per_kv_head();
     plan.mode = PolicyMode::kBlockMask;
   } else if (std::holds_alternative<ExactGateParams>(policy)) {
     const GateVariant* gate = hopper ? find_gate90(shape.dtype, shape.d) : find_gate(shape.dtype, shape.d);

@@ -101,7 +101,7 @@ Status run_forward(const Call& call, const AttentionProblem& problem, const Prob
   Decisions local;
   local.policy = policy_name(policy);
   if (const auto* ps = std::get_if<PermuteStopParams>(&policy)) {
-    SP_RETURN_IF_ERROR(run_permute_stop(call, shape, *ps, p, want ? &local : nullptr));
+    SP_RETURN_IF_ERROR(run_permute_stop(call, shape, *ps, p, want ? &local : nullptr, ran));
     if (want) *decisions = std::move(local);
     return {};
   }
@@ -115,6 +115,9 @@ Status run_forward(const Call& call, const AttentionProblem& problem, const Prob
         if constexpr (std::is_same_v<P, DenseParams>) {
           p.mode = PolicyMode::kDense;
         } else if constexpr (std::is_same_v<P, BlockSparseParams>) {
+          if (pol.in_place()) {
+            return launch_mask_check(call, shape, pol.device_mask, &p, want ? &kept.dev : nullptr, &kept.words);
+          }
           const BlockMask& m = pol.mask;
           p.mode = PolicyMode::kBlockMask;
           if (state != nullptr && state->has_mask) {
@@ -157,7 +160,7 @@ Status run_forward(const Call& call, const AttentionProblem& problem, const Prob
             p.kept_bits = kept.dev;
           }
         } else if constexpr (std::is_same_v<P, EstimateSelectParams>) {
-          SP_RETURN_IF_ERROR(launch_selection(call, shape, p, pol, &sel));
+          SP_RETURN_IF_ERROR(launch_selection(call, shape, p, pol, &sel, nullptr));
           const SelectParams& sp = sel.sp;
           const int units = pol.pack_gqa ? shape.h_kv : shape.h_q;
           p.mode = PolicyMode::kBlockMask;
@@ -228,7 +231,9 @@ Status run_forward(const Call& call, const AttentionProblem& problem, const Prob
     std::vector<std::uint32_t> bits;
     SP_RETURN_IF_ERROR(scratch.download(kept.dev, kept.words, &bits));
     SP_CUDA_TRY(cudaStreamSynchronize(stream), "cudaStreamSynchronize (decisions)");
-    SP_RETURN_IF_ERROR(mask_from_bits(shape, kBlockQ, plan.block_k, false, bits, &local.kept));
+    const auto* in_place = std::get_if<BlockSparseParams>(&policy);
+    SP_RETURN_IF_ERROR(mask_from_bits(shape, kBlockQ, plan.block_k, in_place != nullptr && in_place->per_kv_head(), bits,
+                                      &local.kept));
   } else if (const auto* es = std::get_if<EstimateSelectParams>(&policy)) {
     SP_RETURN_IF_ERROR(read_selection(call, shape, *es, sel, &local));
   }

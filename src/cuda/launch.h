@@ -87,15 +87,27 @@ struct Selection {
 };
 // Fills sel->sp from the call's parameters `p` (tensors, strides, sequence table) and `pol`,
 // allocates the selector's outputs and launches the block means then the selector.
+// `into`: the caller's tensors receive the mask (select_into) instead of scratch.
 Status launch_selection(const Call& call, const ProblemShape& shape, const FwdParams& p,
-                        const EstimateSelectParams& pol, Selection* sel);
+                        const EstimateSelectParams& pol, Selection* sel, const DeviceBlockMask* into);
 // Copies a launched selection back into `out` (kept, and corrected with mean correction);
 // synchronises the stream.
 Status read_selection(const Call& call, const ProblemShape& shape, const EstimateSelectParams& es, const Selection& sel,
                       Decisions* out);
+// select_into() on CUDA: the selector alone, writing the caller's tensors (no synchronisation).
+Status select_into_cuda(const AttentionProblem& problem, const ProblemShape& shape, const EstimateSelectParams& params,
+                        const ExecutionPlan& plan, void* cuda_stream, const DeviceBlockMask& out);
 // select() on CUDA: the selector alone, its mask copied back.
 Status select_cuda(const AttentionProblem& problem, const ProblemShape& shape, const EstimateSelectParams& params,
                    const ExecutionPlan& plan, void* cuda_stream, Decisions* decisions);
+
+// ---- block_sparse with a mask read in place (block_sparse.cpp)
+
+// Launches the check of `mask` (kernel/mask_check.cuh) for the forward call `p` and turns `p`
+// into the block-mask call over the rows it accepts. kept_bits non-null: the accepted blocks
+// also go to a zeroed bitmap [rows, words] (*kept_bits, *kept_words entries) for decisions.
+Status launch_mask_check(const Call& call, const ProblemShape& shape, const DeviceBlockMask& mask, FwdParams* p,
+                         std::uint32_t** kept_bits, std::size_t* kept_words);
 
 // ---- exact_gate (exact_gate.cpp)
 
@@ -109,7 +121,7 @@ Status launch_gate_decisions(const Call& call, const ProblemShape& shape, FwdPar
 // Ranking, sorts and attention enqueued on the call's stream (no synchronisation); decisions
 // copied back only when requested.
 Status run_permute_stop(const Call& call, const ProblemShape& shape, const PermuteStopParams& pol, const FwdParams& fwd,
-                        Decisions* decisions);
+                        Decisions* decisions, ExecutionInfo* ran);
 
 // ---- paged K/V (paged.cpp)
 

@@ -11,7 +11,7 @@
 namespace sparseprefill::cuda {
 
 Status run_permute_stop(const Call& call, const ProblemShape& shape, const PermuteStopParams& pol, const FwdParams& fwd,
-                        Decisions* decisions) {
+                        Decisions* decisions, ExecutionInfo* ran) {
   const PermuteVariant* variant = call.plan.permute;
   const Permute90Variant* hopper = call.plan.permute90;
   Scratch& scratch = call.scratch;
@@ -59,8 +59,45 @@ Status run_permute_stop(const Call& call, const ProblemShape& shape, const Permu
   pp.sort_temp_bytes = temp;
   const std::size_t tiles = static_cast<std::size_t>(pp.rank_segments) * static_cast<std::size_t>(pp.tiles_per_segment);
   if (decisions != nullptr) SP_RETURN_IF_ERROR(scratch.zeros(tiles, &pp.visited));
-  const char* name = hopper != nullptr ? hopper->name : variant->name;
-  SP_RETURN_IF_ERROR(launch_status(variant->launch(pp, hopper != nullptr ? hopper->attend : nullptr, stream), name));
+  // The ranking: slot order, q̄ per item, prefix scores, the ranking sort, the guide keys and
+  // the query sort; each sort's result lands in one buffer of its pair (CUB double buffers).
+  const auto stage = [&](PermuteStage s) { return launch_status(variant->launch(s, pp, stream), variant->name); };
+  pp.ranked = pp.rank_index[0];
+  pp.query_order = pp.query_rows[0];
+  if (shape.batch > 0 && pp.max_s_q > 0) {
+    SP_RETURN_IF_ERROR(stage(PermuteStage::kOrderInit));
+    if (pp.max_segments > 0) {
+      SP_RETURN_IF_ERROR(stage(PermuteStage::kQueryMeans));
+      SP_RETURN_IF_ERROR(stage(PermuteStage::kPrefixScores));
+      std::size_t bytes = 0;
+      int current = 0;
+      if (pp.rank_items > 0) {
+        const SortPairs rank{{pp.rank_keys[0], pp.rank_keys[1]}, {pp.rank_index[0], pp.rank_index[1]}, pp.rank_items,
+                             pp.rank_segments, pp.rank_offsets, pp.sort_temp, pp.sort_temp_bytes};
+        SP_RETURN_IF_ERROR(cuda_status(static_cast<cudaError_t>(permute_sort_pairs(rank, &bytes, &current, stream)),
+                                       "permute_stop ranking sort"));
+      }
+      pp.ranked = pp.rank_index[current];
+      SP_RETURN_IF_ERROR(stage(PermuteStage::kGuide));
+      const SortPairs query{{pp.query_keys[0], pp.query_keys[1]}, {pp.query_rows[0], pp.query_rows[1]}, pp.query_items,
+                            pp.query_segments, pp.query_offsets, pp.sort_temp, pp.sort_temp_bytes};
+      SP_RETURN_IF_ERROR(cuda_status(static_cast<cudaError_t>(permute_sort_pairs(query, &bytes, &current, stream)),
+                                     "permute_stop query sort"));
+      pp.query_order = pp.query_rows[current];
+      // The attention: the Hopper kernel where the plan says so (it declines, enqueueing
+      // nothing, for calls it cannot serve), else the portable one.
+      const int attended = hopper != nullptr ? hopper->attend(pp, stream) : static_cast<int>(cudaErrorNotSupported);
+      if (attended != static_cast<int>(cudaErrorNotSupported)) {
+        SP_RETURN_IF_ERROR(launch_status(attended, hopper->name));
+      } else {
+        SP_RETURN_IF_ERROR(stage(PermuteStage::kAttend));
+        if (ran != nullptr) {
+          ran->path = "cuda-portable";
+          ran->instance = variant->name;
+        }
+      }
+    }
+  }
   if (decisions == nullptr) return {};
   std::vector<std::int32_t> visited;
   SP_RETURN_IF_ERROR(scratch.download(pp.visited, tiles, &visited));

@@ -126,7 +126,7 @@ FwdPath choose_fwd_path(const ProblemShape& shape, const Policy& policy, bool tm
         if constexpr (std::is_same_v<P, DenseParams>) {
           return true;
         } else if constexpr (std::is_same_v<P, BlockSparseParams>) {
-          return p.mask.block_k == hopper_block_k();
+          return p.block_k() == hopper_block_k();
         } else if constexpr (std::is_same_v<P, ExactGateParams> || std::is_same_v<P, SoftmaxSkipParams>) {
           return p.block_k == hopper_block_k();
         } else if constexpr (std::is_same_v<P, EstimateSelectParams>) {
@@ -259,9 +259,9 @@ Status check_support(const ProblemShape& shape, const Policy& policy, int* block
     if (mask == nullptr && !std::holds_alternative<DenseParams>(policy)) {
       return unsupported(std::string(policy_name(policy)) + ": fp8_e4m3 inputs run dense and block_sparse only");
     }
-    if (mask != nullptr && (mask->mask.block_q != kBlockQ || mask->mask.block_k != hopper_block_k())) {
+    if (mask != nullptr && (mask->block_q() != kBlockQ || mask->block_k() != hopper_block_k())) {
       return unsupported("block_sparse mask: fp8_e4m3 inputs on CUDA need 128 x 128 blocks, got " +
-                         std::to_string(mask->mask.block_q) + " x " + std::to_string(mask->mask.block_k));
+                         std::to_string(mask->block_q()) + " x " + std::to_string(mask->block_k()));
     }
     *block_k = mask != nullptr ? hopper_block_k() : dense_block_k(shape.d);
     return {};
@@ -277,8 +277,8 @@ Status check_support(const ProblemShape& shape, const Policy& policy, int* block
         if constexpr (std::is_same_v<P, DenseParams>) {
           n = dense_block_k(shape.d);
         } else if constexpr (std::is_same_v<P, BlockSparseParams>) {
-          SP_RETURN_IF_ERROR(check_blocks("block_sparse mask", p.mask.block_q, p.mask.block_k));
-          n = p.mask.block_k;
+          SP_RETURN_IF_ERROR(check_blocks("block_sparse mask", p.block_q(), p.block_k()));
+          n = p.block_k();
         } else if constexpr (std::is_same_v<P, ExactGateParams>) {
           SP_RETURN_IF_ERROR(check_blocks("exact_gate", p.block_q, p.block_k));
           n = p.block_k;
@@ -471,6 +471,7 @@ KvStaging plan_kv_staging(const ProblemShape& shape, const Policy& policy, std::
       [&](const auto& p) -> double {
         using P = std::decay_t<decltype(p)>;
         if constexpr (std::is_same_v<P, BlockSparseParams>) {
+          if (p.in_place()) return 1.0;  // a device mask's density is not known on the host
           double kept = 0.0;
           for (std::size_t r = 0; r < p.mask.full_count.size(); ++r) {
             kept += static_cast<double>(p.mask.full_count[r]) + static_cast<double>(p.mask.partial_count[r]);

@@ -9,51 +9,33 @@
 #include <string>
 
 #include "cuda/kernel/fwd_params.h"
+#include "cuda/kernel/launch_types.h"
 #include "sparseprefill/types.h"
 
 namespace sparseprefill::cuda {
 
 // Launch functions return a cudaError_t value (0 = success) and take a cudaStream_t as void*.
 using FwdLaunchFn = int (*)(const FwdParams& params, void* stream);
-using SelectLaunchFn = int (*)(const SelectParams& params, void* stream);
+// estimate_select: one launch per stage (launch_types.h), the block means then the selector.
+using SelectLaunchFn = int (*)(SelectStage stage, const SelectParams& params, void* stream);
 using CalibLaunchFn = int (*)(const CalibParams& params, void* stream);
 using GateLaunchFn = int (*)(const GateParams& params, void* stream);
 // permute_stop's attention over the ranked, sorted orders (params.ranked and params.query_order
 // set): the Hopper instances (permute_sm90_*).
 using PermuteAttendFn = int (*)(const PermuteParams& params, void* stream);
-// permute_stop: ranking, sorts and attention in one enqueued sequence; sets params.ranked and
-// params.query_order to the sort buffers holding the results. The attention is `attend`'s when
-// it is not null (the portable kernel's when that returns cudaErrorNotSupported), else the
-// portable kernel's.
-using PermuteLaunchFn = int (*)(PermuteParams& params, PermuteAttendFn attend, void* stream);
+// permute_stop's portable instances: one launch per stage (launch_types.h); the host runs the
+// sorts between them (src/cuda/permute_stop.cpp).
+using PermuteLaunchFn = int (*)(PermuteStage stage, const PermuteParams& params, void* stream);
 
-// One segmented sort of permute_stop (kernel/permute_sort.cuh): descending, stable, 32-bit
-// keys with int32 values, buffers in CUB double-buffer pairs ([0] holds the input).
-struct SortPairs {
-  std::uint32_t* keys[2];
-  std::int32_t* values[2];
-  int items;
-  int segments;
-  const std::int32_t* offsets;  // [segments + 1]
-  void* temp;                   // nullptr: size query only
-  std::size_t temp_bytes;
-};
 // Sorts (or, with s.temp == nullptr, sets *temp_bytes only, enqueuing nothing); *current is the
 // pair index holding the result. Returns a cudaError_t value. One instance, every dtype.
 int permute_sort_pairs(const SortPairs& s, std::size_t* temp_bytes, int* current, void* stream);
 // Paged K/V copied into contiguous rows (kernel/stage_kv.cuh). Returns a cudaError_t value.
 // One instance, every dtype.
 int stage_paged_kv(const StageKvParams& params, void* stream);
-// Copies `bytes` of host memory into device memory that stays valid and unchanged until the
-// launch has run — and, under CUDA graph capture, for every replay — and returns it in
-// *device, 64-byte aligned. Returns a cudaError_t value (0 = success) or kUploadRefused.
-struct HostUpload {
-  void* context;
-  int (*fn)(void* context, const void* host, std::size_t bytes, const void** device);
-};
-// An upload the backend declined (new metadata while a graph is being captured); the launch
-// returns it unchanged and the backend reports why.
-constexpr int kUploadRefused = -1;
+// A device block mask's check ahead of the forward call (kernel/mask_check.cuh). Returns a
+// cudaError_t value. One instance, every dtype.
+int check_device_mask(const MaskCheckParams& params, void* stream);
 
 // Hopper (sm_90a) forward instances also take the host copy of params.seqs, for paged K/V the
 // host copy of params.paged.block_table (compact_block_table; nullptr for contiguous K/V), and
@@ -117,11 +99,11 @@ struct GateVariant {
 };
 
 #define SP_FWD_VARIANT(fn, dtype, head_dim, gated, plain) int fn(const FwdParams& params, void* stream);
-#define SP_SELECT_VARIANT(fn, dtype, head_dim) int fn(const SelectParams& params, void* stream);
+#define SP_SELECT_VARIANT(fn, dtype, head_dim) int fn(SelectStage stage, const SelectParams& params, void* stream);
 #define SP_CALIB_VARIANT(fn, dtype, head_dim) int fn(const CalibParams& params, void* stream);
-#define SP_PERMUTE_VARIANT(fn, dtype, head_dim) int fn(PermuteParams& params, PermuteAttendFn attend, void* stream);
+#define SP_PERMUTE_VARIANT(fn, dtype, head_dim) int fn(PermuteStage stage, const PermuteParams& params, void* stream);
 #define SP_PERMUTE90_VARIANT(fn, dtype, head_dim) int fn(const PermuteParams& params, void* stream);
-#define SP_SELECT90_VARIANT(fn, dtype, head_dim) int fn(const SelectParams& params, void* stream);
+#define SP_SELECT90_VARIANT(fn, dtype, head_dim) int fn(SelectStage stage, const SelectParams& params, void* stream);
 #define SP_GATE90_VARIANT(fn, dtype, head_dim) int fn(const GateParams& params, void* stream);
 #define SP_GATE_VARIANT(fn, dtype, head_dim) int fn(const GateParams& params, void* stream);
 #define SP_FWD90_VARIANT(fn, dtype, head_dim, paged)                                                   \

@@ -2,6 +2,8 @@
 // runtime.h: errors, device capabilities, overrides, pools, the metadata cache and scratch.
 #include "cuda/runtime.h"
 
+#include "core/mask_faults.h"
+
 #include <cstdlib>
 #include <cstring>
 #include <list>
@@ -202,6 +204,45 @@ std::size_t MetadataCache::bytes_on(int device) {
 MetadataCache& metadata_cache() {
   static MetadataCache cache;
   return cache;
+}
+
+// ---------------------------------------------------------------- mask faults
+
+namespace {
+std::mutex g_fault_mutex;
+std::unordered_map<int, rules::MaskFaultRecord*> g_faults;
+}  // namespace
+
+Status mask_fault_record(int device, bool capturing, rules::MaskFaultRecord** out) {
+  std::lock_guard<std::mutex> lock(g_fault_mutex);
+  rules::MaskFaultRecord*& r = g_faults[device];
+  if (r == nullptr) {
+    if (capturing) {
+      return unsupported("cuda_stream: is capturing a CUDA graph, and this device has not yet run a call with a "
+                         "device block mask; run one (or make its plan) outside capture first");
+    }
+    SP_CUDA_TRY(cudaMalloc(&r, sizeof(rules::MaskFaultRecord)), "cudaMalloc (mask fault record)");
+    SP_CUDA_TRY(cudaMemset(r, 0, sizeof(rules::MaskFaultRecord)), "cudaMemset (mask fault record)");
+  }
+  *out = r;
+  return {};
+}
+
+Status report_mask_faults(int device) {
+  rules::MaskFaultRecord* dev = nullptr;
+  {
+    std::lock_guard<std::mutex> lock(g_fault_mutex);
+    const auto it = g_faults.find(device);
+    if (it == g_faults.end()) return {};
+    dev = it->second;
+  }
+  DeviceGuard guard;
+  SP_RETURN_IF_ERROR(guard.enter(device));
+  rules::MaskFaultRecord host{};
+  SP_CUDA_TRY(cudaMemcpy(&host, dev, sizeof(host), cudaMemcpyDeviceToHost), "cudaMemcpy (mask fault record)");
+  if (host.fault == rules::kMaskOk) return {};
+  SP_CUDA_TRY(cudaMemset(dev, 0, sizeof(rules::MaskFaultRecord)), "cudaMemset (mask fault record)");
+  return invalid_argument(detail::mask_fault_message(host) + " (found on the device by an earlier call, which cut the row there)");
 }
 
 // ---------------------------------------------------------------- scratch

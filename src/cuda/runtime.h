@@ -12,6 +12,7 @@
 #include <string>
 #include <vector>
 
+#include "core/rules/block_sparse.h"
 #include "cuda/execution_plan.h"
 #include "sparseprefill/types.h"
 
@@ -136,6 +137,13 @@ class Scratch {
   std::size_t bytes_ = 0;
   std::vector<void*> owned_;
 };
+
+// The device's record of the first offence its block mask checks found (kernel/mask_check.cuh),
+// in device memory made on first use (refused while `capturing`: make a plan, or run once,
+// outside capture first). report_mask_faults reads it (synchronising the device) and returns
+// the offence as kInvalidArgument, clearing it.
+Status mask_fault_record(int device, bool capturing, rules::MaskFaultRecord** out);
+Status report_mask_faults(int device);
 
 // The HostUpload the Hopper instances call for their tensor maps of large batches: through
 // `scratch` (cached when `cacheable`); a refusal's Status is kept here and the launch returns

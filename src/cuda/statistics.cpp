@@ -81,7 +81,8 @@ Status select_statistics_cuda(const AttentionProblem& sample, const ProblemShape
     const std::size_t cells = static_cast<std::size_t>(shape.batch) * static_cast<std::size_t>(units) *
                               static_cast<std::size_t>(sp.num_q_blocks) * static_cast<std::size_t>(sp.num_k_blocks);
     SP_RETURN_IF_ERROR(scratch.zeros(cells, &sp.energy_ratio));
-    SP_RETURN_IF_ERROR(launch_status(select->launch(sp, call.stream), select->name));
+    SP_RETURN_IF_ERROR(launch_status(select->launch(SelectStage::kMeans, sp, call.stream), select->name));
+    SP_RETURN_IF_ERROR(launch_status(select->launch(SelectStage::kSelect, sp, call.stream), select->name));
     SP_RETURN_IF_ERROR(scratch.download(sp.energy_ratio, cells, &ratio));
     SP_CUDA_TRY(cudaStreamSynchronize(call.stream), "cudaStreamSynchronize (calibration statistics)");
   }

@@ -76,6 +76,8 @@ def permute_name(dtype, d):
 PERMUTE_SORT = "permute_sort_sm80"
 # Staging paged K/V into contiguous rows copies 16-byte chunks: one instance for every variant.
 STAGE_KV = "stage_kv_sm80"
+# The device block mask check: dtype-free, one instance.
+MASK_CHECK = "mask_check_sm80"
 
 
 def calib_name(dtype, d):
@@ -157,14 +159,14 @@ def expected_files():
             name = select_name(dtype, d)
             files[f"{name}.cu"] = translation_unit(
                 "cuda/kernel/select_kernel.cuh",
-                f"int {name}(const SelectParams& params, void* stream) {{\n"
-                f"  return select::launch_select<{is_bf16}, {d}>(params, stream);\n")
+                f"int {name}(SelectStage stage, const SelectParams& params, void* stream) {{\n"
+                f"  return select::launch_select<{is_bf16}, {d}>(stage, params, stream);\n")
             registry.append(f"SP_SELECT_VARIANT({name}, {enum}, {d})\n")
             name = permute_name(dtype, d)
             files[f"{name}.cu"] = translation_unit(
                 "cuda/kernel/sm80/permute_kernel.cuh",
-                f"int {name}(PermuteParams& params, PermuteAttendFn attend, void* stream) {{\n"
-                f"  return sm80::launch_permute<sm80::PermuteConfig<{is_bf16}, {d}>>(params, attend, stream);\n")
+                f"int {name}(PermuteStage stage, const PermuteParams& params, void* stream) {{\n"
+                f"  return sm80::launch_permute_stage<sm80::PermuteConfig<{is_bf16}, {d}>>(stage, params, stream);\n")
             registry.append(f"SP_PERMUTE_VARIANT({name}, {enum}, {d})\n")
             name = calib_name(dtype, d)
             files[f"{name}.cu"] = translation_unit(
@@ -186,6 +188,10 @@ def expected_files():
         "cuda/kernel/stage_kv.cuh",
         "int stage_paged_kv(const StageKvParams& params, void* stream) {\n"
         "  return stage::launch_stage_paged_kv(params, stream);\n")
+    files[f"{MASK_CHECK}.cu"] = translation_unit(
+        "cuda/kernel/mask_check.cuh",
+        "int check_device_mask(const MaskCheckParams& params, void* stream) {\n"
+        "  return maskcheck::launch_mask_check(params, stream);\n")
     for paged in SM90_KV:
         for dtype in SM90_DTYPES:
             enum, is_bf16 = DTYPES[dtype]
@@ -208,8 +214,8 @@ def expected_files():
             name = select90_name(dtype, d)
             files[f"{name}.cu"] = translation_unit(
                 "cuda/kernel/sm90/select_kernel.cuh",
-                f"int {name}(const SelectParams& params, void* stream) {{\n"
-                f"  return select90::launch_select<{is_bf16}, {d}>(params, stream);\n")
+                f"int {name}(SelectStage stage, const SelectParams& params, void* stream) {{\n"
+                f"  return select90::launch_select<{is_bf16}, {d}>(stage, params, stream);\n")
             registry.append(f"SP_SELECT90_VARIANT({name}, {enum}, {d})\n")
             name = gate90_name(dtype, d)
             files[f"{name}.cu"] = translation_unit(

@@ -31,8 +31,12 @@ Status validate_policy_for(const Policy& policy, const ProblemShape& s) {
     }
   }
   if (const auto* m = std::get_if<BlockSparseParams>(&policy)) {
-    Status st = m->mask.validate_for(s);
-    if (!st.ok()) return invalid_argument("mask: " + st.message());
+    if (m->in_place()) {
+      SP_RETURN_IF_ERROR(m->device_mask.validate_for(s));
+    } else {
+      Status st = m->mask.validate_for(s);
+      if (!st.ok()) return invalid_argument("mask: " + st.message());
+    }
   }
   if (const auto* es = std::get_if<EstimateSelectParams>(&policy)) {
     detail::EstimateChunks chunks;
@@ -49,6 +53,20 @@ Status validate_policy_for(const Policy& policy, const ProblemShape& s) {
 Backend resolve_backend(Backend requested, const ProblemShape& s) {
   if (requested != Backend::kAuto) return requested;
   return s.device.kind == DeviceKind::kCUDA ? Backend::kCUDA : Backend::kCPU;
+}
+
+// The policy as backend `b` takes it: the host backends read a block mask given in place (host
+// tensors) as a BlockMask, with every device check on the host (an offence is the call's error).
+Status policy_for_backend(const Policy& policy, const ProblemShape& shape, Backend b, Policy* out) {
+  const auto* bs = std::get_if<BlockSparseParams>(&policy);
+  if (bs == nullptr || !bs->in_place() || b == Backend::kCUDA) {
+    *out = policy;
+    return {};
+  }
+  BlockSparseParams host;
+  SP_RETURN_IF_ERROR(bs->device_mask.to_block_mask(shape, &host.mask));
+  *out = std::move(host);
+  return {};
 }
 
 // The compiled backend behind `b` (resolved), or why there is none.
@@ -70,8 +88,9 @@ Status run_prepared(const detail::BackendImpl& backend, const detail::PreparedRu
   if (options.num_threads < 0) return invalid_argument("num_threads: expected >= 0, got " + std::to_string(options.num_threads));
   // Decisions cost a GPU backend a copy back and a synchronisation: only when asked for, or
   // when stats need them (dense and block_sparse stats follow from the policy alone).
+  const auto* mask = std::get_if<BlockSparseParams>(&policy);
   const bool stats_need = stats != nullptr && !std::holds_alternative<DenseParams>(policy) &&
-                          !std::holds_alternative<BlockSparseParams>(policy);
+                          (mask == nullptr || mask->in_place());
   const bool want = stats_need || decisions != nullptr || options.collect_decisions;
   Decisions local;
   ExecutionInfo ran;
@@ -149,11 +168,14 @@ Status run(const AttentionProblem& problem, const Policy& policy, const Attentio
   ProblemShape shape;
   SP_RETURN_IF_ERROR(validate_problem(problem, &output, &shape));
   SP_RETURN_IF_ERROR(validate_policy_for(policy, shape));
+  const Backend kind = resolve_backend(options.backend, shape);
   const detail::BackendImpl* backend = nullptr;
-  SP_RETURN_IF_ERROR(find_backend(resolve_backend(options.backend, shape), &backend));
+  SP_RETURN_IF_ERROR(find_backend(kind, &backend));
+  Policy taken;
+  SP_RETURN_IF_ERROR(policy_for_backend(policy, shape, kind, &taken));
   std::unique_ptr<detail::PreparedRun> prepared;
-  SP_RETURN_IF_ERROR(backend->plan(problem, shape, policy, options, /*persistent=*/false, &prepared));
-  return run_prepared(*backend, *prepared, problem, shape, policy, output, options, stats, decisions);
+  SP_RETURN_IF_ERROR(backend->plan(problem, shape, taken, options, /*persistent=*/false, &prepared));
+  return run_prepared(*backend, *prepared, problem, shape, taken, output, options, stats, decisions);
 }
 
 Status select(const AttentionProblem& problem, const Policy& policy, const RunOptions& options,
@@ -173,7 +195,13 @@ Status select(const AttentionProblem& problem, const Policy& policy, const RunOp
     constexpr int kDenseSelectBlock = 128;
     local.kept = BlockMask::all_visible(shape, kDenseSelectBlock, kDenseSelectBlock, false);
   } else if (const auto* bs = std::get_if<BlockSparseParams>(&policy)) {
-    local.kept = bs->mask;
+    if (bs->in_place() && shape.device.kind != DeviceKind::kCPU) {
+      return unsupported("block_sparse: select() of a mask already on the device has nothing to select; read it "
+                         "where it is (DeviceBlockMask)");
+    }
+    Policy host;
+    SP_RETURN_IF_ERROR(policy_for_backend(policy, shape, Backend::kCPU, &host));
+    local.kept = std::get<BlockSparseParams>(host).mask;
   } else if (std::holds_alternative<EstimateSelectParams>(policy)) {
     SP_RETURN_IF_ERROR(backend->select(problem, shape, policy, options, &local));
   } else if (std::holds_alternative<PermuteStopParams>(policy)) {
@@ -188,6 +216,28 @@ Status select(const AttentionProblem& problem, const Policy& policy, const RunOp
   if (stats != nullptr) *stats = detail::stats_from_decisions(shape, policy, local);
   *decisions = std::move(local);
   return {};
+}
+
+Status select_into(const AttentionProblem& problem, const Policy& policy, const RunOptions& options,
+                   const DeviceBlockMask& out) {
+  ProblemShape shape;
+  SP_RETURN_IF_ERROR(validate_problem(problem, nullptr, &shape));
+  SP_RETURN_IF_ERROR(validate_policy_for(policy, shape));
+  const auto* es = std::get_if<EstimateSelectParams>(&policy);
+  if (es == nullptr) {
+    return unsupported(std::string(policy_name(policy)) +
+                       ": select_into has estimate_select's selection only (dense and block_sparse need none; the "
+                       "gates and permute_stop decide inside attention)");
+  }
+  if (out.is_csr() || out.block_q != 128 || out.block_k != es->block || out.per_kv_head != es->pack_gqa ||
+      !out.full_count.defined()) {
+    return invalid_argument("out: expected FlexAttention's four tensors (kv_num_blocks, kv_indices, full_kv_num_blocks, "
+                            "full_kv_indices) with block_q 128, block_k = the policy's block and per_kv_head = pack_gqa");
+  }
+  const detail::BackendImpl* backend = nullptr;
+  SP_RETURN_IF_ERROR(find_backend(resolve_backend(options.backend, shape), &backend));
+  SP_RETURN_IF_ERROR(backend->can_run(shape, policy));
+  return backend->select_into(problem, shape, policy, options, out);
 }
 
 struct Plan::State {
@@ -216,10 +266,11 @@ Status make_plan(const AttentionProblem& problem, const Policy& policy, const Ru
   SP_RETURN_IF_ERROR(validate_policy_for(policy, state->shape));
   state->backend = resolve_backend(options.backend, state->shape);
   SP_RETURN_IF_ERROR(find_backend(state->backend, &state->impl));
+  SP_RETURN_IF_ERROR(policy_for_backend(policy, state->shape, state->backend, &state->policy));
   std::unique_ptr<detail::PreparedRun> prepared;
-  SP_RETURN_IF_ERROR(state->impl->plan(problem, state->shape, policy, options, /*persistent=*/true, &prepared));
+  SP_RETURN_IF_ERROR(
+      state->impl->plan(problem, state->shape, state->policy, options, /*persistent=*/true, &prepared));
   state->prepared = std::move(prepared);
-  state->policy = policy;
   plan->state_ = std::move(state);
   return {};
 }
@@ -245,6 +296,11 @@ Status can_run(const AttentionProblem& problem, const Policy& policy, Backend ba
   const detail::BackendImpl* impl = nullptr;
   SP_RETURN_IF_ERROR(find_backend(resolve_backend(backend, shape), &impl));
   return impl->can_run(shape, policy);
+}
+
+Status check_device_errors(int device) {
+  const detail::BackendImpl* cuda = detail::backend_impl(Backend::kCUDA);
+  return cuda != nullptr ? cuda->check_errors(device) : Status{};
 }
 
 std::string build_info() {

@@ -5,8 +5,8 @@
 
 namespace sparseprefill::cuda {
 
-int permute_sm80_bf16_hd128(PermuteParams& params, PermuteAttendFn attend, void* stream) {
-  return sm80::launch_permute<sm80::PermuteConfig<true, 128>>(params, attend, stream);
+int permute_sm80_bf16_hd128(PermuteStage stage, const PermuteParams& params, void* stream) {
+  return sm80::launch_permute_stage<sm80::PermuteConfig<true, 128>>(stage, params, stream);
 }
 
 }  // namespace sparseprefill::cuda

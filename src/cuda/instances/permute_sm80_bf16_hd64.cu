@@ -5,8 +5,8 @@
 
 namespace sparseprefill::cuda {
 
-int permute_sm80_bf16_hd64(PermuteParams& params, PermuteAttendFn attend, void* stream) {
-  return sm80::launch_permute<sm80::PermuteConfig<true, 64>>(params, attend, stream);
+int permute_sm80_bf16_hd64(PermuteStage stage, const PermuteParams& params, void* stream) {
+  return sm80::launch_permute_stage<sm80::PermuteConfig<true, 64>>(stage, params, stream);
 }
 
 }  // namespace sparseprefill::cuda

@@ -5,8 +5,8 @@
 
 namespace sparseprefill::cuda {
 
-int select_sm80_fp16_hd64(const SelectParams& params, void* stream) {
-  return select::launch_select<false, 64>(params, stream);
+int select_sm80_fp16_hd64(SelectStage stage, const SelectParams& params, void* stream) {
+  return select::launch_select<false, 64>(stage, params, stream);
 }
 
 }  // namespace sparseprefill::cuda

@@ -5,8 +5,8 @@
 
 namespace sparseprefill::cuda {
 
-int select_sm90_bf16_hd128(const SelectParams& params, void* stream) {
-  return select90::launch_select<true, 128>(params, stream);
+int select_sm90_bf16_hd128(SelectStage stage, const SelectParams& params, void* stream) {
+  return select90::launch_select<true, 128>(stage, params, stream);
 }
 
 }  // namespace sparseprefill::cuda

@@ -5,8 +5,8 @@
 
 namespace sparseprefill::cuda {
 
-int select_sm90_bf16_hd64(const SelectParams& params, void* stream) {
-  return select90::launch_select<true, 64>(params, stream);
+int select_sm90_bf16_hd64(SelectStage stage, const SelectParams& params, void* stream) {
+  return select90::launch_select<true, 64>(stage, params, stream);
 }
 
 }  // namespace sparseprefill::cuda

@@ -7,6 +7,8 @@
 #include <cstddef>
 #include <cstdint>
 
+#include "core/rules/block_sparse.h"
+
 namespace sparseprefill::cuda {
 
 // Query rows per CTA: the block_q every policy must use on CUDA.
@@ -74,6 +76,40 @@ constexpr bool gather_offsets_fit(std::int64_t pages, int page_size, std::int64_
   if (page_stride > 0 && pages - 1 > (kLimit - 1 - last_row) / page_stride) return false;
   return (pages - 1) * page_stride + last_row < kLimit;
 }
+
+// One list of a block mask read in place (DeviceBlockMask, block_mask.h): FlexAttention's
+// count [B, H, Q] and index [B, H, Q, K] tensors, strides in elements (0 for a broadcast
+// dimension), the index's last dimension contiguous.
+struct MaskListView {
+  const std::int32_t* count;  // nullptr: the list is empty
+  const std::int32_t* index;
+  std::int64_t count_stride[3];
+  std::int64_t index_stride[3];
+  int capacity;  // K
+};
+
+// The check of a device block mask ahead of the forward call (kernel/mask_check.cuh): for each
+// row (b, h, qb) of [batch, heads, num_q_blocks], the prefix of each list that the entry rule
+// (core/rules/block_sparse.h) accepts, and where it starts in its index tensor, which the
+// forward kernel then reads as a compact mask (FwdParams' start arrays). The first offence goes
+// to `fault`.
+struct MaskCheckParams {
+  MaskListView list[2];            // 0: partial (Flex kv_*), 1: full (full_kv_*)
+  const std::int32_t* csr_indptr;  // CSR form instead ([rows + 1]; list[1].index the indices)
+  std::int64_t csr_nnz;
+  const SeqInfo* seqs;             // [batch], device
+  int batch;
+  int heads;        // h_q, or h_kv for a mask per KV head
+  int num_q_blocks;
+  int block_q;
+  int block_k;
+  int bitmap_words;  // 32-bit words over the longest sequence's key blocks (shared memory per row)
+  bool causal;
+  std::int32_t* count_out[2];  // [rows]
+  std::int64_t* start_out[2];  // [rows]
+  std::uint32_t* kept_bits;    // [rows, bitmap_words]: the accepted blocks, for decisions; or nullptr
+  rules::MaskFaultRecord* fault;
+};
 
 // Paged K/V staged into contiguous rows before the call (plan_kv_staging, plan.h): the
 // rows below s_k of every sequence, read through the block table and written to

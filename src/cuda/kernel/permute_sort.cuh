@@ -11,7 +11,7 @@
 #include <cstdint>
 #include <cub/device/device_segmented_radix_sort.cuh>
 
-#include "cuda/registry.h"
+#include "cuda/kernel/launch_types.h"
 
 namespace sparseprefill::cuda::permute {
 

@@ -12,6 +12,7 @@
 
 #include "core/geometry.h"
 #include "cuda/kernel/fwd_params.h"
+#include "cuda/kernel/launch_types.h"
 #include "cuda/kernel/ptx.cuh"
 #include "cuda/kernel/sm80/tile.cuh"
 
@@ -481,19 +482,21 @@ __global__ void __launch_bounds__(SelectConfig<kBf16, kD>::kThreads, 2)
   }
 }
 
-// Host side: the block means, then `kernel`, a selector of `threads` threads per mask row with
-// `smem` bytes of dynamic shared memory (this file's, or the Hopper one). Returns a cudaError_t
-// value (0 = success).
+// One launch of estimate_select's selection (SelectStage, launch_types.h): kMeans, the block
+// means [ceil(num_k_blocks / per CTA), h_kv, batch]; kSelect, the selector `kernel` (this
+// file's, or the Hopper one) with `threads` threads and `smem` bytes of dynamic shared memory,
+// one CTA per (query block, KV head, batch). Returns a cudaError_t value.
 template <bool kBf16, int kD>
-int launch_means_and_selector(const SelectParams& p, void* stream, void (*kernel)(SelectParams), int threads,
-                              std::size_t smem) {
+int launch_selection_stage(SelectStage stage, const SelectParams& p, void* stream, void (*kernel)(SelectParams),
+                           int threads, std::size_t smem) {
   const auto st = static_cast<cudaStream_t>(stream);
   if (p.batch == 0 || p.num_k_blocks == 0) return 0;
-  const unsigned mean_ctas = static_cast<unsigned>((p.num_k_blocks + kMeansBlocksPerCta<kD> - 1) / kMeansBlocksPerCta<kD>);
-  block_means_kernel<kBf16, kD><<<dim3(mean_ctas, p.h_kv, p.batch), kMeansThreads, 0, st>>>(p);
-  cudaError_t err = cudaGetLastError();
-  if (err != cudaSuccess) return static_cast<int>(err);
-  err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem));
+  if (stage == SelectStage::kMeans) {
+    const unsigned mean_ctas = static_cast<unsigned>((p.num_k_blocks + kMeansBlocksPerCta<kD> - 1) / kMeansBlocksPerCta<kD>);
+    block_means_kernel<kBf16, kD><<<dim3(mean_ctas, p.h_kv, p.batch), kMeansThreads, 0, st>>>(p);
+    return static_cast<int>(cudaGetLastError());
+  }
+  const cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem));
   if (err != cudaSuccess) return static_cast<int>(err);
   const unsigned grid = static_cast<unsigned>(p.num_q_blocks) * static_cast<unsigned>(p.h_kv) *
                         static_cast<unsigned>(p.batch);
@@ -503,10 +506,10 @@ int launch_means_and_selector(const SelectParams& p, void* stream, void (*kernel
 }
 
 template <bool kBf16, int kD>
-int launch_select(const SelectParams& p, void* stream) {
+int launch_select(SelectStage stage, const SelectParams& p, void* stream) {
   using Cfg = SelectConfig<kBf16, kD>;
-  return launch_means_and_selector<kBf16, kD>(p, stream, select_kernel<kBf16, kD>, Cfg::kThreads,
-                                              Cfg::smem_bytes(p.num_k_blocks));
+  return launch_selection_stage<kBf16, kD>(stage, p, stream, select_kernel<kBf16, kD>, Cfg::kThreads,
+                                           Cfg::smem_bytes(p.num_k_blocks));
 }
 
 }  // namespace sparseprefill::cuda::select

@@ -10,7 +10,7 @@
 
 #include <cstdint>
 
-#include "cuda/registry.h"
+#include "cuda/kernel/fwd_params.h"
 
 namespace sparseprefill::cuda::stage {
 

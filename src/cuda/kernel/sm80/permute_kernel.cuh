@@ -1,9 +1,10 @@
 // SPDX-License-Identifier: Apache-2.0
 // permute_stop (DESIGN.md §3, our definition of S2O) on the portable path: the ranking kernels
 // (segment means q̄, prefix scores q̄·k, guide vector u and query scores q·u, in fp64 as the
-// CPU backend computes them), the two segmented sorts (permute_sort_pairs) and the attention
-// kernel over permuted query tiles (mma.sync, the forward kernel's warp layout). Enqueued in
-// one sequence with no host synchronisation. Included only by generated instance files.
+// CPU backend computes them) and the attention kernel over permuted query tiles (mma.sync, the
+// forward kernel's warp layout), one launch per stage; src/cuda/permute_stop.cpp enqueues them
+// with the two segmented sorts between (permute_sort.cuh). Included only by generated instance
+// files.
 #pragma once
 
 #include <cuda_runtime.h>
@@ -13,13 +14,13 @@
 
 #include "core/geometry.h"
 #include "cuda/kernel/fwd_params.h"
+#include "cuda/kernel/launch_types.h"
 #include "cuda/kernel/permute_tile.cuh"
 #include "cuda/kernel/ptx.cuh"
 #include "cuda/kernel/rank_key.h"
 #include "cuda/kernel/sm80/fwd_kernel.cuh"
 #include "cuda/kernel/sm80/tile.cuh"
 #include "cuda/kernel/softmax.cuh"
-#include "cuda/registry.h"
 
 namespace sparseprefill::cuda::sm80 {
 
@@ -436,62 +437,53 @@ __global__ void __launch_bounds__(Cfg::kThreads, 2) permute_kernel(const __grid_
   if (pp.visited != nullptr && tid == 0) pp.visited[item * pp.tiles_per_segment + pt.tile] = visited;
 }
 
-// Host-side launch of the whole sequence: slot arrays, q̄, prefix scores, ranking sort, guide
-// and query keys, query sort, attention (`attend` when not null and it can run: the Hopper
-// kernel; permute_kernel otherwise). Sets pp.ranked and pp.query_order. Returns a cudaError_t
-// value (0 = success).
+// One launch of permute_stop's portable sequence (PermuteStage, launch_types.h; the host runs
+// the sorts between them and sets pp.ranked / pp.query_order to the sorted buffers first):
+//   kOrderInit     [ceil(max_s_q / 128), h_q, batch] x 128: the slot order's initial state
+//   kQueryMeans    [max_segments, h_q, batch] x d: each item's mean query q̄
+//   kPrefixScores  [h_kv, key tiles of 128 over the longest prefix, batch] x 128: rank keys
+//   kGuide         [max_segments, h_q, batch] x d: the query order's guide keys
+//   kAttend        one CTA per (segment slot, tile, batch, query head): the attention
+// Returns a cudaError_t value (0 = success; an empty grid enqueues nothing).
 template <class Cfg>
-int launch_permute(PermuteParams& pp, PermuteAttendFn attend, void* stream) {
+int launch_permute_stage(PermuteStage stage, const PermuteParams& pp, void* stream) {
   const auto st = static_cast<cudaStream_t>(stream);
   const FwdParams& p = pp.fwd;
-  pp.ranked = pp.rank_index[0];
-  pp.query_order = pp.query_rows[0];
-  if (p.batch == 0 || pp.max_s_q == 0) return 0;
-  auto check = [] { return static_cast<int>(cudaGetLastError()); };
   const dim3 items(static_cast<unsigned>(pp.max_segments), static_cast<unsigned>(p.h_q), static_cast<unsigned>(p.batch));
-  permute::order_init_kernel<Cfg>
-      <<<dim3(static_cast<unsigned>((pp.max_s_q + 127) / 128), static_cast<unsigned>(p.h_q), static_cast<unsigned>(p.batch)), 128, 0,
-         st>>>(pp);
-  if (int err = check()) return err;
-  if (pp.max_segments == 0) return 0;
-  permute::q_mean_kernel<Cfg><<<items, Cfg::kHeadDim, 0, st>>>(pp);
-  if (int err = check()) return err;
-  // Key tiles of 128 over the longest prefix.
   const int max_key_tiles = static_cast<int>((static_cast<std::int64_t>(pp.max_prefix) + 127) / 128);
-  if (max_key_tiles > 0) {
-    permute::prefix_scores_kernel<Cfg><<<dim3(static_cast<unsigned>(p.h_kv), static_cast<unsigned>(max_key_tiles),
-                                              static_cast<unsigned>(p.batch)),
-                                         128, 0, st>>>(pp);
-    if (int err = check()) return err;
+  switch (stage) {
+    case PermuteStage::kOrderInit:
+      if (p.batch == 0 || pp.max_s_q == 0) return 0;
+      permute::order_init_kernel<Cfg><<<dim3(static_cast<unsigned>((pp.max_s_q + 127) / 128), static_cast<unsigned>(p.h_q),
+                                             static_cast<unsigned>(p.batch)),
+                                        128, 0, st>>>(pp);
+      break;
+    case PermuteStage::kQueryMeans:
+      if (items.x * items.y * items.z == 0) return 0;
+      permute::q_mean_kernel<Cfg><<<items, Cfg::kHeadDim, 0, st>>>(pp);
+      break;
+    case PermuteStage::kPrefixScores:
+      if (max_key_tiles == 0 || p.batch == 0) return 0;
+      permute::prefix_scores_kernel<Cfg><<<dim3(static_cast<unsigned>(p.h_kv), static_cast<unsigned>(max_key_tiles),
+                                                static_cast<unsigned>(p.batch)),
+                                           128, 0, st>>>(pp);
+      break;
+    case PermuteStage::kGuide:
+      if (items.x * items.y * items.z == 0) return 0;
+      permute::guide_kernel<Cfg><<<items, Cfg::kHeadDim, 0, st>>>(pp);
+      break;
+    case PermuteStage::kAttend: {
+      const unsigned grid = static_cast<unsigned>(pp.max_segments) * static_cast<unsigned>(pp.tiles_per_segment) *
+                            static_cast<unsigned>(p.batch) * static_cast<unsigned>(p.h_q);
+      if (grid == 0) return 0;
+      auto* kernel = permute_kernel<Cfg>;
+      const cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Cfg::kSmemBytes);
+      if (err != cudaSuccess) return static_cast<int>(err);
+      kernel<<<grid, Cfg::kThreads, Cfg::kSmemBytes, st>>>(pp);
+      break;
+    }
   }
-  SortPairs rank{{pp.rank_keys[0], pp.rank_keys[1]}, {pp.rank_index[0], pp.rank_index[1]}, pp.rank_items,
-                 pp.rank_segments, pp.rank_offsets, pp.sort_temp, pp.sort_temp_bytes};
-  std::size_t bytes = 0;
-  int current = 0;
-  if (pp.rank_items > 0) {
-    if (int err = permute_sort_pairs(rank, &bytes, &current, stream)) return err;
-  }
-  pp.ranked = pp.rank_index[current];
-  permute::guide_kernel<Cfg><<<items, Cfg::kHeadDim, 0, st>>>(pp);
-  if (int err = check()) return err;
-  SortPairs query{{pp.query_keys[0], pp.query_keys[1]}, {pp.query_rows[0], pp.query_rows[1]}, pp.query_items,
-                  pp.query_segments, pp.query_offsets, pp.sort_temp, pp.sort_temp_bytes};
-  if (int err = permute_sort_pairs(query, &bytes, &current, stream)) return err;
-  pp.query_order = pp.query_rows[current];
-  if (attend != nullptr) {
-    // cudaErrorNotSupported: the Hopper kernel enqueued nothing (a call choose_fwd_path sends
-    // elsewhere); the portable kernel runs instead.
-    const int attended = attend(pp, stream);
-    if (attended != static_cast<int>(cudaErrorNotSupported)) return attended;
-  }
-
-  auto* kernel = permute_kernel<Cfg>;
-  cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Cfg::kSmemBytes);
-  if (err != cudaSuccess) return static_cast<int>(err);
-  const unsigned grid = static_cast<unsigned>(pp.max_segments) * static_cast<unsigned>(pp.tiles_per_segment) *
-                        static_cast<unsigned>(p.batch) * static_cast<unsigned>(p.h_q);
-  kernel<<<grid, Cfg::kThreads, Cfg::kSmemBytes, st>>>(pp);
-  return check();
+  return static_cast<int>(cudaGetLastError());
 }
 
 }  // namespace sparseprefill::cuda::sm80

@@ -20,11 +20,11 @@
 
 #include "core/geometry.h"
 #include "cuda/kernel/fwd_params.h"
+#include "cuda/kernel/launch_types.h"  // HostUpload, kUploadRefused
 #include "cuda/kernel/policy.cuh"
 #include "cuda/kernel/ptx.cuh"
 #include "cuda/kernel/sm90/hopper.cuh"
 #include "cuda/kernel/softmax.cuh"
-#include "cuda/registry.h"  // HostUpload, kUploadRefused
 
 namespace sparseprefill::cuda::sm90 {
 

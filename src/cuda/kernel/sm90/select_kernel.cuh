@@ -187,12 +187,12 @@ __global__ void __launch_bounds__(Select90Config<kBf16, kD>::kThreads, 2)
   if (!t.per_head) select::finish_selection<Cfg::kThreads / 32>(p, t, energy, nullptr, s_red, s_count);
 }
 
-// The block means (the portable kernel), then the selector; returns a cudaError_t value.
+// One stage: the block means (the portable kernel), or the selector; returns a cudaError_t value.
 template <bool kBf16, int kD>
-int launch_select(const SelectParams& p, void* stream) {
+int launch_select(SelectStage stage, const SelectParams& p, void* stream) {
   using Cfg = Select90Config<kBf16, kD>;
-  return select::launch_means_and_selector<kBf16, kD>(p, stream, select90_kernel<kBf16, kD>, Cfg::kThreads,
-                                                      Cfg::smem_bytes(p.num_k_blocks));
+  return select::launch_selection_stage<kBf16, kD>(stage, p, stream, select90_kernel<kBf16, kD>, Cfg::kThreads,
+                                                   Cfg::smem_bytes(p.num_k_blocks));
 }
 
 }  // namespace sparseprefill::cuda::select90
