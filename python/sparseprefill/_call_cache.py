@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import os
 import threading
+import weakref
 from collections import OrderedDict
 from typing import Any, NamedTuple, Optional
 
@@ -27,6 +28,8 @@ __all__ = ["CallCacheInfo", "call_cache_info", "clear_call_cache", "set_call_cac
 # calibrated ExactGate is one key per layer): a cap under the number of keys a step cycles
 # through would evict every entry before its next use.
 DEFAULT_CAPACITY = 128
+
+_UNSEEN = object()
 
 
 class CallCacheInfo(NamedTuple):
@@ -47,9 +50,11 @@ class CallCache:
     def __init__(self, capacity: int) -> None:
         self._lock = threading.Lock()
         self._entries: "OrderedDict[Any, Any]" = OrderedDict()
-        # Hashes of the keys validated once and not planned yet (admission on the second
-        # validation). Hashes, not keys: a key holds its policy, and a policy that its caller
-        # dropped should not live on here; a collision only plans a key one call early.
+        # The keys validated once and not planned yet (admission on the second validation), by
+        # hash, with a weak reference to the object a key names by identity (None: none).
+        # Hashes, not keys: a key holds its policy, which should not outlive its caller's use
+        # here; the reference tells a new object at a dead one's address (the same hash) from
+        # the object seen. A collision otherwise only plans a key one call early.
         self._seen: dict = {}
         self._capacity = capacity
         self._hits = self._misses = self._plans = self._evictions = 0
@@ -59,23 +64,26 @@ class CallCache:
         with self._lock:
             entry = self._entries.get(key)
             if entry is None:
-                self._misses += 1
+                self._misses += self._capacity > 0  # an off cache (size 0) counts no lookup
                 return None
             self._entries.move_to_end(key)
             self._hits += 1
             return entry
 
-    def admit(self, key: Any) -> bool:
-        """Whether a validated miss of `key` should make an entry now: on its second validation."""
+    def admit(self, key: Any, owner: Any = None) -> bool:
+        """Whether a validated miss of `key` should make an entry now: on its second validation.
+        owner: the object the key names by identity (an ExactGate, a BlockSparse, a threshold
+        table), or None."""
         with self._lock:
             if self._capacity <= 0:
                 return False
             seen = hash(key)
-            if self._seen.pop(seen, None) is not None:
+            ref = self._seen.pop(seen, _UNSEEN)
+            if ref is not _UNSEEN and (ref is None or ref() is owner):
                 return True
             if len(self._seen) >= 4 * self._capacity:
                 self._seen.clear()
-            self._seen[seen] = True
+            self._seen[seen] = None if owner is None else weakref.ref(owner)
             return False
 
     def put(self, key: Any, entry: Any) -> None:
@@ -108,6 +116,7 @@ class CallCache:
             dropped = list(self._entries.values())
             self._entries.clear()
             self._seen.clear()
+            self._hits = self._misses = self._plans = self._evictions = 0
         del dropped
 
     def resize(self, capacity: int) -> None:
@@ -141,9 +150,9 @@ CACHE = CallCache(_capacity_from_environment())
 
 
 def clear_call_cache() -> None:
-    """Drops every prepared call, pinned ones included, and frees their plans (on CUDA after the
-    work already enqueued with them). A CUDA graph captured with cached calls must not be
-    replayed afterwards."""
+    """Drops every prepared call, pinned ones included, freeing their plans (on CUDA after the
+    work already enqueued with them), and zeroes the counters. A CUDA graph captured with
+    cached calls must not be replayed afterwards."""
     CACHE.clear()
 
 

@@ -72,6 +72,11 @@ def policy_key(policy: Optional[Policy]) -> Any:
     return policy.call_key() if isinstance(policy, Policy) else None
 
 
+def identity_of(policy: Policy) -> Optional[Policy]:
+    """The policy when keys name it by identity (CallCache.admit's owner), else None."""
+    return policy if type(policy) is not Dense and policy.call_key() is policy else None
+
+
 def _sig(x: Any) -> Optional[tuple]:
     return None if x is None else (x.shape, x.stride(), x.dtype, x.device)
 
@@ -211,11 +216,12 @@ def bind(plan: "_ext.PlanHandle", q: Any, k: Any, v: Any, hosts: tuple, descales
     return Entry(call, q, out, lse, descales, watch)
 
 
-def _prepare(key: Any, q: Any, k: Any, v: Any, hosts: tuple, descales: tuple, causal: bool, scale: float,
-             handle: "_ext.PolicyHandle", thresholds: Any, out: Any, lse: Any, watch: tuple) -> Optional[Entry]:
-    """A new entry for a validated call when its key is admitted, else None. Never under CUDA
-    graph capture (a plan allocates and uploads device memory)."""
-    if native.capturing(q) or not CACHE.admit(key):
+def _prepare(key: Any, owner: Any, q: Any, k: Any, v: Any, hosts: tuple, descales: tuple, causal: bool,
+             scale: float, handle: "_ext.PolicyHandle", thresholds: Any, out: Any, lse: Any,
+             watch: tuple) -> Optional[Entry]:
+    """A new entry for a validated call when its key is admitted (owner: see CallCache.admit),
+    else None. Never under CUDA graph capture (a plan allocates and uploads device memory)."""
+    if native.capturing(q) or not CACHE.admit(key, owner):
         return None
     problem = native.problem_tuple(q, k, v, *hosts, causal, scale, *descales)
     try:
@@ -226,16 +232,16 @@ def _prepare(key: Any, q: Any, k: Any, v: Any, hosts: tuple, descales: tuple, ca
         return None
 
 
-def execute(key: Any, q: Any, k: Any, v: Any, hosts: tuple, descales: tuple, causal: bool, scale: float,
-            policy: str, settings: list, thresholds: Any, mask: Any, chunked: Any, out: Any, lse: Any,
+def execute(key: Any, owner: Any, q: Any, k: Any, v: Any, hosts: tuple, descales: tuple, causal: bool,
+            scale: float, policy: str, settings: list, thresholds: Any, mask: Any, chunked: Any, out: Any, lse: Any,
             layer: Optional[int], watch: tuple) -> None:
     """Runs a validated call (hosts: host copies of its index tensors) into out and lse: through
-    a new prepared call when `key` (None: not cached) is admitted, else in full (sp_run). An
-    entry is kept once its first run succeeded."""
+    a new prepared call when `key` (None: not cached; owner: what it names by identity) is
+    admitted, else in full (sp_run). An entry is kept once its first run succeeded."""
     problem = native.problem_tuple(q, k, v, *hosts, causal, scale, *descales)
     handle = native.make_handle(policy, settings, problem, thresholds, mask, chunked)
-    entry = None if key is None else _prepare(key, q, k, v, hosts, descales, causal, scale, handle, thresholds, out,
-                                              lse, watch)
+    entry = None if key is None else _prepare(key, owner, q, k, v, hosts, descales, causal, scale, handle,
+                                              thresholds, out, lse, watch)
     if entry is None:
         native.execute(problem, handle, q, out, lse, 0, 0, False, layer)
         return

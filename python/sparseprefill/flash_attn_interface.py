@@ -115,8 +115,9 @@ def _call(q, k, v, *, causal: bool, softmax_scale: Optional[float], cu_seqlens_q
             chunked = (host_index(chunked[0]), chunked[1], chunked[2], host_index(chunked[3]))
         else:
             chunked = None
-        _fastpath.execute(key, q, k, v, hosts, descales, bool(causal), scale, policy.name, settings, thresholds, mask,
-                          chunked, o, lse, layer, _fastpath.watch_of(thresholds))
+        _fastpath.execute(key, _fastpath.identity_of(policy), q, k, v, hosts, descales, bool(causal), scale,
+                          policy.name, settings, thresholds, mask, chunked, o, lse, layer,
+                          _fastpath.watch_of(thresholds))
         # What the op's mutation bookkeeping does for the tensors it writes in place.
         _fastpath.mark_written(out, *written)
         return o, lse

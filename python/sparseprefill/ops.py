@@ -78,8 +78,8 @@ def _forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: Op
     chunked = None
     if any(x is not None for x in (prompt_len, k_block_means, v_block_means, block_means_valid)):
         chunked = (native.host_index(prompt_len), k_block_means, v_block_means, native.host_index(block_means_valid))
-    _fastpath.execute(key, q, k, v, hosts, descales, causal, softmax_scale, policy, _decode(settings), thresholds,
-                      mask, chunked, out, lse, layer if layer >= 0 else None, ())
+    _fastpath.execute(key, thresholds, q, k, v, hosts, descales, causal, softmax_scale, policy, _decode(settings),
+                      thresholds, mask, chunked, out, lse, layer if layer >= 0 else None, ())
     return out, lse
 
 
