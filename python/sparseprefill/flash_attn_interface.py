@@ -1,5 +1,6 @@
 # SPDX-License-Identifier: Apache-2.0
-"""FlashAttention-compatible functions over the sparseprefill torch ops: the names, argument
+"""FlashAttention-compatible functions over the sparseprefill torch ops (in eager mode their
+implementation is called directly, through prepared calls: _fastpath.py): the names, argument
 names, layouts, causal alignment (bottom-right) and LSE conventions of flash_attn (FA2
 positional order for flash_attn_func / flash_attn_varlen_func, FA3's for
 flash_attn_with_kvcache), plus policy= (Dense() by default) and layer= (for statistics).

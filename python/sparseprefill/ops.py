@@ -19,7 +19,9 @@ by the library on the host: CUDA ones are copied to the host first, a synchronis
 capture forbids, so varlen and paged calls can never be captured. The CUDA backend keeps each
 call's small metadata on the device keyed by content: a captured call must follow one warm-up
 call of the same shapes and tensors outside capture, or it raises UnsupportedError before any
-CUDA work (native.execute reads no statistics under capture)."""
+CUDA work (native.execute reads no statistics under capture). A call whose prepared call exists
+(_fastpath.py: planned on its second uncaptured call) runs that plan instead, pinned from then
+on (docs/python.md, "Prepared calls")."""
 
 from __future__ import annotations
 
