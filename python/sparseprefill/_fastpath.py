@@ -102,6 +102,14 @@ def _index_key(index: tuple) -> Tuple[Optional[tuple], Optional[tuple]]:
     return tuple(hosts), tuple(parts)
 
 
+def _descales_key(descales: tuple) -> Optional[tuple]:
+    if descales[0] is None and descales[1] is None and descales[2] is None:
+        return None
+    if not plain(*descales):
+        raise TypeError("not a plain tensor")
+    return _sig(descales[0]), _sig(descales[1]), _sig(descales[2])
+
+
 def fa_key(policy: Optional[Policy], causal: bool, softmax_scale: Any, q: Any, k: Any, v: Any, out: Any,
            descales: tuple, index: tuple, max_seqlen_q: Any) -> Tuple[Any, Optional[tuple]]:
     """(key, host copies of the index tensors) of a FlashAttention-style call (see _call in
@@ -109,12 +117,12 @@ def fa_key(policy: Optional[Policy], causal: bool, softmax_scale: Any, q: Any, k
     with varlen q (it sizes a block mask)."""
     try:
         pk = policy_key(policy)
-        if pk is None or not plain(out, *descales):
+        if pk is None or (out is not None and not plain(out)):
             return None, None
         hosts, idx = _index_key(index)
         return (_FA, pk, causal, softmax_scale, q.shape, q.stride(), q.dtype, q.device, k.shape, k.stride(), k.dtype,
-                k.device, v.shape, v.stride(), v.dtype, v.device, _sig(out), _sig(descales[0]), _sig(descales[1]),
-                _sig(descales[2]), idx, None if index[0] is None else max_seqlen_q), hosts
+                k.device, v.shape, v.stride(), v.dtype, v.device, None if out is None else _sig(out),
+                _descales_key(descales), idx, None if index[0] is None else max_seqlen_q), hosts
     except Exception:  # an input the checks reject: the full call raises their error
         return None, None
 
@@ -124,14 +132,13 @@ def op_key(policy: str, settings: str, causal: bool, softmax_scale: float, thres
     """(key, host copies) of a call of the torch ops' implementation (ops.py) without a block
     mask or chunked-prefill tensors. The plan views the threshold table: its address counts."""
     try:
-        if not (type(q) is _Tensor and type(k) is _Tensor and type(v) is _Tensor and plain(out, lse, thresholds)
-                and plain(*descales)):
+        if not (type(q) is _Tensor and type(k) is _Tensor and type(v) is _Tensor and plain(out, lse, thresholds)):
             return None, None
         table = None if thresholds is None else (_sig(thresholds), thresholds.data_ptr())
         hosts, idx = _index_key(index)
         return (_OP, policy, settings, causal, softmax_scale, table, q.shape, q.stride(), q.dtype, q.device, k.shape,
                 k.stride(), k.dtype, k.device, v.shape, v.stride(), v.dtype, v.device, _sig(out), _sig(lse),
-                _sig(descales[0]), _sig(descales[1]), _sig(descales[2]), idx), hosts
+                _descales_key(descales), idx), hosts
     except Exception:
         return None, None
 
@@ -260,12 +267,11 @@ def plan_key(q: Any, k: Any, v: Any, index: tuple, descales: tuple, out: Any, ls
     try:
         if type(q) is not _Tensor or type(k) is not _Tensor or type(v) is not _Tensor:
             return None
-        for x in (out, lse) + descales:
-            if x is not None and type(x) is not _Tensor:
-                return None
+        if (out is not None and type(out) is not _Tensor) or (lse is not None and type(lse) is not _Tensor):
+            return None
         _, idx = _index_key(index)
         return (_PLAN, q.shape, q.stride(), q.dtype, q.device, k.shape, k.stride(), k.dtype, k.device, v.shape,
-                v.stride(), v.dtype, v.device, _sig(out), _sig(lse), _sig(descales[0]), _sig(descales[1]),
-                _sig(descales[2]), idx, num_threads)
+                v.stride(), v.dtype, v.device, None if out is None else _sig(out), None if lse is None else _sig(lse),
+                _descales_key(descales), idx, num_threads)
     except Exception:
         return None
