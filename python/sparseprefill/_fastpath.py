@@ -7,8 +7,8 @@ costs more than the rest of a call; tracing, compiling, functorch transforms, di
 tensor subclasses and autograd see the op as before (eager() says which). Calls then go through
 the prepared-call cache (_call_cache.py): a key holds everything the checks read, and a hit
 runs a library plan bound to the validated call's descriptors with only the data pointers
-patched (_ext.PlanCall.run_ptrs). The ops' own implementations and run(plan, ...) use the same
-entries. Keys are made conservatively: anything whose effect a key cannot capture (a block
+patched (_ext.PlanCall.run_ptrs). The ops' implementation uses the same cache (its own keys),
+and run(plan, ...) the same kind of entry, kept by its plan. Keys are made conservatively: anything whose effect a key cannot capture (a block
 mask or chunked-prefill tensors given to the op, statistics collection) bypasses the cache,
 and an input the checks would reject never forms a key."""
 
