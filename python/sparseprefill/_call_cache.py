@@ -35,7 +35,8 @@ _UNSEEN = object()
 class CallCacheInfo(NamedTuple):
     """hits / misses: lookups that ran a prepared call / that validated and ran the call in
     full; plans: entries made; evictions: entries dropped by the LRU; size: entries now
-    (pinned included); pinned: entries used under CUDA graph capture; capacity: the cap."""
+    (pinned included); pinned: entries used under CUDA graph capture (also those whose key was
+    since replanned, kept until clear_call_cache()); capacity: the cap."""
 
     hits: int
     misses: int
@@ -56,6 +57,9 @@ class CallCache:
         # here; the reference tells a new object at a dead one's address (the same hash) from
         # the object seen. A collision otherwise only plans a key one call early.
         self._seen: dict = {}
+        # Pinned entries whose key now names another entry (or none): a graph may still replay
+        # their plans, which live until clear().
+        self._retired: list = []
         self._capacity = capacity
         self._hits = self._misses = self._plans = self._evictions = 0
 
@@ -88,15 +92,23 @@ class CallCache:
 
     def put(self, key: Any, entry: Any) -> None:
         with self._lock:
+            replaced = self._retire(self._entries.pop(key, None))
             self._entries[key] = entry
             self._plans += 1
             evicted = self._shrink()
-        del evicted  # the plans' memory is released here, outside the lock
+        del evicted, replaced  # the plans' memory is released here, outside the lock
 
     def drop(self, key: Any) -> None:
         with self._lock:
-            dropped = self._entries.pop(key, None)
+            dropped = self._retire(self._entries.pop(key, None))
         del dropped
+
+    def _retire(self, entry: Any) -> Any:
+        # An entry leaving its key: kept when pinned, else returned for release.
+        if entry is not None and entry.pinned:
+            self._retired.append(entry)
+            return None
+        return entry
 
     def pin(self, entry: Any) -> None:
         with self._lock:
@@ -113,8 +125,9 @@ class CallCache:
 
     def clear(self) -> None:
         with self._lock:
-            dropped = list(self._entries.values())
+            dropped = list(self._entries.values()) + self._retired
             self._entries.clear()
+            self._retired = []
             self._seen.clear()
             self._hits = self._misses = self._plans = self._evictions = 0
         del dropped
@@ -128,7 +141,7 @@ class CallCache:
 
     def info(self) -> CallCacheInfo:
         with self._lock:
-            pinned = sum(1 for e in self._entries.values() if e.pinned)
+            pinned = sum(1 for e in self._entries.values() if e.pinned) + len(self._retired)
             return CallCacheInfo(self._hits, self._misses, self._plans, self._evictions, len(self._entries), pinned,
                                  self._capacity)
 

@@ -231,6 +231,29 @@ def test_threshold_table_changed_in_place():
         call()
 
 
+def test_pinned_entries_outlive_eviction_and_invalidation():
+    # What a capture does to the entries it uses (test_a_captured_prepared_call_is_pinned on a
+    # GPU), done by hand: a graph may replay their plans until clear_call_cache().
+    q, k, v = qkv(19, s_q=32, s_k=32)
+    table = torch.full((4, 2), -1e9)
+    gate = sp.ExactGate(block_q=16, block_k=16, thresholds=table)
+    for _ in range(2):
+        flash_attn_func(q, k, v, causal=True, policy=gate)
+    (entry,) = _call_cache.CACHE._entries.values()
+    _call_cache.CACHE.pin(entry)
+    sp.set_call_cache_size(0)
+    assert (sp.call_cache_info().size, sp.call_cache_info().pinned) == (1, 1)
+    sp.set_call_cache_size(4)
+    table.set_(torch.full((4, 3), -1e9))  # the entry no longer describes the call: retired, kept
+    for _ in range(2):
+        flash_attn_func(q, k, v, causal=True, policy=gate)
+    info = sp.call_cache_info()
+    assert (info.size, info.pinned, info.plans) == (1, 1, 2)
+    assert entry in _call_cache.CACHE._retired
+    sp.clear_call_cache()
+    assert (sp.call_cache_info().size, sp.call_cache_info().pinned) == (0, 0)
+
+
 def test_a_hit_raises_what_a_miss_raises():
     q, k, v = qkv(9)
     for _ in range(3):
