@@ -8,7 +8,9 @@ Three ways to call it:
   * sparseprefill.flash_attn_interface: flash_attn_func, flash_attn_varlen_func,
     flash_attn_with_kvcache with FlashAttention's names and a policy= argument (torch);
   * sparseprefill.transformers.register(): attn_implementation="sparseprefill".
-Policies: Dense, BlockSparse, ExactGate, SoftmaxSkip, EstimateSelect, PermuteStop."""
+Policies: Dense, BlockSparse, ExactGate, SoftmaxSkip, EstimateSelect, PermuteStop.
+Eager torch calls reuse prepared calls (plans bound to a checked call): call_cache_info(),
+clear_call_cache(), set_call_cache_size() (docs/python.md, "Prepared calls")."""
 
 from ._ext import (
     CorruptDataError,
@@ -19,6 +21,7 @@ from ._ext import (
     InvalidArgumentError,
     UnsupportedError,
 )
+from ._call_cache import CallCacheInfo, call_cache_info, clear_call_cache, set_call_cache_size
 from .calibration import Calibration, Calibrator, load_calibration
 from .native import BlockMask, Decisions, Plan, Result, Selection, build_info, can_run, plan, run, select
 from .policy import BlockSparse, Dense, EstimateSelect, ExactGate, PermuteStop, Policy, SoftmaxSkip
@@ -27,8 +30,9 @@ from .stats import CallStats, StatsLog, collect_stats
 __version__ = "0.1.0"
 
 __all__ = [
-    "BlockMask", "BlockSparse", "Calibration", "Calibrator", "CallStats", "CorruptDataError", "CudaError",
+    "BlockMask", "BlockSparse", "Calibration", "Calibrator", "CallCacheInfo", "CallStats", "CorruptDataError", "CudaError",
     "Decisions", "Dense", "Error", "EstimateSelect", "ExactGate", "FileError", "InternalError", "InvalidArgumentError",
     "PermuteStop", "Plan", "Policy", "Result", "Selection", "SoftmaxSkip", "StatsLog", "UnsupportedError",
-    "build_info", "can_run", "collect_stats", "load_calibration", "plan", "run", "select",
+    "build_info", "call_cache_info", "can_run", "clear_call_cache", "collect_stats", "load_calibration", "plan", "run",
+    "select", "set_call_cache_size",
 ]

@@ -7,6 +7,7 @@
 #include <pybind11/stl.h>
 
 #include <cstdint>
+#include <memory>
 #include <string>
 #include <utility>
 #include <vector>
@@ -353,10 +354,70 @@ class PlanHandle {
   }
 
   std::string describe() const { return sp_plan_describe(plan_); }
+  const sp_plan* get() const { return plan_; }
 
  private:
   sp_plan* plan_ = nullptr;
   py::object owner_;
+};
+
+// A plan bound to the descriptors of one call that the Python side validated (shapes,
+// strides, dtypes, devices, index tensors, the output's layout, backend, threads), converted
+// once: run_ptrs patches the data pointers of q, k, v, the descales, out and lse and runs the
+// plan, so a repeated call converts no descriptor. `plan` (the PlanHandle) and `keep` (what
+// the index descriptors point into) live as long as the binding. Immutable: several threads
+// may run one binding at once.
+class PlanCall {
+ public:
+  PlanCall(py::object plan, const py::tuple& problem, py::handle o, py::handle lse, int backend, int num_threads,
+           py::object keep)
+      : plan_owner_(std::move(plan)),
+        plan_(plan_owner_.cast<const PlanHandle&>().get()),
+        problem_(to_problem(problem)),
+        output_(make_output(o, lse)),
+        options_(make_options(backend, num_threads, 0)),
+        keep_(std::move(keep)) {}
+
+  void run_ptrs(std::uintptr_t q, std::uintptr_t k, std::uintptr_t v, std::uintptr_t o, std::uintptr_t lse,
+                std::uintptr_t stream, std::uintptr_t q_descale, std::uintptr_t k_descale,
+                std::uintptr_t v_descale) const {
+    sp_problem p = problem_;
+    patch(&p.q, q, "q");
+    patch(&p.k, k, "k");
+    patch(&p.v, v, "v");
+    patch(&p.q_descale, q_descale, "q_descale");
+    patch(&p.k_descale, k_descale, "k_descale");
+    patch(&p.v_descale, v_descale, "v_descale");
+    sp_output out = output_;
+    patch(&out.o, o, "out");
+    patch(&out.lse, lse, "lse");
+    sp_options options = options_;
+    options.cuda_stream = reinterpret_cast<void*>(stream);
+    int code;
+    {
+      py::gil_scoped_release release;
+      code = sp_plan_run(plan_, &p, &out, &options, nullptr, nullptr);
+    }
+    check(code);
+  }
+
+ private:
+  // A pointer for a tensor the bound call has, or 0 for one it lacks: anything else would
+  // run a call other than the one validated.
+  static void patch(sp_tensor* t, std::uintptr_t data, const char* name) {
+    if (t->rank == 0) {
+      if (data != 0) raise(SP_ERR_INVALID_ARGUMENT, std::string(name) + ": the bound call has none");
+      return;
+    }
+    t->data = reinterpret_cast<void*>(data);
+  }
+
+  py::object plan_owner_;
+  const sp_plan* plan_;
+  sp_problem problem_;
+  sp_output output_;
+  sp_options options_;
+  py::object keep_;
 };
 
 // (code, message): code 0 when `backend` can run the combination.
@@ -493,7 +554,19 @@ PYBIND11_MODULE(_ext, m) {
            py::arg("policy"), py::arg("backend"), py::arg("stream"), py::arg("owner"))
       .def("run", &PlanHandle::run, py::arg("problem"), py::arg("out"), py::arg("lse"), py::arg("backend"),
            py::arg("num_threads"), py::arg("stream"), py::arg("want_stats"), py::arg("want_decisions"))
+      .def(
+          "bind",
+          [](py::object self, const py::tuple& problem, py::handle o, py::handle lse, int backend, int num_threads,
+             py::object keep) {
+            return std::make_unique<PlanCall>(std::move(self), problem, o, lse, backend, num_threads,
+                                              std::move(keep));
+          },
+          py::arg("problem"), py::arg("out"), py::arg("lse"), py::arg("backend"), py::arg("num_threads"),
+          py::arg("keep"))
       .def("describe", &PlanHandle::describe);
+  py::class_<PlanCall>(m, "PlanCall")
+      .def("run_ptrs", &PlanCall::run_ptrs, py::arg("q"), py::arg("k"), py::arg("v"), py::arg("out"), py::arg("lse"),
+           py::arg("stream"), py::arg("q_descale") = 0, py::arg("k_descale") = 0, py::arg("v_descale") = 0);
   m.def("can_run", &can_run, py::arg("problem"), py::arg("policy"), py::arg("backend"));
   m.def("build_info", []() { return std::string(sp_build_info()); });
   m.def("abi_version", []() { return sp_abi_version(); });

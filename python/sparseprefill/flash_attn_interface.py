@@ -1,5 +1,6 @@
 # SPDX-License-Identifier: Apache-2.0
-"""FlashAttention-compatible functions over the sparseprefill torch ops: the names, argument
+"""FlashAttention-compatible functions over the sparseprefill torch ops (in eager mode their
+implementation is called directly, through prepared calls: _fastpath.py): the names, argument
 names, layouts, causal alignment (bottom-right) and LSE conventions of flash_attn (FA2
 positional order for flash_attn_func / flash_attn_varlen_func, FA3's for
 flash_attn_with_kvcache), plus policy= (Dense() by default) and layer= (for statistics).
@@ -21,11 +22,12 @@ from typing import Any, Optional, Sequence, Tuple
 
 import torch
 
-from . import ops  # noqa: F401  (registers torch.ops.sparseprefill.*)
+from . import _fastpath, ops  # noqa: F401  (ops registers torch.ops.sparseprefill.*)
 from ._core import InvalidArgumentError, check_problem, check_scale, dtype_name, out_dtype
 from ._ext import UnsupportedError
-from .native import policy_parts
+from .native import host_index, policy_parts
 from .policy import Dense, EstimateSelect, Policy
+from .stats import collecting
 
 __all__ = ["flash_attn_func", "flash_attn_varlen_func", "flash_attn_with_kvcache", "flash_attn_combine",
            "get_scheduler_metadata"]
@@ -33,7 +35,7 @@ __all__ = ["flash_attn_func", "flash_attn_varlen_func", "flash_attn_with_kvcache
 
 def _resolve_causal(causal: bool, window_size: Any) -> bool:
     """FA's rule: a window (-1, 0) is causal attention; other windows are local attention."""
-    if window_size is None:
+    if window_size is None or (type(window_size) is tuple and window_size == (-1, -1)):
         return bool(causal)
     left, right = (int(w) for w in window_size)
     if left < 0 and right < 0:
@@ -66,7 +68,22 @@ def _maybe_contiguous(x: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
 def _call(q, k, v, *, causal: bool, softmax_scale: Optional[float], cu_seqlens_q=None, cu_seqlens_k=None,
           seqused_k=None, block_table=None, descales=(None, None, None), max_seqlen_q: Optional[int] = None,
           out=None, policy: Optional[Policy] = None, layer: Optional[int] = None) -> Tuple[torch.Tensor, torch.Tensor]:
-    """One op call: (out, lse). descales: (q_descale, k_descale, v_descale)."""
+    """One call: (out, lse). descales: (q_descale, k_descale, v_descale). In eager mode the
+    implementation runs here, as a prepared call when the cache holds one (_fastpath.py);
+    under tracing, compiling, functorch or autograd the torch op runs it."""
+    eager = _fastpath.eager(q, k, v)
+    index = (cu_seqlens_q, cu_seqlens_k, seqused_k, block_table)
+    key = hosts = None
+    if eager and not collecting():
+        key, hosts = _fastpath.fa_key(policy, causal, softmax_scale, q, k, v, out, descales, index, max_seqlen_q)
+        entry = None if key is None else _fastpath.lookup(key)
+        if entry is not None:
+            if layer is not None and type(layer) is not int:
+                int(layer)  # the conversion a full call makes: a bad layer raises alike
+            o, lse = _fastpath.run(entry, q, k, v, out, None, descales)
+            if out is not None:
+                _fastpath.mark_written(out)
+            return o, lse
     policy = Dense() if policy is None else policy
     given = tuple((n, x) for n, x in zip(("q_descale", "k_descale", "v_descale"), descales) if x is not None)
     for name, x in (("q", q), ("k", k), ("v", v)) + given:
@@ -79,20 +96,38 @@ def _call(q, k, v, *, causal: bool, softmax_scale: Optional[float], cu_seqlens_q
     elif max_seqlen_q is not None:
         seq_q_max = int(max_seqlen_q)
     else:
-        cu = cu_seqlens_q.to("cpu", torch.int64)
+        cu = cu_seqlens_q.to("cpu", torch.int64) if hosts is None else hosts[0].to(torch.int64)
         seq_q_max = int((cu[1:] - cu[:-1]).max()) if cu.numel() > 1 else 0
     thresholds, mask = policy_parts(policy, q, geom, seq_q_max)
+    # estimate_select's chunked-prefill tensors (the cache of block means is written in place).
+    chunked = policy.chunked() if isinstance(policy, EstimateSelect) else (None, None, None, None)
+    for name, x in zip(("prompt_len", "k_block_means", "v_block_means", "block_means_valid"), chunked):
+        if x is not None and not isinstance(x, torch.Tensor):
+            raise InvalidArgumentError(f"{name}: expected a torch.Tensor, got {type(x).__name__}")
+    if eager and _fastpath.plain(out, *descales, thresholds, *chunked):
+        settings = policy.settings()
+        layer = None if layer is None or int(layer) < 0 else int(layer)
+        o = torch.empty(q.shape, dtype=out_dtype(q), device=q.device) if out is None else out
+        lse = torch.empty(geom.lse_shape, dtype=torch.float32, device=q.device)
+        if hosts is None:
+            hosts = tuple(host_index(x) for x in index)
+        written = chunked[1:3]
+        if any(x is not None for x in chunked):
+            chunked = (host_index(chunked[0]), chunked[1], chunked[2], host_index(chunked[3]))
+        else:
+            chunked = None
+        _fastpath.execute(key, _fastpath.identity_of(policy), q, k, v, hosts, descales, bool(causal), scale,
+                          policy.name, settings, thresholds, mask, chunked, o, lse, layer,
+                          _fastpath.watch_of(thresholds))
+        # What the op's mutation bookkeeping does for the tensors it writes in place.
+        _fastpath.mark_written(out, *written)
+        return o, lse
     indptr = indices = None
     mask_block_q = mask_block_k = 0
     per_kv_head = False
     if mask is not None:
         indptr, indices = torch.from_numpy(mask[0]), torch.from_numpy(mask[1])
         mask_block_q, mask_block_k, per_kv_head = mask[2], mask[3], mask[4]
-    # estimate_select's chunked-prefill tensors (the cache of block means is written in place).
-    chunked = policy.chunked() if isinstance(policy, EstimateSelect) else (None, None, None, None)
-    for name, x in zip(("prompt_len", "k_block_means", "v_block_means", "block_means_valid"), chunked):
-        if x is not None and not isinstance(x, torch.Tensor):
-            raise InvalidArgumentError(f"{name}: expected a torch.Tensor, got {type(x).__name__}")
     args = (q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, block_table, *descales, bool(causal), scale,
             policy.name, policy.settings_string(), thresholds, indptr, indices, mask_block_q, mask_block_k,
             per_kv_head, -1 if layer is None else int(layer), *chunked)
@@ -113,7 +148,7 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, wi
     optional float32 q_descale, k_descale, v_descale [b, h_kv]; out is then bfloat16."""
     _reject(dropout_p, softcap, alibi_slopes, qv, attention_chunk)
     causal = _resolve_causal(causal, window_size)
-    q, k, v = (_maybe_contiguous(x) for x in (q, k, v))
+    q, k, v = _maybe_contiguous(q), _maybe_contiguous(k), _maybe_contiguous(v)
     o, lse = _call(q, k, v, causal=causal, softmax_scale=softmax_scale, descales=(q_descale, k_descale, v_descale),
                    out=out, policy=policy, layer=layer)
     if return_attn_probs:

@@ -208,12 +208,17 @@ def chunked_parts(policy: Policy) -> Optional[Tuple[Any, Any, Any, Any]]:
 
 @contextlib.contextmanager
 def device_guard(q: Any):
-    """Makes q's CUDA device current and yields the current stream's handle (0 on the CPU)."""
-    if is_torch(q) and q.device.type == "cuda":
+    """Makes q's CUDA device current (when another one is) and yields the current stream's raw
+    handle (0 on the CPU)."""
+    if is_torch(q) and q.is_cuda:
         import torch
 
-        with torch.cuda.device(q.device):
-            yield torch.cuda.current_stream(q.device).cuda_stream
+        index = q.get_device()
+        if torch.cuda.current_device() == index:
+            yield torch._C._cuda_getCurrentRawStream(index)
+        else:
+            with torch.cuda.device(index):
+                yield torch._C._cuda_getCurrentRawStream(index)
     else:
         yield 0
 
@@ -378,7 +383,12 @@ class Plan:
     so a call does no host work on the mask, and a batched call with contiguous out and lse can
     be captured into a CUDA graph without a warm-up call of its shape (dense on Hopper
     excepted: its tensor maps are cached by a first uncaptured call). The plan keeps the policy and its threshold
-    table alive. Immutable; calls from several threads may share it."""
+    table alive. Immutable; calls from several threads may share it.
+
+    With torch tensors, stats=False and decisions=False, the plan also keeps the last call it
+    checked in full (its key: shapes, strides, dtypes, devices, index contents, out and lse
+    layouts, num_threads) bound to its descriptors: a call with that key skips every check and
+    conversion and runs with the data pointers patched (docs/python.md, "Prepared calls")."""
 
     def __init__(self, handle: "_ext.PlanHandle", geom: Geometry, policy: Policy, causal: bool, scale: float,
                  backend: int, device: Tuple[str, int]) -> None:
@@ -389,6 +399,8 @@ class Plan:
         self._scale = scale
         self._backend = backend
         self._device = device
+        # (key, _fastpath.Entry) of the last call checked in full on the lean path.
+        self._prepared: Optional[tuple] = None
 
     def describe(self) -> str:
         """The plan's policy in one line (its name and every parameter)."""
@@ -399,12 +411,22 @@ class Plan:
             v_descale: Any = None, out: Any = None, lse: Any = None, num_threads: int = 0, stats: bool = True,
             decisions: bool = False, layer: Optional[int] = None) -> Result:
         """run(plan, q, k, v, ...): see run()."""
-        threads = _threads(num_threads)
         descales = (q_descale, k_descale, v_descale)
-        geom = check_problem(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, block_table, out, lse, *descales)
+        index = (cu_seqlens_q, cu_seqlens_k, seqused_k, block_table)
+        lean = not stats and not decisions and not _stats.collecting() and is_torch(q)
+        key = None
+        if lean:
+            fast = _fastpath()
+            key = fast.plan_key(q, k, v, index, descales, out, lse, num_threads)
+            prepared = self._prepared
+            if prepared is not None and key == prepared[0]:
+                out, lse = fast.run(prepared[1], q, k, v, out, lse, descales)
+                return Result(out, lse, None, None)
+        threads = _threads(num_threads)
+        geom = check_problem(q, k, v, *index, out, lse, *descales)
         if device_of(q) != self._device:
             raise InvalidArgumentError(f"q: the plan was made for device {self._device}, got {device_of(q)}")
-        hosts = tuple(host_index(x) for x in (cu_seqlens_q, cu_seqlens_k, seqused_k, block_table))
+        hosts = tuple(host_index(x) for x in index)
         problem = problem_tuple(q, k, v, *hosts, self.causal, self._scale, *descales)
         out, lse = _outputs(q, geom, out, lse)
 
@@ -413,8 +435,27 @@ class Plan:
                                     stream, read_stats, decisions)
 
         call, raw = _call(q, stats, decisions, layer, self._handle.describe, launch)
+        if key is not None:
+            # Checked in full and run: calls with this key may skip both from now on.
+            entry = fast.bind(self._handle, q, k, v, hosts, descales, self.causal, self._scale, out, lse,
+                              self._backend, threads, ())
+            self._prepared = (key, entry)
         found = Decisions.from_ext(raw, geom, max_seq_q(q, hosts[0]), call.density if call else None)
         return Result(out, lse, call, found)
+
+
+_FAST: Any = None
+
+
+def _fastpath() -> Any:
+    """The torch side of the fast path (_fastpath.py), imported on first use: the module
+    imports torch, which a NumPy-only caller never loads."""
+    global _FAST
+    if _FAST is None:
+        from . import _fastpath as fast
+
+        _FAST = fast
+    return _FAST
 
 
 def plan(q: Any, k: Any, v: Any, policy: Optional[Policy] = None, *, causal: bool = True,

@@ -19,7 +19,9 @@ by the library on the host: CUDA ones are copied to the host first, a synchronis
 capture forbids, so varlen and paged calls can never be captured. The CUDA backend keeps each
 call's small metadata on the device keyed by content: a captured call must follow one warm-up
 call of the same shapes and tensors outside capture, or it raises UnsupportedError before any
-CUDA work (native.execute reads no statistics under capture)."""
+CUDA work (native.execute reads no statistics under capture). A call whose prepared call exists
+(_fastpath.py: planned on its second uncaptured call) runs that plan instead, pinned from then
+on (docs/python.md, "Prepared calls")."""
 
 from __future__ import annotations
 
@@ -28,8 +30,9 @@ from typing import List, Optional, Tuple
 import torch
 from torch.library import custom_op
 
-from . import native
+from . import _fastpath, native
 from ._core import check_problem, out_dtype
+from .stats import collecting
 
 __all__ = ["attention", "attention_out"]
 
@@ -50,12 +53,26 @@ def _forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: Op
              policy: str, settings: str, thresholds: Optional[torch.Tensor], mask_indptr: Optional[torch.Tensor],
              mask_indices: Optional[torch.Tensor], mask_block_q: int, mask_block_k: int, mask_per_kv_head: bool,
              layer: int, prompt_len: Optional[torch.Tensor], k_block_means: Optional[torch.Tensor],
-             v_block_means: Optional[torch.Tensor], block_means_valid: Optional[torch.Tensor], out: torch.Tensor,
-             lse: torch.Tensor) -> None:
-    check_problem(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, block_table, out, lse, q_descale, k_descale,
-                  v_descale)
-    hosts = [native.host_index(x) for x in (cu_seqlens_q, cu_seqlens_k, seqused_k, block_table)]
-    problem = native.problem_tuple(q, k, v, *hosts, causal, softmax_scale, q_descale, k_descale, v_descale)
+             v_block_means: Optional[torch.Tensor], block_means_valid: Optional[torch.Tensor],
+             out: Optional[torch.Tensor], lse: Optional[torch.Tensor]) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Runs the op into out and lse (both None: allocated, as attention returns them). A call
+    without a block mask or chunked-prefill tensors (contents its key does not hold) runs as a
+    prepared call when the cache holds one (_fastpath.py)."""
+    descales = (q_descale, k_descale, v_descale)
+    index = (cu_seqlens_q, cu_seqlens_k, seqused_k, block_table)
+    key = hosts = None
+    if (mask_indptr is None and mask_indices is None and prompt_len is None and k_block_means is None
+            and v_block_means is None and block_means_valid is None and not collecting()):
+        key, hosts = _fastpath.op_key(policy, settings, causal, softmax_scale, thresholds, q, k, v, out, lse, descales,
+                                      index)
+        entry = None if key is None else _fastpath.lookup(key)
+        if entry is not None:
+            return _fastpath.run(entry, q, k, v, out, lse, descales)
+    geom = check_problem(q, k, v, *index, out, lse, *descales)
+    if out is None:
+        out, lse = _new_outputs(q, geom.lse_shape)
+    if hosts is None:
+        hosts = tuple(native.host_index(x) for x in index)
     mask = None
     if mask_indptr is not None:
         mask = (native.host_index(mask_indptr), native.host_index(mask_indices), mask_block_q,
@@ -63,18 +80,24 @@ def _forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: Op
     chunked = None
     if any(x is not None for x in (prompt_len, k_block_means, v_block_means, block_means_valid)):
         chunked = (native.host_index(prompt_len), k_block_means, v_block_means, native.host_index(block_means_valid))
-    handle = native.make_handle(policy, _decode(settings), problem, thresholds, mask, chunked)
-    native.execute(problem, handle, q, out, lse, 0, 0, False, layer if layer >= 0 else None)
+    _fastpath.execute(key, thresholds, q, k, v, hosts, descales, causal, softmax_scale, policy, _decode(settings),
+                      thresholds, mask, chunked, out, lse, layer if layer >= 0 else None, ())
+    return out, lse
+
+
+def _new_outputs(q: torch.Tensor, lse_shape: Tuple[int, ...]) -> Tuple[torch.Tensor, torch.Tensor]:
+    """attention's (out, lse), allocated alike by the op and its fake."""
+    return q.new_empty(q.shape, dtype=out_dtype(q)), q.new_empty(lse_shape, dtype=torch.float32)
 
 
 def _allocate(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: Optional[torch.Tensor],
               cu_seqlens_k: Optional[torch.Tensor], seqused_k: Optional[torch.Tensor],
               block_table: Optional[torch.Tensor], q_descale: Optional[torch.Tensor], k_descale: Optional[torch.Tensor],
               v_descale: Optional[torch.Tensor]) -> Tuple[torch.Tensor, torch.Tensor]:
-    """attention's (out, lse), checked and allocated alike by the op and its fake."""
+    """attention's fake: the op's checks and its (out, lse)."""
     geom = check_problem(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, block_table, None, None, q_descale,
                          k_descale, v_descale)
-    return q.new_empty(q.shape, dtype=out_dtype(q)), q.new_empty(geom.lse_shape, dtype=torch.float32)
+    return _new_outputs(q, geom.lse_shape)
 
 
 # No argument has a default: the boxed call drops trailing arguments equal to their defaults,
@@ -93,11 +116,10 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: O
     """Returns (out [q's shape and dtype; bfloat16 for FP8 inputs], lse float32 [b, h_q, s_q] or
     varlen [h_q, total_q]). softmax_scale 0 means 1/sqrt(d); layer < 0 means none (for
     statistics)."""
-    out, lse = _allocate(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, block_table, q_descale, k_descale, v_descale)
-    _forward(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, block_table, q_descale, k_descale, v_descale, causal,
-             softmax_scale, policy, settings, thresholds, mask_indptr, mask_indices, mask_block_q, mask_block_k,
-             mask_per_kv_head, layer, prompt_len, k_block_means, v_block_means, block_means_valid, out, lse)
-    return out, lse
+    return _forward(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, block_table, q_descale, k_descale, v_descale,
+                    causal, softmax_scale, policy, settings, thresholds, mask_indptr, mask_indices, mask_block_q,
+                    mask_block_k, mask_per_kv_head, layer, prompt_len, k_block_means, v_block_means,
+                    block_means_valid, None, None)
 
 
 @attention.register_fake

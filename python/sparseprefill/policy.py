@@ -15,6 +15,9 @@ from ._core import InvalidArgumentError, dtype_name, is_torch
 __all__ = ["Policy", "Dense", "BlockSparse", "ExactGate", "SoftmaxSkip", "EstimateSelect", "PermuteStop"]
 
 
+_UNSET = object()
+
+
 def _setting(value: Any) -> str:
     if isinstance(value, (bool, np.bool_)):
         return "true" if value else "false"
@@ -35,6 +38,21 @@ class Policy:
     def settings_string(self) -> str:
         """The settings as 'key=value;key=value' (the torch op's encoding)."""
         return ";".join(f"{k}={v}" for k, v in self.settings())
+
+    def call_key(self) -> Any:
+        """What the checks of a call under this policy read from it, as a hashable value (calls
+        with equal values validate alike; the prepared-call cache keys by it), or None when
+        such calls are not cached. Computed once: policies are frozen."""
+        key = self.__dict__.get("_call_key", _UNSET)
+        if key is _UNSET:
+            key = self._make_call_key()
+            object.__setattr__(self, "_call_key", key)
+        return key
+
+    def _make_call_key(self) -> Any:
+        # The settings strings the library parses, not the field values: True == 1, but they
+        # are the settings "true" and "1".
+        return (type(self), tuple(self.settings()))
 
 
 @dataclass(frozen=True)
@@ -86,6 +104,13 @@ class EstimateSelect(Policy):
         """(prompt_len, k_block_means, v_block_means, block_means_valid), None where not given."""
         return self.prompt_len, self.k_block_means, self.v_block_means, self.block_means_valid
 
+    def _make_call_key(self) -> Any:
+        # The chunked-prefill tensors change between chunks (valid counts, the cache of means
+        # written in place): such calls are validated in full each time.
+        if any(x is not None for x in self.chunked()):
+            return None
+        return super()._make_call_key()
+
 
 @dataclass(frozen=True)
 class PermuteStop(Policy):
@@ -122,6 +147,12 @@ class ExactGate(Policy):
         if self.calibration is not None and (self.layer is None or self.budget is None):
             raise InvalidArgumentError("layer, budget: both are required with calibration=")
         object.__setattr__(self, "_on_device", {})
+
+    def call_key(self) -> Any:
+        # By identity (not memoised: self in its own __dict__ would keep a device table alive
+        # until a garbage collection): its table is fixed per device once copied there, and a
+        # prepared call checks on each use that the table is the one it was planned with.
+        return self
 
     def _calibration(self) -> Any:
         from .calibration import load_calibration
@@ -218,6 +249,10 @@ class BlockSparse(Policy):
         if (self.indptr is None) != (self.indices is None):
             raise InvalidArgumentError("indices: indptr and indices go together")
         object.__setattr__(self, "_csr_cache", {})
+
+    def call_key(self) -> Any:
+        # By identity: a call reads its mask through csr(), built once per geometry.
+        return self
 
     def csr(self, batch: int, heads: int, num_q_blocks: int) -> Tuple[np.ndarray, np.ndarray]:
         """(indptr, indices) as host int32 arrays over batch * heads * num_q_blocks rows."""

@@ -396,6 +396,7 @@ def test_capture_without_warm_up_is_refused_cleanly():
     # the same shapes: a first call under capture raises before any CUDA work, the capture ends
     # cleanly and the device stays usable.
     q, k, v = qkv(50, 1, 256, 256, 4, 2, 64, torch.bfloat16, "cuda")
+    sp.clear_call_cache()  # nor a prepared call of it (one needs no warm-up: test_call_cache.py)
     graph = torch.cuda.CUDAGraph()
     with pytest.raises(sp.UnsupportedError, match="capturing a CUDA graph"):
         with torch.cuda.graph(graph):
