@@ -116,6 +116,10 @@ def main():
     lib.check(lib.run(problem, lib.policy("dense"), out, opts, stats))
     err = np.abs(o[0] - attention(q, k, v)).max()
     assert err < 1e-4, f"dense: max error {err}"
+    assert stats.path == b"cpu" and stats.passes == 1 and stats.q_pack == 1, (stats.path, stats.passes, stats.q_pack)
+    bad = sp_ctypes.Options(sp_ctypes.BACKEND_CPU, 1, None, 0, 3, 0, 0)  # pack_gqa 3: no such choice
+    assert lib.run(problem, lib.policy("dense"), out, bad) == sp_ctypes.ERR_INVALID_ARGUMENT
+    assert "options.pack_gqa" in lib.last_error(), lib.last_error()
     assert np.isfinite(lse).all(), "dense: LSE not written"
     visible = s * (s + 1) // 2
     assert stats.total.computed_pairs == h_q * visible, stats.total.computed_pairs

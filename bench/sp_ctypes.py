@@ -7,7 +7,7 @@ neither torch nor numpy (`tensor_from_torch` imports torch only when called).
 import ctypes
 import os
 
-ABI_VERSION = 2
+ABI_VERSION = 3
 MAX_RANK = 4
 
 OK, ERR_INVALID_ARGUMENT, ERR_UNSUPPORTED = 0, 1, 2
@@ -36,7 +36,8 @@ class Output(ctypes.Structure):
 
 class Options(ctypes.Structure):
     _fields_ = [("backend", ctypes.c_int32), ("num_threads", ctypes.c_int32),
-                ("cuda_stream", ctypes.c_void_p)]
+                ("cuda_stream", ctypes.c_void_p), ("cuda_path", ctypes.c_int32), ("pack_gqa", ctypes.c_int32),
+                ("kv_staging", ctypes.c_int32), ("gate_passes", ctypes.c_int32)]
 
 
 class HeadStats(ctypes.Structure):
@@ -49,7 +50,15 @@ class Stats(ctypes.Structure):
     _fields_ = [("total", HeadStats), ("density", ctypes.c_double),
                 ("pair_density", ctypes.c_double), ("batch", ctypes.c_int32),
                 ("h_q", ctypes.c_int32), ("num_heads", ctypes.c_int64),
-                ("heads", ctypes.POINTER(HeadStats)), ("heads_capacity", ctypes.c_int64)]
+                ("heads", ctypes.POINTER(HeadStats)), ("heads_capacity", ctypes.c_int64),
+                ("path", ctypes.c_char_p), ("instance", ctypes.c_char_p), ("decision_instance", ctypes.c_char_p),
+                ("passes", ctypes.c_int32), ("q_pack", ctypes.c_int32)]
+
+
+class DeviceBlockMask(ctypes.Structure):
+    _fields_ = [("kv_num_blocks", Tensor), ("kv_indices", Tensor), ("full_kv_num_blocks", Tensor),
+                ("full_kv_indices", Tensor), ("csr_indptr", Tensor), ("csr_indices", Tensor),
+                ("block_q", ctypes.c_int32), ("block_k", ctypes.c_int32), ("per_kv_head", ctypes.c_int32)]
 
 
 class Setting(ctypes.Structure):

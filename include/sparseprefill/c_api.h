@@ -19,7 +19,7 @@ extern "C" {
 
 /* Bumped whenever a struct below changes layout or a function changes meaning; loaders
  * compare it with sp_abi_version() before their first call. */
-#define SP_ABI_VERSION 2
+#define SP_ABI_VERSION 3
 #define SP_MAX_RANK 4
 
 /* Status codes: the values of sparseprefill::StatusCode. */
@@ -96,6 +96,12 @@ typedef struct sp_options {
   int32_t backend;     /* sp_backend */
   int32_t num_threads; /* CPU backend: 0 = every core */
   void* cuda_stream;   /* cudaStream_t for the CUDA backend; NULL = the default stream */
+  /* How a CUDA call executes (sparseprefill::ExecutionOverrides; 0 everywhere = the library's
+   * choice after the environment's SPARSEPREFILL_* variables): */
+  int32_t cuda_path;   /* 0 auto, 1 portable, 2 hopper (an error where the Hopper kernels cannot run) */
+  int32_t pack_gqa;    /* 0 auto, 1 always, 2 never */
+  int32_t kv_staging;  /* 0 auto, 1 always, 2 never */
+  int32_t gate_passes; /* 0 auto, 1 or 2 (exact_gate) */
 } sp_options;
 
 /* Work accounting of one (batch, query head); see sparseprefill::HeadStats. */
@@ -120,6 +126,12 @@ typedef struct sp_stats {
   int64_t num_heads;
   sp_head_stats* heads;   /* in: optional caller-owned buffer */
   int64_t heads_capacity; /* in: its length in entries */
+  /* What ran (sparseprefill::ExecutionInfo); static strings, valid for the process: */
+  const char* path;              /* "reference", "cpu", "cuda-portable", "cuda-hopper" */
+  const char* instance;          /* the attention kernel instance, or "" on the host backends */
+  const char* decision_instance; /* the kernel deciding ahead of it, or "" */
+  int32_t passes;                /* exact_gate: 2 with a decision kernel ahead of attention */
+  int32_t q_pack;                /* query heads per tile (GQA packing) */
 } sp_stats;
 
 /* A policy: name + key=value settings (as the CLI's --set), plus tensor attachments. Opaque;
@@ -176,6 +188,30 @@ SP_C_API int sp_policy_set_block_mask(sp_policy* policy, const sp_problem* probl
 /* One line naming the policy and every parameter; owned by the handle, valid until it is
  * changed or destroyed. */
 SP_C_API const char* sp_policy_describe(const sp_policy* policy);
+
+/* A block mask read in place (sparseprefill::DeviceBlockMask: FlexAttention's four tensors, or
+ * CSR; on q's device, no copy, no synchronisation; checked on the device as the call runs, its
+ * offences reported by sp_check_device_errors and by calls that synchronise). Rank-0 tensors
+ * are absent. The policy views the tensors: they must outlive its runs. */
+typedef struct sp_device_block_mask {
+  sp_tensor kv_num_blocks;      /* int32 [B, H, Q] (partial blocks) */
+  sp_tensor kv_indices;         /* int32 [B, H, Q, K] */
+  sp_tensor full_kv_num_blocks; /* optional */
+  sp_tensor full_kv_indices;    /* optional */
+  sp_tensor csr_indptr;         /* or CSR: int32 [rows + 1] */
+  sp_tensor csr_indices;        /* int32 [nnz] */
+  int32_t block_q;
+  int32_t block_k;
+  int32_t per_kv_head;
+} sp_device_block_mask;
+SP_C_API int sp_policy_set_device_block_mask(sp_policy* policy, const sp_device_block_mask* mask);
+/* estimate_select's selection into `out`'s four Flex tensors on the device (sparseprefill::
+ * select_into), enqueued on options->cuda_stream without synchronising. */
+SP_C_API int sp_select_into(const sp_problem* problem, const sp_policy* policy, const sp_options* options,
+                            const sp_device_block_mask* out);
+/* The first offence of a device block mask check on CUDA device `device` since the last report
+ * (SP_ERR_INVALID_ARGUMENT, sp_last_error names it), clearing it; synchronises the device. */
+SP_C_API int sp_check_device_errors(int32_t device);
 
 /* Computes O (and LSE) for `problem` under `policy`. options and stats may be NULL. Never
  * allocates output memory. */

@@ -23,7 +23,8 @@ from ._ext import (
 )
 from ._call_cache import CallCacheInfo, call_cache_info, clear_call_cache, set_call_cache_size
 from .calibration import Calibration, Calibrator, load_calibration
-from .native import BlockMask, Decisions, Plan, Result, Selection, build_info, can_run, plan, run, select
+from .native import (BlockMask, Decisions, DeviceSelection, Plan, Result, Selection, build_info, can_run, check, plan,
+                     run, select)
 from .policy import BlockSparse, Dense, EstimateSelect, ExactGate, PermuteStop, Policy, SoftmaxSkip
 from .stats import CallStats, StatsLog, collect_stats
 
@@ -31,8 +32,8 @@ __version__ = "0.1.0"
 
 __all__ = [
     "BlockMask", "BlockSparse", "Calibration", "Calibrator", "CallCacheInfo", "CallStats", "CorruptDataError", "CudaError",
-    "Decisions", "Dense", "Error", "EstimateSelect", "ExactGate", "FileError", "InternalError", "InvalidArgumentError",
+    "Decisions", "Dense", "DeviceSelection", "Error", "EstimateSelect", "ExactGate", "FileError", "InternalError", "InvalidArgumentError",
     "PermuteStop", "Plan", "Policy", "Result", "Selection", "SoftmaxSkip", "StatsLog", "UnsupportedError",
-    "build_info", "call_cache_info", "can_run", "clear_call_cache", "collect_stats", "load_calibration", "plan", "run",
+    "build_info", "call_cache_info", "can_run", "check", "clear_call_cache", "collect_stats", "load_calibration", "plan", "run",
     "select", "set_call_cache_size",
 ]

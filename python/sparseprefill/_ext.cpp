@@ -142,13 +142,42 @@ class PolicyHandle {
     check(sp_policy_set_block_mask(policy_, &p, &mask));
   }
 
+  // A block mask read in place (descriptors of FlexAttention's tensors or CSR; None for the
+  // absent ones); `owner` keeps their memory alive as long as the handle.
+  void set_device_block_mask(py::handle kv_num_blocks, py::handle kv_indices, py::handle full_kv_num_blocks,
+                             py::handle full_kv_indices, py::handle csr_indptr, py::handle csr_indices, int block_q,
+                             int block_k, bool per_kv_head, py::object owner) {
+    const sp_device_block_mask mask = device_mask(kv_num_blocks, kv_indices, full_kv_num_blocks, full_kv_indices,
+                                                  csr_indptr, csr_indices, block_q, block_k, per_kv_head);
+    check(sp_policy_set_device_block_mask(policy_, &mask));
+    mask_owner_ = std::move(owner);
+  }
+
   std::string describe() const { return sp_policy_describe(policy_); }
   const sp_policy* get() const { return policy_; }
+
+  static sp_device_block_mask device_mask(py::handle kv_num_blocks, py::handle kv_indices,
+                                          py::handle full_kv_num_blocks, py::handle full_kv_indices,
+                                          py::handle csr_indptr, py::handle csr_indices, int block_q, int block_k,
+                                          bool per_kv_head) {
+    sp_device_block_mask m{};
+    m.kv_num_blocks = to_tensor(kv_num_blocks, "kv_num_blocks");
+    m.kv_indices = to_tensor(kv_indices, "kv_indices");
+    m.full_kv_num_blocks = to_tensor(full_kv_num_blocks, "full_kv_num_blocks");
+    m.full_kv_indices = to_tensor(full_kv_indices, "full_kv_indices");
+    m.csr_indptr = to_tensor(csr_indptr, "csr_indptr");
+    m.csr_indices = to_tensor(csr_indices, "csr_indices");
+    m.block_q = block_q;
+    m.block_k = block_k;
+    m.per_kv_head = per_kv_head ? 1 : 0;
+    return m;
+  }
 
  private:
   sp_policy* policy_ = nullptr;
   py::object owner_;
   py::object chunked_owner_;
+  py::object mask_owner_;
 };
 
 py::tuple head_tuple(const sp_head_stats& h) {
@@ -314,6 +343,24 @@ py::tuple select_blocks(const py::tuple& problem, const PolicyHandle& policy, in
   }
   check(code);
   return py::make_tuple(stats.to_python(), decisions.to_python());
+}
+
+// estimate_select's selection into four device tensors in FlexAttention's form (descriptors),
+// enqueued on `stream` without a synchronisation.
+void select_into(const py::tuple& problem, const PolicyHandle& policy, int backend, std::uintptr_t stream,
+                 py::handle kv_num_blocks, py::handle kv_indices, py::handle full_kv_num_blocks,
+                 py::handle full_kv_indices, bool per_kv_head, int block) {
+  const sp_problem p = to_problem(problem);
+  const sp_options options = make_options(backend, 0, stream);
+  const sp_device_block_mask out = PolicyHandle::device_mask(kv_num_blocks, kv_indices, full_kv_num_blocks,
+                                                             full_kv_indices, py::none(), py::none(), 128, block,
+                                                             per_kv_head);
+  int code;
+  {
+    py::gil_scoped_release release;
+    code = sp_select_into(&p, policy.get(), &options, &out);
+  }
+  check(code);
 }
 
 // An owned sp_plan. The plan copies the policy; `owner` keeps alive what the policy only views
@@ -531,6 +578,9 @@ PYBIND11_MODULE(_ext, m) {
       .def("set_block_mask", &PolicyHandle::set_block_mask, py::arg("problem"),
            py::arg("block_q"), py::arg("block_k"), py::arg("per_kv_head"), py::arg("num_rows"),
            py::arg("indptr"), py::arg("num_indices"), py::arg("indices"))
+      .def("set_device_block_mask", &PolicyHandle::set_device_block_mask, py::arg("kv_num_blocks"),
+           py::arg("kv_indices"), py::arg("full_kv_num_blocks"), py::arg("full_kv_indices"), py::arg("csr_indptr"),
+           py::arg("csr_indices"), py::arg("block_q"), py::arg("block_k"), py::arg("per_kv_head"), py::arg("owner"))
       .def("describe", &PolicyHandle::describe);
 
   py::class_<CalibratorHandle>(m, "CalibratorHandle")
@@ -567,6 +617,20 @@ PYBIND11_MODULE(_ext, m) {
   py::class_<PlanCall>(m, "PlanCall")
       .def("run_ptrs", &PlanCall::run_ptrs, py::arg("q"), py::arg("k"), py::arg("v"), py::arg("out"), py::arg("lse"),
            py::arg("stream"), py::arg("q_descale") = 0, py::arg("k_descale") = 0, py::arg("v_descale") = 0);
+  m.def("select_into", &select_into, py::arg("problem"), py::arg("policy"), py::arg("backend"), py::arg("stream"),
+        py::arg("kv_num_blocks"), py::arg("kv_indices"), py::arg("full_kv_num_blocks"), py::arg("full_kv_indices"),
+        py::arg("per_kv_head"), py::arg("block"));
+  m.def(
+      "check_device_errors",
+      [](int device) {
+        int code;
+        {
+          py::gil_scoped_release release;
+          code = sp_check_device_errors(device);
+        }
+        check(code);
+      },
+      py::arg("device"));
   m.def("can_run", &can_run, py::arg("problem"), py::arg("policy"), py::arg("backend"));
   m.def("build_info", []() { return std::string(sp_build_info()); });
   m.def("abi_version", []() { return sp_abi_version(); });

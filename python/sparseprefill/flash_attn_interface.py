@@ -25,7 +25,7 @@ import torch
 from . import _fastpath, ops  # noqa: F401  (ops registers torch.ops.sparseprefill.*)
 from ._core import InvalidArgumentError, check_problem, check_scale, dtype_name, out_dtype
 from ._ext import UnsupportedError
-from .native import host_index, policy_parts
+from .native import InPlaceMask, host_index, policy_parts
 from .policy import Dense, EstimateSelect, Policy
 from .stats import collecting
 
@@ -125,6 +125,11 @@ def _call(q, k, v, *, causal: bool, softmax_scale: Optional[float], cu_seqlens_q
     indptr = indices = None
     mask_block_q = mask_block_k = 0
     per_kv_head = False
+    if isinstance(mask, InPlaceMask):
+        # The op takes a host CSR mask (its schema has no device mask): read the tensors here.
+        heads = geom.h_kv if policy.per_kv_head else geom.h_q
+        mask = (*policy.csr(geom.batch, heads, math.ceil(seq_q_max / policy.block_q)), policy.block_q,
+                policy.block_k, policy.per_kv_head)
     if mask is not None:
         indptr, indices = torch.from_numpy(mask[0]), torch.from_numpy(mask[1])
         mask_block_q, mask_block_k, per_kv_head = mask[2], mask[3], mask[4]

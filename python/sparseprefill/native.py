@@ -170,11 +170,24 @@ def make_handle(name: str, settings: list, problem: tuple, thresholds: Any = Non
     if chunked is not None:
         names = ("prompt_len", "k_block_means", "v_block_means", "block_means_valid")
         handle.set_chunked(*(descriptor(x, n) for x, n in zip(chunked, names)), chunked)
-    if mask is not None:
+    if isinstance(mask, InPlaceMask):
+        names = ("kv_num_blocks", "kv_indices", "full_kv_num_blocks", "full_kv_indices", "indptr", "indices")
+        handle.set_device_block_mask(*(descriptor(x, n) for x, n in zip(mask.tensors, names)), int(mask.block_q),
+                                     int(mask.block_k), bool(mask.per_kv_head), mask.tensors)
+    elif mask is not None:
         indptr, indices, block_q, block_k, per_kv_head = mask
         handle.set_block_mask(problem, int(block_q), int(block_k), bool(per_kv_head),
                               int(indptr.shape[0]) - 1, _ptr(indptr), int(indices.shape[0]), _ptr(indices))
     return handle
+
+
+class InPlaceMask(NamedTuple):
+    """A BlockSparse mask the library reads where it is (BlockSparse.in_place)."""
+
+    tensors: tuple
+    block_q: int
+    block_k: int
+    per_kv_head: bool
 
 
 def policy_parts(policy: Policy, q: Any, geom: Geometry, seq_q_max: int) -> Tuple[Any, Any]:
@@ -189,6 +202,9 @@ def policy_parts(policy: Policy, q: Any, geom: Geometry, seq_q_max: int) -> Tupl
         if policy.block_q <= 0 or policy.block_k <= 0:
             raise InvalidArgumentError(
                 f"block_q, block_k: expected positive block sizes, got {policy.block_q} and {policy.block_k}")
+        in_place = policy.in_place(q)
+        if in_place is not None:
+            return thresholds, InPlaceMask(in_place, policy.block_q, policy.block_k, policy.per_kv_head)
         heads = geom.h_kv if policy.per_kv_head else geom.h_q
         num_q_blocks = math.ceil(seq_q_max / policy.block_q)
         indptr, indices = policy.csr(geom.batch, heads, num_q_blocks)
@@ -357,17 +373,23 @@ def select(q: Any, k: Any, v: Any, policy: Optional[Policy] = None, *, causal: b
            softmax_scale: Optional[float] = None, cu_seqlens_q: Any = None, cu_seqlens_k: Any = None,
            seqused_k: Any = None, block_table: Any = None, q_descale: Any = None, k_descale: Any = None,
            v_descale: Any = None, backend: str = "auto", num_threads: int = 0,
-           layer: Optional[int] = None) -> Selection:
+           layer: Optional[int] = None, device: bool = False) -> Any:
     """The policy's selector alone, no attention: Selection(mask, corrected, stats). Dense
     selects every visible block (128 x 128 blocks), BlockSparse its own mask, EstimateSelect
     what its selector keeps (on CUDA the GPU selector's device mask, copied back: this
     synchronises the stream). ExactGate, SoftmaxSkip and PermuteStop decide during attention:
-    UnsupportedError (use run(..., decisions=True)). Arguments as run()."""
+    UnsupportedError (use run(..., decisions=True)). Arguments as run().
+
+    device=True (EstimateSelect, CUDA tensors): a DeviceSelection instead, the selection left on
+    the device in FlexAttention's form with no synchronisation (capturable)."""
     code = backend_code(backend)
     threads = _threads(num_threads)
     geom, problem, handle, _, _, seq_q_max = _prepare(q, k, v, policy, causal, softmax_scale, cu_seqlens_q,
                                                       cu_seqlens_k, seqused_k, block_table,
                                                       (q_descale, k_descale, v_descale))
+    if device:
+        return _select_on_device(q, geom, problem, handle, policy, code, seq_q_max, cu_seqlens_k, seqused_k,
+                                 block_table, k)
     if capturing(q):
         raise UnsupportedError("select: reads its mask back to the host, which CUDA graph capture forbids")
     with device_guard(q) as stream:
@@ -375,6 +397,85 @@ def select(q: Any, k: Any, v: Any, policy: Optional[Policy] = None, *, causal: b
     call = _stats.CallStats.from_ext(raw_stats, layer, handle.describe())
     found = Decisions.from_ext(raw, geom, seq_q_max, call.density)
     return Selection(found.kept, found.corrected, call)
+
+
+class DeviceSelection(NamedTuple):
+    """select(..., device=True)'s answer: estimate_select's selection on the device in
+    FlexAttention's form, int32 (blocks of 128: q_blocks = ceil(max s_q / 128), k_blocks =
+    ceil(max s_k / 128); heads = h_q, or h_kv with pack_gqa): kv_num_blocks / kv_indices the
+    blocks the causal mask cuts, full_kv_* the others; entries past a row's count undefined."""
+
+    kv_num_blocks: Any      # [batch, heads, q_blocks]
+    kv_indices: Any         # [batch, heads, q_blocks, k_blocks]
+    full_kv_num_blocks: Any
+    full_kv_indices: Any
+    block: int
+    per_kv_head: bool
+
+    def to_policy(self) -> BlockSparse:
+        """A BlockSparse policy that runs this selection where it is (no copy)."""
+        return BlockSparse(kv_num_blocks=self.kv_num_blocks, kv_indices=self.kv_indices,
+                           full_kv_num_blocks=self.full_kv_num_blocks, full_kv_indices=self.full_kv_indices,
+                           block_q=128, block_k=self.block, per_kv_head=self.per_kv_head)
+
+    def to_host(self) -> BlockMask:
+        """The selection as a host BlockMask (CSR; copies and synchronises)."""
+        batch, heads, q_blocks = (int(x) for x in self.kv_num_blocks.shape)
+        indptr, indices = self.to_policy().csr(batch, heads, q_blocks)
+        return BlockMask(indptr, indices, batch, heads, q_blocks, int(self.kv_indices.shape[3]), 128, self.block,
+                         self.per_kv_head)
+
+    def block_mask(self, q_len: int, kv_len: int) -> Any:
+        """The selection as torch's FlexAttention BlockMask (BlockMask.from_kv_blocks), for
+        flex_attention with the same blocks."""
+        from torch.nn.attention.flex_attention import BlockMask as FlexBlockMask
+
+        return FlexBlockMask.from_kv_blocks(self.kv_num_blocks, self.kv_indices, self.full_kv_num_blocks,
+                                            self.full_kv_indices, BLOCK_SIZE=(128, self.block),
+                                            seq_lengths=(q_len, kv_len))
+
+
+def _select_on_device(q: Any, geom: Geometry, problem: tuple, handle: Any, policy: Any, code: int, seq_q_max: int,
+                      cu_seqlens_k: Any, seqused_k: Any, block_table: Any, k: Any) -> DeviceSelection:
+    if not isinstance(policy, EstimateSelect):
+        raise UnsupportedError("select(device=True): estimate_select's selection only (dense and block_sparse need "
+                               "none; the gates and permute_stop decide inside attention)")
+    if not is_torch(q) or q.device.type != "cuda":
+        raise InvalidArgumentError("q: select(device=True) needs CUDA tensors")
+    import torch
+
+    heads = geom.h_kv if policy.pack_gqa else geom.h_q
+    block = policy.block
+    max_k = _max_keys(k, geom, cu_seqlens_k, seqused_k, block_table)
+    q_blocks, k_blocks = math.ceil(seq_q_max / block), math.ceil(max_k / block)
+    counts = [torch.empty((geom.batch, heads, q_blocks), dtype=torch.int32, device=q.device) for _ in range(2)]
+    indices = [torch.empty((geom.batch, heads, q_blocks, k_blocks), dtype=torch.int32, device=q.device)
+               for _ in range(2)]
+    with device_guard(q) as stream:
+        _ext.select_into(problem, handle, code, stream, descriptor(counts[0], "kv_num_blocks"),
+                         descriptor(indices[0], "kv_indices"), descriptor(counts[1], "full_kv_num_blocks"),
+                         descriptor(indices[1], "full_kv_indices"), bool(policy.pack_gqa), int(block))
+    return DeviceSelection(counts[0], indices[0], counts[1], indices[1], int(block), bool(policy.pack_gqa))
+
+
+def _max_keys(k: Any, geom: Geometry, cu_seqlens_k: Any, seqused_k: Any, block_table: Any) -> int:
+    """The longest sequence's keys (host index tensors are read; CUDA ones are copied)."""
+    if seqused_k is not None:
+        return int(host_index(seqused_k).max()) if geom.batch else 0
+    if cu_seqlens_k is not None:
+        cu = host_index(cu_seqlens_k)
+        return int((cu[1:] - cu[:-1]).max()) if geom.batch else 0
+    return int(k.shape[1])
+
+
+def check() -> None:
+    """Raises InvalidArgumentError for the first offence a device check of a block mask read in
+    place found on the current CUDA device since the last report (then clears it); synchronises
+    the device. Calls that synchronise anyway (decisions, select to the host, plans) report one
+    too."""
+    import torch
+
+    _ext.check_device_errors(torch.cuda.current_device() if torch.cuda.is_available() else 0)
 
 
 class Plan:

@@ -251,8 +251,37 @@ class BlockSparse(Policy):
         object.__setattr__(self, "_csr_cache", {})
 
     def call_key(self) -> Any:
-        # By identity: a call reads its mask through csr(), built once per geometry.
+        # By identity: a call reads its mask through csr(), built once per geometry, or (in
+        # place) through the same tensors, whose contents each call reads anew.
         return self
+
+    @classmethod
+    def from_block_mask(cls, block_mask: Any, per_kv_head: bool = False) -> "BlockSparse":
+        """From a torch FlexAttention BlockMask (torch.nn.attention.flex_attention): its
+        kv_num_blocks / kv_indices / full_kv_num_blocks / full_kv_indices and BLOCK_SIZE. On CUDA
+        the library reads them in place (no copy, no synchronisation)."""
+        block_q, block_k = (int(x) for x in block_mask.BLOCK_SIZE)
+        return cls(kv_num_blocks=block_mask.kv_num_blocks, kv_indices=block_mask.kv_indices,
+                   full_kv_num_blocks=block_mask.full_kv_num_blocks, full_kv_indices=block_mask.full_kv_indices,
+                   block_q=block_q, block_k=block_k, per_kv_head=per_kv_head)
+
+    def in_place(self, q: Any) -> Optional[Tuple[Any, ...]]:
+        """For a CUDA call: the mask's tensors as the library reads them in place — (kv_num_blocks,
+        kv_indices, full_kv_num_blocks, full_kv_indices, indptr, indices), None for absent ones —
+        when they are int32 CUDA tensors on q's device (FlexAttention's are); else None, and the
+        mask is read on the host, copied and checked there (a synchronising copy). In place, each
+        call reads the tensors' current contents, and the device checks them as it runs
+        (sparseprefill.check() reports an offence)."""
+        tensors = (self.kv_num_blocks, self.kv_indices, self.full_kv_num_blocks, self.full_kv_indices,
+                   self.indptr, self.indices)
+        given = [t for t in tensors if t is not None]
+        if self.dense is not None or not given or not is_torch(q) or q.device.type != "cuda":
+            return None
+        import torch
+
+        if not all(is_torch(t) and t.device == q.device and t.dtype == torch.int32 for t in given):
+            return None
+        return tensors
 
     def csr(self, batch: int, heads: int, num_q_blocks: int) -> Tuple[np.ndarray, np.ndarray]:
         """(indptr, indices) as host int32 arrays over batch * heads * num_q_blocks rows."""

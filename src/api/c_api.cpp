@@ -7,7 +7,9 @@
 #include <cstring>
 #include <exception>
 #include <memory>
+#include <mutex>
 #include <new>
+#include <set>
 #include <string>
 #include <utility>
 #include <variant>
@@ -181,6 +183,15 @@ void add_head(sp_head_stats* sum, const sparseprefill::HeadStats& h) {
   sum->computed_pairs += h.computed_pairs;
 }
 
+// An ExecutionInfo string as a static one the C caller may keep (the strings are few: paths
+// and instance names).
+const char* interned(const std::string& s) {
+  static std::mutex mutex;
+  static std::set<std::string> strings;
+  std::lock_guard<std::mutex> lock(mutex);
+  return strings.insert(s).first->c_str();
+}
+
 void fill_stats(const sparseprefill::RunStats& rs, sp_stats* out) {
   out->total = sp_head_stats{};
   for (const auto& h : rs.heads) add_head(&out->total, h);
@@ -189,6 +200,11 @@ void fill_stats(const sparseprefill::RunStats& rs, sp_stats* out) {
   out->batch = rs.batch;
   out->h_q = rs.h_q;
   out->num_heads = static_cast<std::int64_t>(rs.heads.size());
+  out->path = interned(rs.execution.path);
+  out->instance = interned(rs.execution.instance);
+  out->decision_instance = interned(rs.execution.decision_instance);
+  out->passes = rs.execution.passes;
+  out->q_pack = rs.execution.q_pack;
   if (out->heads != nullptr && out->heads_capacity >= out->num_heads) {
     for (std::size_t i = 0; i < rs.heads.size(); ++i) {
       out->heads[i] = sp_head_stats{};
@@ -207,8 +223,32 @@ Status to_options(const sp_options* options, sparseprefill::RunOptions* out) {
   }
   out->num_threads = options->num_threads;
   out->cuda_stream = options->cuda_stream;
+  using Overrides = sparseprefill::ExecutionOverrides;
+  const auto choice = [](std::int32_t v, const char* name, Overrides::Choice* c) -> Status {
+    if (v < 0 || v > 2) {
+      return sparseprefill::invalid_argument(std::string("options.") + name +
+                                             ": expected 0 (auto), 1 (always) or 2 (never), got " + std::to_string(v));
+    }
+    *c = v == 1 ? Overrides::Choice::kAlways : v == 2 ? Overrides::Choice::kNever : Overrides::Choice::kAuto;
+    return Status::ok_status();
+  };
+  if (options->cuda_path < 0 || options->cuda_path > 2) {
+    return sparseprefill::invalid_argument("options.cuda_path: expected 0 (auto), 1 (portable) or 2 (hopper), got " +
+                                           std::to_string(options->cuda_path));
+  }
+  out->overrides.cuda_path = options->cuda_path == 1   ? Overrides::CudaPath::kPortable
+                             : options->cuda_path == 2 ? Overrides::CudaPath::kHopper
+                                                       : Overrides::CudaPath::kAuto;
+  SP_RETURN_IF_ERROR(choice(options->pack_gqa, "pack_gqa", &out->overrides.pack_gqa));
+  SP_RETURN_IF_ERROR(choice(options->kv_staging, "kv_staging", &out->overrides.kv_staging));
+  if (options->gate_passes < 0 || options->gate_passes > 2) {
+    return sparseprefill::invalid_argument("options.gate_passes: expected 0 (auto), 1 or 2, got " +
+                                           std::to_string(options->gate_passes));
+  }
+  out->overrides.gate_passes = options->gate_passes;
   return Status::ok_status();
 }
+
 
 Status to_output(const sp_output* output, sparseprefill::AttentionOutput* out) {
   if (output == nullptr) return sparseprefill::invalid_argument("output: expected non-NULL");
@@ -385,6 +425,60 @@ int sp_policy_set_block_mask(sp_policy* policy, const sp_problem* problem,
 
 const char* sp_policy_describe(const sp_policy* policy) {
   return policy == nullptr ? "" : policy->description.c_str();
+}
+
+namespace {
+
+Status to_device_mask(const sp_device_block_mask* mask, sparseprefill::DeviceBlockMask* out) {
+  if (mask == nullptr) return sparseprefill::invalid_argument("mask: expected non-NULL");
+  SP_RETURN_IF_ERROR(optional_view(&mask->kv_num_blocks, "kv_num_blocks", &out->partial_count));
+  SP_RETURN_IF_ERROR(optional_view(&mask->kv_indices, "kv_indices", &out->partial_index));
+  SP_RETURN_IF_ERROR(optional_view(&mask->full_kv_num_blocks, "full_kv_num_blocks", &out->full_count));
+  SP_RETURN_IF_ERROR(optional_view(&mask->full_kv_indices, "full_kv_indices", &out->full_index));
+  SP_RETURN_IF_ERROR(optional_view(&mask->csr_indptr, "csr_indptr", &out->csr_indptr));
+  SP_RETURN_IF_ERROR(optional_view(&mask->csr_indices, "csr_indices", &out->csr_indices));
+  out->block_q = mask->block_q;
+  out->block_k = mask->block_k;
+  out->per_kv_head = mask->per_kv_head != 0;
+  if (!out->defined()) return sparseprefill::invalid_argument("mask: kv_num_blocks/kv_indices or csr_indptr/csr_indices required");
+  return Status::ok_status();
+}
+
+}  // namespace
+
+int sp_policy_set_device_block_mask(sp_policy* policy, const sp_device_block_mask* mask) {
+  return guarded([&]() -> Status {
+    SP_RETURN_IF_ERROR(check_policy(policy));
+    auto* sparse = std::get_if<sparseprefill::BlockSparseParams>(&policy->policy);
+    if (sparse == nullptr) {
+      return sparseprefill::invalid_argument(std::string("mask: only block_sparse takes a block mask, the policy is ") +
+                                             sparseprefill::policy_name(policy->policy));
+    }
+    sparseprefill::BlockSparseParams next;
+    SP_RETURN_IF_ERROR(to_device_mask(mask, &next.device_mask));
+    SP_RETURN_IF_ERROR(sparseprefill::validate_policy(next));
+    *sparse = std::move(next);
+    policy->description = sparseprefill::describe(policy->policy);
+    return Status::ok_status();
+  });
+}
+
+int sp_select_into(const sp_problem* problem, const sp_policy* policy, const sp_options* options,
+                   const sp_device_block_mask* out) {
+  return guarded([&]() -> Status {
+    SP_RETURN_IF_ERROR(check_policy(policy));
+    sparseprefill::AttentionProblem p;
+    SP_RETURN_IF_ERROR(to_problem(problem, &p));
+    sparseprefill::RunOptions opts;
+    SP_RETURN_IF_ERROR(to_options(options, &opts));
+    sparseprefill::DeviceBlockMask into;
+    SP_RETURN_IF_ERROR(to_device_mask(out, &into));
+    return sparseprefill::select_into(p, policy->policy, opts, into);
+  });
+}
+
+int sp_check_device_errors(int32_t device) {
+  return guarded([&]() -> Status { return sparseprefill::check_device_errors(device); });
 }
 
 int sp_run(const sp_problem* problem, const sp_policy* policy, const sp_output* output,
