@@ -86,6 +86,7 @@ grep -E "tests passed|Failed|\*\*\*" "$out/tests.log" | tail -20 | tee -a "$summ
 # SP_WITH_PYTHON the Python tests (and SP_WITH_FA3: FlashAttention-3's suite); the timing steps
 # below run alone.
 test_bin=$build/tests/cuda/cuda_attention_test
+mask_bin=$build/tests/cuda/cuda_device_mask_test
 sanitizer() {
   timeout 240 compute-sanitizer --tool memcheck --error-exitcode 3 "$test_bin" \
     --gtest_filter="${SP_MEMCHECK_FILTER:-CudaDense.GqaGroups*:CudaDense.VarlenChunked*:CudaBlockSparse.AllVisible*:CudaExactGate.MinusInfinity*:CudaEstimateSelect.VarlenBatchOfTwo:CudaPermuteStop.Varlen*:CudaPermuteStop.NaNValues*:CudaFp8.*:CudaPaged.DenseShortCaches*}"
@@ -93,6 +94,14 @@ sanitizer() {
   timeout 180 compute-sanitizer --tool racecheck --error-exitcode 3 "$test_bin" \
     --gtest_filter='CudaExactGate.MinusInfinity*:CudaSoftmaxSkip.OffWhen*:CudaPermuteStop.TauZero*:CudaEstimateSelect.VarlenBatchOfTwo'
   echo "racecheck rc=$?"
+  # The device block mask path (its check kernel, hostile entries included).
+  if [[ -x $mask_bin ]]; then
+    timeout 180 compute-sanitizer --tool memcheck --error-exitcode 3 "$mask_bin"
+    echo "memcheck (device masks) rc=$?"
+    timeout 120 compute-sanitizer --tool racecheck --error-exitcode 3 "$mask_bin" \
+      --gtest_filter='CudaDeviceMask.ABadEntry*:CudaDeviceMask.FlexTensors*'
+    echo "racecheck (device masks) rc=$?"
+  fi
 }
 python_tests() {
   SP_TEST_DEVICES=cuda timeout "${SP_PYTEST_SECONDS:-240}" "${PYTHON:-python3}" -m pytest -q \
