@@ -392,10 +392,10 @@ def test_opcheck(device):
 
 @pytest.mark.skipif(not CUDA, reason="CUDA graphs need a GPU")
 def test_capture_without_warm_up_is_refused_cleanly():
-    # Metadata a captured call needs must have been uploaded by an earlier uncaptured call of
-    # the same shapes: a first call under capture raises before any CUDA work, the capture ends
-    # cleanly and the device stays usable.
-    q, k, v = qkv(50, 1, 256, 256, 4, 2, 64, torch.bfloat16, "cuda")
+    # Metadata a captured call needs (here its sequence table: a shape no other test runs) must
+    # have been uploaded by an earlier uncaptured call of the same shapes: a first call under
+    # capture raises before any CUDA work, the capture ends cleanly and the device stays usable.
+    q, k, v = qkv(50, 1, 251, 263, 4, 2, 64, torch.bfloat16, "cuda")
     sp.clear_call_cache()  # nor a prepared call of it (one needs no warm-up: test_call_cache.py)
     graph = torch.cuda.CUDAGraph()
     with pytest.raises(sp.UnsupportedError, match="capturing a CUDA graph"):
