@@ -32,6 +32,9 @@ H_Q, H_KV, D, BLOCK = 32, 8, 128, 128
 
 
 def commit():
+    # The GPU machine's copy of the tree may carry no (or a stale) .git: SP_COMMIT names it.
+    if os.environ.get("SP_COMMIT"):
+        return os.environ["SP_COMMIT"]
     try:
         return subprocess.check_output(["git", "rev-parse", "--short", "HEAD"], text=True,
                                        cwd=os.path.dirname(os.path.abspath(__file__))).strip()

@@ -50,6 +50,9 @@ from sparseprefill.flash_attn_interface import flash_attn_func
 
 
 def commit():
+    # The GPU machine's copy of the tree may carry no (or a stale) .git: SP_COMMIT names it.
+    if os.environ.get("SP_COMMIT"):
+        return os.environ["SP_COMMIT"]
     try:
         return subprocess.check_output(["git", "rev-parse", "--short", "HEAD"], text=True,
                                        cwd=os.path.dirname(os.path.abspath(__file__))).strip()

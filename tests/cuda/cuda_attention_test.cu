@@ -1796,7 +1796,9 @@ void check_plan_capture(const TestProblem& tp, const TestProblem& tp2, const Pol
     SP_CUDA_CHECK(cudaMemcpy(v.ptr, in->v.data(), v.bytes, cudaMemcpyHostToDevice));
     TestProblem replayed = *in;
     poison(&replayed.o);
+    poison(&replayed.lse);
     SP_CUDA_CHECK(cudaMemcpy(o.ptr, replayed.o.data(), o.bytes, cudaMemcpyHostToDevice));
+    SP_CUDA_CHECK(cudaMemcpy(lse.ptr, replayed.lse.data(), lse.bytes, cudaMemcpyHostToDevice));
     SP_CUDA_CHECK(cudaGraphLaunch(exec, stream));
     SP_CUDA_CHECK(cudaStreamSynchronize(stream));
     to_host(o, &replayed.o);
@@ -1804,7 +1806,9 @@ void check_plan_capture(const TestProblem& tp, const TestProblem& tp2, const Pol
 
     TestProblem planned = *in;
     poison(&planned.o);
+    poison(&planned.lse);
     SP_CUDA_CHECK(cudaMemcpy(o.ptr, planned.o.data(), o.bytes, cudaMemcpyHostToDevice));
+    SP_CUDA_CHECK(cudaMemcpy(lse.ptr, planned.lse.data(), lse.bytes, cudaMemcpyHostToDevice));
     const Status st = run(plan, dev, out, opt);
     ASSERT_TRUE(st.ok()) << st.to_string();
     SP_CUDA_CHECK(cudaStreamSynchronize(stream));
