@@ -13,6 +13,7 @@
 #include <vector>
 
 #include "core/geometry.h"
+#include "cuda/kernel/tuning.h"
 #include "cuda/registry.h"
 
 namespace sparseprefill::cuda {
@@ -85,17 +86,15 @@ bool tma_describable(const AttentionProblem& problem) {
 
 int hopper_block_k() { return 128; }
 
-// TMA boxes need pages of whole 8-row groups that tile the 128-key tile or hold whole tiles,
-// and cost the TMA unit per box: boxes of 64 rows and more beat gathering, smaller ones lose to
-// it or draw (H200, Llama 32K dense, time / contiguous: boxes 2.65-2.77x at 8 keys, 1.62-1.69x
-// at 16, 1.18-1.24x at 32, 1.11-1.15x at 64, 1.02-1.06x at 128; gathered 1.14-1.26x at every
-// size; end to end at 32K/128K, 32-key boxes 1.15-1.16x against 1.10-1.11x gathered 16-key
-// pages; records 2026-11-29-h200-paged-producer and -paged-gathered-32bit-offsets).
+// TMA boxes need pages of whole 8-row groups that tile the 128-key tile or hold whole tiles;
+// they beat gathering from tuning::kHopperBoxMinPageKeys keys per page up.
 bool hopper_can_box_pages(int page_size) {
   return page_size >= 8 && (128 % page_size == 0 || page_size % 128 == 0);
 }
 
-bool hopper_gathers_pages(int page_size) { return !(hopper_can_box_pages(page_size) && page_size >= 64); }
+bool hopper_gathers_pages(int page_size) {
+  return !(hopper_can_box_pages(page_size) && page_size >= tuning::kHopperBoxMinPageKeys);
+}
 
 Status cuda_path_mode(const char* env_value, ExecutionOverrides::CudaPath* mode) {
   const std::string v = env_value == nullptr ? std::string() : std::string(env_value);
@@ -167,15 +166,13 @@ int choose_q_pack(const ProblemShape& shape, PolicyMode mode, bool mask_per_kv_h
   const bool shared_visits = mode == PolicyMode::kDense || (mode == PolicyMode::kBlockMask && mask_per_kv_head);
   if (pack == PackGqa::kNever || g < 2 || kBlockQ % g != 0 || !shared_visits) return 1;
   if (pack == PackGqa::kAlways) return g;
-  // Packing never costs time (dense at 8K and 32K equal either way, records
-  // 2026-11-30-h200-gqa-packing-always / -never); the 10% margin only keeps calls whose tiles
-  // are full anyway on the path they have always run.
+  // The margin (tuning.h) keeps calls whose tiles are full anyway on the path they always ran.
   std::int64_t packed = 0, unpacked = 0;
   for (const std::int64_t s : shape.seq_q) {
     packed += geom::ceil_div(s * g, kBlockQ) * shape.h_kv;
     unpacked += geom::ceil_div(s, kBlockQ) * shape.h_q;
   }
-  return 10 * packed < 9 * unpacked ? g : 1;
+  return tuning::kPackGqaDen * packed < tuning::kPackGqaNum * unpacked ? g : 1;
 }
 
 Status gate_passes_mode(const char* env_value, GatePasses* mode) {
@@ -199,7 +196,7 @@ bool choose_gate_passes(const ProblemShape& shape, bool instance, GatePasses mod
 }
 
 int gate_heads_per_cta(int group) {
-  for (int h = 4; h > 1; --h) {
+  for (int h = tuning::kGateHeadsPerCta; h > 1; --h) {
     if (group % h == 0) return h;
   }
   return 1;
@@ -238,10 +235,8 @@ FwdPath choose_select_path(const ProblemShape& shape, int cc_major, int cc_minor
 }
 
 int dense_block_k(int head_dim) {
-  // Dense has no gate, so every 64-key sub-tile is its own step whatever the block size;
-  // 64 keeps the per-block bookkeeping trivial (docs/cuda.md, tile choices).
   (void)head_dim;
-  return 64;
+  return tuning::kDenseBlockK;
 }
 
 Status check_support(const ProblemShape& shape, const Policy& policy, int* block_k) {
@@ -443,15 +438,9 @@ double visible_pairs(std::int64_t s_q, std::int64_t s_k, bool causal) {
 }  // namespace
 
 KvStaging plan_kv_staging(const ProblemShape& shape, const Policy& policy, std::size_t free_bytes) {
-  // Dense attention FLOP/s over copy bytes/s on the H200: 561 TFLOP/s (bf16 causal 128K) over
-  // the staging copy's 3.3 TB/s (1.07 GB read and written in 0.32 ms; record
-  // 2026-11-29-h200-paged-staging).
-  constexpr double kFlopsPerCopyByte = 170.0;
-  // The lightest block-table reading measured in the kernels: 1.10x the contiguous time
-  // (Hopper, gathered 16- and 32-key pages, record 2026-11-29-h200-paged-gathered-32-key-pages;
-  // the portable kernel costs 1.08-1.56x, record 2026-11-29-h200-portable-sm80-paged-tiles).
-  constexpr double kGatheredCost = 0.10;
-  constexpr double kSparseDensity = 0.05;
+  using tuning::kFlopsPerCopyByte;
+  using tuning::kGatheredCost;
+  using tuning::kSparseDensity;
   constexpr int kMaxBatch = 65535;  // the copy's grid.y
   KvStaging out;
   if (shape.kv_layout != KvLayout::kPaged || shape.batch > kMaxBatch) return out;
@@ -488,7 +477,8 @@ KvStaging plan_kv_staging(const ProblemShape& shape, const Policy& policy, std::
       policy);
   const double attention_flops = 4.0 * shape.d * shape.h_q * pairs * density;
   const double copy_bytes = 2.0 * static_cast<double>(out.bytes);  // read and write
-  out.stage = copy_bytes * kFlopsPerCopyByte <= kGatheredCost * attention_flops && out.bytes <= free_bytes / 4;
+  out.stage = copy_bytes * kFlopsPerCopyByte <= kGatheredCost * attention_flops &&
+              out.bytes <= free_bytes / tuning::kStagingFreeShare;
   return out;
 }
 

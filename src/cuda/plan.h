@@ -94,15 +94,8 @@ int choose_q_pack(const ProblemShape& shape, PolicyMode mode, bool mask_per_kv_h
 // heads of one KV group over a run of consecutive query blocks (about one wave), which load
 // the same K/V tiles, so each tile is reused from L2 by all of them. True when the call's K and
 // V (Σ_b seq_k,b · h_kv · d · 2 elements) exceed `l2_bytes`, the device's L2: there the other
-// order makes every head group re-read its tiles from DRAM. Measured on the H200 (60 MB of L2;
-// record 2026-11-30-h200-kv-major-grid-ab.log): Llama-3.1-8B shape at 128K (512 MB of K/V)
-// block masks 17% faster, exact_gate at 20% 9%, dense 1.5%, estimate_select + mean correction
-// 3.5%; at 16K (64 MB) dense 2% and block masks at 50% 3.6%; at 32K and 64K dense 2% and
-// exact_gate 3-6% (2026-11-30-h200-kv-major-grid-32k-64k-ab.log); SmolLM2 at 8K (6 MB,
-// resident in L2 either way) block masks and exact_gate 3-4% slower, so it keeps query heads
-// fastest. Packed tiles (q_pack = G) take it too: estimate_select + mean correction with
-// pack_gqa at 128K ran as before (16.9 ms; record 2026-11-30-h200-kv-major-grid). The portable
-// kernel at 128K: block masks 12.5%, exact_gate 5.5% faster (-portable-kv-major-grid-ab.log).
+// order makes every head group re-read its tiles from DRAM (docs/decisions/ holds the A/B:
+// record 2026-11-30-h200-kv-major-grid-ab.log).
 bool kv_major_grid(const ProblemShape& shape, std::int64_t l2_bytes);
 
 // exact_gate's execution (docs/cuda.md, "exact_gate in two passes"): one pass, the forward
@@ -119,11 +112,8 @@ Status gate_passes_mode(const char* env_value, GatePasses* mode);
 
 // Whether an exact_gate call runs two passes: where they apply (contiguous 16-bit K/V, with the
 // decision instance of the call's path and (dtype, head_dim) compiled: `instance`; paged K/V the
-// launch stages into rows counts as contiguous) unless `mode` is kOne. Measured on the H200
-// against one pass, same calls (record 2026-11-30-h200-exact-gate-two-passes-ab.log): the
-// Hopper path on the Llama-3.1-8B shape at ρ 0.2 11-18% faster at 4K-128K, at ρ 0.5 from 6%
-// faster to 2% slower; SmolLM2 (d = 64) at 8K 2-7% faster at ρ 0.2, equal at 0.5; the
-// portable path 21% faster at ρ 0.2 and 8-10% at 0.5 (32K-128K; SmolLM2 16% and 6%).
+// launch stages into rows counts as contiguous) unless `mode` is kOne (two passes were faster
+// everywhere measured: record 2026-11-30-h200-exact-gate-two-passes-ab.log).
 bool choose_gate_passes(const ProblemShape& shape, bool instance, GatePasses mode);
 
 // Query heads of one KV group the decision kernel scores against each K tile it loads: the

@@ -64,7 +64,7 @@ Status environment_overrides(ExecutionOverrides* out) {
 
 std::size_t metadata_cache_cap() {
   static const std::size_t cap = [] {
-    constexpr std::size_t kDefault = std::size_t{64} << 20;
+    constexpr auto kDefault = static_cast<std::size_t>(tuning::kMetadataCacheBytes);
     const char* v = std::getenv("SPARSEPREFILL_CUDA_CACHE_BYTES");
     if (v == nullptr || *v == '\0') return kDefault;
     char* end = nullptr;

@@ -14,6 +14,7 @@
 
 #include "core/rules/block_sparse.h"
 #include "cuda/execution_plan.h"
+#include "cuda/kernel/tuning.h"
 #include "sparseprefill/types.h"
 
 namespace sparseprefill::cuda {
@@ -32,15 +33,15 @@ Status device_caps(int device, DeviceCaps* out);
 Status environment_overrides(ExecutionOverrides* out);
 
 // The metadata cache's byte cap per device: SPARSEPREFILL_CUDA_CACHE_BYTES (a byte count),
-// default 64 MiB; read once.
+// default tuning::kMetadataCacheBytes; read once.
 std::size_t metadata_cache_cap();
 
 // Two memory pools per device. Per-call scratch comes from one that keeps up to
-// kScratchKeepBytes of freed memory for the next calls (so steady calls cost no cudaMalloc)
+// kScratchKeepBytes (tuning.h) of freed memory for the next calls (so steady calls cost no cudaMalloc)
 // and returns the rest to the device at the next synchronisation. Staged paged K/V (up to a
 // layer's whole K/V) comes from one that keeps nothing, so a long prefill does not hold it.
 enum class PoolKind { kScratch, kStaging };
-constexpr std::uint64_t kScratchKeepBytes = std::uint64_t{256} << 20;
+constexpr std::uint64_t kScratchKeepBytes = tuning::kScratchKeepBytes;
 Status pool_for(int device, PoolKind kind, cudaMemPool_t* pool);
 
 // Makes `device` current and restores the caller's device when it dies.

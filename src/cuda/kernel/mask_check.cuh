@@ -14,10 +14,11 @@
 #include "core/geometry.h"
 #include "core/rules/block_sparse.h"
 #include "cuda/kernel/fwd_params.h"
+#include "cuda/kernel/tuning.h"
 
 namespace sparseprefill::cuda::maskcheck {
 
-constexpr int kWarps = 8;
+constexpr int kWarps = tuning::kMaskCheckWarps;
 
 __device__ __forceinline__ void record(const MaskCheckParams& p, rules::MaskFault fault, int list, int b, int h, int qb,
                                        int entry, std::int64_t value, std::int64_t limit) {

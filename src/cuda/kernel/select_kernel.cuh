@@ -15,6 +15,7 @@
 #include "cuda/kernel/launch_types.h"
 #include "cuda/kernel/ptx.cuh"
 #include "cuda/kernel/sm80/tile.cuh"
+#include "cuda/kernel/tuning.h"
 
 namespace sparseprefill::cuda::select {
 
@@ -36,7 +37,7 @@ __device__ __forceinline__ std::uint16_t* cache_at(const MeanCache& c, int b, in
 // and of the means, so no synchronisation is needed; the selector reads the means after this
 // kernel on the same stream. K/V rows and the means are 16-byte aligned (plan.cpp's
 // check_view); the cache, a caller's tensor, is read and written element by element.
-constexpr int kMeansThreads = 128;
+constexpr int kMeansThreads = tuning::kMeansThreads;
 template <int kD>
 constexpr int kMeansBlocksPerCta = kMeansThreads / (kD / 8);
 
@@ -127,10 +128,10 @@ __global__ void __launch_bounds__(kMeansThreads) block_means_kernel(const __grid
 // -selector-transposed-scores and -selector-chunks-of-64-query-halves).
 template <bool kBf16, int kD>
 struct SelectConfig {
-  static constexpr int kWarps = 8;
+  static constexpr int kWarps = tuning::kSelectWarps;
   static constexpr int kThreads = kWarps * 32;
   static constexpr int kRows = 128;  // = kBlockQ
-  static constexpr int kHalves = 2;  // query halves
+  static constexpr int kHalves = tuning::kSelectHalves;  // query halves
   static constexpr int kHalf = kRows / kHalves;
   static constexpr int kChunk = kWarps / kHalves * 16;  // pooled blocks per chunk
   static constexpr int kKSteps = kD / 16;
@@ -275,7 +276,7 @@ __device__ __forceinline__ void warp_lambdas(float (&acc)[kNF][4], const SelectT
 // tokens at block 128) at 256 threads in one barrier pair instead of four. select90_kernel ran
 // 2-3% faster at 128K and up to 6% at 32K so, in a same-call A/B of three rounds (record
 // 2026-11-30-h200-selector-one-scan).
-constexpr int kScanRounds = 4;
+constexpr int kScanRounds = tuning::kSelectScanRounds;
 template <int kWarps>
 __device__ __forceinline__ void finish_selection(const SelectParams& p, const SelectTile& t, float* energy,
                                                  const float* second, float* s_red,

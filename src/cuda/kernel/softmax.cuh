@@ -8,6 +8,7 @@
 #include <cstdint>
 
 #include "cuda/kernel/ptx.cuh"
+#include "cuda/kernel/tuning.h"
 
 namespace sparseprefill::cuda {
 
@@ -69,7 +70,7 @@ __device__ __forceinline__ void row_max(const float (&s)[kM][kN][4], float (&mx)
 // skips the accumulator's multiply when none of its rows moves. Invariant: the true running
 // max is at most m + kLazyMaxLog2 (a move sets m to max(m, tile max)). Not under
 // softmax_skip, whose gate compares tile maxima with the running max itself.
-constexpr float kLazyMaxLog2 = 8.f;
+constexpr float kLazyMaxLog2 = tuning::kLazyMaxLog2;
 
 // Whether a row with running max m (log2 domain) must move it to include a tile whose raw row
 // max is mx: the scaled max exceeds m by more than kLazyMaxLog2, or m is -inf (no key seen

@@ -11,10 +11,11 @@
 #include <cstdint>
 
 #include "cuda/kernel/fwd_params.h"
+#include "cuda/kernel/tuning.h"
 
 namespace sparseprefill::cuda::stage {
 
-constexpr int kThreads = 256;
+constexpr int kThreads = tuning::kStageKvThreads;
 
 // Grid (ceil(max_s_k · h_kv · row_chunks / kThreads), batch, 2: K and V). Thread i of a
 // sequence copies 16-byte chunk i % row_chunks of head (i / row_chunks) % h_kv of key

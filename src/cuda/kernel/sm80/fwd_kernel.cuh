@@ -18,6 +18,7 @@
 #include "cuda/kernel/ptx.cuh"
 #include "cuda/kernel/sm80/tile.cuh"
 #include "cuda/kernel/softmax.cuh"
+#include "cuda/kernel/tuning.h"
 
 namespace sparseprefill::cuda::sm80 {
 
@@ -47,10 +48,10 @@ struct FwdConfig {
   // at 8K-32K (Llama shape), while the gated instance and the permute kernel (PermuteConfig)
   // ran 1-2.5% slower with it, in one same-call A/B (record
   // 2026-11-30-h200-portable-xor-fragment-addresses).
-  static constexpr bool kXorFragments = !kGated;
+  static constexpr bool kXorFragments = tuning::portable_xor_fragments(kGated);
   static constexpr int kBlockM = kBlockQ;
-  static constexpr int kBlockN = 64;  // keys per sub-tile
-  static constexpr int kWarps = 4;
+  static constexpr int kBlockN = tuning::kPortableBlockN;  // keys per sub-tile
+  static constexpr int kWarps = tuning::kPortableWarps;
   static constexpr int kThreads = kWarps * 32;
   static constexpr int kM = 2;                    // m16 fragments per warp: 32 rows
   static constexpr int kNFrags = kBlockN / 8;     // n8 fragments of a sub-tile's score row
@@ -108,7 +109,7 @@ __device__ __forceinline__ void warp_scores(std::uint32_t q_tile, std::uint32_t 
   // gated instance loads each fragment just before its MMAs. (The permute kernel's spills at
   // d = 128 fell from 156 / 196 to 36 / 48 bytes with it; timed since only beside other
   // changes, record 2026-11-30-h200-portable-xor-fragment-addresses.)
-  constexpr bool kAhead = !Cfg::kGated;
+  constexpr bool kAhead = tuning::portable_fragments_ahead(Cfg::kGated);
   std::uint32_t qa[2][Cfg::kM][4], bk[2][Cfg::kNFrags / 2][4];
   auto load_q = [&](int kk, int buf) {
 #pragma unroll

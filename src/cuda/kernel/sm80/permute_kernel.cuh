@@ -21,6 +21,7 @@
 #include "cuda/kernel/sm80/fwd_kernel.cuh"
 #include "cuda/kernel/sm80/tile.cuh"
 #include "cuda/kernel/softmax.cuh"
+#include "cuda/kernel/tuning.h"
 
 namespace sparseprefill::cuda::sm80 {
 
@@ -98,7 +99,7 @@ __global__ void __launch_bounds__(Cfg::kHeadDim) q_mean_kernel(const __grid_cons
 // 0.42 ms, -permute-ranking-two-keys-per-thread).
 template <class Cfg>
 __global__ void __launch_bounds__(128) prefix_scores_kernel(const __grid_constant__ PermuteParams pp) {
-  constexpr int kD = Cfg::kHeadDim, kHeads = 8;
+  constexpr int kD = Cfg::kHeadDim, kHeads = tuning::kPermuteScoreHeads;
   __shared__ double s_mean[kHeads][kD];
   __shared__ std::uint32_t s_key[kD / 2][128];  // elements 2c, 2c + 1 of key t0 + i at [c][i]
   const FwdParams& p = pp.fwd;

@@ -25,6 +25,7 @@
 #include "cuda/kernel/ptx.cuh"
 #include "cuda/kernel/sm90/hopper.cuh"
 #include "cuda/kernel/softmax.cuh"
+#include "cuda/kernel/tuning.h"
 
 namespace sparseprefill::cuda::sm90 {
 
@@ -49,7 +50,7 @@ struct FwdConfig {
   static constexpr int kThreads = 128 * (1 + kConsumers);
   // 16-bit: 3 measured slower (dev/ v4: 224 KB smem, 603-660 TFLOP/s vs 626-685). FP8: 2, 3, 4
   // and 6 measured equal (11.2-11.3 ms at 32K, record 2026-11-29-h200-fp8-stages).
-  static constexpr int kStages = kFp8 ? 4 : 2;
+  static constexpr int kStages = tuning::hopper_stages(kFp8);
   static constexpr int kElemBytes = kFp8 ? 1 : 2;
   static constexpr int kRowBytes = 128;                  // one swizzle row
   static constexpr int kHalfDim = kRowBytes / kElemBytes;  // elements of a box row: 64, or 128 e4m3
@@ -62,7 +63,7 @@ struct FwdConfig {
   // accumulator's extra fragment sums the rounded P of each row: l without 64 FADDs per tile
   // (and O / l then normalises by exactly the weights P·V used). Each V stage is followed by
   // its ones atom, written once before the loop.
-  static constexpr bool kRowSumInPv = kFp8;
+  static constexpr bool kRowSumInPv = tuning::hopper_row_sum_in_pv(kFp8);
   static constexpr int kOFrags = kDFrags + (kRowSumInPv ? 1 : 0);
   static constexpr int kVStageBytes = kTileBytes + (kRowSumInPv ? kAtomBytes : 0);
   // wgmma K steps of 32 bytes: k16 of 16-bit elements, k32 of e4m3.
@@ -74,7 +75,7 @@ struct FwdConfig {
   // (record 2026-11-30-h200-hopper-q-in-registers-ab.log). FP8 with it (e4m3 wgmma RS) ran 3-5%
   // slower (2026-11-30-h200-fp8-q-in-registers-ab.log), and the paged instances' consumers (224
   // registers) spill 8 bytes with it.
-  static constexpr bool kQInRegs = !kFp8 && !kPaged && kHeadDim == 128;
+  static constexpr bool kQInRegs = tuning::hopper_q_in_registers(kFp8, kPaged, kHeadDim);
   // setmaxnreg budgets: the warpgroups trade registers within the pool the CTA was launched
   // with, 384 threads at 168 (the most __launch_bounds__(384, 1) gives), so
   // 128·producer + 256·consumer <= 64512, not the SM's 65536 (an increase the pool cannot
@@ -83,8 +84,8 @@ struct FwdConfig {
   // ran latency-bound at 24 (1.50x the contiguous time at 16-key pages, 1.28x at 56 / 224 with
   // the loop unrolled; record 2026-11-29-h200-paged-producer); 56 at d = 64 spills 16 bytes in
   // the consumers, 40 / 232 none.
-  static constexpr int kProducerRegs = !kPaged_ ? 24 : kHeadDim_ == 128 ? 56 : 40;
-  static constexpr int kConsumerRegs = !kPaged_ ? 240 : kHeadDim_ == 128 ? 224 : 232;
+  static constexpr int kProducerRegs = tuning::hopper_producer_regs(kPaged_, kHeadDim_);
+  static constexpr int kConsumerRegs = tuning::hopper_consumer_regs(kPaged_, kHeadDim_);
   static_assert(128 * kProducerRegs + 256 * kConsumerRegs <= kThreads * 168, "the CTA's register pool");
   // Gate decisions in flight: a slot is rewritten 4 gated blocks later, when every reader
   // (both consumer warpgroups, at most one ping-pong round apart, and the producer) is past it.

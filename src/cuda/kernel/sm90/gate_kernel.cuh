@@ -23,6 +23,7 @@
 #include "cuda/kernel/ptx.cuh"
 #include "cuda/kernel/sm90/hopper.cuh"
 #include "cuda/kernel/sm90/rows_sw128.cuh"
+#include "cuda/kernel/tuning.h"
 
 namespace sparseprefill::cuda::gate90 {
 
@@ -37,7 +38,7 @@ template <bool kBf16_, int kD>
 struct Gate90Config {
   static constexpr bool kBf16 = kBf16_;
   static constexpr int kThreads = 256;
-  static constexpr int kMaxHeads = 4;
+  static constexpr int kMaxHeads = tuning::kGateHeadsPerCta;
   static constexpr int kTileRows = 128;  // query rows of a head, keys of a K tile
   static constexpr int kHalfBytes = kTileRows * 128;
   static constexpr int kTileBytes = kD / 64 * kHalfBytes;

@@ -19,6 +19,7 @@
 #include "cuda/kernel/select_kernel.cuh"
 #include "cuda/kernel/sm90/hopper.cuh"
 #include "cuda/kernel/sm90/rows_sw128.cuh"
+#include "cuda/kernel/tuning.h"
 
 namespace sparseprefill::cuda::select90 {
 
@@ -36,8 +37,8 @@ struct Select90Config {
   static constexpr int kWarpgroups = 2;
   static constexpr int kThreads = 128 * kWarpgroups;
   static constexpr int kRows = 128;   // query rows: wgmma N
-  static constexpr int kChunk = 64;   // pooled blocks of a warpgroup step: wgmma M
-  static constexpr int kStages = 2;   // k̄ buffers per warpgroup
+  static constexpr int kChunk = tuning::kSelect90Chunk;   // pooled blocks of a warpgroup step: wgmma M
+  static constexpr int kStages = tuning::kSelect90Stages;  // k̄ buffers per warpgroup
   static constexpr int kRowBytes = 128;
   static constexpr int kHalves = kD / 64;
   static constexpr int kKSteps = kD / 16;
