@@ -19,8 +19,12 @@ enum class Backend : std::uint8_t {
   kAuto,       // CPU tensors -> kCPU, CUDA tensors -> kCUDA
   kReference,  // the fp64 oracle (slow; obvious loops; the specification)
   kCPU,        // fp32, multithreaded, same decisions as the oracle
-  kCUDA,       // GPU kernels (when compiled in)
+  kCUDA,       // GPU kernels (when compiled in); host tensors are staged to the current device
+               // and back (run() only, synchronously)
 };
+
+// CUDA devices the library can run on: 0 without the CUDA backend or a GPU.
+int cuda_device_count();
 
 const char* backend_name(Backend backend);
 
@@ -58,6 +62,8 @@ struct ExecutionInfo {
   bool kv_major = false;          // the grid walks KV heads outermost (L2 reuse of K/V tiles)
   std::size_t scratch_bytes = 0;  // device scratch of one call
   std::int64_t grid = 0;          // CTAs of the attention launch
+  double device_ms = 0.0;         // host tensors on kCUDA (staged to the device): the device time
+                                  // of the call's kernels, copies excluded; 0 otherwise
   std::string to_string() const;  // one line, e.g. for logs
 };
 

@@ -16,6 +16,11 @@ Status BackendImpl::select_statistics(const char* who, const AttentionProblem&, 
 
 Status BackendImpl::check_errors(int) const { return {}; }
 
+Status BackendImpl::run_host(const AttentionProblem&, const Policy&, const AttentionOutput&, const RunOptions&,
+                             Decisions*, ExecutionInfo*) const {
+  return {StatusCode::kInternal, std::string("backend ") + backend_name(kind()) + " takes host tensors directly"};
+}
+
 Status BackendImpl::select_into(const AttentionProblem&, const ProblemShape&, const Policy&, const RunOptions&,
                                 const DeviceBlockMask&) const {
   return unsupported(std::string("select_into: backend ") + backend_name(kind()) +

@@ -44,6 +44,12 @@ class BackendImpl {
                      const Policy& policy, const AttentionOutput& output, const RunOptions& options,
                      Decisions* decisions, ExecutionInfo* ran) const = 0;
 
+  // run() on host tensors by a device backend (the CLI on a GPU machine): the inputs copied to
+  // the device and the outputs back, synchronously; *ran also gets the device time. The host
+  // backends, which read host tensors anyway, have no such path.
+  virtual Status run_host(const AttentionProblem& problem, const Policy& policy, const AttentionOutput& output,
+                          const RunOptions& options, Decisions* decisions, ExecutionInfo* ran) const;
+
   // The policy's selection alone (select(), plan.h): dense, block_sparse and estimate_select.
   virtual Status select(const AttentionProblem& problem, const ProblemShape& shape, const Policy& policy,
                         const RunOptions& options, Decisions* decisions) const = 0;

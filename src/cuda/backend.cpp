@@ -11,6 +11,7 @@
 #include <utility>
 
 #include "cuda/cuda_backend.h"
+#include "cuda/host_staging.h"
 #include "cuda/launch.h"
 
 #ifndef SP_CUDA_ARCHS
@@ -83,8 +84,8 @@ class CudaBackend final : public detail::BackendImpl {
  public:
   Backend kind() const override { return Backend::kCUDA; }
 
+  // Host tensors too: run() stages them to the device (run_host).
   Status can_run(const ProblemShape& shape, const Policy& policy) const override {
-    SP_RETURN_IF_ERROR(require_cuda(shape));
     int block_k = 0;
     return check_support(shape, policy, &block_k);
   }
@@ -156,6 +157,11 @@ class CudaBackend final : public detail::BackendImpl {
     return {};
   }
 
+  Status run_host(const AttentionProblem& problem, const Policy& policy, const AttentionOutput& output,
+                  const RunOptions& options, Decisions* decisions, ExecutionInfo* ran) const override {
+    return run_host_staged(*this, problem, policy, output, options, decisions, ran);
+  }
+
   Status select(const AttentionProblem& problem, const ProblemShape& shape, const Policy& policy,
                 const RunOptions& options, Decisions* decisions) const override {
     SP_RETURN_IF_ERROR(require_cuda(shape));
@@ -208,6 +214,11 @@ class CudaBackend final : public detail::BackendImpl {
 const detail::BackendImpl& cuda_backend() {
   static const CudaBackend backend;
   return backend;
+}
+
+int device_count() {
+  int n = 0;
+  return cudaGetDeviceCount(&n) == cudaSuccess ? n : 0;
 }
 
 PlanState::~PlanState() {

@@ -7,5 +7,7 @@
 namespace sparseprefill::cuda {
 
 const detail::BackendImpl& cuda_backend();
+// CUDA devices present (0 when none, or no driver).
+int device_count();
 
 }  // namespace sparseprefill::cuda

@@ -103,6 +103,27 @@ Status run_prepared(const detail::BackendImpl& backend, const detail::PreparedRu
   return {};
 }
 
+// run() of host tensors on a device backend: staged to the device and back by the backend.
+Status run_host(const detail::BackendImpl& backend, const AttentionProblem& problem, const ProblemShape& shape,
+                const Policy& policy, const AttentionOutput& output, const RunOptions& options, RunStats* stats,
+                Decisions* decisions) {
+  if (options.num_threads < 0) return invalid_argument("num_threads: expected >= 0, got " + std::to_string(options.num_threads));
+  Policy host;  // a mask given in place on the host is read as a BlockMask here, as the host backends read it
+  SP_RETURN_IF_ERROR(policy_for_backend(policy, shape, Backend::kCPU, &host));
+  const auto* mask = std::get_if<BlockSparseParams>(&host);
+  const bool want = decisions != nullptr || options.collect_decisions ||
+                    (stats != nullptr && !std::holds_alternative<DenseParams>(host) && mask == nullptr);
+  Decisions local;
+  ExecutionInfo ran;
+  SP_RETURN_IF_ERROR(backend.run_host(problem, host, output, options, want ? &local : nullptr, &ran));
+  if (stats != nullptr) {
+    *stats = detail::stats_from_decisions(shape, host, local);
+    stats->execution = std::move(ran);
+  }
+  if (decisions != nullptr) *decisions = std::move(local);
+  return {};
+}
+
 template <class T>
 std::string join(const std::vector<T>& v) {
   std::string out = "[";
@@ -171,6 +192,8 @@ Status run(const AttentionProblem& problem, const Policy& policy, const Attentio
   const Backend kind = resolve_backend(options.backend, shape);
   const detail::BackendImpl* backend = nullptr;
   SP_RETURN_IF_ERROR(find_backend(kind, &backend));
+  if (kind == Backend::kCUDA && shape.device.kind == DeviceKind::kCPU) return run_host(*backend, problem, shape, policy,
+                                                                                        output, options, stats, decisions);
   Policy taken;
   SP_RETURN_IF_ERROR(policy_for_backend(policy, shape, kind, &taken));
   std::unique_ptr<detail::PreparedRun> prepared;

@@ -25,3 +25,15 @@ const BackendImpl* backend_impl(Backend kind) {
 }
 
 }  // namespace sparseprefill::detail
+
+namespace sparseprefill {
+
+int cuda_device_count() {
+#if defined(SP_WITH_CUDA)
+  return cuda::device_count();
+#else
+  return 0;
+#endif
+}
+
+}  // namespace sparseprefill

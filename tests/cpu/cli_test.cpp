@@ -168,7 +168,15 @@ TEST_F(CliTest, DemoJsonSmoke) {
       EXPECT_LT(density, 1.0) << policy;
       EXPECT_LT(error, 0.5) << policy;
     }
+    // With a GPU (backend auto) dense also ran on it (these 32-key blocks keep the block
+    // policies on the CPU only: CUDA takes query blocks of 128), with the CPU decisions.
+    if (cuda_device_count() > 0 && std::string(policy) == "dense") {
+      EXPECT_GT(json_number_after(r.out, anchor, "gpu_ms"), 0.0) << policy;
+      EXPECT_EQ(json_number_after(r.out, anchor, "gpu_decisions_differ"), 0.0) << policy;
+      EXPECT_LT(json_number_after(r.out, anchor, "gpu_rel_l2"), 0.5) << policy;
+    }
   }
+  EXPECT_NE(r.out.find(cuda_device_count() > 0 ? "\"gpu\": true" : "\"gpu\": false"), std::string::npos) << r.out;
   // The PNG: signature, IHDR first, IEND last, and every chunk's CRC-32 correct (checked with
   // a bitwise CRC independent of the writer's table).
   const std::string bytes = slurp(png);

@@ -37,7 +37,8 @@ const std::vector<Flag>& demo_flags() {
       {"segment", "N", "permute_stop segment (default 2048, at most seq / 8)"},
       {"tau", "X", "permute_stop tau (default 0.005)"},
       {"threads", "T", "CPU threads (default: every core)"},
-      {"backend", "NAME", "cpu (default), reference or cuda"},
+      {"backend", "NAME",
+       "auto (default: cuda when a GPU is present, timed beside the cpu backend's decisions), cpu, reference or cuda"},
       {"map-policy", "NAME", "whose kept blocks the text map shows (default exact_gate)"},
       {"map-head", "H", "which query head the map shows (default 0)"},
       {"plot", "FILE.png", "also draw the block maps of every block policy into a PNG"},
@@ -47,7 +48,7 @@ const std::vector<Flag>& demo_flags() {
 
 const char* const kDemoHelp =
     "Usage: sparseprefill demo [--seq N] [--heads-q H] [--heads-kv H] [--dim D] [--seed S]\n"
-    "                          [--threads T] [--backend cpu|reference|cuda] [--plot FILE.png]\n"
+    "                          [--threads T] [--backend auto|cpu|reference|cuda] [--plot FILE.png]\n"
     "\n"
     "Generates structured inputs (sinks, local windows, stripes, slash diagonals; see\n"
     "docs/generator.md), runs dense attention and every policy, and prints per policy its\n"
@@ -56,6 +57,10 @@ const char* const kDemoHelp =
     "alpha are calibrated on a different seed (S + 1). Then a map of the kept blocks of one\n"
     "head: '#' at least half kept, ':' some kept, '.' none kept, ' ' not causally visible,\n"
     "rows are query blocks (top = first), columns key blocks. Progress goes to stderr.\n"
+    "With a GPU (backend auto or cuda) every policy also runs on the CUDA backend: the table\n"
+    "then adds its device time (gpu_ms, the kernels alone), its error against the CPU's dense\n"
+    "output and whether its decisions equal the CPU backend's ('same', else the blocks that\n"
+    "differ); density, error and the map stay the CPU backend's (the oracle's decisions).\n"
     "\n";
 
 struct Entry {
@@ -66,7 +71,38 @@ struct Entry {
   Decisions decisions;
   ErrorStats error;
   double seconds = 0;
+  // The same call on the CUDA backend (with a GPU): its device time, error against the CPU's
+  // dense output, and the blocks (or permute_stop tiles) whose decisions differ from the CPU's.
+  bool on_gpu = false;
+  std::string gpu_skipped;  // why the CUDA backend does not run it (e.g. blocks other than 128)
+  double gpu_ms = 0;
+  ErrorStats gpu_error;
+  std::int64_t gpu_differ = 0;
 };
+
+Entry entry(std::string label, std::string settings, Policy policy) {
+  Entry e;
+  e.label = std::move(label);
+  e.settings = std::move(settings);
+  e.policy = std::move(policy);
+  return e;
+}
+
+// Blocks (permute_stop: tiles) whose decision differs between two runs of one policy.
+std::int64_t decisions_differ(const Decisions& a, const Decisions& b) {
+  if (!a.tiles.empty() || !b.tiles.empty()) {
+    std::int64_t n = a.tiles.size() == b.tiles.size() ? 0 : 1;
+    for (std::size_t i = 0; i < std::min(a.tiles.size(), b.tiles.size()); ++i) {
+      n += a.tiles[i].chunks_visited != b.tiles[i].chunks_visited;
+    }
+    return n;
+  }
+  const std::vector<std::uint8_t> x = a.kept.to_dense(), y = b.kept.to_dense();
+  if (x.size() != y.size()) return static_cast<std::int64_t>(std::max(x.size(), y.size()));
+  std::int64_t n = 0;
+  for (std::size_t i = 0; i < x.size(); ++i) n += x[i] != y[i];
+  return n;
+}
 
 // Per-block state of one head's map: 0 invisible, 1 visible skipped, 2 kept, 3 corrected.
 std::vector<std::uint8_t> head_map(const ProblemShape& shape, const Entry& e, int head) {
@@ -200,10 +236,15 @@ Status demo_command(const Args& args) {
   SP_RETURN_IF_ERROR(args.get_int("segment", 1, 1 << 20, &permute.segment));
   SP_RETURN_IF_ERROR(args.get_double("tau", 0, 1, &permute.tau));
   RunOptions options;
-  options.backend = Backend::kCPU;
-  SP_RETURN_IF_ERROR(parse_backend(args.get("backend", "cpu"), &options.backend));
+  Backend asked = Backend::kCPU;
+  SP_RETURN_IF_ERROR(parse_backend(args.get("backend", "auto"), &asked));
+  // The table's decisions come from a host backend; a CUDA run is timed beside it.
+  options.backend = asked == Backend::kReference ? Backend::kReference : Backend::kCPU;
   SP_RETURN_IF_ERROR(args.get_int("threads", 0, 4096, &options.num_threads));
   options.collect_decisions = true;
+  RunOptions gpu_options = options;
+  gpu_options.backend = Backend::kCUDA;
+  const bool on_gpu = asked == Backend::kCUDA;
   int map_head = 0;
   SP_RETURN_IF_ERROR(args.get_int("map-head", 0, config.h_q - 1, &map_head));
   const std::string map_policy = args.get("map-policy", "exact_gate");
@@ -271,39 +312,28 @@ Status demo_command(const Args& args) {
   SP_RETURN_IF_ERROR(select_cal.alpha_for(density_target, 0, &select.alpha));
 
   std::vector<Entry> entries;
-  entries.push_back({"dense", "", DenseParams{}, {}, {}, {}, 0});
+  entries.push_back(entry("dense", "", DenseParams{}));
   ExactGateParams gate;
   gate.block_q = gate.block_k = block;
   gate.thresholds = thresholds.view();
-  entries.push_back({"exact_gate", "budget=" + std::to_string(budget), gate, {}, {}, {}, 0});
+  entries.push_back(entry("exact_gate", "budget=" + std::to_string(budget), gate));
   SoftmaxSkipParams skip;
   skip.block_q = skip.block_k = block;
   skip.a = a;
-  entries.push_back(
-      {"softmax_skip", "a=" + fmt(a, 4) + " (skip " + fmt(skip_target) + ")", skip, {}, {}, {}, 0});
+  entries.push_back(entry("softmax_skip", "a=" + fmt(a, 4) + " (skip " + fmt(skip_target) + ")", skip));
   const std::string alpha =
       "alpha=" + fmt(select.alpha, 3) + " (density " + fmt(density_target, 2) + ")";
-  entries.push_back({"estimate_select", alpha, select, {}, {}, {}, 0});
+  entries.push_back(entry("estimate_select", alpha, select));
   EstimateSelectParams corrected = select;
   corrected.mean_correction = true;
-  entries.push_back({"estimate_select+mc",
-                     "alpha=" + fmt(select.alpha, 3) + ", mean correction",
-                     corrected,
-                     {},
-                     {},
-                     {},
-                     0});
-  entries.push_back({"permute_stop",
-                     "segment=" + std::to_string(permute.segment) + " tau=" + fmt(permute.tau),
-                     permute,
-                     {},
-                     {},
-                     {},
-                     0});
+  entries.push_back(entry("estimate_select+mc", "alpha=" + fmt(select.alpha, 3) + ", mean correction",
+                          corrected));
+  entries.push_back(entry("permute_stop", "segment=" + std::to_string(permute.segment) + " tau=" + fmt(permute.tau),
+                          permute));
 
-  std::vector<HostTensor> outputs;
+  std::vector<HostTensor> outputs, gpu_outputs;
   for (Entry& e : entries) {
-    progress.step("running " + e.label);
+    progress.step("running " + e.label + (on_gpu ? " (cpu, then cuda)" : ""));
     HostTensor o(q.dtype(), q.shape());
     HostTensor lse(DType::kFP32, {shape.batch, shape.h_q, shape.max_seq_q()});
     const Stopwatch timer;
@@ -311,10 +341,28 @@ Status demo_command(const Args& args) {
                            &e.stats, &e.decisions));
     e.seconds = timer.seconds();
     outputs.push_back(std::move(o));
+    if (!on_gpu) continue;
+    if (const Status can = can_run(problem, e.policy, Backend::kCUDA); !can.ok()) {
+      e.gpu_skipped = can.message();
+      continue;
+    }
+    HostTensor go(q.dtype(), q.shape());
+    HostTensor glse(DType::kFP32, {shape.batch, shape.h_q, shape.max_seq_q()});
+    RunStats gpu_stats;
+    Decisions gpu_decisions;
+    const AttentionOutput gpu_out{go.view(), glse.view()};
+    SP_RETURN_IF_ERROR(run(problem, e.policy, gpu_out, gpu_options));  // warm-up (module loading, caches)
+    SP_RETURN_IF_ERROR(run(problem, e.policy, gpu_out, gpu_options, &gpu_stats, &gpu_decisions));
+    e.on_gpu = true;
+    e.gpu_ms = gpu_stats.execution.device_ms;
+    e.gpu_differ = decisions_differ(e.decisions, gpu_decisions);
+    gpu_outputs.push_back(std::move(go));
   }
   progress.done();
-  for (std::size_t i = 0; i < entries.size(); ++i)
+  for (std::size_t i = 0; i < entries.size(); ++i) {
     entries[i].error = compare(outputs[i], outputs[0]);
+    if (entries[i].on_gpu) entries[i].gpu_error = compare(gpu_outputs[i], outputs[0]);
+  }
   const double wall = total.seconds();
 
   const Entry* mapped = nullptr;
@@ -351,6 +399,8 @@ Status demo_command(const Args& args) {
         .value(config.peakedness)
         .key("backend")
         .value(backend_name(options.backend))
+        .key("gpu")
+        .value(on_gpu)
         .end_object();
     json.key("policies").begin_array();
     for (const Entry& e : entries) {
@@ -370,8 +420,16 @@ Status demo_command(const Args& args) {
           .key("max_abs")
           .value(e.error.max_abs)
           .key("seconds")
-          .value(e.seconds)
-          .end_object();
+          .value(e.seconds);
+      if (e.on_gpu) {
+        json.key("gpu_ms")
+            .value(e.gpu_ms)
+            .key("gpu_rel_l2")
+            .value(e.gpu_error.rel_l2)
+            .key("gpu_decisions_differ")
+            .value(e.gpu_differ);
+      }
+      json.end_object();
     }
     json.end_array().key("wall_seconds").value(wall).end_object();
     std::cout << json.str() << "\n";
@@ -382,12 +440,28 @@ Status demo_command(const Args& args) {
             << " h_kv=" << config.h_kv << " d=" << config.d << " " << dtype_name(config.dtype)
             << " seed=" << config.seed << " peakedness=" << fmt(config.peakedness) << ", causal, "
             << block << "x" << block << " blocks, backend " << backend_name(options.backend)
+            << (on_gpu ? " (decisions) and cuda (gpu_ms)" : "")
             << "; calibrated on seed " << cal_config.seed << "\n\n";
-  std::printf("%-19s %-32s %8s %10s %10s %10s\n", "policy", "settings", "density", "rel_l2",
-              "max_abs", "time_ms");
+  if (!on_gpu) {
+    std::printf("%-19s %-32s %8s %10s %10s %10s\n", "policy", "settings", "density", "rel_l2",
+                "max_abs", "time_ms");
+  } else {
+    std::printf("%-19s %-32s %8s %10s %10s %10s %10s %10s  %s\n", "policy", "settings", "density", "rel_l2",
+                "max_abs", "cpu_ms", "gpu_ms", "gpu_rel_l2", "gpu decisions");
+  }
   for (const Entry& e : entries) {
-    std::printf("%-19s %-32s %8.3f %10.2e %10.2e %10.1f\n", e.label.c_str(), e.settings.c_str(),
+    std::printf("%-19s %-32s %8.3f %10.2e %10.2e %10.1f", e.label.c_str(), e.settings.c_str(),
                 e.stats.density(), e.error.rel_l2, e.error.max_abs, e.seconds * 1e3);
+    if (e.on_gpu) {
+      const std::string same = e.gpu_differ == 0 ? "same" : std::to_string(e.gpu_differ) + " differ";
+      std::printf(" %10.3f %10.2e  %s", e.gpu_ms, e.gpu_error.rel_l2, same.c_str());
+    } else if (on_gpu) {
+      std::printf(" %10s %10s  %s", "-", "-", "not run (see below)");
+    }
+    std::printf("\n");
+  }
+  for (const Entry& e : entries) {
+    if (!e.gpu_skipped.empty()) std::cout << e.label << " on cuda: " << e.gpu_skipped << "\n";
   }
   std::fflush(stdout);
   if (mapped != nullptr && mapped->decisions.kept.batch > 0) {

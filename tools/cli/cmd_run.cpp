@@ -29,7 +29,7 @@ const std::vector<Flag>& run_flags() {
       {"skip-target", "F", "softmax_skip: use the calibrated a of this target skip fraction"},
       {"density-target", "F", "estimate_select: use the calibrated alpha of this density"},
       {"output", "OUT.safetensors", "where o, lse and the decisions go"},
-      {"backend", "NAME", "cpu (default), reference, cuda or auto"},
+      {"backend", "NAME", "auto (default: cuda when a GPU is present, else cpu), cpu, reference or cuda"},
       {"threads", "T", "CPU threads (default: every core)"},
       {"scale", "X", "softmax scale (default 1/sqrt(d))"},
       {"non-causal", "", "attend to every key (dense, exact_gate, softmax_skip only)"},
@@ -174,7 +174,7 @@ Status run_command(const Args& args) {
   }
   RunOptions options;
   options.backend = Backend::kCPU;
-  SP_RETURN_IF_ERROR(parse_backend(args.get("backend", "cpu"), &options.backend));
+  SP_RETURN_IF_ERROR(parse_backend(args.get("backend", "auto"), &options.backend));
   SP_RETURN_IF_ERROR(args.get_int("threads", 0, 4096, &options.num_threads));
   options.collect_decisions = true;
 
@@ -261,6 +261,10 @@ Status run_command(const Args& args) {
         .value(stats.pair_density())
         .key("seconds")
         .value(seconds)
+        .key("device_ms")
+        .value(stats.execution.device_ms)
+        .key("execution")
+        .value(stats.execution.to_string())
         .key("output")
         .value(output_path)
         .end_object();
@@ -268,7 +272,8 @@ Status run_command(const Args& args) {
   } else {
     std::cout << describe(policy) << "\n"
               << "density " << fmt(stats.density(), 4) << " (pairs " << fmt(stats.pair_density(), 4)
-              << "), " << fmt(seconds * 1e3, 4) << " ms on " << backend_name(options.backend)
+              << "), " << fmt(seconds * 1e3, 4) << " ms on " << stats.execution.to_string()
+              << (options.backend == Backend::kCUDA ? " (device " + fmt(stats.execution.device_ms, 4) + " ms)" : "")
               << "; wrote " << output_path << "\n";
   }
   return Status::ok_status();

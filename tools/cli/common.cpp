@@ -215,9 +215,9 @@ Status parse_backend(const std::string& name, Backend* out) {
   else if (name == "cuda")
     *out = Backend::kCUDA;
   else if (name == "auto")
-    *out = Backend::kAuto;
+    *out = cuda_device_count() > 0 ? Backend::kCUDA : Backend::kCPU;  // the CLI's tensors are on the host
   else
-    return invalid_argument("--backend: expected cpu, reference, cuda or auto, got '" + name + "'");
+    return invalid_argument("--backend: expected auto, cpu, reference or cuda, got '" + name + "'");
   return Status::ok_status();
 }
 

@@ -95,7 +95,8 @@ Status find_tensor(const SafetensorsFile& file, const std::string& path, const s
 // Reads `path` as safetensors; errors name the file.
 Status read_input(const std::string& path, SafetensorsFile* out);
 
-// "cpu" | "reference" | "cuda" | "auto".
+// "cpu" | "reference" | "cuda" | "auto": auto is cuda when a CUDA device is present (the
+// library then stages the CLI's host tensors to it), else cpu.
 Status parse_backend(const std::string& name, Backend* out);
 
 // Formats a number with `digits` significant digits (for tables).
