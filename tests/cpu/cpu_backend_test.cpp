@@ -100,66 +100,7 @@ ExactGateParams gate_params(const HostTensor& thr, int bq, int bk) {
   return p;
 }
 
-// ------------------------------------------------------------------ pure decision rules
-
-TEST(CpuRules, GateKeepsTiesMinusInfinityAndNaN) {
-  using cpu::gate_keeps;
-  EXPECT_TRUE(gate_keeps(1.0f, 1.0f));
-  EXPECT_TRUE(gate_keeps(1.5f, 1.0f));
-  EXPECT_FALSE(gate_keeps(0.5f, 1.0f));
-  EXPECT_TRUE(gate_keeps(-1e30f, -std::numeric_limits<float>::infinity()));
-  EXPECT_TRUE(gate_keeps(std::numeric_limits<float>::quiet_NaN(), 1.0f));
-}
-
-TEST(CpuRules, SkipVotes) {
-  using cpu::RowVote;
-  using cpu::skip_vote;
-  const float ninf = -std::numeric_limits<float>::infinity();
-  const double ln_lambda = std::log(0.1);
-  EXPECT_EQ(skip_vote(false, false, ninf, ninf, ln_lambda), RowVote::kIgnore);
-  EXPECT_EQ(skip_vote(false, true, ninf, 2.0f, ln_lambda), RowVote::kSkip);
-  EXPECT_EQ(skip_vote(true, false, -50.0f, ninf, ln_lambda), RowVote::kKeep);
-  EXPECT_EQ(skip_vote(true, true, 2.0f - 2.5f, 2.0f, ln_lambda), RowVote::kSkip);   // -2.5 < -2.30
-  EXPECT_EQ(skip_vote(true, true, 2.0f - 2.0f, 2.0f, ln_lambda), RowVote::kKeep);   // -2.0
-  EXPECT_EQ(skip_vote(true, true, 0.0f, 0.0f, 0.0), RowVote::kKeep);                // strict <
-  EXPECT_EQ(skip_vote(true, true, std::numeric_limits<float>::quiet_NaN(), 0.0f, ln_lambda), RowVote::kKeep);
-  EXPECT_EQ(skip_vote(true, true, ninf, ninf, ln_lambda), RowVote::kKeep);          // -inf - -inf
-}
-
-TEST(CpuRules, EstimateKeepRule) {
-  EstimateSelectParams p;
-  p.block = 4;
-  p.alpha = 0.5;
-  p.sink = 1;
-  p.window = 2;
-  p.tail = 1;
-  cpu::EstimateTile t;
-  t.a_first = 16;  // rows at 16..19: fqb = lqb = 4, A = 5
-  t.a_last = 19;
-  t.tail = false;
-  EXPECT_EQ(cpu::estimate_scored_blocks(t, 4), 5);
-  EXPECT_TRUE(cpu::estimate_keeps(p, t, 0, 0.0, 1.0));   // sink
-  EXPECT_FALSE(cpu::estimate_keeps(p, t, 1, 0.4, 1.0));  // below alpha·peak
-  EXPECT_TRUE(cpu::estimate_keeps(p, t, 1, 0.5, 1.0));   // tie keeps
-  EXPECT_TRUE(cpu::estimate_keeps(p, t, 3, 0.0, 1.0));   // window fqb - 1 .. lqb
-  EXPECT_TRUE(cpu::estimate_keeps(p, t, 4, 0.0, 1.0));
-  EXPECT_FALSE(cpu::estimate_keeps(p, t, 5, 1.0, 1.0));  // j > lqb never
-  EXPECT_FALSE(cpu::estimate_keeps(p, t, 2, kNaN, 1.0));
-  t.tail = true;  // a tail tile: every visible block
-  EXPECT_TRUE(cpu::estimate_keeps(p, t, 2, 0.0, 1.0));
-  EXPECT_FALSE(cpu::estimate_keeps(p, t, 5, 0.0, 1.0));
-  // A tile whose last row sits before the first key (s_q > s_k) selects nothing.
-  t.a_first = -8;
-  t.a_last = -5;
-  EXPECT_EQ(cpu::estimate_scored_blocks(t, 4), 0);
-  EXPECT_FALSE(cpu::estimate_keeps(p, t, 0, 1.0, 1.0));
-}
-
-TEST(CpuRules, OrderDescendingBreaksTiesByIndexAndPutsNaNLast) {
-  const std::vector<double> key = {1.0, 3.0, kNaN, 3.0, -kInf, 2.0, kNaN};
-  const std::vector<std::int32_t> want = {1, 3, 5, 0, 4, 2, 6};
-  EXPECT_EQ(cpu::order_descending(key), want);
-}
+// ------------------------------------------------------------------ the vector exp
 
 TEST(CpuSimd, ExpAccuracyAndSpecialValues) {
   namespace simd = cpu::simd;
