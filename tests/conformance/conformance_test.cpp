@@ -25,6 +25,7 @@
 
 #include "common/cases.h"
 #include "common/chunks.h"
+#include "common/cuda_paths.h"
 #include "common/decisions.h"
 #include "common/inputs.h"
 #include "common/poison.h"
@@ -52,18 +53,6 @@ Inputs make_inputs(const std::vector<SeqLen>& lengths, int h_q, int h_kv, int d,
 
 bool is_paged(const TestProblem& tp) { return tp.problem().block_table.defined(); }
 
-// Whether the Hopper kernels serve the policy (docs/cuda.md, path selection): dense, and every
-// policy with 128-key blocks; permute_stop over contiguous K/V only (the suite reads pages in
-// the kernels, target_options).
-bool hopper_serves(const Policy& policy, bool paged) {
-  if (const auto* p = std::get_if<BlockSparseParams>(&policy)) return p->mask.block_k == kBlock;
-  if (const auto* p = std::get_if<ExactGateParams>(&policy)) return p->block_k == kBlock;
-  if (const auto* p = std::get_if<SoftmaxSkipParams>(&policy)) return p->block_k == kBlock;
-  if (const auto* p = std::get_if<EstimateSelectParams>(&policy)) return p->block == kBlock;
-  if (const auto* p = std::get_if<PermuteStopParams>(&policy)) return p->block_k == kBlock && !paged;
-  return true;
-}
-
 // Why `t` refuses (tp, policy), as a fragment of its kUnsupported message, or "" when it runs
 // it: estimate_select and permute_stop are causal only (every backend); CUDA has no fp32
 // kernels and runs fp8 on the Hopper kernel only; cuda-hopper runs what the Hopper kernels serve.
@@ -74,6 +63,7 @@ std::string refusal(Target t, const TestProblem& tp, const Policy& policy) {
   if (!is_cuda(t)) return {};
   if (tp.q.dtype() == DType::kFP32) return "fp32";
   if (tp.q.dtype() == DType::kFP8E4M3 && t == Target::kCudaPortable) return "fp8_e4m3 inputs run on the Hopper kernel only";
+  // The suite reads pages in the kernels (target_options).
   if (t == Target::kCudaHopper && !hopper_serves(policy, is_paged(tp))) return "hopper";
   return {};
 }
@@ -138,6 +128,10 @@ class Conformance : public ::testing::TestWithParam<Target> {
     EXPECT_TRUE(r.status.ok()) << r.status.to_string();
     if (!r.status.ok()) return r;
     EXPECT_EQ(r.stats.execution.path, target_path(target()));
+    if (is_cuda(target())) {
+      const std::string family = instance_family(target_path(target()), policy);
+      EXPECT_EQ(r.stats.execution.instance.rfind(family, 0), 0u) << "ran " << r.stats.execution.instance << ", expected " << family << "*";
+    }
     EXPECT_TRUE(fully_written(r.out, want.ref64));
     EXPECT_TRUE(close_calibrated(tp->q.dtype(), r.out, want.ref64, want.lowp));
     EXPECT_TRUE(same_decisions(want.ref64.decisions, r.decisions));
