@@ -268,6 +268,29 @@ inline BlockMask random_mask(const ProblemShape& shape, int block_q, int block_k
   return m;
 }
 
+// NaN K and V of sequence b's key blocks (geometry g) that no mask row of a KV head selects
+// (random_mask's `dead` lists; per query head masks: dead for every query head of the group).
+// Returns how many blocks were poisoned.
+inline int poison_dead_blocks(Inputs* in, int b, const geom::BlockGeometry& g, bool per_kv,
+                              const std::vector<std::vector<int>>& dead) {
+  const int group = in->h_q / in->h_kv;
+  int poisoned = 0;
+  for (int kvh = 0; kvh < in->h_kv; ++kvh) {
+    for (int kb = 0; kb < g.num_k_blocks(); ++kb) {
+      bool all_dead = true;
+      for (int h = 0; h < (per_kv ? 1 : group); ++h) {
+        const auto& list = dead[static_cast<std::size_t>(per_kv ? kvh : kvh * group + h)];
+        all_dead &= std::find(list.begin(), list.end(), kb) != list.end();
+      }
+      if (!all_dead) continue;
+      poison_keys(in, b, false, kvh, g.key_begin(kb), g.key_end(kb));
+      poison_keys(in, b, true, kvh, g.key_begin(kb), g.key_end(kb));
+      ++poisoned;
+    }
+  }
+  return poisoned;
+}
+
 inline ExactGateParams gate_params(const HostTensor& thr, int bq, int bk) {
   ExactGateParams p;
   p.block_q = bq;

@@ -208,28 +208,6 @@ TEST_P(Conformance, DenseBatchedUnequalKeysNeverReadCapacity) {
 
 // ------------------------------------------------------------------ block_sparse
 
-// NaN K and V of sequence 0's blocks that no mask row of a KV head selects (per query head
-// masks: dead for every query head of the group). Returns how many blocks were poisoned.
-int poison_dead_blocks(Inputs* in, const geom::BlockGeometry& g, bool per_kv,
-                       const std::vector<std::vector<int>>& dead) {
-  const int group = in->h_q / in->h_kv;
-  int poisoned = 0;
-  for (int kvh = 0; kvh < in->h_kv; ++kvh) {
-    for (int kb = 0; kb < g.num_k_blocks(); ++kb) {
-      bool all_dead = true;
-      for (int h = 0; h < (per_kv ? 1 : group); ++h) {
-        const auto& list = dead[static_cast<std::size_t>(per_kv ? kvh : kvh * group + h)];
-        all_dead &= std::find(list.begin(), list.end(), kb) != list.end();
-      }
-      if (!all_dead) continue;
-      poison_keys(in, 0, false, kvh, g.key_begin(kb), g.key_end(kb));
-      poison_keys(in, 0, true, kvh, g.key_begin(kb), g.key_end(kb));
-      ++poisoned;
-    }
-  }
-  return poisoned;
-}
-
 TEST_P(Conformance, BlockSparseRandomMasksWithNaNInUnselectedBlocks) {
   struct Case {
     SeqLen len;
@@ -248,7 +226,7 @@ TEST_P(Conformance, BlockSparseRandomMasksWithNaNInUnselectedBlocks) {
     BlockSparseParams p;
     p.mask = random_mask(shape, kBlock, c.block_k, c.per_kv, 77, &dead);
     const geom::BlockGeometry g = geometry(c.len.s_q, c.len.s_k, c.causal, kBlock, c.block_k);
-    const int poisoned = poison_dead_blocks(&in, g, c.per_kv, dead);
+    const int poisoned = poison_dead_blocks(&in, 0, g, c.per_kv, dead);
     if (c.per_kv) EXPECT_GT(poisoned, 0);  // per query head masks leave few blocks dead for a whole group
     TestProblem dirty = make_problem(in, c.causal);
     check(&dirty, p);

@@ -579,20 +579,7 @@ TEST(CudaPaged, BlockSparseEqualsContiguous) {
     for (int b = 0; b < shape.batch; ++b) {
       const geom::BlockGeometry g =
           geometry(shape.seq_q[static_cast<std::size_t>(b)], shape.seq_k[static_cast<std::size_t>(b)], true, kBlockQ, block_k);
-      for (int kvh = 0; kvh < in.h_kv; ++kvh) {
-        for (int kb = 0; kb < g.num_k_blocks(); ++kb) {
-          bool all_dead = true;
-          const int group = in.h_q / in.h_kv;
-          for (int h = 0; h < (per_kv ? 1 : group); ++h) {
-            const auto& list = dead[static_cast<std::size_t>(per_kv ? kvh : kvh * group + h)];
-            all_dead &= std::find(list.begin(), list.end(), kb) != list.end();
-          }
-          if (!all_dead) continue;
-          poison_keys(&dirty, b, false, kvh, g.key_begin(kb), g.key_end(kb));
-          poison_keys(&dirty, b, true, kvh, g.key_begin(kb), g.key_end(kb));
-          ++poisoned;
-        }
-      }
+      poisoned += poison_dead_blocks(&dirty, b, g, per_kv, dead);
     }
     if (per_kv) EXPECT_GT(poisoned, 0);
     expect_paged_equals_contiguous(dirty, p);
