@@ -107,11 +107,11 @@ inline double stable_parameter(const TestProblem& tp, const std::vector<double>&
   return std::numeric_limits<double>::quiet_NaN();
 }
 
-// The fp64 maxima of the oracle's scores over every gated block (rules::gate_gated) of `tp`:
-// per sequence b, query head h, query block qb, key block kb (in that order), for block sizes
-// bq x bk. NaN maxima (NaN inputs) are left out.
+// The fp64 maxima of the oracle's scores over every gated block (rules::gate_gated) of `tp`,
+// with the query head and query block they belong to: per sequence, query head, query block and
+// key block, in that order, for block sizes bq x bk. NaN maxima (NaN inputs) are left out.
 struct GatedMax {
-  int b, h, qb;
+  int h, qb;
   double max;
 };
 inline std::vector<GatedMax> gated_block_maxima(const TestProblem& tp, int bq, int bk) {
@@ -129,7 +129,7 @@ inline std::vector<GatedMax> gated_block_maxima(const TestProblem& tp, int bq, i
           for (std::int64_t r = g.row_begin(qb); r < g.row_end(qb); ++r) {
             for (std::int64_t t = g.key_begin(kb); t < g.key_end(kb); ++t) m = rules::nan_max(m, seq.score(r, h, t));
           }
-          if (!std::isnan(m)) out.push_back({b, h, qb, m});
+          if (!std::isnan(m)) out.push_back({h, qb, m});
         }
       }
     }

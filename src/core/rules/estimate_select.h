@@ -1,9 +1,10 @@
 // SPDX-License-Identifier: Apache-2.0
 // estimate_select's rules (docs/semantics.md §3.5), shared by the oracle, the CPU backend, the
-// calibration (statistics and EstimateSelectCalibrator) and the selector kernels (SP_HD): the
-// block means, a query tile's positions and scored blocks, which pairs contribute to the
-// energies and the energies themselves, the keep test with its forced blocks, and which pruned
-// blocks mean correction adds back. Block size B = g.block_q = g.block_k.
+// calibration (statistics and EstimateSelectCalibrator) and the selector kernels' selection
+// (kernel/select_kernel.cuh, SP_HD): the block means, a query tile's positions and scored
+// blocks, which pairs contribute to the energies and the energies themselves, the keep test
+// with its forced blocks, and which pruned blocks mean correction adds back. Block size
+// B = g.block_q = g.block_k.
 #pragma once
 
 #include <cmath>

@@ -1,7 +1,7 @@
 // SPDX-License-Identifier: Apache-2.0
 // exact_gate's (BSFA's) rules (docs/semantics.md §3.3), shared by the oracle, the CPU backend,
-// the calibration (statistics and ExactGateCalibrator) and the kernels (SP_HD): which blocks
-// are gated, the threshold a query block reads, and the keep test.
+// the test support and the forward kernels' gate (kernel/policy.cuh, SP_HD): which blocks are
+// gated, the threshold a query block reads, and the keep test.
 #pragma once
 
 #include <cstdint>

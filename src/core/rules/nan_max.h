@@ -1,7 +1,7 @@
 // SPDX-License-Identifier: Apache-2.0
 // The maximum every decision rule takes (docs/semantics.md §1, "NaN"): NaN when either
 // operand is NaN, so that a NaN score reaches the rule's comparison, whose outcome on NaN each
-// rule states. Shared by the oracle, the CPU backend and the calibration statistics (SP_HD).
+// rule states. Shared by the oracle, the CPU backend and the other rules (SP_HD).
 #pragma once
 
 #include "core/geometry.h"

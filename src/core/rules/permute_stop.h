@@ -1,6 +1,6 @@
 // SPDX-License-Identifier: Apache-2.0
 // permute_stop's rules (docs/semantics.md §3.6, our definition of S2O), shared by the oracle
-// and the CPU backend; kernels include it too (SP_HD). The segments themselves are
+// and the CPU backend; SP_HD, so that kernels may include it. The segments themselves are
 // geom::SegmentGeometry; here: a row's segment, a segment's tiles and ranked chunks, the
 // ranking order, the guide vector's size and the stop rule.
 #pragma once

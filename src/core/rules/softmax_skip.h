@@ -1,7 +1,7 @@
 // SPDX-License-Identifier: Apache-2.0
 // softmax_skip's (BLASST's) rules (docs/semantics.md §3.4), shared by the oracle, the CPU
-// backend and the calibration (statistics and SoftmaxSkipCalibrator); kernels include it too
-// (SP_HD): the visit order, λ and when skipping is on, and each row's vote on a block.
+// backend and the calibration (statistics and SoftmaxSkipCalibrator); SP_HD, so that kernels
+// may include it: the visit order, λ and when skipping is on, and each row's vote on a block.
 #pragma once
 
 #include <cmath>
