@@ -48,6 +48,7 @@ fi
 # Only what this check runs: the GPU tests, the tile timing and the C ABI the benchmarks load.
 targets=(sp_cuda_tiles)
 for t in "$root"/tests/cuda/*_test.cu; do targets+=("$(basename "$t" .cu)"); done
+targets+=(conformance_test)  # tests/conformance: its Cuda/* scenarios are labelled gpu
 [[ -f $root/src/api/CMakeLists.txt ]] && targets+=(sparseprefill_c)
 note "build -j$jobs: ${targets[*]}"
 if ! cmake --build "$build" -j"$jobs" --target "${targets[@]}" >>"$out/build.log" 2>&1; then
@@ -86,14 +87,18 @@ grep -E "tests passed|Failed|\*\*\*" "$out/tests.log" | tail -20 | tee -a "$summ
 # SP_WITH_PYTHON the Python tests (and SP_WITH_FA3: FlashAttention-3's suite); the timing steps
 # below run alone.
 test_bin=$build/tests/cuda/cuda_attention_test
+conf_bin=$build/tests/conformance_test
 mask_bin=$build/tests/cuda/cuda_device_mask_test
 sanitizer() {
-  timeout 240 compute-sanitizer --tool memcheck --error-exitcode 3 "$test_bin" \
-    --gtest_filter="${SP_MEMCHECK_FILTER:-CudaDense.GqaGroups*:CudaDense.VarlenChunked*:CudaBlockSparse.AllVisible*:CudaExactGate.MinusInfinity*:CudaEstimateSelect.VarlenBatchOfTwo:CudaPermuteStop.Varlen*:CudaPermuteStop.NaNValues*:CudaFp8.*:CudaPaged.DenseShortCaches*}"
+  timeout 240 compute-sanitizer --tool memcheck --error-exitcode 3 "$conf_bin" \
+    --gtest_filter="${SP_MEMCHECK_FILTER:-Cuda/Conformance.DenseGqaGroups*:Cuda/Conformance.DenseVarlen*:Cuda/Conformance.EstimateSelectCachedMeans*:Cuda/Conformance.PermuteStopStableTau*:Cuda/Conformance.PermuteStopNaNValues*:Cuda/Conformance.Fp8*}"
+  echo "memcheck (conformance) rc=$?"
+  timeout 180 compute-sanitizer --tool memcheck --error-exitcode 3 "$test_bin" \
+    --gtest_filter='CudaBlockSparse.AllVisible*:CudaExactGate.KeptAllGate*:CudaPaged.DenseShortCaches*:CudaFp8.*'
   echo "memcheck rc=$?"
-  timeout 180 compute-sanitizer --tool racecheck --error-exitcode 3 "$test_bin" \
-    --gtest_filter='CudaExactGate.MinusInfinity*:CudaSoftmaxSkip.OffWhen*:CudaPermuteStop.TauZero*:CudaEstimateSelect.VarlenBatchOfTwo'
-  echo "racecheck rc=$?"
+  timeout 180 compute-sanitizer --tool racecheck --error-exitcode 3 "$conf_bin" \
+    --gtest_filter='Cuda/Conformance.ExactGateMinusInfinity*:Cuda/Conformance.SoftmaxSkipOffWhen*:Cuda/Conformance.PermuteStopTauZero*:Cuda/Conformance.EstimateSelectStableAlpha*'
+  echo "racecheck (conformance) rc=$?"
   # The device block mask path (its check kernel, hostile entries included).
   if [[ -x $mask_bin ]]; then
     timeout 180 compute-sanitizer --tool memcheck --error-exitcode 3 "$mask_bin"

@@ -330,8 +330,9 @@ __device__ __forceinline__ void finish_selection(const SelectParams& p, const Se
       const int j = g0 + r * kThreads + tid;
       bool keep = false, corrected = false, full = false;
       if (j <= t.lqb) {
-        // E_j >= alpha · max E, written so that a NaN energy keeps.
-        const bool by_energy = j < t.scored && !(energy[j] < p.alpha);
+        // E_j >= alpha · max E: a NaN energy or peak fails, leaving the forced blocks
+        // (rules::estimate_keeps).
+        const bool by_energy = j < t.scored && energy[j] >= p.alpha;
         keep = by_energy || rules::estimate_forced(tail_tile, t.fqb, j, p.sink, p.window);
         full = j < full_end;
         corrected = !keep && p.mean_correction && rules::estimate_correctable(t.geo, t.a_f, j);
