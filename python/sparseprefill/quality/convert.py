@@ -24,12 +24,29 @@ __all__ = ["convert", "tiny", "main"]
 
 
 def convert(gguf: str, out: str, dtype: str = "bfloat16", device: str = "cpu") -> None:
+    """Dequantises `gguf` into `out`, then loads `out` back and checks that it gives the same
+    logits as the dequantised model on a short prompt."""
+    import torch
     import transformers
 
     model, tokenizer = data.load_model(gguf, device, dtype)
+    # The weights are dequantised already; the GGUF marker only blocks saving them.
+    model.hf_quantizer = None
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
     os.makedirs(out, exist_ok=True)
     model.save_pretrained(out)
     tokenizer.save_pretrained(out)
+    x = torch.tensor([tokenizer("The Debian Policy Manual describes", add_special_tokens=False).input_ids],
+                     device=model.device)
+    with torch.no_grad():
+        want = model(x).logits
+        del model
+        again, _ = data.load_model(out, device, dtype)
+        got = again(x).logits
+    if not torch.equal(got, want):
+        raise RuntimeError(f"{out}: the saved model's logits differ from the GGUF's by up to "
+                           f"{(got.float() - want.float()).abs().max().item():.3g}")
     with open(os.path.join(out, "source.json"), "w") as f:
         json.dump({"gguf": os.path.basename(gguf), "gguf_sha256": data.file_sha256(gguf), "dtype": dtype,
                    "transformers": transformers.__version__}, f, indent=1)

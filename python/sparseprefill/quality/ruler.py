@@ -50,8 +50,9 @@ TASKS: Dict[str, Task] = {t.name: t for t in (
     Task("niah_multivalue", "retrieval", "all", 80, "four needles of one key, every value asked"),
     Task("niah_multiquery", "retrieval", "all", 96, "four needles of distinct keys, every key asked"),
     Task("vt", "multi-hop tracing", "all", 40, "one chain of five variables (four hops) among the text's lines"),
-    Task("cwe", "aggregation", "all", 80, "numbered word list: ten words 30 times each, the others 3 times; "
-                                         "the ten most common asked (one solved example first)"),
+    Task("cwe", "aggregation", "all", 80, "numbered word list: ten words 30 times each, the others 3 times (6 "
+                                         "and 1 below 4K tokens); the ten most common asked (one solved example "
+                                         "first)"),
     Task("fwe", "aggregation", "all", 40, "coded words with Zipf(2) counts, the most frequent one noise ('...'); "
                                          "the three most frequent others asked"),
     Task("qa", "question answering", "part", 24, "one contiguous part of the document; the number of a section "
@@ -393,21 +394,23 @@ def _word_list(enc: Encoder, items: Sequence[str], first: int = 1) -> List[List[
     return [a + b for a, b in zip(nums, ws)]
 
 
-def _cwe(enc: Encoder, words: Sequence[str], rng: random.Random, total: int, common: int = 10,
-         f_common: int = 30, f_uncommon: int = 3) -> Tuple[List[int], List[str], Dict[str, Any]]:
-    """RULER's common-words extraction: `common` words f_common times each and the others
-    f_uncommon times, shuffled, as a numbered list; the list grows with the length, and the
-    tokens the last whole item leaves are filled with words once each and a cut-off item.
-    One solved example (40 words, 10 of them 10 times, 30 three times) first, as RULER's
-    default num_fewshot = 1."""
+def _cwe(enc: Encoder, words: Sequence[str], rng: random.Random, total: int, short: bool,
+         common: int = 10) -> Tuple[List[int], List[str], Dict[str, Any]]:
+    """RULER's common-words extraction: `common` words 30 times each and the others 3 times
+    (6 and 1 for a short length, below 4096 tokens, as RULER), shuffled, as a numbered list; the
+    list grows with the length, and the tokens the last whole item leaves are filled with words
+    once each and a cut-off item. One solved example (40 words, 10 of them 10 times, 30 three
+    times; short: 20 words, 3 and 1 times) first, as RULER's default num_fewshot = 1."""
+    f_common, f_uncommon = (6, 1) if short else (30, 3)
+    ex_n, ex_common, ex_uncommon = (20, 3, 1) if short else (40, 10, 3)
     pool = list(words)
     rng.shuffle(pool)
-    ex_words, pool = pool[:40], pool[40:]
+    ex_words, pool = pool[:ex_n], pool[ex_n:]
     head = ("Below is a numbered list of words. In these words, some appear more often than others. Memorize the "
             "ones that appear most often.\n")
     question = f"\nQuestion: What are the {common} most common words in the above list?"
     prefix = f"Answer: The top {common} words that appear most often in the list are:"
-    ex = ex_words[:common] * 10 + ex_words[common:] * 3
+    ex = ex_words[:common] * ex_common + ex_words[common:] * ex_uncommon
     random.Random(f"{rng.random()}").shuffle(ex)
     example = (head + " ".join(f"{i + 1}. {w}" for i, w in enumerate(ex)) + question + " " + prefix + " "
                + " ".join(f"{i + 1}. {w}" for i, w in enumerate(ex_words[:common])) + "\n\n")
@@ -560,7 +563,7 @@ def make_sample(task: str, length: int, index: int, seed: int, enc: Encoder, hay
     elif task == "vt":
         ids, outputs, info = _vt(enc, hay, rng, total)
     elif task == "cwe":
-        ids, outputs, info = _cwe(enc, words, rng, total)
+        ids, outputs, info = _cwe(enc, words, rng, total, length < 4096)
     elif task == "fwe":
         ids, outputs, info = _fwe(enc, rng, total)
     else:
