@@ -76,7 +76,7 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     p.add_argument("--output", required=True, help="results JSON; resumed when it exists")
     p.add_argument("--deadline", type=float, default=math.inf, help="seconds from the start after which no work starts")
     p.add_argument("--ppl-lengths", type=_ints, default=[16384, 32768])
-    p.add_argument("--ppl-windows", type=_ints, default=[2, 2], help="windows per --ppl-lengths entry")
+    p.add_argument("--ppl-windows", type=_ints, default=[1, 1], help="windows per --ppl-lengths entry")
     p.add_argument("--budgets", type=_ints, default=[4, 8, 16, 32], help="exact_gate budgets (of the calibration)")
     p.add_argument("--skip-targets", type=_floats, default=[0.7, 0.8, 0.9], help="softmax_skip targets (of the calibration)")
     p.add_argument("--density-targets", type=_floats, default=[0.1, 0.2, 0.3],
