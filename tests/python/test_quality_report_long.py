@@ -142,6 +142,16 @@ def test_render_states_them():
     assert "different document from the evaluation text" in text
 
 
+def test_failures_are_reported():
+    d = long_doc()
+    d["errors"] = {"ruler": {"permute_stop tau=0.01 @ 32768": "UnsupportedError: no kernel"},
+                   "ppl": {"softmax_skip skip_target=0.9": "CudaError: launch failed"}}
+    text = "\n".join(report_long.render(d, "r.json", {}))
+    assert "| permute_stop tau=0.01 | – | failed: UnsupportedError: no kernel |" in text
+    assert "| ppl | softmax_skip skip_target=0.9 | CudaError: launch failed |" in text
+    assert "`dense` @ 16K." in text and "`permute_stop tau=0.01` @ 32K" not in text  # failed, not missing
+
+
 def test_report_main_puts_the_long_section_first(tmp_path):
     main_path, long_path = tmp_path / "small.json", tmp_path / "long.json"
     main_path.write_text(json.dumps(smollm_doc()))

@@ -269,7 +269,8 @@ def run_ppl(run: Run, model: Any, windows: Dict[int, List[Tuple[int, List[int]]]
 
     layers = model.config.num_hidden_layers
     dense_hidden: Dict[Tuple[int, int], Any] = {}
-    todo = [s for s in settings if s.label not in run.doc["ppl"]]
+    failed = run.doc.setdefault("errors", {}).get("ppl", {})
+    todo = [s for s in settings if s.label not in run.doc["ppl"] and s.label not in failed]
     if todo and todo[0].policy != "dense":
         todo.insert(0, settings[0])  # dense again: the reference hidden states are not stored
     bar = data.progress(todo, desc="perplexity / KL")
@@ -280,23 +281,29 @@ def run_ppl(run: Run, model: Any, windows: Dict[int, List[Tuple[int, List[int]]]
         t0 = time.time()
         spt.set_config(_config(st, cal, layers, block, segment))
         entry = {"setting": _setting_record(st, cal, layers), "lengths": {}}
-        for length, wins in windows.items():
-            sums = metrics.TokenSums()
-            with sp.collect_stats() as log:
-                for wi, (_, ids) in enumerate(wins):
-                    window, hidden = evaluate.ppl_window(model, ids, dense_hidden.get((length, wi)))
-                    if st.policy == "dense":
-                        dense_hidden[(length, wi)] = hidden
-                    sums.add(window)
-                    del hidden
-            per_layer = metrics.layer_densities(log)
-            dens, pair = metrics.total_density(log)
-            row = sums.summary()
-            row.update({"density": dens, "pair_density": pair,
-                        "layer_pair_density": [per_layer[l]["pair_density"] for l in sorted(per_layer)],
-                        "head_pair_density": [[round(x, 4) for x in per_layer[l]["head_pair_density"]]
-                                              for l in sorted(per_layer)]})
-            entry["lengths"][str(length)] = row
+        try:
+            for length, wins in windows.items():
+                sums = metrics.TokenSums()
+                with sp.collect_stats() as log:
+                    for wi, (_, ids) in enumerate(wins):
+                        window, hidden = evaluate.ppl_window(model, ids, dense_hidden.get((length, wi)))
+                        if st.policy == "dense":
+                            dense_hidden[(length, wi)] = hidden
+                        sums.add(window)
+                        del hidden
+                per_layer = metrics.layer_densities(log)
+                dens, pair = metrics.total_density(log)
+                row = sums.summary()
+                row.update({"density": dens, "pair_density": pair,
+                            "layer_pair_density": [per_layer[l]["pair_density"] for l in sorted(per_layer)],
+                            "head_pair_density": [[round(x, 4) for x in per_layer[l]["head_pair_density"]]
+                                                  for l in sorted(per_layer)]})
+                entry["lengths"][str(length)] = row
+        except Exception as e:  # noqa: BLE001 - recorded, reported, and the other settings go on
+            if st.policy == "dense":
+                raise
+            _failed(run, "ppl", st.label, e)
+            continue
         entry["seconds"] = round(time.time() - t0, 2)
         clock.last["ppl"] = entry["seconds"]
         if st.label not in run.doc["ppl"]:
@@ -319,14 +326,30 @@ def run_timing(run: Run, model: Any, windows: Dict[int, List[Tuple[int, List[int
         run.save()
     secs = run.doc["timing"]["seconds"]
     per = sum(secs["dense"].values()) * (repeats + 1)
-    for st in (s for s in settings if s.label not in secs):
+    failed = run.doc.setdefault("errors", {}).get("timing", {})
+    for st in (s for s in settings if s.label not in secs and s.label not in failed):
         if not clock.allows(per):
             return False
-        t = evaluate.prefill_times(model, inputs, [st], lambda s: _config(s, cal, layers, block, segment), repeats,
-                                   baselines=False)
+        try:
+            t = evaluate.prefill_times(model, inputs, [st], lambda s: _config(s, cal, layers, block, segment),
+                                       repeats, baselines=False)
+        except Exception as e:  # noqa: BLE001 - recorded, reported, and the other settings go on
+            _failed(run, "timing", st.label, e)
+            continue
         secs.update(t["seconds"])
         run.save()
     return True
+
+
+def _failed(run: Run, step: str, key: str, e: BaseException) -> None:
+    """Records (and prints) an error that stops one setting or item, not the run."""
+    import traceback
+
+    traceback.print_exc()
+    msg = f"{type(e).__name__}: {e}"[:300]
+    print(f"{step} {key}: FAILED, {msg}", file=sys.stderr)
+    run.doc.setdefault("errors", {}).setdefault(step, {})[key] = msg
+    run.save()
 
 
 class Clock:
@@ -347,17 +370,16 @@ def run_ruler(run: Run, model: Any, tokenizer: Any, suite: Tuple[ruler.Encoder, 
               queue: List[Tuple[Setting, int]], args: argparse.Namespace, cal: Any, block: int,
               clock: Clock) -> bool:
     """Step 4; False when the deadline stopped it."""
-    import torch
-
-    import sparseprefill as sp
     import sparseprefill.transformers as spt
 
-    enc, hay, words = suite
     layers = model.config.num_hidden_layers
     eos = eos_ids(tokenizer, model)
     samples: Dict[Tuple[str, int], List[ruler.Sample]] = {}
     results = run.doc["ruler"]["results"]
+    failed = run.doc.setdefault("errors", {}).setdefault("ruler", {})
     for st, length in queue:
+        if f"{st.label} @ {length}" in failed:
+            continue
         item = results.setdefault(st.label, {}).setdefault(str(length), {
             "tasks": {}, "visible_pairs": 0, "computed_pairs": 0, "seconds": 0.0, "prefill_seconds": 0.0})
         todo = {t: [i for i in range(args.ruler_samples) if i not in {r["index"] for r in item["tasks"].get(t, [])}]
@@ -367,61 +389,82 @@ def run_ruler(run: Run, model: Any, tokenizer: Any, suite: Tuple[ruler.Encoder, 
             continue
         spt.set_config(_config(st, cal, layers, block, args.segment))
         bar = data.progress(total=count, desc=f"RULER {st.label} @ {length}")
-        for task in args.ruler_tasks:
-            if not todo[task]:
-                continue
-            if (task, length) not in samples:
-                samples[(task, length)] = [ruler.make_sample(task, length, i, args.seed, enc, hay, words)
-                                           for i in range(args.ruler_samples)]
-            batch = max(1, min(args.ruler_samples, args.batch_tokens // length))
-            pending = list(todo[task])
-            while pending:
-                part = pending[:batch]
-                expect = clock.last.get(("ruler", length), 0.0) * len(part)
-                if not clock.allows(expect):
-                    bar.close()
-                    return False
-                t0 = time.time()
-                try:
-                    with sp.collect_stats() as log:
-                        answers, prefill = greedy(model, [samples[(task, length)][i].ids for i in part],
-                                                  ruler.TASKS[task].max_new, eos, capture.NAME)
-                except torch.cuda.OutOfMemoryError:
-                    if batch == 1:
-                        raise
-                    batch //= 2
-                    torch.cuda.empty_cache()
-                    print(f"RULER {st.label} @ {length} {task}: out of memory, batch now {batch}", file=sys.stderr)
-                    continue
-                took = time.time() - t0
-                clock.last[("ruler", length)] = max(took / len(part), clock.last.get(("ruler", length), 0.0) * 0.5)
-                for c in log.calls:
-                    item["visible_pairs"] += int(c.heads[..., 3].sum())
-                    item["computed_pairs"] += int(c.heads[..., 4].sum())
-                rows = item["tasks"].setdefault(task, [])
-                for i, ids in zip(part, answers):
-                    s = samples[(task, length)][i]
-                    pred = ruler.postprocess(tokenizer.decode(ids, skip_special_tokens=True))
-                    rec = {"index": i, "score": ruler.score(task, pred, s.outputs), "pred": pred[:160],
-                           "tokens": len(ids)}
-                    if "needles" in s.info:
-                        asked = [n for n in s.info["needles"] if n["key"] in s.info["asked"]]
-                        rec["depth"] = asked[0]["placed_depth"]
-                        rec["value_type"] = s.info["value_type"]
-                    elif "placed_depth" in s.info:
-                        rec["depth"] = s.info["placed_depth"]
-                    rows.append(rec)
-                rows.sort(key=lambda r: r["index"])
-                item["seconds"] = round(item["seconds"] + took, 2)
-                item["prefill_seconds"] = round(item["prefill_seconds"] + prefill, 2)
-                run.save()
-                pending = pending[len(part):]
-                bar.update(len(part))
-                bar.set_postfix_str(f"{task} {100 * sum(r['score'] for r in rows) / len(rows):.0f}")
+        try:
+            if not _ruler_item(run, model, tokenizer, suite, st, length, item, todo, samples, eos, args, clock, bar):
+                bar.close()
+                return False
+        except Exception as e:  # noqa: BLE001 - recorded, reported, and the other items go on
+            bar.close()
+            _failed(run, "ruler", f"{st.label} @ {length}", e)
+            continue
         bar.close()
         avg = 100 * sum(sum(r["score"] for r in v) / len(v) for v in item["tasks"].values()) / len(item["tasks"])
         print(f"[{clock.elapsed():.0f} s] RULER {st.label} @ {length}: average {avg:.1f}, density "
               f"{item['computed_pairs'] / max(item['visible_pairs'], 1):.3f}, {item['seconds']:.0f} s", file=sys.stderr)
+    return True
+
+
+def _ruler_item(run: Run, model: Any, tokenizer: Any, suite: Tuple[ruler.Encoder, ruler.Haystack, List[str]],
+                st: Setting, length: int, item: Dict[str, Any], todo: Dict[str, List[int]],
+                samples: Dict[Tuple[str, int], List[ruler.Sample]], eos: List[int], args: argparse.Namespace,
+                clock: Clock, bar: Any) -> bool:
+    """One (setting, length) item's missing prompts, batch by batch; False when the deadline
+    stopped it."""
+    import torch
+
+    import sparseprefill as sp
+
+    enc, hay, words = suite
+    for task in args.ruler_tasks:
+        if not todo[task]:
+            continue
+        if (task, length) not in samples:
+            samples[(task, length)] = [ruler.make_sample(task, length, i, args.seed, enc, hay, words)
+                                       for i in range(args.ruler_samples)]
+        batch = max(1, min(args.ruler_samples, args.batch_tokens // length))
+        pending = list(todo[task])
+        while pending:
+            part = pending[:batch]
+            expect = clock.last.get(("ruler", length), 0.0) * len(part)
+            if not clock.allows(expect):
+                return False
+            t0 = time.time()
+            try:
+                with sp.collect_stats() as log:
+                    answers, prefill = greedy(model, [samples[(task, length)][i].ids for i in part],
+                                              ruler.TASKS[task].max_new, eos, capture.NAME)
+            except torch.cuda.OutOfMemoryError:
+                if batch == 1:
+                    raise
+                batch //= 2
+                torch.cuda.empty_cache()
+                print(f"RULER {st.label} @ {length} {task}: out of memory, batch now {batch}", file=sys.stderr)
+                continue
+            took = time.time() - t0
+            clock.last[("ruler", length)] = max(took / len(part), clock.last.get(("ruler", length), 0.0) * 0.5)
+            for c in log.calls:
+                item["visible_pairs"] += int(c.heads[..., 3].sum())
+                item["computed_pairs"] += int(c.heads[..., 4].sum())
+            rows = item["tasks"].setdefault(task, [])
+            for i, ids in zip(part, answers):
+                s = samples[(task, length)][i]
+                pred = ruler.postprocess(tokenizer.decode(ids, skip_special_tokens=True))
+                rec = {"index": i, "score": ruler.score(task, pred, s.outputs), "pred": pred[:160],
+                       "tokens": len(ids)}
+                if "needles" in s.info:
+                    asked = [n for n in s.info["needles"] if n["key"] in s.info["asked"]]
+                    rec["depth"] = asked[0]["placed_depth"]
+                    rec["value_type"] = s.info["value_type"]
+                elif "placed_depth" in s.info:
+                    rec["depth"] = s.info["placed_depth"]
+                rows.append(rec)
+            rows.sort(key=lambda r: r["index"])
+            item["seconds"] = round(item["seconds"] + took, 2)
+            item["prefill_seconds"] = round(item["prefill_seconds"] + prefill, 2)
+            run.save()
+            pending = pending[len(part):]
+            bar.update(len(part))
+            bar.set_postfix_str(f"{task} {100 * sum(r['score'] for r in rows) / len(rows):.0f}")
     return True
 
 

@@ -9,9 +9,8 @@ writes what the run will measure and how to make it."""
 
 from __future__ import annotations
 
-import math
 import os
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Optional
 
 from . import metrics, ruler
 
@@ -140,9 +139,12 @@ def summarize(doc: Dict[str, Any]) -> Dict[str, Any]:
             layers.append({"plain": a, "variant": b, "dense_layers": s["dense_layers"]})
     queue = doc["ruler"].get("queue") or []
     missing = [(label, L) for label, L in queue if not (by.get((label, L)) or {}).get("complete")]
+    errors = doc.get("errors") or {}
+    failed = set((errors.get("ruler") or {}))
+    missing = [(label, L) for label, L in missing if f"{label} @ {L}" not in failed]
     return {"rows": rows, "by": by, "lengths": lengths, "within": within, "recommend": recommend,
             "targets": targets, "longest": longest, "ppl_rows": ppl_rows, "mc": mc, "layers": layers,
-            "missing": missing, "base": base, "max_density": max_density}
+            "missing": missing, "base": base, "max_density": max_density, "errors": errors}
 
 
 def _ci(v: Optional[float], lo: Optional[float], hi: Optional[float], sign: bool = False) -> str:
@@ -206,13 +208,14 @@ def _ruler_table(s: Dict[str, Any], L: int) -> List[str]:
     if not rows:
         return []
     tasks = list(rows[0]["scores"])
-    lines = [f"| setting | density | RULER [95% CI] | Δ vs dense [95% CI] | "
+    lines = ["| setting | density | RULER [95% CI] | Δ vs dense [95% CI] | "
              + " | ".join(f"`{t}`" for t in tasks) + f" | prefill ms | vs {s['base']} | vs dense |",
              "|---|---:|---:|---:|" + "---:|" * len(tasks) + "---:|---:|---:|"]
     for r in rows:
         if not r["complete"]:
-            lines.append(f"| {_label(r['label'])} | – | incomplete ({r['done']} of {r['total']} prompts) | – | "
-                         + " | ".join("–" for _ in tasks) + " | – | – | – |")
+            error = (s["errors"].get("ruler") or {}).get(f"{r['label']} @ {L}")
+            state = f"failed: {error}" if error else f"incomplete ({r['done']} of {r['total']} prompts)"
+            lines.append(f"| {_label(r['label'])} | – | {state} | – | " + " | ".join("–" for _ in tasks) + " | – | – | – |")
             continue
         lines.append(f"| {_label(r['label'])} | {_x(r['density'], 3)} | {_ci(r.get('avg'), r.get('avg_lo'), r.get('avg_hi'))} | "
                      f"{_ci(r.get('diff'), r.get('diff_lo'), r.get('diff_hi'), True) if r['policy'] != 'dense' else '–'} | "
@@ -356,13 +359,18 @@ def render(doc: Dict[str, Any], source: str, images: Dict[str, str]) -> List[str
     lines += ["### Mean correction", "", "estimate_select at the same alpha without and with mean correction (the "
               "RULER difference is paired over the same prompts):", ""] + _mc_table(s)
     if s["layers"]:
-        lines += ["### Dense first layers", "", f"Each setting without and with its first layers dense, on the "
+        lines += ["### Dense first layers", "", "Each setting without and with its first layers dense, on the "
                   "perplexity windows:", ""] + _layers_table(s)
     lines += ["### Perplexity and KL against dense (held-out windows)", ""] + _ppl_tables(s)
     if images:
         lines += ["### Plots", ""]
         for title, path in images.items():
             lines += [f"**{title}**", "", f"![{title}]({path})", ""]
+    failures = [(step, key, msg) for step, per in s["errors"].items() for key, msg in per.items()]
+    if failures:
+        lines += ["### Failures", "", "Errors that stopped one setting or item (the others went on):", "",
+                  "| step | setting | error |", "|---|---|---|"]
+        lines += [f"| {step} | {_label(key)} | {msg.replace('|', '/')} |" for step, key, msg in failures] + [""]
     if s["missing"]:
         lines += ["### Not measured", "", "RULER items of the run's plan that did not finish within its time "
                   "(a later call with the same results file goes on with them): "
