@@ -4,10 +4,11 @@
 # run: the 22 parts copied and checked as the part calls do (QWEN_HOME under WORK), `final`'s
 # join, checks and GGUF-to-bf16 conversion with its logits check (on the CPU: a few minutes;
 # --no-convert skips it), then scripts/model/gpu_qwen.sh twice on a random two-layer Qwen2 with
-# the model's tokenizer (calibration, perplexity/KL, timing, RULER at 2K/4K with 2 samples per
-# task): the first call stopped by its deadline, the second resuming it; last the report with
-# --long into WORK (docs/ untouched). Needs scripts/model/fetch_qwen.sh and pack_qwen.sh first,
-# and the package installed CPU-only (scripts/python_ci.sh's way) in the running python.
+# the model's tokenizer (calibration, perplexity/KL at 1K/2K, timing, RULER at 2K/4K with 2
+# samples per task): the first call stopped by its deadline, the second resuming it; last the
+# report with --long into WORK (docs/ untouched). Needs scripts/model/fetch_qwen.sh and
+# pack_qwen.sh first, and the package installed CPU-only (scripts/python_ci.sh's way) in the
+# running python.
 # Usage: scripts/model/qwen_dry_run.sh [--no-convert] [WORK]   (default WORK build/qwen-dry-run)
 set -euo pipefail
 root=$(cd "$(dirname "$0")/../.." && pwd)
@@ -29,7 +30,7 @@ fi
 "$py" -m sparseprefill.quality.convert --tiny "$tokenizer" "$work/tiny"
 export QWEN_MODEL=$work/tiny
 export SP_CAL_ARGS="--samples 1 --length 4096"
-export SP_LONG_ARGS="--ppl-lengths 2048,4096 --budgets 8,16 --skip-targets 0.8 --density-targets 0.2 --alphas 0.1,0.2 \
+export SP_LONG_ARGS="--ppl-lengths 1024,2048 --budgets 8,16 --skip-targets 0.8 --density-targets 0.2 --alphas 0.1,0.2 \
 --taus 0.01 --dense-layer-variants 1 --ruler-lengths 2048,4096 --frontier-lengths 4096 --ruler-samples 2 \
 --timing-repeats 1 --batch-tokens 8192"
 SP_CALL_SECONDS=${SP_DRY_FIRST:-300} scripts/model/gpu_qwen.sh "$work/out1"
@@ -37,7 +38,7 @@ SP_CALL_SECONDS=${SP_DRY_FIRST:-300} scripts/model/gpu_qwen.sh "$work/out1"
 import json, sys
 d = json.load(open(sys.argv[1]))
 assert d["calls"][-1]["stopped"] == "deadline", d["calls"][-1]
-print("first call stopped by its deadline:", sum(len(v) for v in d["ppl"].values()), "settings of perplexity,",
+print("first call stopped by its deadline:", len(d["ppl"]), "settings of perplexity,",
       sum(len(t) for per in d["ruler"]["results"].values() for it in per.values() for t in it["tasks"].values()),
       "RULER answers")
 PY
