@@ -49,7 +49,9 @@ d = json.load(open(sys.argv[1]))
 assert d["calls"][-1]["stopped"] == "done" and len(d["calls"]) == 2, d["calls"]
 print("second call resumed and finished:", [c["stopped"] for c in d["calls"]])
 PY
-"$py" -m sparseprefill.quality.report bench/records/quality/2026-11-29-h200-smollm2-b128-operator-timing.json \
+# A copy of the small model's record: the report writes a page beside each JSON it is given.
+cp bench/records/quality/2026-11-29-h200-smollm2-b128-operator-timing.json "$work/smollm2.json"
+"$py" -m sparseprefill.quality.report "$work/smollm2.json" \
   --mc-analysis bench/records/quality/2026-11-30-cpu-smollm2-b128-mc-analysis.json --long "$work/out2/qwen-long.json" \
   --output "$work/quality.md" --img-dir "$work/img"
 echo "qwen_dry_run: $work/quality.md"

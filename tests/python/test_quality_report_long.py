@@ -142,6 +142,19 @@ def test_render_states_them():
     assert "different document from the evaluation text" in text
 
 
+def test_recommendation_needs_a_faster_prefill():
+    d = long_doc()
+    for name, per in d["timing"]["seconds"].items():
+        if name != "torch sdpa (cuDNN)":
+            per["32768"] = 0.5  # every setting slower than SDPA with cuDNN
+    s = report_long.summarize(d)
+    assert s["recommend"][32768] is None
+    assert "| 32K | dense (no measured setting within 1 point prunes pairs and beats torch sdpa (cuDNN) where " \
+        "timed) |" in "\n".join(report_long.render(d, "r.json", {}))
+    d["timing"] = None  # untimed: the sparsest setting within 1 point
+    assert report_long.summarize(d)["recommend"][32768]["label"] == "estimate_select alpha=0.1"
+
+
 def test_failures_are_reported():
     d = long_doc()
     d["errors"] = {"ruler": {"permute_stop tau=0.01 @ 32768": "UnsupportedError: no kernel"},

@@ -89,12 +89,17 @@ def summarize(doc: Dict[str, Any]) -> Dict[str, Any]:
             ok = [r for r in mine if r["diff"] >= -TOLERANCE]
             within[L][policy] = (min(ok, key=lambda r: r["density"]) if ok else None,
                                  max(mine, key=lambda r: r["diff"]) if mine else None)
+    # Per length: among the settings within 1 point, the fastest prefill when it beats the
+    # baseline (timed lengths), else the sparsest (lengths without timing); else dense.
     recommend = {}
     for L in lengths:
         ok = [w for w, _ in within[L].values() if w is not None]
-        timed = [r for r in ok if r["vs_base"] is not None]
-        recommend[L] = (max(timed, key=lambda r: r["vs_base"]) if timed else
-                        min(ok, key=lambda r: r["density"]) if ok else None)
+        if any(r["vs_base"] is not None for r in ok):
+            fast = [r for r in ok if r["vs_base"] is not None and r["vs_base"] > 1.0]
+            recommend[L] = max(fast, key=lambda r: r["vs_base"]) if fast else None
+        else:
+            sparse = [r for r in ok if r["density"] is not None and r["density"] < 0.999]
+            recommend[L] = min(sparse, key=lambda r: r["density"]) if sparse else None
     max_density = doc["meta"].get("max_density", 0.2)
     longest = max(lengths) if lengths else None
     targets = {}
@@ -249,7 +254,8 @@ def _recommend_table(s: Dict[str, Any]) -> List[str]:
     for L in reversed(s["lengths"]):
         r = s["recommend"][L]
         if r is None:
-            lines.append(f"| {_k(L)} | dense (no measured setting within {TOLERANCE:g} point) | 1.000 | – | – | – |")
+            lines.append(f"| {_k(L)} | dense (no measured setting within {TOLERANCE:g} point prunes pairs and beats "
+                         f"{s['base']} where timed) | 1.000 | – | – | – |")
             continue
         why = "the highest measured prefill speed-up" if r["vs_base"] is not None else "the lowest density"
         lines.append(f"| {_k(L)} | {_name(r['policy'])} `{_label(r['label'])}` | {_x(r['density'], 3)} | "
