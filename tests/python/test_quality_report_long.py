@@ -140,6 +140,9 @@ def test_render_states_them():
     assert "| exact_gate budget=16 | 2 | 0.350 | 0.01 | +0.10 |" in text
     assert "`permute_stop tau=0.01` @ 32K, `dense` @ 16K." in text
     assert "different document from the evaluation text" in text
+    assert "| exact_gate budget=16 | 0.300 | +2.00 | 0.05 | 0.950 | 250.0 | 1.40 | 1.28 |" in text
+    assert "| permute_stop tau=0.01 | 0.150 | +0.20 | 0.02 | 0.980 | – | – | – |" in text
+    assert "median of 3 runs: torch sdpa (cuDNN) 350.0 ms" in text
 
 
 def test_recommendation_needs_a_faster_prefill():

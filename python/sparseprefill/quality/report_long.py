@@ -332,16 +332,25 @@ def _layers_table(s: Dict[str, Any]) -> List[str]:
     return lines + [""]
 
 
-def _ppl_tables(s: Dict[str, Any]) -> List[str]:
+def _ppl_tables(doc: Dict[str, Any], s: Dict[str, Any]) -> List[str]:
+    """Per perplexity length: every setting's density, ΔPPL, KL, top-1 agreement and prefill
+    time (the timing runs at these lengths)."""
     out = []
+    base = s["base"]
     for L in sorted({r["length"] for r in s["ppl_rows"]}):
         rows = [r for r in s["ppl_rows"] if r["length"] == L]
         dense = next(r for r in rows if r["label"] == "dense")
-        out += [f"**Perplexity and KL against dense at {_k(L)}** (dense perplexity {dense['ppl']:.3f}):", "",
-                "| setting | density | ΔPPL % | KL (nats/token) | top-1 agreement |", "|---|---:|---:|---:|---:|"]
+        t_base, t_dense = _time(doc, base, L), _time(doc, "dense", L)
+        out += [f"**At {_k(L)}** (dense perplexity {dense['ppl']:.3f}; prefill of the decoder stack, median of "
+                f"{(doc.get('timing') or {}).get('repeats', '–')} runs: {base} "
+                + (f"{1e3 * t_base:.1f} ms" if t_base else "not measured") + "):", "",
+                f"| setting | density | ΔPPL % | KL (nats/token) | top-1 agreement | prefill ms | vs {base} | vs dense |",
+                "|---|---:|---:|---:|---:|---:|---:|---:|"]
         for r in rows:
+            t = _time(doc, r["label"], L)
             out.append(f"| {_label(r['label'])} | {r['density']:.3f} | {100 * r['dppl']:+.2f} | {r['kl']:.3g} | "
-                       f"{r['top1']:.3f} |")
+                       f"{r['top1']:.3f} | {_x(1e3 * t if t else None, 1)} | {_x(t_base / t if t and t_base else None)} | "
+                       f"{_x(t_dense / t if t and t_dense else None)} |")
         out.append("")
     return out
 
@@ -367,7 +376,8 @@ def render(doc: Dict[str, Any], source: str, images: Dict[str, str]) -> List[str
     if s["layers"]:
         lines += ["### Dense first layers", "", "Each setting without and with its first layers dense, on the "
                   "perplexity windows:", ""] + _layers_table(s)
-    lines += ["### Perplexity and KL against dense (held-out windows)", ""] + _ppl_tables(s)
+    lines += ["### Every setting: perplexity, KL against dense and prefill time (held-out windows)", ""]
+    lines += _ppl_tables(doc, s)
     if images:
         lines += ["### Plots", ""]
         for title, path in images.items():
