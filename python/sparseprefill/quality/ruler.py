@@ -265,8 +265,9 @@ class _Builder:
 def _haystack_with(hay: Haystack, rng: random.Random, n: int, inserts: List[Tuple[float, List[int]]],
                    start: Optional[int] = None) -> Tuple[List[int], List[Dict[str, Any]]]:
     """n tokens: the haystack from `start` (default: a random paragraph start of the body) with
-    each insert (depth, tokens), in the given order, placed at the sentence end nearest to
-    depth x (haystack tokens). Returns (tokens, [{offset, depth}]) with offsets in the result."""
+    each insert (depth, tokens), in the given order, placed after the sentence end nearest to
+    depth times the haystack's own tokens. Returns (tokens, [{offset, depth}]): each insert's
+    offset in the result and the depth where it went."""
     room = n - sum(len(x) for _, x in inserts)
     if room <= 0:
         raise ValueError(f"context: {n} tokens cannot hold inserts of {n - room} tokens")
