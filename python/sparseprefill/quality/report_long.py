@@ -498,13 +498,17 @@ def plots(doc: Dict[str, Any], img_dir: str, prefix: str, rel_to: str) -> Dict[s
             ax.set_xlabel("layer")
             fig.colorbar(im, ax=ax, label="density")
             save(fig, "layer-density", f"Density per layer at {_k(L)} tokens (the RULER settings)")
-            fig, axes = plt.subplots(1, len(chosen), figsize=(2.2 * len(chosen), 4), squeeze=False)
+            from matplotlib.ticker import MaxNLocator
+
+            fig, axes = plt.subplots(1, len(chosen), figsize=(2.4 * len(chosen), 4.5), squeeze=False, sharey=True)
             for ax, c in zip(axes[0], chosen):
                 heads = np.array(doc["ppl"][c]["lengths"][L]["head_pair_density"])
                 im = ax.imshow(heads, aspect="auto", cmap="viridis", vmin=0, vmax=1)
-                ax.set_title(_label(c), fontsize=6)
+                ax.set_title(_label(c).replace(" ", "\n", 1), fontsize=7)
                 ax.set_xlabel("query head", fontsize=7)
-                ax.set_ylabel("layer", fontsize=7)
+                ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+                ax.yaxis.set_major_locator(MaxNLocator(integer=True))
+            axes[0][0].set_ylabel("layer", fontsize=7)
             fig.colorbar(im, ax=list(axes[0]), label="density")
             save(fig, "head-density", f"Density per layer and query head at {_k(L)} tokens (the RULER settings)")
     return out
