@@ -43,7 +43,7 @@ from .batch import SparseRun, split_batch, synthetic_mask
 from .config import LayerDecision, LayerSpec, SyntheticDensity, decide_layer, layer_policy, parse_config
 
 __all__ = ["SparsePrefillBackend", "SparsePrefillImpl", "SparsePrefillMetadataBuilder", "SparsePrefillMetadata",
-           "use_config"]
+           "current_config", "use_config"]
 
 logger = init_logger("vllm.sparseprefill")
 
@@ -57,17 +57,25 @@ class _State:
     generation = 0
 
 
-def use_config(additional_config: Any, force: bool = False) -> None:
+def use_config(additional_config: Any, force: bool = False, num_layers: Optional[int] = None) -> None:
     """Makes additional_config["sparseprefill"] the process's configuration (raising ValueError
-    naming the bad key), when it differs from the current one or with force. The impls call it
-    with the engine's additional_config at model construction; the worker extension
+    naming the bad key, before anything changes), when it differs from the current one or with
+    force; num_layers: the model's, to check the layers it names. The impls call it with the
+    engine's additional_config at model construction; the worker extension
     (sparseprefill.vllm.worker) calls it between steps to switch settings in a running engine."""
     raw = (additional_config or {}).get("sparseprefill") if isinstance(additional_config, dict) else additional_config
     if not force and raw == _State.raw and _State.generation:
         return
     config = parse_config(additional_config)
+    if num_layers is not None:
+        config.check_model(num_layers)
     _State.raw, _State.config, _State.generation = raw, config, _State.generation + 1
     logger.setLevel(config.log_level.upper())
+
+
+def current_config() -> Any:
+    """The process's SparsePrefillConfig."""
+    return _State.config
 
 
 def _dtype_name(dtype: torch.dtype) -> str:
@@ -236,7 +244,7 @@ class SparsePrefillMetadataBuilder(AttentionMetadataBuilder[SparsePrefillMetadat
         # Decodes (one query) first in the V1 model runner's order; MRV2 sorts them first anyway.
         self._init_reorder_batch_threshold(1)
         use_config(vllm_config.additional_config)
-        _State.config.check_model(vllm_config.model_config.get_total_num_hidden_layers())
+        current_config().check_model(vllm_config.model_config.get_total_num_hidden_layers())
         self._layers = get_layers_from_vllm_config(vllm_config, Attention, layer_names)
         self._dtype = kv_cache_spec.dtype
         # The layers decide now, at engine start: the log lines and any configuration error come
