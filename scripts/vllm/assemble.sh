@@ -30,7 +30,7 @@ case "${1:-}" in
     [ -f "$home/C.xz" ] || { echo "assemble: $home/C.xz missing: run part1 first (same warm machine)" >&2; exit 1; }
     cp .carry/vllm/2/rest.tar.xz .carry/vllm/2/SHA256SUMS "$home/"
     rm -rf "$home/wheels" && cp -r .carry/vllm/2/wheels "$home/wheels"
-    (cd "$home" && sed -e 's#  \(.*\.whl\)$#  wheels/\1#' SHA256SUMS | sha256sum -c --quiet -)
+    (cd "$home" && sha256sum -c --quiet SHA256SUMS)  # C.xz, rest.tar.xz, wheels/*.whl
     rm -rf "$home/site" && mkdir -p "$home/site"
     "$py" -m pip install -q --no-index --no-deps --no-compile --target "$home/site" "$home"/wheels/*.whl
     xz -dc "$home/rest.tar.xz" | tar -xf - -C "$home/site"
