@@ -41,11 +41,15 @@ note() { echo "[$(($(date +%s) - start)) s] $*" | tee -a "$res/summary.txt"; }
 left() { echo $((budget - ($(date +%s) - start))); }
 scripts=$root/scripts/vllm
 
-"$py" - >"$res/env.json" <<PY
-import json, subprocess, sparseprefill, vllm, torch
-gpu = subprocess.run(["nvidia-smi", "--query-gpu=name,driver_version", "--format=csv,noheader"], capture_output=True, text=True).stdout.strip()
-print(json.dumps({"commit": "${SP_COMMIT:-unknown}", "gpu": gpu, "vllm": vllm.__version__, "torch": torch.__version__,
-                  "sparseprefill": sparseprefill.build_info().splitlines()[0]}))
+# What ran (vLLM logs to stdout on import, so the JSON goes straight to its file).
+"$py" - "$res/env.json" <<PY
+import json, shutil, subprocess, sys, sparseprefill, vllm, torch
+smi = shutil.which("nvidia-smi")
+gpu = subprocess.run([smi, "--query-gpu=name,driver_version", "--format=csv,noheader"], capture_output=True,
+                     text=True).stdout.strip() if smi else None
+with open(sys.argv[1], "w") as f:
+    json.dump({"commit": "${SP_COMMIT:-unknown}", "gpu": gpu, "vllm": vllm.__version__, "torch": torch.__version__,
+               "sparseprefill": sparseprefill.build_info().splitlines()[0]}, f)
 PY
 
 # stage NAME SECONDS COMMAND...: runs COMMAND with a time limit when at least SECONDS are left.
@@ -60,6 +64,13 @@ stage() {
   timeout --kill-after=20 "$(left)" "$@" >"$res/$name.log" 2>&1
   local rc=$?
   note "$name: rc=$rc $(grep -E '^(ttft|smoke|greedy|serve|[0-9]+ (passed|failed))' "$res/$name.log" | tail -n 3 | tr '\n' ' ')"
+}
+
+# has_model STAGE: whether SP_VLLM_MODEL is there (else the stage is skipped, saying why).
+has_model() {
+  [ -d "$model" ] && return 0
+  note "$1: skipped: no checkpoint folder $model (set SP_VLLM_MODEL; scripts/vllm/README.md)"
+  return 1
 }
 
 qwen_settings=${SP_VLLM_QWEN_SETTINGS:-'[{"name": "dense", "sparseprefill": {"policy": "dense"}},
@@ -85,7 +96,7 @@ for name in "$@"; do
       grep -E "passed|failed|error" "$res/tests.log" | tail -n 1 >"$res/tests.txt" ;;
     smoke) stage smoke 90 "$py" "$scripts/smoke.py" --out "$res/smoke.json" ;;
     greedy)
-      stage greedy 200 "$py" "$scripts/greedy.py" --model "$model" --out "$res/greedy" ;;
+      has_model greedy && stage greedy 200 "$py" "$scripts/greedy.py" --model "$model" --out "$res/greedy" ;;
     ttft8b)
       stage ttft8b-fa 120 "$py" "$scripts/ttft.py" --backend FLASH_ATTN --dummy --lengths 32768,65536,130048 \
         --label "$label8b" --out "$res/ttft8b-fa.json"
@@ -97,18 +108,19 @@ for name in "$@"; do
       stage chunked-ours 150 "$py" "$scripts/ttft.py" --backend CUSTOM --dummy --lengths 32768,130048 --chunk 0 \
         --settings "$synthetic" --label "$label8b" --out "$res/chunked-ours.json" ;;
     qwen)
+      has_model qwen || continue
       stage qwen-fa 60 "$py" "$scripts/ttft.py" --backend FLASH_ATTN --model "$model" --lengths 16384,32000 \
         --label "$(basename "$model")" --out "$res/qwen-fa.json"
       stage qwen-ours 150 "$py" "$scripts/ttft.py" --backend CUSTOM --model "$model" --lengths 16384,32000 \
         --settings "$qwen_settings" --density --label "$(basename "$model")" --out "$res/qwen-ours.json" ;;
     serve-fa)
-      stage serve-fa 240 "$py" "$scripts/serve.py" --backend FLASH_ATTN --model "$model" \
+      has_model serve-fa && stage serve-fa 240 "$py" "$scripts/serve.py" --backend FLASH_ATTN --model "$model" \
         --rates "${SP_VLLM_RATES:-1,2,4,8}" --out "$res/serve-fa.json" ;;
     serve-ours)
-      stage serve-ours 240 "$py" "$scripts/serve.py" --backend CUSTOM --model "$model" --config "$serve_config" \
+      has_model serve-ours && stage serve-ours 240 "$py" "$scripts/serve.py" --backend CUSTOM --model "$model" --config "$serve_config" \
         --rates "${SP_VLLM_RATES:-1,2,4,8}" --out "$res/serve-ours.json" ;;
     soak)
-      stage soak 360 "$py" "$scripts/serve.py" --backend CUSTOM --model "$model" --config "$serve_config" \
+      has_model soak && stage soak 360 "$py" "$scripts/serve.py" --backend CUSTOM --model "$model" --config "$serve_config" \
         --soak 300 --soak-rate "${SP_VLLM_SOAK_RATE:-4}" --out "$res/soak.json" ;;
     *) note "unknown stage $name (tests smoke greedy ttft8b chunked qwen serve-fa serve-ours soak)" ;;
   esac

@@ -24,7 +24,13 @@ def load(results: str, name: str) -> Any:
     if not os.path.exists(path):
         return None
     with open(path) as f:
-        return f.read() if name.endswith((".md", ".txt")) else json.load(f)
+        text = f.read()
+    if name.endswith((".md", ".txt")):
+        return text
+    try:
+        return json.loads(text)
+    except ValueError:  # a stage stopped while writing it: its log says why
+        return None
 
 
 def ttft_section(title: str, fa: Optional[list], ours: Optional[list], note: str) -> List[str]:
