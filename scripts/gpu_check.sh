@@ -7,7 +7,8 @@
 # OUTDIR/logs.tar.gz: the device tool returns 8).
 # Usage: scripts/gpu_check.sh OUTDIR
 # Env: JOBS (default 16), SP_SKIP_BENCH=1, SP_SKIP_SANITIZER=1, SP_SKIP_TILES=1, SP_BENCH_ARGS
-#      (extra bench/run_benchmarks.sh args), SP_TEST_FILTER (ctest -R regex), SP_TEST_TIMEOUT
+#      (extra bench/run_benchmarks.sh args), SP_TEST_FILTER (ctest -R regex), SP_TEST_EXCLUDE
+#      (ctest -E regex: e.g. CudaMemory while another process shares the GPU), SP_TEST_TIMEOUT
 #      (seconds per test, default 300), SP_BENCH_SECONDS (default 420), SP_WITH_PYTHON=1 (also
 #      `pip install .` with CUDA, built beside the C++ build, then pytest over tests/python on
 #      the GPU: python/install.log, python/pytest.log; SP_PYTEST_SECONDS, default 240),
@@ -48,6 +49,7 @@ fi
 # Only what this check runs: the GPU tests, the tile timing and the C ABI the benchmarks load.
 targets=(sp_cuda_tiles)
 for t in "$root"/tests/cuda/*_test.cu; do targets+=("$(basename "$t" .cu)"); done
+targets+=(conformance_test)  # tests/conformance: its Cuda/* scenarios are labelled gpu
 [[ -f $root/src/api/CMakeLists.txt ]] && targets+=(sparseprefill_c)
 note "build -j$jobs: ${targets[*]}"
 if ! cmake --build "$build" -j"$jobs" --target "${targets[@]}" >>"$out/build.log" 2>&1; then
@@ -76,7 +78,7 @@ grep -h "Potential Performance Loss: wgmma" "$out/build.log" | sort -u | $demang
 note "ptxas: $(grep -c ' | Used ' "$out/resources.txt") kernel builds, $(grep -c 'bytes spill stores' "$out/resources.txt") with a spill line, $(grep -c 'Potential Performance Loss: wgmma' "$out/resources.txt") wgmma serialisation warning(s)"
 
 note "gpu tests"
-timeout 360 ctest --test-dir "$build" -L gpu ${SP_TEST_FILTER:+-R "$SP_TEST_FILTER"} -j8 --timeout "${SP_TEST_TIMEOUT:-300}" \
+timeout 360 ctest --test-dir "$build" -L gpu ${SP_TEST_FILTER:+-R "$SP_TEST_FILTER"} ${SP_TEST_EXCLUDE:+-E "$SP_TEST_EXCLUDE"} -j8 --timeout "${SP_TEST_TIMEOUT:-300}" \
   --output-on-failure \
   >"$out/tests.log" 2>&1
 tests_rc=$?
@@ -86,14 +88,18 @@ grep -E "tests passed|Failed|\*\*\*" "$out/tests.log" | tail -20 | tee -a "$summ
 # SP_WITH_PYTHON the Python tests (and SP_WITH_FA3: FlashAttention-3's suite); the timing steps
 # below run alone.
 test_bin=$build/tests/cuda/cuda_attention_test
+conf_bin=$build/tests/conformance_test
 mask_bin=$build/tests/cuda/cuda_device_mask_test
 sanitizer() {
-  timeout 240 compute-sanitizer --tool memcheck --error-exitcode 3 "$test_bin" \
-    --gtest_filter="${SP_MEMCHECK_FILTER:-CudaDense.GqaGroups*:CudaDense.VarlenChunked*:CudaBlockSparse.AllVisible*:CudaExactGate.MinusInfinity*:CudaEstimateSelect.VarlenBatchOfTwo:CudaPermuteStop.Varlen*:CudaPermuteStop.NaNValues*:CudaFp8.*:CudaPaged.DenseShortCaches*}"
+  timeout 240 compute-sanitizer --tool memcheck --error-exitcode 3 "$conf_bin" \
+    --gtest_filter="${SP_MEMCHECK_FILTER:-Cuda/Conformance.DenseGqaGroups*:Cuda/Conformance.DenseVarlen*:Cuda/Conformance.EstimateSelectCachedMeans*:Cuda/Conformance.PermuteStopStableTau*:Cuda/Conformance.PermuteStopNaNValues*:Cuda/Conformance.Fp8*}"
+  echo "memcheck (conformance) rc=$?"
+  timeout 180 compute-sanitizer --tool memcheck --error-exitcode 3 "$test_bin" \
+    --gtest_filter='CudaBlockSparse.AllVisible*:CudaExactGate.KeptAllGate*:CudaPaged.DenseShortCaches*:CudaFp8.*'
   echo "memcheck rc=$?"
-  timeout 180 compute-sanitizer --tool racecheck --error-exitcode 3 "$test_bin" \
-    --gtest_filter='CudaExactGate.MinusInfinity*:CudaSoftmaxSkip.OffWhen*:CudaPermuteStop.TauZero*:CudaEstimateSelect.VarlenBatchOfTwo'
-  echo "racecheck rc=$?"
+  timeout 180 compute-sanitizer --tool racecheck --error-exitcode 3 "$conf_bin" \
+    --gtest_filter='Cuda/Conformance.ExactGateMinusInfinity*:Cuda/Conformance.SoftmaxSkipOffWhen*:Cuda/Conformance.PermuteStopTauZero*:Cuda/Conformance.EstimateSelectStableAlpha*'
+  echo "racecheck (conformance) rc=$?"
   # The device block mask path (its check kernel, hostile entries included).
   if [[ -x $mask_bin ]]; then
     timeout 180 compute-sanitizer --tool memcheck --error-exitcode 3 "$mask_bin"

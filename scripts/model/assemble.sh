@@ -12,8 +12,8 @@ dest=$root/build/models
 mkdir -p "$dest/smollm2" "$dest/text"
 cat "$dir"/gguf.[0-9][0-9] >"$dest/smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 cp "$dir/policy.txt" "$dest/text/policy.txt"
-(cd "$dest" && sed -e 's#  SmolLM2#  smollm2/SmolLM2#' -e 's#  policy.txt#  text/policy.txt#' \
-  "$root/scripts/model/SHA256SUMS" | sha256sum -c -)
+(cd "$dest" && grep -E '  (SmolLM2-135M-Instruct\.Q4_1\.gguf|policy\.txt)$' "$root/scripts/model/SHA256SUMS" |
+  sed -e 's#  SmolLM2#  smollm2/SmolLM2#' -e 's#  policy.txt#  text/policy.txt#' | sha256sum -c -)
 if [ -d "$dir/wheels" ]; then
   "$py" -m pip install -q --no-index --no-deps "$dir"/wheels/*.whl
 fi

@@ -157,7 +157,7 @@ Status ExactGateCalibrator::add_statistics(int layer, const std::vector<BlockSta
     for (int h = 0; h < heads_; ++h) {
       for (int qb = 0; qb < nqb; ++qb) {
         const std::size_t row = (static_cast<std::size_t>(h) * nqb + qb) * nkb;
-        for (int kb = 0; kb < g.full_end(qb); ++kb) {
+        for (int kb = 0; kb < g.gated_end(qb); ++kb) {
           if (!std::isfinite(st.block_max[row + kb])) return non_finite_statistic(kWho, "block_max", b, row + kb, st.block_max[row + kb]);
         }
       }
@@ -171,10 +171,10 @@ Status ExactGateCalibrator::add_statistics(int layer, const std::vector<BlockSta
     parallel_for(heads_, [&](int h) {
       std::vector<double> maxima;
       for (int qb = 0; qb < nqb; ++qb) {
-        const int full = g.full_end(qb);
-        if (full <= budgets_.front()) continue;  // -inf for every budget: not averaged
+        const int gated = g.gated_end(qb);  // the causal gated blocks: 0 .. gated - 1
+        if (gated <= budgets_.front()) continue;  // -inf for every budget: not averaged
         const double* bmax = &st.block_max[(static_cast<std::size_t>(h) * nqb + qb) * nkb];
-        maxima.assign(bmax, bmax + full);
+        maxima.assign(bmax, bmax + gated);
         std::sort(maxima.begin(), maxima.end(), std::greater<double>());
         const auto pos = static_cast<std::size_t>(g.threshold_position(qb, std::numeric_limits<int>::max()));
         for (std::size_t bi = 0; bi < nb; ++bi) {
@@ -379,20 +379,14 @@ Status EstimateSelectCalibrator::add_statistics(int layer, const std::vector<Sel
     const int tiles = g.num_q_blocks(), blocks = g.num_k_blocks();
     for (int unit = 0; unit < st.units; ++unit) {
       for (int i = 0; i < tiles; ++i) {
-        const std::int64_t a_f = g.seq.position(g.row_begin(i));
-        const std::int64_t a_l = g.seq.position(g.row_end(i) - 1);
-        if (a_l < 0) continue;
-        const std::int64_t fqb = geom::floor_div(a_f, bs), lqb = a_l / bs;
-        const int scored = rules::estimate_scored_blocks(g, i);
-        const bool tail_tile = i >= tiles - base_.tail;
-        auto is_forced = [&](std::int64_t j) {
-          return tail_tile || j < base_.sink || fqb - base_.window + 1 <= j;
-        };
-        for (std::int64_t j = 0; j <= lqb; ++j) forced_[l] += is_forced(j);
-        visible_[l] += lqb + 1;
+        // The tail counts the sample's query tiles (calibration has no prompt_len).
+        const rules::EstimateTile tile = rules::estimate_tile(g, i, base_.tail, 0);
+        if (tile.empty()) continue;
+        for (std::int64_t j = 0; j <= tile.lqb; ++j) forced_[l] += rules::estimate_forced(tile.tail, tile.fqb, j, base_.sink, base_.window);
+        visible_[l] += tile.lqb + 1;
         const double* ratio = &st.ratio[(static_cast<std::size_t>(unit) * tiles + i) * blocks];
-        for (int j = 0; j < scored; ++j) {
-          if (!is_forced(j)) ratios_[l].push_back(ratio[j]);
+        for (int j = 0; j < tile.scored; ++j) {
+          if (!rules::estimate_forced(tile.tail, tile.fqb, j, base_.sink, base_.window)) ratios_[l].push_back(ratio[j]);
         }
       }
     }

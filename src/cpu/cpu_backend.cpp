@@ -19,6 +19,11 @@
 
 #include "core/estimate_chunks.h"
 #include "core/geometry.h"
+#include "core/rules/estimate_select.h"
+#include "core/rules/exact_gate.h"
+#include "core/rules/nan_max.h"
+#include "core/rules/permute_stop.h"
+#include "core/rules/softmax_skip.h"
 #include "core/tensor_access.h"
 #include "cpu/cpu_policies.h"
 #include "cpu/tile_kernel.h"
@@ -280,10 +285,7 @@ void accumulate(const Context& ctx, const KeyTile& k, Scratch* w, float* dl = nu
 
 float tile_max(const Scratch& w) {
   float m = -kInf;
-  for (int i = 0; i < w.t.rows; ++i) {
-    const float x = w.row_max[sz(i)];
-    m = (x > m || x != x) ? x : m;
-  }
+  for (int i = 0; i < w.t.rows; ++i) m = rules::nan_max(m, w.row_max[sz(i)]);
   return m;
 }
 
@@ -375,23 +377,19 @@ Status run_exact_gate(Context& ctx, const ExactGateParams& params, Decisions* de
   gather_all(&ctx, params.block_k, false);
   const TensorView& thr = params.thresholds;
   const int positions = static_cast<int>(thr.shape[1]);
+  const auto* table = static_cast<const float*>(thr.data);
   BlockMask kept = BlockMask::empty(ctx.shape, params.block_q, params.block_k, false);
   ErrorSlot error;
   run_block_items(ctx, params.block_q, params.block_k, round_up(params.block_k, kKeyAlign),
                   [&](const BlockItem& it, const geom::BlockGeometry& g, const Sequence& sq, Scratch& w) {
                     const int kvh = it.h / ctx.shape.group();
-                    const int pos = g.threshold_position(it.qb, positions);
-                    const float threshold = static_cast<const float*>(
-                        thr.data)[Index{it.h} * thr.stride[0] + Index{pos} * thr.stride[1]];
-                    const int last_kb = g.num_k_blocks() - 1;
+                    const float threshold =
+                        rules::gate_threshold(table, thr.stride[0], thr.stride[1], positions, g, it.h, it.qb);
                     for (int kb = 0; kb < g.visible_end(it.qb); ++kb) {
-                      // Causal: partial blocks always run. Non-causal: every block is full and
-                      // the last one always runs, so no row is left empty.
-                      const bool gated = g.seq.causal ? g.is_full(it.qb, kb) : kb != last_kb;
                       const KeyTile k = key_block(ctx, sq, kvh, kb);
                       const bool any = prepare(k, &w);
                       if (!any) continue;
-                      if (gated && !gate_keeps(tile_max(w), threshold)) continue;
+                      if (rules::gate_gated(g, it.qb, kb) && !rules::gate_keeps(tile_max(w), threshold)) continue;
                       accumulate(ctx, k, &w);
                       error.set(kept.add(ctx.shape, it.b, it.h, it.qb, kb));
                     }
@@ -409,24 +407,20 @@ Status run_softmax_skip(Context& ctx, const SoftmaxSkipParams& params, Decisions
   run_block_items(ctx, params.block_q, params.block_k, round_up(params.block_k, kKeyAlign),
                   [&](const BlockItem& it, const geom::BlockGeometry& g, const Sequence& sq, Scratch& w) {
                     const int kvh = it.h / ctx.shape.group();
-                    const double s_k = static_cast<double>(sq.seq.s_k);
-                    const bool enabled = s_k >= params.a;
-                    const double ln_lambda = std::log(params.a / s_k);
+                    const rules::SkipRule rule = rules::skip_rule(sq.seq.s_k, params.a);
                     std::fill(w.seen.begin(), w.seen.end(), std::uint8_t{0});
-                    // Visit order is part of the semantics: partial blocks, then full blocks,
-                    // each group in descending index. Partial blocks all lie above the full
-                    // ones (kb >= full_end), so that is simply every visible block descending.
-                    bool first = true;
-                    for (int kb = g.visible_end(it.qb) - 1; kb >= 0; --kb) {
+                    // The visit order is part of the semantics (rules::blasst_block). Every
+                    // visible block holds a key the query block's last row sees.
+                    for (int visit = 0; visit < g.visible_end(it.qb); ++visit) {
+                      const int kb = rules::blasst_block(g, it.qb, visit);
                       const KeyTile k = key_block(ctx, sq, kvh, kb);
                       const bool any = prepare(k, &w);
                       if (!any) continue;
-                      bool keep = first || !enabled;
+                      bool keep = !rule.gates(visit);
                       for (int i = 0; i < w.t.rows && !keep; ++i) {
-                        keep = skip_vote(w.limit[sz(i)] > 0, w.seen[sz(i)] != 0, w.row_max[sz(i)],
-                                         w.t.m[i], ln_lambda) == RowVote::kKeep;
+                        keep = rules::skip_vote(w.limit[sz(i)] > 0, w.seen[sz(i)] != 0, w.row_max[sz(i)], w.t.m[i],
+                                                rule.ln_lambda) == rules::RowVote::kKeep;
                       }
-                      first = false;
                       if (!keep) continue;
                       accumulate(ctx, k, &w);
                       for (int i = 0; i < w.t.rows; ++i) {
@@ -529,11 +523,11 @@ Status run_permute_stop(Context& ctx, const PermuteStopParams& params, Decisions
       for (int c = 0; c < d; ++c) dot += qbar[sz(c)] * k[c];
       key[sz(t)] = dot;
     }
-    const std::vector<std::int32_t> ranked = order_descending(key);
+    const std::vector<Index> ranked = rules::rank_descending(key);
     std::vector<Index> perm(sz(n_rows));
     std::iota(perm.begin(), perm.end(), it.row0);
     if (prefix > 0) {
-      const Index top = std::min<Index>(params.block_k, prefix);
+      const Index top = rules::permute_guide_keys(prefix, params.block_k);
       std::vector<double> u(sz(d), 0.0);
       for (Index i = 0; i < top; ++i) {
         const float* k = sq.k.data() + (Index{ranked[sz(i)]} * s.h_kv + g) * d;
@@ -547,7 +541,7 @@ Status run_permute_stop(Context& ctx, const PermuteStopParams& params, Decisions
         for (int c = 0; c < d; ++c) dot += q[c] * u[sz(c)];
         qkey[sz(i)] = dot;
       }
-      const std::vector<std::int32_t> qorder = order_descending(qkey);
+      const std::vector<Index> qorder = rules::rank_descending(qkey);
       for (Index i = 0; i < n_rows; ++i) perm[sz(i)] = it.row0 + qorder[sz(i)];
     }
     std::int32_t* slots = decisions->query_order.data() + (Index{it.b} * s.h_q + it.h) * max_s_q;
@@ -566,7 +560,7 @@ Status run_permute_stop(Context& ctx, const PermuteStopParams& params, Decisions
       for (Index t = a; t < a + params.block_k; ++t) idx.push_back(t < e ? t : seg_k0);
       chunk_len.push_back(static_cast<int>(e - a));
     }
-    const Index rank_chunks = geom::ceil_div(prefix, params.block_k);
+    const Index rank_chunks = rules::permute_chunks(segs, it.segment, params.block_k);
     for (Index i = 0; i < prefix; ++i) idx.push_back(ranked[sz(i)]);
     for (Index c = 0; c < rank_chunks; ++c) {
       chunk_len.push_back(static_cast<int>(std::min<Index>(params.block_k, prefix - c * params.block_k)));
@@ -583,7 +577,7 @@ Status run_permute_stop(Context& ctx, const PermuteStopParams& params, Decisions
       return k;
     };
 
-    const Index num_tiles = geom::ceil_div(n_rows, params.block_q);
+    const Index num_tiles = rules::permute_tiles(segs, it.segment, params.block_q);
     std::vector<PermuteTile>& out = tiles[sz(order[sz(n)])];
     for (Index tile = 0; tile < num_tiles; ++tile) {
       const Index e0 = tile * params.block_q, e1 = std::min<Index>(e0 + params.block_q, n_rows);
@@ -603,12 +597,11 @@ Status run_permute_stop(Context& ctx, const PermuteStopParams& params, Decisions
         prepare(k, &w);
         accumulate(ctx, k, &w, w.dl.data());
         ++visited;
-        bool stop = true;
-        for (int i = 0; i < w.t.rows && stop; ++i) {
-          const double gain = static_cast<double>(w.dl[sz(i)]) / static_cast<double>(w.t.l[i]);
-          stop = gain < params.tau;
+        double max_gain = -std::numeric_limits<double>::infinity();
+        for (int i = 0; i < w.t.rows; ++i) {
+          max_gain = rules::nan_max(max_gain, rules::permute_gain(w.dl[sz(i)], w.t.l[i]));
         }
-        if (stop) break;
+        if (rules::permute_stops(max_gain, params.tau)) break;
       }
       finish_tile(ctx, &sq, it.h, &w);
       PermuteTile pt;
@@ -629,71 +622,27 @@ Status run_permute_stop(Context& ctx, const PermuteStopParams& params, Decisions
 
 }  // namespace
 
-// ------------------------------------------------------------------ decision rules
-
-RowVote skip_vote(bool sees_block, bool seen_before, float row_max, float m_run, double ln_lambda) {
-  if (!sees_block) return seen_before ? RowVote::kSkip : RowVote::kIgnore;
-  if (!seen_before) return RowVote::kKeep;
-  // NaN (from NaN scores, or -inf - -inf) fails the strict comparison: the row keeps.
-  return static_cast<double>(row_max) - static_cast<double>(m_run) < ln_lambda ? RowVote::kSkip
-                                                                                : RowVote::kKeep;
-}
-
-int estimate_scored_blocks(const EstimateTile& t, int block) {
-  return static_cast<int>(std::max<Index>(0, geom::floor_div(t.a_last + 1, block)));
-}
-
-bool estimate_keeps(const EstimateSelectParams& p, const EstimateTile& t, int j, double energy,
-                    double peak) {
-  const Index lqb = geom::floor_div(t.a_last, p.block);
-  const Index fqb = geom::floor_div(t.a_first, p.block);
-  if (j < 0 || j > lqb) return false;
-  if (j < estimate_scored_blocks(t, p.block) && energy >= p.alpha * peak) return true;
-  if (j < p.sink) return true;
-  if (j >= fqb - p.window + 1) return true;
-  return t.tail;
-}
-
-std::vector<std::int32_t> order_descending(const std::vector<double>& key) {
-  std::vector<std::int32_t> idx(key.size());
-  std::iota(idx.begin(), idx.end(), 0);
-  std::stable_sort(idx.begin(), idx.end(), [&](std::int32_t a, std::int32_t b) {
-    const double x = key[sz(a)], y = key[sz(b)];
-    const bool xn = x != x, yn = y != y;
-    if (xn || yn) return !xn && yn;
-    return x > y;
-  });
-  return idx;
-}
-
 // ------------------------------------------------------------------ estimate_select
 
 namespace {
 
-// Block means of [s_k, h_kv, d] into [h_kv, nkb, d]: fp64 sums, rounded to fp32 and then to
-// the input dtype. Blocks kb < cached are read from `cache` (sequence b's rows of a cache of
-// block means) instead.
-void block_means(const std::vector<float>& x, Index s_k, int h_kv, int d, int block, DType dtype,
+// Block means of [s_k, h_kv, d] into [h_kv, nkb, d] (rules::block_mean). Blocks kb < cached
+// are read from `cache` (sequence b's rows of a cache of block means) instead.
+void block_means(const std::vector<float>& x, const geom::BlockGeometry& g, int h_kv, int d, DType dtype,
                  const TensorView& cache, int b, Index cached, std::vector<float>* out) {
-  const Index nkb = geom::ceil_div(s_k, block);
+  const Index nkb = g.num_k_blocks();
   out->assign(sz(Index{h_kv} * nkb * d), 0.0f);
-  std::vector<double> acc(sz(d));
-  for (int g = 0; g < h_kv; ++g) {
+  std::vector<double> sum(sz(d));
+  const auto round = [dtype](float v) { return round_to(dtype, v); };
+  for (int hk = 0; hk < h_kv; ++hk) {
     for (Index kb = 0; kb < nkb; ++kb) {
+      float* dst = out->data() + (Index{hk} * nkb + kb) * d;
       if (kb < cached) {
-        detail::load_block_mean(cache, b, g, kb, d, out->data() + (Index{g} * nkb + kb) * d);
+        detail::load_block_mean(cache, b, hk, kb, d, dst);
         continue;
       }
-      const Index k0 = kb * block, k1 = std::min<Index>(k0 + block, s_k);
-      std::fill(acc.begin(), acc.end(), 0.0);
-      for (Index t = k0; t < k1; ++t) {
-        const float* src = x.data() + (t * h_kv + g) * d;
-        for (int c = 0; c < d; ++c) acc[sz(c)] += src[c];
-      }
-      float* dst = out->data() + (Index{g} * nkb + kb) * d;
-      for (int c = 0; c < d; ++c) {
-        dst[c] = round_to(dtype, static_cast<float>(acc[sz(c)] / static_cast<double>(k1 - k0)));
-      }
+      rules::block_mean(g, static_cast<int>(kb), d, [&](Index t) { return x.data() + (t * h_kv + hk) * d; }, round,
+                        sum.data(), dst);
     }
   }
 }
@@ -725,15 +674,14 @@ Status estimate_select_plan(const AttentionProblem& problem, const ProblemShape&
     const Index cached = chunks.valid[sz(b)];
     detail::gather_q<float>(problem, shape, b, &sq.q);
     detail::gather_kv<float>(problem, shape, b, false, &raw);
-    block_means(raw, sq.seq.s_k, shape.h_kv, shape.d, B, shape.dtype, params.k_block_means, b, cached,
-                &plan->k_mean[sz(b)]);
+    const geom::BlockGeometry mg{sq.seq, B, B};
+    block_means(raw, mg, shape.h_kv, shape.d, shape.dtype, params.k_block_means, b, cached, &plan->k_mean[sz(b)]);
     // The cache holds both means of a block (a later chunk may correct with v̄).
     if (params.mean_correction || chunks.cached) {
       detail::gather_kv<float>(problem, shape, b, true, &raw);
-      block_means(raw, sq.seq.s_k, shape.h_kv, shape.d, B, shape.dtype, params.v_block_means, b, cached,
-                  &plan->v_mean[sz(b)]);
+      block_means(raw, mg, shape.h_kv, shape.d, shape.dtype, params.v_block_means, b, cached, &plan->v_mean[sz(b)]);
     }
-    const int nkb = static_cast<int>(geom::ceil_div(sq.seq.s_k, B));
+    const int nkb = mg.num_k_blocks();
     // The blocks this call completes go to the cache: each block's mean is computed once.
     if (chunks.cached) {
       for (int g = 0; g < shape.h_kv; ++g) {
@@ -772,45 +720,33 @@ Status estimate_select_plan(const AttentionProblem& problem, const ProblemShape&
     const Index r0 = g.row_begin(it.qb), r1 = g.row_end(it.qb);
     const int nkb = g.num_k_blocks(), ld_m = round_up(std::max(nkb, 1), kKeyAlign);
     const int kvh = params.pack_gqa ? it.h : it.h / group;
-    EstimateTile tile;
-    tile.a_first = sq.seq.position(r0);
-    tile.a_last = sq.seq.position(r1 - 1);
-    tile.tail = g.is_tail_block(it.qb, params.tail, chunks.prompt_len[sz(it.b)]);
-    const int scored = std::min(estimate_scored_blocks(tile, B), nkb);
+    const rules::EstimateTile tile = rules::estimate_tile(g, it.qb, params.tail, chunks.prompt_len[sz(it.b)]);
     std::vector<float>& e = energy[sz(worker)];
     std::fill(e.begin(), e.end(), 0.0f);
     float peak = -kInf;
-    if (scored > 0) {
-      // x[r, j] = scale·q_r·k̄_j for the rows of every head of the item; row r contributes to
-      // block j iff it sees the block's first key (a_r >= j·B).
+    if (tile.scored > 0) {
+      // x[r, j] = scale·q_r·k̄_j for the rows of every head of the item; pair n = (head u, row r),
+      // heads outermost.
       float* x = scores[sz(worker)].data();
-      const Index x_stride = Index{rows_pad_max} * ld_m;
-      float top = -kInf;
+      const Index x_stride = Index{rows_pad_max} * ld_m, rows = r1 - r0;
       for (int u = 0; u < heads_per_item; ++u) {
         const int h = params.pack_gqa ? it.h * group + u : it.h;
         set_row_range(r0, r1, &w);
-        begin_tile(ctx, sq, h, static_cast<int>(r1 - r0), &w);
+        begin_tile(ctx, sq, h, static_cast<int>(rows), &w);
         tile_scores(w.t, mean_t[sz(it.b)].data() + Index{kvh} * ctx.d * ld_m, ld_m, x + u * x_stride);
-        for (Index r = r0; r < r1; ++r) {
-          const float* xr = x + u * x_stride + (r - r0) * ld_m;
-          const int contrib = static_cast<int>(std::clamp<Index>(geom::floor_div(sq.seq.position(r), B) + 1, 0, scored));
-          for (int j = 0; j < contrib; ++j) top = (xr[j] > top || xr[j] != xr[j]) ? xr[j] : top;
-        }
       }
-      for (int u = 0; u < heads_per_item; ++u) {
-        for (Index r = r0; r < r1; ++r) {
-          const float* xr = x + u * x_stride + (r - r0) * ld_m;
-          const int contrib = static_cast<int>(std::clamp<Index>(geom::floor_div(sq.seq.position(r), B) + 1, 0, scored));
-          for (int j = 0; j < contrib; ++j) e[sz(j)] += std::exp(xr[j] - top);
-        }
-      }
-      for (int j = 0; j < scored; ++j) peak = (e[sz(j)] > peak || e[sz(j)] != e[sz(j)]) ? e[sz(j)] : peak;
+      peak = rules::estimate_energies(
+          tile.scored, heads_per_item * rows,
+          [&](int j, Index pair) {
+            const Index u = pair / rows, r = r0 + pair % rows;
+            return rules::estimate_contributes(sq.seq.position(r), j, B) ? x[u * x_stride + (r - r0) * ld_m + j] : -kInf;
+          },
+          e.data());
     }
-    const int visible_end = g.visible_end(it.qb), full_end = g.full_end(it.qb);
-    for (int j = 0; j < visible_end; ++j) {
-      if (estimate_keeps(params, tile, j, e[sz(j)], peak)) {
+    for (int j = 0; j < g.visible_end(it.qb); ++j) {
+      if (rules::estimate_keeps(tile, j, e[sz(j)], peak, params.alpha, params.sink, params.window)) {
         error.set(plan->kept.add(shape, it.b, it.h, it.qb, j));
-      } else if (params.mean_correction && j < full_end) {
+      } else if (params.mean_correction && rules::estimate_correctable(g, tile.a_first, j)) {
         error.set(plan->corrected.add(shape, it.b, it.h, it.qb, j));
       }
     }

@@ -7,6 +7,7 @@
 #include <cmath>
 #include <limits>
 
+#include "core/rules/nan_max.h"
 #include "cpu/simd.h"
 
 #pragma GCC diagnostic ignored "-Wpsabi"
@@ -19,9 +20,6 @@ using simd::VecI;
 namespace {
 
 constexpr float kInf = std::numeric_limits<float>::infinity();
-
-// max that propagates NaN from either side (std::max drops a NaN second argument).
-inline float nan_max(float a, float b) { return (b > a || b != b) ? b : a; }
 
 }  // namespace
 
@@ -87,7 +85,7 @@ void tile_update(TileState& t, float* s, int ld_s, const int* limit, int n, cons
       if (dl != nullptr) dl[i] = 0.0f;
       continue;
     }
-    const float m_new = nan_max(t.m[i], row_max[i]);
+    const float m_new = rules::nan_max(t.m[i], row_max[i]);
     // A row whose scores are all -inf so far keeps m = -inf; exponentiate against 0 instead so
     // that -inf - -inf never makes a NaN (every p is then exactly 0).
     const float base = m_new == -kInf ? 0.0f : m_new;

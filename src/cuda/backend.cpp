@@ -10,7 +10,6 @@
 #include <string>
 #include <utility>
 
-#include "cuda/cuda_backend.h"
 #include "cuda/host_staging.h"
 #include "cuda/launch.h"
 
@@ -20,15 +19,6 @@
 
 namespace sparseprefill::cuda {
 namespace {
-
-// Test hooks (cuda_backend.h), per calling thread: overrides layered over every call's, and
-// what the last successful call ran.
-thread_local bool t_portable_only = false;
-thread_local KvStagingForTesting t_kv_staging = KvStagingForTesting::kAuto;
-thread_local int t_gate_passes = 0;
-thread_local ExecutionInfo t_last;
-thread_local std::string t_last_select;
-thread_local int t_last_gate_passes = 0;
 
 Status require_cuda(const ProblemShape& s) {
   if (s.device.kind != DeviceKind::kCUDA) return invalid_argument("backend cuda: expected CUDA tensors, got host tensors");
@@ -40,18 +30,11 @@ Status prefixed(const char* who, Status st) {
   return Status(st.code(), std::string(who) + ": " + st.message());
 }
 
-// The call's overrides over the environment's (and the test hooks over both).
+// The call's overrides over the environment's.
 Status call_overrides(const RunOptions& options, ExecutionOverrides* out) {
   ExecutionOverrides env;
   SP_RETURN_IF_ERROR(environment_overrides(&env));
-  ExecutionOverrides o = merge_overrides(env, options.overrides);
-  if (t_portable_only) o.cuda_path = ExecutionOverrides::CudaPath::kPortable;
-  if (t_kv_staging != KvStagingForTesting::kAuto) {
-    o.kv_staging = t_kv_staging == KvStagingForTesting::kAlways ? ExecutionOverrides::Choice::kAlways
-                                                                 : ExecutionOverrides::Choice::kNever;
-  }
-  if (t_gate_passes != 0) o.gate_passes = t_gate_passes;
-  *out = o;
+  *out = merge_overrides(env, options.overrides);
   return {};
 }
 
@@ -150,10 +133,7 @@ class CudaBackend final : public detail::BackendImpl {
     ran.scratch_bytes = scratch.bytes();
     // Decisions synchronised the stream: a device mask's offence is this call's error.
     if (decisions != nullptr) SP_RETURN_IF_ERROR(report_mask_faults(shape.device.index));
-    t_last = ran;
     *ran_out = std::move(ran);
-    if (std::holds_alternative<ExactGateParams>(policy)) t_last_gate_passes = ran.passes;
-    if (plan.select != nullptr) t_last_select = plan.select->name;
     return {};
   }
 
@@ -169,9 +149,7 @@ class CudaBackend final : public detail::BackendImpl {
     if (es == nullptr) return {StatusCode::kInternal, "cuda select: only estimate_select has a selector"};
     ExecutionPlan plan;
     SP_RETURN_IF_ERROR(plan_call(problem, shape, policy, options, &plan));
-    SP_RETURN_IF_ERROR(select_cuda(problem, shape, *es, plan, options.cuda_stream, decisions));
-    t_last_select = plan.select->name;
-    return {};
+    return select_cuda(problem, shape, *es, plan, options.cuda_stream, decisions);
   }
 
   Status select_into(const AttentionProblem& problem, const ProblemShape& shape, const Policy& policy,
@@ -196,9 +174,7 @@ class CudaBackend final : public detail::BackendImpl {
     DeviceCaps caps;
     SP_RETURN_IF_ERROR(prefixed(who, device_caps(shape.device.index, &caps)));
     const SelectVariant* select = choose_selector(shape, caps, overrides);
-    SP_RETURN_IF_ERROR(prefixed(who, select_statistics_cuda(sample, shape, base, select, cuda_stream, out)));
-    t_last_select = select->name;
-    return {};
+    return prefixed(who, select_statistics_cuda(sample, shape, base, select, cuda_stream, out));
   }
 
   Status check_errors(int device) const override { return report_mask_faults(device); }
@@ -317,14 +293,5 @@ Status make_plan_state(const AttentionProblem& problem, const ProblemShape& shap
   *out = std::move(state);
   return {};
 }
-
-std::string last_fwd_instance_for_testing() { return t_last.instance; }
-std::string last_select_instance_for_testing() { return t_last_select; }
-void set_portable_only_for_testing(bool portable_only) { t_portable_only = portable_only; }
-void set_kv_staging_for_testing(KvStagingForTesting mode) { t_kv_staging = mode; }
-bool last_call_staged_kv_for_testing() { return t_last.kv_staged; }
-int last_q_pack_for_testing() { return t_last.q_pack; }
-int last_gate_passes_for_testing() { return t_last_gate_passes; }
-void set_gate_passes_for_testing(int passes) { t_gate_passes = passes; }
 
 }  // namespace sparseprefill::cuda

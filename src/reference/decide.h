@@ -53,19 +53,7 @@ BlockMeans block_means(const Sequence& seq, const EstimateSelectParams& p, std::
 void store_block_means(const Sequence& seq, const EstimateSelectParams& p, const BlockMeans& means,
                        std::int64_t begin, std::int64_t end);
 
-// permute_stop. Segment s holds the call rows whose absolute positions lie in
-// [s·segment, (s+1)·segment); rows at negative positions (s_q > s_k) belong to no segment.
-// Rows, and so segments, are contiguous and in position order.
-struct SegmentRows {
-  std::int64_t begin = 0;  // first call row of the segment
-  std::int64_t end = 0;    // one past the last
-};
-SegmentRows segment_rows(const geom::SeqGeometry& geo, int segment_len, std::int64_t segment);
-// The segments that hold at least one row: first .. last inclusive (first > last when none).
-void segment_range(const geom::SeqGeometry& geo, int segment_len, std::int64_t* first,
-                   std::int64_t* last);
-
-// One segment's orders for query head h.
+// permute_stop: one segment's orders for query head h (segments: geom::SegmentGeometry).
 struct SegmentOrder {
   std::int64_t prefix = 0;            // keys t < prefix precede the segment: s·segment
   std::vector<std::int64_t> ranked;   // the prefix keys by q̄·k_t descending, ties lower first

@@ -2,11 +2,12 @@
 // estimate_select (FlashPrefill V2) decision rule of the oracle: key blocks scored from their
 // mean keys by every row of a query tile, kept by relative energy, plus forced sink, window
 // and tail blocks; optionally the pruned, fully visible blocks are marked for mean correction.
-#include <cmath>
+#include <algorithm>
 #include <limits>
 #include <vector>
 
 #include "core/estimate_chunks.h"
+#include "core/rules/estimate_select.h"
 #include "core/tensor_access.h"
 #include "reference/decide.h"
 
@@ -25,36 +26,24 @@ BlockMeans block_means(const Sequence& seq, const EstimateSelectParams& p, std::
   means.k.assign(n, 0.0);
   means.v.assign(n, 0.0);
   means.length.assign(static_cast<std::size_t>(blocks), 0);
-  std::vector<double> k_sum(static_cast<std::size_t>(seq.d)), v_sum(static_cast<std::size_t>(seq.d));
-  std::size_t out = 0;
+  std::vector<double> sum(static_cast<std::size_t>(seq.d));
   std::vector<float> k_cached(static_cast<std::size_t>(seq.d)), v_cached(static_cast<std::size_t>(seq.d));
+  const auto round = [&seq](float x) { return static_cast<double>(round_to(seq.dtype, x)); };
   for (int j = 0; j < blocks; ++j) {
-    const std::int64_t len = g.key_end(j) - g.key_begin(j);
-    means.length[static_cast<std::size_t>(j)] = len;
+    means.length[static_cast<std::size_t>(j)] = g.key_end(j) - g.key_begin(j);
     for (int hk = 0; hk < seq.h_kv; ++hk) {
+      double* k_out = &means.k[(static_cast<std::size_t>(j) * seq.h_kv + hk) * seq.d];
+      double* v_out = &means.v[(static_cast<std::size_t>(j) * seq.h_kv + hk) * seq.d];
       if (j < cached) {
         // A complete block of an earlier chunk: its mean as the cache holds it.
         detail::load_block_mean(p.k_block_means, seq.batch, hk, j, seq.d, k_cached.data());
         detail::load_block_mean(p.v_block_means, seq.batch, hk, j, seq.d, v_cached.data());
-        for (std::size_t i = 0; i < k_cached.size(); ++i, ++out) {
-          means.k[out] = k_cached[i];
-          means.v[out] = v_cached[i];
-        }
+        std::copy(k_cached.begin(), k_cached.end(), k_out);
+        std::copy(v_cached.begin(), v_cached.end(), v_out);
         continue;
       }
-      k_sum.assign(k_sum.size(), 0.0);
-      v_sum.assign(v_sum.size(), 0.0);
-      for (std::int64_t t = g.key_begin(j); t < g.key_end(j); ++t) {
-        for (int i = 0; i < seq.d; ++i) {
-          k_sum[static_cast<std::size_t>(i)] += seq.k_row(t, hk)[i];
-          v_sum[static_cast<std::size_t>(i)] += seq.v_row(t, hk)[i];
-        }
-      }
-      // Rounded like a kernel's stored means: to fp32, then to the input dtype.
-      for (std::size_t i = 0; i < k_sum.size(); ++i, ++out) {
-        means.k[out] = round_to(seq.dtype, static_cast<float>(k_sum[i] / static_cast<double>(len)));
-        means.v[out] = round_to(seq.dtype, static_cast<float>(v_sum[i] / static_cast<double>(len)));
-      }
+      rules::block_mean(g, j, seq.d, [&](std::int64_t t) { return seq.k_row(t, hk); }, round, sum.data(), k_out);
+      rules::block_mean(g, j, seq.d, [&](std::int64_t t) { return seq.v_row(t, hk); }, round, sum.data(), v_out);
     }
   }
   return means;
@@ -96,52 +85,37 @@ Status decide_estimate_select(const Sequence& seq, const ProblemShape& shape,
     const int h0 = unit * heads_per_unit;
     const int hk = seq.kv_head(h0);
     for (int i = 0; i < tiles; ++i) {
-      const std::int64_t a_f = seq.geo.position(g.row_begin(i));
-      const std::int64_t a_l = seq.geo.position(g.row_end(i) - 1);
-      if (a_l < 0) continue;  // no row of the tile sees a key (s_q > s_k)
-      const std::int64_t fqb = geom::floor_div(a_f, bs), lqb = a_l / bs;
-      const int scored = static_cast<int>((a_l + 1) / bs);  // A: blocks the last row sees whole
+      const rules::EstimateTile tile = rules::estimate_tile(g, i, p.tail, prompt_len);
+      if (tile.empty()) continue;  // no row of the tile sees a key (s_q > s_k)
 
-      // x[r, j] = scale · q_r · k̄_j over the contributing pairs: row r sees block j's first key.
+      // x[r, j] = scale · q_r · k̄_j over the contributing pairs (row, then head); the others
+      // stay -inf.
       const std::size_t pairs_per_block =
           static_cast<std::size_t>(g.row_end(i) - g.row_begin(i)) * static_cast<std::size_t>(heads_per_unit);
-      std::vector<double> x(static_cast<std::size_t>(scored) * pairs_per_block,
+      std::vector<double> x(static_cast<std::size_t>(tile.scored) * pairs_per_block,
                             -std::numeric_limits<double>::infinity());
-      double x_max = -std::numeric_limits<double>::infinity();
-      for (int j = 0; j < scored; ++j) {
+      for (int j = 0; j < tile.scored; ++j) {
         std::size_t n = static_cast<std::size_t>(j) * pairs_per_block;
         for (std::int64_t r = g.row_begin(i); r < g.row_end(i); ++r) {
           for (int h = h0; h < h0 + heads_per_unit; ++h, ++n) {
-            if (seq.geo.position(r) < static_cast<std::int64_t>(j) * bs) continue;
-            x[n] = seq.scale * dot(seq.q_row(r, h), means.k_mean(j, hk), seq.d);
-            x_max = nan_max(x_max, x[n]);
+            if (rules::estimate_contributes(seq.geo.position(r), j, bs)) {
+              x[n] = seq.scale * dot(seq.q_row(r, h), means.k_mean(j, hk), seq.d);
+            }
           }
         }
       }
-      // E_j = Σ_r exp(x[r, j] - M), M the tile's maximum; non-contributing pairs add exp(-inf) = 0.
-      std::vector<double> energy(static_cast<std::size_t>(scored), 0.0);
-      double e_max = -std::numeric_limits<double>::infinity();
-      for (int j = 0; j < scored; ++j) {
-        double e = 0.0;
-        for (std::size_t n = 0; n < pairs_per_block; ++n) {
-          e += std::exp(x[static_cast<std::size_t>(j) * pairs_per_block + n] - x_max);
-        }
-        energy[static_cast<std::size_t>(j)] = e;
-        e_max = nan_max(e_max, e);
-      }
+      std::vector<double> energy(static_cast<std::size_t>(tile.scored));
+      const double peak = rules::estimate_energies(
+          tile.scored, static_cast<std::int64_t>(pairs_per_block),
+          [&](int j, std::int64_t n) { return x[static_cast<std::size_t>(j) * pairs_per_block + static_cast<std::size_t>(n)]; },
+          energy.data());
 
       // The mask's head is the unit: the query head, or with pack_gqa the KV head.
-      const bool tail_tile = g.is_tail_block(i, p.tail, prompt_len);
-      for (std::int64_t j = 0; j <= lqb; ++j) {
-        const int kb = static_cast<int>(j);
-        // E_j >= alpha · max E as written: a NaN energy (or peak) fails it, and with NaN scores
-        // in the tile only the forced blocks remain.
-        const bool by_energy = j < scored && energy[static_cast<std::size_t>(j)] >= p.alpha * e_max;
-        const bool forced = tail_tile || j < p.sink || fqb - p.window + 1 <= j;
-        if (by_energy || forced) {
+      for (int kb = 0; kb <= tile.lqb; ++kb) {
+        const double e = kb < tile.scored ? energy[static_cast<std::size_t>(kb)] : 0.0;
+        if (rules::estimate_keeps(tile, kb, e, peak, p.alpha, p.sink, p.window)) {
           SP_RETURN_IF_ERROR(decisions->kept.add(shape, seq.batch, unit, i, kb));
-        } else if (p.mean_correction && g.key_end(kb) - 1 <= a_f) {
-          // Pruned and wholly visible to the tile's first row, hence to every row.
+        } else if (p.mean_correction && rules::estimate_correctable(g, tile.a_first, kb)) {
           SP_RETURN_IF_ERROR(decisions->corrected.add(shape, seq.batch, unit, i, kb));
         }
       }

@@ -13,6 +13,7 @@
 
 #include "core/estimate_chunks.h"
 #include "core/policy_dtype.h"
+#include "core/rules/nan_max.h"
 #include "reference/decide.h"
 #include "reference/row_sets.h"
 #include "reference/sequence.h"
@@ -92,7 +93,7 @@ void attend_row(const Sequence& seq, int h, std::int64_t r, const RowAttention& 
     value[u] = means->v_mean(j, hk);
   }
   double m = kNegInf;
-  for (double x : s) m = nan_max(m, x);
+  for (double x : s) m = rules::nan_max(m, x);
   double den = 0.0;
   for (std::size_t u = 0; u < n; ++u) {
     const double w = std::exp(s[u] - m);

@@ -7,6 +7,8 @@
 #include <variant>
 
 #include "core/estimate_chunks.h"
+#include "core/rules/estimate_select.h"
+#include "core/rules/permute_stop.h"
 
 namespace sparseprefill::ref {
 namespace {
@@ -40,7 +42,7 @@ Status check_corrected(const ProblemShape& shape, const Decisions& d) {
         for (std::int32_t i = 0; i < c.full_count[static_cast<std::size_t>(row)]; ++i) {
           const int kb = c.full_index[base + static_cast<std::size_t>(i)];
           if (d.kept.contains(b, h, qb, kb) ||
-              g.key_end(kb) - 1 > g.seq.position(g.row_begin(qb))) {
+              !rules::estimate_correctable(g, g.seq.position(g.row_begin(qb)), kb)) {
             return invalid_argument("decisions.corrected: block " + std::to_string(kb) + " of row [" +
                                     std::to_string(b) + "][" + std::to_string(h) + "][" + std::to_string(qb) +
                                     "] is kept or not wholly visible to the tile's first row");
@@ -56,12 +58,6 @@ Status check_corrected(const ProblemShape& shape, const Decisions& d) {
   return {};
 }
 
-// The segment a row belongs to, -1 for rows at negative positions.
-std::int64_t segment_of(const geom::SeqGeometry& geo, int segment_len, std::int64_t r) {
-  const std::int64_t a = geo.position(r);
-  return a < 0 ? -1 : a / segment_len;
-}
-
 Status check_permute(const ProblemShape& shape, const PermuteStopParams& p, const Decisions& d) {
   const std::int64_t slots = shape.max_seq_q();
   if (static_cast<std::int64_t>(d.query_order.size()) != shape.batch * shape.h_q * slots) {
@@ -72,6 +68,7 @@ Status check_permute(const ProblemShape& shape, const PermuteStopParams& p, cons
   std::size_t next = 0;  // the tile record expected next
   for (int b = 0; b < shape.batch; ++b) {
     const geom::SeqGeometry geo = seq_geometry(shape, b);
+    const geom::SegmentGeometry sg{geo, p.segment};
     for (int h = 0; h < shape.h_q; ++h) {
       const std::int32_t* order = d.query_order.data() + (b * shape.h_q + h) * slots;
       std::vector<char> seen(static_cast<std::size_t>(geo.s_q), 0);
@@ -80,7 +77,7 @@ Status check_permute(const ProblemShape& shape, const PermuteStopParams& p, cons
         const bool ok = slot >= geo.s_q
             ? r == -1
             : r >= 0 && r < geo.s_q && !seen[static_cast<std::size_t>(r)] &&
-                  segment_of(geo, p.segment, r) == segment_of(geo, p.segment, slot);
+                  rules::segment_of(sg, r) == rules::segment_of(sg, slot);
         if (!ok) {
           return invalid_argument("decisions.query_order: slot " + std::to_string(slot) + " of [" +
                                   std::to_string(b) + "][" + std::to_string(h) + "] holds " + std::to_string(r) +
@@ -88,12 +85,9 @@ Status check_permute(const ProblemShape& shape, const PermuteStopParams& p, cons
         }
         if (slot < geo.s_q) seen[static_cast<std::size_t>(r)] = 1;
       }
-      std::int64_t first = 0, last = -1;
-      segment_range(geo, p.segment, &first, &last);
-      for (std::int64_t s = first; s <= last; ++s) {
-        const SegmentRows rows = segment_rows(geo, p.segment, s);
-        const std::int64_t chunks = geom::ceil_div(geom::min64(s * p.segment, geo.s_k), p.block_k);
-        for (std::int64_t t = 0; t * p.block_q < rows.end - rows.begin; ++t, ++next) {
+      for (std::int64_t s = sg.first(); s < sg.first() + sg.count(); ++s) {
+        const std::int64_t chunks = rules::permute_chunks(sg, s, p.block_k);
+        for (std::int64_t t = 0; t < rules::permute_tiles(sg, s, p.block_q); ++t, ++next) {
           const bool ok = next < d.tiles.size() && d.tiles[next].batch == b && d.tiles[next].head == h &&
                           d.tiles[next].segment == s && d.tiles[next].tile == t &&
                           d.tiles[next].chunks_total == chunks && d.tiles[next].chunks_visited >= 0 &&
@@ -164,14 +158,12 @@ void RowSets::init(const Sequence& seq, const ProblemShape& shape, const Policy&
     return;
   }
   kind_ = Kind::kPermute;
-  segment_len_ = p->segment;
-  std::int64_t last = -1;
-  segment_range(seq.geo, p->segment, &first_segment_, &last);
-  segments_ = last - first_segment_ + 1;
-  ranked_.assign(static_cast<std::size_t>(seq.h_q * segments_), {});
+  segments_ = geom::SegmentGeometry{seq.geo, p->segment};
+  const geom::SegmentGeometry& sg = segments_;
+  ranked_.assign(static_cast<std::size_t>(seq.h_q * sg.count()), {});
   for (int h = 0; h < seq.h_q; ++h) {
-    for (std::int64_t s = first_segment_; s <= last; ++s) {
-      ranked_[static_cast<std::size_t>(h * segments_ + s - first_segment_)] = order_segment(seq, h, s, *p).ranked;
+    for (std::int64_t s = sg.first(); s < sg.first() + sg.count(); ++s) {
+      ranked_[static_cast<std::size_t>(h * sg.count() + s - sg.first())] = order_segment(seq, h, s, *p).ranked;
     }
   }
   // Each tile's visited chunk count goes to the rows its slots hold.
@@ -179,12 +171,11 @@ void RowSets::init(const Sequence& seq, const ProblemShape& shape, const Policy&
   const std::int64_t slots = shape.max_seq_q();
   for (const PermuteTile& t : decisions.tiles) {
     if (t.batch != seq.batch) continue;
-    const SegmentRows rows = segment_rows(seq.geo, p->segment, t.segment);
-    const std::int64_t prefix = geom::min64(static_cast<std::int64_t>(t.segment) * p->segment, seq.geo.s_k);
-    const std::int64_t visited = geom::min64(static_cast<std::int64_t>(t.chunks_visited) * p->block_k, prefix);
+    const std::int64_t row0 = sg.row_begin(t.segment), row1 = sg.row_end(t.segment);
+    const std::int64_t visited = geom::min64(static_cast<std::int64_t>(t.chunks_visited) * p->block_k, sg.prefix(t.segment));
     const std::int32_t* order = decisions.query_order.data() + (seq.batch * seq.h_q + t.head) * slots;
-    const std::int64_t e0 = rows.begin + static_cast<std::int64_t>(t.tile) * p->block_q;
-    const std::int64_t e1 = geom::min64(e0 + p->block_q, rows.end);
+    const std::int64_t e0 = row0 + static_cast<std::int64_t>(t.tile) * p->block_q;
+    const std::int64_t e1 = geom::min64(e0 + p->block_q, row1);
     for (std::int64_t e = e0; e < e1; ++e) {
       prefix_visited_[static_cast<std::size_t>(t.head * seq.geo.s_q + order[e])] = visited;
     }
@@ -227,10 +218,10 @@ void RowSets::row(int h, std::int64_t r, RowAttention* out) const {
       return;
     }
     case Kind::kPermute: {
-      if (seq.geo.position(r) < 0) return;
-      const std::int64_t s = seq.geo.position(r) / segment_len_;
-      for (std::int64_t t = s * segment_len_; t < seen; ++t) out->keys.push_back(t);
-      const auto& ranked = ranked_[static_cast<std::size_t>(h * segments_ + s - first_segment_)];
+      const std::int64_t s = rules::segment_of(segments_, r);
+      if (s < 0) return;
+      for (std::int64_t t = segments_.prefix(s); t < seen; ++t) out->keys.push_back(t);
+      const auto& ranked = ranked_[static_cast<std::size_t>(h * segments_.count() + s - segments_.first())];
       const std::int64_t visited = prefix_visited_[static_cast<std::size_t>(h * seq.geo.s_q + r)];
       for (std::int64_t n = 0; n < visited; ++n) out->keys.push_back(ranked[static_cast<std::size_t>(n)]);
       return;

@@ -45,10 +45,8 @@ class RowSets {
   bool has_means_ = false;
   BlockMeans means_;
   // permute_stop
-  int segment_len_ = 0;
-  std::int64_t first_segment_ = 0;
-  std::int64_t segments_ = 0;
-  std::vector<std::vector<std::int64_t>> ranked_;  // [h_q, segments] ranked prefix keys
+  geom::SegmentGeometry segments_;
+  std::vector<std::vector<std::int64_t>> ranked_;  // [h_q, segments_.count()] ranked prefix keys
   std::vector<std::int64_t> prefix_visited_;       // [h_q, s_q] ranked keys each row reads
 };
 

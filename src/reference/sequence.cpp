@@ -2,8 +2,6 @@
 // Gathering one sequence for the oracle (see sequence.h).
 #include "reference/sequence.h"
 
-#include <cmath>
-
 #include "core/tensor_access.h"
 
 namespace sparseprefill::ref {
@@ -33,11 +31,6 @@ double dot(const double* a, const double* b, int d) {
   double acc = 0.0;
   for (int i = 0; i < d; ++i) acc += a[i] * b[i];
   return acc;
-}
-
-double nan_max(double a, double b) {
-  if (std::isnan(a) || std::isnan(b)) return std::nan("");
-  return a > b ? a : b;
 }
 
 }  // namespace sparseprefill::ref

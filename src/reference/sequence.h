@@ -44,8 +44,4 @@ Sequence gather_sequence(const AttentionProblem& problem, const ProblemShape& sh
 
 double dot(const double* a, const double* b, int d);
 
-// max(a, b), but NaN if either is NaN. Decision rules take maxima this way so that a NaN score
-// reaches the keep test, whose outcome on NaN each rule states (docs/semantics.md).
-double nan_max(double a, double b);
-
 }  // namespace sparseprefill::ref

@@ -2,10 +2,10 @@
 // softmax_skip (BLASST) decision rule of the oracle. The rule depends on the visit order (the
 // running max only sees blocks visited earlier), so the order is part of the semantics:
 // partial blocks, then full blocks, each group in descending index.
-#include <cmath>
 #include <limits>
 #include <vector>
 
+#include "core/rules/nan_max.h"
 #include "core/rules/softmax_skip.h"
 #include "reference/decide.h"
 
@@ -15,11 +15,7 @@ Status decide_softmax_skip(const Sequence& seq, const ProblemShape& shape,
                            const SoftmaxSkipParams& p, Decisions* decisions) {
   constexpr double kNegInf = -std::numeric_limits<double>::infinity();
   const geom::BlockGeometry g{seq.geo, p.block_q, p.block_k};
-  const double s_k = static_cast<double>(seq.geo.s_k);
-  // λ = a / s_k. With s_k < a, λ > 1 and the rule would skip blocks that raise the row max;
-  // BLASST's references turn skipping off there.
-  const bool skipping = !(s_k < p.a);
-  const double ln_lambda = std::log(p.a / s_k);
+  const rules::SkipRule rule = rules::skip_rule(seq.geo.s_k, p.a);
 
   for (int h = 0; h < seq.h_q; ++h) {
     for (int qb = 0; qb < g.num_q_blocks(); ++qb) {
@@ -37,28 +33,22 @@ Status decide_softmax_skip(const Sequence& seq, const ProblemShape& shape,
         for (std::int64_t i = 0; i < rows; ++i) {
           const std::int64_t end = geom::min64(g.key_end(kb), seq.geo.keys_seen(r0 + i));
           double m = kNegInf;
-          for (std::int64_t t = g.key_begin(kb); t < end; ++t) m = nan_max(m, seq.score(r0 + i, h, t));
+          for (std::int64_t t = g.key_begin(kb); t < end; ++t) m = rules::nan_max(m, seq.score(r0 + i, h, t));
           tile_max[static_cast<std::size_t>(i)] = m;
           sees[static_cast<std::size_t>(i)] = end > g.key_begin(kb);
         }
-        bool skip = skipping && visit > 0;
+        // Skipped iff every row with a say votes kSkip (rules::skip_vote).
+        bool skip = rule.gates(static_cast<int>(visit));
         for (std::int64_t i = 0; i < rows && skip; ++i) {
           const auto u = static_cast<std::size_t>(i);
-          if (!seen[u] && !sees[u]) continue;  // sees nothing yet: no say in this block
-          if (!seen[u]) {
-            skip = false;  // the row's first keys are never skipped
-          } else {
-            // A row that sees no key of the block has tile_max = -inf and skips. NaN (from a
-            // NaN score or running max) fails the strict test: it never skips.
-            skip = tile_max[u] - m_run[u] < ln_lambda;
-          }
+          skip = rules::skip_vote(sees[u] != 0, seen[u] != 0, tile_max[u], m_run[u], rule.ln_lambda) != rules::RowVote::kKeep;
         }
         if (skip) continue;
         SP_RETURN_IF_ERROR(decisions->kept.add(shape, seq.batch, h, qb, kb));
         for (std::int64_t i = 0; i < rows; ++i) {
           const auto u = static_cast<std::size_t>(i);
           if (!sees[u]) continue;
-          m_run[u] = nan_max(m_run[u], tile_max[u]);
+          m_run[u] = rules::nan_max(m_run[u], tile_max[u]);
           seen[u] = 1;
         }
       }

@@ -27,7 +27,6 @@ namespace {
 using detail::parallel_for;
 
 constexpr double kNegInf = -std::numeric_limits<double>::infinity();
-constexpr double kPosInf = std::numeric_limits<double>::infinity();
 
 // One sequence of a sample: q [s_q, h_q, d] and k [s_k, h_kv, d] as exact doubles, and each
 // KV head's keys transposed per key block, [h_kv][num_k_blocks][d][kpad] (zero padded), so
@@ -199,11 +198,11 @@ BlockStatistics host_block_statistics(SampleSeq& s, int block_q, int block_k, bo
       double* gs = want_g ? &st.skip_g[row] : nullptr;
       const std::int64_t r0 = g.row_begin(qb);
       const int rows = static_cast<int>(g.row_end(qb) - r0);
-      // Without g only the full blocks are needed, in any order.
+      // Without g only the gated (full) blocks are needed, in any order.
       const std::vector<int> order = want_g ? rules::blasst_order(g, qb) : [&] {
-        std::vector<int> full(static_cast<std::size_t>(g.full_end(qb)));
-        for (int kb = 0; kb < g.full_end(qb); ++kb) full[static_cast<std::size_t>(kb)] = kb;
-        return full;
+        std::vector<int> gated(static_cast<std::size_t>(g.gated_end(qb)));
+        for (int kb = 0; kb < g.gated_end(qb); ++kb) gated[static_cast<std::size_t>(kb)] = kb;
+        return gated;
       }();
       std::fill(m_run.begin(), m_run.begin() + rows, kNegInf);
       for (std::size_t visit = 0; visit < order.size(); ++visit) {
@@ -213,17 +212,14 @@ BlockStatistics host_block_statistics(SampleSeq& s, int block_q, int block_k, bo
         if (bmax != nullptr) bmax[kb] = *std::max_element(tile.begin(), tile.begin() + rows);
         if (gs == nullptr) continue;
         if (visit > 0) {
-          // g = max over the rows that have a say of (tile_rowmax - m_run) + ln s_k: a row
-          // seeing its first keys here can never skip (+inf); a row seeing none of this
-          // block's keys after earlier ones always skips (-inf); a row that has seen
-          // nothing and sees nothing has no say.
+          // g = max over the rows that have a say of their margin (rules::skip_margin) + ln s_k:
+          // the block is skipped iff g < ln a, i.e. every such row's margin < ln λ.
           double stat = kNegInf;
           for (int i = 0; i < rows; ++i) {
             const auto u = static_cast<std::size_t>(i);
             const bool before = m_run[u] != kNegInf, here = seen[u] > 0;
             if (!before && !here) continue;
-            const double diff = !before ? kPosInf : (here ? tile[u] - m_run[u] : kNegInf);
-            stat = std::max(stat, diff);
+            stat = std::max(stat, rules::skip_margin(here, before, tile[u], m_run[u]));
           }
           gs[kb] = stat + ln_s_k;
         }
@@ -243,17 +239,13 @@ BlockStatistics host_block_statistics(SampleSeq& s, int block_q, int block_k, bo
 SelectStatistics host_select_statistics(const SampleSeq& s, int bs, bool pack_gqa) {
   const geom::BlockGeometry g{s.geo, bs, bs};
   const int blocks = g.num_k_blocks();
-  // Mean keys per block and KV head, accumulated in double and rounded to fp32 and then to
-  // the input dtype: what a kernel stores and scores with (the oracle does the same).
-  std::vector<double> means(static_cast<std::size_t>(blocks) * s.h_kv * s.d);
+  // Mean keys per block and KV head as every backend scores with them (rules::block_mean).
+  std::vector<double> means(static_cast<std::size_t>(blocks) * s.h_kv * s.d), sum(static_cast<std::size_t>(s.d));
+  const auto round = [&s](float x) { return static_cast<double>(round_to(s.dtype, x)); };
   for (int j = 0; j < blocks; ++j) {
-    const auto len = static_cast<double>(g.key_end(j) - g.key_begin(j));
     for (int hk = 0; hk < s.h_kv; ++hk) {
-      double* m = &means[(static_cast<std::size_t>(j) * s.h_kv + hk) * s.d];
-      for (std::int64_t t = g.key_begin(j); t < g.key_end(j); ++t) {
-        for (int i = 0; i < s.d; ++i) m[i] += s.k_row(t, hk)[i];
-      }
-      for (int i = 0; i < s.d; ++i) m[i] = round_to(s.dtype, static_cast<float>(m[i] / len));
+      rules::block_mean(g, j, s.d, [&](std::int64_t t) { return s.k_row(t, hk); }, round, sum.data(),
+                        &means[(static_cast<std::size_t>(j) * s.h_kv + hk) * s.d]);
     }
   }
   SelectStatistics st;
@@ -276,29 +268,23 @@ SelectStatistics host_select_statistics(const SampleSeq& s, int bs, bool pack_gq
       // the oracle's pair order (row, then head); other pairs add exp(-inf) = 0.
       const std::size_t pairs = static_cast<std::size_t>(g.row_end(i) - g.row_begin(i)) * heads_per_unit;
       x.assign(static_cast<std::size_t>(scored) * pairs, kNegInf);
-      double x_max = kNegInf;
       for (int j = 0; j < scored; ++j) {
         const double* kbar = &means[(static_cast<std::size_t>(j) * s.h_kv + hk) * s.d];
         std::size_t n = static_cast<std::size_t>(j) * pairs;
         for (std::int64_t r = g.row_begin(i); r < g.row_end(i); ++r) {
           for (int h = h0; h < h0 + heads_per_unit; ++h, ++n) {
-            if (s.geo.position(r) < static_cast<std::int64_t>(j) * bs) continue;
+            if (!rules::estimate_contributes(s.geo.position(r), j, bs)) continue;
             const double* q = s.q_row(r, h);
             double acc = 0.0;
             for (int dd = 0; dd < s.d; ++dd) acc += q[dd] * kbar[dd];
             x[n] = s.scale * acc;
-            x_max = std::max(x_max, x[n]);
           }
         }
       }
       double* ratio = &st.ratio[(static_cast<std::size_t>(unit) * tiles + i) * blocks];
-      double e_max = kNegInf;
-      for (int j = 0; j < scored; ++j) {
-        double e = 0.0;
-        for (std::size_t n = 0; n < pairs; ++n) e += std::exp(x[static_cast<std::size_t>(j) * pairs + n] - x_max);
-        ratio[j] = e;
-        e_max = std::max(e_max, e);
-      }
+      const double e_max = rules::estimate_energies(
+          scored, static_cast<std::int64_t>(pairs),
+          [&](int j, std::int64_t n) { return x[static_cast<std::size_t>(j) * pairs + static_cast<std::size_t>(n)]; }, ratio);
       for (int j = 0; j < scored; ++j) ratio[j] /= e_max;
     }
   });

@@ -1,6 +1,7 @@
 // SPDX-License-Identifier: Apache-2.0
 #include "common/chunks.h"
 
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <limits>
@@ -72,6 +73,7 @@ void MeansCache::advance(std::int64_t s_k) {
   joined->lse.assign(static_cast<std::size_t>(batch * n * full.h_q), nan);
   std::ostringstream diff;
   int differences = 0;
+  std::size_t tiles = 0;  // permute_stop tiles of the chunks
   for (std::int64_t c0 = 0; c0 < n; c0 += chunk) {
     const std::int64_t c1 = c0 + chunk < n ? c0 + chunk : n;
     TestProblem tp = build_problem(chunk_of(full, c0, c1), layout);
@@ -90,6 +92,18 @@ void MeansCache::advance(std::int64_t s_k) {
         }
       }
       const Decisions& d = r.decisions;
+      // permute_stop (chunks of whole segments): the chunk's query order is the one-shot
+      // call's shifted by c0 (both [b, h_q, slots]).
+      for (int h = 0; h < (d.query_order.empty() ? 0 : full.h_q); ++h) {
+        for (std::int64_t i = 0; i < rows; ++i) {
+          const std::int32_t got = d.query_order[static_cast<std::size_t>((b * full.h_q + h) * rows + i)];
+          const std::int32_t want = one_shot.query_order[static_cast<std::size_t>((b * full.h_q + h) * n + c0 + i)];
+          if (got + c0 != want && differences++ < 8) {
+            diff << "\n  chunk [" << c0 << ", " << c1 << ") batch " << b << " head " << h << " slot " << c0 + i
+                 << ": row " << got + c0 << ", one-shot row " << want;
+          }
+        }
+      }
       for (int h = 0; h < d.kept.heads; ++h) {
         for (int qb = 0; qb < d.kept.num_q_blocks; ++qb) {
           const int qb_full = static_cast<int>(c0 / block_q) + qb;
@@ -103,9 +117,28 @@ void MeansCache::advance(std::int64_t s_k) {
         }
       }
     }
+    // The chunk's permute_stop tiles are the one-shot call's tiles of the same (absolute)
+    // segments, with the same chunk counts.
+    for (const PermuteTile& t : r.decisions.tiles) {
+      const auto it = std::find_if(one_shot.tiles.begin(), one_shot.tiles.end(), [&](const PermuteTile& o) {
+        return o.batch == t.batch && o.head == t.head && o.segment == t.segment && o.tile == t.tile;
+      });
+      const bool same = it != one_shot.tiles.end() && it->chunks_visited == t.chunks_visited &&
+                        it->chunks_total == t.chunks_total;
+      if (!same && differences++ < 8) {
+        diff << "\n  chunk [" << c0 << ", " << c1 << ") batch " << t.batch << " head " << t.head << " segment "
+             << t.segment << " tile " << t.tile << ": visits " << t.chunks_visited << " of " << t.chunks_total
+             << (it == one_shot.tiles.end() ? " (no such one-shot tile)" : " chunks, one-shot " +
+                 std::to_string(it->chunks_visited) + " of " + std::to_string(it->chunks_total));
+      }
+    }
+    tiles += r.decisions.tiles.size();
+  }
+  if (tiles != one_shot.tiles.size() && differences++ < 8) {
+    diff << "\n  " << tiles << " permute_stop tiles over the chunks, " << one_shot.tiles.size() << " in the one-shot call";
   }
   if (differences > 0) {
-    return ::testing::AssertionFailure() << differences << " query blocks decide unlike the one-shot call:" << diff.str();
+    return ::testing::AssertionFailure() << differences << " decisions unlike the one-shot call's:" << diff.str();
   }
   return ::testing::AssertionSuccess();
 }

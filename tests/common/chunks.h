@@ -43,9 +43,10 @@ using ChunkCall = std::function<Status(TestProblem* tp, const Policy& policy, re
 
 // Prefills the prompts of `full` (batch of equal lengths n, s_q = s_k) in chunks of `chunk`
 // queries (a multiple of the policy's block), each chunk one `call` on the layout `layout` with
-// the policy policy_for(c0, c1). Every chunk's kept (and corrected) blocks must equal the rows
-// of the one-shot decisions `one_shot` (block policies with block_q = `block_q`); *joined gets
-// the chunks' outputs put together in the one-shot layout.
+// the policy policy_for(c0, c1). Every chunk's decisions must equal the one-shot decisions
+// `one_shot`: block policies (block_q = `block_q`) the kept (and corrected) blocks of its rows;
+// permute_stop (chunks of whole segments) the tiles of its segments and its query order shifted
+// by c0. *joined gets the chunks' outputs put together in the one-shot layout.
 ::testing::AssertionResult chunks_decide_as_one_shot(const Inputs& full, std::int64_t chunk, int block_q,
                                                      const LayoutOptions& layout,
                                                      const std::function<Policy(std::int64_t, std::int64_t)>& policy_for,

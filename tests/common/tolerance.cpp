@@ -3,6 +3,8 @@
 #include "tolerance.h"
 
 #include <cmath>
+#include <cstdint>
+#include <cstring>
 #include <limits>
 #include <sstream>
 #include <vector>
@@ -31,6 +33,25 @@ float max_nan(float a, float b) {
   return a > b ? a : b;
 }
 
+// x rounded to 14 significant bits, to nearest even: frexp's m · 2^14 rounded to an integer,
+// times 2^(e - 14). For normal numbers that is rounding the fp32 significand's low 10 bits
+// away on the bit pattern (a carry moves into the exponent, past the largest finite value to
+// infinity, as the libm form's); zero, subnormals, infinities and NaN take the libm form.
+float round_to_14_bits(float x) {
+  std::uint32_t bits = 0;
+  std::memcpy(&bits, &x, sizeof bits);
+  const std::uint32_t exponent = (bits >> 23) & 0xFFu;
+  if (exponent == 0 || exponent == 0xFFu) {
+    int e = 0;
+    const float m = std::frexp(x, &e);
+    return std::ldexp(std::nearbyint(std::ldexp(m, 14)), e - 14);
+  }
+  bits += 0x1FFu + ((bits >> 10) & 1u);
+  bits &= ~0x3FFu;
+  std::memcpy(&x, &bits, sizeof x);
+  return x;
+}
+
 // One row in the low-precision arithmetic of a FlashAttention-class kernel: fp32 scores
 // (fp32 accumulation of q·k, then the fp32 scale), fp32 exp and row sum, P rounded to the
 // input dtype before P·V, fp32 accumulation, O rounded to the input dtype.
@@ -51,11 +72,7 @@ void lowp_row(const ref::Sequence& seq, const std::vector<float>& q, const std::
     float acc = 0.0f;
     for (std::size_t i = 0; i < d; ++i) {
       acc += a[i] * b[i];
-      if (fp8) {
-        int e = 0;
-        const float m = std::frexp(acc, &e);
-        acc = std::ldexp(std::nearbyint(std::ldexp(m, 14)), e - 14);
-      }
+      if (fp8) acc = round_to_14_bits(acc);
     }
     return acc;
   };

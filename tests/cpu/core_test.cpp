@@ -12,7 +12,6 @@
 
 #include "core/geometry.h"
 #include "core/stats.h"
-#include "reference/decide.h"
 #include "sparseprefill/sparseprefill.h"
 
 namespace sp = sparseprefill;
@@ -104,11 +103,11 @@ TEST(Geometry, NonCausalEverythingFull) {
   EXPECT_EQ(g.visible_pairs(1, 2), 1);  // one row (4) × one key (8)
 }
 
-// exact_gate's gated blocks as the CUDA kernels count them (BlockGeometry::gated_end) against
-// the oracle's definition (reference/exact_gate.cpp: causal, the full blocks; non-causal, every
+// exact_gate's gated blocks as every backend counts them (BlockGeometry::gated_end) against
+// the definition (docs/semantics.md §3.3: causal, the full blocks; non-causal, every
 // block but the last), and the room the decision kernels leave for the others (ungated_room),
 // over square, chunked-prefill, empty-row and unaligned shapes.
-TEST(Geometry, GatedBlocksMatchTheOraclesDefinition) {
+TEST(Geometry, GatedBlocksMatchTheDefinition) {
   for (bool causal : {true, false}) {
     for (int bk : {64, 128}) {
       for (const auto& [s_q, s_k] : std::vector<std::pair<std::int64_t, std::int64_t>>{
@@ -131,27 +130,38 @@ TEST(Geometry, GatedBlocksMatchTheOraclesDefinition) {
   }
 }
 
-// permute_stop's segments as the CPU backend and the CUDA kernels see them
-// (geom::SegmentGeometry) against the oracle's own definition (reference/decide.h), over
-// square, chunked-prefill (s_q < s_k), empty-row (s_q > s_k) and empty shapes.
-TEST(Geometry, SegmentsMatchTheOraclesDefinition) {
+// permute_stop's segments (geom::SegmentGeometry, which the oracle, the CPU backend and the
+// CUDA kernels read) against the definition (docs/semantics.md §3.6): segment s holds the call
+// rows at absolute positions [s·len, (s+1)·len), rows at negative positions none; counted here
+// row by row over square, chunked-prefill (s_q < s_k), empty-row (s_q > s_k) and empty shapes.
+TEST(Geometry, SegmentsHoldTheRowsOfTheirPositions) {
   for (std::int64_t s_q : {0, 1, 15, 17, 100, 300}) {
     for (std::int64_t s_k : {0, 1, 16, 50, 300, 513}) {
       for (int len : {1, 7, 16, 128, 1000}) {
         const sp::geom::SeqGeometry seq{s_q, s_k, true};
         const sp::geom::SegmentGeometry sg{seq, len};
-        std::int64_t first = 0, last = -1;
-        sp::ref::segment_range(seq, len, &first, &last);
         const std::string what = std::to_string(s_q) + "x" + std::to_string(s_k) + " len " + std::to_string(len);
-        ASSERT_EQ(sg.count(), last - first + 1) << what;
-        EXPECT_EQ(sg.first_row(), std::min(std::max<std::int64_t>(0, s_q - s_k), s_q)) << what;
+        std::int64_t unsegmented = 0, first = -1, last = -1;
+        for (std::int64_t r = 0; r < s_q; ++r) {
+          const std::int64_t a = r + s_k - s_q;
+          if (a < 0) {
+            ++unsegmented;
+            continue;
+          }
+          const std::int64_t s = a / len;
+          if (first < 0) first = s;
+          last = s;
+          EXPECT_GE(r, sg.row_begin(s)) << what << " row " << r;
+          EXPECT_LT(r, sg.row_end(s)) << what << " row " << r;
+        }
+        EXPECT_EQ(sg.first_row(), unsegmented) << what;
+        ASSERT_EQ(sg.count(), first < 0 ? 0 : last - first + 1) << what;
         if (sg.count() == 0) continue;
         EXPECT_EQ(sg.first(), first) << what;
         EXPECT_EQ(sg.last(), last) << what;
         for (std::int64_t s = first; s <= last; ++s) {
-          const sp::ref::SegmentRows rows = sp::ref::segment_rows(seq, len, s);
-          EXPECT_EQ(sg.row_begin(s), rows.begin) << what << " segment " << s;
-          EXPECT_EQ(sg.row_end(s), rows.end) << what << " segment " << s;
+          EXPECT_LT(sg.row_begin(s), sg.row_end(s)) << what << " segment " << s;  // every segment holds rows
+          if (s > first) EXPECT_EQ(sg.row_begin(s), sg.row_end(s - 1)) << what << " segment " << s;
           EXPECT_EQ(sg.prefix(s), s * len) << what << " segment " << s;  // its rows see every earlier key
           EXPECT_EQ(sg.key_end(s), std::min<std::int64_t>((s + 1) * len, s_k)) << what << " segment " << s;
         }

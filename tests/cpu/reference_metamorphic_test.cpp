@@ -57,33 +57,16 @@ HostTensor random_table(int h_q, int positions, double lo, double hi, std::uint6
   return t;
 }
 
-ExactGateParams gate(const HostTensor& table, int bq = 8, int bk = 8) {
-  ExactGateParams p;
-  p.block_q = bq;
-  p.block_k = bk;
-  p.thresholds = table.view();
-  return p;
-}
+ExactGateParams gate(const HostTensor& table, int bq = 8, int bk = 8) { return test::gate_params(table, bq, bk); }
 
-SoftmaxSkipParams skip(double a, int bq = 8, int bk = 8) {
-  SoftmaxSkipParams p;
-  p.block_q = bq;
-  p.block_k = bk;
-  p.a = a;
-  return p;
-}
+SoftmaxSkipParams skip(double a, int bq = 8, int bk = 8) { return test::skip_params(a, bq, bk); }
 
 EstimateSelectParams estimate(double alpha, int block = 8, bool correct = false, bool pack = false) {
   return sparseprefill::test::small_estimate_select(alpha, block, correct, pack);
 }
 
 PermuteStopParams permute(double tau, int segment = 16, int bq = 4, int bk = 8) {
-  PermuteStopParams p;
-  p.segment = segment;
-  p.tau = tau;
-  p.block_q = bq;
-  p.block_k = bk;
-  return p;
+  return test::permute_params(tau, segment, bq, bk);
 }
 
 // The element mask a block mask implies: causal, and the key's block selected for the row's

@@ -1,10 +1,12 @@
 # SPDX-License-Identifier: Apache-2.0
-"""python -m sparseprefill.quality.calibrate: runs a model on the calibration part of a text,
-captures every layer's Q (after RoPE) and K, and fits exact_gate threshold tables, softmax_skip
-factors and estimate_select alphas with the library's calibrators. With the model on CUDA each
-layer's q/k go straight into sparseprefill.Calibrator, whose statistics are computed on the GPU
-(seconds for a 128K-token window); on the CPU the windows are written as safetensors samples
-(q_<layer> [1, s, h_q, d], k_<layer> [1, s, h_kv, d]) for `sparseprefill calibrate --input`.
+"""python -m sparseprefill.quality.calibrate: runs a model on the calibration part of a text
+(or, with --whole-text, on all of a text other than every evaluation text), captures every
+layer's Q (after RoPE) and K, and fits exact_gate threshold tables, softmax_skip factors and
+estimate_select alphas with the library's calibrators. With the model on CUDA (or with
+--direct) each layer's q/k go straight into sparseprefill.Calibrator, whose statistics are
+computed on the model's device (seconds for a 128K-token window on the GPU); otherwise, on the
+CPU, the windows are written as safetensors samples (q_<layer> [1, s, h_q, d], k_<layer>
+[1, s, h_kv, d]) for `sparseprefill calibrate --input`.
 Writes one calibration file whose metadata names the model, the text and its character range;
 block sizes are in the file's reserved keys."""
 
@@ -65,6 +67,10 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
                    help="estimate_select target densities")
     p.add_argument("--output", required=True, help="the calibration file to write")
     p.add_argument("--cli", help="path of the sparseprefill CLI (CPU route)")
+    p.add_argument("--whole-text", action="store_true",
+                   help="the whole text calibrates (a document other than every evaluation text), not its first part")
+    p.add_argument("--direct", action="store_true",
+                   help="on the CPU too, feed q/k straight to sparseprefill.Calibrator (no CLI, no sample files)")
     p.add_argument("--device", default="cpu")
     p.add_argument("--dtype", default="auto", help="model dtype: auto (fp32 on CPU, bf16 on CUDA), float32, bfloat16")
     p.add_argument("--workdir", help="CPU route: folder for the Q/K sample files (default: a temporary folder, "
@@ -89,8 +95,9 @@ def capture_sample(model, ids, path: str) -> None:
 
 
 def calibrate_on_gpu(model, wins, args: argparse.Namespace, output: str, metadata: Dict[str, str]) -> None:
-    """The CUDA route: every window's q/k of every layer into one Calibrator (statistics on the
-    GPU, reductions on the host), then the file with `metadata`."""
+    """The CUDA route (and --direct's on the CPU): every window's q/k of every layer into one
+    Calibrator (statistics on the model's device, reductions on the host), then the file with
+    `metadata`."""
     import torch
 
     from ..calibration import Calibrator
@@ -104,7 +111,7 @@ def calibrate_on_gpu(model, wins, args: argparse.Namespace, output: str, metadat
         cal.add(layer, q.detach(), k.detach())
 
     with torch.no_grad(), capture.capturing(sink):
-        for _, ids in data.progress(wins, desc="calibrate (GPU statistics)"):
+        for _, ids in data.progress(wins, desc="calibrate (library statistics)"):
             model.model(torch.tensor([ids], device=model.device), use_cache=False)
     cal.save(output, metadata)
 
@@ -126,7 +133,8 @@ def add_metadata(path: str, extra: Dict[str, str]) -> None:
 def main(argv: Optional[List[str]] = None) -> int:
     args = parse_args(argv)
     on_gpu = args.device.startswith("cuda")
-    cli = None if on_gpu else find_cli(args.cli)
+    direct = on_gpu or args.direct
+    cli = None if direct else find_cli(args.cli)
     t0 = time.time()
     from .. import transformers as spt
 
@@ -134,22 +142,25 @@ def main(argv: Optional[List[str]] = None) -> int:
     model, tokenizer = data.load_model(args.model, args.device, args.dtype)
     model.set_attn_implementation(capture.register())
     split = data.read_split(args.text, args.split_fraction)
-    tokens = tokenizer(split.calibration, add_special_tokens=False).input_ids
+    part = split.calibration + split.evaluation if args.whole_text else split.calibration
+    tokens = tokenizer(part, add_special_tokens=False).input_ids
     wins = data.windows(tokens, args.length, args.samples)
     model_name = args.model_name or os.path.basename(os.path.normpath(args.model))
     meta = {
         "model_sha256": data.file_sha256(args.model) if os.path.isfile(args.model) else "",
         "text": os.path.basename(args.text), "text_sha256": split.sha256,
-        "text_chars": f"0:{split.boundary} (calibration part of {split.length} characters)",
-        "sample_tokens": f"{args.samples} windows x {args.length} tokens from token 0 of the calibration part",
+        "text_chars": f"0:{split.length} (the whole document)" if args.whole_text else
+                      f"0:{split.boundary} (calibration part of {split.length} characters)",
+        "sample_tokens": f"{args.samples} windows x {args.length} tokens from token 0 of the "
+                         + ("document" if args.whole_text else "calibration part"),
         "qk_dtype": str(next(iter(model.parameters())).dtype).replace("torch.", ""),
         "device": args.device,
-        "statistics": "gpu" if on_gpu else "cpu",
+        "statistics": "gpu" if on_gpu else ("cpu, sparseprefill.Calibrator" if direct else "cpu"),
         "date": datetime.date.today().isoformat(),
         "command": " ".join(shlex.quote(a) for a in ["python", "-m", "sparseprefill.quality.calibrate"]
                             + (sys.argv[1:] if argv is None else argv)),
     }
-    if on_gpu:
+    if direct:
         calibrate_on_gpu(model, wins, args, args.output, dict(meta, model=model_name,
                                                               source="python -m sparseprefill.quality.calibrate",
                                                               samples=str(args.samples)))
@@ -182,7 +193,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     print(f"wrote {args.output}: {cal.layers} layers, exact_gate budgets {cal.gate_budgets}, "
           f"softmax_skip targets {[round(t, 6) for t in cal.skip_targets]}, "
           f"estimate_select targets {[round(t, 6) for t in cal.density_targets]}; "
-          f"{'capture + GPU statistics' if on_gpu else 'capture'} {t_capture:.0f} s, "
+          f"{'capture + statistics' if direct else 'capture'} {t_capture:.0f} s, "
           f"total {time.time() - t0:.0f} s", file=sys.stderr)
     return 0
 

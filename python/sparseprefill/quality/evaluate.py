@@ -26,20 +26,24 @@ import numpy as np
 
 from . import capture, data, metrics
 
-__all__ = ["Setting", "settings_from", "main"]
+__all__ = ["Setting", "settings_from", "layer_policy", "backend_config", "ppl_window", "prefill_times",
+           "per_layer_values", "dumps", "main"]
 
 
 @dataclasses.dataclass(frozen=True)
 class Setting:
-    """One evaluated configuration: a policy name and the value of its knob."""
+    """One evaluated configuration: a policy name, the value of its knob, and how many of the
+    first layers run dense."""
 
     policy: str          # dense, exact_gate, softmax_skip, estimate_select, estimate_select_mc, permute_stop
-    knob: str            # budget, skip_target, density_target, tau, or "" for dense
-    value: float
+    knob: str            # budget, skip_target, density_target, alpha (estimate_select, not calibrated), tau,
+    value: float         # or "" for dense
+    dense_layers: int = 0
 
     @property
     def label(self) -> str:
-        return "dense" if self.policy == "dense" else f"{self.policy} {self.knob}={self.value:g}"
+        base = "dense" if self.policy == "dense" else f"{self.policy} {self.knob}={self.value:g}"
+        return base + (f" dense_layers={self.dense_layers}" if self.dense_layers else "")
 
 
 def _floats(s: str) -> List[float]:
@@ -104,8 +108,11 @@ def layer_policy(setting: Setting, cal: Any, layer: int, block: int, segment: in
     if setting.policy == "softmax_skip":
         return cal.softmax_skip(layer, setting.value)
     if setting.policy in ("estimate_select", "estimate_select_mc"):
-        return dataclasses.replace(cal.estimate_select(layer, setting.value),
-                                   mean_correction=setting.policy == "estimate_select_mc")
+        mc = setting.policy == "estimate_select_mc"
+        if setting.knob == "alpha":  # one alpha for every layer (FlashPrefill V2's published 0.1, say)
+            base = cal.estimate_base or sp.EstimateSelect(block=block)
+            return dataclasses.replace(base, alpha=setting.value, mean_correction=mc)
+        return dataclasses.replace(cal.estimate_select(layer, setting.value), mean_correction=mc)
     if setting.policy == "permute_stop":
         return sp.PermuteStop(segment=segment, tau=setting.value, block_q=block, block_k=block)
     raise ValueError(f"policy: unknown {setting.policy}")
@@ -119,11 +126,27 @@ def backend_config(setting: Setting, cal: Any, layers: int, block: int, segment:
                              layer_policies={l: layer_policy(setting, cal, l, block, segment) for l in range(layers)})
 
 
+def ppl_window(model: Any, ids: List[int], dense_hidden: Any = None, chunk: int = 4096) -> Tuple[metrics.TokenSums, Any]:
+    """One perplexity window: (sums over its predicted positions, the final hidden states
+    [len(ids) - 1, hidden] that predict them). With dense_hidden (dense's hidden states of the
+    same window) the sums hold KL(dense || this run) and top-1 agreement; the logits are the
+    LM head of the hidden states (what the model's logits are for Llama and Qwen2), computed
+    chunk positions at a time."""
+    import torch
+
+    x = torch.tensor([ids], device=model.device)
+    with torch.no_grad():
+        hidden = model.model(x, use_cache=False).last_hidden_state[0, :-1]
+        sums = metrics.hidden_sums(model.lm_head, hidden, x[0, 1:], dense_hidden, chunk)
+    return sums, hidden
+
+
 def prefill_times(model: Any, inputs: Dict[int, List[int]], settings: List[Setting], config_for: Any,
-                  repeats: int) -> Dict[str, Any]:
+                  repeats: int, baselines: bool = True) -> Dict[str, Any]:
     """Median wall time of the model's prefill (the decoder stack without the LM head, no KV cache)
-    per length: torch SDPA (default backend selection; on CUDA also cuDNN only), then every
-    setting through the sparseprefill backend. One warm-up run each; CUDA is synchronised."""
+    per length: torch SDPA (default backend selection; on CUDA also cuDNN only; left out without
+    `baselines`), then every setting through the sparseprefill backend. One warm-up run each;
+    CUDA is synchronised."""
     import torch
 
     import sparseprefill.transformers as spt
@@ -146,13 +169,14 @@ def prefill_times(model: Any, inputs: Dict[int, List[int]], settings: List[Setti
 
     xs = {L: torch.tensor([ids], device=model.device) for L, ids in inputs.items()}
     out: Dict[str, Any] = {"repeats": repeats, "seconds": {}}
-    model.set_attn_implementation("sdpa")
-    out["seconds"]["torch sdpa"] = {str(L): timed(x) for L, x in xs.items()}
-    if cuda:
-        from torch.nn.attention import SDPBackend, sdpa_kernel
+    if baselines:
+        model.set_attn_implementation("sdpa")
+        out["seconds"]["torch sdpa"] = {str(L): timed(x) for L, x in xs.items()}
+        if cuda:
+            from torch.nn.attention import SDPBackend, sdpa_kernel
 
-        with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
-            out["seconds"]["torch sdpa (cuDNN)"] = {str(L): timed(x) for L, x in xs.items()}
+            with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+                out["seconds"]["torch sdpa (cuDNN)"] = {str(L): timed(x) for L, x in xs.items()}
     model.set_attn_implementation(capture.NAME)
     for st in data.progress(settings, desc="prefill timing"):
         spt.set_config(config_for(st))
@@ -328,7 +352,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         pass
     settings = settings_from(args)
     device = model.device
-    dense_lp: Dict[tuple, torch.Tensor] = {}
+    dense_hidden: Dict[tuple, torch.Tensor] = {}
     qkv: Dict[int, Any] = {}
     map_qkv = None
     results = []
@@ -339,33 +363,28 @@ def main(argv: Optional[List[str]] = None) -> int:
         entry: Dict[str, Any] = {"policy": st.policy, "knob": st.knob, "value": st.value, "label": st.label,
                                  "lengths": {}}
         if st.policy != "dense":
-            entry["per_layer_value"] = _per_layer_values(st, cal, layers)
+            entry["per_layer_value"] = per_layer_values(st, cal, layers)
         for length in args.lengths:
             t0 = time.time()
             sums = metrics.TokenSums()
             with sp.collect_stats() as log:
                 for wi, (_, ids) in enumerate(ppl_windows[length]):
                     bar.set_postfix_str(f"{st.label} {length} window {wi}")
-                    x = torch.tensor([ids], device=device)
                     wanted = []
                     if st.policy == "dense" and wi == 0:
                         wanted = (args.operator_layers if length == max(args.lengths) else []) + \
                             ([args.map_layer] if length == min(args.lengths) and args.map_layer >= 0 else [])
                     captured: Dict[int, Any] = {}
-                    with torch.no_grad(), capture.capturing(capture.numpy_sink(captured, wanted) if wanted else None):
-                        logits = model(x, use_cache=False).logits[0, :-1]
+                    with capture.capturing(capture.numpy_sink(captured, wanted) if wanted else None):
+                        window, hidden = ppl_window(model, ids, dense_hidden.get((length, wi)))
                     if length == max(args.lengths):
                         qkv.update({l: t for l, t in captured.items() if l in args.operator_layers})
                     if length == min(args.lengths) and args.map_layer in captured:
                         map_qkv = captured[args.map_layer]
-                    targets = x[0, 1:]
                     if st.policy == "dense":
-                        lp = torch.log_softmax(logits.float(), dim=-1)
-                        dense_lp[(length, wi)] = lp
-                        sums.add(metrics.token_sums(logits, targets, None))
-                    else:
-                        sums.add(metrics.token_sums(logits, targets, dense_lp[(length, wi)]))
-                    del logits
+                        dense_hidden[(length, wi)] = hidden
+                    sums.add(window)
+                    del hidden
                     bar.update(1)
             t_ppl = time.time() - t0
             per_layer = metrics.layer_densities(log)
@@ -469,11 +488,11 @@ def dumps(doc: Dict[str, Any]) -> str:
     return flat + "\n"
 
 
-def _per_layer_values(st: Setting, cal: Any, layers: int) -> List[float]:
+def per_layer_values(st: Setting, cal: Any, layers: int) -> List[float]:
     """The calibrated per-layer value behind a setting (a, alpha), for the record."""
     if st.policy == "softmax_skip":
         return [round(cal.softmax_skip(l, st.value).a, 4) for l in range(layers)]
-    if st.policy in ("estimate_select", "estimate_select_mc"):
+    if st.policy in ("estimate_select", "estimate_select_mc") and st.knob == "density_target":
         return [round(cal.estimate_select(l, st.value).alpha, 5) for l in range(layers)]
     return []
 

@@ -1,8 +1,11 @@
 # SPDX-License-Identifier: Apache-2.0
 """Measures of one policy against dense: next-token metrics of a window's logits (negative
 log-likelihood, KL(dense || policy), top-1 agreement), the operator-level relative error of an
-attention output, densities per layer and head from a stats log, and the density at which a
-measured error curve crosses a level (for comparisons at matched density)."""
+attention output, densities per layer and head from a stats log, the density at which a
+measured error curve crosses a level (for comparisons at matched density), and 95% confidence
+intervals of task scores (Wilson's score interval for one task; a stratified percentile
+bootstrap over samples for the average over tasks and for paired differences between
+settings)."""
 
 from __future__ import annotations
 
@@ -10,8 +13,8 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
-__all__ = ["TokenSums", "token_sums", "relative_error", "layer_densities", "total_density", "interpolate_at",
-           "curves"]
+__all__ = ["TokenSums", "token_sums", "hidden_sums", "relative_error", "layer_densities", "total_density",
+           "interpolate_at", "curves", "wilson_interval", "task_average_ci"]
 
 
 class TokenSums:
@@ -59,6 +62,24 @@ def token_sums(logits: Any, targets: Any, dense_logprobs: Optional[Any] = None, 
         # KL(p_d || p) = sum p_d (log p_d - log p); terms with p_d = 0 contribute 0 (exp(-inf) * finite).
         out.kl += float((d.exp() * (d - lp)).sum())
         out.agree += int((top == d.argmax(dim=-1)).sum())
+    return out
+
+
+def hidden_sums(lm_head: Any, hidden: Any, targets: Any, dense_hidden: Optional[Any] = None,
+                chunk: int = 4096) -> TokenSums:
+    """token_sums of the logits lm_head(hidden) [s, V] against dense's lm_head(dense_hidden),
+    both computed `chunk` positions at a time: a window's dense reference is kept as its final
+    hidden states [s, hidden] rather than its log-probabilities [s, V] (a 32K-token window of a
+    150K-token vocabulary would hold 20 GB of them)."""
+    import torch
+
+    out = TokenSums()
+    for i in range(0, hidden.shape[0], chunk):
+        logits = lm_head(hidden[i:i + chunk])
+        ref = None
+        if dense_hidden is not None:
+            ref = torch.log_softmax(lm_head(dense_hidden[i:i + chunk]).float(), dim=-1)
+        out.add(token_sums(logits, targets[i:i + chunk], ref, chunk))
     return out
 
 
@@ -114,3 +135,48 @@ def curves(points: List[Dict[str, Any]], key: str, value: str) -> Dict[str, Tupl
         ds.append(p[key])
         vs.append(p[value])
     return out
+
+
+Z95 = 1.959963984540054  # the standard normal's 97.5% quantile
+
+
+def wilson_interval(successes: float, n: int, z: float = Z95) -> Tuple[float, float]:
+    """Wilson's score interval (95% by default) of a proportion successes / n. For the mean of
+    scores in [0, 1] that are not all 0 or 1 (RULER's string_match_all), pass their sum: the
+    variance of such scores is at most p(1 - p), so the interval is conservative there."""
+    if n <= 0:
+        raise ValueError(f"n: expected a positive sample count, got {n}")
+    p = successes / n
+    den = 1.0 + z * z / n
+    mid = (p + z * z / (2 * n)) / den
+    half = z * np.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / den
+    return float(max(0.0, mid - half)), float(min(1.0, mid + half))
+
+
+def task_average_ci(scores: Dict[str, Sequence[float]], baseline: Optional[Dict[str, Sequence[float]]] = None,
+                    resamples: int = 10000, seed: int = 0, level: float = 0.95) -> Tuple[float, float, float]:
+    """(estimate, low, high) of the mean over tasks of each task's mean score (RULER's average)
+    or, with `baseline` (the same tasks' scores of another setting on the same samples, in the
+    same order), of the paired difference mean(scores) - mean(baseline): a stratified
+    percentile bootstrap, each task's samples resampled with replacement (the same indices for
+    both settings), `resamples` times from a seeded generator."""
+    if not scores:
+        raise ValueError("scores: no task")
+    rng = np.random.default_rng(seed)
+    total = np.zeros(resamples)
+    estimate = 0.0
+    for task, xs in scores.items():
+        x = np.asarray(xs, dtype=np.float64)
+        if baseline is not None:
+            b = np.asarray(baseline[task], dtype=np.float64)
+            if b.shape != x.shape:
+                raise ValueError(f"{task}: {x.size} samples against a baseline of {b.size}")
+            x = x - b
+        if x.size == 0:
+            raise ValueError(f"{task}: no sample")
+        estimate += float(x.mean())
+        idx = rng.integers(0, x.size, size=(resamples, x.size))
+        total += x[idx].mean(axis=1)
+    k = len(scores)
+    lo, hi = np.quantile(total / k, [(1 - level) / 2, (1 + level) / 2])
+    return estimate / k, float(lo), float(hi)

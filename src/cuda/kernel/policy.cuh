@@ -10,6 +10,7 @@
 #include <cstdint>
 
 #include "core/geometry.h"
+#include "core/rules/exact_gate.h"
 #include "cuda/kernel/fwd_params.h"
 #include "cuda/kernel/ptx.cuh"
 
@@ -82,7 +83,7 @@ struct Gate {
   __device__ __forceinline__ bool keeps_row(float mx, float m_run, bool valid, float scale, float scale_log2) const {
     if (!valid) return false;
     // exact_gate: keep iff !(max s < T) over the valid rows: ties keep, T = -inf keeps, NaN keeps.
-    if (exact) return !(mx * scale < threshold);
+    if (exact) return rules::gate_keeps(mx * scale, threshold);
     // BLASST per row: skip iff tile_max - m_run < ln λ. A row that sees no key of the block
     // (tile max -inf) skips, or has no say if it has seen none before either; a row seeing its
     // first keys keeps; NaN fails the strict test and keeps.

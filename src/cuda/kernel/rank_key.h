@@ -11,7 +11,7 @@
 
 namespace sparseprefill::cuda {
 
-// A ranking score (the fp64 dot product rounded to fp32, as the oracle's ranking_score) as a
+// A ranking score (the fp64 dot product rounded to fp32, rules::ranking_score) as a
 // 32-bit key whose unsigned order is the ranking order: numbers by value; NaN below every
 // number (0: it ranks last in a descending sort); -0 equal to +0 (the stable sort then breaks
 // the tie by index, as for any other tie).

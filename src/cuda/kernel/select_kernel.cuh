@@ -11,6 +11,7 @@
 #include <cstdint>
 
 #include "core/geometry.h"
+#include "core/rules/estimate_select.h"
 #include "cuda/kernel/fwd_params.h"
 #include "cuda/kernel/launch_types.h"
 #include "cuda/kernel/ptx.cuh"
@@ -329,13 +330,12 @@ __device__ __forceinline__ void finish_selection(const SelectParams& p, const Se
       const int j = g0 + r * kThreads + tid;
       bool keep = false, corrected = false, full = false;
       if (j <= t.lqb) {
-        // E_j >= alpha · max E, written so that a NaN energy keeps.
-        const bool by_energy = j < t.scored && !(energy[j] < p.alpha);
-        const bool forced = tail_tile || j < p.sink || t.fqb - p.window + 1 <= j;
-        keep = by_energy || forced;
+        // E_j >= alpha · max E: a NaN energy or peak fails, leaving the forced blocks
+        // (rules::estimate_keeps).
+        const bool by_energy = j < t.scored && energy[j] >= p.alpha;
+        keep = by_energy || rules::estimate_forced(tail_tile, t.fqb, j, p.sink, p.window);
         full = j < full_end;
-        // Pruned and wholly visible to the tile's first row, hence to every row.
-        corrected = !keep && p.mean_correction && t.geo.key_end(j) - 1 <= t.a_f;
+        corrected = !keep && p.mean_correction && rules::estimate_correctable(t.geo, t.a_f, j);
       }
       full_bal[r] = __ballot_sync(0xffffffffu, keep && full);
       part_bal[r] = __ballot_sync(0xffffffffu, keep && !full);

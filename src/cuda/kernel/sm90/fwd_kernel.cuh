@@ -62,7 +62,10 @@ struct FwdConfig {
   // FP8: P·V's B is Vᵀ plus one 8-row atom of e4m3 ones (wgmma N = 136), so that the output
   // accumulator's extra fragment sums the rounded P of each row: l without 64 FADDs per tile
   // (and O / l then normalises by exactly the weights P·V used). Each V stage is followed by
-  // its ones atom, written once before the loop.
+  // its ones atom, written once before the loop. The fragment is emptied into RowStats::l after
+  // every P·V (take_row_sums): an FP8 wgmma adds into its accumulator with about 14 significant
+  // bits, truncating, so a sum of positive terms over a whole long row would come out low in
+  // proportion to the number of adds, while one tile's sum stays exact to that width.
   static constexpr bool kRowSumInPv = tuning::hopper_row_sum_in_pv(kFp8);
   static constexpr int kOFrags = kDFrags + (kRowSumInPv ? 1 : 0);
   static constexpr int kVStageBytes = kTileBytes + (kRowSumInPv ? kAtomBytes : 0);
@@ -203,7 +206,8 @@ __device__ __forceinline__ void row_max_tile(const float (&s)[1][16][4], float (
 // has seen no key (m = -inf) gets alpha = 0 and p = 0. lazy: a row keeps m, with alpha = 1,
 // while row_must_move says it may (softmax.cuh); returns whether some row of the warp moved m,
 // i.e. whether O needs scale_acc (warp-uniform). kSumL = false (FwdConfig::kRowSumInPv): l is
-// not kept here, P·V sums P into the accumulator's extra fragment, which alpha rescales.
+// not summed here, P·V sums P into the accumulator's extra fragment (take_row_sums), and the
+// caller rescales st.l with O.
 template <bool kSumL>
 __device__ __forceinline__ bool softmax_tile(float (&s)[1][16][4], const float (&mx)[2], RowStats<1>& st,
                                              float scale_log2, bool lazy, float (&alpha)[2]) {
@@ -230,6 +234,17 @@ __device__ __forceinline__ bool softmax_tile(float (&s)[1][16][4], const float (
     }
   }
   return !lazy || __any_sync(0xffffffffu, moved);
+}
+
+// kRowSumInPv: moves the row sums that the last P·V added to the accumulator's ones fragment
+// o[kOFrags - 1] (every column of a row holds the row's sum) into st.l and empties the fragment;
+// st.l then holds the rows' whole sums on every thread of the quad, under the same m as O.
+template <int kOFrags>
+__device__ __forceinline__ void take_row_sums(float (&o)[kOFrags][4], RowStats<1>& st) {
+#pragma unroll
+  for (int r = 0; r < 2; ++r) st.l[r] += o[kOFrags - 1][2 * r];
+#pragma unroll
+  for (int e = 0; e < 4; ++e) o[kOFrags - 1][e] = 0.f;
 }
 
 template <int kDFrags>
@@ -827,7 +842,14 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
       if constexpr (Cfg::kFp8) {
         hw::wgmma_wait<0>();  // P·V done: its P registers and V stage are free
         hw::fence_regs(o);
-        if (moved) scale_acc(o, alpha);  // for this tile's P·V, next round
+        if constexpr (Cfg::kRowSumInPv) take_row_sums(o, stats);
+        if (moved) {  // for this tile's P·V, next round
+          scale_acc(o, alpha);
+          if constexpr (Cfg::kRowSumInPv) {
+#pragma unroll
+            for (int r = 0; r < 2; ++r) stats.l[r] *= alpha[r];
+          }
+        }
       } else if (moved) {
         hw::wgmma_wait<0>();
         hw::fence_regs(o);
@@ -880,9 +902,10 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
     float o_scale, lse;
-    // kRowSumInPv: every thread of the quad holds the row's whole sum (d[kDFrags] columns all
-    // sum the row); the first brings it to finalize_row's quad reduction.
-    const float l_part = !Cfg::kRowSumInPv ? stats.l[r] : lane % 4 == 0 ? o[Cfg::kOFrags - 1][2 * r] : 0.f;
+    // kRowSumInPv: every thread of the quad holds the row's whole sum (taken sums plus the last
+    // P·V's fragment); the first brings it to finalize_row's quad reduction.
+    const float l_part =
+        !Cfg::kRowSumInPv ? stats.l[r] : lane % 4 == 0 ? stats.l[r] + o[Cfg::kOFrags - 1][2 * r] : 0.f;
     finalize_row(stats.m[r], l_part, &o_scale, &lse);
     o_scale *= o_descale;
     const int row = qrow[r];

