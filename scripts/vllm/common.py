@@ -10,7 +10,7 @@ import math
 import os
 import pathlib
 import random
-from typing import Any, Dict, List, Sequence
+from typing import Any, Dict, List, Optional, Sequence
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 HOME = pathlib.Path(os.environ.get("SP_VLLM_HOME", "/root/sp-vllm"))
@@ -64,6 +64,18 @@ def token_windows(tokenizer: Any, lengths: Sequence[int], seed: int) -> List[Lis
 def log_uniform(lo: int, hi: int, count: int, seed: int) -> List[int]:
     g = random.Random(seed)
     return [int(round(math.exp(g.uniform(math.log(lo), math.log(hi))))) for _ in range(count)]
+
+
+# The p99 TTFT a serving rate must stay under (issue 31's SLO for the highest sustained rate).
+SLO_S = float(os.environ.get("SP_VLLM_SLO_S", "10"))
+
+
+def best_rate(record: Dict[str, Any], slo_s: float = SLO_S) -> Optional[float]:
+    """The highest request rate of a serve.py record whose p99 TTFT met the SLO with no failed
+    request (None when no rate did)."""
+    ok = [r["rate"] for r in record["runs"] if r["p99_ttft_ms"] is not None and r["p99_ttft_ms"] <= 1e3 * slo_s
+          and not r["failed"]]
+    return max(ok) if ok else None
 
 
 def write_json(path: str, data: Any) -> None:

@@ -56,9 +56,4 @@ for part in 1 2; do
     exit 1
   fi
 done
-cat <<MSG
-Device calls, back to back (the machine goes back after 30 s idle; docs/vllm.md):
-  1. carry [".carry/vllm/1"]   command: scripts/vllm/assemble.sh part1
-  2. carry [".carry/vllm/2"]   command: scripts/vllm/assemble.sh part2 && scripts/vllm/gpu_vllm.sh \$OUT tests smoke
-  then scripts/vllm/gpu_vllm.sh \$OUT STAGE... (no carry) for the checks and figures.
-MSG
+echo "next: python3 scripts/vllm/calls.py   (the device calls of both sessions, in order)"

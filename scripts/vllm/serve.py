@@ -3,12 +3,14 @@
 request rate (Poisson arrivals: --request-rate R --burstiness 1), prompts cut from this
 repository's text with lengths log-uniform over --min-len .. --max-len tokens (a custom JSONL
 data set), --output-len tokens each (ignore_eos). Records TTFT p50/p99, TPOT, request
-throughput and failures per rate; with --soak S, one run of S seconds at --soak-rate instead,
-sampling the device memory every 5 s (it must stay flat) and counting failed requests.
+throughput and failures per rate; with --soak S, one run of S seconds instead, sampling the
+device memory every 5 s (it must stay flat) and counting failed requests, at --soak-rate or at
+the highest rate of an earlier record (--soak-rate-of) whose p99 TTFT met the SLO
+(SP_VLLM_SLO_S): the rate the server just sustains.
 
-    python scripts/vllm/serve.py --backend FLASH_ATTN --model $SP_VLLM_MODEL --rates 1,2,4,8 --out fa.json
+    python scripts/vllm/serve.py --backend FLASH_ATTN --model $SP_VLLM_MODEL --rates 2,4,8 --out fa.json
     python scripts/vllm/serve.py --backend CUSTOM --config '{"policy": "estimate_select", "alpha": 0.1}' ...
-    python scripts/vllm/serve.py --backend CUSTOM ... --soak 300 --soak-rate 4 --out soak.json
+    python scripts/vllm/serve.py --backend CUSTOM ... --soak 300 --soak-rate-of ours.json --out soak.json
 
 Prefix caching is off (no prompt shares a cached prefix by chance). The server listens on
 127.0.0.1 only and is stopped when the runs end."""
@@ -27,19 +29,26 @@ import urllib.request
 
 import common
 
+# Distinct prompts at most: `vllm bench serve` draws past them at random (its oversampling), which
+# keeps a soak's data set and its tokenisation small; with prefix caching off a repeated prompt
+# costs what a new one does.
+PROMPT_POOL = 400
+
 
 def parse() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--backend", required=True, choices=["FLASH_ATTN", "CUSTOM"])
     p.add_argument("--model", default=os.environ.get("SP_VLLM_MODEL"))
     p.add_argument("--config", default="{}", help="our additional_config body (CUSTOM)")
-    p.add_argument("--rates", default="1,2,4,8", help="requests per second")
-    p.add_argument("--seconds", type=float, default=40.0, help="arrivals per rate: rate x seconds requests")
+    p.add_argument("--rates", default="2,4,8", help="requests per second")
+    p.add_argument("--seconds", type=float, default=30.0, help="arrivals per rate: rate x seconds requests")
     p.add_argument("--min-len", type=int, default=4096)
     p.add_argument("--max-len", type=int, default=32000)
     p.add_argument("--output-len", type=int, default=64)
     p.add_argument("--soak", type=float, default=0.0, help="seconds of one soak run instead of the rates")
-    p.add_argument("--soak-rate", type=float, default=4.0)
+    p.add_argument("--soak-rate", type=float, default=4.0, help="the soak's rate (without --soak-rate-of)")
+    p.add_argument("--soak-rate-of", metavar="RECORD",
+                   help="soak at the highest rate of this serve.py record that met the SLO")
     p.add_argument("--port", type=int, default=18731)
     p.add_argument("--gpu-memory-utilization", type=float, default=0.85)
     p.add_argument("--out", required=True)
@@ -108,9 +117,19 @@ def main() -> int:
     if not args.model or not os.path.isdir(args.model):
         print(f"serve: no model folder ({args.model!r}); set SP_VLLM_MODEL", file=sys.stderr)
         return 2
+    if args.soak and args.soak_rate_of:
+        if not os.path.exists(args.soak_rate_of):
+            print(f"serve: --soak-rate-of {args.soak_rate_of}: no such record (run the serving rates first, or "
+                  "give --soak-rate)", file=sys.stderr)
+            return 2
+        with open(args.soak_rate_of) as f:
+            args.soak_rate = common.best_rate(json.load(f))
+        if args.soak_rate is None:
+            print(f"serve: no rate of {args.soak_rate_of} met the SLO of {common.SLO_S:g} s", file=sys.stderr)
+            return 2
     rates = [args.soak_rate] if args.soak else [float(r) for r in args.rates.split(",")]
     counts = [max(8, int(round(r * (args.soak or args.seconds)))) for r in rates]
-    data = dataset(args, max(counts))
+    data = dataset(args, min(max(counts), PROMPT_POOL))
     serve = cli("serve", args.model, "--host", "127.0.0.1", "--port", str(args.port), "--attention-backend",
                 args.backend, "--max-model-len", str(args.max_len + args.output_len + 64),
                 "--gpu-memory-utilization", str(args.gpu_memory_utilization), "--no-enable-prefix-caching",
@@ -121,6 +140,8 @@ def main() -> int:
     server = subprocess.Popen(serve, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     record = {"backend": args.backend, "config": json.loads(args.config), "model": args.model,
               "lengths": [args.min_len, args.max_len], "output_len": args.output_len, "runs": []}
+    if args.soak:
+        record["soak_rate_of"] = args.soak_rate_of
     try:
         t0 = time.time()
         wait_ready(args.port, server)

@@ -69,6 +69,8 @@ def main() -> int:
     llm = LLM(**kwargs)
     started = time.time() - start
     vocab = llm.llm_engine.model_config.get_vocab_size()
+    # The budget the engine runs with (vLLM's default where --chunk 0 left it unset).
+    budget = llm.llm_engine.vllm_config.scheduler_config.max_num_batched_tokens
     params = SamplingParams(max_tokens=1, temperature=0.0, detokenize=False)
     g = random.Random(0)
 
@@ -88,7 +90,7 @@ def main() -> int:
             request(n)  # warm-up: kernels, allocations, the prepared-call cache
             times = [request(n) for _ in range(args.repeats)]
             rec = {"label": args.label, "backend": args.backend, "setting": setting["name"],
-                   "config": setting["sparseprefill"], "length": n, "chunk": kwargs.get("max_num_batched_tokens"),
+                   "config": setting["sparseprefill"], "length": n, "chunk": budget,
                    "ttft_s": [t for t, _ in times], "wall_s": [w for _, w in times],
                    "median_ttft_s": statistics.median(t for t, _ in times), "engine_start_s": started}
             if args.density and args.backend == "CUSTOM":
