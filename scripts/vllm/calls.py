@@ -1,0 +1,145 @@
+#!/usr/bin/env python3
+# SPDX-License-Identifier: Apache-2.0
+"""Prints issue 31's device calls: two sessions, each on a fresh machine (nothing survives from
+one to the next), each made of calls back to back (the machine goes back after 30 s idle, and
+after 30 minutes held). For each call: the paths to carry, the command, its timeout and the
+seconds it is expected to take; then each session's total.
+
+  A  no real model: vLLM's two parts, the package build; the GPU tests, the engine smoke run,
+     TTFT of the Llama-3.1-8B shape with dummy weights, one-shot and chunked
+  B  Qwen2.5-Coder-1.5B (the 22 parts of scripts/model/qwen_calls.py, converted by
+     scripts/model/assemble_qwen.sh final) and vLLM's two parts; greedy agreement, real-weight
+     TTFT, open-loop serving of both backends, the soak
+
+Run scripts/vllm/pack.sh first (and for B scripts/model/fetch_qwen.sh and pack_qwen.sh).
+--json prints one JSON object per call. --need STAGE prints the seconds a stage of
+scripts/vllm/gpu_vllm.sh is expected to take, which it reads to skip a stage that would not fit
+the rest of its call."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import pathlib
+import subprocess
+import sys
+from typing import Dict, List
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "model"))
+import qwen_calls  # noqa: E402  (scripts/model: the Qwen part calls and their sizing)
+
+# Seconds of each gpu_vllm.sh stage on the H200, engine start included (about 25 s for the 8B
+# shape with a 90 GiB KV cache, measured; ~70 s where torch.compile and CUDA graphs are on). The
+# 8B-shape TTFTs are the measured FLASH_ATTN ones (1.21 s at 32K, 10.1 s at 128K; 64K
+# interpolated as 1.3 s of linear layers + 1.9 s of attention) x 4 requests per length, ours at
+# density rho as linear + rho x attention; serving: 3 rates x (30 s of arrivals + ~12 s to start
+# `vllm bench serve` + the drain).
+STAGES: Dict[str, int] = {
+    "tests": 150,         # pytest tests/python/test_vllm_*.py against vLLM
+    "smoke": 90,          # tiny dummy model, graphs on, chunked prefill, mixed steps
+    "ttft8b-fa": 100,     # FLASH_ATTN at 32K / 64K / 128K
+    "ttft8b-ours": 180,   # ours dense and synthetic 20 / 10 / 5 % at the same lengths
+    "chunked-fa": 90,     # FLASH_ATTN at 32K and 128K under vLLM's default batched-token budget
+    "chunked-ours": 140,  # the four settings likewise
+    "greedy": 150,        # two engines (graphs on), 50 prompts x 32 tokens each
+    "qwen-fa": 40,        # real weights, 16K and 32K
+    "qwen-ours": 60,      # every policy at 16K and 32K, plus one request each for the density
+    "serve-fa": 230,      # vllm serve + 3 rates of vllm bench serve
+    "serve-ours": 230,
+    "soak": 400,          # server start + 300 s of arrivals + the drain
+}
+# gpu_vllm.sh's stage names -> the stages they run.
+GROUPS: Dict[str, List[str]] = {"ttft8b": ["ttft8b-fa", "ttft8b-ours"], "chunked": ["chunked-fa", "chunked-ours"],
+                                "qwen": ["qwen-fa", "qwen-ours"]}
+EXPECT = {
+    "call": 5,       # a call's transfer of the tree and its start
+    "part1": 8,      # C.xz (53 MiB) up and copied
+    "part2": 45,     # 36 MiB up, checksums, 45 wheels installed, vLLM unpacked and imported
+    "build": 180,    # the package's CUDA build from its start (not yet measured: out.log prints it)
+    "check": 15,     # gpu_vllm.sh's first call on a machine: the plugin imported, env.json
+    "report": 5,     # vllm-results.md, results.tar.gz
+}
+CALL_SECONDS = 560   # gpu_vllm.sh's default SP_CALL_SECONDS: its stages' share of a call
+# A session's planned device time at most: about 25 minutes, which leaves 4 of the 30 a machine is
+# held for the estimates' error.
+SESSION_LIMIT = 26 * 60
+ASSEMBLE = "scripts/vllm/assemble.sh"
+
+
+def stage_seconds(name: str) -> int:
+    return sum(STAGES[s] for s in GROUPS.get(name, [name]))
+
+
+def gpu_vllm(commit: str, stages: List[str], first: bool, before: str = "", waited: int = 0) -> dict:
+    """A call running gpu_vllm.sh STAGES (after `before`, assemble.sh part2, in the same call:
+    then the stages' time counts from the call's start); first: the session's first gpu_vllm.sh
+    call (its plugin check); waited: seconds it waits for the package build."""
+    budget = (sum(stage_seconds(s) for s in stages) + EXPECT["report"] + waited + (EXPECT["check"] if first else 0)
+              + (EXPECT["part2"] if before else 0))
+    run = f"SP_COMMIT={commit} scripts/vllm/gpu_vllm.sh $OUT {' '.join(stages)}"
+    command = f"export SP_CALL_START=$(date +%s); {before} && {run}" if before else run
+    # budget_s: what the call spends of gpu_vllm.sh's SP_CALL_SECONDS (counted from the call's start).
+    return {"carry": [], "command": command, "timeout_s": 600, "budget_s": budget, "expect_s": EXPECT["call"] + budget}
+
+
+def session_a(commit: str) -> List[dict]:
+    part1 = {"carry": [".carry/vllm/1"], "command": f"{ASSEMBLE} part1 && {ASSEMBLE} install", "timeout_s": 120,
+             "expect_s": EXPECT["part1"], "note": f"plus the machine's start (~{qwen_calls.EXPECT['start']} s); "
+             "the package builds in the background meanwhile"}
+    wait = max(0, EXPECT["build"] - EXPECT["part1"] - EXPECT["part2"])
+    second = gpu_vllm(commit, ["tests", "smoke"], True, f"{ASSEMBLE} part2", waited=wait)
+    second.update(carry=[".carry/vllm/2"], note=f"gpu_vllm.sh first waits ~{wait} s for the build")
+    return [part1, second, gpu_vllm(commit, ["ttft8b"], False), gpu_vllm(commit, ["chunked"], False)]
+
+
+def session_b(commit: str) -> List[dict]:
+    vllm = [{"carry": [".carry/vllm/1"], "command": f"{ASSEMBLE} part1", "timeout_s": 60, "expect_s": EXPECT["part1"]},
+            {"carry": [".carry/vllm/2"], "command": f"{ASSEMBLE} part2", "timeout_s": 180, "expect_s": EXPECT["part2"],
+             "note": "while the package builds (started by the first call)"}]
+    parts = qwen_calls.part_calls("scripts/model/assemble_qwen.sh final", 600, 0,
+                                  "joins and checks the GGUF, waits for the package, converts it to /root/qwen/qwen-bf16")
+    calls = parts[:1] + vllm + parts[1:]
+    elapsed = sum(c["expect_s"] for c in calls[:-1]) + qwen_calls.EXPECT["part"]
+    calls[-1]["expect_s"] = qwen_calls.EXPECT["part"] + max(0, EXPECT["build"] - elapsed) + qwen_calls.EXPECT["final"]
+    return calls + [gpu_vllm(commit, ["greedy", "qwen"], True), gpu_vllm(commit, ["serve-fa"], False),
+                    gpu_vllm(commit, ["serve-ours"], False), gpu_vllm(commit, ["soak"], False)]
+
+
+def total(calls: List[dict]) -> int:
+    return qwen_calls.EXPECT["start"] + sum(c["expect_s"] for c in calls)
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--session", choices=["A", "B"], help="one session only")
+    p.add_argument("--json", action="store_true", help="one JSON object per call")
+    p.add_argument("--need", metavar="STAGE", choices=sorted(STAGES), help="a stage's expected seconds")
+    args = p.parse_args()
+    if args.need:
+        print(STAGES[args.need])
+        return 0
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                            cwd=pathlib.Path(__file__).parent).stdout.strip() or "unknown"
+    for name, make in (("A", session_a), ("B", session_b)):
+        if args.session not in (None, name):
+            continue
+        calls = make(commit)
+        if args.json:
+            for i, c in enumerate(calls, 1):
+                print(json.dumps(dict(c, session=name, call=i)))
+            continue
+        print(f"Session {name} (a fresh machine):")
+        for i, c in enumerate(calls, 1):
+            print(f"call {i:2d}: carry={json.dumps(c['carry'])} timeout_s={c['timeout_s']} (~{c['expect_s']} s)"
+                  + (f"  # {c['note']}" if "note" in c else ""))
+            print(f"         command: {c['command']}")
+        s = total(calls)
+        print(f"device time of session {name}: ~{s} s ({s / 60:.1f} min, the start included)\n")
+    if not args.json:
+        print("A stage that would not fit the rest of its call is skipped (summary.txt says so): add it to the "
+              "next call.\nEach call's $OUT/vllm-results.md holds every result of its session so far.")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

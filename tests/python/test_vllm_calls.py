@@ -1,0 +1,76 @@
+# SPDX-License-Identifier: Apache-2.0
+"""The GPU machine's plan for the vLLM backend (scripts/vllm/calls.py, pure Python): both
+sessions fit the device limits, every stage gpu_vllm.sh runs has its expected seconds there (and
+no other), each session builds the package once and carries vLLM's parts in order; and the
+serving records' highest rate within the SLO (scripts/vllm/common.py), which the soak and the
+report use."""
+
+import pathlib
+import re
+import sys
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "scripts" / "vllm"))
+import calls  # noqa: E402
+import common  # noqa: E402
+
+SESSIONS = {"A": calls.session_a("c0ffee"), "B": calls.session_b("c0ffee")}
+
+
+@pytest.mark.parametrize("name", sorted(SESSIONS))
+def test_each_session_fits_the_device_limits(name):
+    session = SESSIONS[name]
+    assert calls.total(session) <= calls.SESSION_LIMIT
+    for call in session:
+        assert call["expect_s"] < call["timeout_s"] <= 600, call
+        if "budget_s" in call:  # gpu_vllm.sh skips what would pass SP_CALL_SECONDS
+            assert call["budget_s"] <= calls.CALL_SECONDS, call
+
+
+def test_every_stage_of_gpu_vllm_has_its_seconds():
+    script = (ROOT / "scripts" / "vllm" / "gpu_vllm.sh").read_text()
+    run = set(re.findall(r"\bstage ([a-z0-9-]+) \"\$py\"", script))
+    assert run == set(calls.STAGES)
+    named = set(re.findall(r"^    ([a-z0-9-]+)\)", script, re.M))
+    assert named == set(calls.GROUPS) | (set(calls.STAGES) - {s for g in calls.GROUPS.values() for s in g})
+
+
+def carried(session):
+    return [path for call in session for path in call["carry"]]
+
+
+def test_each_session_builds_once_and_carries_vllm_in_order():
+    for name, session in SESSIONS.items():
+        commands = " ; ".join(c["command"] for c in session)
+        builds = commands.count("assemble.sh install") + commands.count("assemble_qwen.sh install")
+        assert builds == 1, name
+        first_run = next(i for i, c in enumerate(session) if "gpu_vllm.sh" in c["command"])
+        assert "install" in session[0]["command"], name  # the build starts in the first call
+        paths = carried(session)
+        assert paths.index(".carry/vllm/1") < paths.index(".carry/vllm/2") <= first_run, name
+    assert not any(p.startswith(".carry/qwen/") for p in carried(SESSIONS["A"]))
+    assert [p for p in carried(SESSIONS["B"]) if p.startswith(".carry/qwen/")] == \
+        [f".carry/qwen/{i:02d}" for i in range(1, 23)]
+    final = next(c for c in SESSIONS["B"] if "assemble_qwen.sh final" in c["command"])
+    assert SESSIONS["B"].index(final) < next(i for i, c in enumerate(SESSIONS["B"]) if "greedy" in c["command"])
+
+
+def test_the_sessions_run_every_stage_once():
+    runs = {name: [w for c in s if "gpu_vllm.sh" in c["command"] for w in c["command"].split("$OUT ")[1].split()]
+            for name, s in SESSIONS.items()}
+    assert runs == {"A": ["tests", "smoke", "ttft8b", "chunked"],
+                    "B": ["greedy", "qwen", "serve-fa", "serve-ours", "soak"]}
+
+
+def record(*runs):
+    return {"runs": [{"rate": rate, "p99_ttft_ms": p99, "failed": failed} for rate, p99, failed in runs]}
+
+
+def test_best_rate_is_the_highest_within_the_slo_without_failures():
+    assert common.best_rate(record((2, 900.0, 0), (4, 9000.0, 0), (8, 30000.0, 0)), slo_s=10) == 4
+    assert common.best_rate(record((2, 900.0, 0), (4, 9000.0, 3), (8, 30000.0, 0)), slo_s=10) == 2
+    assert common.best_rate(record((4, 9000.0, 0), (2, 900.0, 0)), slo_s=10) == 4  # order of runs
+    assert common.best_rate(record((2, 10000.0, 0)), slo_s=10) == 2  # the bound is inclusive
+    assert common.best_rate(record((2, 10001.0, 0), (4, None, 0)), slo_s=10) is None
