@@ -251,6 +251,16 @@ __device__ __forceinline__ void wgmma_ss_e4m3(float (&d)[16][4], std::uint64_t d
       : "l"(desc_a), "l"(desc_b), "r"(accumulate));
 }
 
+// FP8: d[64 x 128] += A[64 x 32] · B[32 x 128], A from registers as wgmma_rs_e4m3 below, B
+// K-major in shared memory (the forward kernel's Vᵀ).
+__device__ __forceinline__ void wgmma_rs_e4m3(float (&d)[16][4], const std::uint32_t (&a)[4], std::uint64_t desc_b) {
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %69, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n128k32.f32.e4m3.e4m3 " SP_D64 ", {%64, %65, %66, %67}, %68, p, 1, 1;\n}\n"
+      : SP_ACC64(d)
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(1));
+}
+
 // FP8: d[64 x 136] += A[64 x 32] · B[32 x 136], A from registers: four 32-bit registers of four
 // e4m3 each, register r holding row g + 8·(r % 2) and k = 16·(r / 2) + 4t .. + 3 of the
 // thread (lane 4g + t) of its warp's 16 rows; B K-major in shared memory. N = 136: the forward
