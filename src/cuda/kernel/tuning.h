@@ -118,6 +118,19 @@ SP_HD constexpr bool portable_fragments_ahead(bool gated) { return !gated; }
 // reproduce: bench/run_benchmarks.sh OUT (records 2026-11-30-h200-lazy-rescale, -portable-lazy-rescale)
 constexpr float kLazyMaxLog2 = 8.f;
 
+// FP8 P: e4m3 keeps 3 mantissa bits from 2^-6 (subnormals to 2^-9) up to 448, so p = exp2(x - m)
+// in [0, 1] loses the many small terms of a long row (at 32K keys of the uniform(-3, 3) test
+// inputs a fifth of a row's mass: its LSE 0.22 low). The FP8 kernel keeps its running max
+// kFp8PLog2Offset below the true one, so p comes out 2^offset times larger (O and l alike; the
+// LSE is m + log2 l as ever), and moves it lazily only within kFp8LazyMaxLog2 of that, so that p
+// stays below 2^(offset + lazy) = 2^8.5 = 362 < 448.
+// reproduce: CudaFp8.ErrorDoesNotGrowWithTheKeyCount and bench/run_benchmarks.sh OUT
+//            --impls sdpa_cudnn,ours_dense,ours_dense_fp8 (records 2026-12-01-h200-gpu-suite-redesign,
+//            -redesign-ab)
+constexpr int kFp8PLog2Offset = 7;
+constexpr float kFp8LazyMaxLog2 = 1.5f;
+static_assert(kFp8PLog2Offset + kFp8LazyMaxLog2 <= 8.5f, "p must stay below e4m3's 448");
+
 // ---------------------------------------------------------------- estimate_select's selector
 
 // Block means: threads per CTA (16-byte chunks of a key row each).

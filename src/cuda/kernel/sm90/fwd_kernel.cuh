@@ -67,6 +67,10 @@ struct FwdConfig {
   // bits, truncating, so a sum of positive terms over a whole long row would come out low in
   // proportion to the number of adds, while one tile's sum stays exact to that width.
   static constexpr bool kRowSumInPv = tuning::hopper_row_sum_in_pv(kFp8);
+  // FP8 keeps its running max 2^kPLog2Offset below the true one, moving it lazily within its own
+  // bound (tuning.h: e4m3's range).
+  static constexpr int kPLog2Offset = kFp8 ? tuning::kFp8PLog2Offset : 0;
+  static constexpr float kLazyMaxLog2 = kFp8 ? tuning::kFp8LazyMaxLog2 : tuning::kLazyMaxLog2;
   static constexpr int kOFrags = kDFrags + (kRowSumInPv ? 1 : 0);
   static constexpr int kVStageBytes = kTileBytes + (kRowSumInPv ? kAtomBytes : 0);
   // wgmma K steps of 32 bytes: k16 of 16-bit elements, k32 of e4m3.
@@ -200,7 +204,8 @@ __device__ __forceinline__ void row_max_tile(const float (&s)[1][16][4], float (
 }
 
 // Moves the running statistics to include a raw score tile s whose row maxima are mx
-// (row_max_tile) and turns s into p = exp2(s·scale_log2 - m_use) in place, adding p to l. The
+// (row_max_tile) and turns s into p = exp2(s·scale_log2 - m_use) in place, adding p to l
+// (m: Cfg::kPLog2Offset below the true max). The
 // output accumulator may still be in flight (the previous P·V), so its factor
 // alpha = exp2(m_old - m_use) is returned for scale_acc once that P·V has completed. A row that
 // has seen no key (m = -inf) gets alpha = 0 and p = 0. lazy: a row keeps m, with alpha = 1,
@@ -208,17 +213,20 @@ __device__ __forceinline__ void row_max_tile(const float (&s)[1][16][4], float (
 // i.e. whether O needs scale_acc (warp-uniform). kSumL = false (FwdConfig::kRowSumInPv): l is
 // not summed here, P·V sums P into the accumulator's extra fragment (take_row_sums), and the
 // caller rescales st.l with O.
-template <bool kSumL>
+template <class Cfg>
 __device__ __forceinline__ bool softmax_tile(float (&s)[1][16][4], const float (&mx)[2], RowStats<1>& st,
                                              float scale_log2, bool lazy, float (&alpha)[2]) {
+  constexpr bool kSumL = !Cfg::kRowSumInPv;
+  // m sits kPLog2Offset below the true max, which lazy keeps within kLazyMaxLog2 of it.
+  constexpr float kLazyMax = Cfg::kLazyMaxLog2 + static_cast<float>(Cfg::kPLog2Offset);
   float m_use[2];
   bool moved = false;
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
-    const bool move = !lazy || row_must_move(st.m[r], mx[r], scale_log2);
+    const bool move = !lazy || row_must_move(st.m[r], mx[r], scale_log2, kLazyMax);
     moved |= move;
     if (move) {
-      move_row(st.m[r], mx[r], scale_log2, m_use[r], alpha[r]);
+      move_row<Cfg::kPLog2Offset>(st.m[r], mx[r], scale_log2, m_use[r], alpha[r]);
       if constexpr (kSumL) st.l[r] *= alpha[r];
     } else {
       m_use[r] = st.m[r];
@@ -828,7 +836,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
       row_max_tile(s, mx);
       const bool keep = !gated || vote(it, mx);
       float alpha[2] = {1.f, 1.f};
-      const bool moved = keep && softmax_tile<!Cfg::kRowSumInPv>(s, mx, stats, scale_log2, !kGated || lazy, alpha);
+      const bool moved = keep && softmax_tile<Cfg>(s, mx, stats, scale_log2, !kGated || lazy, alpha);
       // This warpgroup's previous P·V is still in flight; the wait for it ends the round. ptxas
       // hoists a wgmma wait to the top of its basic block, which in the plain and mean-tile
       // rounds put it before the row max: their softmax waited for the P·V it should overlap.
