@@ -79,12 +79,6 @@ SP_HD constexpr bool hopper_q_in_registers(bool fp8, bool paged, int head_dim) {
   return !fp8 && !paged && head_dim == 128;
 }
 
-// The row sum l accumulated by the P·V wgmma (an extra column) instead of by the softmax
-// warps: FP8 only.
-// reproduce: A/B three.patch,fp8.patch --lengths 16384,65536 --structured-lengths 131072
-//            (record 2026-11-30-h200-hopper-round-copies-fp8-rowsum-ab.log)
-SP_HD constexpr bool hopper_row_sum_in_pv(bool fp8) { return fp8 && false; }
-
 // Registers of the producer and consumer warpgroups (setmaxnreg): contiguous 24 / 240; paged
 // (the producer gathers or walks the block table) 56 / 224 at d 128 and 40 / 232 at d 64.
 // reproduce: scripts/gpu_check.sh OUT (resources.txt) and the paged rows of
