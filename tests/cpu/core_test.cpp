@@ -390,7 +390,7 @@ TEST(BlockMaskTest, ValidateRejectsBrokenMasks) {
   expect_error(bad.validate(), "counts must have");
   std::vector<std::uint8_t> map(4, 1);  // selects block (0, 1): invisible
   sp::BlockMask out;
-  expect_error(sp::BlockMask::from_dense(s, 4, 4, false, map, &out), "not causally visible");
+  expect_error(sp::BlockMask::from_dense(s, 4, 4, false, map, &out), "not visible");
   // indptr that jumps past the index list before coming back must fail before any read.
   expect_error(sp::BlockMask::from_csr(s, 4, 4, false, {0, 100, 2}, {0, 1}, &out), "non-decreasing");
 }
