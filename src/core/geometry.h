@@ -109,19 +109,20 @@ struct BlockGeometry {
     return b < full_end(qb) ? b : full_end(qb);
   }
   // exact_gate's gated key blocks of query block qb, gated_begin .. gated_end - 1
-  // (docs/semantics.md §3.3): the full blocks; non-causal without a local window every visible
-  // block but the last, which is always computed. The others, the partial bands, are at most
-  // ungated_room() blocks.
-  SP_HD bool gates_full_blocks() const { return seq.causal || seq.local(); }
-  SP_HD int gated_begin(int qb) const { return gates_full_blocks() ? full_begin(qb) : 0; }
+  // (docs/semantics.md §3.3): its full blocks; without causal, a query block with no partial
+  // block (every block full: no window, or one that hides nothing) keeps its last visible block
+  // out of the gate, which is always computed so that no row is left empty. The others, the
+  // partial bands (and that block), are at most ungated_room() blocks.
+  SP_HD int gated_begin(int qb) const { return full_begin(qb); }
   SP_HD int gated_end(int qb) const {
-    const int end = gates_full_blocks() ? full_end(qb) : visible_end(qb) - 1;
-    return end > 0 ? end : 0;
+    const bool all_full = full_begin(qb) == visible_begin(qb) && full_end(qb) == visible_end(qb);
+    const int end = !seq.causal && all_full ? visible_end(qb) - 1 : full_end(qb);
+    return end > gated_begin(qb) ? end : gated_begin(qb);
   }
   // Each partial band spans the block_q - 1 positions between the first and the last row; a
   // left window bound adds a second band below the full blocks.
   SP_HD int ungated_room() const {
-    const int bands = seq.window_left >= 0 && gates_full_blocks() ? 2 : 1;
+    const int bands = seq.window_left >= 0 ? 2 : 1;
     return bands * (static_cast<int>(ceil_div(block_q, block_k)) + 1);
   }
   SP_HD bool is_visible(int qb, int kb) const { return kb >= visible_begin(qb) && kb < visible_end(qb); }

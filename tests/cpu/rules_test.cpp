@@ -100,8 +100,8 @@ TEST(Rules, GateUnderAWindowGatesTheFullBlocksOnly) {
   EXPECT_FALSE(rules::gate_gated(wide, 3, 1));
   EXPECT_TRUE(rules::gate_gated(wide, 3, 2));
   EXPECT_FALSE(rules::gate_gated(wide, 3, 3));
-  // Non-causal under a window the full blocks are gated and the last key block is not forced.
-  // 8 x 16, rows at 8..15 (bottom-right), left 4, right 2: query block 0 (rows at 8..11) sees
+  // Non-causal under a window that cuts blocks, the full blocks are gated and the last key
+  // block is not forced. 8 x 16, rows at 8..15 (bottom-right), left 4, right 2: query block 0 (rows at 8..11) sees
   // keys 4..10 (row at 8) to 7..13 (row at 11); block 2 (8..11) is not full (the row at 8 misses
   // key 11): nothing is full, nothing gated.
   const geom::BlockGeometry nc = windowed(8, 16, false, 4, 4, 4, 2);
@@ -111,6 +111,10 @@ TEST(Rules, GateUnderAWindowGatesTheFullBlocksOnly) {
   const geom::BlockGeometry nc_wide = windowed(8, 16, false, 4, 4, 8, 8);
   EXPECT_FALSE(rules::gate_gated(nc_wide, 0, 0));
   for (int kb = 1; kb < 4; ++kb) EXPECT_TRUE(rules::gate_gated(nc_wide, 0, kb)) << kb;
+  // A window that hides nothing (left 16): every block full, the last one ungated, as without.
+  const geom::BlockGeometry nc_all = windowed(8, 16, false, 4, 4, 16, -1);
+  for (int kb = 0; kb < 3; ++kb) EXPECT_TRUE(rules::gate_gated(nc_all, 0, kb)) << kb;
+  EXPECT_FALSE(rules::gate_gated(nc_all, 0, 3));
 }
 
 TEST(Rules, GateKeepsTiesMinusInfinityAndNaN) {
