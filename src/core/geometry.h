@@ -149,15 +149,17 @@ struct BlockGeometry {
   // allow.
   SP_HD std::int64_t visible_pairs(int qb, int kb) const {
     std::int64_t n = 0;
-    for (std::int64_t r = row_begin(qb); r < row_end(qb); ++r) n += seq.keys_in(seq.position(r), key_begin(kb), key_end(kb));
+    for (std::int64_t r = row_begin(qb); r < row_end(qb); ++r) {
+      n += seq.keys_in(seq.position(r), key_begin(kb), key_end(kb));
+    }
     return n;
   }
 };
 
-// permute_stop's segments of one causal sequence (docs/semantics.md §3.6): segment s holds the rows at
-// absolute positions [s·len, (s+1)·len). Rows before first_row() sit at negative positions,
-// see no key and join no segment; the others fall in segments first() .. last() (count() of
-// them, 0 when no row sees a key).
+// permute_stop's segments of one causal sequence (docs/semantics.md §3.6): segment s holds the
+// rows at absolute positions [s·len, (s+1)·len). Rows before first_row() sit at negative
+// positions, see no key and join no segment; the others fall in segments first() .. last()
+// (count() of them, 0 when no row sees a key).
 struct SegmentGeometry {
   SeqGeometry seq;
   std::int64_t len = 2048;
