@@ -7,7 +7,8 @@
 # OUTDIR/logs.tar.gz: the device tool returns 8).
 # Usage: scripts/gpu_check.sh OUTDIR
 # Env: JOBS (default 16), SP_SKIP_BENCH=1, SP_SKIP_SANITIZER=1, SP_SKIP_TILES=1, SP_BENCH_ARGS
-#      (extra bench/run_benchmarks.sh args), SP_TEST_FILTER (ctest -R regex), SP_TEST_TIMEOUT
+#      (extra bench/run_benchmarks.sh args), SP_TEST_FILTER (ctest -R regex), SP_TEST_EXCLUDE
+#      (ctest -E regex: e.g. CudaMemory while another process shares the GPU), SP_TEST_TIMEOUT
 #      (seconds per test, default 300), SP_BENCH_SECONDS (default 420), SP_WITH_PYTHON=1 (also
 #      `pip install .` with CUDA, built beside the C++ build, then pytest over tests/python on
 #      the GPU: python/install.log, python/pytest.log; SP_PYTEST_SECONDS, default 240),
@@ -77,7 +78,7 @@ grep -h "Potential Performance Loss: wgmma" "$out/build.log" | sort -u | $demang
 note "ptxas: $(grep -c ' | Used ' "$out/resources.txt") kernel builds, $(grep -c 'bytes spill stores' "$out/resources.txt") with a spill line, $(grep -c 'Potential Performance Loss: wgmma' "$out/resources.txt") wgmma serialisation warning(s)"
 
 note "gpu tests"
-timeout 360 ctest --test-dir "$build" -L gpu ${SP_TEST_FILTER:+-R "$SP_TEST_FILTER"} -j8 --timeout "${SP_TEST_TIMEOUT:-300}" \
+timeout 360 ctest --test-dir "$build" -L gpu ${SP_TEST_FILTER:+-R "$SP_TEST_FILTER"} ${SP_TEST_EXCLUDE:+-E "$SP_TEST_EXCLUDE"} -j8 --timeout "${SP_TEST_TIMEOUT:-300}" \
   --output-on-failure \
   >"$out/tests.log" 2>&1
 tests_rc=$?

@@ -4,11 +4,13 @@
 # Needs $root (the repository) and $out (the output folder).
 
 # Builds TARGET of the h200 preset (JOBS, default 16; GoogleTest from .carry/gtest when
-# present) into build/h200; the log goes to $out/build.log, its tail to stdout on failure.
+# present) into build/h200; the log goes to $out/build.log, its tail to stdout on failure. The
+# cache is scripts/gpu_check.sh's (ptxas' resource lines on: they change no code), so that the
+# GPU check reuses this build instead of compiling every kernel again.
 ncu_build() {
   local prefix=()
   [[ -d $root/.carry/gtest/usr ]] && prefix=(-DCMAKE_PREFIX_PATH="$root/.carry/gtest/usr")
-  if ! { cmake --preset h200 "${prefix[@]}" && cmake --build build/h200 -j"${JOBS:-16}" --target "$1"; } \
+  if ! { cmake --preset h200 "${prefix[@]}" -DSP_CUDA_RESOURCE_USAGE=ON && cmake --build build/h200 -j"${JOBS:-16}" --target "$1"; } \
     >"$out/build.log" 2>&1; then
     tail -30 "$out/build.log"
     return 1

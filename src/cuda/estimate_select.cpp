@@ -12,6 +12,18 @@
 
 namespace sparseprefill::cuda {
 
+Status alloc_block_means(const ProblemShape& shape, Scratch* scratch, SelectParams* sp) {
+  const std::size_t means = static_cast<std::size_t>(shape.batch) * static_cast<std::size_t>(shape.h_kv) *
+                            static_cast<std::size_t>(sp->num_k_blocks) * static_cast<std::size_t>(shape.d);
+  std::uint16_t* k_mean = nullptr;
+  std::uint16_t* v_mean = nullptr;
+  SP_RETURN_IF_ERROR(scratch->alloc(means, &k_mean));
+  SP_RETURN_IF_ERROR(scratch->alloc(means, &v_mean));
+  sp->k_mean = k_mean;
+  sp->v_mean = v_mean;
+  return {};
+}
+
 Status launch_selection(const Call& call, const ProblemShape& shape, const FwdParams& p,
                         const EstimateSelectParams& pol, Selection* sel, const DeviceBlockMask* into) {
   SelectParams& sp = sel->sp;
@@ -51,14 +63,7 @@ Status launch_selection(const Call& call, const ProblemShape& shape, const FwdPa
   const int units = pol.pack_gqa ? shape.h_kv : shape.h_q;
   sel->rows = static_cast<std::size_t>(shape.batch) * static_cast<std::size_t>(units) *
               static_cast<std::size_t>(sp.num_q_blocks);
-  const std::size_t means = static_cast<std::size_t>(shape.batch) * static_cast<std::size_t>(shape.h_kv) *
-                            static_cast<std::size_t>(sp.num_k_blocks) * static_cast<std::size_t>(shape.d);
-  std::uint16_t* k_mean = nullptr;
-  std::uint16_t* v_mean = nullptr;
-  SP_RETURN_IF_ERROR(scratch.alloc(means, &k_mean));
-  SP_RETURN_IF_ERROR(scratch.alloc(means, &v_mean));
-  sp.k_mean = k_mean;
-  sp.v_mean = v_mean;
+  SP_RETURN_IF_ERROR(alloc_block_means(shape, &scratch, &sp));
   const std::size_t cap = sel->rows * static_cast<std::size_t>(sp.num_k_blocks);
   if (into != nullptr) {
     // The caller's tensors (select_into): FlexAttention's kv_* are the partial lists.

@@ -69,14 +69,7 @@ Status select_statistics_cuda(const AttentionProblem& sample, const ProblemShape
   {
     Scratch scratch(call.stream, call.pool, shape.device.index, false);
     SP_RETURN_IF_ERROR(scratch.upload(qk_seq_infos(sample, shape), &sp.seqs));
-    const std::size_t means = static_cast<std::size_t>(shape.batch) * static_cast<std::size_t>(shape.h_kv) *
-                              static_cast<std::size_t>(sp.num_k_blocks) * static_cast<std::size_t>(shape.d);
-    std::uint16_t* k_mean = nullptr;
-    std::uint16_t* v_mean = nullptr;
-    SP_RETURN_IF_ERROR(scratch.alloc(means, &k_mean));
-    SP_RETURN_IF_ERROR(scratch.alloc(means, &v_mean));
-    sp.k_mean = k_mean;
-    sp.v_mean = v_mean;
+    SP_RETURN_IF_ERROR(alloc_block_means(shape, &scratch, &sp));
     const int units = base.pack_gqa ? shape.h_kv : shape.h_q;
     const std::size_t cells = static_cast<std::size_t>(shape.batch) * static_cast<std::size_t>(units) *
                               static_cast<std::size_t>(sp.num_q_blocks) * static_cast<std::size_t>(sp.num_k_blocks);
