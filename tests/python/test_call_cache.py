@@ -341,8 +341,8 @@ def test_statistics_collection_sees_every_call():
 @pytest.mark.parametrize("device", DEVICES)
 def test_the_ops_implementation_uses_the_cache(device):
     q, k, v = qkv(13, dtype=dtype_of(device), device=device)
-    args = (q, k, v, None, None, None, None, None, None, None, True, 0.0, "dense", "", None, None, None, 0, 0, False,
-            -1, None, None, None, None)
+    args = (q, k, v, None, None, None, None, None, None, None, True, 0.0, -1, -1, 0.0, None, "dense", "", None, None,
+            None, 0, 0, False, -1, None, None, None, None)
     want = uncached(lambda: torch.ops.sparseprefill.attention(*args))
     for _ in range(3):
         got = torch.ops.sparseprefill.attention(*args)

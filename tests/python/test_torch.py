@@ -380,8 +380,8 @@ def test_torch_compile_fullgraph(device):
 def test_opcheck(device):
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
     q, k, v = qkv(42, 2, 33, 47, 4, 2, 64, dtype, device)
-    args = (q, k, v, None, None, None, None, None, None, None, True, 0.0, "dense", "", None, None, None, 0, 0, False,
-            -1, None, None, None, None)
+    args = (q, k, v, None, None, None, None, None, None, None, True, 0.0, -1, -1, 0.0, None, "dense", "", None, None,
+            None, 0, 0, False, -1, None, None, None, None)
     torch.library.opcheck(torch.ops.sparseprefill.attention.default, args,
                           test_utils=("test_schema", "test_faketensor", "test_aot_dispatch_dynamic"))
     out = torch.empty_like(q)
@@ -464,8 +464,19 @@ def bad_cases(device):
         ("policy", fa_bad(device, policy="sparse"), sp.InvalidArgumentError, "policy: expected"),
         ("policy value", fa_bad(device, policy=sp.PermuteStop(tau=-1.0)), sp.InvalidArgumentError, "tau"),
         ("dropout_p", fa_bad(device, dropout_p=0.1), sp.UnsupportedError, "dropout_p"),
-        ("window_size", fa_bad(device, window_size=(8, 0)), sp.UnsupportedError, "window_size"),
-        ("softcap", fa_bad(device, softcap=30.0), sp.UnsupportedError, "softcap"),
+        ("window_size", fa_bad(device, window_size=(-2, 0)), sp.InvalidArgumentError,
+         r"window_size: left must be -1 \(no bound\) or a number of keys >= 0"),
+        ("window_size type", fa_bad(device, window_size=(8.5, 0)), sp.InvalidArgumentError,
+         r"window_size: expected integers"),
+        ("window_size arity", fa_bad(device, window_size=(8,)), sp.InvalidArgumentError,
+         r"window_size: expected \(left, right\)"),
+        ("softcap", fa_bad(device, softcap=-30.0), sp.InvalidArgumentError, "softcap: expected 0 .none. or a finite"),
+        ("softcap nan", fa_bad(device, softcap=float("nan")), sp.InvalidArgumentError, "softcap: expected 0"),
+        ("softcap inf", fa_bad(device, softcap=float("inf")), sp.InvalidArgumentError, "softcap: expected 0"),
+        ("sinks shape", fa_bad(device, sinks=z(3, dt=torch.float32)), sp.InvalidArgumentError,
+         r"sinks: expected float32 \[h_q\] = \[4\]"),
+        ("sinks dtype", fa_bad(device, sinks=z(4, dt=torch.bfloat16)), sp.InvalidArgumentError, r"sinks: expected float32"),
+        ("sinks type", fa_bad(device, sinks=[0.0] * 4), sp.InvalidArgumentError, "sinks: expected a torch.Tensor"),
         ("alibi_slopes", fa_bad(device, alibi_slopes=z(4, dt=torch.float32)), sp.UnsupportedError, "alibi_slopes"),
         ("qv", fa_bad(device, qv=z(2, 16, 4, 64)), sp.UnsupportedError, "qv"),
         ("q_descale", fa_bad(device, q_descale=z(2, 2, dt=torch.float32)), sp.InvalidArgumentError,
@@ -500,6 +511,17 @@ def bad_cases(device):
             ("device", lambda: flash_attn_func(qc, kc.cpu(), vc), sp.InvalidArgumentError, "k: expected q's device"),
             ("out device", lambda: flash_attn_func(qc, kc, vc, out=torch.empty_like(qc).cpu()),
              sp.InvalidArgumentError, "out: expected q's device"),
+            ("sinks device", lambda: flash_attn_func(qc, kc, vc, sinks=torch.zeros(2)), sp.InvalidArgumentError,
+             "sinks: expected q's device"),
+            # The CUDA kernels take none of the model-family features yet: each is refused by name.
+            ("cuda window", lambda: flash_attn_func(qc, kc, vc, causal=True, window_size=(3, 0)), sp.UnsupportedError,
+             "window_left/window_right: local .sliding-window. attention has no CUDA kernel yet"),
+            ("cuda softcap", lambda: flash_attn_func(qc, kc, vc, softcap=5.0), sp.UnsupportedError,
+             "softcap: score soft-capping has no CUDA kernel yet"),
+            ("cuda sinks", lambda: flash_attn_func(qc, kc, vc, sinks=torch.zeros(2, device=device)),
+             sp.UnsupportedError, "sinks: learned attention sinks have no CUDA kernel yet"),
+            ("cuda d_v", lambda: flash_attn_func(qc, kc, vc[..., :32].contiguous()), sp.UnsupportedError,
+             "v: a V head dim unlike Q/K's"),
         ]
     return cases
 
@@ -523,8 +545,9 @@ def test_last_dim_contiguity(device):
     # The op itself rejects a strided last dimension; the FA functions copy it, as FA does.
     strided = torch.zeros(1, 16, 2, 128, dtype=dtype, device=device)[..., ::2]
     with pytest.raises(sp.InvalidArgumentError, match="q: the last dimension"):
-        torch.ops.sparseprefill.attention(strided, k, v, None, None, None, None, None, None, None, True, 0.0, "dense",
-                                          "", None, None, None, 0, 0, False, -1, None, None, None, None)
+        torch.ops.sparseprefill.attention(strided, k, v, None, None, None, None, None, None, None, True, 0.0, -1, -1,
+                                          0.0, None, "dense", "", None, None, None, 0, 0, False, -1, None, None, None,
+                                          None)
     strided.copy_(q)
     assert torch.equal(flash_attn_func(strided, k, v, causal=True), flash_attn_func(q, k, v, causal=True))
 

@@ -160,8 +160,13 @@ def test_unsupported_arguments_raise():
     kv = torch.zeros(1, 2, 8, 64)
     with pytest.raises(sp.UnsupportedError, match="dropout"):
         spt.attention_forward(attn, q, kv, kv, None, dropout=0.1)
-    with pytest.raises(sp.UnsupportedError, match="sliding_window"):
-        spt.attention_forward(attn, q, kv, kv, None, sliding_window=4)
+    for bad in (0, -3, True):
+        with pytest.raises(sp.InvalidArgumentError, match="sliding_window: expected None or a number of tokens >= 1"):
+            spt.attention_forward(attn, q, kv, kv, None, sliding_window=bad)
+    with pytest.raises(sp.InvalidArgumentError, match="softcap"):
+        spt.attention_forward(attn, q, kv, kv, None, softcap=-1.0)
+    with pytest.raises(sp.InvalidArgumentError, match="sinks: expected float32 \\[h_q\\] = \\[4\\]"):
+        spt.attention_forward(attn, q, kv, kv, None, s_aux=torch.zeros(3))
     with pytest.raises(sp.UnsupportedError, match="attention_mask"):
         spt.attention_forward(attn, q, kv, kv, torch.zeros(1, 1, 8, 8))
     out, weights = spt.attention_forward(attn, q, kv, kv, None)
