@@ -39,8 +39,6 @@ struct SeqGeometry {
 
   SP_HD std::int64_t offset() const { return s_k - s_q; }
   SP_HD std::int64_t position(std::int64_t row) const { return row + offset(); }
-  // Whether the window hides keys that causal (or full) attention would show.
-  SP_HD bool local() const { return window_left >= 0 || (!causal && window_right >= 0); }
   // The first key position a row at absolute position a may see: a - window_left, clamped at 0.
   // It is at most last_key_at(a) + 1 (the row's range [first, last] may be empty).
   SP_HD std::int64_t first_key_at(std::int64_t a) const {

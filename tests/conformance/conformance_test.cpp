@@ -109,12 +109,13 @@ TestProblem make_problem(const Inputs& in, const Features& f, Layout layout = La
 // windows, softcap, sinks, a V head dim unlike Q/K's and head dims other than 64 and 128 have
 // no kernel yet (docs/cuda.md), and check_support names them before anything else.
 std::string cuda_feature_refusal(const TestProblem& tp) {
-  if (tp.window_left >= 0 || (!tp.causal && tp.window_right >= 0)) return "window_left/window_right: local (sliding-window) attention has no CUDA kernel yet";
-  if (tp.softcap != 0.0) return "softcap: score soft-capping has no CUDA kernel yet";
-  if (!tp.sinks.shape().empty()) return "sinks: learned attention sinks have no CUDA kernel yet";
-  const std::int64_t d = tp.q.shape().back(), d_v = tp.v.shape().back();
-  if (d_v != d) return "v: a V head dim unlike Q/K's (d_v " + std::to_string(d_v) + ", d " + std::to_string(d) + ")";
-  if (d != 64 && d != 128) return "head_dim " + std::to_string(d);
+  ProblemShape s;
+  EXPECT_TRUE(validate_problem(tp.problem(), nullptr, &s).ok());
+  if (s.local()) return "window_left/window_right: local (sliding-window) attention has no CUDA kernel yet";
+  if (s.softcap != 0.0) return "softcap: score soft-capping has no CUDA kernel yet";
+  if (s.sinks) return "sinks: learned attention sinks have no CUDA kernel yet";
+  if (s.d_v != s.d) return "v: a V head dim unlike Q/K's (d_v " + std::to_string(s.d_v) + ", d " + std::to_string(s.d) + ")";
+  if (s.d != 64 && s.d != 128) return "head_dim " + std::to_string(s.d);
   return {};
 }
 
