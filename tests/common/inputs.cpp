@@ -67,6 +67,12 @@ void set(HostTensor* t, std::int64_t i, double x) {
   }
 }
 
+void put(HostTensor* t, std::int64_t row, int h, std::initializer_list<double> values) {
+  const std::int64_t heads = t->shape()[1], d = t->shape()[2];
+  std::int64_t i = 0;
+  for (double x : values) set(t, (row * heads + h) * d + i++, x);
+}
+
 void fill_random(HostTensor* t, std::uint64_t seed, double scale, Distribution dist) {
   Random rng(seed);
   for (std::int64_t i = 0; i < t->numel(); ++i) {

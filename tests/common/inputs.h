@@ -5,6 +5,7 @@
 #pragma once
 
 #include <cstdint>
+#include <initializer_list>
 #include <vector>
 
 #include "sparseprefill/problem.h"
@@ -33,6 +34,10 @@ enum class Distribution { kUniform, kNormal };
 // Element i (row-major) of a contiguous host tensor as double / set to x rounded to its dtype.
 double get(const HostTensor& t, std::int64_t i);
 void set(HostTensor* t, std::int64_t i, double x);
+// Writes `values` into row `row`, head h of a [s, heads, d] tensor (hand-written cases).
+void put(HostTensor* t, std::int64_t row, int h, std::initializer_list<double> values);
+// A softmax scale of ln 2 makes e^s = 2^(q·k): hand-written cases with exact powers of two.
+constexpr double kLn2 = 0.69314718055994530942;
 
 // Fills t with scale · (uniform or normal) values, rounded to t's dtype; never zero.
 void fill_random(HostTensor* t, std::uint64_t seed, double scale = 1.0,

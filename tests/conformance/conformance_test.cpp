@@ -59,14 +59,14 @@ bool is_paged(const TestProblem& tp) { return tp.problem().block_table.defined()
 // window (-1: no bound), softcap, sinks and the head dims of q/k and v.
 struct Features {
   std::string name = "plain";
+  // The sequences (s_q, s_k) of the scenario; policy_cases ignores them (its callers pass theirs).
+  std::vector<SeqLen> lengths;
   bool causal = true;
   int left = -1, right = -1;
   double softcap = 0.0;
   std::vector<double> sinks;  // [h_q]; empty: none
   int d = 64;
   int d_v = 0;  // 0: d
-  // The sequences (s_q, s_k) of the scenario; policy_cases ignores them (its callers pass theirs).
-  std::vector<SeqLen> lengths;
   // Whether the policies can skip work here (parameters are then chosen to skip some). A window
   // no wider than a 128-key block leaves them nothing (exact_gate finds no full block to gate,
   // permute_stop's ranked keys fit in one chunk): only stable parameters are required.
@@ -767,50 +767,17 @@ TEST_P(Conformance, EveryPolicyWithNaNInputs) {
 // positions); the non-causal window also 300 over 300 (its right bound cuts the early rows).
 std::vector<Features> model_features() {
   const std::vector<SeqLen> windowed = {{200, 900}, {130, 40}}, plain = {{200, 640}, {130, 40}};
-  std::vector<Features> out;
-  Features f;
-  f.lengths = windowed;
-  f.name = "causal window 96";
-  f.left = 95;
-  f.sparse = false;
-  out.push_back(f);
-  f.sparse = true;
-  f.name = "causal window 300, right bound 5 (causal keeps it at 0)";
-  f.left = 299;
-  f.right = 5;
-  out.push_back(f);
-  f = Features::plain(false);
-  f.lengths = {{200, 900}, {130, 40}, {300, 300}};
-  f.name = "non-causal window (300, 150)";
-  f.left = 300;
-  f.right = 150;
-  out.push_back(f);
-  f = Features::plain(true);
-  f.lengths = windowed;
-  f.name = "sinks and window 128 (gpt-oss)";
-  f.left = 127;
-  f.sinks = {0.5, 2.0};
-  f.sparse = false;
-  out.push_back(f);
-  f = Features::plain(true);
-  f.lengths = plain;
-  f.name = "softcap 3";
-  f.softcap = 3.0;
-  out.push_back(f);
-  f.name = "head_dim 256 and softcap 4 (Gemma 3 global layers, Gemma 2's cap)";
-  f.d = 256;
-  f.softcap = 4.0;
-  out.push_back(f);
-  f = Features::plain(true);
-  f.lengths = plain;
-  f.name = "head_dim 96 (Phi-3)";
-  f.d = 96;
-  out.push_back(f);
-  f.name = "q/k head_dim 192, v head_dim 128 (MLA prefill)";
-  f.d = 192;
-  f.d_v = 128;
-  out.push_back(f);
-  return out;
+  // name, sequences, causal, window (left, right), softcap, sinks, d, d_v, sparse
+  return {
+      {"causal window 96", windowed, true, 95, -1, 0.0, {}, 64, 0, false},
+      {"causal window 300, right bound 5 (causal keeps it at 0)", windowed, true, 299, 5},
+      {"non-causal window (300, 150)", {{200, 900}, {130, 40}, {300, 300}}, false, 300, 150},
+      {"sinks and window 128 (gpt-oss)", windowed, true, 127, -1, 0.0, {0.5, 2.0}, 64, 0, false},
+      {"softcap 3", plain, true, -1, -1, 3.0},
+      {"head_dim 256 and softcap 4 (Gemma 3 global layers, Gemma 2's cap)", plain, true, -1, -1, 4.0, {}, 256},
+      {"head_dim 96 (Phi-3)", plain, true, -1, -1, 0.0, {}, 96},
+      {"q/k head_dim 192, v head_dim 128 (MLA prefill)", plain, true, -1, -1, 0.0, {}, 192, 128},
+  };
 }
 
 TEST_P(Conformance, ModelFamilyFeaturesOnEveryPolicy) {
