@@ -48,10 +48,6 @@ double RunStats::head_density(int b, int h) const {
 namespace detail {
 namespace {
 
-geom::BlockGeometry geometry_of(const ProblemShape& s, int b, int block_q, int block_k) {
-  return detail::block_geometry(s, b, block_q, block_k);
-}
-
 // Pairs of (qb, kb) the causal mask and the window allow; closed form for full blocks.
 std::int64_t block_pairs(const geom::BlockGeometry& g, int qb, int kb) {
   if (g.is_full(qb, kb)) return (g.row_end(qb) - g.row_begin(qb)) * (g.key_end(kb) - g.key_begin(kb));
@@ -70,7 +66,7 @@ void block_policy_stats(const ProblemShape& s, const BlockMask& kept, const Bloc
   const int bq = have_mask ? kept.block_q : 128, bk = have_mask ? kept.block_k : 128;
   const bool have_corrected = corrected.batch == s.batch && corrected.num_q_blocks > 0;
   for (int b = 0; b < s.batch; ++b) {
-    const geom::BlockGeometry g = geometry_of(s, b, bq, bk);
+    const geom::BlockGeometry g = detail::block_geometry(s, b, bq, bk);
     const std::int64_t pairs = row_pairs(g.seq);
     std::int64_t visible = 0;
     for (int qb = 0; qb < g.num_q_blocks(); ++qb) visible += g.visible_end(qb) - g.visible_begin(qb);
