@@ -23,6 +23,7 @@ ProblemShape shape_of(std::int64_t s_q, std::int64_t s_k, int h_q = 32, int h_kv
   s.h_q = h_q;
   s.h_kv = h_kv;
   s.d = d;
+  s.d_v = d;
   s.dtype = dtype;
   s.causal = true;
   s.scale = 1.0;

@@ -29,6 +29,7 @@ ProblemShape shape_of(std::int64_t s_q, std::int64_t s_k, int h_q, int h_kv, int
   s.h_q = h_q;
   s.h_kv = h_kv;
   s.d = d;
+  s.d_v = d;
   s.dtype = dtype;
   s.causal = true;
   s.scale = 1.0;
@@ -76,6 +77,46 @@ TEST(CudaPlan, UnsupportedMessagesNameTheArgument) {
   expect_unsupported(shape_of(std::int64_t{1} << 20, std::int64_t{1} << 20, 32, 8, 128), tiny, "2^31 - 1");
   expect_unsupported(shape_of(300, 300, 4, 1, 80), DenseParams{}, "head_dim 80");
   expect_unsupported(shape_of(300, 300, 4, 1, 128, DType::kFP32), DenseParams{}, "dtype fp32 has no CUDA kernel");
+}
+
+// The model-family features no kernel takes yet are refused by name for every policy, before
+// anything else is checked (docs/cuda.md, support matrix); head dims 96, 192 and 256 have no
+// instance, and say so.
+TEST(CudaPlan, ModelFamilyFeaturesAreRefusedByName) {
+  int n = 0;
+  ExactGateParams gate;
+  gate.block_k = 128;
+  const Policy policies[] = {DenseParams{}, gate, SoftmaxSkipParams{}, EstimateSelectParams{}, PermuteStopParams{}};
+  struct Case {
+    const char* needle;
+    ProblemShape shape;
+  };
+  ProblemShape window = shape_of(300, 300, 4, 1, 128), right = window, softcap = window, sinks = window, mla = window;
+  window.window_left = 127;
+  right.causal = false;
+  right.window_right = 0;  // FlashAttention's causal as a window, which the kernels take as causal only
+  softcap.softcap = 50.0;
+  sinks.sinks = true;
+  mla.d = 192;
+  mla.d_v = 128;
+  for (const Case& c : {Case{"window_left/window_right: local (sliding-window) attention has no CUDA kernel yet", window},
+                        Case{"window_left/window_right: local (sliding-window) attention has no CUDA kernel yet", right},
+                        Case{"softcap: score soft-capping has no CUDA kernel yet", softcap},
+                        Case{"sinks: learned attention sinks have no CUDA kernel yet", sinks},
+                        Case{"v: a V head dim unlike Q/K's (d_v 128, d 192) has no CUDA kernel yet", mla},
+                        Case{"head_dim 96", shape_of(300, 300, 4, 1, 96)},
+                        Case{"head_dim 256", shape_of(300, 300, 4, 1, 256)}}) {
+    for (const Policy& policy : policies) {
+      SCOPED_TRACE(std::string(c.needle) + ", " + policy_name(policy));
+      const Status st = check_support(c.shape, policy, &n);
+      EXPECT_EQ(st.code(), StatusCode::kUnsupported);
+      EXPECT_NE(st.message().find(c.needle), std::string::npos) << st.message();
+    }
+  }
+  // A causal window that hides nothing more than causal ((-1, 0) and (-1, 5) under causal) runs.
+  ProblemShape causal_right = shape_of(300, 300, 4, 1, 128);
+  causal_right.window_right = 5;
+  EXPECT_TRUE(check_support(causal_right, DenseParams{}, &n).ok());
 }
 
 TEST(CudaPlan, Fp8RunsDenseAndBlockSparseOnTheHopperInstance) {
