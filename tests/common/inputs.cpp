@@ -269,4 +269,22 @@ TestProblem build_problem(const Inputs& in, const LayoutOptions& opt) {
   return tp;
 }
 
+ProblemShape cuda_shape_of(std::int64_t s_q, std::int64_t s_k, int h_q, int h_kv, int d, DType dtype) {
+  ProblemShape s;
+  s.batch = 1;
+  s.h_q = h_q;
+  s.h_kv = h_kv;
+  s.d = d;
+  s.d_v = d;
+  s.dtype = dtype;
+  s.causal = true;
+  s.scale = 1.0;
+  s.seq_q = {s_q};
+  s.seq_k = {s_k};
+  s.q_start = {0};
+  s.k_start = {0};
+  s.device = Device{DeviceKind::kCUDA, 0};
+  return s;
+}
+
 }  // namespace sparseprefill::test

@@ -116,4 +116,9 @@ struct TestProblem {
 };
 TestProblem build_problem(const Inputs& in, const LayoutOptions& options = {});
 
+// The shape of one causal sequence on CUDA device 0, scale 1, for the CUDA planning tests (which
+// need no GPU).
+ProblemShape cuda_shape_of(std::int64_t s_q, std::int64_t s_k, int h_q = 32, int h_kv = 8, int d = 128,
+                           DType dtype = DType::kBF16);
+
 }  // namespace sparseprefill::test
