@@ -94,6 +94,37 @@ def check_fp8(lib, rng, opts, s, h_q, h_kv, d):
         (code, lib.last_error())
 
 
+def check_features(lib, rng, opts, s, h_q, h_kv, d):
+    """The fields after scale: a causal window (local, window_left), softcap and sinks, with v of
+    another head dim, against fp64 attention (each row's softmax over keys a - left .. a, scores
+    capped, the sink a column the values never see); window fields without local refused."""
+    left, softcap, d_v = 5, 1.5, 8
+    q = rng.standard_normal((1, s, h_q, d)).astype(np.float32)
+    k = rng.standard_normal((1, s, h_kv, d)).astype(np.float32)
+    v = rng.standard_normal((1, s, h_kv, d_v)).astype(np.float32)
+    sinks = np.linspace(-1.0, 2.0, h_q).astype(np.float32)
+    problem = sp_ctypes.Problem()
+    problem.q, problem.k, problem.v, problem.sinks = view(q), view(k), view(v), view(sinks)
+    problem.causal, problem.local, problem.window_left, problem.window_right = 1, 1, left, -1
+    problem.softcap = softcap
+    o = np.full((1, s, h_q, d_v), np.nan, dtype=np.float32)
+    lib.check(lib.run(problem, lib.policy("dense"), sp_ctypes.Output(view(o), sp_ctypes.Tensor()), opts))
+    group = h_q // h_kv
+    i, j = np.arange(s)[:, None], np.arange(s)[None, :]
+    allowed = (j <= i) & (j >= i - left)
+    for h in range(h_q):
+        scores = q[0, :, h].astype(np.float64) @ k[0, :, h // group].T.astype(np.float64) / np.sqrt(d)
+        scores = np.where(allowed, softcap * np.tanh(scores / softcap), -np.inf)
+        m = np.maximum(scores.max(1, keepdims=True), sinks[h])
+        p = np.exp(scores - m)
+        ref = p @ v[0, :, h // group].astype(np.float64) / (p.sum(1, keepdims=True) + np.exp(sinks[h] - m))
+        err = np.abs(o[0, :, h] - ref).max()
+        assert err < 1e-4, f"features: head {h} max error {err}"
+    problem.local = 0
+    code = lib.run(problem, lib.policy("dense"), sp_ctypes.Output(view(o), sp_ctypes.Tensor()), opts)
+    assert code == sp_ctypes.ERR_INVALID_ARGUMENT and "set while local = 0" in lib.last_error(), lib.last_error()
+
+
 def main():
     lib = sp_ctypes.Library(sys.argv[1])
     rng = np.random.default_rng(7)
@@ -183,6 +214,7 @@ def main():
     assert "exact_gate" in gate.describe()
 
     check_fp8(lib, rng, opts, s, h_q, h_kv, d)
+    check_features(lib, rng, opts, s, h_q, h_kv, d)
 
     bad = sp_ctypes.Problem.from_buffer_copy(problem)
     bad.k.shape[3] = 8

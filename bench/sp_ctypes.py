@@ -7,7 +7,7 @@ neither torch nor numpy (`tensor_from_torch` imports torch only when called).
 import ctypes
 import os
 
-ABI_VERSION = 3
+ABI_VERSION = 4
 MAX_RANK = 4
 
 OK, ERR_INVALID_ARGUMENT, ERR_UNSUPPORTED = 0, 1, 2
@@ -27,7 +27,9 @@ class Problem(ctypes.Structure):
     _fields_ = [("q", Tensor), ("k", Tensor), ("v", Tensor), ("cu_seqlens_q", Tensor),
                 ("cu_seqlens_k", Tensor), ("seqused_k", Tensor), ("block_table", Tensor),
                 ("q_descale", Tensor), ("k_descale", Tensor), ("v_descale", Tensor),
-                ("causal", ctypes.c_int32), ("scale", ctypes.c_double)]
+                ("causal", ctypes.c_int32), ("scale", ctypes.c_double),
+                ("local", ctypes.c_int32), ("window_left", ctypes.c_int32), ("window_right", ctypes.c_int32),
+                ("softcap", ctypes.c_double), ("sinks", Tensor)]
 
 
 class Output(ctypes.Structure):

@@ -2,7 +2,7 @@
 // BlockMask: the sparsity contract between policies, backends and kernels (FlexAttention/FA4
 // shape). Per (batch, head, query block) it lists the key blocks to compute, split into full
 // blocks (every valid query of the block sees every valid key: no element mask) and partial
-// blocks (the causal mask cuts them). Host-only.
+// blocks (the causal mask or the local window cuts them). Host-only.
 #pragma once
 
 #include <cstdint>
@@ -33,7 +33,7 @@ struct BlockMask {
 
   // An empty mask (nothing selected) with the geometry of `shape`.
   static BlockMask empty(const ProblemShape& shape, int block_q, int block_k, bool per_kv_head);
-  // Every causally visible block selected: running it equals dense attention.
+  // Every visible block selected (causal mask and window): running it equals dense attention.
   static BlockMask all_visible(const ProblemShape& shape, int block_q, int block_k,
                                bool per_kv_head);
 
@@ -50,7 +50,7 @@ struct BlockMask {
   // and partial disjoint. O(rows + selected blocks), so run() can afford it on every call.
   Status validate() const;
   // Structure plus geometry: the mask fits `shape` (batch, heads, block counts), every listed
-  // block is causally visible, and each is listed as full or partial correctly.
+  // block is visible (causal mask and window), and each is listed as full or partial correctly.
   Status validate_for(const ProblemShape& shape) const;
 
   // Dense boolean block map [batch, heads, num_q_blocks, num_k_blocks] (1 = selected).
@@ -78,9 +78,9 @@ struct BlockMask {
 //   CSR: csr_indptr [rows + 1] and csr_indices over rows (b, h, qb) in row-major order, as
 //     BlockMask::to_csr writes them (contiguous).
 // A row is a set of key blocks: the split into full and partial lists is Flex's bookkeeping,
-// and the call's geometry decides which blocks need the causal mask (as BlockMask::add
-// classifies them). Each list must be strictly ascending, every block causally visible to its
-// query block, and no block in both lists. These are checked on the device as the call runs:
+// and the call's geometry decides which blocks need the element mask (as BlockMask::add
+// classifies them). Each list must be strictly ascending, every block visible (causal mask and
+// window) to its query block, and no block in both lists. These are checked on the device as the call runs:
 // a row is cut at its first bad entry (nothing out of bounds is ever read), and the first
 // offence is recorded on the device; check_device_errors() — and every later call that
 // synchronises its stream (decisions, select() to the host, plans) — reports it as

@@ -19,7 +19,7 @@ extern "C" {
 
 /* Bumped whenever a struct below changes layout or a function changes meaning; loaders
  * compare it with sp_abi_version() before their first call. */
-#define SP_ABI_VERSION 3
+#define SP_ABI_VERSION 4
 #define SP_MAX_RANK 4
 
 /* Status codes: the values of sparseprefill::StatusCode. */
@@ -83,10 +83,16 @@ typedef struct sp_problem {
   sp_tensor v_descale;
   int32_t causal; /* nonzero: causal */
   double scale;
+  /* Model-family features (ABI 4; docs/semantics.md §1). Zero-initialised: none of them. */
+  int32_t local;        /* nonzero: the window below applies (FlashAttention's window_size) */
+  int32_t window_left;  /* with local: query at position a sees keys >= a - window_left; -1: no bound */
+  int32_t window_right; /* with local: keys <= a + window_right; -1: no bound */
+  double softcap;       /* 0: none; else finite > 0: every score s becomes softcap * tanh(s / softcap) */
+  sp_tensor sinks;      /* fp32 [h_q] on q's device, optional: learned sink logits (gpt-oss) */
 } sp_problem;
 
-/* O has q's layout, dtype (bf16 for FP8 inputs) and device; LSE is fp32 [b, h_q, s_q] (varlen:
- * [h_q, total_q]) and may be absent (rank 0). */
+/* O has q's shape with v's head dim last, q's dtype (bf16 for FP8 inputs) and device; LSE is
+ * fp32 [b, h_q, s_q] (varlen: [h_q, total_q]) and may be absent (rank 0). */
 typedef struct sp_output {
   sp_tensor o;
   sp_tensor lse;

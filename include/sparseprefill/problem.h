@@ -1,6 +1,7 @@
 // SPDX-License-Identifier: Apache-2.0
-// The attention problem of DESIGN.md §2: tensors, layouts (batched, varlen, paged), causal
-// alignment, GQA and scale; and the validation every backend runs first. Host-only.
+// The attention problem of docs/semantics.md §1: tensors, layouts (batched, varlen, paged),
+// causal alignment, GQA, scale, local windows, learned sinks, softcap and a V head dim of its
+// own; and the validation every backend runs first. Host-only.
 #pragma once
 
 #include <cstdint>
@@ -11,15 +12,26 @@
 namespace sparseprefill {
 
 // One forward attention call. Layouts follow FlashAttention:
-//   batched: q [b, s_q, h_q, d], k/v [b, s_k, h_kv, d]
-//   varlen:  q [total_q, h_q, d] with cu_seqlens_q [b+1]; k/v [total_k, h_kv, d] with
-//            cu_seqlens_k [b+1] (or paged)
-//   paged:   k/v [num_pages, page_size, h_kv, d] with block_table [b, max_pages] and
-//            seqused_k [b]; queries batched or varlen. Page size is independent of every
-//            sparsity block size.
-// Causal is bottom-right aligned: query i of a sequence with s_q queries and s_k keys sees keys
-// j <= i + (s_k - s_q). GQA is contiguous: query head h reads kv head h / (h_q / h_kv).
-// The last dimension of q, k and v must be contiguous; other strides are free.
+//   batched: q [b, s_q, h_q, d], k [b, s_k, h_kv, d], v [b, s_k, h_kv, d_v]
+//   varlen:  q [total_q, h_q, d] with cu_seqlens_q [b+1]; k [total_k, h_kv, d] and
+//            v [total_k, h_kv, d_v] with cu_seqlens_k [b+1] (or paged)
+//   paged:   k [num_pages, page_size, h_kv, d], v [num_pages, page_size, h_kv, d_v] with
+//            block_table [b, max_pages] and seqused_k [b]; queries batched or varlen. Page size
+//            is independent of every sparsity block size.
+// v has k's shape but for its last dimension d_v (MLA-style prefill: d = 192, d_v = 128); O
+// has q's shape with d_v as its last dimension. The scale defaults to 1/sqrt(d).
+// Causal is bottom-right aligned: query i of a sequence with s_q queries and s_k keys sits at
+// position a = i + (s_k - s_q) and sees keys j <= a. GQA is contiguous: query head h reads kv
+// head h / (h_q / h_kv). The last dimension of q, k and v must be contiguous; other strides are
+// free.
+//
+// Local attention (FlashAttention's window_size = (window_left, window_right), -1 unbounded on
+// that side): query i at position a sees key j iff a - window_left <= j <= a + window_right,
+// and j <= a as well when causal (the two masks intersect; FlashAttention's causal is the
+// window (-1, 0)). Learned sinks (gpt-oss): one logit per query head added to every row's
+// softmax denominator, in O and LSE. Softcap (Gemma 2): every score s becomes
+// softcap · tanh(s / softcap) before the softmax and before every policy's rule reads it.
+// docs/semantics.md §1 defines each, with their NaN and infinity behaviour.
 //
 // FP8 inputs (q, k and v all DType::kFP8E4M3, FlashAttention-3's call): attention runs on the
 // dequantized values q · q_descale[b, h / group], k · k_descale[b, kv head] and
@@ -36,14 +48,18 @@ struct AttentionProblem {
   TensorView q_descale;     // fp32 [b, h_kv], optional (FP8 inputs only)
   TensorView k_descale;     // fp32 [b, h_kv], optional (FP8 inputs only)
   TensorView v_descale;     // fp32 [b, h_kv], optional (FP8 inputs only)
+  TensorView sinks;         // fp32 [h_q], optional, on q's device: learned sink logits
   bool causal = true;
   double scale = 0.0;       // softmax scale; 0 means 1/sqrt(d)
+  int window_left = -1;     // keys j >= a - window_left; -1: no bound
+  int window_right = -1;    // keys j <= a + window_right; -1: no bound
+  double softcap = 0.0;     // 0: none; else > 0 and finite
 };
 
-// Where O and LSE go. O has q's layout, dtype (bf16 for FP8 inputs) and device. LSE is fp32
-// (natural log), [b, h_q, s_q] for batched queries or [h_q, total_q] for varlen; it may be left
-// undefined.
-// A row that sees no key gets O = 0 and LSE = -inf.
+// Where O and LSE go. O has q's layout with last dimension d_v, q's dtype (bf16 for FP8 inputs)
+// and device. LSE is fp32 (natural log), [b, h_q, s_q] for batched queries or [h_q, total_q]
+// for varlen; it may be left undefined. A row that sees no key gets O = 0 and LSE = -inf (with
+// sinks: the sink's logit).
 struct AttentionOutput {
   TensorView o;
   TensorView lse;
@@ -56,9 +72,17 @@ struct ProblemShape {
   int batch = 0;
   int h_q = 0;
   int h_kv = 0;
-  int d = 0;
+  int d = 0;                   // head dim of q and k
+  int d_v = 0;                 // head dim of v and O
   bool causal = true;
   double scale = 0.0;          // resolved (never 0)
+  int window_left = -1;        // as in AttentionProblem (validated: >= -1)
+  int window_right = -1;
+  double softcap = 0.0;        // 0 or finite > 0
+  bool sinks = false;          // AttentionProblem::sinks is given
+  // Whether the window hides keys that causal (or full) attention shows: a left bound, or a
+  // right bound without causal (causal already ends every row at its own position).
+  bool local() const { return window_left >= 0 || (!causal && window_right >= 0); }
   bool varlen_q = false;       // q is [total_q, h_q, d]
   KvLayout kv_layout = KvLayout::kBatched;
   int page_size = 0;           // paged only

@@ -5,9 +5,11 @@ messages that name the argument and what was expected."""
 
 from __future__ import annotations
 
+import math
+import numbers
 import sys
 from dataclasses import dataclass
-from typing import Any, Optional, Sequence, Tuple
+from typing import Any, NamedTuple, Optional, Sequence, Tuple
 
 from . import _ext
 from ._ext import InvalidArgumentError
@@ -90,9 +92,11 @@ class Geometry:
     h_q: int
     h_kv: int
     d: int
+    d_v: int  # v's head dim (out's last dimension)
     varlen_q: bool
     kv_layout: str  # "batched", "varlen" or "paged"
     lse_shape: Tuple[int, ...]
+    out_shape: Tuple[int, ...]  # q's shape with d_v last
 
 
 def _shape(x: Any) -> Tuple[int, ...]:
@@ -135,11 +139,12 @@ def _check_descale(x: Any, name: str, q: Any, batch: Any, h_kv: int) -> None:
 def check_problem(q: Any, k: Any, v: Any, cu_seqlens_q: Any = None, cu_seqlens_k: Any = None,
                   seqused_k: Any = None, block_table: Any = None, out: Any = None,
                   lse: Any = None, q_descale: Any = None, k_descale: Any = None,
-                  v_descale: Any = None) -> Geometry:
-    """Shape, dtype, device and layout checks that need no index data (nor descale values)."""
+                  v_descale: Any = None, sinks: Any = None) -> Geometry:
+    """Shape, dtype, device and layout checks that need no index data (nor descale or sink
+    values). v has k's shape but for its head dim d_v, which out then has."""
     _check_float(q, "q", (3, 4), "[b, s_q, h_q, d] or varlen [total_q, h_q, d]")
     _check_float(k, "k", (3, 4), "[b, s_k, h_kv, d], varlen [total_k, h_kv, d] or paged [num_pages, page_size, h_kv, d]")
-    _check_float(v, "v", (3, 4), "the shape of k")
+    _check_float(v, "v", (3, 4), "the shape of k but for its head dim d_v")
     if dtype_name(k) != dtype_name(q) or dtype_name(v) != dtype_name(q):
         raise InvalidArgumentError(
             f"k, v: expected q's dtype {dtype_name(q)}, got k {dtype_name(k)} and v {dtype_name(v)}")
@@ -147,12 +152,15 @@ def check_problem(q: Any, k: Any, v: Any, cu_seqlens_q: Any = None, cu_seqlens_k
     for name, x in (("k", k), ("v", v)):
         if device_of(x) != dev:
             raise InvalidArgumentError(f"{name}: expected q's device {device_str(q)}, got {device_str(x)}")
-    if _shape(v) != _shape(k):
-        raise InvalidArgumentError(f"v: expected the shape of k {list(_shape(k))}, got {list(_shape(v))}")
+    if len(v.shape) != len(k.shape) or _shape(v)[:-1] != _shape(k)[:-1]:
+        raise InvalidArgumentError(
+            f"v: expected the shape of k {list(_shape(k))} but for its head dim d_v, got {list(_shape(v))}")
     h_q, d = int(q.shape[-2]), int(q.shape[-1])
-    h_kv, d_k = int(k.shape[-2]), int(k.shape[-1])
+    h_kv, d_k, d_v = int(k.shape[-2]), int(k.shape[-1]), int(v.shape[-1])
     if d <= 0:
         raise InvalidArgumentError(f"q: head_dim must be positive, got {d}")
+    if d_v <= 0:
+        raise InvalidArgumentError(f"v: head_dim must be positive, got {d_v}")
     if d_k != d:
         raise InvalidArgumentError(f"k: expected head_dim {d} (q's), got {d_k}")
     if h_q <= 0 or h_kv <= 0:
@@ -215,10 +223,19 @@ def check_problem(q: Any, k: Any, v: Any, cu_seqlens_q: Any = None, cu_seqlens_k
         if x is not None:
             _check_descale(x, name, q, batch, h_kv)
 
+    if sinks is not None:
+        if len(sinks.shape) != 1 or sinks.shape[0] != h_q or dtype_name(sinks) != "float32":
+            raise InvalidArgumentError(
+                f"sinks: expected float32 [h_q] = [{h_q}], got {dtype_name(sinks)} {list(_shape(sinks))}")
+        if device_of(sinks) != dev:
+            raise InvalidArgumentError(f"sinks: expected q's device {device_str(q)}, got {device_str(sinks)}")
+
     lse_shape = (h_q, q.shape[0]) if varlen_q else (batch, h_q, q.shape[1])
+    out_shape = _shape(q)[:-1] + (v.shape[-1],)
     if out is not None:
-        if _shape(out) != _shape(q):
-            raise InvalidArgumentError(f"out: expected q's shape {list(_shape(q))}, got {list(_shape(out))}")
+        if _shape(out) != out_shape:
+            raise InvalidArgumentError(
+                f"out: expected q's shape with v's head dim {list(out_shape)}, got {list(_shape(out))}")
         want = str(out_dtype(q)).replace("torch.", "")
         if dtype_name(out) != want:
             fp8 = dtype_name(q) == FP8
@@ -236,7 +253,7 @@ def check_problem(q: Any, k: Any, v: Any, cu_seqlens_q: Any = None, cu_seqlens_k
             raise InvalidArgumentError(f"lse: expected dtype float32, got {dtype_name(lse)}")
         if device_of(lse) != dev:
             raise InvalidArgumentError(f"lse: expected q's device {device_str(q)}, got {device_str(lse)}")
-    return Geometry(batch, h_q, h_kv, d, varlen_q, kv_layout, lse_shape)
+    return Geometry(batch, h_q, h_kv, d, d_v, varlen_q, kv_layout, lse_shape, out_shape)
 
 
 def check_scale(softmax_scale: Optional[float]) -> float:
@@ -247,6 +264,61 @@ def check_scale(softmax_scale: Optional[float]) -> float:
     if not (scale > 0.0 and scale != float("inf")):
         raise InvalidArgumentError(f"softmax_scale: expected a finite positive number or None, got {softmax_scale!r}")
     return scale
+
+
+class Features(NamedTuple):
+    """The model-family features of a call (docs/semantics.md §1), checked: window is
+    FlashAttention's window_size (left, right), -1 no bound on that side; softcap 0 is none;
+    sinks a float32 [h_q] tensor of q's framework and device, or None."""
+
+    window: Tuple[int, int] = (-1, -1)
+    softcap: float = 0.0
+    sinks: Any = None
+
+    def fields(self) -> tuple:
+        """sp_problem's fields after scale: (local, window_left, window_right, softcap, sinks)."""
+        left, right = self.window
+        local = left != -1 or right != -1
+        return (local, left if local else 0, right if local else 0, self.softcap, descriptor(self.sinks, "sinks"))
+
+    def signature(self) -> tuple:
+        """What a prepared call's key holds of them: the sinks' layout, not their address (each
+        call patches it) nor their values (read as the call runs)."""
+        s = self.sinks
+        return self.window, self.softcap, None if s is None else (s.shape, s.stride(), s.dtype, s.device)
+
+
+NO_FEATURES = Features()
+
+
+def check_window(window_size: Any) -> Tuple[int, int]:
+    """FlashAttention's window_size: None or (left, right), each -1 (no bound) or >= 0 keys."""
+    if window_size is None:
+        return (-1, -1)
+    try:
+        left, right = window_size
+    except (TypeError, ValueError):
+        raise InvalidArgumentError(f"window_size: expected (left, right), got {window_size!r}") from None
+    bounds = []
+    for side, w in (("left", left), ("right", right)):
+        if isinstance(w, bool) or not isinstance(w, numbers.Integral):
+            raise InvalidArgumentError(f"window_size: expected integers (left, right), got {window_size!r}")
+        w = int(w)
+        if w < -1:
+            raise InvalidArgumentError(
+                f"window_size: {side} must be -1 (no bound) or a number of keys >= 0, got {window_size!r}")
+        bounds.append(w)
+    return bounds[0], bounds[1]
+
+
+def check_softcap(softcap: Any) -> float:
+    """None or 0 -> 0.0 (none); otherwise a finite positive float."""
+    if softcap is None:
+        return 0.0
+    cap = float(softcap)
+    if not (cap >= 0.0 and math.isfinite(cap)):
+        raise InvalidArgumentError(f"softcap: expected 0 (none) or a finite positive number, got {softcap!r}")
+    return cap
 
 
 def backend_code(backend: str) -> int:

@@ -73,9 +73,10 @@ sp_tensor to_tensor(py::handle obj, const char* name) {
 }
 
 // (q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, block_table, q_descale, k_descale,
-//  v_descale, causal, scale): sp_problem's fields in order.
+//  v_descale, causal, scale, local, window_left, window_right, softcap, sinks): sp_problem's
+// fields in order.
 sp_problem to_problem(const py::tuple& p) {
-  if (p.size() != 12) raise(SP_ERR_INVALID_ARGUMENT, "problem: expected a 12-field tuple");
+  if (p.size() != 17) raise(SP_ERR_INVALID_ARGUMENT, "problem: expected a 17-field tuple");
   sp_problem out{};
   out.q = to_tensor(p[0], "q");
   out.k = to_tensor(p[1], "k");
@@ -89,6 +90,11 @@ sp_problem to_problem(const py::tuple& p) {
   out.v_descale = to_tensor(p[9], "v_descale");
   out.causal = p[10].cast<bool>() ? 1 : 0;
   out.scale = p[11].cast<double>();
+  out.local = p[12].cast<bool>() ? 1 : 0;
+  out.window_left = p[13].cast<std::int32_t>();
+  out.window_right = p[14].cast<std::int32_t>();
+  out.softcap = p[15].cast<double>();
+  out.sinks = to_tensor(p[16], "sinks");
   return out;
 }
 
@@ -410,8 +416,8 @@ class PlanHandle {
 
 // A plan bound to the descriptors of one call that the Python side validated (shapes,
 // strides, dtypes, devices, index tensors, the output's layout, backend, threads), converted
-// once: run_ptrs patches the data pointers of q, k, v, the descales, out and lse and runs the
-// plan, so a repeated call converts no descriptor. `plan` (the PlanHandle) and `keep` (what
+// once: run_ptrs patches the data pointers of q, k, v, the descales, the sinks, out and lse and
+// runs the plan, so a repeated call converts no descriptor. `plan` (the PlanHandle) and `keep` (what
 // the index descriptors point into) live as long as the binding. Immutable: several threads
 // may run one binding at once.
 class PlanCall {
@@ -427,7 +433,7 @@ class PlanCall {
 
   void run_ptrs(std::uintptr_t q, std::uintptr_t k, std::uintptr_t v, std::uintptr_t o, std::uintptr_t lse,
                 std::uintptr_t stream, std::uintptr_t q_descale, std::uintptr_t k_descale,
-                std::uintptr_t v_descale) const {
+                std::uintptr_t v_descale, std::uintptr_t sinks) const {
     sp_problem p = problem_;
     patch(&p.q, q, "q");
     patch(&p.k, k, "k");
@@ -435,6 +441,7 @@ class PlanCall {
     patch(&p.q_descale, q_descale, "q_descale");
     patch(&p.k_descale, k_descale, "k_descale");
     patch(&p.v_descale, v_descale, "v_descale");
+    patch(&p.sinks, sinks, "sinks");
     sp_output out = output_;
     patch(&out.o, o, "out");
     patch(&out.lse, lse, "lse");
@@ -616,7 +623,8 @@ PYBIND11_MODULE(_ext, m) {
       .def("describe", &PlanHandle::describe);
   py::class_<PlanCall>(m, "PlanCall")
       .def("run_ptrs", &PlanCall::run_ptrs, py::arg("q"), py::arg("k"), py::arg("v"), py::arg("out"), py::arg("lse"),
-           py::arg("stream"), py::arg("q_descale") = 0, py::arg("k_descale") = 0, py::arg("v_descale") = 0);
+           py::arg("stream"), py::arg("q_descale") = 0, py::arg("k_descale") = 0, py::arg("v_descale") = 0,
+           py::arg("sinks") = 0);
   m.def("select_into", &select_into, py::arg("problem"), py::arg("policy"), py::arg("backend"), py::arg("stream"),
         py::arg("kv_num_blocks"), py::arg("kv_indices"), py::arg("full_kv_num_blocks"), py::arg("full_kv_indices"),
         py::arg("per_kv_head"), py::arg("block"));

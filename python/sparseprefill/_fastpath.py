@@ -20,7 +20,7 @@ import torch
 
 from . import _ext, native
 from ._call_cache import CACHE
-from ._core import descriptor
+from ._core import Features, descriptor
 from .policy import Dense, Policy
 
 _Tensor = torch.Tensor
@@ -110,8 +110,14 @@ def _descales_key(descales: tuple) -> Optional[tuple]:
     return _sig(descales[0]), _sig(descales[1]), _sig(descales[2])
 
 
+def _features_key(features: Features) -> tuple:
+    if not plain(features.sinks):
+        raise TypeError("not a plain tensor")
+    return features.signature()
+
+
 def fa_key(policy: Optional[Policy], causal: bool, softmax_scale: Any, q: Any, k: Any, v: Any, out: Any,
-           descales: tuple, index: tuple, max_seqlen_q: Any) -> Tuple[Any, Optional[tuple]]:
+           descales: tuple, index: tuple, max_seqlen_q: Any, features: Features) -> Tuple[Any, Optional[tuple]]:
     """(key, host copies of the index tensors) of a FlashAttention-style call (see _call in
     flash_attn_interface.py), or (None, None) when it is not cached. max_seqlen_q counts
     with varlen q (it sizes a block mask)."""
@@ -122,13 +128,14 @@ def fa_key(policy: Optional[Policy], causal: bool, softmax_scale: Any, q: Any, k
         hosts, idx = _index_key(index)
         return (_FA, pk, causal, softmax_scale, q.shape, q.stride(), q.dtype, q.device, k.shape, k.stride(), k.dtype,
                 k.device, v.shape, v.stride(), v.dtype, v.device, None if out is None else _sig(out),
-                _descales_key(descales), idx, None if index[0] is None else max_seqlen_q), hosts
+                _descales_key(descales), idx, None if index[0] is None else max_seqlen_q,
+                _features_key(features)), hosts
     except Exception:  # an input the checks reject: the full call raises their error
         return None, None
 
 
 def op_key(policy: str, settings: str, causal: bool, softmax_scale: float, thresholds: Any, q: Any, k: Any, v: Any,
-           out: Any, lse: Any, descales: tuple, index: tuple) -> Tuple[Any, Optional[tuple]]:
+           out: Any, lse: Any, descales: tuple, index: tuple, features: Features) -> Tuple[Any, Optional[tuple]]:
     """(key, host copies) of a call of the torch ops' implementation (ops.py) without a block
     mask or chunked-prefill tensors. The plan views the threshold table: its address counts."""
     try:
@@ -138,7 +145,7 @@ def op_key(policy: str, settings: str, causal: bool, softmax_scale: float, thres
         hosts, idx = _index_key(index)
         return (_OP, policy, settings, causal, softmax_scale, table, q.shape, q.stride(), q.dtype, q.device, k.shape,
                 k.stride(), k.dtype, k.device, v.shape, v.stride(), v.dtype, v.device, _sig(out), _sig(lse),
-                _descales_key(descales), idx), hosts
+                _descales_key(descales), idx, _features_key(features)), hosts
     except Exception:
         return None, None
 
@@ -146,19 +153,23 @@ def op_key(policy: str, settings: str, causal: bool, softmax_scale: float, thres
 class Entry:
     """A prepared call: the plan bound to one validated call (call), what a hit allocates (out
     and lse shapes and dtype, on device), q's CUDA ordinal (-1 on the CPU), whether descales
-    are bound, and the threshold tables whose identity and layout the call was checked with
-    (watch: (tensor, data_ptr, shape, stride, dtype, device))."""
+    or sinks are bound (their pointers are patched per call), and the threshold tables whose
+    identity and layout the call was checked with (watch: (tensor, data_ptr, shape, stride,
+    dtype, device))."""
 
-    __slots__ = ("call", "out_shape", "out_dtype", "lse_shape", "device", "cuda", "descales", "watch", "pinned")
+    __slots__ = ("call", "out_shape", "out_dtype", "lse_shape", "device", "cuda", "descales", "sinks", "watch",
+                 "pinned")
 
-    def __init__(self, call: "_ext.PlanCall", q: Any, out: Any, lse: Any, descales: tuple, watch: tuple) -> None:
+    def __init__(self, call: "_ext.PlanCall", q: Any, out: Any, lse: Any, descales: tuple, sinks: Any,
+                 watch: tuple) -> None:
         self.call = call
-        self.out_shape = q.shape
+        self.out_shape = out.shape
         self.out_dtype = out.dtype
         self.lse_shape = lse.shape
         self.device = q.device
         self.cuda = q.device.index if q.is_cuda else -1
         self.descales = any(x is not None for x in descales)
+        self.sinks = sinks is not None
         self.watch = watch
         self.pinned = False
 
@@ -187,7 +198,7 @@ def lookup(key: Any) -> Optional[Entry]:
     return entry
 
 
-def run(entry: Entry, q: Any, k: Any, v: Any, out: Any, lse: Any, descales: tuple) -> Tuple[Any, Any]:
+def run(entry: Entry, q: Any, k: Any, v: Any, out: Any, lse: Any, descales: tuple, sinks: Any) -> Tuple[Any, Any]:
     """Runs a prepared call on q's device and current stream; allocates out and lse when None."""
     device = entry.device
     if out is None:
@@ -200,59 +211,59 @@ def run(entry: Entry, q: Any, k: Any, v: Any, out: Any, lse: Any, descales: tupl
     else:
         if _current_device() != index:
             with torch.cuda.device(index):
-                return run(entry, q, k, v, out, lse, descales)
+                return run(entry, q, k, v, out, lse, descales, sinks)
         stream = _raw_stream(index)
         if not entry.pinned and _capturing():
             CACHE.pin(entry)
-    if entry.descales:
-        qd, kd, vd = (0 if x is None else x.data_ptr() for x in descales)
+    if entry.descales or entry.sinks:
+        qd, kd, vd, sk = (0 if x is None else x.data_ptr() for x in (*descales, sinks))
         entry.call.run_ptrs(q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(), lse.data_ptr(), stream, qd, kd,
-                            vd)
+                            vd, sk)
     else:
         entry.call.run_ptrs(q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(), lse.data_ptr(), stream)
     return out, lse
 
 
 def bind(plan: "_ext.PlanHandle", q: Any, k: Any, v: Any, hosts: tuple, descales: tuple, causal: bool, scale: float,
-         out: Any, lse: Any, backend: int, num_threads: int, watch: tuple) -> Entry:
+         features: Features, out: Any, lse: Any, backend: int, num_threads: int, watch: tuple) -> Entry:
     """An entry running `plan` for calls like this validated one. The index descriptors point
     into private copies of the host index tensors, which the entry keeps."""
     private = tuple(None if h is None else h.clone() for h in hosts)
-    problem = native.problem_tuple(q, k, v, *private, causal, scale, *descales)
+    problem = native.problem_tuple(q, k, v, *private, causal, scale, *descales, features)
     call = plan.bind(problem, descriptor(out, "out"), descriptor(lse, "lse"), backend, num_threads, private)
-    return Entry(call, q, out, lse, descales, watch)
+    return Entry(call, q, out, lse, descales, features.sinks, watch)
 
 
 def _prepare(key: Any, owner: Any, q: Any, k: Any, v: Any, hosts: tuple, descales: tuple, causal: bool,
-             scale: float, handle: "_ext.PolicyHandle", thresholds: Any, out: Any, lse: Any,
+             scale: float, features: Features, handle: "_ext.PolicyHandle", thresholds: Any, out: Any, lse: Any,
              watch: tuple) -> Optional[Entry]:
     """A new entry for a validated call when its key is admitted (owner: see CallCache.admit),
     else None. Never under CUDA graph capture (a plan allocates and uploads device memory)."""
     if native.capturing(q) or not CACHE.admit(key, owner):
         return None
-    problem = native.problem_tuple(q, k, v, *hosts, causal, scale, *descales)
+    problem = native.problem_tuple(q, k, v, *hosts, causal, scale, *descales, features)
     try:
         with native.device_guard(q) as stream:
             plan = _ext.PlanHandle(problem, handle, 0, stream, thresholds)
-        return bind(plan, q, k, v, hosts, descales, causal, scale, out, lse, 0, 0, watch)
+        return bind(plan, q, k, v, hosts, descales, causal, scale, features, out, lse, 0, 0, watch)
     except _ext.Error:  # not plannable: the call runs in full and raises what it raises
         return None
 
 
 def execute(key: Any, owner: Any, q: Any, k: Any, v: Any, hosts: tuple, descales: tuple, causal: bool,
-            scale: float, policy: str, settings: list, thresholds: Any, mask: Any, chunked: Any, out: Any, lse: Any,
-            layer: Optional[int], watch: tuple) -> None:
+            scale: float, features: Features, policy: str, settings: list, thresholds: Any, mask: Any, chunked: Any,
+            out: Any, lse: Any, layer: Optional[int], watch: tuple) -> None:
     """Runs a validated call (hosts: host copies of its index tensors) into out and lse: through
     a new prepared call when `key` (None: not cached; owner: what it names by identity) is
     admitted, else in full (sp_run). An entry is kept once its first run succeeded."""
-    problem = native.problem_tuple(q, k, v, *hosts, causal, scale, *descales)
+    problem = native.problem_tuple(q, k, v, *hosts, causal, scale, *descales, features)
     handle = native.make_handle(policy, settings, problem, thresholds, mask, chunked)
-    entry = None if key is None else _prepare(key, owner, q, k, v, hosts, descales, causal, scale, handle,
+    entry = None if key is None else _prepare(key, owner, q, k, v, hosts, descales, causal, scale, features, handle,
                                               thresholds, out, lse, watch)
     if entry is None:
         native.execute(problem, handle, q, out, lse, 0, 0, False, layer)
         return
-    run(entry, q, k, v, out, lse, descales)
+    run(entry, q, k, v, out, lse, descales, features.sinks)
     CACHE.put(key, entry)
 
 

@@ -10,10 +10,16 @@ v_descale [batch, h_kv] (attention on q * q_descale[b, h // group], k * k_descal
 v * v_descale[b, kv head]); out is bfloat16. Policies dense and block_sparse, on the CPU backend and,
 on a compute capability 9.0 GPU with head_dim 128, the Hopper kernel (docs/semantics.md §1).
 
+The model-family features as FlashAttention defines them (docs/semantics.md §1): window_size
+(left, right) local attention (-1 no bound; (-1, 0) is causal attention), softcap, and v with a
+head dim of its own (out then has it); plus sinks=, gpt-oss's learned sinks (float32 [h_q] on
+q's device, one logit per query head in every row's softmax denominator). The reference and cpu
+backends run them; the CUDA backend raises UnsupportedError naming the feature until its kernels
+take it.
+
 Accepted and ignored (performance knobs): deterministic, num_splits, pack_gqa, sm_margin,
 scheduler_metadata. Raised as UnsupportedError naming the argument: dropout_p != 0,
-window_size other than (-1, -1) (or (-1, 0), which is causal), softcap != 0, alibi_slopes,
-qv, attention_chunk != 0, rotary_cos/rotary_sin. Forward only."""
+alibi_slopes, qv, attention_chunk != 0, rotary_cos/rotary_sin. Forward only."""
 
 from __future__ import annotations
 
@@ -23,9 +29,9 @@ from typing import Any, Optional, Sequence, Tuple
 import torch
 
 from . import _fastpath, ops  # noqa: F401  (ops registers torch.ops.sparseprefill.*)
-from ._core import InvalidArgumentError, check_problem, check_scale, dtype_name, out_dtype
+from ._core import NO_FEATURES, Features, InvalidArgumentError, check_problem, check_scale, dtype_name, out_dtype
 from ._ext import UnsupportedError
-from .native import InPlaceMask, host_index, policy_parts
+from .native import InPlaceMask, features_of, host_index, policy_parts
 from .policy import Dense, EstimateSelect, Policy
 from .stats import collecting
 
@@ -33,24 +39,23 @@ __all__ = ["flash_attn_func", "flash_attn_varlen_func", "flash_attn_with_kvcache
            "get_scheduler_metadata"]
 
 
-def _resolve_causal(causal: bool, window_size: Any) -> bool:
-    """FA's rule: a window (-1, 0) is causal attention; other windows are local attention."""
+def _features(causal: bool, window_size: Any, softcap: Any, sinks: Any) -> Tuple[bool, Features]:
+    """(causal, features) by FA's rule: a window (-1, 0) is causal attention (the kernels' causal
+    mask, no window); other windows are local attention, intersected with causal."""
     if window_size is None or (type(window_size) is tuple and window_size == (-1, -1)):
-        return bool(causal)
-    left, right = (int(w) for w in window_size)
-    if left < 0 and right < 0:
-        return bool(causal)
-    if left < 0 and right == 0:
-        return True
-    raise UnsupportedError(f"window_size: local (sliding-window) attention is not supported; expected (-1, -1), got ({left}, {right})")
+        if not softcap and sinks is None:
+            return bool(causal), NO_FEATURES
+        window_size = (-1, -1)
+    features = features_of(window_size, softcap, sinks)
+    if features.window == (-1, 0):
+        return True, features._replace(window=(-1, -1))
+    return bool(causal), features
 
 
-def _reject(dropout_p: float = 0.0, softcap: float = 0.0, alibi_slopes: Any = None, qv: Any = None,
-            attention_chunk: Optional[int] = 0, rotary_cos: Any = None, rotary_sin: Any = None) -> None:
+def _reject(dropout_p: float = 0.0, alibi_slopes: Any = None, qv: Any = None, attention_chunk: Optional[int] = 0,
+            rotary_cos: Any = None, rotary_sin: Any = None) -> None:
     if dropout_p:
         raise UnsupportedError(f"dropout_p: sparseprefill is inference-only; expected 0.0, got {dropout_p}")
-    if softcap:
-        raise UnsupportedError(f"softcap: logit soft-capping is not supported; expected 0.0, got {softcap}")
     for name, value in (("alibi_slopes", alibi_slopes), ("qv", qv)):
         if value is not None:
             raise UnsupportedError(f"{name}: not supported; expected None")
@@ -66,30 +71,35 @@ def _maybe_contiguous(x: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
 
 
 def _call(q, k, v, *, causal: bool, softmax_scale: Optional[float], cu_seqlens_q=None, cu_seqlens_k=None,
-          seqused_k=None, block_table=None, descales=(None, None, None), max_seqlen_q: Optional[int] = None,
-          out=None, policy: Optional[Policy] = None, layer: Optional[int] = None) -> Tuple[torch.Tensor, torch.Tensor]:
-    """One call: (out, lse). descales: (q_descale, k_descale, v_descale). In eager mode the
-    implementation runs here, as a prepared call when the cache holds one (_fastpath.py);
-    under tracing, compiling, functorch or autograd the torch op runs it."""
+          seqused_k=None, block_table=None, descales=(None, None, None), features: Features = NO_FEATURES,
+          max_seqlen_q: Optional[int] = None, out=None, policy: Optional[Policy] = None,
+          layer: Optional[int] = None) -> Tuple[torch.Tensor, torch.Tensor]:
+    """One call: (out, lse). descales: (q_descale, k_descale, v_descale); features checked
+    (_features). In eager mode the implementation runs here, as a prepared call when the cache
+    holds one (_fastpath.py); under tracing, compiling, functorch or autograd the torch op runs
+    it."""
     eager = _fastpath.eager(q, k, v)
     index = (cu_seqlens_q, cu_seqlens_k, seqused_k, block_table)
+    sinks = features.sinks
     key = hosts = None
     if eager and not collecting():
-        key, hosts = _fastpath.fa_key(policy, causal, softmax_scale, q, k, v, out, descales, index, max_seqlen_q)
+        key, hosts = _fastpath.fa_key(policy, causal, softmax_scale, q, k, v, out, descales, index, max_seqlen_q,
+                                      features)
         entry = None if key is None else _fastpath.lookup(key)
         if entry is not None:
             if layer is not None and type(layer) is not int:
                 int(layer)  # the conversion a full call makes: a bad layer raises alike
-            o, lse = _fastpath.run(entry, q, k, v, out, None, descales)
+            o, lse = _fastpath.run(entry, q, k, v, out, None, descales, sinks)
             if out is not None:
                 _fastpath.mark_written(out)
             return o, lse
     policy = Dense() if policy is None else policy
-    given = tuple((n, x) for n, x in zip(("q_descale", "k_descale", "v_descale"), descales) if x is not None)
+    given = tuple((n, x) for n, x in zip(("q_descale", "k_descale", "v_descale", "sinks"), (*descales, sinks))
+                  if x is not None)
     for name, x in (("q", q), ("k", k), ("v", v)) + given:
         if not isinstance(x, torch.Tensor):
             raise InvalidArgumentError(f"{name}: expected a torch.Tensor, got {type(x).__name__}")
-    geom = check_problem(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, block_table, out, None, *descales)
+    geom = check_problem(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, block_table, out, None, *descales, sinks)
     scale = check_scale(softmax_scale)
     if cu_seqlens_q is None:
         seq_q_max = q.shape[1]
@@ -104,10 +114,10 @@ def _call(q, k, v, *, causal: bool, softmax_scale: Optional[float], cu_seqlens_q
     for name, x in zip(("prompt_len", "k_block_means", "v_block_means", "block_means_valid"), chunked):
         if x is not None and not isinstance(x, torch.Tensor):
             raise InvalidArgumentError(f"{name}: expected a torch.Tensor, got {type(x).__name__}")
-    if eager and _fastpath.plain(out, *descales, thresholds, *chunked):
+    if eager and _fastpath.plain(out, *descales, sinks, thresholds, *chunked):
         settings = policy.settings()
         layer = None if layer is None or int(layer) < 0 else int(layer)
-        o = torch.empty(q.shape, dtype=out_dtype(q), device=q.device) if out is None else out
+        o = torch.empty(geom.out_shape, dtype=out_dtype(q), device=q.device) if out is None else out
         lse = torch.empty(geom.lse_shape, dtype=torch.float32, device=q.device)
         if hosts is None:
             hosts = tuple(host_index(x) for x in index)
@@ -117,7 +127,7 @@ def _call(q, k, v, *, causal: bool, softmax_scale: Optional[float], cu_seqlens_q
         else:
             chunked = None
         _fastpath.execute(key, _fastpath.identity_of(policy), q, k, v, hosts, descales, bool(causal), scale,
-                          policy.name, settings, thresholds, mask, chunked, o, lse, layer,
+                          features, policy.name, settings, thresholds, mask, chunked, o, lse, layer,
                           _fastpath.watch_of(thresholds))
         # What the op's mutation bookkeeping does for the tensors it writes in place.
         _fastpath.mark_written(out, *written)
@@ -134,8 +144,8 @@ def _call(q, k, v, *, causal: bool, softmax_scale: Optional[float], cu_seqlens_q
         indptr, indices = torch.from_numpy(mask[0]), torch.from_numpy(mask[1])
         mask_block_q, mask_block_k, per_kv_head = mask[2], mask[3], mask[4]
     args = (q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, block_table, *descales, bool(causal), scale,
-            policy.name, policy.settings_string(), thresholds, indptr, indices, mask_block_q, mask_block_k,
-            per_kv_head, -1 if layer is None else int(layer), *chunked)
+            *features.window, features.softcap, sinks, policy.name, policy.settings_string(), thresholds, indptr,
+            indices, mask_block_q, mask_block_k, per_kv_head, -1 if layer is None else int(layer), *chunked)
     if out is None:
         return torch.ops.sparseprefill.attention(*args)
     lse = torch.empty(geom.lse_shape, dtype=torch.float32, device=q.device)
@@ -146,16 +156,17 @@ def _call(q, k, v, *, causal: bool, softmax_scale: Optional[float], cu_seqlens_q
 def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
                     alibi_slopes=None, deterministic=False, return_attn_probs=False, *, qv=None, q_descale=None,
                     k_descale=None, v_descale=None, attention_chunk=0, num_splits=1, pack_gqa=None, sm_margin=0,
-                    return_softmax_lse=False, out=None, policy=None, layer=None):
-    """q [b, s_q, h_q, d], k, v [b, s_k, h_kv, d] -> out [b, s_q, h_q, d]; with
-    return_softmax_lse (out, lse [b, h_q, s_q] float32); with return_attn_probs FA2's
+                    return_softmax_lse=False, out=None, policy=None, layer=None, sinks=None):
+    """q [b, s_q, h_q, d], k [b, s_k, h_kv, d], v [b, s_k, h_kv, d_v] -> out [b, s_q, h_q, d_v];
+    with return_softmax_lse (out, lse [b, h_q, s_q] float32); with return_attn_probs FA2's
     (out, lse, None) (no probabilities are materialised). FP8: float8_e4m3fn q, k, v with
-    optional float32 q_descale, k_descale, v_descale [b, h_kv]; out is then bfloat16."""
-    _reject(dropout_p, softcap, alibi_slopes, qv, attention_chunk)
-    causal = _resolve_causal(causal, window_size)
+    optional float32 q_descale, k_descale, v_descale [b, h_kv]; out is then bfloat16.
+    window_size, softcap and sinks: the module's docstring."""
+    _reject(dropout_p, alibi_slopes, qv, attention_chunk)
+    causal, features = _features(causal, window_size, softcap, sinks)
     q, k, v = _maybe_contiguous(q), _maybe_contiguous(k), _maybe_contiguous(v)
     o, lse = _call(q, k, v, causal=causal, softmax_scale=softmax_scale, descales=(q_descale, k_descale, v_descale),
-                   out=out, policy=policy, layer=layer)
+                   features=features, out=out, policy=policy, layer=layer)
     if return_attn_probs:
         return o, lse, None
     return (o, lse) if return_softmax_lse else o
@@ -176,15 +187,15 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=Non
                            deterministic=False, return_attn_probs=False, block_table=None, *, seqused_q=None,
                            seqused_k=None, page_table=None, qv=None, q_descale=None, k_descale=None, v_descale=None,
                            attention_chunk=0, num_splits=1, pack_gqa=None, sm_margin=0, scheduler_metadata=None,
-                           return_softmax_lse=False, out=None, policy=None, layer=None):
+                           return_softmax_lse=False, out=None, policy=None, layer=None, sinks=None):
     """q [total_q, h_q, d] with cu_seqlens_q [b + 1]; k, v [total_k, h_kv, d] with cu_seqlens_k,
     or paged [num_pages, page_size, h_kv, d] with block_table (page_table) [b, max_pages] and
     seqused_k (or cu_seqlens_k, whose differences are then the lengths). seqused_q / seqused_k
-    limit each sequence to its first entries. Returns out [total_q, h_q, d]; with
-    return_softmax_lse (out, lse [h_q, total_q]); with return_attn_probs (out, lse, None). FP8
-    as flash_attn_func (descales [b, h_kv], b = len(cu_seqlens_q) - 1)."""
-    _reject(dropout_p, softcap, alibi_slopes, qv, attention_chunk)
-    causal = _resolve_causal(causal, window_size)
+    limit each sequence to its first entries. Returns out [total_q, h_q, d_v]; with
+    return_softmax_lse (out, lse [h_q, total_q]); with return_attn_probs (out, lse, None). FP8,
+    window_size, softcap and sinks as flash_attn_func (descales [b, h_kv], b = len(cu_seqlens_q) - 1)."""
+    _reject(dropout_p, alibi_slopes, qv, attention_chunk)
+    causal, features = _features(causal, window_size, softcap, sinks)
     cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k = (
         _index(x, n) for x, n in ((cu_seqlens_q, "cu_seqlens_q"), (cu_seqlens_k, "cu_seqlens_k"),
                                   (seqused_q, "seqused_q"), (seqused_k, "seqused_k")))
@@ -203,11 +214,11 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=Non
     if seqused_q is not None:
         o, lse = _varlen_seqused_q(q, k, v, cu_seqlens_q, seqused_q, causal=causal, softmax_scale=softmax_scale,
                                    cu_seqlens_k=cu_seqlens_k, seqused_k=seqused_k, block_table=table,
-                                   descales=descales, out=out, policy=policy, layer=layer)
+                                   descales=descales, features=features, out=out, policy=policy, layer=layer)
     else:
         o, lse = _call(q, k, v, causal=causal, softmax_scale=softmax_scale, cu_seqlens_q=cu_seqlens_q,
                        cu_seqlens_k=cu_seqlens_k, seqused_k=seqused_k, block_table=table, descales=descales,
-                       max_seqlen_q=max_seqlen_q, out=out, policy=policy, layer=layer)
+                       features=features, max_seqlen_q=max_seqlen_q, out=out, policy=policy, layer=layer)
     if return_attn_probs:
         return o, lse, None
     return (o, lse) if return_softmax_lse else o
@@ -230,7 +241,8 @@ def _varlen_seqused_q(q, k, v, cu_seqlens_q, seqused_q, *, out, **kwargs):
     packed_cu = torch.cat([torch.zeros(1, dtype=torch.int64), used.cumsum(0)]).to(torch.int32)
     o_packed, lse_packed = _call(q.index_select(0, rows), k, v, cu_seqlens_q=packed_cu,
                                  max_seqlen_q=int(used.max()) if used.numel() else 0, **kwargs)
-    o = torch.zeros(q.shape, dtype=out_dtype(q), device=q.device) if out is None else out.zero_()
+    o = torch.zeros(q.shape[:-1] + o_packed.shape[-1:], dtype=out_dtype(q), device=q.device) if out is None \
+        else out.zero_()
     o.index_copy_(0, rows, o_packed)
     lse = torch.full((q.shape[1], q.shape[0]), -math.inf, dtype=torch.float32, device=q.device)
     lse.index_copy_(1, rows, lse_packed)
@@ -245,8 +257,9 @@ def _append_kv(k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, page_tabl
     lengths = cache_seqlens.to("cpu", torch.int64)
     if k is None:
         return lengths
-    if k.shape != v.shape:
-        raise InvalidArgumentError(f"v: expected the shape of k {list(k.shape)}, got {list(v.shape)}")
+    if k.dim() != v.dim() or k.shape[:-1] != v.shape[:-1] or v.shape[-1] != v_cache.shape[-1]:
+        raise InvalidArgumentError(f"v: expected the shape of k {list(k.shape)} with v_cache's head dim "
+                                   f"{v_cache.shape[-1]}, got {list(v.shape)}")
     if k.dtype != k_cache.dtype or k.device != k_cache.device:
         raise InvalidArgumentError(f"k: expected k_cache's dtype and device ({dtype_name(k_cache)}, {k_cache.device}), "
                                    f"got ({dtype_name(k)}, {k.device})")
@@ -296,7 +309,7 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, qv=None, rotary
                             window_size=(-1, -1), attention_chunk=0, softcap=0.0, rotary_interleaved=True,
                             scheduler_metadata=None, num_splits=0, pack_gqa=None, sm_margin=0,
                             return_softmax_lse=False, *, block_table=None, alibi_slopes=None, out=None, policy=None,
-                            layer=None):
+                            layer=None, sinks=None):
     """FA3's cache call (chunked / paged prefill). q [b, s_q, h_q, d], or varlen
     [total_q, h_q, d] with cu_seqlens_q and max_seqlen_q. k_cache, v_cache
     [b_cache, s_cache, h_kv, d], or paged [num_pages, page_size, h_kv, d] with page_table
@@ -305,7 +318,8 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, qv=None, rotary
     those positions, in place. cache_batch_idx picks cache rows; cache_leftpad makes
     sequence b's keys start at that position. Returns out, or (out, lse) with
     return_softmax_lse (lse [b, h_q, s_q], varlen [h_q, total_q]). FP8: float8_e4m3fn q, caches
-    and new k, v, with descales [b, h_kv] indexed by q's batch, as flash_attn_func.
+    and new k, v, with descales [b, h_kv] indexed by q's batch, as flash_attn_func; window_size,
+    softcap and sinks as flash_attn_func (v_cache may have a head dim of its own).
 
     Chunked prefill with estimate_select: give the policy prompt_len (each prompt's length, so
     the tail is the prompt's) and the cache of block means beside this K/V cache
@@ -313,8 +327,8 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, qv=None, rotary
     d] in the cache's dtype on its device, written in place with the blocks each call
     completes); then every chunk makes the one-shot call's decisions and each block's mean is
     computed once (docs/semantics.md §1)."""
-    _reject(0.0, softcap, alibi_slopes, qv, attention_chunk, rotary_cos, rotary_sin)
-    causal = _resolve_causal(causal, window_size)
+    _reject(0.0, alibi_slopes, qv, attention_chunk, rotary_cos, rotary_sin)
+    causal, features = _features(causal, window_size, softcap, sinks)
     if page_table is not None and block_table is not None and page_table is not block_table:
         raise InvalidArgumentError("page_table: give page_table or block_table, not both")
     table = _index(page_table if page_table is not None else block_table, "page_table")
@@ -322,9 +336,10 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, qv=None, rotary
     for name, x in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)):
         if not isinstance(x, torch.Tensor):
             raise InvalidArgumentError(f"{name}: expected a torch.Tensor, got {type(x).__name__}")
-    if k_cache.dim() != 4 or v_cache.shape != k_cache.shape:
+    if k_cache.dim() != 4 or v_cache.dim() != 4 or v_cache.shape[:-1] != k_cache.shape[:-1]:
         raise InvalidArgumentError(f"k_cache, v_cache: expected one shape [b_cache, s_cache, h_kv, d] or "
-                                   f"[num_pages, page_size, h_kv, d], got {list(k_cache.shape)} and {list(v_cache.shape)}")
+                                   f"[num_pages, page_size, h_kv, d] (v_cache's head dim may differ), got "
+                                   f"{list(k_cache.shape)} and {list(v_cache.shape)}")
     if k_cache.stride(-1) != 1 or v_cache.stride(-1) != 1:
         raise InvalidArgumentError("k_cache, v_cache: the last dimension must be contiguous (stride 1)")
     varlen_q = q.dim() == 3
@@ -389,8 +404,8 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, qv=None, rotary
             vv = v_rows.reshape(-1, *v_rows.shape[2:])[base:]
             layout = dict(cu_seqlens_k=(cu_k - base).to(torch.int32), seqused_k=(lengths - left).to(torch.int32))
     o, lse = _call(q, kk, vv, causal=causal, softmax_scale=softmax_scale, cu_seqlens_q=cu_seqlens_q,
-                   descales=(q_descale, k_descale, v_descale), max_seqlen_q=max_seqlen_q, out=out, policy=policy,
-                   layer=layer, **layout)
+                   descales=(q_descale, k_descale, v_descale), features=features, max_seqlen_q=max_seqlen_q, out=out,
+                   policy=policy, layer=layer, **layout)
     return (o, lse) if return_softmax_lse else o
 
 

@@ -15,8 +15,8 @@ from typing import Any, NamedTuple, Optional, Tuple
 import numpy as np
 
 from . import _ext, stats as _stats
-from ._core import (Geometry, InvalidArgumentError, backend_code, check_problem, check_scale, descriptor,
-                    device_of, is_torch, out_dtype)
+from ._core import (NO_FEATURES, Features, Geometry, InvalidArgumentError, backend_code, check_problem, check_scale,
+                    check_softcap, check_window, descriptor, device_of, is_torch, out_dtype)
 from ._ext import UnsupportedError
 from .policy import BlockSparse, Dense, EstimateSelect, ExactGate, Policy
 
@@ -148,13 +148,19 @@ def max_seq_q(q: Any, cu_seqlens_q_host: Any) -> int:
 
 def problem_tuple(q: Any, k: Any, v: Any, cu_q: Any, cu_k: Any, seqused_k: Any, block_table: Any,
                   causal: bool, scale: float, q_descale: Any = None, k_descale: Any = None,
-                  v_descale: Any = None) -> tuple:
+                  v_descale: Any = None, features: Features = NO_FEATURES) -> tuple:
     """The binding's problem tuple: sp_problem's fields in order."""
     return (descriptor(q, "q"), descriptor(k, "k"), descriptor(v, "v"),
             descriptor(cu_q, "cu_seqlens_q"), descriptor(cu_k, "cu_seqlens_k"),
             descriptor(seqused_k, "seqused_k"), descriptor(block_table, "block_table"),
             descriptor(q_descale, "q_descale"), descriptor(k_descale, "k_descale"),
-            descriptor(v_descale, "v_descale"), bool(causal), float(scale))
+            descriptor(v_descale, "v_descale"), bool(causal), float(scale), *features.fields())
+
+
+def features_of(window_size: Any = None, softcap: Any = 0.0, sinks: Any = None) -> Features:
+    """The checked model-family features of a call (the sinks' shape and device are checked with
+    the problem: check_problem)."""
+    return Features(check_window(window_size), check_softcap(softcap), sinks)
 
 
 def make_handle(name: str, settings: list, problem: tuple, thresholds: Any = None,
@@ -291,15 +297,16 @@ def _empty(like: Any, shape: Tuple[int, ...], float32: bool) -> Any:
 
 def _prepare(q: Any, k: Any, v: Any, policy: Optional[Policy], causal: bool, softmax_scale: Optional[float],
              cu_seqlens_q: Any, cu_seqlens_k: Any, seqused_k: Any, block_table: Any, descales: tuple,
-             out: Any = None, lse: Any = None) -> tuple:
+             features: Features, out: Any = None, lse: Any = None) -> tuple:
     """(geometry, problem tuple, policy handle, host index copies, thresholds, max s_q): the
     checks and conversions every native entry point runs first. descales: (q_descale,
     k_descale, v_descale)."""
     policy = Dense() if policy is None else policy
-    geom = check_problem(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, block_table, out, lse, *descales)
+    geom = check_problem(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, block_table, out, lse, *descales,
+                         features.sinks)
     scale = check_scale(softmax_scale)
     hosts = tuple(host_index(x) for x in (cu_seqlens_q, cu_seqlens_k, seqused_k, block_table))
-    problem = problem_tuple(q, k, v, *hosts, causal, scale, *descales)
+    problem = problem_tuple(q, k, v, *hosts, causal, scale, *descales, features)
     seq_q_max = max_seq_q(q, hosts[0])
     thresholds, mask = policy_parts(policy, q, geom, seq_q_max)
     handle = make_handle(policy.name, policy.settings(), problem, thresholds, mask, chunked_parts(policy))
@@ -313,20 +320,22 @@ def _threads(num_threads: int) -> int:
 
 
 def _outputs(q: Any, geom: Geometry, out: Any, lse: Any) -> Tuple[Any, Any]:
-    return (_empty(q, tuple(q.shape), False) if out is None else out,
+    return (_empty(q, tuple(geom.out_shape), False) if out is None else out,
             _empty(q, geom.lse_shape, True) if lse is None else lse)
 
 
 def _run(q: Any, k: Any, v: Any, policy: Optional[Policy] = None, *, causal: bool = True,
          softmax_scale: Optional[float] = None, cu_seqlens_q: Any = None, cu_seqlens_k: Any = None,
          seqused_k: Any = None, block_table: Any = None, q_descale: Any = None, k_descale: Any = None,
-         v_descale: Any = None, out: Any = None, lse: Any = None, backend: str = "auto", num_threads: int = 0,
-         stats: bool = True, decisions: bool = False, layer: Optional[int] = None) -> Result:
+         v_descale: Any = None, window_size: Any = (-1, -1), softcap: float = 0.0, sinks: Any = None,
+         out: Any = None, lse: Any = None, backend: str = "auto", num_threads: int = 0, stats: bool = True,
+         decisions: bool = False, layer: Optional[int] = None) -> Result:
     code = backend_code(backend)
     threads = _threads(num_threads)
     geom, problem, handle, _, _, seq_q_max = _prepare(q, k, v, policy, causal, softmax_scale, cu_seqlens_q,
                                                       cu_seqlens_k, seqused_k, block_table,
-                                                      (q_descale, k_descale, v_descale), out, lse)
+                                                      (q_descale, k_descale, v_descale),
+                                                      features_of(window_size, softcap, sinks), out, lse)
     out, lse = _outputs(q, geom, out, lse)
     if not decisions:
         return Result(out, lse, execute(problem, handle, q, out, lse, code, threads, stats, layer))
@@ -344,12 +353,18 @@ def run(*args: Any, **kwargs: Any) -> Result:
 
     run(q, k, v, policy=None, *, causal=True, softmax_scale=None, cu_seqlens_q=None,
         cu_seqlens_k=None, seqused_k=None, block_table=None, q_descale=None, k_descale=None,
-        v_descale=None, out=None, lse=None, backend="auto", num_threads=0, stats=True,
-        decisions=False, layer=None)
+        v_descale=None, window_size=(-1, -1), softcap=0.0, sinks=None, out=None, lse=None,
+        backend="auto", num_threads=0, stats=True, decisions=False, layer=None)
       under `policy` (Dense() by default) in FlashAttention's layouts: batched q [b, s_q, h_q, d]
-      with k, v [b, s_k, h_kv, d]; varlen q [total_q, h_q, d] with cu_seqlens_q, and k, v
-      [total_k, h_kv, d] with cu_seqlens_k or paged [num_pages, page_size, h_kv, d] with
-      block_table and seqused_k. Causal is bottom-right aligned. backend is "auto",
+      with k [b, s_k, h_kv, d] and v [b, s_k, h_kv, d_v]; varlen q [total_q, h_q, d] with
+      cu_seqlens_q, and k, v [total_k, h_kv, d or d_v] with cu_seqlens_k or paged
+      [num_pages, page_size, h_kv, d or d_v] with block_table and seqused_k; out has q's shape
+      with d_v last. Causal is bottom-right aligned. The model-family features
+      (docs/semantics.md §1; the reference and cpu backends run them, CUDA raises
+      UnsupportedError naming each): window_size FlashAttention's (left, right), -1 no bound,
+      intersected with causal; softcap c > 0 caps every score to c * tanh(s / c); sinks float32
+      [h_q] on q's device, one logit per query head added to every row's softmax denominator
+      (gpt-oss), in out and lse. backend is "auto",
       "reference" (the fp64 oracle), "cpu" or "cuda". FP8 inputs (torch.float8_e4m3fn q, k and
       v; dense and block_sparse, host backends) may take float32 descales [b, h_kv]: attention
       runs on q * q_descale[b, h // group], k * k_descale[b, kv head], v * v_descale[b, kv head]
@@ -358,12 +373,14 @@ def run(*args: Any, **kwargs: Any) -> Result:
     run(plan, q, k, v, *, cu_seqlens_q=None, ..., q_descale=None, ..., out=None, lse=None,
         num_threads=0, stats=True, decisions=False, layer=None)
       with a Plan from plan(): same shapes as the plan's (checked), the plan's policy, causal,
-      scale and backend, no re-validation of the policy and (CUDA) no mask upload.
+      scale, window, softcap, sinks and backend, no re-validation of the policy and (CUDA) no
+      mask upload.
 
-    Returns (out, lse, stats, decisions): out in q's layout and dtype (bfloat16 for FP8), lse float32 [b, h_q, s_q]
-    (varlen: [h_q, total_q]), stats a CallStats (None with stats=False or under CUDA graph
-    capture), decisions a Decisions with decisions=True (reading them back synchronises the
-    CUDA stream, and is refused under capture), else None."""
+    Returns (out, lse, stats, decisions): out in q's layout with d_v last and q's dtype
+    (bfloat16 for FP8), lse float32 [b, h_q, s_q] (varlen: [h_q, total_q]), stats a CallStats
+    (None with stats=False or under CUDA graph capture), decisions a Decisions with
+    decisions=True (reading them back synchronises the CUDA stream, and is refused under
+    capture), else None."""
     if args and isinstance(args[0], Plan):
         return args[0].run(*args[1:], **kwargs)
     return _run(*args, **kwargs)
@@ -372,8 +389,8 @@ def run(*args: Any, **kwargs: Any) -> Result:
 def select(q: Any, k: Any, v: Any, policy: Optional[Policy] = None, *, causal: bool = True,
            softmax_scale: Optional[float] = None, cu_seqlens_q: Any = None, cu_seqlens_k: Any = None,
            seqused_k: Any = None, block_table: Any = None, q_descale: Any = None, k_descale: Any = None,
-           v_descale: Any = None, backend: str = "auto", num_threads: int = 0,
-           layer: Optional[int] = None, device: bool = False) -> Any:
+           v_descale: Any = None, window_size: Any = (-1, -1), softcap: float = 0.0, sinks: Any = None,
+           backend: str = "auto", num_threads: int = 0, layer: Optional[int] = None, device: bool = False) -> Any:
     """The policy's selector alone, no attention: Selection(mask, corrected, stats). Dense
     selects every visible block (128 x 128 blocks), BlockSparse its own mask, EstimateSelect
     what its selector keeps (on CUDA the GPU selector's device mask, copied back: this
@@ -386,7 +403,8 @@ def select(q: Any, k: Any, v: Any, policy: Optional[Policy] = None, *, causal: b
     threads = _threads(num_threads)
     geom, problem, handle, _, _, seq_q_max = _prepare(q, k, v, policy, causal, softmax_scale, cu_seqlens_q,
                                                       cu_seqlens_k, seqused_k, block_table,
-                                                      (q_descale, k_descale, v_descale))
+                                                      (q_descale, k_descale, v_descale),
+                                                      features_of(window_size, softcap, sinks))
     if device:
         return _select_on_device(q, geom, problem, handle, policy, code, seq_q_max, cu_seqlens_k, seqused_k,
                                  block_table, k)
@@ -492,12 +510,13 @@ class Plan:
     conversion and runs with the data pointers patched (docs/python.md, "Prepared calls")."""
 
     def __init__(self, handle: "_ext.PlanHandle", geom: Geometry, policy: Policy, causal: bool, scale: float,
-                 backend: int, device: Tuple[str, int]) -> None:
+                 features: Features, backend: int, device: Tuple[str, int]) -> None:
         self._handle = handle
         self._geom = geom
         self.policy = policy
         self.causal = causal
         self._scale = scale
+        self._features = features
         self._backend = backend
         self._device = device
         # (key, _fastpath.Entry) of the last call checked in full on the lean path.
@@ -521,14 +540,14 @@ class Plan:
             key = fast.plan_key(q, k, v, index, descales, out, lse, num_threads)
             prepared = self._prepared
             if prepared is not None and key == prepared[0]:
-                out, lse = fast.run(prepared[1], q, k, v, out, lse, descales)
+                out, lse = fast.run(prepared[1], q, k, v, out, lse, descales, self._features.sinks)
                 return Result(out, lse, None, None)
         threads = _threads(num_threads)
         geom = check_problem(q, k, v, *index, out, lse, *descales)
         if device_of(q) != self._device:
             raise InvalidArgumentError(f"q: the plan was made for device {self._device}, got {device_of(q)}")
         hosts = tuple(host_index(x) for x in index)
-        problem = problem_tuple(q, k, v, *hosts, self.causal, self._scale, *descales)
+        problem = problem_tuple(q, k, v, *hosts, self.causal, self._scale, *descales, self._features)
         out, lse = _outputs(q, geom, out, lse)
 
         def launch(stream: int, read_stats: bool) -> tuple:
@@ -538,8 +557,8 @@ class Plan:
         call, raw = _call(q, stats, decisions, layer, self._handle.describe, launch)
         if key is not None:
             # Checked in full and run: calls with this key may skip both from now on.
-            entry = fast.bind(self._handle, q, k, v, hosts, descales, self.causal, self._scale, out, lse,
-                              self._backend, threads, ())
+            entry = fast.bind(self._handle, q, k, v, hosts, descales, self.causal, self._scale, self._features, out,
+                              lse, self._backend, threads, ())
             self._prepared = (key, entry)
         found = Decisions.from_ext(raw, geom, max_seq_q(q, hosts[0]), call.density if call else None)
         return Result(out, lse, call, found)
@@ -562,37 +581,44 @@ def _fastpath() -> Any:
 def plan(q: Any, k: Any, v: Any, policy: Optional[Policy] = None, *, causal: bool = True,
          softmax_scale: Optional[float] = None, cu_seqlens_q: Any = None, cu_seqlens_k: Any = None,
          seqused_k: Any = None, block_table: Any = None, q_descale: Any = None, k_descale: Any = None,
-         v_descale: Any = None, backend: str = "auto") -> Plan:
+         v_descale: Any = None, window_size: Any = (-1, -1), softcap: float = 0.0, sinks: Any = None,
+         backend: str = "auto") -> Plan:
     """A Plan for calls shaped like (q, k, v) under `policy`: shapes, layout, sequence lengths,
     dtype and device are fixed (run(plan, ...) checks them and names the first difference);
-    the tensors' contents are not read. Arguments as run(). Make plans outside CUDA graph
+    the tensors' contents are not read. Arguments as run(); the plan keeps the window, softcap
+    and sinks (whose values its calls read as they run). Make plans outside CUDA graph
     capture."""
     code = backend_code(backend)
     scale = check_scale(softmax_scale)
+    features = features_of(window_size, softcap, sinks)
     geom, problem, handle, _, thresholds, _ = _prepare(q, k, v, policy, causal, softmax_scale, cu_seqlens_q,
                                                        cu_seqlens_k, seqused_k, block_table,
-                                                       (q_descale, k_descale, v_descale))
+                                                       (q_descale, k_descale, v_descale), features)
     if capturing(q):
         raise UnsupportedError("plan: allocates and uploads device memory; make plans before CUDA graph capture")
     with device_guard(q) as stream:
         plan_handle = _ext.PlanHandle(problem, handle, code, stream, thresholds)
-    return Plan(plan_handle, geom, Dense() if policy is None else policy, bool(causal), scale, code, device_of(q))
+    return Plan(plan_handle, geom, Dense() if policy is None else policy, bool(causal), scale, features, code,
+                device_of(q))
 
 
 def can_run(q: Any, k: Any, v: Any, policy: Optional[Policy] = None, *, causal: bool = True,
             backend: str = "auto", **layout: Any) -> Tuple[bool, str]:
     """(True, "") when `backend` runs this call; otherwise (False, what is compiled). layout: the
-    index tensors, softmax_scale and the FP8 descales, as run() takes them."""
+    index tensors, softmax_scale, the FP8 descales, window_size, softcap and sinks, as run()
+    takes them."""
     policy = Dense() if policy is None else policy
     names = ("cu_seqlens_q", "cu_seqlens_k", "seqused_k", "block_table")
     descale_names = ("q_descale", "k_descale", "v_descale")
-    unknown = set(layout) - set(names) - set(descale_names) - {"softmax_scale"}
+    feature_names = ("window_size", "softcap", "sinks")
+    unknown = set(layout) - set(names) - set(descale_names) - set(feature_names) - {"softmax_scale"}
     if unknown:
         raise InvalidArgumentError(f"{sorted(unknown)[0]}: unexpected argument")
     descales = tuple(layout.get(n) for n in descale_names)
-    geom = check_problem(q, k, v, *(layout.get(n) for n in names), None, None, *descales)
+    features = features_of(layout.get("window_size"), layout.get("softcap"), layout.get("sinks"))
+    geom = check_problem(q, k, v, *(layout.get(n) for n in names), None, None, *descales, features.sinks)
     host = [host_index(layout.get(n)) for n in names]
-    problem = problem_tuple(q, k, v, *host, causal, check_scale(layout.get("softmax_scale")), *descales)
+    problem = problem_tuple(q, k, v, *host, causal, check_scale(layout.get("softmax_scale")), *descales, features)
     thresholds, mask = policy_parts(policy, q, geom, max_seq_q(q, host[0]))
     handle = make_handle(policy.name, policy.settings(), problem, thresholds, mask, chunked_parts(policy))
     code, message = _ext.can_run(problem, handle, backend_code(backend))

@@ -3,7 +3,12 @@
 attn_implementation="sparseprefill" available. Each attention layer gets its policy from a
 BackendConfig (the first layers dense, per-layer policies or calibrated thresholds); decode
 steps (one query) and short prefills run dense. K/V keep their h_kv heads (GQA without
-repetition); padding masks are handled by packing the valid tokens (varlen)."""
+repetition); padding masks are handled by packing the valid tokens (varlen). What the model's
+attention module passes is applied in every call, whatever the policy: its sliding window
+(Gemma 2/3, gpt-oss, Mistral: a window of w tokens is FlashAttention's (w - 1, w - 1),
+intersected with causal), its softcap (Gemma 2) and its learned sinks (gpt-oss's s_aux), on the
+backends that run them (docs/semantics.md §1; the CUDA backend raises UnsupportedError naming
+the feature until its kernels take it)."""
 
 from __future__ import annotations
 
@@ -12,7 +17,7 @@ from typing import Any, Callable, Dict, Optional, Tuple, Union
 
 import torch
 
-from ._ext import UnsupportedError
+from ._ext import InvalidArgumentError, UnsupportedError
 from .calibration import Calibration, load_calibration
 from .flash_attn_interface import flash_attn_func, flash_attn_varlen_func
 from .policy import Dense, ExactGate, Policy
@@ -92,16 +97,19 @@ def _unpad(x: torch.Tensor, valid: torch.Tensor) -> Tuple[torch.Tensor, torch.Te
 def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                       attention_mask: Optional[torch.Tensor], dropout: float = 0.0, scaling: Optional[float] = None,
                       sliding_window: Optional[int] = None, softcap: Optional[float] = None,
-                      **kwargs: Any) -> Tuple[torch.Tensor, None]:
-    """AttentionInterface function: query [b, h_q, s_q, d], key/value [b, h_kv, s_k, d]
-    (cache included) -> ([b, s_q, h_q, d], None). attention_mask is None or a 2D padding
-    mask [b, s_k] (flash_attention_mask semantics)."""
+                      s_aux: Optional[torch.Tensor] = None, **kwargs: Any) -> Tuple[torch.Tensor, None]:
+    """AttentionInterface function: query [b, h_q, s_q, d], key [b, h_kv, s_k, d], value
+    [b, h_kv, s_k, d_v] (cache included) -> ([b, s_q, h_q, d_v], None). attention_mask is None or
+    a 2D padding mask [b, s_k] (flash_attention_mask semantics). sliding_window, softcap and s_aux
+    (sinks [h_q]) as the module passes them."""
     if dropout:
         raise UnsupportedError(f"dropout: sparseprefill is inference-only; expected 0.0, got {dropout}")
-    if sliding_window is not None:
-        raise UnsupportedError(f"sliding_window: not supported, got {sliding_window}")
-    if softcap:
-        raise UnsupportedError(f"softcap: not supported, got {softcap}")
+    if sliding_window is not None and (isinstance(sliding_window, bool) or int(sliding_window) < 1):
+        raise InvalidArgumentError(f"sliding_window: expected None or a number of tokens >= 1, got {sliding_window!r}")
+    window = (-1, -1) if sliding_window is None else (int(sliding_window) - 1, int(sliding_window) - 1)
+    # The module's sinks are a parameter in the model's dtype; the library takes float32.
+    sinks = None if s_aux is None else s_aux.detach().to(device=query.device, dtype=torch.float32)
+    features = dict(window_size=window, softcap=softcap or 0.0, sinks=sinks)
     causal = kwargs.get("is_causal")
     causal = getattr(module, "is_causal", True) if causal is None else bool(causal)
     layer = getattr(module, "layer_idx", None)
@@ -113,7 +121,7 @@ def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.T
             f"attention_mask: expected None or a 2D padding mask [b, s_k], got rank {attention_mask.dim()}; "
             "register() installs the matching mask function")
     if attention_mask is None or bool(attention_mask.all()):
-        out = flash_attn_func(q, k, v, softmax_scale=scaling, causal=causal, policy=policy, layer=layer)
+        out = flash_attn_func(q, k, v, softmax_scale=scaling, causal=causal, policy=policy, layer=layer, **features)
         return out, None
     valid_k = attention_mask.to(torch.bool)[:, -k.shape[1]:]
     valid_q = valid_k[:, -s_q:]
@@ -121,10 +129,10 @@ def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.T
     k_rows, _, cu_k, max_k = _unpad(k, valid_k)
     v_rows = v.reshape(-1, *v.shape[2:]).index_select(0, valid_k.reshape(-1).nonzero().squeeze(1))
     packed = flash_attn_varlen_func(q_rows, k_rows, v_rows, cu_q, cu_k, max_q, max_k, softmax_scale=scaling,
-                                    causal=causal, policy=policy, layer=layer)
-    out = q.new_zeros(b * s_q, *q.shape[2:])
+                                    causal=causal, policy=policy, layer=layer, **features)
+    out = q.new_zeros(b * s_q, *packed.shape[1:])
     out.index_copy_(0, rows, packed)
-    return out.reshape(b, s_q, *q.shape[2:]), None
+    return out.reshape(b, s_q, *packed.shape[1:]), None
 
 
 def register(config: Optional[BackendConfig] = None, name: str = NAME) -> str:

@@ -153,7 +153,15 @@ Status to_problem(const sp_problem* p, sparseprefill::AttentionProblem* out) {
   SP_RETURN_IF_ERROR(to_view(p->v_descale, "v_descale", &out->v_descale));
   out->causal = p->causal != 0;
   out->scale = p->scale;
-  return Status::ok_status();
+  if (p->local != 0) {
+    out->window_left = p->window_left;
+    out->window_right = p->window_right;
+  } else if (p->window_left != 0 || p->window_right != 0) {
+    return sparseprefill::invalid_argument("window_left/window_right: set while local = 0 (no window); set local to "
+                                           "1 for a window, or leave both 0");
+  }
+  out->softcap = p->softcap;
+  return to_view(p->sinks, "sinks", &out->sinks);
 }
 
 Status to_backend(int32_t code, sparseprefill::Backend* out) {

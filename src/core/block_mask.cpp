@@ -6,18 +6,13 @@
 #include <string>
 
 #include "core/geometry.h"
+#include "core/shape_geometry.h"
 
 namespace sparseprefill {
 namespace {
 
 geom::BlockGeometry geometry_of(const ProblemShape& s, int b, int block_q, int block_k) {
-  geom::BlockGeometry g;
-  g.seq.s_q = s.seq_q[static_cast<std::size_t>(b)];
-  g.seq.s_k = s.seq_k[static_cast<std::size_t>(b)];
-  g.seq.causal = s.causal;
-  g.block_q = block_q;
-  g.block_k = block_k;
-  return g;
+  return detail::block_geometry(s, b, block_q, block_k);
 }
 
 std::string where(int b, int h, int qb) {
@@ -64,13 +59,16 @@ BlockMask BlockMask::all_visible(const ProblemShape& s, int block_q, int block_k
       for (int qb = 0; qb < g.num_q_blocks(); ++qb) {
         const std::int64_t r = m.row(b, h, qb);
         const std::int64_t base = r * m.num_k_blocks;
-        const int full_end = g.full_end(qb), visible_end = g.visible_end(qb);
-        for (int kb = 0; kb < full_end; ++kb) m.full_index[static_cast<std::size_t>(base + kb)] = kb;
-        for (int kb = full_end; kb < visible_end; ++kb) {
-          m.partial_index[static_cast<std::size_t>(base + kb - full_end)] = kb;
+        // Full blocks [full_begin, full_end); partial the bands below and above them.
+        std::int32_t& full = m.full_count[static_cast<std::size_t>(r)];
+        std::int32_t& partial = m.partial_count[static_cast<std::size_t>(r)];
+        for (int kb = g.visible_begin(qb); kb < g.visible_end(qb); ++kb) {
+          if (g.is_full(qb, kb)) {
+            m.full_index[static_cast<std::size_t>(base + full++)] = kb;
+          } else {
+            m.partial_index[static_cast<std::size_t>(base + partial++)] = kb;
+          }
         }
-        m.full_count[static_cast<std::size_t>(r)] = full_end;
-        m.partial_count[static_cast<std::size_t>(r)] = visible_end - full_end;
       }
     }
   }
@@ -197,7 +195,7 @@ Status BlockMask::validate_for(const ProblemShape& s) const {
           const int kb = full_index[static_cast<std::size_t>(r * num_k_blocks + i)];
           if (!g.is_full(qb, kb)) {
             return invalid_argument("BlockMask: key block " + std::to_string(kb) + " listed as full in row " + where(b, h, qb) +
-                                    (g.is_visible(qb, kb) ? " is partial (the causal mask cuts it)" : " is not visible"));
+                                    (g.is_visible(qb, kb) ? " is partial (the causal mask or the window cuts it)" : " is not visible"));
           }
         }
         for (int i = 0; i < partial_count[static_cast<std::size_t>(r)]; ++i) {
@@ -241,7 +239,7 @@ Status BlockMask::from_dense(const ProblemShape& s, int block_q, int block_k, bo
         for (int kb = 0; kb < m.num_k_blocks; ++kb) {
           if (map[base + kb]) {
             Status st = m.add(s, b, h, qb, kb);
-            if (!st.ok()) return invalid_argument("map" + where(b, h, qb) + "[" + std::to_string(kb) + "]: selected, but the block is not causally visible");
+            if (!st.ok()) return invalid_argument("map" + where(b, h, qb) + "[" + std::to_string(kb) + "]: selected, but the block is not visible (causal mask and window)");
           }
         }
       }
@@ -295,9 +293,9 @@ Status BlockMask::from_csr(const ProblemShape& s, int block_q, int block_k, bool
             return invalid_argument("indices: row " + where(b, h, qb) + " must be strictly ascending");
           }
           if (!g.is_visible(qb, kb)) {
-            return invalid_argument("indices: key block " + std::to_string(kb) + " in row " + where(b, h, qb) + " is not causally visible");
+            return invalid_argument("indices: key block " + std::to_string(kb) + " in row " + where(b, h, qb) + " is not visible (causal mask and window)");
           }
-          // Ascending input: appending keeps both lists sorted (full blocks are a prefix).
+          // Ascending input: appending keeps both lists sorted.
           std::int32_t& count = g.is_full(qb, kb) ? m.full_count[r] : m.partial_count[r];
           std::vector<std::int32_t>& list = g.is_full(qb, kb) ? m.full_index : m.partial_index;
           list[r * static_cast<std::size_t>(m.num_k_blocks) + static_cast<std::size_t>(count++)] = kb;

@@ -8,6 +8,7 @@
 #include "core/geometry.h"
 #include "core/mask_faults.h"
 #include "core/rules/block_sparse.h"
+#include "core/shape_geometry.h"
 #include "sparseprefill/block_mask.h"
 
 namespace sparseprefill {
@@ -50,7 +51,8 @@ std::string detail::mask_fault_message(const rules::MaskFaultRecord& f) {
              " (the index tensor's last dimension)";
     case rules::kMaskRange:
       return where + " entry " + std::to_string(f.entry) + " is key block " + std::to_string(f.value) +
-             ", not causally visible to its query block (key blocks 0 .. " + std::to_string(f.limit - 1) + ")";
+             ", not visible to its query block (the causal mask leaves key blocks below " + std::to_string(f.limit) +
+             ", a local window fewer)";
     case rules::kMaskOrder:
       return where + " entry " + std::to_string(f.entry) + " is key block " + std::to_string(f.value) +
              ", not above the entry before it (each list must be strictly ascending)";
@@ -125,11 +127,10 @@ Status DeviceBlockMask::to_block_mask(const ProblemShape& s, BlockMask* out) con
   const auto at = [](const TensorView& t, std::int64_t offset) { return static_cast<const std::int32_t*>(t.data)[offset]; };
   rules::MaskFaultRecord f{};
   for (int b = 0; b < s.batch && f.fault == 0; ++b) {
-    const geom::BlockGeometry g{{s.seq_q[static_cast<std::size_t>(b)], s.seq_k[static_cast<std::size_t>(b)], s.causal},
-                                block_q, block_k};
+    const geom::BlockGeometry g = detail::block_geometry(s, b, block_q, block_k);
     for (int h = 0; h < heads && f.fault == 0; ++h) {
       for (int qb = 0; qb < g.num_q_blocks() && f.fault == 0; ++qb) {
-        const int visible = g.visible_end(qb);
+        const int visible = g.visible_end(qb), visible_begin = g.visible_begin(qb);
         for (int list = 0; list < (is_csr() ? 1 : 2) && f.fault == 0; ++list) {
           // The list's entries: [first, first + n) of `index` (strided rows of Flex's tensors, or CSR).
           const TensorView& index = is_csr() ? csr_indices : (list == 0 ? partial_index : full_index);
@@ -158,7 +159,7 @@ Status DeviceBlockMask::to_block_mask(const ProblemShape& s, BlockMask* out) con
           std::int64_t prev = -1;
           for (std::int64_t i = 0; i < n; ++i) {
             const std::int64_t kb = at(index, first + i);
-            rules::MaskFault fault = rules::mask_entry_fault(kb, prev, visible);
+            rules::MaskFault fault = rules::mask_entry_fault(kb, prev, visible, visible_begin);
             if (fault == rules::kMaskOk && m.contains(b, h, qb, static_cast<int>(kb))) fault = rules::kMaskBoth;
             if (fault != rules::kMaskOk) {
               f = {fault, is_csr() ? 2 : list, b, h, qb, static_cast<std::int32_t>(i), kb,

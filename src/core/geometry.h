@@ -25,23 +25,46 @@ SP_HD std::int64_t min64(std::int64_t a, std::int64_t b) { return a < b ? a : b;
 SP_HD std::int64_t max64(std::int64_t a, std::int64_t b) { return a > b ? a : b; }
 
 // One sequence of a call. Rows are call-relative query indices 0 .. s_q-1; keys are absolute
-// positions 0 .. s_k-1; row r sits at absolute position r + (s_k - s_q) (bottom-right).
+// positions 0 .. s_k-1; row r sits at absolute position a = r + (s_k - s_q) (bottom-right).
+// Row r sees the keys [first_key(r), last_key(r)]: causal ends them at a; the local window
+// (FlashAttention's window_size, docs/semantics.md §1) keeps a - window_left .. a + window_right
+// (-1: no bound on that side); causal and window intersect. The kernels construct this as
+// {s_q, s_k, causal}: the window then defaults to unbounded, i.e. plain causal or full.
 struct SeqGeometry {
   std::int64_t s_q = 0;
   std::int64_t s_k = 0;
   bool causal = true;
+  std::int64_t window_left = -1;
+  std::int64_t window_right = -1;
 
   SP_HD std::int64_t offset() const { return s_k - s_q; }
   SP_HD std::int64_t position(std::int64_t row) const { return row + offset(); }
-  // The last key row r sees (inclusive); -1 when it sees none.
-  SP_HD std::int64_t last_key(std::int64_t row) const {
-    if (s_k <= 0) return -1;
-    if (!causal) return s_k - 1;
-    const std::int64_t p = position(row);
-    return p < 0 ? -1 : min64(p, s_k - 1);
+  // The first key position a row at absolute position a may see: a - window_left, clamped at 0.
+  // It is at most last_key_at(a) + 1 (the row's range [first, last] may be empty).
+  SP_HD std::int64_t first_key_at(std::int64_t a) const {
+    return window_left < 0 ? 0 : max64(a - window_left, 0);
   }
-  // Keys row r sees: last_key + 1.
+  // The last key a row at absolute position a sees (inclusive); -1 when it sees none.
+  SP_HD std::int64_t last_key_at(std::int64_t a) const {
+    if (s_k <= 0) return -1;
+    std::int64_t last = s_k - 1;
+    if (causal) last = min64(last, a);
+    if (window_right >= 0) last = min64(last, a + window_right);
+    if (last < first_key_at(a)) return -1;
+    return last;
+  }
+  SP_HD std::int64_t first_key(std::int64_t row) const { return first_key_at(position(row)); }
+  SP_HD std::int64_t last_key(std::int64_t row) const { return last_key_at(position(row)); }
+  // One past the last key row r sees (0 when it sees none): the end of its range. Without a
+  // left window bound the range starts at 0 and this is the number of keys the row sees.
   SP_HD std::int64_t keys_seen(std::int64_t row) const { return last_key(row) + 1; }
+  // Whether row r sees key t.
+  SP_HD bool sees(std::int64_t row, std::int64_t t) const { return t >= first_key(row) && t <= last_key(row); }
+  // Keys of [begin, end) the row at absolute position a sees.
+  SP_HD std::int64_t keys_in(std::int64_t a, std::int64_t begin, std::int64_t end) const {
+    const std::int64_t lo = max64(begin, first_key_at(a)), hi = min64(end, last_key_at(a) + 1);
+    return hi > lo ? hi - lo : 0;
+  }
 };
 
 // Blocks of block_q rows (call-relative) by block_k keys (absolute) over one sequence.
@@ -57,28 +80,51 @@ struct BlockGeometry {
   SP_HD std::int64_t key_begin(int kb) const { return static_cast<std::int64_t>(kb) * block_k; }
   SP_HD std::int64_t key_end(int kb) const { return min64(key_begin(kb) + block_k, seq.s_k); }
 
-  // Key blocks 0 .. visible_end-1 are visible to query block qb: some valid row sees some key
-  // of them (the last row sees the most).
+  // Key blocks visible_begin .. visible_end-1 are visible to query block qb: some valid row sees
+  // some key of them. Every row's range moves forward with its position and consecutive rows'
+  // ranges touch, so the union over the block's rows is one range of keys: from the first row's
+  // first key to the last row's last key (a row that sees nothing starts at key 0, so it never
+  // raises the lower end above a row that does see keys).
   SP_HD int visible_end(int qb) const {
     return static_cast<int>(ceil_div(seq.keys_seen(row_end(qb) - 1), block_k));
   }
-  // Key blocks 0 .. full_end-1 are full for qb: every valid row sees every key of them (the
-  // first row sees the least). full_end <= visible_end.
+  SP_HD int visible_begin(int qb) const {
+    const int b = static_cast<int>(seq.first_key(row_begin(qb)) / block_k);
+    return b < visible_end(qb) ? b : visible_end(qb);
+  }
+  // Key blocks full_begin .. full_end-1 are full for qb: every valid row sees every key of
+  // them (the first row's range ends lowest, the last row's starts highest). visible_begin <=
+  // full_begin <= full_end <= visible_end; the partial blocks are the two bands between.
   SP_HD int full_end(int qb) const {
     const std::int64_t seen = seq.keys_seen(row_begin(qb));
     if (seen >= seq.s_k) return num_k_blocks();
     return static_cast<int>(seen / block_k);
   }
-  // exact_gate's gated key blocks of query block qb, 0 .. gated_end - 1 (docs/semantics.md: the
-  // full blocks; non-causal every visible block but the last, which is always computed). The
-  // others, gated_end .. visible_end - 1, are at most ungated_room() blocks.
-  SP_HD int gated_end(int qb) const {
-    const int end = seq.causal ? full_end(qb) : visible_end(qb) - 1;
-    return end > 0 ? end : 0;
+  SP_HD int full_begin(int qb) const {
+    const std::int64_t last = row_end(qb) - 1;
+    // A last row that sees nothing leaves no full block (full_end is then 0 as well).
+    const int b = seq.keys_seen(last) == 0 ? 0 : static_cast<int>(ceil_div(seq.first_key(last), block_k));
+    return b < full_end(qb) ? b : full_end(qb);
   }
-  SP_HD int ungated_room() const { return static_cast<int>(ceil_div(block_q, block_k)) + 1; }
-  SP_HD bool is_visible(int qb, int kb) const { return kb >= 0 && kb < visible_end(qb); }
-  SP_HD bool is_full(int qb, int kb) const { return kb >= 0 && kb < full_end(qb); }
+  // exact_gate's gated key blocks of query block qb, gated_begin .. gated_end - 1
+  // (docs/semantics.md §3.3): its full blocks; without causal, a query block with no partial
+  // block (every block full: no window, or one that hides nothing) keeps its last visible block
+  // out of the gate, which is always computed so that no row is left empty. The others, the
+  // partial bands (and that block), are at most ungated_room() blocks.
+  SP_HD int gated_begin(int qb) const { return full_begin(qb); }
+  SP_HD int gated_end(int qb) const {
+    const bool all_full = full_begin(qb) == visible_begin(qb) && full_end(qb) == visible_end(qb);
+    const int end = !seq.causal && all_full ? visible_end(qb) - 1 : full_end(qb);
+    return end > gated_begin(qb) ? end : gated_begin(qb);
+  }
+  // Each partial band spans the block_q - 1 positions between the first and the last row; a
+  // left window bound adds a second band below the full blocks.
+  SP_HD int ungated_room() const {
+    const int bands = seq.window_left >= 0 ? 2 : 1;
+    return bands * (static_cast<int>(ceil_div(block_q, block_k)) + 1);
+  }
+  SP_HD bool is_visible(int qb, int kb) const { return kb >= visible_begin(qb) && kb < visible_end(qb); }
+  SP_HD bool is_full(int qb, int kb) const { return kb >= full_begin(qb) && kb < full_end(qb); }
   SP_HD bool is_partial(int qb, int kb) const { return is_visible(qb, kb) && !is_full(qb, kb); }
 
   // The absolute query block of qb's first row, floor((qb·block_q + s_k - s_q) / block_q),
@@ -97,21 +143,21 @@ struct BlockGeometry {
     return floor_div(seq.position(row_end(qb) - 1), block_q) >= ceil_div(prompt_len, block_q) - tail;
   }
 
-  // (query, key) pairs of query block qb and key block kb that the causal mask allows.
+  // (query, key) pairs of query block qb and key block kb that the causal mask and the window
+  // allow.
   SP_HD std::int64_t visible_pairs(int qb, int kb) const {
     std::int64_t n = 0;
-    const std::int64_t kb0 = key_begin(kb), kb1 = key_end(kb);
     for (std::int64_t r = row_begin(qb); r < row_end(qb); ++r) {
-      n += max64(0, min64(seq.keys_seen(r), kb1) - kb0);
+      n += seq.keys_in(seq.position(r), key_begin(kb), key_end(kb));
     }
     return n;
   }
 };
 
-// permute_stop's segments of one causal sequence (DESIGN.md §3): segment s holds the rows at
-// absolute positions [s·len, (s+1)·len). Rows before first_row() sit at negative positions,
-// see no key and join no segment; the others fall in segments first() .. last() (count() of
-// them, 0 when no row sees a key).
+// permute_stop's segments of one causal sequence (docs/semantics.md §3.6): segment s holds the
+// rows at absolute positions [s·len, (s+1)·len). Rows before first_row() sit at negative
+// positions, see no key and join no segment; the others fall in segments first() .. last()
+// (count() of them, 0 when no row sees a key).
 struct SegmentGeometry {
   SeqGeometry seq;
   std::int64_t len = 2048;
@@ -123,8 +169,12 @@ struct SegmentGeometry {
   // Call-relative rows [row_begin, row_end) of segment s.
   SP_HD std::int64_t row_begin(std::int64_t s) const { return min64(max64(s * len - seq.offset(), 0), seq.s_q); }
   SP_HD std::int64_t row_end(std::int64_t s) const { return min64(max64((s + 1) * len - seq.offset(), 0), seq.s_q); }
-  // Keys t < prefix(s) are ranked (pass 2); keys prefix(s) .. key_end(s)-1 are the segment's own (pass 1).
+  // Keys t < prefix(s) precede the segment; keys prefix(s) .. key_end(s)-1 are its own (pass 1).
   SP_HD std::int64_t prefix(std::int64_t s) const { return min64(s * len, seq.s_k); }
+  // The ranked keys (pass 2): ranked_begin(s) .. prefix(s)-1, the preceding keys the segment's
+  // first row in the call sees (every one without a left window bound; the later rows see a
+  // suffix of them).
+  SP_HD std::int64_t ranked_begin(std::int64_t s) const { return min64(seq.first_key(row_begin(s)), prefix(s)); }
   SP_HD std::int64_t key_end(std::int64_t s) const { return min64((s + 1) * len, seq.s_k); }
 };
 

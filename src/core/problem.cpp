@@ -141,13 +141,40 @@ Status check_descales(const AttentionProblem& p, const ProblemShape& s) {
   return {};
 }
 
+// window_left/right >= -1; softcap 0 or finite positive; sinks fp32 [h_q] on q's device (any
+// values: NaN and +inf reach the outputs as the semantics say, docs/semantics.md §1).
+Status check_window_softcap_sinks(const AttentionProblem& p, ProblemShape* s) {
+  const std::pair<const char*, int> bounds[] = {{"window_left", p.window_left}, {"window_right", p.window_right}};
+  for (const auto& [name, w] : bounds) {
+    if (w < -1) {
+      return invalid_argument(std::string(name) + ": expected -1 (no bound) or a number of keys >= 0, got " + std::to_string(w));
+    }
+  }
+  s->window_left = p.window_left;
+  s->window_right = p.window_right;
+  if (!(p.softcap >= 0.0) || std::isinf(p.softcap)) {
+    return invalid_argument("softcap: expected 0 (none) or a finite positive number, got " + std::to_string(p.softcap));
+  }
+  s->softcap = p.softcap;
+  const TensorView& t = p.sinks;
+  if (!t.defined()) return {};
+  if (t.rank != 1 || t.shape[0] != s->h_q || t.dtype != DType::kFP32) {
+    return invalid_argument("sinks: expected fp32 [h_q] = [" + std::to_string(s->h_q) + "], got " + describe(t));
+  }
+  if (t.device != s->device) return invalid_argument("sinks: expected q's device, got " + describe(t));
+  if (t.data == nullptr && t.numel() > 0) return invalid_argument("sinks: null data pointer");
+  if (t.stride[0] < 0) return invalid_argument("sinks: negative stride");
+  s->sinks = true;
+  return {};
+}
+
 }  // namespace
 
 Status validate_problem(const AttentionProblem& p, const AttentionOutput* out, ProblemShape* shape) {
   ProblemShape s;
   SP_RETURN_IF_ERROR(check_float_tensor("q", p.q, 4, 3, "[b, s_q, h_q, d] or varlen [total_q, h_q, d]"));
   SP_RETURN_IF_ERROR(check_float_tensor("k", p.k, 4, 3, "[b, s_k, h_kv, d], varlen [total_k, h_kv, d] or paged [num_pages, page_size, h_kv, d]"));
-  SP_RETURN_IF_ERROR(check_float_tensor("v", p.v, 4, 3, "the shape of k"));
+  SP_RETURN_IF_ERROR(check_float_tensor("v", p.v, 4, 3, "the shape of k (its last dimension d_v may differ)"));
   if (p.k.dtype != p.q.dtype || p.v.dtype != p.q.dtype) {
     return invalid_argument(std::string("k, v: expected q's dtype ") + dtype_name(p.q.dtype) +
                             ", got k " + dtype_name(p.k.dtype) + " and v " + dtype_name(p.v.dtype));
@@ -156,11 +183,13 @@ Status validate_problem(const AttentionProblem& p, const AttentionOutput* out, P
     return invalid_argument("q, k, v: expected one device, got q " + describe(p.q) + ", k " +
                             describe(p.k) + ", v " + describe(p.v));
   }
-  if (p.k.rank != p.v.rank) return invalid_argument("v: expected the shape of k " + shape_str(p.k) + ", got " + shape_str(p.v));
-  for (int i = 0; i < p.k.rank; ++i) {
-    if (p.k.shape[i] != p.v.shape[i]) {
-      return invalid_argument("v: expected the shape of k " + shape_str(p.k) + ", got " + shape_str(p.v));
-    }
+  // v is k's shape but for its head dim d_v (checked positive below).
+  const auto v_mismatch = [&] {
+    return invalid_argument("v: expected the shape of k " + shape_str(p.k) + " (any last dimension d_v), got " + shape_str(p.v));
+  };
+  if (p.k.rank != p.v.rank) return v_mismatch();
+  for (int i = 0; i + 1 < p.k.rank; ++i) {
+    if (p.k.shape[i] != p.v.shape[i]) return v_mismatch();
   }
   s.dtype = p.q.dtype;
   s.device = p.q.device;
@@ -174,6 +203,8 @@ Status validate_problem(const AttentionProblem& p, const AttentionOutput* out, P
   if (d_k != s.d) {
     return invalid_argument("k: expected head_dim " + std::to_string(s.d) + " (q's), got " + std::to_string(d_k));
   }
+  s.d_v = static_cast<int>(p.v.shape[p.v.rank - 1]);
+  if (s.d_v <= 0) return invalid_argument("v: head_dim d_v must be positive, got " + std::to_string(s.d_v));
   if (s.h_q <= 0 || s.h_kv <= 0) return invalid_argument("q, k: head counts must be positive");
   if (s.h_q % s.h_kv != 0) {
     return invalid_argument("k: h_kv (" + std::to_string(s.h_kv) + ") must divide h_q (" +
@@ -257,13 +288,18 @@ Status validate_problem(const AttentionProblem& p, const AttentionOutput* out, P
   }
   s.scale = p.scale == 0.0 ? 1.0 / std::sqrt(static_cast<double>(s.d)) : p.scale;
   SP_RETURN_IF_ERROR(check_descales(p, s));
+  SP_RETURN_IF_ERROR(check_window_softcap_sinks(p, &s));
 
   if (out != nullptr) {
     const TensorView& o = out->o;
-    if (!o.defined()) return invalid_argument("o: required, expected q's shape " + shape_str(p.q));
-    if (o.rank != p.q.rank) return invalid_argument("o: expected q's shape " + shape_str(p.q) + ", got " + shape_str(o));
+    if (!o.defined()) return invalid_argument("o: required, expected q's shape with v's head_dim last");
+    // O: q's shape with v's head dim last.
+    TensorView want = p.q;
+    want.shape[want.rank - 1] = s.d_v;
+    const std::string expected = "o: expected q's shape with v's head_dim " + std::to_string(s.d_v) + " last " + shape_str(want);
+    if (o.rank != p.q.rank) return invalid_argument(expected + ", got " + shape_str(o));
     for (int i = 0; i < o.rank; ++i) {
-      if (o.shape[i] != p.q.shape[i]) return invalid_argument("o: expected q's shape " + shape_str(p.q) + ", got " + shape_str(o));
+      if (o.shape[i] != want.shape[i]) return invalid_argument(expected + ", got " + shape_str(o));
       if (o.stride[i] < 0) return invalid_argument("o: negative stride");
     }
     if (o.dtype != s.out_dtype()) {

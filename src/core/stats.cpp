@@ -7,6 +7,7 @@
 #include <type_traits>
 
 #include "core/geometry.h"
+#include "core/shape_geometry.h"
 
 namespace sparseprefill {
 
@@ -47,15 +48,7 @@ double RunStats::head_density(int b, int h) const {
 namespace detail {
 namespace {
 
-geom::BlockGeometry geometry_of(const ProblemShape& s, int b, int block_q, int block_k) {
-  geom::BlockGeometry g;
-  g.seq = {s.seq_q[static_cast<std::size_t>(b)], s.seq_k[static_cast<std::size_t>(b)], s.causal};
-  g.block_q = block_q;
-  g.block_k = block_k;
-  return g;
-}
-
-// Pairs of (qb, kb) the causal mask allows; closed form for full blocks.
+// Pairs of (qb, kb) the causal mask and the window allow; closed form for full blocks.
 std::int64_t block_pairs(const geom::BlockGeometry& g, int qb, int kb) {
   if (g.is_full(qb, kb)) return (g.row_end(qb) - g.row_begin(qb)) * (g.key_end(kb) - g.key_begin(kb));
   return g.visible_pairs(qb, kb);
@@ -63,7 +56,7 @@ std::int64_t block_pairs(const geom::BlockGeometry& g, int qb, int kb) {
 
 std::int64_t row_pairs(const geom::SeqGeometry& seq) {
   std::int64_t n = 0;
-  for (std::int64_t r = 0; r < seq.s_q; ++r) n += seq.keys_seen(r);
+  for (std::int64_t r = 0; r < seq.s_q; ++r) n += seq.keys_in(seq.position(r), 0, seq.s_k);
   return n;
 }
 
@@ -73,10 +66,10 @@ void block_policy_stats(const ProblemShape& s, const BlockMask& kept, const Bloc
   const int bq = have_mask ? kept.block_q : 128, bk = have_mask ? kept.block_k : 128;
   const bool have_corrected = corrected.batch == s.batch && corrected.num_q_blocks > 0;
   for (int b = 0; b < s.batch; ++b) {
-    const geom::BlockGeometry g = geometry_of(s, b, bq, bk);
+    const geom::BlockGeometry g = detail::block_geometry(s, b, bq, bk);
     const std::int64_t pairs = row_pairs(g.seq);
     std::int64_t visible = 0;
-    for (int qb = 0; qb < g.num_q_blocks(); ++qb) visible += g.visible_end(qb);
+    for (int qb = 0; qb < g.num_q_blocks(); ++qb) visible += g.visible_end(qb) - g.visible_begin(qb);
     for (int h = 0; h < s.h_q; ++h) {
       HeadStats& hs = out->heads[static_cast<std::size_t>(b) * s.h_q + h];
       hs.visible_blocks = visible;
@@ -107,34 +100,43 @@ void block_policy_stats(const ProblemShape& s, const BlockMask& kept, const Bloc
 }
 
 // permute_stop: a "block" is one tile × one key chunk of block_k keys. Pass 1 counts the
-// chunks covering the segment's keys; pass 2 the ranked prefix chunks.
+// chunks covering the segment's keys; pass 2 the ranked chunks. Pass 2's pairs are each row's
+// visited keys; under a left window bound, min(visited keys, the ranked keys the row sees): which
+// ranked keys a chunk holds is not in the decisions, so this is an upper bound there (exact
+// without a window, where every row sees every ranked key).
 void permute_stop_stats(const ProblemShape& s, const PermuteStopParams& p, const Decisions& d, RunStats* out) {
   for (int b = 0; b < s.batch; ++b) {
-    const geom::SeqGeometry seq{s.seq_q[static_cast<std::size_t>(b)], s.seq_k[static_cast<std::size_t>(b)], true};
-    const std::int64_t pairs = row_pairs(seq);
+    const std::int64_t pairs = row_pairs(detail::sequence_geometry(s, b));
     for (int h = 0; h < s.h_q; ++h) out->heads[static_cast<std::size_t>(b) * s.h_q + h].visible_pairs = pairs;
   }
+  const std::int64_t slots = s.max_seq_q();
   for (const PermuteTile& t : d.tiles) {
-    const geom::SegmentGeometry segs{
-        {s.seq_q[static_cast<std::size_t>(t.batch)], s.seq_k[static_cast<std::size_t>(t.batch)], true}, p.segment};
+    const geom::SegmentGeometry segs{detail::sequence_geometry(s, t.batch), p.segment};
     const std::int64_t row0 = segs.row_begin(t.segment), row1 = segs.row_end(t.segment);
-    const std::int64_t rows_in_tile = std::min<std::int64_t>(p.block_q, row1 - row0 - static_cast<std::int64_t>(t.tile) * p.block_q);
-    const std::int64_t prefix = segs.prefix(t.segment);
+    const std::int64_t e0 = row0 + static_cast<std::int64_t>(t.tile) * p.block_q;
+    const std::int64_t e1 = std::min<std::int64_t>(e0 + p.block_q, row1);
+    const std::int64_t prefix = segs.prefix(t.segment), ranked = prefix - segs.ranked_begin(t.segment);
+    const std::int64_t visited = std::min<std::int64_t>(static_cast<std::int64_t>(t.chunks_visited) * p.block_k, ranked);
     const std::int64_t seg_keys = segs.key_end(t.segment) - prefix;
     const std::int64_t pass1_chunks = geom::ceil_div(seg_keys, p.block_k);
     HeadStats& hs = out->heads[static_cast<std::size_t>(t.batch) * s.h_q + t.head];
     hs.visible_blocks += t.chunks_total + pass1_chunks;
     hs.kept_blocks += t.chunks_visited + pass1_chunks;
-    hs.computed_pairs += rows_in_tile * std::min<std::int64_t>(static_cast<std::int64_t>(t.chunks_visited) * p.block_k, prefix);
+    // The tile's rows are the rows its slots hold (query_order, which every backend records).
+    const std::int32_t* order = d.query_order.data() + (static_cast<std::int64_t>(t.batch) * s.h_q + t.head) * slots;
+    for (std::int64_t e = e0; e < e1; ++e) {
+      const std::int64_t a = segs.seq.position(order[e]);
+      hs.computed_pairs += std::min(visited, segs.seq.keys_in(a, 0, prefix));
+    }
   }
-  // Pass 1 pairs: every row attends causally to its segment's keys.
+  // Pass 1 pairs: every row attends causally to the keys of its segment it sees.
   for (int b = 0; b < s.batch; ++b) {
-    const geom::SeqGeometry seq{s.seq_q[static_cast<std::size_t>(b)], s.seq_k[static_cast<std::size_t>(b)], true};
+    const geom::SeqGeometry seq = detail::sequence_geometry(s, b);
     std::int64_t pass1 = 0;
     for (std::int64_t r = 0; r < seq.s_q; ++r) {
       const std::int64_t a = seq.position(r);
       if (a < 0) continue;
-      pass1 += a - geom::floor_div(a, p.segment) * p.segment + 1;
+      pass1 += seq.keys_in(a, geom::floor_div(a, p.segment) * p.segment, seq.s_k);
     }
     for (int h = 0; h < s.h_q; ++h) out->heads[static_cast<std::size_t>(b) * s.h_q + h].computed_pairs += pass1;
   }

@@ -83,7 +83,8 @@ void gather_kv(const AttentionProblem& p, const ProblemShape& s, int b, bool val
                std::vector<T>* out) {
   const TensorView& t = value ? p.v : p.k;
   const std::int64_t s_k = s.seq_k[static_cast<std::size_t>(b)];
-  out->resize(static_cast<std::size_t>(s_k * s.h_kv * s.d));
+  const int dim = value ? s.d_v : s.d;
+  out->resize(static_cast<std::size_t>(s_k * s.h_kv * dim));
   const TensorView& descale = value ? p.v_descale : p.k_descale;
   T* dst = out->data();
   for (std::int64_t pos = 0; pos < s_k; ++pos) {
@@ -91,14 +92,19 @@ void gather_kv(const AttentionProblem& p, const ProblemShape& s, int b, bool val
       const std::int64_t base = kv_offset(p, t, s, b, pos, h);
       if (descale.defined()) {
         const double scale = descale_of(descale, b, h);
-        for (int i = 0; i < s.d; ++i) {
+        for (int i = 0; i < dim; ++i) {
           *dst++ = static_cast<T>(static_cast<double>(load_float(t.data, s.dtype, base + i)) * scale);
         }
         continue;
       }
-      for (int i = 0; i < s.d; ++i) *dst++ = static_cast<T>(load_float(t.data, s.dtype, base + i));
+      for (int i = 0; i < dim; ++i) *dst++ = static_cast<T>(load_float(t.data, s.dtype, base + i));
     }
   }
+}
+
+void gather_sinks(const AttentionProblem& p, const ProblemShape& s, std::vector<double>* out) {
+  out->resize(static_cast<std::size_t>(s.h_q));
+  for (int h = 0; h < s.h_q; ++h) (*out)[static_cast<std::size_t>(h)] = static_cast<const float*>(p.sinks.data)[h * p.sinks.stride[0]];
 }
 
 template <class T>
@@ -108,8 +114,8 @@ void store_output(const AttentionOutput& out, const ProblemShape& s, int b, cons
   for (std::int64_t r = 0; r < s_q; ++r) {
     for (int h = 0; h < s.h_q; ++h) {
       const std::int64_t base = q_offset(out.o, s, b, r, h);
-      const T* src = o + (r * s.h_q + h) * s.d;
-      for (int i = 0; i < s.d; ++i) store_float(out.o.data, s.out_dtype(), base + i, static_cast<float>(src[i]));
+      const T* src = o + (r * s.h_q + h) * s.d_v;
+      for (int i = 0; i < s.d_v; ++i) store_float(out.o.data, s.out_dtype(), base + i, static_cast<float>(src[i]));
     }
   }
   if (!out.lse.defined() || lse == nullptr) return;

@@ -16,13 +16,16 @@ namespace sparseprefill::detail {
 // multiplied by their descale (q_descale[b, h / group]) in double, so exactly for double.
 template <class T>
 void gather_q(const AttentionProblem& p, const ProblemShape& s, int b, std::vector<T>* out);
-// k (value = false) or v (value = true) of sequence b as [s_k, h_kv, d], through the block
-// table when paged; FP8 inputs multiplied by k_descale / v_descale[b, kv head] as q is.
+// k (value = false) as [s_k, h_kv, d] or v (value = true) as [s_k, h_kv, d_v] of sequence b,
+// through the block table when paged; FP8 inputs multiplied by k_descale / v_descale[b, kv head]
+// as q is.
 template <class T>
 void gather_kv(const AttentionProblem& p, const ProblemShape& s, int b, bool value,
                std::vector<T>* out);
-// Stores sequence b's O ([s_q, h_q, d], rounded to o's dtype, s.out_dtype()) and LSE ([h_q, s_q], fp32) into
-// `out` (LSE only when out.lse is defined).
+// The sink logits [h_q] (exact; p.sinks defined, host).
+void gather_sinks(const AttentionProblem& p, const ProblemShape& s, std::vector<double>* out);
+// Stores sequence b's O ([s_q, h_q, d_v], rounded to o's dtype, s.out_dtype()) and LSE ([h_q, s_q],
+// fp32) into `out` (LSE only when out.lse is defined).
 template <class T>
 void store_output(const AttentionOutput& out, const ProblemShape& s, int b, const T* o,
                   const T* lse);

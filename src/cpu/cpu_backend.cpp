@@ -9,6 +9,7 @@
 #include <algorithm>
 #include <atomic>
 #include <cmath>
+#include <functional>
 #include <limits>
 #include <mutex>
 #include <numeric>
@@ -24,6 +25,7 @@
 #include "core/rules/nan_max.h"
 #include "core/rules/permute_stop.h"
 #include "core/rules/softmax_skip.h"
+#include "core/shape_geometry.h"
 #include "core/tensor_access.h"
 #include "cpu/cpu_policies.h"
 #include "cpu/tile_kernel.h"
@@ -88,8 +90,8 @@ struct Sequence {
   std::vector<float> q;   // [s_q, h_q, d]
   std::vector<float> k;   // [s_k, h_kv, d] (kept only where keys are re-ordered)
   std::vector<float> kt;  // [h_kv, num_k_blocks, d, ld_k]: key tiles transposed, zero padded
-  std::vector<float> v;   // [h_kv, s_k, ld]: features zero padded to ld
-  std::vector<float> o;   // [s_q, h_q, d]
+  std::vector<float> v;   // [h_kv, s_k, ld_v]: features zero padded to ld_v
+  std::vector<float> o;   // [s_q, h_q, d_v]
   std::vector<float> lse; // [h_q, s_q]
 };
 
@@ -98,13 +100,24 @@ struct Context {
   const ProblemShape& shape;
   int threads = 1;
   int d = 0;
-  int ld = 0;  // round_up(d, kKeyAlign)
+  int ld = 0;    // round_up(d, kKeyAlign)
+  int d_v = 0;
+  int ld_v = 0;  // round_up(d_v, kKeyAlign)
   float scale = 1.0f;
+  float softcap = 0.0f;
+  std::vector<float> sinks;  // [h_q] sink logits; empty without sinks
   std::vector<Sequence> seqs;
 
   Context(const AttentionProblem& p, const ProblemShape& s, int num_threads)
       : problem(p), shape(s), threads(resolve_threads(num_threads)), d(s.d),
-        ld(round_up(s.d, kKeyAlign)), scale(static_cast<float>(s.scale)) {}
+        ld(round_up(s.d, kKeyAlign)), d_v(s.d_v), ld_v(round_up(s.d_v, kKeyAlign)),
+        scale(static_cast<float>(s.scale)), softcap(static_cast<float>(s.softcap)) {
+    if (!s.sinks) return;
+    std::vector<double> exact;
+    detail::gather_sinks(p, s, &exact);
+    sinks.assign(exact.begin(), exact.end());
+  }
+  float sink(int h) const { return sinks.empty() ? -kInf : sinks[sz(h)]; }
 
   geom::BlockGeometry geometry(int b, int block_q, int block_k) const {
     geom::BlockGeometry g;
@@ -136,7 +149,7 @@ void gather_all(Context* ctx, int block_k, bool keep_k) {
   std::vector<float> raw;
   for (int b = 0; b < s.batch; ++b) {
     Sequence& sq = ctx->seqs[sz(b)];
-    sq.seq = {s.seq_q[sz(b)], s.seq_k[sz(b)], s.causal};
+    sq.seq = detail::sequence_geometry(s, b);
     const Index s_q = sq.seq.s_q, s_k = sq.seq.s_k;
     detail::gather_q<float>(ctx->problem, s, b, &sq.q);
     detail::gather_kv<float>(ctx->problem, s, b, false, &sq.k);
@@ -148,14 +161,14 @@ void gather_all(Context* ctx, int block_k, bool keep_k) {
     }
     if (!keep_k) std::vector<float>().swap(sq.k);
     detail::gather_kv<float>(ctx->problem, s, b, true, &raw);
-    sq.v.assign(sz(Index{s.h_kv} * s_k * ctx->ld), 0.0f);
+    sq.v.assign(sz(Index{s.h_kv} * s_k * ctx->ld_v), 0.0f);
     for (Index pos = 0; pos < s_k; ++pos) {
       for (int g = 0; g < s.h_kv; ++g) {
-        std::copy_n(raw.data() + (pos * s.h_kv + g) * s.d, s.d,
-                    sq.v.data() + (Index{g} * s_k + pos) * ctx->ld);
+        std::copy_n(raw.data() + (pos * s.h_kv + g) * s.d_v, s.d_v,
+                    sq.v.data() + (Index{g} * s_k + pos) * ctx->ld_v);
       }
     }
-    sq.o.assign(sz(s_q * s.h_q * s.d), 0.0f);
+    sq.o.assign(sz(s_q * s.h_q * s.d_v), 0.0f);
     sq.lse.assign(sz(Index{s.h_q} * s_q), 0.0f);
   }
 }
@@ -172,29 +185,35 @@ struct Scratch {
   std::vector<float> q, o, m, l;  // TileState storage
   std::vector<float> s;           // scores / probabilities [rows_pad, max ld of a key tile]
   std::vector<float> row_max, dl;
-  std::vector<int> limit;
+  std::vector<int> begin, limit;  // each row's columns of the current key tile: [begin, limit)
   std::vector<std::uint8_t> seen;
   std::vector<Index> rows;        // call-relative rows of the tile
-  std::vector<Index> keys_seen;   // keys each row sees (causal prefix length)
+  std::vector<Index> first_key;   // the first key each row sees (0 without a left window bound)
+  std::vector<Index> keys_seen;   // one past the last key each row sees
   std::vector<float> kt_extra, v_extra;  // mean-correction pseudo-tokens
   TileState t;
 
   Scratch(const Context& ctx, int max_rows, int max_ld_k) {
     const int rows_pad = round_up(max_rows, kRowGroup);
     q.assign(sz(Index{rows_pad} * ctx.ld), 0.0f);
-    o.assign(q.size(), 0.0f);
+    o.assign(sz(Index{rows_pad} * ctx.ld_v), 0.0f);
     m.assign(sz(rows_pad), 0.0f);
     l.assign(sz(rows_pad), 0.0f);
     s.assign(sz(Index{rows_pad} * max_ld_k), 0.0f);
     row_max.assign(sz(rows_pad), 0.0f);
     dl.assign(sz(rows_pad), 0.0f);
+    begin.assign(sz(rows_pad), 0);
     limit.assign(sz(rows_pad), 0);
     seen.assign(sz(rows_pad), 0);
     rows.assign(sz(rows_pad), 0);
+    first_key.assign(sz(rows_pad), 0);
     keys_seen.assign(sz(rows_pad), 0);
     t.d = ctx.d;
     t.ld = ctx.ld;
+    t.d_v = ctx.d_v;
+    t.ld_v = ctx.ld_v;
     t.scale = ctx.scale;
+    t.softcap = ctx.softcap;
     t.q = q.data();
     t.o = o.data();
     t.m = m.data();
@@ -223,6 +242,7 @@ void begin_tile(const Context& ctx, const Sequence& sq, int h, int n, Scratch* w
   for (int i = 0; i < n; ++i) {
     const Index r = w->rows[sz(i)];
     std::copy_n(sq.q.data() + (r * ctx.shape.h_q + h) * ctx.d, ctx.d, w->q.data() + Index{i} * t.ld);
+    w->first_key[sz(i)] = sq.seq.first_key(r);
     w->keys_seen[sz(i)] = sq.seq.keys_seen(r);
   }
   t.reset();
@@ -233,11 +253,11 @@ void set_row_range(Index r0, Index r1, Scratch* w) {
   for (Index r = r0; r < r1; ++r) w->rows[sz(r - r0)] = r;
 }
 
-// Writes the finished rows of head h back to the sequence's O and LSE.
+// Writes the finished rows of head h (with its sink) back to the sequence's O and LSE.
 void finish_tile(const Context& ctx, Sequence* sq, int h, Scratch* w) {
   for (int i = 0; i < w->t.rows; ++i) {
     const Index r = w->rows[sz(i)];
-    tile_finish_row(w->t, i, sq->o.data() + (r * ctx.shape.h_q + h) * ctx.d,
+    tile_finish_row(w->t, i, ctx.sink(h), sq->o.data() + (r * ctx.shape.h_q + h) * ctx.d_v,
                     sq->lse.data() + Index{h} * sq->seq.s_q + r);
   }
 }
@@ -246,9 +266,9 @@ void finish_tile(const Context& ctx, Sequence* sq, int h, Scratch* w) {
 struct KeyTile {
   const float* kt = nullptr;  // [d, ld_k]
   int ld_k = 0;
-  const float* v = nullptr;   // [n, ld]
+  const float* v = nullptr;   // [n, ld_v]
   int n = 0;
-  Index key0 = 0;             // position of the first key; limits follow the causal prefix
+  Index key0 = 0;             // position of the first key; limits follow each row's key range
 };
 
 KeyTile key_block(const Context& ctx, const Sequence& sq, int kvh, int kb) {
@@ -257,30 +277,33 @@ KeyTile key_block(const Context& ctx, const Sequence& sq, int kvh, int kb) {
   k.ld_k = sq.ld_k;
   k.key0 = Index{kb} * sq.block_k;
   k.n = static_cast<int>(std::min<Index>(sq.block_k, sq.seq.s_k - k.key0));
-  k.v = sq.v.data() + (Index{kvh} * sq.seq.s_k + k.key0) * ctx.ld;
+  k.v = sq.v.data() + (Index{kvh} * sq.seq.s_k + k.key0) * ctx.ld_v;
   return k;
 }
 
-// Causal limits, scores and row maxima of one key tile (the QK half of a main-loop step).
-// Returns whether some row sees some key of the tile (otherwise nothing was computed).
+// The rows' columns (each row's key range: causal mask and window), scores and row maxima of
+// one key tile (the QK half of a main-loop step). Returns whether some row sees some key of the
+// tile (otherwise nothing was computed).
 bool prepare(const KeyTile& k, Scratch* w) {
   TileState& t = w->t;
   bool any = false;
   for (int i = 0; i < t.rows; ++i) {
+    const Index lo = std::clamp<Index>(w->first_key[sz(i)] - k.key0, 0, k.n);
     const Index lim = std::clamp<Index>(w->keys_seen[sz(i)] - k.key0, 0, k.n);
+    w->begin[sz(i)] = static_cast<int>(lo);
     w->limit[sz(i)] = static_cast<int>(lim);
-    any |= lim > 0;
+    any |= lim > lo;
   }
   if (!any) return false;
   tile_scores(t, k.kt, k.ld_k, w->s.data());
-  tile_row_max(w->s.data(), k.ld_k, t.rows, w->limit.data(), w->row_max.data());
+  tile_row_max(w->s.data(), k.ld_k, t.rows, w->begin.data(), w->limit.data(), w->row_max.data());
   return true;
 }
 
 // The softmax/PV half of a main-loop step, after the gate kept the tile.
 void accumulate(const Context& ctx, const KeyTile& k, Scratch* w, float* dl = nullptr) {
-  tile_update(w->t, w->s.data(), k.ld_k, w->limit.data(), k.n, w->row_max.data(), k.v,
-              ctx.ld, dl);
+  tile_update(w->t, w->s.data(), k.ld_k, w->begin.data(), w->limit.data(), k.n, w->row_max.data(), k.v,
+              ctx.ld_v, dl);
 }
 
 float tile_max(const Scratch& w) {
@@ -289,7 +312,7 @@ float tile_max(const Scratch& w) {
   return m;
 }
 
-// (batch, head, query block) items, heaviest query blocks first (causal cost grows with qb).
+// (batch, head, query block) items, heaviest query blocks first (those that see the most blocks).
 struct BlockItem {
   int b = 0;
   int h = 0;
@@ -304,10 +327,12 @@ std::vector<BlockItem> block_items(const Context& ctx, int heads, int block_q, i
       for (int qb = 0; qb < g.num_q_blocks(); ++qb) items.push_back({b, h, qb});
     }
   }
-  std::stable_sort(items.begin(), items.end(), [&](const BlockItem& x, const BlockItem& y) {
-    return ctx.geometry(x.b, block_q, block_k).visible_end(x.qb) >
-           ctx.geometry(y.b, block_q, block_k).visible_end(y.qb);
-  });
+  const auto visible = [&](const BlockItem& it) {
+    const geom::BlockGeometry g = ctx.geometry(it.b, block_q, block_k);
+    return g.visible_end(it.qb) - g.visible_begin(it.qb);
+  };
+  std::stable_sort(items.begin(), items.end(),
+                   [&](const BlockItem& x, const BlockItem& y) { return visible(x) > visible(y); });
   return items;
 }
 
@@ -336,7 +361,7 @@ void run_dense(Context& ctx) {
   run_block_items(ctx, kDenseBlock, kDenseBlock, round_up(kDenseBlock, kKeyAlign),
                   [&](const BlockItem& it, const geom::BlockGeometry& g, const Sequence& sq, Scratch& w) {
                     const int kvh = it.h / ctx.shape.group();
-                    for (int kb = 0; kb < g.visible_end(it.qb); ++kb) {
+                    for (int kb = g.visible_begin(it.qb); kb < g.visible_end(it.qb); ++kb) {
                       const KeyTile k = key_block(ctx, sq, kvh, kb);
                       const bool any = prepare(k, &w);
                       if (any) accumulate(ctx, k, &w);
@@ -385,7 +410,7 @@ Status run_exact_gate(Context& ctx, const ExactGateParams& params, Decisions* de
                     const int kvh = it.h / ctx.shape.group();
                     const float threshold =
                         rules::gate_threshold(table, thr.stride[0], thr.stride[1], positions, g, it.h, it.qb);
-                    for (int kb = 0; kb < g.visible_end(it.qb); ++kb) {
+                    for (int kb = g.visible_begin(it.qb); kb < g.visible_end(it.qb); ++kb) {
                       const KeyTile k = key_block(ctx, sq, kvh, kb);
                       const bool any = prepare(k, &w);
                       if (!any) continue;
@@ -410,21 +435,21 @@ Status run_softmax_skip(Context& ctx, const SoftmaxSkipParams& params, Decisions
                     const rules::SkipRule rule = rules::skip_rule(sq.seq.s_k, params.a);
                     std::fill(w.seen.begin(), w.seen.end(), std::uint8_t{0});
                     // The visit order is part of the semantics (rules::blasst_block). Every
-                    // visible block holds a key the query block's last row sees.
-                    for (int visit = 0; visit < g.visible_end(it.qb); ++visit) {
+                    // visible block holds a key some row of the query block sees.
+                    for (int visit = 0; visit < rules::blasst_visits(g, it.qb); ++visit) {
                       const int kb = rules::blasst_block(g, it.qb, visit);
                       const KeyTile k = key_block(ctx, sq, kvh, kb);
                       const bool any = prepare(k, &w);
                       if (!any) continue;
                       bool keep = !rule.gates(visit);
                       for (int i = 0; i < w.t.rows && !keep; ++i) {
-                        keep = rules::skip_vote(w.limit[sz(i)] > 0, w.seen[sz(i)] != 0, w.row_max[sz(i)], w.t.m[i],
-                                                rule.ln_lambda) == rules::RowVote::kKeep;
+                        keep = rules::skip_vote(w.limit[sz(i)] > w.begin[sz(i)], w.seen[sz(i)] != 0, w.row_max[sz(i)],
+                                                w.t.m[i], rule.ln_lambda) == rules::RowVote::kKeep;
                       }
                       if (!keep) continue;
                       accumulate(ctx, k, &w);
                       for (int i = 0; i < w.t.rows; ++i) {
-                        if (w.limit[sz(i)] > 0) w.seen[sz(i)] = 1;
+                        if (w.limit[sz(i)] > w.begin[sz(i)]) w.seen[sz(i)] = 1;
                       }
                       error.set(kept.add(ctx.shape, it.b, it.h, it.qb, kb));
                     }
@@ -445,19 +470,19 @@ struct SegmentItem {
 };
 
 // Transposes keys[idx[0 .. n)] of KV head g into chunks [ceil(n / bk), d, ld_k] and copies
-// their values into [n, ld].
+// their values into [n, ld_v].
 void gather_chunks(const Context& ctx, const Sequence& sq, int g, const Index* idx, Index n, int bk,
                    int ld_k, std::vector<float>* kt, std::vector<float>* v) {
   const Index chunks = geom::ceil_div(n, bk);
   const int h_kv = ctx.shape.h_kv, d = ctx.d;
   kt->assign(sz(chunks * d * ld_k), 0.0f);
-  v->resize(sz(n * ctx.ld));
+  v->resize(sz(n * ctx.ld_v));
   for (Index t = 0; t < n; ++t) {
     const Index key = idx[t];
     const float* src = sq.k.data() + (key * h_kv + g) * d;
     float* dst = kt->data() + (t / bk) * d * ld_k + t % bk;
     for (int c = 0; c < d; ++c) dst[Index{c} * ld_k] = src[c];
-    std::copy_n(sq.v.data() + (Index{g} * sq.seq.s_k + key) * ctx.ld, ctx.ld, v->data() + t * ctx.ld);
+    std::copy_n(sq.v.data() + (Index{g} * sq.seq.s_k + key) * ctx.ld_v, ctx.ld_v, v->data() + t * ctx.ld_v);
   }
 }
 
@@ -472,13 +497,13 @@ Status run_permute_stop(Context& ctx, const PermuteStopParams& params, Decisions
     Sequence& sq = ctx.seqs[sz(b)];
     const geom::SeqGeometry& seq = sq.seq;
     // Segments cover absolute positions >= 0. Rows before the first key (s_q > s_k) see
-    // nothing: they keep their place in the order and get O = 0, LSE = -inf.
+    // nothing: they keep their place in the order and get O = 0, LSE = -inf (the sink with one).
     const geom::SegmentGeometry segs{seq, seg_len};
     const Index empty = segs.first_row();
     for (int h = 0; h < s.h_q; ++h) {
       for (Index r = 0; r < empty; ++r) {
         decisions->query_order[sz((Index{b} * s.h_q + h) * max_s_q + r)] = static_cast<std::int32_t>(r);
-        sq.lse[sz(Index{h} * seq.s_q + r)] = -kInf;
+        sq.lse[sz(Index{h} * seq.s_q + r)] = ctx.sink(h);
       }
     }
     for (int h = 0; h < s.h_q; ++h) {
@@ -508,6 +533,9 @@ Status run_permute_stop(Context& ctx, const PermuteStopParams& params, Decisions
     const Index n_rows = it.row1 - it.row0;
     const geom::SegmentGeometry segs{sq.seq, seg_len};
     const Index prefix = segs.prefix(it.segment);
+    // The ranked keys are ranked_begin .. prefix - 1 (all preceding keys without a left window
+    // bound).
+    const Index rank_begin = segs.ranked_begin(it.segment), rank_n = prefix - rank_begin;
 
     // Ranking (fp64 from the exact inputs: a selection, not attention arithmetic).
     std::vector<double> qbar(sz(d), 0.0);
@@ -516,18 +544,19 @@ Status run_permute_stop(Context& ctx, const PermuteStopParams& params, Decisions
       for (int c = 0; c < d; ++c) qbar[sz(c)] += q[c];
     }
     for (double& x : qbar) x /= static_cast<double>(n_rows);
-    std::vector<double> key(sz(prefix));
-    for (Index t = 0; t < prefix; ++t) {
-      const float* k = sq.k.data() + (t * s.h_kv + g) * d;
+    std::vector<double> key(sz(rank_n));
+    for (Index i = 0; i < rank_n; ++i) {
+      const float* k = sq.k.data() + ((rank_begin + i) * s.h_kv + g) * d;
       double dot = 0.0;
       for (int c = 0; c < d; ++c) dot += qbar[sz(c)] * k[c];
-      key[sz(t)] = dot;
+      key[sz(i)] = dot;
     }
-    const std::vector<Index> ranked = rules::rank_descending(key);
+    std::vector<Index> ranked = rules::rank_descending(key);
+    for (Index& t : ranked) t += rank_begin;
     std::vector<Index> perm(sz(n_rows));
     std::iota(perm.begin(), perm.end(), it.row0);
-    if (prefix > 0) {
-      const Index top = rules::permute_guide_keys(prefix, params.block_k);
+    if (rank_n > 0) {
+      const Index top = rules::permute_guide_keys(rank_n, params.block_k);
       std::vector<double> u(sz(d), 0.0);
       for (Index i = 0; i < top; ++i) {
         const float* k = sq.k.data() + (Index{ranked[sz(i)]} * s.h_kv + g) * d;
@@ -547,13 +576,15 @@ Status run_permute_stop(Context& ctx, const PermuteStopParams& params, Decisions
     std::int32_t* slots = decisions->query_order.data() + (Index{it.b} * s.h_q + it.h) * max_s_q;
     for (Index i = 0; i < n_rows; ++i) slots[it.row0 + i] = static_cast<std::int32_t>(perm[sz(i)]);
 
-    // Key tiles: the segment's own keys (positions ascending), then the ranked prefix.
+    // Key tiles: the segment's own keys (positions ascending), then the ranked chunks, each
+    // chunk's keys by descending position: a row's keys of a chunk are then its first ones (a
+    // left window bound hides the lowest positions), so they run as a prefix of the tile.
     const Index seg_k0 = prefix;
     const Index seg_k1 = segs.key_end(it.segment);
     const Index own_chunks = geom::ceil_div(seg_k1 - seg_k0, params.block_k);
     // Ranked chunks must start on a chunk boundary: pad the own keys' last chunk.
     std::vector<Index> idx;
-    idx.reserve(sz(own_chunks * params.block_k + prefix));
+    idx.reserve(sz(own_chunks * params.block_k + rank_n));
     std::vector<int> chunk_len;
     for (Index c = 0; c < own_chunks; ++c) {
       const Index a = seg_k0 + c * params.block_k, e = std::min<Index>(a + params.block_k, seg_k1);
@@ -561,17 +592,20 @@ Status run_permute_stop(Context& ctx, const PermuteStopParams& params, Decisions
       chunk_len.push_back(static_cast<int>(e - a));
     }
     const Index rank_chunks = rules::permute_chunks(segs, it.segment, params.block_k);
-    for (Index i = 0; i < prefix; ++i) idx.push_back(ranked[sz(i)]);
     for (Index c = 0; c < rank_chunks; ++c) {
-      chunk_len.push_back(static_cast<int>(std::min<Index>(params.block_k, prefix - c * params.block_k)));
+      const auto a = ranked.begin() + c * params.block_k;
+      const auto e = ranked.begin() + std::min<Index>((c + 1) * params.block_k, rank_n);
+      std::sort(a, e, std::greater<Index>());
+      chunk_len.push_back(static_cast<int>(e - a));
     }
+    idx.insert(idx.end(), ranked.begin(), ranked.end());
     gather_chunks(ctx, sq, g, idx.data(), static_cast<Index>(idx.size()), params.block_k, ld_k,
                   &seg_kt[sz(worker)], &seg_v[sz(worker)]);
     auto chunk = [&](Index c, Index key0) {
       KeyTile k;
       k.kt = seg_kt[sz(worker)].data() + c * d * ld_k;
       k.ld_k = ld_k;
-      k.v = seg_v[sz(worker)].data() + c * params.block_k * ctx.ld;
+      k.v = seg_v[sz(worker)].data() + c * params.block_k * ctx.ld_v;
       k.n = chunk_len[sz(c)];
       k.key0 = key0;
       return k;
@@ -583,18 +617,30 @@ Status run_permute_stop(Context& ctx, const PermuteStopParams& params, Decisions
       const Index e0 = tile * params.block_q, e1 = std::min<Index>(e0 + params.block_q, n_rows);
       for (Index e = e0; e < e1; ++e) w.rows[sz(e - e0)] = perm[sz(e)];
       begin_tile(ctx, sq, it.h, static_cast<int>(e1 - e0), &w);
-      // Pass 1: dense and causal over the segment's own keys.
+      // Pass 1: dense and causal over the segment's own keys (within each row's window).
       for (Index c = 0; c < own_chunks; ++c) {
         const KeyTile k = chunk(c, seg_k0 + c * params.block_k);
         const bool any = prepare(k, &w);
         if (any) accumulate(ctx, k, &w);
       }
-      // Pass 2: ranked prefix chunks (all visible: key0 = 0 makes every limit n) until a chunk
-      // adds less than tau of every row's mass.
+      // Pass 2: ranked chunks until a chunk adds less than tau of every row's mass. Every
+      // ranked key precedes the segment, so a row reads those at or above its first key: the
+      // chunk's first `limit` keys (descending positions).
       int visited = 0;
       for (Index c = 0; c < rank_chunks; ++c) {
         const KeyTile k = chunk(own_chunks + c, 0);
-        prepare(k, &w);
+        const Index* pos = idx.data() + (own_chunks + c) * params.block_k;
+        bool any = false;
+        for (int i = 0; i < w.t.rows; ++i) {
+          const Index first = w.first_key[sz(i)];
+          w.begin[sz(i)] = 0;
+          w.limit[sz(i)] = static_cast<int>(std::find_if(pos, pos + k.n, [first](Index t) { return t < first; }) - pos);
+          any |= w.limit[sz(i)] > 0;
+        }
+        if (any) {
+          tile_scores(w.t, k.kt, k.ld_k, w.s.data());
+          tile_row_max(w.s.data(), k.ld_k, w.t.rows, w.begin.data(), w.limit.data(), w.row_max.data());
+        }
         accumulate(ctx, k, &w, w.dl.data());
         ++visited;
         double max_gain = -std::numeric_limits<double>::infinity();
@@ -626,7 +672,7 @@ Status run_permute_stop(Context& ctx, const PermuteStopParams& params, Decisions
 
 namespace {
 
-// Block means of [s_k, h_kv, d] into [h_kv, nkb, d] (rules::block_mean). Blocks kb < cached
+// Block means of [s_k, h_kv, d] into [h_kv, nkb, d] (rules::block_mean; d is d_v for values). Blocks kb < cached
 // are read from `cache` (sequence b's rows of a cache of block means) instead.
 void block_means(const std::vector<float>& x, const geom::BlockGeometry& g, int h_kv, int d, DType dtype,
                  const TensorView& cache, int b, Index cached, std::vector<float>* out) {
@@ -670,7 +716,7 @@ Status estimate_select_plan(const AttentionProblem& problem, const ProblemShape&
   std::vector<float> raw;
   for (int b = 0; b < shape.batch; ++b) {
     Sequence& sq = ctx.seqs[sz(b)];
-    sq.seq = {shape.seq_q[sz(b)], shape.seq_k[sz(b)], true};
+    sq.seq = detail::sequence_geometry(shape, b);
     const Index cached = chunks.valid[sz(b)];
     detail::gather_q<float>(problem, shape, b, &sq.q);
     detail::gather_kv<float>(problem, shape, b, false, &raw);
@@ -679,16 +725,17 @@ Status estimate_select_plan(const AttentionProblem& problem, const ProblemShape&
     // The cache holds both means of a block (a later chunk may correct with v̄).
     if (params.mean_correction || chunks.cached) {
       detail::gather_kv<float>(problem, shape, b, true, &raw);
-      block_means(raw, mg, shape.h_kv, shape.d, shape.dtype, params.v_block_means, b, cached, &plan->v_mean[sz(b)]);
+      block_means(raw, mg, shape.h_kv, shape.d_v, shape.dtype, params.v_block_means, b, cached, &plan->v_mean[sz(b)]);
     }
     const int nkb = mg.num_k_blocks();
     // The blocks this call completes go to the cache: each block's mean is computed once.
     if (chunks.cached) {
       for (int g = 0; g < shape.h_kv; ++g) {
         for (Index kb = cached; kb < chunks.complete[sz(b)]; ++kb) {
-          const Index src = (Index{g} * nkb + kb) * shape.d;
-          detail::store_block_mean(params.k_block_means, b, g, kb, shape.d, plan->k_mean[sz(b)].data() + src);
-          detail::store_block_mean(params.v_block_means, b, g, kb, shape.d, plan->v_mean[sz(b)].data() + src);
+          detail::store_block_mean(params.k_block_means, b, g, kb, shape.d,
+                                   plan->k_mean[sz(b)].data() + (Index{g} * nkb + kb) * shape.d);
+          detail::store_block_mean(params.v_block_means, b, g, kb, shape.d_v,
+                                   plan->v_mean[sz(b)].data() + (Index{g} * nkb + kb) * shape.d_v);
         }
       }
     }
@@ -724,9 +771,9 @@ Status estimate_select_plan(const AttentionProblem& problem, const ProblemShape&
     std::vector<float>& e = energy[sz(worker)];
     std::fill(e.begin(), e.end(), 0.0f);
     float peak = -kInf;
-    if (tile.scored > 0) {
-      // x[r, j] = scale·q_r·k̄_j for the rows of every head of the item; pair n = (head u, row r),
-      // heads outermost.
+    if (tile.scored > tile.first) {
+      // x[r, j] = capped(scale·q_r·k̄_j) for the rows of every head of the item; pair n = (head
+      // u, row r), heads outermost.
       float* x = scores[sz(worker)].data();
       const Index x_stride = Index{rows_pad_max} * ld_m, rows = r1 - r0;
       for (int u = 0; u < heads_per_item; ++u) {
@@ -736,14 +783,14 @@ Status estimate_select_plan(const AttentionProblem& problem, const ProblemShape&
         tile_scores(w.t, mean_t[sz(it.b)].data() + Index{kvh} * ctx.d * ld_m, ld_m, x + u * x_stride);
       }
       peak = rules::estimate_energies(
-          tile.scored, heads_per_item * rows,
+          tile.first, tile.scored, heads_per_item * rows,
           [&](int j, Index pair) {
             const Index u = pair / rows, r = r0 + pair % rows;
-            return rules::estimate_contributes(sq.seq.position(r), j, B) ? x[u * x_stride + (r - r0) * ld_m + j] : -kInf;
+            return rules::estimate_contributes(g, sq.seq.position(r), j) ? x[u * x_stride + (r - r0) * ld_m + j] : -kInf;
           },
           e.data());
     }
-    for (int j = 0; j < g.visible_end(it.qb); ++j) {
+    for (int j = g.visible_begin(it.qb); j < g.visible_end(it.qb); ++j) {
       if (rules::estimate_keeps(tile, j, e[sz(j)], peak, params.alpha, params.sink, params.window)) {
         error.set(plan->kept.add(shape, it.b, it.h, it.qb, j));
       } else if (params.mean_correction && rules::estimate_correctable(g, tile.a_first, j)) {
@@ -785,11 +832,12 @@ Status estimate_select_attend(const AttentionProblem& problem, const ProblemShap
                     const std::vector<float>& km = plan.k_mean[sz(it.b)];
                     const std::vector<float>& vm = plan.v_mean[sz(it.b)];
                     w.kt_extra.assign(sz(Index{d} * ld_c), 0.0f);
-                    w.v_extra.assign(sz(Index{nc} * ctx.ld), 0.0f);
+                    w.v_extra.assign(sz(Index{nc} * ctx.ld_v), 0.0f);
                     for (int c = 0; c < nc; ++c) {
                       const Index src = (Index{kvh} * nkb + blocks[sz(c)]) * d;
                       for (int f = 0; f < d; ++f) w.kt_extra[sz(Index{f} * ld_c + c)] = km[sz(src + f)];
-                      std::copy_n(vm.data() + src, d, w.v_extra.data() + Index{c} * ctx.ld);
+                      std::copy_n(vm.data() + (Index{kvh} * nkb + blocks[sz(c)]) * ctx.d_v, ctx.d_v,
+                                  w.v_extra.data() + Index{c} * ctx.ld_v);
                     }
                     KeyTile k;
                     k.kt = w.kt_extra.data();
@@ -802,8 +850,9 @@ Status estimate_select_attend(const AttentionProblem& problem, const ProblemShap
                       const float bias = std::log(static_cast<float>(g.key_end(blocks[sz(c)]) - g.key_begin(blocks[sz(c)])));
                       for (int i = 0; i < w.t.rows; ++i) w.s[sz(Index{i} * ld_c + c)] += bias;
                     }
+                    std::fill(w.begin.begin(), w.begin.begin() + w.t.rows, 0);
                     std::fill(w.limit.begin(), w.limit.begin() + w.t.rows, nc);
-                    tile_row_max(w.s.data(), ld_c, w.t.rows, w.limit.data(), w.row_max.data());
+                    tile_row_max(w.s.data(), ld_c, w.t.rows, w.begin.data(), w.limit.data(), w.row_max.data());
                     accumulate(ctx, k, &w);
                   });
   store_all(ctx, output);

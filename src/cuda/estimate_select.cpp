@@ -147,45 +147,52 @@ Status check_into(const ProblemShape& shape, const EstimateSelectParams& params,
 
 }  // namespace
 
-Status select_into_cuda(const AttentionProblem& problem, const ProblemShape& shape, const EstimateSelectParams& params,
-                        const ExecutionPlan& plan, void* cuda_stream, const DeviceBlockMask& out) {
-  SP_RETURN_IF_ERROR(check_into(shape, params, out));
+namespace {
+
+// The selector's call on the device entered: q's layout stands in for O (the selector writes no
+// output) so the shared builders apply, the metadata uploaded; then launch(call, params).
+template <class Launch>
+Status on_selection_call(const AttentionProblem& problem, const ProblemShape& shape, const ExecutionPlan& plan,
+                         const DeviceCall& device, Launch&& launch) {
   const AttentionOutput no_output{problem.q, TensorView{}};
   SP_RETURN_IF_ERROR(check_layout(problem, no_output));
-  DeviceCall device;
-  SP_RETURN_IF_ERROR(device.enter(shape.device.index, cuda_stream));
   Scratch scratch(device.stream, device.pool, shape.device.index, device.capturing);
   const Call call{plan, scratch, device.stream, nullptr};
   FwdParams p = make_fwd_params(problem, shape, no_output, plan.block_k);
   const std::vector<SeqInfo> seqs = make_seq_infos(problem, shape, no_output);
   std::vector<std::int32_t> table;
   SP_RETURN_IF_ERROR(upload_metadata(problem, shape, seqs, nullptr, &scratch, &p, &table));
-  Selection sel;
-  return launch_selection(call, shape, p, params, &sel, &out);
+  return launch(call, p);
+}
+
+}  // namespace
+
+Status select_into_cuda(const AttentionProblem& problem, const ProblemShape& shape, const EstimateSelectParams& params,
+                        const ExecutionPlan& plan, void* cuda_stream, const DeviceBlockMask& out) {
+  SP_RETURN_IF_ERROR(check_into(shape, params, out));
+  DeviceCall device;
+  SP_RETURN_IF_ERROR(device.enter(shape.device.index, cuda_stream));
+  return on_selection_call(problem, shape, plan, device, [&](const Call& call, const FwdParams& p) {
+    Selection sel;
+    return launch_selection(call, shape, p, params, &sel, &out);
+  });
 }
 
 Status select_cuda(const AttentionProblem& problem, const ProblemShape& shape, const EstimateSelectParams& params,
                    const ExecutionPlan& plan, void* cuda_stream, Decisions* decisions) {
-  // The selector writes no output: q's layout stands in for O so the shared builders apply.
-  const AttentionOutput no_output{problem.q, TensorView{}};
-  SP_RETURN_IF_ERROR(check_layout(problem, no_output));
   DeviceCall device;
   SP_RETURN_IF_ERROR(device.enter(shape.device.index, cuda_stream));
   if (device.capturing) {
     return unsupported("cuda_stream: is capturing a CUDA graph, and select() reads its mask back to the host; "
                        "select outside capture");
   }
-  Scratch scratch(device.stream, device.pool, shape.device.index, false);
-  const Call call{plan, scratch, device.stream, nullptr};
-  FwdParams p = make_fwd_params(problem, shape, no_output, plan.block_k);
-  const std::vector<SeqInfo> seqs = make_seq_infos(problem, shape, no_output);
-  std::vector<std::int32_t> table;
-  SP_RETURN_IF_ERROR(upload_metadata(problem, shape, seqs, nullptr, &scratch, &p, &table));
-  Selection sel;
-  SP_RETURN_IF_ERROR(launch_selection(call, shape, p, params, &sel, nullptr));
-  *decisions = Decisions{};
-  decisions->policy = "estimate_select";
-  return read_selection(call, shape, params, sel, decisions);
+  return on_selection_call(problem, shape, plan, device, [&](const Call& call, const FwdParams& p) {
+    Selection sel;
+    SP_RETURN_IF_ERROR(launch_selection(call, shape, p, params, &sel, nullptr));
+    *decisions = Decisions{};
+    decisions->policy = "estimate_select";
+    return read_selection(call, shape, params, sel, decisions);
+  });
 }
 
 }  // namespace sparseprefill::cuda

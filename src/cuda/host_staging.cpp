@@ -98,6 +98,7 @@ Status run_host_staged(const detail::BackendImpl& cuda, const AttentionProblem& 
   SP_RETURN_IF_ERROR(mirror.view(problem.q_descale, true, &dev.q_descale));
   SP_RETURN_IF_ERROR(mirror.view(problem.k_descale, true, &dev.k_descale));
   SP_RETURN_IF_ERROR(mirror.view(problem.v_descale, true, &dev.v_descale));
+  SP_RETURN_IF_ERROR(mirror.view(problem.sinks, true, &dev.sinks));
   AttentionOutput dev_out;
   SP_RETURN_IF_ERROR(mirror.view(output.o, false, &dev_out.o));
   SP_RETURN_IF_ERROR(mirror.view(output.lse, false, &dev_out.lse));

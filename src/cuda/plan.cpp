@@ -239,7 +239,30 @@ int dense_block_k(int head_dim) {
   return tuning::kDenseBlockK;
 }
 
+namespace {
+
+// The model-family features the kernels do not take yet (docs/cuda.md, support matrix): each
+// refused by name, so that backend auto on CUDA tensors fails clearly instead of computing
+// something else; the reference and cpu backends run them all.
+Status check_features(const ProblemShape& shape) {
+  const char* host = "; the reference and cpu backends run it";
+  if (shape.local()) {
+    return unsupported("window_left/window_right: local (sliding-window) attention has no CUDA kernel yet" +
+                       std::string(host));
+  }
+  if (shape.softcap != 0.0) return unsupported("softcap: score soft-capping has no CUDA kernel yet" + std::string(host));
+  if (shape.sinks) return unsupported("sinks: learned attention sinks have no CUDA kernel yet" + std::string(host));
+  if (shape.d_v != shape.d) {
+    return unsupported("v: a V head dim unlike Q/K's (d_v " + std::to_string(shape.d_v) + ", d " + std::to_string(shape.d) +
+                       ") has no CUDA kernel yet" + host);
+  }
+  return {};
+}
+
+}  // namespace
+
 Status check_support(const ProblemShape& shape, const Policy& policy, int* block_k) {
+  SP_RETURN_IF_ERROR(check_features(shape));
   if (shape.dtype == DType::kFP8E4M3) {
     // One instance: the Hopper kernel's, d = 128 over contiguous K/V (run_cuda also needs a
     // compute capability 9.0 device and TMA-describable tensors).

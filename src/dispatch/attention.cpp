@@ -153,9 +153,20 @@ Status check_plan_shape(const ProblemShape& planned, const ProblemShape& given) 
   if (given.h_q != planned.h_q) return differs("h_q", std::to_string(planned.h_q), std::to_string(given.h_q));
   if (given.h_kv != planned.h_kv) return differs("h_kv", std::to_string(planned.h_kv), std::to_string(given.h_kv));
   if (given.d != planned.d) return differs("head_dim", std::to_string(planned.d), std::to_string(given.d));
+  if (given.d_v != planned.d_v) return differs("v head_dim", std::to_string(planned.d_v), std::to_string(given.d_v));
   if (given.causal != planned.causal) {
     return differs("causal", planned.causal ? "true" : "false", given.causal ? "true" : "false");
   }
+  // The window decides which blocks are visible (a plan's mask was validated against it) and
+  // the softcap every score; the sinks' values are data, whether there are any is not.
+  if (given.window_left != planned.window_left || given.window_right != planned.window_right) {
+    const auto window = [](const ProblemShape& s) {
+      return "(" + std::to_string(s.window_left) + ", " + std::to_string(s.window_right) + ")";
+    };
+    return differs("window", window(planned), window(given));
+  }
+  if (given.softcap != planned.softcap) return differs("softcap", std::to_string(planned.softcap), std::to_string(given.softcap));
+  if (given.sinks != planned.sinks) return differs("sinks", planned.sinks ? "given" : "none", given.sinks ? "given" : "none");
   if (given.dtype != planned.dtype) return differs("dtype", dtype_name(planned.dtype), dtype_name(given.dtype));
   if (given.device != planned.device) return differs("device", device_name(planned.device), device_name(given.device));
   if (given.varlen_q != planned.varlen_q) {

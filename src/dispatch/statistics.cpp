@@ -28,6 +28,17 @@ Status check_sample(const char* who, const AttentionProblem& sample, ProblemShap
     return unsupported(std::string(who) + ": sample: fp8_e4m3 inputs run dense and block_sparse only, which need no "
                        "calibration; calibrate on the bf16/fp16 activations");
   }
+  // The statistics are those of the policies' rules on causal prefixes of plain scores; a local
+  // window changes which blocks are visible and softcap every score, so neither is calibrated
+  // (yet). Sinks enter no decision and v is not read: both are accepted (and ignored).
+  if (shape->local()) {
+    return unsupported(std::string(who) + ": sample.window_left/window_right: local (sliding-window) attention is not "
+                       "calibrated; calibrate on causal samples without a window");
+  }
+  if (shape->softcap != 0.0) {
+    return unsupported(std::string(who) + ": sample.softcap: softcapped scores are not calibrated; calibrate on "
+                       "samples with softcap = 0");
+  }
   return {};
 }
 

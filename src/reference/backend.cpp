@@ -54,7 +54,7 @@ class ReferenceBackend final : public detail::BackendImpl {
           lse_seq[static_cast<std::size_t>(h * s_q + r)] = result.lse[static_cast<std::size_t>(h * rows + row0 + r)];
         }
       }
-      detail::store_output<double>(output, s, b, result.o.data() + row0 * s.h_q * s.d, lse_seq.data());
+      detail::store_output<double>(output, s, b, result.o.data() + row0 * s.h_q * s.d_v, lse_seq.data());
       row0 += s_q;
     }
     if (decisions != nullptr) *decisions = std::move(result.decisions);

@@ -33,17 +33,18 @@ struct BlockMeans {
   int block = 0;                     // keys per block
   int h_kv = 0;
   int d = 0;
+  int d_v = 0;
   std::vector<double> k;             // [num_blocks, h_kv, d]
-  std::vector<double> v;             // [num_blocks, h_kv, d]
+  std::vector<double> v;             // [num_blocks, h_kv, d_v]
   std::vector<std::int64_t> length;  // [num_blocks] valid keys: block, or fewer for the last
 
-  const double* k_mean(int j, int hk) const { return &k[offset(j, hk)]; }
-  const double* v_mean(int j, int hk) const { return &v[offset(j, hk)]; }
+  const double* k_mean(int j, int hk) const { return &k[offset(j, hk, d)]; }
+  const double* v_mean(int j, int hk) const { return &v[offset(j, hk, d_v)]; }
 
  private:
-  std::size_t offset(int j, int hk) const {
+  std::size_t offset(int j, int hk, int dim) const {
     return (static_cast<std::size_t>(j) * static_cast<std::size_t>(h_kv) +
-            static_cast<std::size_t>(hk)) * static_cast<std::size_t>(d);
+            static_cast<std::size_t>(hk)) * static_cast<std::size_t>(dim);
   }
 };
 // Blocks j < cached are read from the policy's cache of block means (k/v_block_means), the
@@ -56,7 +57,9 @@ void store_block_means(const Sequence& seq, const EstimateSelectParams& p, const
 // permute_stop: one segment's orders for query head h (segments: geom::SegmentGeometry).
 struct SegmentOrder {
   std::int64_t prefix = 0;            // keys t < prefix precede the segment: s·segment
-  std::vector<std::int64_t> ranked;   // the prefix keys by q̄·k_t descending, ties lower first
+  std::int64_t ranked_begin = 0;      // the ranked keys are ranked_begin .. prefix - 1
+                                      // (geom::SegmentGeometry::ranked_begin)
+  std::vector<std::int64_t> ranked;   // those keys by q̄·k_t descending, ties lower first
   std::vector<std::int64_t> rows;     // the segment's rows by q_r·u descending, ties lower first
 };
 SegmentOrder order_segment(const Sequence& seq, int h, std::int64_t segment,

@@ -1,7 +1,8 @@
 // SPDX-License-Identifier: Apache-2.0
 // estimate_select (FlashPrefill V2) decision rule of the oracle: key blocks scored from their
 // mean keys by every row of a query tile, kept by relative energy, plus forced sink, window
-// and tail blocks; optionally the pruned, fully visible blocks are marked for mean correction.
+// and tail blocks (all within the visible blocks); optionally the pruned, fully visible blocks
+// are marked for mean correction.
 #include <algorithm>
 #include <limits>
 #include <vector>
@@ -21,29 +22,29 @@ BlockMeans block_means(const Sequence& seq, const EstimateSelectParams& p, std::
   means.block = block;
   means.h_kv = seq.h_kv;
   means.d = seq.d;
-  const std::size_t n = static_cast<std::size_t>(blocks) * static_cast<std::size_t>(seq.h_kv) *
-                        static_cast<std::size_t>(seq.d);
-  means.k.assign(n, 0.0);
-  means.v.assign(n, 0.0);
+  means.d_v = seq.d_v;
+  const std::size_t n = static_cast<std::size_t>(blocks) * static_cast<std::size_t>(seq.h_kv);
+  means.k.assign(n * static_cast<std::size_t>(seq.d), 0.0);
+  means.v.assign(n * static_cast<std::size_t>(seq.d_v), 0.0);
   means.length.assign(static_cast<std::size_t>(blocks), 0);
-  std::vector<double> sum(static_cast<std::size_t>(seq.d));
-  std::vector<float> k_cached(static_cast<std::size_t>(seq.d)), v_cached(static_cast<std::size_t>(seq.d));
+  std::vector<double> sum(static_cast<std::size_t>(seq.d > seq.d_v ? seq.d : seq.d_v));
+  std::vector<float> k_cached(static_cast<std::size_t>(seq.d)), v_cached(static_cast<std::size_t>(seq.d_v));
   const auto round = [&seq](float x) { return static_cast<double>(round_to(seq.dtype, x)); };
   for (int j = 0; j < blocks; ++j) {
     means.length[static_cast<std::size_t>(j)] = g.key_end(j) - g.key_begin(j);
     for (int hk = 0; hk < seq.h_kv; ++hk) {
       double* k_out = &means.k[(static_cast<std::size_t>(j) * seq.h_kv + hk) * seq.d];
-      double* v_out = &means.v[(static_cast<std::size_t>(j) * seq.h_kv + hk) * seq.d];
+      double* v_out = &means.v[(static_cast<std::size_t>(j) * seq.h_kv + hk) * seq.d_v];
       if (j < cached) {
         // A complete block of an earlier chunk: its mean as the cache holds it.
         detail::load_block_mean(p.k_block_means, seq.batch, hk, j, seq.d, k_cached.data());
-        detail::load_block_mean(p.v_block_means, seq.batch, hk, j, seq.d, v_cached.data());
+        detail::load_block_mean(p.v_block_means, seq.batch, hk, j, seq.d_v, v_cached.data());
         std::copy(k_cached.begin(), k_cached.end(), k_out);
         std::copy(v_cached.begin(), v_cached.end(), v_out);
         continue;
       }
       rules::block_mean(g, j, seq.d, [&](std::int64_t t) { return seq.k_row(t, hk); }, round, sum.data(), k_out);
-      rules::block_mean(g, j, seq.d, [&](std::int64_t t) { return seq.v_row(t, hk); }, round, sum.data(), v_out);
+      rules::block_mean(g, j, seq.d_v, [&](std::int64_t t) { return seq.v_row(t, hk); }, round, sum.data(), v_out);
     }
   }
   return means;
@@ -51,16 +52,14 @@ BlockMeans block_means(const Sequence& seq, const EstimateSelectParams& p, std::
 
 void store_block_means(const Sequence& seq, const EstimateSelectParams& p, const BlockMeans& means,
                        std::int64_t begin, std::int64_t end) {
-  std::vector<float> k(static_cast<std::size_t>(seq.d)), v(static_cast<std::size_t>(seq.d));
+  std::vector<float> k(static_cast<std::size_t>(seq.d)), v(static_cast<std::size_t>(seq.d_v));
   for (std::int64_t j = begin; j < end; ++j) {
     for (int hk = 0; hk < seq.h_kv; ++hk) {
       // The means are already rounded to the input dtype (= the cache's): stored exactly.
-      for (int i = 0; i < seq.d; ++i) {
-        k[static_cast<std::size_t>(i)] = static_cast<float>(means.k_mean(static_cast<int>(j), hk)[i]);
-        v[static_cast<std::size_t>(i)] = static_cast<float>(means.v_mean(static_cast<int>(j), hk)[i]);
-      }
+      for (int i = 0; i < seq.d; ++i) k[static_cast<std::size_t>(i)] = static_cast<float>(means.k_mean(static_cast<int>(j), hk)[i]);
+      for (int i = 0; i < seq.d_v; ++i) v[static_cast<std::size_t>(i)] = static_cast<float>(means.v_mean(static_cast<int>(j), hk)[i]);
       detail::store_block_mean(p.k_block_means, seq.batch, hk, j, seq.d, k.data());
-      detail::store_block_mean(p.v_block_means, seq.batch, hk, j, seq.d, v.data());
+      detail::store_block_mean(p.v_block_means, seq.batch, hk, j, seq.d_v, v.data());
     }
   }
 }
@@ -88,30 +87,30 @@ Status decide_estimate_select(const Sequence& seq, const ProblemShape& shape,
       const rules::EstimateTile tile = rules::estimate_tile(g, i, p.tail, prompt_len);
       if (tile.empty()) continue;  // no row of the tile sees a key (s_q > s_k)
 
-      // x[r, j] = scale · q_r · k̄_j over the contributing pairs (row, then head); the others
-      // stay -inf.
+      // x[r, j] = capped(q_r · k̄_j) over the contributing pairs (row, then head) of the scored
+      // blocks first <= j < A; the others stay -inf.
       const std::size_t pairs_per_block =
           static_cast<std::size_t>(g.row_end(i) - g.row_begin(i)) * static_cast<std::size_t>(heads_per_unit);
       std::vector<double> x(static_cast<std::size_t>(tile.scored) * pairs_per_block,
                             -std::numeric_limits<double>::infinity());
-      for (int j = 0; j < tile.scored; ++j) {
+      for (int j = tile.first; j < tile.scored; ++j) {
         std::size_t n = static_cast<std::size_t>(j) * pairs_per_block;
         for (std::int64_t r = g.row_begin(i); r < g.row_end(i); ++r) {
           for (int h = h0; h < h0 + heads_per_unit; ++h, ++n) {
-            if (rules::estimate_contributes(seq.geo.position(r), j, bs)) {
-              x[n] = seq.scale * dot(seq.q_row(r, h), means.k_mean(j, hk), seq.d);
+            if (rules::estimate_contributes(g, seq.geo.position(r), j)) {
+              x[n] = seq.capped(dot(seq.q_row(r, h), means.k_mean(j, hk), seq.d));
             }
           }
         }
       }
       std::vector<double> energy(static_cast<std::size_t>(tile.scored));
       const double peak = rules::estimate_energies(
-          tile.scored, static_cast<std::int64_t>(pairs_per_block),
+          tile.first, tile.scored, static_cast<std::int64_t>(pairs_per_block),
           [&](int j, std::int64_t n) { return x[static_cast<std::size_t>(j) * pairs_per_block + static_cast<std::size_t>(n)]; },
           energy.data());
 
       // The mask's head is the unit: the query head, or with pack_gqa the KV head.
-      for (int kb = 0; kb <= tile.lqb; ++kb) {
+      for (int kb = tile.first; kb <= tile.lqb; ++kb) {
         const double e = kb < tile.scored ? energy[static_cast<std::size_t>(kb)] : 0.0;
         if (rules::estimate_keeps(tile, kb, e, peak, p.alpha, p.sink, p.window)) {
           SP_RETURN_IF_ERROR(decisions->kept.add(shape, seq.batch, unit, i, kb));

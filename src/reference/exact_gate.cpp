@@ -17,7 +17,7 @@ Status decide_exact_gate(const Sequence& seq, const ProblemShape& shape, const E
   for (int h = 0; h < seq.h_q; ++h) {
     for (int qb = 0; qb < g.num_q_blocks(); ++qb) {
       const double threshold = rules::gate_threshold(table, p.thresholds.stride[0], p.thresholds.stride[1], positions, g, h, qb);
-      for (int kb = 0; kb < g.visible_end(qb); ++kb) {
+      for (int kb = g.visible_begin(qb); kb < g.visible_end(qb); ++kb) {
         bool keep = true;  // the blocks that are not gated are always computed
         if (rules::gate_gated(g, qb, kb)) {
           // Every valid row of a gated block sees all of its keys, so no element mask here.

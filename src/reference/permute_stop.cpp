@@ -21,6 +21,7 @@ SegmentOrder order_segment(const Sequence& seq, int h, std::int64_t segment,
   const auto d = static_cast<std::size_t>(seq.d);
   SegmentOrder out;
   out.prefix = sg.prefix(segment);
+  out.ranked_begin = sg.ranked_begin(segment);
 
   // q̄: the mean of the segment's queries present in the call (exact, not rounded).
   std::vector<double> q_bar(d, 0.0);
@@ -29,16 +30,19 @@ SegmentOrder order_segment(const Sequence& seq, int h, std::int64_t segment,
   }
   for (double& x : q_bar) x /= static_cast<double>(r1 - r0);
 
-  std::vector<double> dots(static_cast<std::size_t>(out.prefix));
-  for (std::int64_t t = 0; t < out.prefix; ++t) dots[static_cast<std::size_t>(t)] = dot(q_bar.data(), seq.k_row(t, hk), seq.d);
-  out.ranked = rules::rank_descending(dots);  // indices are the prefix keys themselves
+  const std::int64_t ranked = out.prefix - out.ranked_begin;
+  std::vector<double> dots(static_cast<std::size_t>(ranked));
+  for (std::int64_t n = 0; n < ranked; ++n) {
+    dots[static_cast<std::size_t>(n)] = dot(q_bar.data(), seq.k_row(out.ranked_begin + n, hk), seq.d);
+  }
+  for (const std::int64_t n : rules::rank_descending(dots)) out.ranked.push_back(out.ranked_begin + n);
 
-  if (out.prefix == 0) {  // no prefix, no guide vector: identity order
+  if (ranked == 0) {  // nothing ranked, no guide vector: identity order
     for (std::int64_t r = r0; r < r1; ++r) out.rows.push_back(r);
     return out;
   }
-  // u: the mean of the top-ranked prefix keys.
-  const std::int64_t top = rules::permute_guide_keys(out.prefix, p.block_k);
+  // u: the mean of the top-ranked keys.
+  const std::int64_t top = rules::permute_guide_keys(ranked, p.block_k);
   std::vector<double> u(d, 0.0);
   for (std::int64_t n = 0; n < top; ++n) {
     const double* k = seq.k_row(out.ranked[static_cast<std::size_t>(n)], hk);
@@ -75,29 +79,38 @@ Status decide_permute_stop(const Sequence& seq, const ProblemShape& shape,
 
       for (std::int64_t tile = 0; tile < rules::permute_tiles(sg, s, p.block_q); ++tile) {
         const std::int64_t e0 = tile * p.block_q, e1 = geom::min64(e0 + p.block_q, n_rows);
-        // Pass 1: the online-softmax state (m, l) after the segment's own keys, causally.
+        // Pass 1: the online-softmax state (m, l) after the segment's own keys the row sees
+        // (causal, within its window).
         std::vector<double> m(static_cast<std::size_t>(e1 - e0), kNegInf);
         std::vector<double> l(static_cast<std::size_t>(e1 - e0), 0.0);
         for (std::int64_t e = e0; e < e1; ++e) {
           const std::int64_t r = ord.rows[static_cast<std::size_t>(e)];
           const auto u = static_cast<std::size_t>(e - e0);
-          for (std::int64_t t = seg_begin; t < seq.geo.keys_seen(r); ++t) m[u] = rules::nan_max(m[u], seq.score(r, h, t));
-          for (std::int64_t t = seg_begin; t < seq.geo.keys_seen(r); ++t) l[u] += std::exp(seq.score(r, h, t) - m[u]);
+          const std::int64_t begin = geom::max64(seg_begin, seq.geo.first_key(r));
+          for (std::int64_t t = begin; t < seq.geo.keys_seen(r); ++t) m[u] = rules::nan_max(m[u], seq.score(r, h, t));
+          for (std::int64_t t = begin; t < seq.geo.keys_seen(r); ++t) l[u] += std::exp(seq.score(r, h, t) - m[u]);
         }
-        // Pass 2: ranked prefix chunks; each visited chunk is kept, and the walk stops after
-        // a chunk whose largest row gain Δl / l' is below tau (a NaN gain never stops it).
+        // Pass 2: ranked chunks; each visited chunk is kept, and the walk stops after a chunk
+        // whose largest row gain Δl / l' is below tau (a NaN gain never stops it). A row reads
+        // the chunk's keys it sees (all of them without a left window bound).
+        const auto ranked = static_cast<std::int64_t>(ord.ranked.size());
         std::int64_t visited = 0;
         while (visited < chunks) {
-          const std::int64_t c0 = visited * p.block_k, c1 = geom::min64(c0 + p.block_k, ord.prefix);
+          const std::int64_t c0 = visited * p.block_k, c1 = geom::min64(c0 + p.block_k, ranked);
           ++visited;
           double max_gain = kNegInf;
           for (std::int64_t e = e0; e < e1; ++e) {
             const std::int64_t r = ord.rows[static_cast<std::size_t>(e)];
             const auto u = static_cast<std::size_t>(e - e0);
+            const auto seen = [&](std::int64_t c) { return seq.geo.sees(r, ord.ranked[static_cast<std::size_t>(c)]); };
             double m_new = m[u];
-            for (std::int64_t c = c0; c < c1; ++c) m_new = rules::nan_max(m_new, seq.score(r, h, ord.ranked[static_cast<std::size_t>(c)]));
+            for (std::int64_t c = c0; c < c1; ++c) {
+              if (seen(c)) m_new = rules::nan_max(m_new, seq.score(r, h, ord.ranked[static_cast<std::size_t>(c)]));
+            }
             double dl = 0.0;
-            for (std::int64_t c = c0; c < c1; ++c) dl += std::exp(seq.score(r, h, ord.ranked[static_cast<std::size_t>(c)]) - m_new);
+            for (std::int64_t c = c0; c < c1; ++c) {
+              if (seen(c)) dl += std::exp(seq.score(r, h, ord.ranked[static_cast<std::size_t>(c)]) - m_new);
+            }
             const double l_new = l[u] * std::exp(m[u] - m_new) + dl;
             max_gain = rules::nan_max(max_gain, rules::permute_gain(dl, l_new));
             m[u] = m_new;

@@ -66,15 +66,18 @@ Status decide(const Sequence& seq, const ProblemShape& shape, const Policy& poli
   return {};  // dense and block_sparse decide nothing per sequence
 }
 
-// Softmax of row r of head h over the row's keys and pseudo-tokens, all in double. A pseudo-
-// token of block j has score scale·q·k̄_j + ln n_j: weight n_j on e^{scale·q·k̄_j}.
-// o: [d]. No term: O = 0, LSE = -inf. A NaN anywhere makes the maximum, and so O and LSE, NaN.
+// Softmax of row r of head h over the row's keys and pseudo-tokens, all in double, with head h's
+// sink logit as one more term of the denominator and the maximum (docs/semantics.md §1). A
+// pseudo-token of block j has score capped(q·k̄_j) + ln n_j: weight n_j on e^{capped(q·k̄_j)}.
+// o: [d_v]. No term (or only a -inf sink): O = 0, LSE = -inf; only a sink: O = 0, LSE = the sink.
+// A NaN anywhere (a NaN or +inf sink too) makes the maximum, and so O and LSE, NaN.
 void attend_row(const Sequence& seq, int h, std::int64_t r, const RowAttention& row,
                 const BlockMeans* means, double* o, double* lse) {
-  const auto d = static_cast<std::size_t>(seq.d);
-  for (std::size_t i = 0; i < d; ++i) o[i] = 0.0;
+  const auto d_v = static_cast<std::size_t>(seq.d_v);
+  for (std::size_t i = 0; i < d_v; ++i) o[i] = 0.0;
   const std::size_t n = row.keys.size() + row.mean_blocks.size();
-  if (n == 0) {
+  const double sink = seq.sink(h);
+  if (n == 0 && sink == kNegInf) {
     *lse = kNegInf;
     return;
   }
@@ -88,19 +91,19 @@ void attend_row(const Sequence& seq, int h, std::int64_t r, const RowAttention& 
   for (std::size_t i = 0; i < row.mean_blocks.size(); ++i) {
     const int j = row.mean_blocks[i];
     const std::size_t u = row.keys.size() + i;
-    s[u] = seq.scale * dot(seq.q_row(r, h), means->k_mean(j, hk), seq.d) +
+    s[u] = seq.capped(dot(seq.q_row(r, h), means->k_mean(j, hk), seq.d)) +
            std::log(static_cast<double>(means->length[static_cast<std::size_t>(j)]));
     value[u] = means->v_mean(j, hk);
   }
-  double m = kNegInf;
+  double m = sink;
   for (double x : s) m = rules::nan_max(m, x);
-  double den = 0.0;
+  double den = std::exp(sink - m);
   for (std::size_t u = 0; u < n; ++u) {
     const double w = std::exp(s[u] - m);
     den += w;
-    for (std::size_t i = 0; i < d; ++i) o[i] += w * value[u][i];
+    for (std::size_t i = 0; i < d_v; ++i) o[i] += w * value[u][i];
   }
-  for (std::size_t i = 0; i < d; ++i) o[i] /= den;
+  for (std::size_t i = 0; i < d_v; ++i) o[i] /= den;
   *lse = m + std::log(den);
 }
 
@@ -132,9 +135,9 @@ Status attend_decisions(const AttentionProblem& problem, const Policy& policy,
   SP_RETURN_IF_ERROR(check_policy_for(shape, policy));
   SP_RETURN_IF_ERROR(check_decisions(shape, policy, decisions));
 
-  // O [rows, h_q, d] and LSE [h_q, rows], rows in batch order: row = q_start[b] + r.
+  // O [rows, h_q, d_v] and LSE [h_q, rows], rows in batch order: row = q_start[b] + r.
   const std::int64_t rows = shape.total_q();
-  const auto d = static_cast<std::size_t>(shape.d);
+  const auto d = static_cast<std::size_t>(shape.d_v);
   result->o.assign(static_cast<std::size_t>(rows * shape.h_q) * d, 0.0);
   result->lse.assign(static_cast<std::size_t>(rows * shape.h_q), kNegInf);
   RowAttention row;

@@ -11,7 +11,7 @@
 namespace sparseprefill::ref {
 
 struct Result {
-  // O as [rows, h_q, d] and LSE as [h_q, rows], rows = sequences' query rows in batch order
+  // O as [rows, h_q, d_v] and LSE as [h_q, rows], rows = sequences' query rows in batch order
   // (for batched q, row = b·s_q + r). A row that sees no key: O = 0, LSE = -inf.
   std::vector<double> o;
   std::vector<double> lse;

@@ -9,13 +9,10 @@
 #include "core/estimate_chunks.h"
 #include "core/rules/estimate_select.h"
 #include "core/rules/permute_stop.h"
+#include "core/shape_geometry.h"
 
 namespace sparseprefill::ref {
 namespace {
-
-geom::SeqGeometry seq_geometry(const ProblemShape& shape, int b) {
-  return {shape.seq_q[static_cast<std::size_t>(b)], shape.seq_k[static_cast<std::size_t>(b)], shape.causal};
-}
 
 Status check_mask(const char* name, const BlockMask& m, const ProblemShape& shape, int block_q,
                   int block_k, bool per_kv_head) {
@@ -34,7 +31,7 @@ Status check_mask(const char* name, const BlockMask& m, const ProblemShape& shap
 Status check_corrected(const ProblemShape& shape, const Decisions& d) {
   const BlockMask& c = d.corrected;
   for (int b = 0; b < c.batch; ++b) {
-    const geom::BlockGeometry g{seq_geometry(shape, b), c.block_q, c.block_k};
+    const geom::BlockGeometry g{detail::sequence_geometry(shape, b), c.block_q, c.block_k};
     for (int h = 0; h < c.heads; ++h) {
       for (int qb = 0; qb < g.num_q_blocks(); ++qb) {
         const std::int64_t row = c.row(b, h, qb);
@@ -67,7 +64,7 @@ Status check_permute(const ProblemShape& shape, const PermuteStopParams& p, cons
   }
   std::size_t next = 0;  // the tile record expected next
   for (int b = 0; b < shape.batch; ++b) {
-    const geom::SeqGeometry geo = seq_geometry(shape, b);
+    const geom::SeqGeometry geo = detail::sequence_geometry(shape, b);
     const geom::SegmentGeometry sg{geo, p.segment};
     for (int h = 0; h < shape.h_q; ++h) {
       const std::int32_t* order = d.query_order.data() + (b * shape.h_q + h) * slots;
@@ -172,7 +169,8 @@ void RowSets::init(const Sequence& seq, const ProblemShape& shape, const Policy&
   for (const PermuteTile& t : decisions.tiles) {
     if (t.batch != seq.batch) continue;
     const std::int64_t row0 = sg.row_begin(t.segment), row1 = sg.row_end(t.segment);
-    const std::int64_t visited = geom::min64(static_cast<std::int64_t>(t.chunks_visited) * p->block_k, sg.prefix(t.segment));
+    const std::int64_t visited = geom::min64(static_cast<std::int64_t>(t.chunks_visited) * p->block_k,
+                                             sg.prefix(t.segment) - sg.ranked_begin(t.segment));
     const std::int32_t* order = decisions.query_order.data() + (seq.batch * seq.h_q + t.head) * slots;
     const std::int64_t e0 = row0 + static_cast<std::int64_t>(t.tile) * p->block_q;
     const std::int64_t e1 = geom::min64(e0 + p->block_q, row1);
@@ -186,13 +184,14 @@ void RowSets::row(int h, std::int64_t r, RowAttention* out) const {
   const Sequence& seq = *seq_;
   out->keys.clear();
   out->mean_blocks.clear();
-  const std::int64_t seen = seq.geo.keys_seen(r);
+  // The row sees keys [first, seen) (causal mask and window).
+  const std::int64_t first = seq.geo.first_key(r), seen = seq.geo.keys_seen(r);
   switch (kind_) {
     case Kind::kDense:
-      for (std::int64_t t = 0; t < seen; ++t) out->keys.push_back(t);
+      for (std::int64_t t = first; t < seen; ++t) out->keys.push_back(t);
       return;
     case Kind::kBlocks: {
-      // Kept blocks' keys, clipped by the causal mask (only partial blocks are clipped).
+      // Kept blocks' keys, clipped to the row's range (only partial blocks are clipped).
       const BlockMask& m = decisions_->kept;
       const int mh = m.per_kv_head ? seq.kv_head(h) : h;
       const int qb = static_cast<int>(r / m.block_q);
@@ -202,7 +201,7 @@ void RowSets::row(int h, std::int64_t r, RowAttention* out) const {
         for (std::int32_t i = 0; i < count; ++i) {
           const std::int64_t kb = index[base + static_cast<std::size_t>(i)];
           const std::int64_t end = geom::min64(geom::min64((kb + 1) * m.block_k, seq.geo.s_k), seen);
-          for (std::int64_t t = kb * m.block_k; t < end; ++t) out->keys.push_back(t);
+          for (std::int64_t t = geom::max64(kb * m.block_k, first); t < end; ++t) out->keys.push_back(t);
         }
       };
       add_blocks(m.full_index, m.full_count[static_cast<std::size_t>(row)]);
@@ -220,10 +219,13 @@ void RowSets::row(int h, std::int64_t r, RowAttention* out) const {
     case Kind::kPermute: {
       const std::int64_t s = rules::segment_of(segments_, r);
       if (s < 0) return;
-      for (std::int64_t t = segments_.prefix(s); t < seen; ++t) out->keys.push_back(t);
+      for (std::int64_t t = geom::max64(segments_.prefix(s), first); t < seen; ++t) out->keys.push_back(t);
       const auto& ranked = ranked_[static_cast<std::size_t>(h * segments_.count() + s - segments_.first())];
       const std::int64_t visited = prefix_visited_[static_cast<std::size_t>(h * seq.geo.s_q + r)];
-      for (std::int64_t n = 0; n < visited; ++n) out->keys.push_back(ranked[static_cast<std::size_t>(n)]);
+      for (std::int64_t n = 0; n < visited; ++n) {
+        const std::int64_t t = ranked[static_cast<std::size_t>(n)];
+        if (t >= first) out->keys.push_back(t);  // a ranked key below the row's window is not read
+      }
       return;
     }
   }

@@ -1,7 +1,7 @@
 // SPDX-License-Identifier: Apache-2.0
 // softmax_skip (BLASST) decision rule of the oracle. The rule depends on the visit order (the
 // running max only sees blocks visited earlier), so the order is part of the semantics:
-// partial blocks, then full blocks, each group in descending index.
+// partial blocks, then full blocks, each group in descending index (rules::blasst_block).
 #include <limits>
 #include <vector>
 
@@ -31,11 +31,13 @@ Status decide_softmax_skip(const Sequence& seq, const ProblemShape& shape,
       for (std::size_t visit = 0; visit < order.size(); ++visit) {
         const int kb = order[visit];
         for (std::int64_t i = 0; i < rows; ++i) {
+          // The keys of the block row r0 + i sees (causal mask and window).
+          const std::int64_t begin = geom::max64(g.key_begin(kb), seq.geo.first_key(r0 + i));
           const std::int64_t end = geom::min64(g.key_end(kb), seq.geo.keys_seen(r0 + i));
           double m = kNegInf;
-          for (std::int64_t t = g.key_begin(kb); t < end; ++t) m = rules::nan_max(m, seq.score(r0 + i, h, t));
+          for (std::int64_t t = begin; t < end; ++t) m = rules::nan_max(m, seq.score(r0 + i, h, t));
           tile_max[static_cast<std::size_t>(i)] = m;
-          sees[static_cast<std::size_t>(i)] = end > g.key_begin(kb);
+          sees[static_cast<std::size_t>(i)] = end > begin;
         }
         // Skipped iff every row with a say votes kSkip (rules::skip_vote).
         bool skip = rule.gates(static_cast<int>(visit));

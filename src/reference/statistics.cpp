@@ -273,7 +273,7 @@ SelectStatistics host_select_statistics(const SampleSeq& s, int bs, bool pack_gq
         std::size_t n = static_cast<std::size_t>(j) * pairs;
         for (std::int64_t r = g.row_begin(i); r < g.row_end(i); ++r) {
           for (int h = h0; h < h0 + heads_per_unit; ++h, ++n) {
-            if (!rules::estimate_contributes(s.geo.position(r), j, bs)) continue;
+            if (!rules::estimate_contributes(g, s.geo.position(r), j)) continue;
             const double* q = s.q_row(r, h);
             double acc = 0.0;
             for (int dd = 0; dd < s.d; ++dd) acc += q[dd] * kbar[dd];
@@ -283,7 +283,7 @@ SelectStatistics host_select_statistics(const SampleSeq& s, int bs, bool pack_gq
       }
       double* ratio = &st.ratio[(static_cast<std::size_t>(unit) * tiles + i) * blocks];
       const double e_max = rules::estimate_energies(
-          scored, static_cast<std::int64_t>(pairs),
+          0, scored, static_cast<std::int64_t>(pairs),
           [&](int j, std::int64_t n) { return x[static_cast<std::size_t>(j) * pairs + static_cast<std::size_t>(n)]; }, ratio);
       for (int j = 0; j < scored; ++j) ratio[j] /= e_max;
     }

@@ -51,20 +51,24 @@ inline TestProblem make_problem(const Inputs& in, bool causal = true, Layout lay
   return build_problem(in, opt);
 }
 
-inline geom::BlockGeometry geometry(std::int64_t s_q, std::int64_t s_k, bool causal, int bq, int bk) {
+// The block geometry of one sequence, under the local window (left, right) (-1: no bound).
+inline geom::BlockGeometry geometry(std::int64_t s_q, std::int64_t s_k, bool causal, int bq, int bk, int left = -1,
+                                    int right = -1) {
   geom::BlockGeometry g;
-  g.seq = {s_q, s_k, causal};
+  g.seq = {s_q, s_k, causal, left, right};
   g.block_q = bq;
   g.block_k = bk;
   return g;
 }
 
-// Causally visible (query block, key block) pairs of every sequence, times `heads`.
-inline std::int64_t visible_blocks(const std::vector<SeqLen>& lengths, int heads, bool causal, int bq, int bk) {
+// Visible (query block, key block) pairs of every sequence (causal mask and window), times
+// `heads`.
+inline std::int64_t visible_blocks(const std::vector<SeqLen>& lengths, int heads, bool causal, int bq, int bk,
+                                   int left = -1, int right = -1) {
   std::int64_t n = 0;
   for (const SeqLen& l : lengths) {
-    const geom::BlockGeometry g = geometry(l.s_q, l.s_k, causal, bq, bk);
-    for (int qb = 0; qb < g.num_q_blocks(); ++qb) n += g.visible_end(qb);
+    const geom::BlockGeometry g = geometry(l.s_q, l.s_k, causal, bq, bk, left, right);
+    for (int qb = 0; qb < g.num_q_blocks(); ++qb) n += g.visible_end(qb) - g.visible_begin(qb);
   }
   return n * heads;
 }
@@ -123,7 +127,7 @@ inline std::vector<GatedMax> gated_block_maxima(const TestProblem& tp, int bq, i
     const geom::BlockGeometry g{seq.geo, bq, bk};
     for (int h = 0; h < shape.h_q; ++h) {
       for (int qb = 0; qb < g.num_q_blocks(); ++qb) {
-        for (int kb = 0; kb < g.visible_end(qb); ++kb) {
+        for (int kb = g.visible_begin(qb); kb < g.visible_end(qb); ++kb) {
           if (!rules::gate_gated(g, qb, kb)) continue;
           double m = -std::numeric_limits<double>::infinity();
           for (std::int64_t r = g.row_begin(qb); r < g.row_end(qb); ++r) {
@@ -154,15 +158,16 @@ inline double midpoint_near(const std::vector<double>& maxima, int want, double 
 // An exact_gate threshold table [h_q, positions] for batch-1 inputs: for each (h, qb) the
 // midpoint of two consecutive observed maxima of its gated blocks with a gap of at least 0.02,
 // near the `keep_fraction` quantile, so no maximum lies within 0.01 of the threshold (decisions
-// away from ties); -inf (everything kept) when nothing is gated.
-inline HostTensor midpoint_thresholds(const Inputs& in, bool causal, int bq, int bk, double keep_fraction) {
-  const geom::BlockGeometry g = geometry(in.s_q(0), in.s_k(0), causal, bq, bk);
+// away from ties); -inf (everything kept) when nothing is gated. `opt` gives the call's causal
+// mask, window and softcap (the gated blocks and the scores they compare).
+inline HostTensor midpoint_thresholds(const Inputs& in, const LayoutOptions& opt, int bq, int bk, double keep_fraction) {
+  const geom::BlockGeometry g = geometry(in.s_q(0), in.s_k(0), opt.causal, bq, bk, opt.window_left, opt.window_right);
   const int positions = static_cast<int>(geom::ceil_div(in.s_k(0), bq)) + 1;
   HostTensor thr(DType::kFP32, {in.h_q, positions});
   for (int i = 0; i < in.h_q * positions; ++i) thr.as<float>()[i] = -std::numeric_limits<float>::infinity();
-  LayoutOptions opt;
-  opt.causal = causal;
-  const std::vector<GatedMax> all = gated_block_maxima(build_problem(in, opt), bq, bk);
+  LayoutOptions batched = opt;
+  batched.layout = Layout::kBatched;
+  const std::vector<GatedMax> all = gated_block_maxima(build_problem(in, batched), bq, bk);
   for (int h = 0; h < in.h_q; ++h) {
     for (int qb = 0; qb < g.num_q_blocks(); ++qb) {
       std::vector<double> maxima;
@@ -176,6 +181,11 @@ inline HostTensor midpoint_thresholds(const Inputs& in, bool causal, int bq, int
     }
   }
   return thr;
+}
+inline HostTensor midpoint_thresholds(const Inputs& in, bool causal, int bq, int bk, double keep_fraction) {
+  LayoutOptions opt;
+  opt.causal = causal;
+  return midpoint_thresholds(in, opt, bq, bk, keep_fraction);
 }
 
 // Candidates for one exact_gate threshold c over the whole table: midpoints between consecutive
@@ -200,8 +210,9 @@ inline std::vector<double> gate_candidates(const TestProblem& tp, int bq, int bk
 inline void poison_keys(Inputs* in, int b, bool value, int g, std::int64_t k0, std::int64_t k1) {
   SequenceData& s = in->seqs[static_cast<std::size_t>(b)];
   HostTensor* t = value ? &s.v : &s.k;
+  const int dim = value ? in->d_v : in->d;
   for (std::int64_t pos = k0; pos < k1; ++pos) {
-    for (int c = 0; c < in->d; ++c) set(t, (pos * in->h_kv + g) * in->d + c, std::numeric_limits<double>::quiet_NaN());
+    for (int c = 0; c < dim; ++c) set(t, (pos * in->h_kv + g) * dim + c, std::numeric_limits<double>::quiet_NaN());
   }
 }
 
@@ -241,8 +252,8 @@ inline Inputs permute_inputs(const std::vector<SeqLen>& lengths, int h_q, int h_
 }
 
 // A random block mask over `shape` that never selects the "dead" key blocks (every third block
-// of every row, per mask head: (kb + h) % 3 == 1), so that their K and V can be NaN; the others
-// are selected with probability 3/4.
+// of every row, per mask head: (kb + h) % 3 == 1), so that their K and V can be NaN; the other
+// visible blocks (causal mask and window) are selected with probability 3/4.
 inline BlockMask random_mask(const ProblemShape& shape, int block_q, int block_k, bool per_kv, std::uint64_t seed,
                              std::vector<std::vector<int>>* dead_by_head) {
   BlockMask m = BlockMask::empty(shape, block_q, block_k, per_kv);
@@ -255,10 +266,10 @@ inline BlockMask random_mask(const ProblemShape& shape, int block_q, int block_k
   }
   for (int b = 0; b < m.batch; ++b) {
     const geom::BlockGeometry g = geometry(shape.seq_q[static_cast<std::size_t>(b)], shape.seq_k[static_cast<std::size_t>(b)],
-                                           shape.causal, block_q, block_k);
+                                           shape.causal, block_q, block_k, shape.window_left, shape.window_right);
     for (int h = 0; h < m.heads; ++h) {
       for (int qb = 0; qb < g.num_q_blocks(); ++qb) {
-        for (int kb = 0; kb < g.visible_end(qb); ++kb) {
+        for (int kb = g.visible_begin(qb); kb < g.visible_end(qb); ++kb) {
           if ((kb + h) % 3 == 1 || rng.below(4) == 0) continue;
           EXPECT_TRUE(m.add(shape, b, h, qb, kb).ok());
         }

@@ -19,7 +19,7 @@ namespace sparseprefill::test {
 Inputs chunk_of(const Inputs& full, std::int64_t c0, std::int64_t c1) {
   Inputs c = full;
   const auto rows = [&](const HostTensor& src, int heads, std::int64_t r0, std::int64_t r1) {
-    HostTensor out(src.dtype(), {r1 - r0, heads, full.d});
+    HostTensor out(src.dtype(), {r1 - r0, heads, src.shape()[2]});
     const std::size_t row_bytes = src.nbytes() / static_cast<std::size_t>(src.shape()[0]);
     std::memcpy(out.data(), static_cast<const unsigned char*>(src.data()) + static_cast<std::size_t>(r0) * row_bytes,
                 out.nbytes());
@@ -36,7 +36,7 @@ Inputs chunk_of(const Inputs& full, std::int64_t c0, std::int64_t c1) {
 
 MeansCache::MeansCache(const Inputs& full, int block_size, std::int64_t max_blocks)
     : k(full.dtype, {static_cast<std::int64_t>(full.seqs.size()), full.h_kv, max_blocks, full.d}),
-      v(full.dtype, {static_cast<std::int64_t>(full.seqs.size()), full.h_kv, max_blocks, full.d}),
+      v(full.dtype, {static_cast<std::int64_t>(full.seqs.size()), full.h_kv, max_blocks, full.d_v}),
       valid(DType::kInt32, {static_cast<std::int64_t>(full.seqs.size())}),
       prompt_len(DType::kInt32, {static_cast<std::int64_t>(full.seqs.size())}),
       block(block_size) {
@@ -67,7 +67,7 @@ void MeansCache::advance(std::int64_t s_k) {
                                                      ref::Result* joined) {
   const int batch = static_cast<int>(full.seqs.size());
   const std::int64_t n = full.s_q(0);
-  const std::int64_t row_elems = static_cast<std::int64_t>(full.h_q) * full.d;
+  const std::int64_t row_elems = static_cast<std::int64_t>(full.h_q) * full.d_v;
   const double nan = std::numeric_limits<double>::quiet_NaN();
   joined->o.assign(static_cast<std::size_t>(batch * n * row_elems), nan);
   joined->lse.assign(static_cast<std::size_t>(batch * n * full.h_q), nan);
@@ -154,13 +154,17 @@ void expect_cache_holds_recomputed_means(const Inputs& in, const MeansCache& cac
     const std::int64_t complete = in.s_k(b) / p.block;
     for (int hk = 0; hk < in.h_kv; ++hk) {
       for (std::int64_t j = 0; j < max_blocks; ++j) {
-        for (int i = 0; i < in.d; ++i) {
-          const std::int64_t at = ((b * in.h_kv + hk) * max_blocks + j) * in.d + i;
-          if (j < complete) {
-            ASSERT_EQ(get(cache.k, at), want.k_mean(static_cast<int>(j), hk)[i]) << "k mean, b " << b << " block " << j;
-            ASSERT_EQ(get(cache.v, at), want.v_mean(static_cast<int>(j), hk)[i]) << "v mean, b " << b << " block " << j;
-          } else {
-            ASSERT_TRUE(std::isnan(get(cache.k, at)) && std::isnan(get(cache.v, at))) << "written past block " << complete;
+        for (const bool value : {false, true}) {
+          const int dim = value ? in.d_v : in.d;
+          const HostTensor& t = value ? cache.v : cache.k;
+          for (int i = 0; i < dim; ++i) {
+            const std::int64_t at = ((b * in.h_kv + hk) * max_blocks + j) * dim + i;
+            if (j < complete) {
+              const double* mean = value ? want.v_mean(static_cast<int>(j), hk) : want.k_mean(static_cast<int>(j), hk);
+              ASSERT_EQ(get(t, at), mean[i]) << (value ? "v" : "k") << " mean, b " << b << " block " << j;
+            } else {
+              ASSERT_TRUE(std::isnan(get(t, at))) << "written past block " << complete;
+            }
           }
         }
       }

@@ -67,6 +67,12 @@ void set(HostTensor* t, std::int64_t i, double x) {
   }
 }
 
+void put(HostTensor* t, std::int64_t row, int h, std::initializer_list<double> values) {
+  const std::int64_t heads = t->shape()[1], d = t->shape()[2];
+  std::int64_t i = 0;
+  for (double x : values) set(t, (row * heads + h) * d + i++, x);
+}
+
 void fill_random(HostTensor* t, std::uint64_t seed, double scale, Distribution dist) {
   Random rng(seed);
   for (std::int64_t i = 0; i < t->numel(); ++i) {
@@ -74,22 +80,23 @@ void fill_random(HostTensor* t, std::uint64_t seed, double scale, Distribution d
   }
 }
 
-Inputs empty_inputs(const std::vector<SeqLen>& lengths, int h_q, int h_kv, int d, DType dtype) {
+Inputs empty_inputs(const std::vector<SeqLen>& lengths, int h_q, int h_kv, int d, DType dtype, int d_v) {
   Inputs in;
   in.dtype = dtype;
   in.h_q = h_q;
   in.h_kv = h_kv;
   in.d = d;
+  in.d_v = d_v > 0 ? d_v : d;
   for (const SeqLen& len : lengths) {
     in.seqs.push_back({HostTensor(dtype, {len.s_q, h_q, d}), HostTensor(dtype, {len.s_k, h_kv, d}),
-                       HostTensor(dtype, {len.s_k, h_kv, d})});
+                       HostTensor(dtype, {len.s_k, h_kv, in.d_v})});
   }
   return in;
 }
 
 Inputs random_inputs(const std::vector<SeqLen>& lengths, int h_q, int h_kv, int d, DType dtype,
-                     std::uint64_t seed, double scale, Distribution dist) {
-  Inputs in = empty_inputs(lengths, h_q, h_kv, d, dtype);
+                     std::uint64_t seed, double scale, Distribution dist, int d_v) {
+  Inputs in = empty_inputs(lengths, h_q, h_kv, d, dtype, d_v);
   Random seeds(seed);
   for (SequenceData& s : in.seqs) {
     fill_random(&s.q, seeds.next(), scale, dist);
@@ -107,11 +114,12 @@ Inputs repeat_kv(const Inputs& in) {
     const std::int64_t s_k = in.seqs[b].k.shape()[0];
     for (HostTensor SequenceData::*field : {&SequenceData::k, &SequenceData::v}) {
       const HostTensor& src = in.seqs[b].*field;
-      HostTensor dst(in.dtype, {s_k, in.h_q, in.d});
+      const int dim = field == &SequenceData::k ? in.d : in.d_v;
+      HostTensor dst(in.dtype, {s_k, in.h_q, dim});
       for (std::int64_t t = 0; t < s_k; ++t) {
         for (int h = 0; h < in.h_q; ++h) {
-          for (int i = 0; i < in.d; ++i) {
-            set(&dst, (t * in.h_q + h) * in.d + i, get(src, (t * in.h_kv + h / group) * in.d + i));
+          for (int i = 0; i < dim; ++i) {
+            set(&dst, (t * in.h_q + h) * dim + i, get(src, (t * in.h_kv + h / group) * dim + i));
           }
         }
       }
@@ -133,8 +141,12 @@ AttentionProblem TestProblem::problem() const {
   if (!q_descale.shape().empty()) p.q_descale = q_descale.view();
   if (!k_descale.shape().empty()) p.k_descale = k_descale.view();
   if (!v_descale.shape().empty()) p.v_descale = v_descale.view();
+  if (!sinks.shape().empty()) p.sinks = sinks.view();
   p.causal = causal;
   p.scale = scale;
+  p.window_left = window_left;
+  p.window_right = window_right;
+  p.softcap = softcap;
   return p;
 }
 
@@ -144,9 +156,17 @@ TestProblem build_problem(const Inputs& in, const LayoutOptions& opt) {
   TestProblem tp;
   tp.causal = opt.causal;
   tp.scale = opt.scale;
+  tp.window_left = opt.window_left;
+  tp.window_right = opt.window_right;
+  tp.softcap = opt.softcap;
+  if (!in.sinks.empty()) {
+    tp.sinks = HostTensor(DType::kFP32, {in.h_q});
+    for (int h = 0; h < in.h_q; ++h) set(&tp.sinks, h, in.sinks[static_cast<std::size_t>(h)]);
+  }
   const auto batch = static_cast<std::int64_t>(in.seqs.size());
   const std::int64_t row_q = static_cast<std::int64_t>(in.h_q) * in.d;   // elements per q row
-  const std::int64_t row_k = static_cast<std::int64_t>(in.h_kv) * in.d;  // per k/v row
+  const std::int64_t row_k = static_cast<std::int64_t>(in.h_kv) * in.d;  // per k row
+  const std::int64_t row_v = static_cast<std::int64_t>(in.h_kv) * in.d_v;  // per v row
   std::int64_t total_q = 0, total_k = 0, max_k = 0;
   for (int b = 0; b < batch; ++b) {
     total_q += in.s_q(b);
@@ -171,19 +191,21 @@ TestProblem build_problem(const Inputs& in, const LayoutOptions& opt) {
     }
     tp.lse = HostTensor(DType::kFP32, {in.h_q, total_q});
   }
-  tp.o = HostTensor(in.dtype == DType::kFP8E4M3 ? DType::kBF16 : in.dtype, tp.q.shape());
+  std::vector<std::int64_t> o_shape = tp.q.shape();
+  o_shape.back() = in.d_v;
+  tp.o = HostTensor(in.dtype == DType::kFP8E4M3 ? DType::kBF16 : in.dtype, o_shape);
 
   // Keys and values.
   switch (opt.layout) {
     case Layout::kBatched: {
       tp.k = HostTensor(in.dtype, {batch, max_k, in.h_kv, in.d});
-      tp.v = HostTensor(in.dtype, {batch, max_k, in.h_kv, in.d});
+      tp.v = HostTensor(in.dtype, {batch, max_k, in.h_kv, in.d_v});
       fill_nan(&tp.k);
       fill_nan(&tp.v);
       bool equal = true;
       for (int b = 0; b < batch; ++b) {
         copy_rows(in.seqs[static_cast<std::size_t>(b)].k, &tp.k, b * max_k * row_k);
-        copy_rows(in.seqs[static_cast<std::size_t>(b)].v, &tp.v, b * max_k * row_k);
+        copy_rows(in.seqs[static_cast<std::size_t>(b)].v, &tp.v, b * max_k * row_v);
         equal = equal && in.s_k(b) == max_k;
       }
       if (!equal) {  // shorter sequences use a prefix of the capacity
@@ -194,12 +216,12 @@ TestProblem build_problem(const Inputs& in, const LayoutOptions& opt) {
     }
     case Layout::kVarlen: {
       tp.k = HostTensor(in.dtype, {total_k, in.h_kv, in.d});
-      tp.v = HostTensor(in.dtype, {total_k, in.h_kv, in.d});
+      tp.v = HostTensor(in.dtype, {total_k, in.h_kv, in.d_v});
       tp.cu_seqlens_k = int_tensor({batch + 1}, 0);
       std::int64_t row = 0;
       for (int b = 0; b < batch; ++b) {
         copy_rows(in.seqs[static_cast<std::size_t>(b)].k, &tp.k, row * row_k);
-        copy_rows(in.seqs[static_cast<std::size_t>(b)].v, &tp.v, row * row_k);
+        copy_rows(in.seqs[static_cast<std::size_t>(b)].v, &tp.v, row * row_v);
         row += in.s_k(b);
         tp.cu_seqlens_k.as<std::int32_t>()[b + 1] = static_cast<std::int32_t>(row);
       }
@@ -221,7 +243,7 @@ TestProblem build_problem(const Inputs& in, const LayoutOptions& opt) {
       Random rng(opt.page_seed);
       for (std::size_t i = physical.size(); i > 1; --i) std::swap(physical[i - 1], physical[rng.below(i)]);
       tp.k = HostTensor(in.dtype, {num_pages, ps, in.h_kv, in.d});
-      tp.v = HostTensor(in.dtype, {num_pages, ps, in.h_kv, in.d});
+      tp.v = HostTensor(in.dtype, {num_pages, ps, in.h_kv, in.d_v});
       fill_nan(&tp.k);
       fill_nan(&tp.v);
       const std::int32_t spare = physical.back();
@@ -234,11 +256,9 @@ TestProblem build_problem(const Inputs& in, const LayoutOptions& opt) {
           const std::int32_t phys = physical[next++];
           tp.block_table.as<std::int32_t>()[b * max_pages + pg] = phys;
           for (std::int64_t t = pg * ps; t < std::min((pg + 1) * ps, in.s_k(b)); ++t) {
-            for (std::int64_t i = 0; i < row_k; ++i) {
-              const std::int64_t dst = (phys * ps + t - pg * ps) * row_k + i;
-              set(&tp.k, dst, get(s.k, t * row_k + i));
-              set(&tp.v, dst, get(s.v, t * row_k + i));
-            }
+            const std::int64_t slot = phys * ps + t - pg * ps;
+            for (std::int64_t i = 0; i < row_k; ++i) set(&tp.k, slot * row_k + i, get(s.k, t * row_k + i));
+            for (std::int64_t i = 0; i < row_v; ++i) set(&tp.v, slot * row_v + i, get(s.v, t * row_v + i));
           }
         }
         tp.seqused_k.as<std::int32_t>()[b] = static_cast<std::int32_t>(in.s_k(b));
@@ -247,6 +267,24 @@ TestProblem build_problem(const Inputs& in, const LayoutOptions& opt) {
     }
   }
   return tp;
+}
+
+ProblemShape cuda_shape_of(std::int64_t s_q, std::int64_t s_k, int h_q, int h_kv, int d, DType dtype) {
+  ProblemShape s;
+  s.batch = 1;
+  s.h_q = h_q;
+  s.h_kv = h_kv;
+  s.d = d;
+  s.d_v = d;
+  s.dtype = dtype;
+  s.causal = true;
+  s.scale = 1.0;
+  s.seq_q = {s_q};
+  s.seq_k = {s_k};
+  s.q_start = {0};
+  s.k_start = {0};
+  s.device = Device{DeviceKind::kCUDA, 0};
+  return s;
 }
 
 }  // namespace sparseprefill::test

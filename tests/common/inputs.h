@@ -5,6 +5,7 @@
 #pragma once
 
 #include <cstdint>
+#include <initializer_list>
 #include <vector>
 
 #include "sparseprefill/problem.h"
@@ -33,12 +34,17 @@ enum class Distribution { kUniform, kNormal };
 // Element i (row-major) of a contiguous host tensor as double / set to x rounded to its dtype.
 double get(const HostTensor& t, std::int64_t i);
 void set(HostTensor* t, std::int64_t i, double x);
+// Writes `values` into row `row`, head h of a [s, heads, d] tensor (hand-written cases).
+void put(HostTensor* t, std::int64_t row, int h, std::initializer_list<double> values);
+// A softmax scale of ln 2 makes e^s = 2^(q·k): hand-written cases with exact powers of two.
+constexpr double kLn2 = 0.69314718055994530942;
 
 // Fills t with scale · (uniform or normal) values, rounded to t's dtype; never zero.
 void fill_random(HostTensor* t, std::uint64_t seed, double scale = 1.0,
                  Distribution dist = Distribution::kUniform);
 
-// The logical inputs of a call: per sequence q [s_q, h_q, d], k and v [s_k, h_kv, d].
+// The logical inputs of a call: per sequence q [s_q, h_q, d], k [s_k, h_kv, d] and
+// v [s_k, h_kv, d_v]; optionally the sink logits [h_q].
 struct SequenceData {
   HostTensor q;
   HostTensor k;
@@ -49,7 +55,9 @@ struct Inputs {
   int h_q = 1;
   int h_kv = 1;
   int d = 16;
+  int d_v = 16;
   std::vector<SequenceData> seqs;
+  std::vector<double> sinks;  // [h_q] (fp32 values); empty: no sinks
   std::int64_t s_q(int b) const { return seqs[static_cast<std::size_t>(b)].q.shape()[0]; }
   std::int64_t s_k(int b) const { return seqs[static_cast<std::size_t>(b)].k.shape()[0]; }
 };
@@ -58,12 +66,13 @@ struct SeqLen {
   std::int64_t s_q;
   std::int64_t s_k;
 };
-// Random inputs for the given lengths (q, k and v from independent streams of `seed`).
+// Random inputs for the given lengths (q, k and v from independent streams of `seed`); v's
+// head dim is d_v (0: d).
 Inputs random_inputs(const std::vector<SeqLen>& lengths, int h_q, int h_kv, int d, DType dtype,
                      std::uint64_t seed, double scale = 1.0,
-                     Distribution dist = Distribution::kUniform);
-// Zero-filled inputs of the given shapes, for hand-written values (set()).
-Inputs empty_inputs(const std::vector<SeqLen>& lengths, int h_q, int h_kv, int d, DType dtype);
+                     Distribution dist = Distribution::kUniform, int d_v = 0);
+// Zero-filled inputs of the given shapes, for hand-written values (set()); d_v 0: d.
+Inputs empty_inputs(const std::vector<SeqLen>& lengths, int h_q, int h_kv, int d, DType dtype, int d_v = 0);
 
 // The same sequences with K/V repeated for every query head (h_kv = h_q): equal attention.
 Inputs repeat_kv(const Inputs& in);
@@ -80,6 +89,9 @@ struct LayoutOptions {
   std::uint64_t page_seed = 7; // kPaged: the physical page permutation
   bool causal = true;
   double scale = 0.0;          // 0: 1/sqrt(d)
+  int window_left = -1;        // AttentionProblem's local window and softcap
+  int window_right = -1;
+  double softcap = 0.0;
 };
 
 // Owns every tensor of one call and its output buffers. Storage that no valid element uses
@@ -90,14 +102,23 @@ struct TestProblem {
   HostTensor q, k, v;
   HostTensor cu_seqlens_q, cu_seqlens_k, seqused_k, block_table;  // int32, when the layout uses them
   HostTensor q_descale, k_descale, v_descale;  // fp32 [b, h_kv], when set (fp8 inputs)
-  HostTensor o;    // q's shape and dtype (bf16 for fp8 inputs)
+  HostTensor sinks;  // fp32 [h_q], when the inputs have sinks
+  HostTensor o;    // q's shape with d_v last, q's dtype (bf16 for fp8 inputs)
   HostTensor lse;  // fp32 [b, h_q, s_q] or [h_q, total_q]
   bool causal = true;
   double scale = 0.0;
+  int window_left = -1;
+  int window_right = -1;
+  double softcap = 0.0;
 
   AttentionProblem problem() const;  // views into the tensors above
   AttentionOutput output() const;
 };
 TestProblem build_problem(const Inputs& in, const LayoutOptions& options = {});
+
+// The shape of one causal sequence on CUDA device 0, scale 1, for the CUDA planning tests (which
+// need no GPU).
+ProblemShape cuda_shape_of(std::int64_t s_q, std::int64_t s_k, int h_q = 32, int h_kv = 8, int d = 128,
+                           DType dtype = DType::kBF16);
 
 }  // namespace sparseprefill::test

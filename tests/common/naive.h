@@ -18,9 +18,17 @@ using ElementMask = std::function<bool(int b, int h, std::int64_t r, std::int64_
 // Bottom-right causal visibility: key t <= r + s_k - s_q.
 bool causally_visible(std::int64_t s_q, std::int64_t s_k, std::int64_t r, std::int64_t t);
 
-// O [rows, h_q, d] and LSE [h_q, rows] (rows in batch order) of softmax(scale · q·k) over the
-// kept keys; GQA reads kv head h / (h_q / h_kv); a row with no kept key gets O = 0, LSE = -inf.
-// scale 0 means 1/sqrt(d).
-ref::Result masked_softmax(const Inputs& in, double scale, const ElementMask& keep);
+// O [rows, h_q, d_v] and LSE [h_q, rows] (rows in batch order) of the softmax of
+// softcap · tanh(scale · q·k / softcap) (scale · q·k when softcap is 0) over the kept keys, with
+// the inputs' sink logit (if any) as one more term of each row's softmax whose value is 0; GQA
+// reads kv head h / (h_q / h_kv); a row with no kept key gets O = 0 and LSE = the sink (-inf
+// without one). scale 0 means 1/sqrt(d).
+ref::Result masked_softmax(const Inputs& in, double scale, const ElementMask& keep, double softcap = 0.0);
+
+// The local window (FlashAttention's window_size; -1: no bound) and causal mask of one row:
+// key t at absolute position a = r + s_k - s_q is visible iff a - left <= t <= a + right and,
+// causal, t <= a.
+bool window_visible(std::int64_t s_q, std::int64_t s_k, bool causal, int left, int right, std::int64_t r,
+                    std::int64_t t);
 
 }  // namespace sparseprefill::test

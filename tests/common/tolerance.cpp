@@ -11,6 +11,7 @@
 
 #include "poison.h"
 #include "reference/row_sets.h"
+#include "core/rules/softcap.h"
 #include "reference/sequence.h"
 
 namespace sparseprefill::test {
@@ -53,16 +54,17 @@ float round_to_14_bits(float x) {
 }
 
 // One row in the low-precision arithmetic of a FlashAttention-class kernel: fp32 scores
-// (fp32 accumulation of q·k, then the fp32 scale), fp32 exp and row sum, P rounded to the
-// input dtype before P·V, fp32 accumulation, O rounded to the input dtype.
+// (fp32 accumulation of q·k, then the fp32 scale and the fp32 softcap), fp32 exp and row sum,
+// P rounded to the input dtype before P·V, fp32 accumulation, the fp32 sink term in the
+// denominator, O rounded to the input dtype.
 void lowp_row(const ref::Sequence& seq, const std::vector<float>& q, const std::vector<float>& k,
               const std::vector<float>& v, int h, std::int64_t r, const ref::RowAttention& row,
               const ref::BlockMeans* means, double* o, double* lse) {
-  const auto d = static_cast<std::size_t>(seq.d);
+  const auto d = static_cast<std::size_t>(seq.d), d_v = static_cast<std::size_t>(seq.d_v);
   const int hk = seq.kv_head(h);
   const float* q_row = &q[(static_cast<std::size_t>(r) * static_cast<std::size_t>(seq.h_q) + static_cast<std::size_t>(h)) * d];
-  const auto kv_at = [&](const std::vector<float>& x, std::int64_t t) {
-    return &x[(static_cast<std::size_t>(t) * static_cast<std::size_t>(seq.h_kv) + static_cast<std::size_t>(hk)) * d];
+  const auto kv_at = [&](const std::vector<float>& x, std::int64_t t, std::size_t dim) {
+    return &x[(static_cast<std::size_t>(t) * static_cast<std::size_t>(seq.h_kv) + static_cast<std::size_t>(hk)) * dim];
   };
   // FP8 inputs: Hopper's e4m3 tensor cores keep about 14 significant bits while they accumulate
   // q·k, not fp32's 24 (DeepSeek-V3 technical report, §3.3.2), so the score keeps 14 bits after
@@ -76,46 +78,45 @@ void lowp_row(const ref::Sequence& seq, const std::vector<float>& q, const std::
     }
     return acc;
   };
-  const auto scale = static_cast<float>(seq.scale);
+  const auto scale = static_cast<float>(seq.scale), softcap = static_cast<float>(seq.softcap);
+  const auto score = [&](const float* key) { return rules::capped_score(scale * dot(q_row, key), softcap); };
   const std::size_t n = row.keys.size() + row.mean_blocks.size();
   std::vector<float> s(n);
-  std::vector<std::vector<float>> mean_kv(2 * row.mean_blocks.size(), std::vector<float>(d));
+  std::vector<std::vector<float>> mean_kv(2 * row.mean_blocks.size());
   std::vector<const float*> value(n);
   for (std::size_t i = 0; i < row.keys.size(); ++i) {
-    s[i] = scale * dot(q_row, kv_at(k, row.keys[i]));
-    value[i] = kv_at(v, row.keys[i]);
+    s[i] = score(kv_at(k, row.keys[i], d));
+    value[i] = kv_at(v, row.keys[i], d_v);
   }
   for (std::size_t i = 0; i < row.mean_blocks.size(); ++i) {
     const int j = row.mean_blocks[i];
-    std::vector<float>& km = mean_kv[2 * i];
-    std::vector<float>& vm = mean_kv[2 * i + 1];
-    for (std::size_t c = 0; c < d; ++c) {
-      km[c] = static_cast<float>(means->k_mean(j, hk)[c]);  // already in the input dtype
-      vm[c] = static_cast<float>(means->v_mean(j, hk)[c]);
-    }
+    // Already in the input dtype.
+    std::vector<float>& km = mean_kv[2 * i] = std::vector<float>(means->k_mean(j, hk), means->k_mean(j, hk) + d);
+    std::vector<float>& vm = mean_kv[2 * i + 1] = std::vector<float>(means->v_mean(j, hk), means->v_mean(j, hk) + d_v);
     const std::size_t u = row.keys.size() + i;
-    s[u] = scale * dot(q_row, km.data()) + std::log(static_cast<float>(means->length[static_cast<std::size_t>(j)]));
+    s[u] = score(km.data()) + std::log(static_cast<float>(means->length[static_cast<std::size_t>(j)]));
     value[u] = vm.data();
   }
-  if (n == 0) {
-    for (std::size_t c = 0; c < d; ++c) o[c] = 0.0;
+  const auto sink = static_cast<float>(seq.sink(h));
+  if (n == 0 && sink == -std::numeric_limits<float>::infinity()) {
+    for (std::size_t c = 0; c < d_v; ++c) o[c] = 0.0;
     *lse = kNegInf;
     return;
   }
-  float m = -std::numeric_limits<float>::infinity();
+  float m = sink;
   for (float x : s) m = max_nan(m, x);
-  float l = 0.0f;
-  std::vector<float> acc(d, 0.0f);
+  float l = std::exp(sink - m);
+  std::vector<float> acc(d_v, 0.0f);
   for (std::size_t u = 0; u < n; ++u) {
     const float p = std::exp(s[u] - m);
     const float p_rounded = round_to(seq.dtype, p);
     // FP8: the kernel sums the rounded P for l too (docs/numerics.md, FP8).
     l += fp8 ? p_rounded : p;
-    for (std::size_t c = 0; c < d; ++c) acc[c] += p_rounded * value[u][c];
+    for (std::size_t c = 0; c < d_v; ++c) acc[c] += p_rounded * value[u][c];
   }
   // O in the output dtype (bf16 for fp8 inputs, whose P is rounded to fp8 as an FP8 kernel's).
   const DType out_dtype = seq.dtype == DType::kFP8E4M3 ? DType::kBF16 : seq.dtype;
-  for (std::size_t c = 0; c < d; ++c) o[c] = round_to(out_dtype, acc[c] / l);
+  for (std::size_t c = 0; c < d_v; ++c) o[c] = round_to(out_dtype, acc[c] / l);
   *lse = static_cast<double>(m + std::log(l));
 }
 
@@ -173,7 +174,7 @@ double unit_roundoff(DType dtype) {
 ref::Result read_output(const AttentionOutput& out, const ProblemShape& s) {
   ref::Result res;
   const std::int64_t rows = s.total_q();
-  res.o.assign(static_cast<std::size_t>(rows * s.h_q * s.d), 0.0);
+  res.o.assign(static_cast<std::size_t>(rows * s.h_q * s.d_v), 0.0);
   if (out.lse.defined()) res.lse.assign(static_cast<std::size_t>(rows * s.h_q), 0.0);
   for (int b = 0; b < s.batch; ++b) {
     const std::int64_t row0 = s.q_start[static_cast<std::size_t>(b)];
@@ -182,8 +183,8 @@ ref::Result read_output(const AttentionOutput& out, const ProblemShape& s) {
         const std::int64_t base = s.varlen_q
             ? (row0 + r) * out.o.stride[0] + h * out.o.stride[1]
             : b * out.o.stride[0] + r * out.o.stride[1] + h * out.o.stride[2];
-        for (int i = 0; i < s.d; ++i) {
-          res.o[static_cast<std::size_t>(((row0 + r) * s.h_q + h) * s.d + i)] = load(out.o, base + i);
+        for (int i = 0; i < s.d_v; ++i) {
+          res.o[static_cast<std::size_t>(((row0 + r) * s.h_q + h) * s.d_v + i)] = load(out.o, base + i);
         }
         if (!out.lse.defined()) continue;
         const std::int64_t off = s.varlen_q
@@ -203,7 +204,7 @@ Status run_lowp_reference(const AttentionProblem& problem, const Policy& policy,
   SP_RETURN_IF_ERROR(validate_policy(policy));
   SP_RETURN_IF_ERROR(ref::check_decisions(shape, policy, decisions));
   const std::int64_t rows = shape.total_q();
-  const auto d = static_cast<std::size_t>(shape.d);
+  const auto d = static_cast<std::size_t>(shape.d_v);
   result->o.assign(static_cast<std::size_t>(rows * shape.h_q) * d, 0.0);
   result->lse.assign(static_cast<std::size_t>(rows * shape.h_q), kNegInf);
   ref::RowAttention row;

@@ -9,8 +9,10 @@
 // Scenarios: every policy with odd lengths, s_q != s_k, empty sequences, GQA groups, bf16/fp16
 // (fp32 and fp8 where served), causal or not, on batched, varlen and paged K/V; NaN inputs, NaN
 // K/V that a policy must not read; chunked prefill against the one-shot call; estimate_select's
-// cache of block means; select() and plans. Shapes are the CUDA kernels' (block_q 128, head_dim
-// 64 or 128) and small enough for the oracle (a few hundred tokens).
+// cache of block means; select() and plans; the model-family features (local windows, sinks,
+// softcap, head dims 96 and 256, q/k 192 with v 128), which the CUDA targets refuse by name
+// until their kernels take them. Shapes are the CUDA kernels' (block_q 128, head_dim 64 or 128
+// but for those features) and small enough for the oracle (a few hundred tokens).
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -53,14 +55,81 @@ Inputs make_inputs(const std::vector<SeqLen>& lengths, int h_q, int h_kv, int d,
 
 bool is_paged(const TestProblem& tp) { return tp.problem().block_table.defined(); }
 
+// The model-family features of one scenario (docs/semantics.md §1): causal or not, FlashAttention's
+// window (-1: no bound), softcap, sinks and the head dims of q/k and v.
+struct Features {
+  std::string name = "plain";
+  // The sequences (s_q, s_k) of the scenario; policy_cases ignores them (its callers pass theirs).
+  std::vector<SeqLen> lengths;
+  bool causal = true;
+  int left = -1, right = -1;
+  double softcap = 0.0;
+  std::vector<double> sinks;  // [h_q]; empty: none
+  int d = 64;
+  int d_v = 0;  // 0: d
+  // Whether the policies can skip work here (parameters are then chosen to skip some). A window
+  // no wider than a 128-key block leaves them nothing (exact_gate finds no full block to gate,
+  // permute_stop's ranked keys fit in one chunk): only stable parameters are required.
+  bool sparse = true;
+
+  static Features plain(bool causal) {
+    Features f;
+    f.causal = causal;
+    return f;
+  }
+  LayoutOptions layout(Layout l = Layout::kBatched) const {
+    LayoutOptions o;
+    o.layout = l;
+    o.causal = causal;
+    o.window_left = left;
+    o.window_right = right;
+    o.softcap = softcap;
+    return o;
+  }
+  // in with v's head dim (new values from `seed` when it is not d) and the sinks.
+  Inputs apply(Inputs in, std::uint64_t seed) const {
+    if (d_v > 0 && d_v != in.d_v) {
+      in.d_v = d_v;
+      Random rng(seed);
+      for (SequenceData& sd : in.seqs) {
+        sd.v = HostTensor(in.dtype, {sd.k.shape()[0], in.h_kv, d_v});
+        fill_random(&sd.v, rng.next(), 1.5);
+      }
+    }
+    in.sinks = sinks;
+    return in;
+  }
+};
+
+TestProblem make_problem(const Inputs& in, const Features& f, Layout layout = Layout::kBatched) {
+  return build_problem(in, f.layout(layout));
+}
+
+// Why CUDA refuses the features of tp (a fragment of its message), "" when it takes them: local
+// windows, softcap, sinks, a V head dim unlike Q/K's and head dims other than 64 and 128 have
+// no kernel yet (docs/cuda.md), and check_support names them before anything else.
+std::string cuda_feature_refusal(const TestProblem& tp) {
+  ProblemShape s;
+  EXPECT_TRUE(validate_problem(tp.problem(), nullptr, &s).ok());
+  if (s.local()) return "window_left/window_right: local (sliding-window) attention has no CUDA kernel yet";
+  if (s.softcap != 0.0) return "softcap: score soft-capping has no CUDA kernel yet";
+  if (s.sinks) return "sinks: learned attention sinks have no CUDA kernel yet";
+  if (s.d_v != s.d) return "v: a V head dim unlike Q/K's (d_v " + std::to_string(s.d_v) + ", d " + std::to_string(s.d) + ")";
+  if (s.d != 64 && s.d != 128) return "head_dim " + std::to_string(s.d);
+  return {};
+}
+
 // Why `t` refuses (tp, policy), as a fragment of its kUnsupported message, or "" when it runs
-// it: estimate_select and permute_stop are causal only (every backend); CUDA has no fp32
-// kernels and runs fp8 on the Hopper kernel only; cuda-hopper runs what the Hopper kernels serve.
+// it: estimate_select and permute_stop are causal only (every backend); CUDA refuses the
+// model-family features it has no kernel for, has no fp32 kernels and runs fp8 on the Hopper
+// kernel only; cuda-hopper runs what the Hopper kernels serve.
 std::string refusal(Target t, const TestProblem& tp, const Policy& policy) {
   const bool causal_only = std::holds_alternative<EstimateSelectParams>(policy) ||
                            std::holds_alternative<PermuteStopParams>(policy);
   if (!tp.causal && causal_only) return "causal";
   if (!is_cuda(t)) return {};
+  const std::string feature = cuda_feature_refusal(tp);
+  if (!feature.empty()) return feature;
   if (tp.q.dtype() == DType::kFP32) return "fp32";
   if (tp.q.dtype() == DType::kFP8E4M3 && t == Target::kCudaPortable) return "fp8_e4m3 inputs run on the Hopper kernel only";
   // The suite reads pages in the kernels (target_options).
@@ -561,23 +630,30 @@ struct PolicyCase {
 };
 
 // One case per policy kind over `lengths` (estimate_select twice: mean correction per query
-// head, and pack_gqa), block_k 128, inputs from `seed`; `edit` changes the inputs before the
+// head, and pack_gqa), block_k 128, inputs from `seed` with the features `f` (head dims, window,
+// softcap, sinks; parameters chosen on the call they make); `edit` changes the inputs before the
 // parameters are chosen (on the varlen layout). Non-causal, estimate_select and permute_stop
 // take any parameters: every backend refuses them. `tables` keeps exact_gate's thresholds.
-std::vector<PolicyCase> policy_cases(const std::vector<SeqLen>& lengths, int h_q, int h_kv, bool causal,
+std::vector<PolicyCase> policy_cases(const std::vector<SeqLen>& lengths, int h_q, int h_kv, const Features& f,
                                      std::uint64_t seed, Tables* tables,
                                      const std::function<void(Inputs*)>& edit = [](Inputs*) {}) {
   std::int64_t max_k = 0;
   for (const SeqLen& l : lengths) max_k = std::max(max_k, l.s_k);
+  const bool causal = f.causal;
   const auto prepared = [&](Inputs in) {
+    in = f.apply(std::move(in), seed + 17);
     edit(&in);
     return in;
   };
-  const auto varlen = [causal](const Inputs& in) { return make_problem(in, causal, Layout::kVarlen); };
+  const auto varlen = [&f](const Inputs& in) { return make_problem(in, f, Layout::kVarlen); };
+  const auto skipping = [&](int units, int bk) -> std::function<bool(const Decisions&)> {
+    if (!f.sparse) return [](const Decisions&) { return true; };
+    return some_skipped(visible_blocks(lengths, units, causal, kBlock, bk, f.left, f.right));
+  };
   std::vector<PolicyCase> out;
-  out.push_back({"dense", prepared(make_inputs(lengths, h_q, h_kv, 64, seed)), DenseParams{}});
+  out.push_back({"dense", prepared(make_inputs(lengths, h_q, h_kv, f.d, seed)), DenseParams{}});
   {
-    const Inputs in = prepared(make_inputs(lengths, h_q, h_kv, 64, seed + 1));
+    const Inputs in = prepared(make_inputs(lengths, h_q, h_kv, f.d, seed + 1));
     ProblemShape shape;
     EXPECT_TRUE(validate_problem(varlen(in).problem(), nullptr, &shape).ok());
     std::vector<std::vector<int>> dead;
@@ -586,38 +662,42 @@ std::vector<PolicyCase> policy_cases(const std::vector<SeqLen>& lengths, int h_q
     out.push_back({"block_sparse", in, mask});
   }
   {
-    const Inputs in = prepared(make_inputs(lengths, h_q, h_kv, 64, seed + 2, DType::kBF16, 2.0));
+    const Inputs in = prepared(make_inputs(lengths, h_q, h_kv, f.d, seed + 2, DType::kBF16, 2.0));
     const TestProblem tp = varlen(in);
     const int positions = static_cast<int>(geom::ceil_div(max_k, kBlock)) + 1;
-    const double t = stable_parameter(tp, gate_candidates(tp, kBlock, 128),
+    std::vector<double> candidates = gate_candidates(tp, kBlock, 128);
+    if (!f.sparse) candidates.push_back(0.0);  // nothing may be gated at all
+    const double t = stable_parameter(tp, candidates,
                                       [&](double c) -> Policy { return tables->constant(h_q, positions, c, 128); },
-                                      some_skipped(visible(lengths, h_q, causal, 128)));
+                                      skipping(h_q, 128));
     EXPECT_FALSE(std::isnan(t)) << "no threshold with a margin skips anything";
     out.push_back({"exact_gate", in, tables->constant(h_q, positions, t, 128)});
   }
   {
-    const Inputs in = prepared(skip_inputs(lengths, h_q, h_kv, 64, seed + 3, 128));
+    const Inputs in = prepared(skip_inputs(lengths, h_q, h_kv, f.d, seed + 3, 128));
     const double a = stable_parameter(varlen(in), scale_factors(max_k),
                                       [&](double x) -> Policy { return skip_params(x, kBlock, 128); },
-                                      some_skipped(visible(lengths, h_q, causal, 128)));
+                                      skipping(h_q, 128));
     EXPECT_FALSE(std::isnan(a)) << "no scale factor with a margin skips anything";
     out.push_back({"softmax_skip", in, skip_params(a, kBlock, 128)});
   }
   for (const bool pack : {false, true}) {
-    const Inputs in = prepared(select_inputs(lengths, h_q, h_kv, 64, seed + 4));
+    const Inputs in = prepared(select_inputs(lengths, h_q, h_kv, f.d, seed + 4));
     double alpha = 0.3;
     if (causal) {
       alpha = stable_parameter(varlen(in), {0.3, 0.2, 0.5, 0.1, 0.7},
                                [&](double x) -> Policy { return select_params(x, !pack, pack, 1); },
-                               some_skipped(visible(lengths, pack ? h_kv : h_q, true, kBlock)));
+                               skipping(pack ? h_kv : h_q, kBlock));
       EXPECT_FALSE(std::isnan(alpha)) << "no alpha with a margin prunes anything";
     }
     out.push_back({pack ? "estimate_select, pack_gqa" : "estimate_select, mean correction", in,
                    select_params(alpha, !pack, pack, 1)});
   }
   {
-    const Inputs in = prepared(permute_inputs(lengths, h_q, h_kv, 64, seed + 5));
-    const double tau = causal ? stable_tau(varlen(in), 128, 128) : 0.05;
+    const Inputs in = prepared(permute_inputs(lengths, h_q, h_kv, f.d, seed + 5));
+    const double tau = !causal ? 0.05
+                       : f.sparse ? stable_tau(varlen(in), 128, 128)
+                                  : stable_tau(varlen(in), 128, 128, [](const Decisions&) { return true; });
     EXPECT_FALSE(std::isnan(tau)) << "no tau with a margin stops a tile early";
     out.push_back({"permute_stop", in, permute_params(tau, 128, kBlock, 128)});
   }
@@ -636,7 +716,7 @@ TEST_P(Conformance, EveryPolicyOnBatchedVarlenAndPagedKv) {
   const std::vector<SeqLen> lengths = {{130, 520}, {130, 700}, {130, 40}};
   for (const bool causal : {true, false}) {
     Tables tables;
-    for (const PolicyCase& c : policy_cases(lengths, 2, 1, causal, 2100, &tables)) {
+    for (const PolicyCase& c : policy_cases(lengths, 2, 1, Features::plain(causal), 2100, &tables)) {
       SCOPED_TRACE(c.name + (causal ? ", causal" : ", non-causal"));
       const TestProblem reference = make_problem(c.in, causal, Layout::kVarlen);
       const bool everywhere_refused = !refusal(Target::kReference, reference, c.policy).empty();
@@ -663,7 +743,7 @@ TEST_P(Conformance, EveryPolicyWithNaNInputs) {
     set(&in->seqs[0].q, (40 * in->h_q + 3) * in->d + 1, kNaN);
   };
   Tables tables;
-  for (const PolicyCase& c : policy_cases(lengths, 4, 2, true, 2200, &tables, add_nan)) {
+  for (const PolicyCase& c : policy_cases(lengths, 4, 2, Features::plain(true), 2200, &tables, add_nan)) {
     SCOPED_TRACE(c.name);
     TestProblem tp = make_problem(c.in);
     const TargetRun r = check(&tp, c.policy);
@@ -671,6 +751,75 @@ TEST_P(Conformance, EveryPolicyWithNaNInputs) {
     // Head 3 reads KV head 1: its rows other than 40 meet no NaN; row 40 is NaN.
     EXPECT_TRUE(std::isnan(r.out.lse[static_cast<std::size_t>(3 * 130 + 40)]));
     EXPECT_TRUE(std::isfinite(r.out.lse[static_cast<std::size_t>(3 * 130 + 41)]));
+  }
+}
+
+// ------------------------------------------------------------------ model-family features
+
+// The feature sets of the model families the library serves (docs/semantics.md §1), each on
+// every policy: local layers (a causal window narrower than a block, and one over two blocks),
+// a non-causal window, Gemma 2's softcap (3 here, so that it bites: these inputs' block maxima
+// reach about 6), gpt-oss's sinks with its 128-token window, and the head dims of Phi-3 (96),
+// Gemma 3 (256) and MLA prefill (q/k 192, v 128). The host targets match the oracle; CUDA
+// refuses each by name. Sequences: a chunk of 200 queries over a cached prefix (900 keys under a
+// window, so that it cuts the prefix; 640 otherwise, enough for estimate_select's first tile to
+// have blocks beyond the forced ones) and 130 queries over 40 keys (rows at negative
+// positions); the non-causal window also 300 over 300 (its right bound cuts the early rows).
+std::vector<Features> model_features() {
+  const std::vector<SeqLen> windowed = {{200, 900}, {130, 40}}, plain = {{200, 640}, {130, 40}};
+  // name, sequences, causal, window (left, right), softcap, sinks, d, d_v, sparse
+  return {
+      {"causal window 96", windowed, true, 95, -1, 0.0, {}, 64, 0, false},
+      {"causal window 300, right bound 5 (causal keeps it at 0)", windowed, true, 299, 5},
+      {"non-causal window (300, 150)", {{200, 900}, {130, 40}, {300, 300}}, false, 300, 150},
+      {"sinks and window 128 (gpt-oss)", windowed, true, 127, -1, 0.0, {0.5, 2.0}, 64, 0, false},
+      {"softcap 3", plain, true, -1, -1, 3.0},
+      {"head_dim 256 and softcap 4 (Gemma 3 global layers, Gemma 2's cap)", plain, true, -1, -1, 4.0, {}, 256},
+      {"head_dim 96 (Phi-3)", plain, true, -1, -1, 0.0, {}, 96},
+      {"q/k head_dim 192, v head_dim 128 (MLA prefill)", plain, true, -1, -1, 0.0, {}, 192, 128},
+  };
+}
+
+TEST_P(Conformance, ModelFamilyFeaturesOnEveryPolicy) {
+  // Each feature set on its sequences (model_features), GQA group 2, varlen K/V (and paged for
+  // the first set).
+  std::uint64_t seed = 3100;
+  for (const Features& f : model_features()) {
+    SCOPED_TRACE(f.name);
+    Tables tables;
+    for (const PolicyCase& c : policy_cases(f.lengths, 2, 1, f, seed, &tables)) {
+      SCOPED_TRACE(c.name);
+      const TestProblem reference = make_problem(c.in, f, Layout::kVarlen);
+      const bool everywhere_refused = !refusal(Target::kReference, reference, c.policy).empty();
+      const Oracle want = everywhere_refused ? Oracle{} : oracle_of(reference, c.policy);
+      for (const Layout layout : seed == 3100 ? std::vector<Layout>{Layout::kVarlen, Layout::kPaged}
+                                              : std::vector<Layout>{Layout::kVarlen}) {
+        SCOPED_TRACE(layout_name(layout));
+        TestProblem tp = make_problem(c.in, f, layout);
+        check(&tp, c.policy, want);
+      }
+    }
+    seed += 100;
+  }
+}
+
+TEST_P(Conformance, NaNAndInfiniteSinksMakeTheirHeadNaNAlone) {
+  // Sinks NaN, +inf and 1.0 over three query heads: the first two heads are NaN in every row
+  // (O and LSE), the third matches the oracle; dense and estimate_select (sinks move no decision).
+  const std::vector<SeqLen> lengths = {{130, 300}};
+  Inputs in = select_inputs(lengths, 3, 1, 64, 3300);
+  in.sinks = {kNaN, kInf, 1.0};
+  TestProblem tp = make_problem(in);
+  for (const Policy& policy : {Policy{DenseParams{}}, Policy{select_params(0.3, true, false)}}) {
+    SCOPED_TRACE(policy_name(policy));
+    const TargetRun r = check(&tp, policy);
+    if (!r.status.ok()) continue;
+    for (std::int64_t row = 0; row < 130; ++row) {
+      for (int h = 0; h < 3; ++h) {
+        EXPECT_EQ(std::isnan(r.out.lse[static_cast<std::size_t>(h * 130 + row)]), h < 2) << "head " << h << " row " << row;
+        EXPECT_EQ(std::isnan(r.out.o[static_cast<std::size_t>((row * 3 + h) * 64)]), h < 2) << "head " << h << " row " << row;
+      }
+    }
   }
 }
 
@@ -732,7 +881,7 @@ TEST_P(Conformance, ChunkedPrefillDecidesAsOneShot) {
   const std::vector<SeqLen> lengths = {{n, n}};
   Tables tables;
   std::vector<PolicyCase> cases;
-  for (PolicyCase& c : policy_cases(lengths, 2, 1, true, 2300, &tables)) {
+  for (PolicyCase& c : policy_cases(lengths, 2, 1, Features::plain(true), 2300, &tables)) {
     if (std::holds_alternative<BlockSparseParams>(c.policy)) continue;  // the mask is the caller's: nothing to decide
     if (auto* es = std::get_if<EstimateSelectParams>(&c.policy)) {
       es->tail = 0;
@@ -759,6 +908,46 @@ TEST_P(Conformance, ChunkedPrefillDecidesAsOneShot) {
       }
       return c.policy;
     });
+  }
+}
+
+TEST_P(Conformance, WindowedChunkedPrefillDecidesAsOneShot) {
+  // A local window is relative to absolute positions, so chunks of a prompt decide (and attend)
+  // as the one-shot call, as without a window (§1): a 640-token prompt with a window of 200
+  // keys, dense, exact_gate (thresholds per absolute query block) and estimate_select with
+  // tail = 0.
+  constexpr std::int64_t n = 640;
+  Features f;
+  f.left = 199;
+  const Inputs gate_in = make_inputs({{n, n}}, 2, 1, 64, 3400, DType::kBF16, 2.0);
+  const Inputs select_in = select_inputs({{n, n}}, 2, 1, 64, 3401);
+  Tables tables;
+  LayoutOptions gate_opt = f.layout();
+  const Policy gate = tables.keep(midpoint_thresholds(gate_in, gate_opt, kBlock, 128, 0.4), 128);
+  EstimateSelectParams es = select_params(0.3, true, false);
+  es.tail = 0;
+  const double alpha = stable_parameter(make_problem(select_in, f), {0.3, 0.2, 0.5, 0.1}, [&](double x) -> Policy {
+    EstimateSelectParams p = es;
+    p.alpha = x;
+    return p;
+  }, some_skipped(visible_blocks({{n, n}}, 2, true, kBlock, kBlock, f.left)));
+  ASSERT_FALSE(std::isnan(alpha)) << "no alpha with a margin prunes anything";
+  es.alpha = alpha;
+  struct Case {
+    const char* name;
+    const Inputs* in;
+    Policy policy;
+  };
+  for (const Case& c : {Case{"dense", &gate_in, DenseParams{}}, Case{"exact_gate", &gate_in, gate},
+                        Case{"estimate_select", &select_in, es}}) {
+    SCOPED_TRACE(c.name);
+    const Oracle want = oracle_of(make_problem(*c.in, f), c.policy);
+    LayoutOptions layout = f.layout(Layout::kVarlen);
+    if (chunks_refused(target(), *c.in, 256, layout, c.policy)) continue;
+    ref::Result joined;
+    EXPECT_TRUE(chunks_decide_as_one_shot(*c.in, 256, kBlock, layout, [&](std::int64_t, std::int64_t) { return c.policy; },
+                                          chunk_call(target()), want.ref64.decisions, &joined));
+    EXPECT_TRUE(close_calibrated(c.in->dtype, joined, want.ref64, want.lowp));
   }
 }
 
@@ -960,7 +1149,7 @@ TEST_P(Conformance, PlanRunsAsRunOnEveryPolicyAndLayout) {
   // paged (the latter with varlen q).
   const std::vector<SeqLen> lengths = {{130, 400}, {130, 200}};
   Tables tables;
-  for (const PolicyCase& c : policy_cases(lengths, 2, 1, true, 2800, &tables)) {
+  for (const PolicyCase& c : policy_cases(lengths, 2, 1, Features::plain(true), 2800, &tables)) {
     Inputs second = make_inputs(lengths, 2, 1, 64, 2900, DType::kBF16, 2.5);
     for (const Layout layout : {Layout::kBatched, Layout::kPaged}) {
       SCOPED_TRACE(c.name + ", " + layout_name(layout));

@@ -10,6 +10,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <functional>
 #include <limits>
 #include <memory>
 #include <string>
@@ -109,6 +110,11 @@ sp_problem to_c(const sp::AttentionProblem& p) {
   c.v_descale = to_c(p.v_descale);
   c.causal = p.causal ? 1 : 0;
   c.scale = p.scale;
+  c.local = p.window_left != -1 || p.window_right != -1 ? 1 : 0;
+  c.window_left = c.local ? p.window_left : 0;
+  c.window_right = c.local ? p.window_right : 0;
+  c.softcap = p.softcap;
+  c.sinks = to_c(p.sinks);
   return c;
 }
 
@@ -419,6 +425,101 @@ TEST(CApi, VarlenAndStridesPassThrough) {
   s.scale = 0.3;
   expect_same_as_run(s, sp::DenseParams{}, h.handle, sp::HostTensor(sp::DType::kBF16, {1, 21, 4, 16}),
                      sp::HostTensor(sp::DType::kFP32, {1, 4, 21}));
+}
+
+// The Batched geometry with v of head dim 8 (d 16), and one sink logit per query head.
+struct Features {
+  Batched in;
+  sp::HostTensor v8 = random_bf16({2, 53, 2, 8}, 14);
+  sp::HostTensor sinks = sp::HostTensor(sp::DType::kFP32, {4});
+  Features() {
+    for (int h = 0; h < 4; ++h) sinks.as<float>()[h] = 0.25f * static_cast<float>(h) - 0.5f;
+  }
+  sp::AttentionProblem plain() const {
+    sp::AttentionProblem p = in.problem();
+    p.v = v8.view();
+    return p;
+  }
+  sp::HostTensor new_o() const { return sp::HostTensor(sp::DType::kBF16, {2, 37, 4, 8}); }
+};
+
+// O of run() on the CPU backend.
+sp::HostTensor run_o(const sp::AttentionProblem& p, const sp::Policy& policy, sp::HostTensor o) {
+  sp::RunOptions opts;
+  opts.backend = sp::Backend::kCPU;
+  const sp::Status st = sp::run(p, policy, {o.view(), {}}, opts);
+  EXPECT_TRUE(st.ok()) << st.to_string();
+  return o;
+}
+
+TEST(CApi, WindowSoftcapSinksAndValueHeadDimMatchRun) {
+  // Each feature alone and all together, dense and softmax_skip, bit for bit run()'s; each one
+  // changes O, so a field the ABI dropped would show.
+  Features f;
+  const std::vector<sp_setting> skip = {{"block_q", "8"}, {"block_k", "8"}, {"a", "3"}};
+  PolicyHandle dense("dense", {}), skipping("softmax_skip", skip);
+  const sp::HostTensor plain = run_o(f.plain(), sp::DenseParams{}, f.new_o());
+  struct Case {
+    const char* name;
+    std::function<void(sp::AttentionProblem*)> set;
+  };
+  const sp::TensorView sinks = f.sinks.view();
+  for (const Case& c : {Case{"window", [](sp::AttentionProblem* p) { p->window_left = 9; }},
+                        Case{"non-causal window", [](sp::AttentionProblem* p) {
+                               p->causal = false;
+                               p->window_left = 3;
+                               p->window_right = 5;
+                             }},
+                        Case{"softcap", [](sp::AttentionProblem* p) { p->softcap = 0.5; }},
+                        Case{"sinks", [&](sp::AttentionProblem* p) { p->sinks = sinks; }},
+                        Case{"all", [&](sp::AttentionProblem* p) {
+                               p->window_left = 9;
+                               p->softcap = 0.5;
+                               p->sinks = sinks;
+                             }}}) {
+    SCOPED_TRACE(c.name);
+    sp::AttentionProblem p = f.plain();
+    c.set(&p);
+    expect_same_as_run(p, sp::DenseParams{}, dense.handle, f.new_o(), f.in.new_lse());
+    expect_same_as_run(p, parse("softmax_skip", skip), skipping.handle, f.new_o(), f.in.new_lse());
+    const sp::HostTensor o = run_o(p, sp::DenseParams{}, f.new_o());
+    EXPECT_NE(std::memcmp(o.data(), plain.data(), o.nbytes()), 0) << "the feature changes nothing here";
+  }
+}
+
+TEST(CApi, MalformedFeaturesNameThemselves) {
+  Features f;
+  PolicyHandle dense("dense", {});
+  sp::HostTensor o = f.new_o();
+  const sp_output out{to_c(o.view()), {}};
+  const sp_options opts{SP_BACKEND_CPU, 1, nullptr};
+  const auto expect_error = [&](const sp_problem& p, const char* needle) {
+    EXPECT_EQ(sp_run(&p, dense.handle, &out, &opts, nullptr), SP_ERR_INVALID_ARGUMENT);
+    EXPECT_NE(std::string(sp_last_error()).find(needle), std::string::npos) << sp_last_error();
+  };
+  const sp_problem good = to_c(f.plain());
+  ASSERT_EQ(sp_run(&good, dense.handle, &out, &opts, nullptr), SP_OK) << sp_last_error();
+  sp_problem bad = good;
+  bad.window_left = 5;  // local = 0: a window given by mistake is refused, not ignored
+  expect_error(bad, "window_left/window_right: set while local = 0");
+  bad = good;
+  bad.local = 1;
+  bad.window_left = -2;
+  bad.window_right = -1;
+  expect_error(bad, "window_left: expected -1 (no bound) or a number of keys >= 0, got -2");
+  for (const double cap : {-1.0, std::numeric_limits<double>::quiet_NaN(), std::numeric_limits<double>::infinity()}) {
+    bad = good;
+    bad.softcap = cap;
+    expect_error(bad, "softcap: expected 0 (none) or a finite positive number");
+  }
+  sp::HostTensor three(sp::DType::kFP32, {3});
+  bad = good;
+  bad.sinks = to_c(three.view());
+  expect_error(bad, "sinks: expected fp32 [h_q] = [4]");
+  bad = good;
+  bad.sinks = to_c(f.sinks.view());
+  bad.sinks.dtype = SP_DTYPE_BF16;
+  expect_error(bad, "sinks: expected fp32 [h_q] = [4]");
 }
 
 // The Batched geometry with fp8_e4m3 inputs and fp32 descales [2, 2] that are not powers of

@@ -11,6 +11,7 @@
 #include <vector>
 
 #include "core/geometry.h"
+#include "core/rules/exact_gate.h"
 #include "core/stats.h"
 #include "sparseprefill/sparseprefill.h"
 
@@ -124,6 +125,88 @@ TEST(Geometry, GatedBlocksMatchTheDefinition) {
           }
           EXPECT_EQ(g.gated_end(qb), gated) << s_q << "x" << s_k << (causal ? " causal" : "") << " bk " << bk << " qb " << qb;
           EXPECT_LE(g.visible_end(qb) - g.gated_end(qb), g.ungated_room()) << s_q << "x" << s_k << " qb " << qb;
+        }
+      }
+    }
+  }
+}
+
+// Under a local window (FlashAttention's window_size, causal or not) every block range of the
+// geometry against the element mask, counted row by row and key by key: visible (some row sees
+// some key), full (every row every key), the ranges visible_begin/end and full_begin/end,
+// visible pairs, exact_gate's gated blocks (the full ones) within ungated_room, and the ranked
+// keys of permute_stop's segments (the preceding keys a segment's first row sees).
+TEST(Geometry, WindowRangesMatchTheElementMask) {
+  for (const bool causal : {true, false}) {
+    for (const auto& [left, right] : std::vector<std::pair<int, int>>{{-1, -1}, {0, 0}, {3, -1}, {5, 0}, {9, 2},
+                                                                       {-1, 4}, {17, 17}, {40, -1}, {1, 6}}) {
+      for (const auto& [s_q, s_k] : std::vector<std::pair<std::int64_t, std::int64_t>>{
+               {20, 20}, {7, 30}, {30, 9}, {1, 13}, {13, 1}, {25, 0}}) {
+        for (const auto& [bq, bk] : std::vector<std::pair<int, int>>{{4, 4}, {5, 3}, {2, 8}}) {
+          BlockGeometry g = geo(s_q, s_k, causal, bq, bk);
+          g.seq.window_left = left;
+          g.seq.window_right = right;
+          const std::string what = std::to_string(s_q) + "x" + std::to_string(s_k) + (causal ? " causal" : "") +
+                                   " window (" + std::to_string(left) + ", " + std::to_string(right) + ") blocks " +
+                                   std::to_string(bq) + "x" + std::to_string(bk);
+          const auto sees = [&](std::int64_t r, std::int64_t t) {
+            const std::int64_t a = r + s_k - s_q;
+            return t >= 0 && t < s_k && (!causal || t <= a) && (left < 0 || t >= a - left) && (right < 0 || t <= a + right);
+          };
+          for (std::int64_t r = 0; r < s_q; ++r) {
+            for (std::int64_t t = 0; t < s_k; ++t) ASSERT_EQ(g.seq.sees(r, t), sees(r, t)) << what << " row " << r << " key " << t;
+          }
+          for (int qb = 0; qb < g.num_q_blocks(); ++qb) {
+            int first_visible = -1, last_visible = -1, first_full = -1, last_full = -1;
+            for (int kb = 0; kb < g.num_k_blocks(); ++kb) {
+              bool any = false, all = true;
+              std::int64_t pairs = 0;
+              for (std::int64_t r = g.row_begin(qb); r < g.row_end(qb); ++r) {
+                for (std::int64_t t = g.key_begin(kb); t < g.key_end(kb); ++t) {
+                  any |= sees(r, t);
+                  all &= sees(r, t);
+                  pairs += sees(r, t);
+                }
+              }
+              ASSERT_EQ(g.is_visible(qb, kb), any) << what << " qb " << qb << " kb " << kb;
+              ASSERT_EQ(g.is_full(qb, kb), all) << what << " qb " << qb << " kb " << kb;
+              ASSERT_EQ(g.visible_pairs(qb, kb), pairs) << what << " qb " << qb << " kb " << kb;
+              if (any && first_visible < 0) first_visible = kb;
+              if (any) last_visible = kb;
+              if (all && first_full < 0) first_full = kb;
+              if (all) last_full = kb;
+            }
+            // Gated iff full; without causal, when every visible block is full, but the last.
+            bool all_full = first_visible >= 0;
+            for (int kb = std::max(first_visible, 0); kb <= last_visible; ++kb) all_full &= g.is_full(qb, kb);
+            for (int kb = 0; kb < g.num_k_blocks(); ++kb) {
+              const bool gated = g.is_full(qb, kb) && !(!causal && all_full && kb == last_visible);
+              ASSERT_EQ(sp::rules::gate_gated(g, qb, kb), gated) << what << " qb " << qb << " kb " << kb;
+            }
+            // The visible and full blocks are ranges; nothing visible leaves both empty.
+            if (first_visible >= 0) {
+              ASSERT_EQ(g.visible_begin(qb), first_visible) << what << " qb " << qb;
+              ASSERT_EQ(g.visible_end(qb), last_visible + 1) << what << " qb " << qb;
+            } else {
+              ASSERT_EQ(g.visible_end(qb) - g.visible_begin(qb), 0) << what << " qb " << qb;
+            }
+            if (first_full >= 0) {
+              ASSERT_EQ(g.full_begin(qb), first_full) << what << " qb " << qb;
+              ASSERT_EQ(g.full_end(qb), last_full + 1) << what << " qb " << qb;
+            }
+            ASSERT_LE(g.visible_begin(qb), g.full_begin(qb)) << what << " qb " << qb;
+            ASSERT_LE(g.full_begin(qb), g.full_end(qb)) << what << " qb " << qb;
+            ASSERT_LE(g.full_end(qb), g.visible_end(qb)) << what << " qb " << qb;
+            ASSERT_LE(g.visible_end(qb) - g.visible_begin(qb) - (g.gated_end(qb) - g.gated_begin(qb)), g.ungated_room())
+                << what << " qb " << qb;
+          }
+          if (!causal) continue;
+          const sp::geom::SegmentGeometry sg{g.seq, 6};
+          for (std::int64_t seg = sg.first(); seg < sg.first() + sg.count(); ++seg) {
+            std::int64_t first = sg.prefix(seg);
+            for (std::int64_t t = sg.prefix(seg) - 1; t >= 0 && sees(sg.row_begin(seg), t); --t) first = t;
+            ASSERT_EQ(sg.ranked_begin(seg), first) << what << " segment " << seg;
+          }
         }
       }
     }
@@ -286,6 +369,80 @@ TEST(Validate, EveryBadInputNamesItsArgument) {
   }
 }
 
+// The local window, sinks, softcap and v's own head dim: accepted in range, and every bad
+// value refused with its argument named.
+TEST(Validate, WindowSinksSoftcapAndValueHeadDim) {
+  sp::ProblemShape s;
+  {
+    Tiny t(1, 4, 4, 4, 2, 8);
+    t.p.window_left = 3;
+    t.p.window_right = 0;
+    t.p.softcap = 30.0;
+    std::vector<float> sinks = {0.5f, -1.0f, 2.0f, std::numeric_limits<float>::quiet_NaN()};  // NaN is a value, not an error
+    t.p.sinks = sp::TensorView::contiguous(sinks.data(), sp::DType::kFP32, {4});
+    ASSERT_TRUE(sp::validate_problem(t.p, &t.out, &s).ok());
+    EXPECT_EQ(s.window_left, 3);
+    EXPECT_EQ(s.window_right, 0);
+    EXPECT_TRUE(s.local());
+    EXPECT_TRUE(s.sinks);
+    EXPECT_EQ(s.softcap, 30.0);
+    EXPECT_EQ(s.d_v, 8);
+  }
+  {
+    Tiny t(1, 4, 4, 4, 2, 8);
+    t.p.window_right = 0;  // causal already ends each row there: not local
+    ASSERT_TRUE(sp::validate_problem(t.p, &t.out, &s).ok());
+    EXPECT_FALSE(s.local());
+    t.p.causal = false;
+    ASSERT_TRUE(sp::validate_problem(t.p, &t.out, &s).ok());
+    EXPECT_TRUE(s.local());
+  }
+  for (const int w : {-2, -100}) {
+    Tiny t(1, 4, 4, 4, 2, 8);
+    t.p.window_left = w;
+    expect_error(sp::validate_problem(t.p, &t.out, &s), "window_left: expected -1 (no bound) or a number of keys >= 0");
+    t.p.window_left = -1;
+    t.p.window_right = w;
+    expect_error(sp::validate_problem(t.p, &t.out, &s), "window_right: expected -1");
+  }
+  for (const double c : {-1.0, std::nan(""), std::numeric_limits<double>::infinity()}) {
+    Tiny t(1, 4, 4, 4, 2, 8);
+    t.p.softcap = c;
+    expect_error(sp::validate_problem(t.p, &t.out, &s), "softcap: expected 0 (none) or a finite positive number");
+  }
+  {
+    Tiny t(1, 4, 4, 4, 2, 8);
+    std::vector<float> sinks(8, 0.0f);
+    t.p.sinks = sp::TensorView::contiguous(sinks.data(), sp::DType::kFP32, {3});
+    expect_error(sp::validate_problem(t.p, &t.out, &s), "sinks: expected fp32 [h_q] = [4]");
+    t.p.sinks = sp::TensorView::contiguous(sinks.data(), sp::DType::kFP32, {2, 4});
+    expect_error(sp::validate_problem(t.p, &t.out, &s), "sinks: expected fp32 [h_q] = [4]");
+    t.p.sinks = sp::TensorView::contiguous(sinks.data(), sp::DType::kBF16, {4});
+    expect_error(sp::validate_problem(t.p, &t.out, &s), "sinks: expected fp32 [h_q] = [4], got [4] bf16");
+    t.p.sinks = sp::TensorView::contiguous(sinks.data(), sp::DType::kFP32, {4}, {sp::DeviceKind::kCUDA, 0});
+    expect_error(sp::validate_problem(t.p, &t.out, &s), "sinks: expected q's device");
+    t.p.sinks = sp::TensorView::contiguous(nullptr, sp::DType::kFP32, {4});
+    expect_error(sp::validate_problem(t.p, &t.out, &s), "sinks: null data pointer");
+  }
+  {
+    // v [1, 4, 2, 6] beside k [1, 4, 2, 8]: d_v = 6, and O must have it.
+    Tiny t(1, 4, 4, 4, 2, 8);
+    std::vector<float> v(4 * 2 * 6, 0.5f), o(4 * 4 * 6, 0.0f);
+    t.p.v = sp::TensorView::contiguous(v.data(), sp::DType::kFP32, {1, 4, 2, 6});
+    expect_error(sp::validate_problem(t.p, &t.out, &s), "o: expected q's shape with v's head_dim 6 last [1, 4, 4, 6]");
+    t.out.o = sp::TensorView::contiguous(o.data(), sp::DType::kFP32, {1, 4, 4, 6});
+    ASSERT_TRUE(sp::validate_problem(t.p, &t.out, &s).ok());
+    EXPECT_EQ(s.d, 8);
+    EXPECT_EQ(s.d_v, 6);
+    EXPECT_DOUBLE_EQ(s.scale, 1.0 / std::sqrt(8.0));  // the default scale is q's head dim's
+    t.p.v.shape[2] = 1;
+    expect_error(sp::validate_problem(t.p, &t.out, &s), "v: expected the shape of k [1, 4, 2, 8] (any last dimension d_v)");
+    t.p.v.shape[2] = 2;
+    t.p.v.shape[3] = 0;
+    expect_error(sp::validate_problem(t.p, &t.out, &s), "v: head_dim d_v must be positive");
+  }
+}
+
 TEST(Validate, VarlenAndPagedIndexTensors) {
   // Varlen q [6, 2, 4] and k [9, 1, 4]: two sequences.
   std::vector<float> q(6 * 2 * 4, 0.5f), k(9 * 4, 0.25f), v(9 * 4, 0.75f);
@@ -390,7 +547,7 @@ TEST(BlockMaskTest, ValidateRejectsBrokenMasks) {
   expect_error(bad.validate(), "counts must have");
   std::vector<std::uint8_t> map(4, 1);  // selects block (0, 1): invisible
   sp::BlockMask out;
-  expect_error(sp::BlockMask::from_dense(s, 4, 4, false, map, &out), "not causally visible");
+  expect_error(sp::BlockMask::from_dense(s, 4, 4, false, map, &out), "not visible");
   // indptr that jumps past the index list before coming back must fail before any read.
   expect_error(sp::BlockMask::from_csr(s, 4, 4, false, {0, 100, 2}, {0, 1}, &out), "non-decreasing");
 }

@@ -202,8 +202,8 @@ TEST(DeviceMask, EveryOffenceIsRefusedNamingTheEntry) {
   const Case cases[] = {
       {"negative count", 1, -1 - 1, 0, 0, "count -2"},
       {"count past capacity", 0, 99, 0, 0, "count 99"},
-      {"a key block past the causal limit", 0, -1, 1, 6, "not causally visible"},
-      {"a negative key block", 1, -1, 0, -3, "not causally visible"},
+      {"a key block past the causal limit", 0, -1, 1, 6, "not visible"},
+      {"a negative key block", 1, -1, 0, -3, "not visible"},
       {"a repeated entry", 1, -1, 1, 0, "not above the entry before it"},
       {"a block in both lists", 1, -1, 2, 3, "other list"},
   };

@@ -10,6 +10,7 @@
 
 #include <cmath>
 #include <cstring>
+#include <functional>
 #include <string>
 #include <thread>
 #include <vector>
@@ -117,6 +118,19 @@ TEST(Select, InKernelDecisionsAreUnsupportedWithAReason) {
   EXPECT_NE(select(tp.problem(), DenseParams{}, bad, &d).code(), StatusCode::kOk);
 }
 
+// inputs(seed) with one sink logit per query head.
+Inputs with_sinks(Inputs in) {
+  in.sinks.assign(static_cast<std::size_t>(in.h_q), 0.5);
+  return in;
+}
+
+// inputs(1) laid out with the options `edit` sets.
+TestProblem with(const std::function<void(LayoutOptions*)>& edit) {
+  LayoutOptions o;
+  edit(&o);
+  return build_problem(inputs(1), o);
+}
+
 TEST(Plan, ProblemMustMatchThePlan) {
   const TestProblem base = make_problem(inputs(20));
   Plan plan;
@@ -135,6 +149,10 @@ TEST(Plan, ProblemMustMatchThePlan) {
       {"dtype", make_problem(random_inputs(kLengths, 4, 2, 16, DType::kFP16, 1))},
       {"causal", make_problem(inputs(1), false)},
       {"q layout", make_problem(inputs(1), true, Layout::kVarlen)},
+      {"v head_dim", make_problem(random_inputs(kLengths, 4, 2, 16, DType::kBF16, 1, 1.0, Distribution::kUniform, 8))},
+      {"window", with([](LayoutOptions* o) { o->window_left = 7; })},
+      {"softcap", with([](LayoutOptions* o) { o->softcap = 5.0; })},
+      {"sinks", make_problem(with_sinks(inputs(1)))},
   };
   for (const Case& c : cases) {
     TestProblem tp = c.tp;

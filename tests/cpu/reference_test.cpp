@@ -21,18 +21,13 @@ namespace {
 
 using test::Inputs;
 using test::kept_blocks;
+using test::kLn2;
+using test::put;
 using test::same_result;
 
-constexpr double kLn2 = 0.69314718055994530942;  // scale = ln 2 makes e^s = 2^(q·k)
 constexpr double kInf = std::numeric_limits<double>::infinity();
 constexpr double kExact = 1e-12;
 
-// Writes `values` into row `row`, head h of a [s, heads, d] tensor.
-void put(HostTensor* t, std::int64_t row, int h, std::initializer_list<double> values) {
-  const std::int64_t heads = t->shape()[1], d = t->shape()[2];
-  std::int64_t i = 0;
-  for (double x : values) test::set(t, (row * heads + h) * d + i++, x);
-}
 
 // One fp32 sequence of hand-written values.
 Inputs hand_inputs(std::int64_t s_q, std::int64_t s_k, int h_q = 1, int h_kv = 1) {

@@ -3,7 +3,8 @@
 // and the kernels share, on hand-computed cases: exact_gate's gated blocks, threshold and keep
 // test; softmax_skip's visit order, λ and row votes; estimate_select's block means, tiles,
 // contributing pairs, energies, keep test, forced and correctable blocks; permute_stop's
-// segments, tiles, chunks, ranking order and stop rule. NaN and tie behaviour as
+// segments, tiles, chunks, ranking order and stop rule; block_sparse's entry rule; softcap.
+// Each under a local window too (its visible blocks). NaN and tie behaviour as
 // docs/semantics.md states it.
 #include <gtest/gtest.h>
 
@@ -12,10 +13,12 @@
 #include <limits>
 #include <vector>
 
+#include "core/rules/block_sparse.h"
 #include "core/rules/estimate_select.h"
 #include "core/rules/exact_gate.h"
 #include "core/rules/nan_max.h"
 #include "core/rules/permute_stop.h"
+#include "core/rules/softcap.h"
 #include "core/rules/softmax_skip.h"
 #include "sparseprefill/types.h"
 
@@ -27,6 +30,11 @@ constexpr double kNaN = std::numeric_limits<double>::quiet_NaN();
 
 geom::BlockGeometry blocks(std::int64_t s_q, std::int64_t s_k, bool causal, int bq, int bk) {
   return geom::BlockGeometry{{s_q, s_k, causal}, bq, bk};
+}
+// The same under FlashAttention's window_size (left, right).
+geom::BlockGeometry windowed(std::int64_t s_q, std::int64_t s_k, bool causal, int bq, int bk, std::int64_t left,
+                             std::int64_t right) {
+  return geom::BlockGeometry{{s_q, s_k, causal, left, right}, bq, bk};
 }
 
 TEST(Rules, NanMaxPropagatesNaNFromEitherSide) {
@@ -79,6 +87,36 @@ TEST(Rules, GateThresholdReadsTheAbsolutePositionClampedToTheTable) {
   EXPECT_EQ(rules::gate_threshold(table.data(), 11, 2, 5, empty_rows, 1, 0), 10.0f);
 }
 
+TEST(Rules, GateUnderAWindowGatesTheFullBlocksOnly) {
+  // Causal 16 x 16, blocks 4 x 4, window left 5: query block 3 (rows 12..15) sees keys 7..12 (row
+  // 12) to 10..15 (row 15): block 1 partial (only row 12 sees key 7), block 2 (8..11) partial
+  // (row 15 misses 8, 9), block 3 the diagonal. No block is full: none is gated.
+  const geom::BlockGeometry g = windowed(16, 16, true, 4, 4, 5, -1);
+  for (int kb = 0; kb < 4; ++kb) EXPECT_FALSE(rules::gate_gated(g, 3, kb)) << kb;
+  // Window left 9: rows 12..15 see from keys 3..6: block 2 full (every row sees 8..11), blocks 0
+  // and 1 partial below it, block 3 the diagonal.
+  const geom::BlockGeometry wide = windowed(16, 16, true, 4, 4, 9, -1);
+  EXPECT_FALSE(rules::gate_gated(wide, 3, 0));
+  EXPECT_FALSE(rules::gate_gated(wide, 3, 1));
+  EXPECT_TRUE(rules::gate_gated(wide, 3, 2));
+  EXPECT_FALSE(rules::gate_gated(wide, 3, 3));
+  // Non-causal under a window that cuts blocks, the full blocks are gated and the last key
+  // block is not forced. 8 x 16, rows at 8..15 (bottom-right), left 4, right 2: query block 0 (rows at 8..11) sees
+  // keys 4..10 (row at 8) to 7..13 (row at 11); block 2 (8..11) is not full (the row at 8 misses
+  // key 11): nothing is full, nothing gated.
+  const geom::BlockGeometry nc = windowed(8, 16, false, 4, 4, 4, 2);
+  for (int kb = 0; kb < 4; ++kb) EXPECT_FALSE(rules::gate_gated(nc, 0, kb)) << kb;
+  // Left 8, right 8: the row at 8 sees keys 0..15, the row at 11 3..15: blocks 1..3 full and
+  // gated (the last among them), block 0 partial.
+  const geom::BlockGeometry nc_wide = windowed(8, 16, false, 4, 4, 8, 8);
+  EXPECT_FALSE(rules::gate_gated(nc_wide, 0, 0));
+  for (int kb = 1; kb < 4; ++kb) EXPECT_TRUE(rules::gate_gated(nc_wide, 0, kb)) << kb;
+  // A window that hides nothing (left 16): every block full, the last one ungated, as without.
+  const geom::BlockGeometry nc_all = windowed(8, 16, false, 4, 4, 16, -1);
+  for (int kb = 0; kb < 3; ++kb) EXPECT_TRUE(rules::gate_gated(nc_all, 0, kb)) << kb;
+  EXPECT_FALSE(rules::gate_gated(nc_all, 0, 3));
+}
+
 TEST(Rules, GateKeepsTiesMinusInfinityAndNaN) {
   const float inf = std::numeric_limits<float>::infinity();
   EXPECT_TRUE(rules::gate_keeps(1.0f, 1.0f));
@@ -100,6 +138,21 @@ TEST(Rules, BlasstVisitsPartialBlocksThenFullOnesDescending) {
   // Non-causal: every block full, descending.
   EXPECT_EQ(rules::blasst_order(blocks(3, 9, false, 4, 4), 0), (std::vector<int>{2, 1, 0}));
   EXPECT_TRUE(rules::blasst_order(blocks(4, 0, true, 4, 4), 0).empty());
+}
+
+TEST(Rules, BlasstUnderAWindowVisitsTheDiagonalBandTheLowerBandThenTheFullBlocks) {
+  // 24 x 24 causal, blocks 4 x 4, window left 9: query block 5 (rows 20..23) sees keys 11..23:
+  // blocks 2 (row 20 sees 11) and 3 (row 23 sees from 14) partial below, 4 full, 5 the diagonal.
+  const geom::BlockGeometry g = windowed(24, 24, true, 4, 4, 9, -1);
+  EXPECT_EQ(g.visible_begin(5), 2);
+  EXPECT_EQ(g.full_begin(5), 4);
+  EXPECT_EQ(g.full_end(5), 5);
+  EXPECT_EQ(rules::blasst_visits(g, 5), 4);
+  EXPECT_EQ(rules::blasst_order(g, 5), (std::vector<int>{5, 3, 2, 4}));
+  // Window left 12: rows see from keys 8..11: block 2 partial below, blocks 3 and 4 full.
+  EXPECT_EQ(rules::blasst_order(windowed(24, 24, true, 4, 4, 12, -1), 5), (std::vector<int>{5, 2, 4, 3}));
+  // A window wider than the prefix is no window: every visible block descending.
+  EXPECT_EQ(rules::blasst_order(windowed(24, 24, true, 4, 4, 23, -1), 5), (std::vector<int>{5, 4, 3, 2, 1, 0}));
 }
 
 TEST(Rules, SkipRuleLambdaAndWhenSkippingIsOn) {
@@ -183,11 +236,17 @@ TEST(Rules, EstimateTilePositionsScoredBlocksAndTail) {
   EXPECT_EQ(rules::estimate_scored_blocks(neg, 0), 0);
 }
 
-TEST(Rules, EstimateContributesWhenTheRowSeesTheBlocksFirstKey) {
-  EXPECT_TRUE(rules::estimate_contributes(8, 2, 4));   // block 2 starts at key 8
-  EXPECT_FALSE(rules::estimate_contributes(7, 2, 4));
-  EXPECT_TRUE(rules::estimate_contributes(0, 0, 4));
-  EXPECT_FALSE(rules::estimate_contributes(-1, 0, 4));
+TEST(Rules, EstimateContributesWhenTheRowSeesSomeKeyOfTheBlock) {
+  const geom::BlockGeometry g = blocks(20, 20, true, 4, 4);
+  EXPECT_TRUE(rules::estimate_contributes(g, 8, 2));   // block 2 starts at key 8
+  EXPECT_FALSE(rules::estimate_contributes(g, 7, 2));
+  EXPECT_TRUE(rules::estimate_contributes(g, 0, 0));
+  EXPECT_FALSE(rules::estimate_contributes(g, -1, 0));
+  // Window left 5: the row at 13 sees keys 8..13: block 1 (4..7) behind it, block 2 in.
+  const geom::BlockGeometry w = windowed(20, 20, true, 4, 4, 5, -1);
+  EXPECT_FALSE(rules::estimate_contributes(w, 13, 1));
+  EXPECT_TRUE(rules::estimate_contributes(w, 12, 1));  // sees 7..12
+  EXPECT_TRUE(rules::estimate_contributes(w, 13, 2));
 }
 
 TEST(Rules, EstimateEnergiesAreRelativeToTheTilesMaximum) {
@@ -195,15 +254,24 @@ TEST(Rules, EstimateEnergiesAreRelativeToTheTilesMaximum) {
   // E_0 = e^0 + e^-1 + 0, E_1 = e^-2 + e^-2 + e^-3, peak = E_0.
   const double x[2][3] = {{2.0, 1.0, -kInf}, {0.0, 0.0, -1.0}};
   double energy[2];
-  const double peak = rules::estimate_energies(2, 3, [&](int j, std::int64_t n) { return x[j][n]; }, energy);
+  const double peak = rules::estimate_energies(0, 2, 3, [&](int j, std::int64_t n) { return x[j][n]; }, energy);
   EXPECT_DOUBLE_EQ(energy[0], 1.0 + std::exp(-1.0));
   EXPECT_DOUBLE_EQ(energy[1], 2 * std::exp(-2.0) + std::exp(-3.0));
   EXPECT_EQ(peak, energy[0]);
   // float accumulates in float; a NaN score makes the maximum, every energy and the peak NaN.
   const float y[1][2] = {{0.5f, std::numeric_limits<float>::quiet_NaN()}};
   float e1[1];
-  EXPECT_TRUE(std::isnan(rules::estimate_energies(1, 2, [&](int j, std::int64_t n) { return y[j][n]; }, e1)));
+  EXPECT_TRUE(std::isnan(rules::estimate_energies(0, 1, 2, [&](int j, std::int64_t n) { return y[j][n]; }, e1)));
   EXPECT_TRUE(std::isnan(e1[0]));
+  // Blocks below `first` (a window left them behind) are neither scored nor in the maximum:
+  // block 0's 9 would otherwise be M. E_1 = e^0 + e^-1, and energy[0] is left as it was.
+  const double z[2][2] = {{9.0, 9.0}, {2.0, 1.0}};
+  double e2[2] = {-7.0, 0.0};
+  EXPECT_DOUBLE_EQ(rules::estimate_energies(1, 2, 2, [&](int j, std::int64_t n) { return z[j][n]; }, e2),
+                   1.0 + std::exp(-1.0));
+  EXPECT_EQ(e2[0], -7.0);
+  // Nothing scored: the peak is -inf.
+  EXPECT_EQ(rules::estimate_energies(2, 2, 2, [&](int j, std::int64_t n) { return z[j][n]; }, e2), -kInf);
 }
 
 TEST(Rules, EstimateKeepRuleAndForcedBlocks) {
@@ -231,6 +299,25 @@ TEST(Rules, EstimateKeepRuleAndForcedBlocks) {
   EXPECT_FALSE(rules::estimate_keeps(none, 0, 1.0, 1.0, 0.0, 1, 1));
 }
 
+TEST(Rules, EstimateForcedBlocksOutsideTheWindowAreNotKept) {
+  // Rows at 16..19, block 4, window left 6: the tile sees keys 10..19, blocks 2..4; sink block 0
+  // and (policy window 4) block 1 are forced but hidden: not kept; a tail tile keeps 2..4 only.
+  const geom::BlockGeometry g = windowed(20, 20, true, 4, 4, 6, -1);
+  rules::EstimateTile t = rules::estimate_tile(g, 4, 0, 0);
+  EXPECT_EQ(t.first, 2);
+  EXPECT_EQ(t.scored, 5);
+  const auto keeps = [&](int j) { return rules::estimate_keeps(t, j, 0.0, 1.0, 0.5, 1, 4); };
+  EXPECT_TRUE(rules::estimate_forced(t.tail, t.fqb, 0, 1, 4));
+  EXPECT_FALSE(keeps(0));
+  EXPECT_FALSE(keeps(1));
+  EXPECT_TRUE(keeps(2));
+  EXPECT_TRUE(keeps(4));
+  EXPECT_FALSE(rules::estimate_keeps(t, 1, 1.0, 1.0, 0.5, 0, 0));  // an energy does not bring it back
+  t.tail = true;
+  EXPECT_FALSE(keeps(1));
+  EXPECT_TRUE(keeps(3));
+}
+
 TEST(Rules, EstimateCorrectableBlocksAreTheTilesFullOnes) {
   // Rows at 9..12 (a chunk of 4 over 13 keys), block 4: the first row sees keys 0..9, so
   // blocks 0 and 1 (keys ..7) are wholly visible to every row, block 2 (8..11) is not.
@@ -243,6 +330,12 @@ TEST(Rules, EstimateCorrectableBlocksAreTheTilesFullOnes) {
   // The sequence's short last block (keys 12..14 of 15) with the first row at 14: correctable.
   EXPECT_TRUE(rules::estimate_correctable(blocks(1, 15, true, 4, 4), 14, 3));
   EXPECT_FALSE(rules::estimate_correctable(blocks(1, 15, true, 4, 4), 13, 3));
+  // Window left 10 over rows at 16..19: the last row sees from key 9, so block 2 (8..11) is
+  // partial for the tile and block 3 (12..15) full: only block 3 is correctable.
+  const geom::BlockGeometry w = windowed(20, 20, true, 4, 4, 10, -1);
+  for (int j = 0; j < 5; ++j) EXPECT_EQ(rules::estimate_correctable(w, 16, j), w.is_full(4, j)) << j;
+  EXPECT_FALSE(rules::estimate_correctable(w, 16, 2));
+  EXPECT_TRUE(rules::estimate_correctable(w, 16, 3));
 }
 
 // ------------------------------------------------------------------ permute_stop
@@ -266,6 +359,12 @@ TEST(Rules, PermuteSegmentsTilesAndChunks) {
   EXPECT_EQ(rules::segment_of(neg, 5), -1);
   EXPECT_EQ(rules::segment_of(neg, 6), 0);
   EXPECT_EQ(rules::permute_chunks(neg, 0, 4), 0);
+  // Window left 10 over the chunk above: segment 3's first row (position 24) sees keys 14..24,
+  // so its ranked keys are 14..23: 10 of them, 2 chunks of 5.
+  const geom::SegmentGeometry local{{10, 30, true, 10, -1}, 8};
+  EXPECT_EQ(local.ranked_begin(3), 14);
+  EXPECT_EQ(rules::permute_chunks(local, 3, 5), 2);
+  EXPECT_EQ(local.ranked_begin(2), 10);  // row 0 at 20 sees from 10: keys 10..15 of the prefix 16
 }
 
 TEST(Rules, RankingRoundsToFp32BreaksTiesByIndexAndPutsNaNLast) {
@@ -286,6 +385,30 @@ TEST(Rules, PermuteStopsBelowTauOnlyAndNeverOnNaN) {
   EXPECT_FALSE(rules::permute_stops(0.01, 0.01));  // gain = tau continues
   EXPECT_FALSE(rules::permute_stops(rules::nan_max(0.0, kNaN), 0.01));
   EXPECT_FALSE(rules::permute_stops(0.0, 0.0));    // tau 0 visits everything
+}
+
+// ------------------------------------------------------------------ block_sparse, softcap
+
+TEST(Rules, MaskEntriesLieInTheVisibleRangeAscending) {
+  // A query block that sees key blocks 2 .. 5 (a window's lower edge at block 2).
+  EXPECT_EQ(rules::mask_entry_fault(2, -1, 6, 2), rules::kMaskOk);
+  EXPECT_EQ(rules::mask_entry_fault(1, -1, 6, 2), rules::kMaskRange);  // below the window
+  EXPECT_EQ(rules::mask_entry_fault(6, 3, 6, 2), rules::kMaskRange);   // past the diagonal
+  EXPECT_EQ(rules::mask_entry_fault(3, 3, 6, 2), rules::kMaskOrder);
+  EXPECT_EQ(rules::mask_entry_fault(-1, -1, 6), rules::kMaskRange);     // no window: from block 0
+  EXPECT_EQ(rules::mask_entry_fault(0, -1, 6), rules::kMaskOk);
+}
+
+TEST(Rules, SoftcapIsTanhScaledMapsInfinitiesToTheCapAndKeepsNaN) {
+  EXPECT_EQ(rules::capped_score(7.5, 0.0), 7.5);  // 0: none
+  EXPECT_DOUBLE_EQ(rules::capped_score(3.0, 2.0), 2.0 * std::tanh(1.5));
+  EXPECT_DOUBLE_EQ(rules::capped_score(-3.0, 2.0), -2.0 * std::tanh(1.5));
+  EXPECT_EQ(rules::capped_score(kInf, 2.0), 2.0);
+  EXPECT_EQ(rules::capped_score(-kInf, 2.0), -2.0);
+  EXPECT_TRUE(std::isnan(rules::capped_score(kNaN, 2.0)));
+  EXPECT_EQ(rules::capped_score(0.0f, 30.0f), 0.0f);
+  // Monotone: capping keeps the order of scores (so block maxima are the capped maxima).
+  EXPECT_LT(rules::capped_score(49.0, 50.0), rules::capped_score(50.0, 50.0));
 }
 
 }  // namespace

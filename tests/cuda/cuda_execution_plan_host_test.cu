@@ -7,32 +7,17 @@
 #include <cstdint>
 #include <string>
 
+#include "common/inputs.h"
 #include "cuda/execution_plan.h"
 
 namespace sparseprefill::cuda {
 namespace {
 
+using test::cuda_shape_of;
+
 constexpr DeviceCaps kH200{9, 0, std::int64_t{60} << 20, 132};
 constexpr DeviceCaps kA100{8, 0, std::int64_t{40} << 20, 108};
 constexpr TmaFacts kTma{true, true};
-
-ProblemShape shape_of(std::int64_t s_q, std::int64_t s_k, int h_q = 32, int h_kv = 8, int d = 128,
-                      DType dtype = DType::kBF16) {
-  ProblemShape s;
-  s.batch = 1;
-  s.h_q = h_q;
-  s.h_kv = h_kv;
-  s.d = d;
-  s.dtype = dtype;
-  s.causal = true;
-  s.scale = 1.0;
-  s.seq_q = {s_q};
-  s.seq_k = {s_k};
-  s.q_start = {0};
-  s.k_start = {0};
-  s.device = Device{DeviceKind::kCUDA, 0};
-  return s;
-}
 
 ProblemShape paged(ProblemShape s, int page_size) {
   s.kv_layout = KvLayout::kPaged;
@@ -56,7 +41,7 @@ ExactGateParams gate(int block_k = 128) {
 }
 
 TEST(CudaExecutionPlan, DenseRunsTheHopperKernelOnAnH200AndThePortableOneElsewhere) {
-  const ProblemShape s = shape_of(4096, 4096);
+  const ProblemShape s = cuda_shape_of(4096, 4096);
   const ExecutionPlan h = plan_of(s, DenseParams{});
   EXPECT_EQ(h.path, FwdPath::kHopper);
   ASSERT_NE(h.fwd90, nullptr);
@@ -83,7 +68,7 @@ TEST(CudaExecutionPlan, DenseRunsTheHopperKernelOnAnH200AndThePortableOneElsewhe
 }
 
 TEST(CudaExecutionPlan, ShortChunksPackTheGqaGroupAndTheOverrideDecides) {
-  const ProblemShape s = shape_of(32, 4096);
+  const ProblemShape s = cuda_shape_of(32, 4096);
   const ExecutionPlan packed = plan_of(s, DenseParams{});
   EXPECT_EQ(packed.q_pack, 4);
   EXPECT_EQ(packed.grid, 1 * 8);  // 32 rows x 4 heads = one tile per KV head
@@ -94,13 +79,13 @@ TEST(CudaExecutionPlan, ShortChunksPackTheGqaGroupAndTheOverrideDecides) {
   EXPECT_EQ(unpacked.grid, 32);
   ExecutionOverrides always;
   always.pack_gqa = ExecutionOverrides::Choice::kAlways;
-  EXPECT_EQ(plan_of(shape_of(8192, 8192), DenseParams{}, kH200, always).q_pack, 4);
+  EXPECT_EQ(plan_of(cuda_shape_of(8192, 8192), DenseParams{}, kH200, always).q_pack, 4);
   // The gates decide per query head: never packed.
   EXPECT_EQ(plan_of(s, gate(), kH200, always).q_pack, 1);
 }
 
 TEST(CudaExecutionPlan, ExactGateTakesTwoPassesWhereTheDecisionKernelRuns) {
-  const ProblemShape s = shape_of(8192, 8192);
+  const ProblemShape s = cuda_shape_of(8192, 8192);
   const ExecutionPlan two = plan_of(s, gate());
   EXPECT_EQ(two.passes, 2);
   ASSERT_NE(two.gate, nullptr);
@@ -128,7 +113,7 @@ TEST(CudaExecutionPlan, ExactGateTakesTwoPassesWhereTheDecisionKernelRuns) {
   EXPECT_EQ(k64.block_k, 64);
 
   // Paged K/V read in the kernels: one pass (the decision kernels read contiguous rows).
-  const ExecutionPlan pages = plan_of(paged(shape_of(64, 8192), 16), gate());
+  const ExecutionPlan pages = plan_of(paged(cuda_shape_of(64, 8192), 16), gate());
   EXPECT_FALSE(pages.staging.stage);
   EXPECT_EQ(pages.passes, 1);
 
@@ -141,7 +126,7 @@ TEST(CudaExecutionPlan, ExactGateTakesTwoPassesWhereTheDecisionKernelRuns) {
 }
 
 TEST(CudaExecutionPlan, EstimateSelectNamesItsSelector) {
-  const ProblemShape s = shape_of(8192, 8192);
+  const ProblemShape s = cuda_shape_of(8192, 8192);
   const ExecutionPlan h = plan_of(s, EstimateSelectParams{});
   ASSERT_NE(h.select, nullptr);
   EXPECT_STREQ(h.select->name, "select_sm90_bf16_hd128");
@@ -158,7 +143,7 @@ TEST(CudaExecutionPlan, EstimateSelectNamesItsSelector) {
 }
 
 TEST(CudaExecutionPlan, LongPagedPrefillsStageAndShortChunksReadPages) {
-  const ProblemShape long_prefill = paged(shape_of(32768, 32768), 16);
+  const ProblemShape long_prefill = paged(cuda_shape_of(32768, 32768), 16);
   const ExecutionPlan staged = plan_of(long_prefill, DenseParams{});
   EXPECT_TRUE(staged.staging.stage);
   EXPECT_EQ(staged.staging.rows, 32768);
@@ -174,7 +159,7 @@ TEST(CudaExecutionPlan, LongPagedPrefillsStageAndShortChunksReadPages) {
   EXPECT_TRUE(pages.fwd90->paged);
   EXPECT_FALSE(pages.fwd->plain);  // the portable fallback's general instance reads pages
 
-  const ProblemShape chunk = paged(shape_of(64, 32768), 16);
+  const ProblemShape chunk = paged(cuda_shape_of(64, 32768), 16);
   EXPECT_FALSE(plan_of(chunk, DenseParams{}).staging.stage);
   ExecutionOverrides always;
   always.kv_staging = ExecutionOverrides::Choice::kAlways;
@@ -186,7 +171,7 @@ TEST(CudaExecutionPlan, LongPagedPrefillsStageAndShortChunksReadPages) {
 TEST(CudaExecutionPlan, ForcingTheHopperPathFailsWhereItCannotRun) {
   ExecutionOverrides hopper;
   hopper.cuda_path = ExecutionOverrides::CudaPath::kHopper;
-  const ExecutionPlan h = plan_of(shape_of(1024, 1024), DenseParams{}, kH200, hopper);
+  const ExecutionPlan h = plan_of(cuda_shape_of(1024, 1024), DenseParams{}, kH200, hopper);
   EXPECT_EQ(h.path, FwdPath::kHopper);
   EXPECT_TRUE(h.hopper_forced);
   const struct {
@@ -195,8 +180,8 @@ TEST(CudaExecutionPlan, ForcingTheHopperPathFailsWhereItCannotRun) {
     DeviceCaps caps;
     const char* why;
   } cases[] = {
-      {shape_of(1024, 1024), DenseParams{}, kA100, "compute capability 8.0"},
-      {shape_of(1024, 1024), Policy{gate(64)}, kH200, "128 keys"},
+      {cuda_shape_of(1024, 1024), DenseParams{}, kA100, "compute capability 8.0"},
+      {cuda_shape_of(1024, 1024), Policy{gate(64)}, kH200, "128 keys"},
   };
   for (const auto& c : cases) {
     ExecutionPlan plan;
@@ -209,7 +194,7 @@ TEST(CudaExecutionPlan, ForcingTheHopperPathFailsWhereItCannotRun) {
   ExecutionOverrides portable;
   portable.cuda_path = ExecutionOverrides::CudaPath::kPortable;
   ExecutionPlan plan;
-  const Status st = plan_execution(shape_of(1024, 1024, 32, 8, 128, DType::kFP8E4M3), DenseParams{}, kTma, kH200,
+  const Status st = plan_execution(cuda_shape_of(1024, 1024, 32, 8, 128, DType::kFP8E4M3), DenseParams{}, kTma, kH200,
                                    portable, 0, &plan);
   EXPECT_EQ(st.code(), StatusCode::kUnsupported);
   EXPECT_NE(st.message().find("portable"), std::string::npos) << st.message();
@@ -217,19 +202,19 @@ TEST(CudaExecutionPlan, ForcingTheHopperPathFailsWhereItCannotRun) {
 
 TEST(CudaExecutionPlan, TheGridOrderFollowsTheL2) {
   // Llama shape: K and V of 16K keys (64 MiB) exceed the H200's 60 MiB of L2; 8K do not.
-  EXPECT_TRUE(plan_of(shape_of(16384, 16384), DenseParams{}).kv_major);
-  EXPECT_FALSE(plan_of(shape_of(8192, 8192), DenseParams{}).kv_major);
+  EXPECT_TRUE(plan_of(cuda_shape_of(16384, 16384), DenseParams{}).kv_major);
+  EXPECT_FALSE(plan_of(cuda_shape_of(8192, 8192), DenseParams{}).kv_major);
 }
 
 TEST(CudaExecutionPlan, PermuteStopPlansItsRankingAndAttention) {
   PermuteStopParams ps;
-  const ExecutionPlan h = plan_of(shape_of(4096, 4096), ps);
+  const ExecutionPlan h = plan_of(cuda_shape_of(4096, 4096), ps);
   ASSERT_NE(h.permute, nullptr);
   ASSERT_NE(h.permute90, nullptr);
   EXPECT_EQ(execution_info(h, 0).instance, h.permute90->name);
   EXPECT_GT(h.grid, 0);
   ps.block_k = 64;
-  const ExecutionPlan p = plan_of(shape_of(4096, 4096), ps);
+  const ExecutionPlan p = plan_of(cuda_shape_of(4096, 4096), ps);
   EXPECT_EQ(p.permute90, nullptr);
   EXPECT_EQ(execution_info(p, 0).instance, p.permute->name);
 }

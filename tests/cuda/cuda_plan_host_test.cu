@@ -23,25 +23,10 @@
 namespace sparseprefill::cuda {
 namespace {
 
-ProblemShape shape_of(std::int64_t s_q, std::int64_t s_k, int h_q, int h_kv, int d, DType dtype = DType::kBF16) {
-  ProblemShape s;
-  s.batch = 1;
-  s.h_q = h_q;
-  s.h_kv = h_kv;
-  s.d = d;
-  s.dtype = dtype;
-  s.causal = true;
-  s.scale = 1.0;
-  s.seq_q = {s_q};
-  s.seq_k = {s_k};
-  s.q_start = {0};
-  s.k_start = {0};
-  s.device = Device{DeviceKind::kCUDA, 0};
-  return s;
-}
+using test::cuda_shape_of;
 
 TEST(CudaPlan, SupportChoosesTheBlockTile) {
-  const ProblemShape s = shape_of(300, 300, 4, 1, 128);
+  const ProblemShape s = cuda_shape_of(300, 300, 4, 1, 128);
   int n = 0;
   ASSERT_TRUE(check_support(s, DenseParams{}, &n).ok());
   EXPECT_EQ(n, dense_block_k(128));
@@ -55,7 +40,7 @@ TEST(CudaPlan, SupportChoosesTheBlockTile) {
 }
 
 TEST(CudaPlan, UnsupportedMessagesNameTheArgument) {
-  const ProblemShape s = shape_of(300, 300, 4, 1, 128);
+  const ProblemShape s = cuda_shape_of(300, 300, 4, 1, 128);
   int n = 0;
   ExactGateParams gate;
   gate.block_k = 32;
@@ -73,14 +58,54 @@ TEST(CudaPlan, UnsupportedMessagesNameTheArgument) {
   expect_unsupported(s, stop, "permute_stop");
   PermuteStopParams tiny;
   tiny.segment = 16;  // 32 heads × 2^20 positions in 16-key segments: ~1.8e13 ranked keys
-  expect_unsupported(shape_of(std::int64_t{1} << 20, std::int64_t{1} << 20, 32, 8, 128), tiny, "2^31 - 1");
-  expect_unsupported(shape_of(300, 300, 4, 1, 80), DenseParams{}, "head_dim 80");
-  expect_unsupported(shape_of(300, 300, 4, 1, 128, DType::kFP32), DenseParams{}, "dtype fp32 has no CUDA kernel");
+  expect_unsupported(cuda_shape_of(std::int64_t{1} << 20, std::int64_t{1} << 20, 32, 8, 128), tiny, "2^31 - 1");
+  expect_unsupported(cuda_shape_of(300, 300, 4, 1, 80), DenseParams{}, "head_dim 80");
+  expect_unsupported(cuda_shape_of(300, 300, 4, 1, 128, DType::kFP32), DenseParams{}, "dtype fp32 has no CUDA kernel");
+}
+
+// The model-family features no kernel takes yet are refused by name for every policy, before
+// anything else is checked (docs/cuda.md, support matrix); head dims 96, 192 and 256 have no
+// instance, and say so.
+TEST(CudaPlan, ModelFamilyFeaturesAreRefusedByName) {
+  int n = 0;
+  ExactGateParams gate;
+  gate.block_k = 128;
+  const Policy policies[] = {DenseParams{}, gate, SoftmaxSkipParams{}, EstimateSelectParams{}, PermuteStopParams{}};
+  struct Case {
+    const char* needle;
+    ProblemShape shape;
+  };
+  ProblemShape window = cuda_shape_of(300, 300, 4, 1, 128), right = window, softcap = window, sinks = window, mla = window;
+  window.window_left = 127;
+  right.causal = false;
+  right.window_right = 0;  // FlashAttention's causal as a window, which the kernels take as causal only
+  softcap.softcap = 50.0;
+  sinks.sinks = true;
+  mla.d = 192;
+  mla.d_v = 128;
+  for (const Case& c : {Case{"window_left/window_right: local (sliding-window) attention has no CUDA kernel yet", window},
+                        Case{"window_left/window_right: local (sliding-window) attention has no CUDA kernel yet", right},
+                        Case{"softcap: score soft-capping has no CUDA kernel yet", softcap},
+                        Case{"sinks: learned attention sinks have no CUDA kernel yet", sinks},
+                        Case{"v: a V head dim unlike Q/K's (d_v 128, d 192) has no CUDA kernel yet", mla},
+                        Case{"head_dim 96", cuda_shape_of(300, 300, 4, 1, 96)},
+                        Case{"head_dim 256", cuda_shape_of(300, 300, 4, 1, 256)}}) {
+    for (const Policy& policy : policies) {
+      SCOPED_TRACE(std::string(c.needle) + ", " + policy_name(policy));
+      const Status st = check_support(c.shape, policy, &n);
+      EXPECT_EQ(st.code(), StatusCode::kUnsupported);
+      EXPECT_NE(st.message().find(c.needle), std::string::npos) << st.message();
+    }
+  }
+  // A causal window that hides nothing more than causal ((-1, 0) and (-1, 5) under causal) runs.
+  ProblemShape causal_right = cuda_shape_of(300, 300, 4, 1, 128);
+  causal_right.window_right = 5;
+  EXPECT_TRUE(check_support(causal_right, DenseParams{}, &n).ok());
 }
 
 TEST(CudaPlan, Fp8RunsDenseAndBlockSparseOnTheHopperInstance) {
   int n = 0;
-  const ProblemShape s = shape_of(300, 300, 4, 1, 128, DType::kFP8E4M3);
+  const ProblemShape s = cuda_shape_of(300, 300, 4, 1, 128, DType::kFP8E4M3);
   const auto expect_unsupported = [&](const ProblemShape& shape, const Policy& policy, const char* needle) {
     const Status st = check_support(shape, policy, &n);
     EXPECT_EQ(st.code(), StatusCode::kUnsupported);
@@ -103,7 +128,7 @@ TEST(CudaPlan, Fp8RunsDenseAndBlockSparseOnTheHopperInstance) {
   ExactGateParams gate;
   gate.block_k = 128;
   expect_unsupported(s, gate, "exact_gate: fp8_e4m3 inputs run dense and block_sparse only");
-  expect_unsupported(shape_of(300, 300, 4, 1, 64, DType::kFP8E4M3), DenseParams{},
+  expect_unsupported(cuda_shape_of(300, 300, 4, 1, 64, DType::kFP8E4M3), DenseParams{},
                      "fp8_e4m3 inputs run on CUDA with head_dim 128 only (the Hopper kernel's fp8 instance), got 64");
   ProblemShape paged = s;
   paged.kv_layout = KvLayout::kPaged;
@@ -162,9 +187,9 @@ TEST(CudaPlan, PortableInstancesSplitByTheGatesAndTheLayout) {
 }
 
 TEST(CudaPlan, HopperPathOnComputeCapability90For128KeyBlocks) {
-  const ProblemShape s = shape_of(300, 300, 4, 1, 128);
+  const ProblemShape s = cuda_shape_of(300, 300, 4, 1, 128);
   EXPECT_EQ(choose_fwd_path(s, DenseParams{}, true, 9, 0), FwdPath::kHopper);
-  EXPECT_EQ(choose_fwd_path(shape_of(17, 40, 8, 8, 64, DType::kFP16), DenseParams{}, true, 9, 0), FwdPath::kHopper);
+  EXPECT_EQ(choose_fwd_path(cuda_shape_of(17, 40, 8, 8, 64, DType::kFP16), DenseParams{}, true, 9, 0), FwdPath::kHopper);
   // Every policy with 128-key blocks runs there too; 64-key blocks keep the portable kernel.
   ASSERT_EQ(hopper_block_k(), 128);
   ExactGateParams gate;
@@ -191,7 +216,7 @@ TEST(CudaPlan, HopperPathOnComputeCapability90For128KeyBlocks) {
   PermuteStopParams permute;
   EXPECT_EQ(permute.block_k, 128);
   EXPECT_EQ(choose_fwd_path(s, permute, true, 9, 0), FwdPath::kHopper);
-  EXPECT_EQ(choose_fwd_path(shape_of(17, 40, 8, 8, 64, DType::kFP16), permute, true, 9, 0), FwdPath::kHopper);
+  EXPECT_EQ(choose_fwd_path(cuda_shape_of(17, 40, 8, 8, 64, DType::kFP16), permute, true, 9, 0), FwdPath::kHopper);
   permute.block_k = 64;
   EXPECT_EQ(choose_fwd_path(s, permute, true, 9, 0), FwdPath::kPortable);
   permute.block_k = 128;
@@ -208,7 +233,7 @@ TEST(CudaPlan, HopperPathOnComputeCapability90For128KeyBlocks) {
 // estimate_select's selector needs no tensor maps: Hopper on 9.0 for every compiled (dtype,
 // head_dim), also where the tensors keep the attention portable; the override wins.
 TEST(CudaPlan, HopperSelectorOnComputeCapability90) {
-  for (const ProblemShape& s : {shape_of(300, 300, 4, 1, 128), shape_of(17, 40, 8, 8, 64, DType::kFP16)}) {
+  for (const ProblemShape& s : {cuda_shape_of(300, 300, 4, 1, 128), cuda_shape_of(17, 40, 8, 8, 64, DType::kFP16)}) {
     EXPECT_EQ(choose_select_path(s, 9, 0, false), FwdPath::kHopper);
     EXPECT_EQ(choose_select_path(s, 9, 0, true), FwdPath::kPortable);
     EXPECT_EQ(choose_select_path(s, 8, 0, false), FwdPath::kPortable);
@@ -216,7 +241,7 @@ TEST(CudaPlan, HopperSelectorOnComputeCapability90) {
     EXPECT_EQ(choose_select_path(s, 10, 0, false), FwdPath::kPortable);
   }
   // No sm90 selector for fp8 (estimate_select takes 16-bit inputs).
-  EXPECT_EQ(choose_select_path(shape_of(300, 300, 4, 1, 128, DType::kFP8E4M3), 9, 0, false), FwdPath::kPortable);
+  EXPECT_EQ(choose_select_path(cuda_shape_of(300, 300, 4, 1, 128, DType::kFP8E4M3), 9, 0, false), FwdPath::kPortable);
 }
 
 // A paged problem (shuffled pages, NaN in every storage no valid key uses) and its shape.
@@ -431,8 +456,8 @@ TEST(CudaPlan, GatePassesFromTheEnvironment) {
 // Two passes only where a decision kernel reads K (contiguous 16-bit K/V, the path's decision
 // instance compiled), and there unless one pass is asked for.
 TEST(CudaPlan, GatePassesWhereTheDecisionKernelRuns) {
-  const ProblemShape llama = shape_of(32768, 32768, 32, 8, 128);
-  const ProblemShape smol = shape_of(8192, 8192, 9, 3, 64, DType::kFP16);
+  const ProblemShape llama = cuda_shape_of(32768, 32768, 32, 8, 128);
+  const ProblemShape smol = cuda_shape_of(8192, 8192, 9, 3, 64, DType::kFP16);
   for (const ProblemShape& s : {llama, smol}) {
     EXPECT_TRUE(choose_gate_passes(s, true, GatePasses::kAuto));
     EXPECT_TRUE(choose_gate_passes(s, true, GatePasses::kTwo));
@@ -443,7 +468,7 @@ TEST(CudaPlan, GatePassesWhereTheDecisionKernelRuns) {
   ProblemShape paged = llama;
   paged.kv_layout = KvLayout::kPaged;
   EXPECT_FALSE(choose_gate_passes(paged, true, GatePasses::kTwo));
-  const ProblemShape fp8 = shape_of(4096, 4096, 32, 8, 128, DType::kFP8E4M3);
+  const ProblemShape fp8 = cuda_shape_of(4096, 4096, 32, 8, 128, DType::kFP8E4M3);
   EXPECT_FALSE(choose_gate_passes(fp8, true, GatePasses::kTwo));
 }
 
@@ -454,7 +479,7 @@ TEST(CudaPlan, GatePassesWhereTheDecisionKernelRuns) {
 TEST(CudaPlan, GateListEntriesCountEveryRowsBlocks) {
   for (bool causal : {true, false}) {
     for (int bk : {64, 128}) {
-      ProblemShape s = shape_of(1000, 1300, 6, 2, 128);
+      ProblemShape s = cuda_shape_of(1000, 1300, 6, 2, 128);
       s.causal = causal;
       s.batch = 3;
       s.seq_q = {1000, 5, 260};
@@ -493,16 +518,16 @@ TEST(CudaPlan, GqaPackingWhereTheGroupSharesItsVisits) {
   const PolicyMode dense = PolicyMode::kDense, mask = PolicyMode::kBlockMask;
   // Llama-3.1-8B (G = 4): a 32-token chunk fills one packed tile instead of four quarter-full
   // ones; 32K tokens fill their tiles either way.
-  EXPECT_EQ(choose_q_pack(shape_of(32, 4096, 32, 8, 128), dense, false, PackGqa::kAuto), 4);
-  EXPECT_EQ(choose_q_pack(shape_of(32768, 32768, 32, 8, 128), dense, false, PackGqa::kAuto), 1);
-  EXPECT_EQ(choose_q_pack(shape_of(32768, 32768, 32, 8, 128), dense, false, PackGqa::kAlways), 4);
-  EXPECT_EQ(choose_q_pack(shape_of(32, 4096, 32, 8, 128), dense, false, PackGqa::kNever), 1);
+  EXPECT_EQ(choose_q_pack(cuda_shape_of(32, 4096, 32, 8, 128), dense, false, PackGqa::kAuto), 4);
+  EXPECT_EQ(choose_q_pack(cuda_shape_of(32768, 32768, 32, 8, 128), dense, false, PackGqa::kAuto), 1);
+  EXPECT_EQ(choose_q_pack(cuda_shape_of(32768, 32768, 32, 8, 128), dense, false, PackGqa::kAlways), 4);
+  EXPECT_EQ(choose_q_pack(cuda_shape_of(32, 4096, 32, 8, 128), dense, false, PackGqa::kNever), 1);
   // The 10% rule: 200 rows, G = 4: 7 packed tiles against 8 (packs); 1000 rows: 32 against 32.
-  EXPECT_EQ(choose_q_pack(shape_of(200, 200, 8, 2, 64), dense, false, PackGqa::kAuto), 4);
-  EXPECT_EQ(choose_q_pack(shape_of(1000, 1000, 8, 2, 64), dense, false, PackGqa::kAuto), 1);
+  EXPECT_EQ(choose_q_pack(cuda_shape_of(200, 200, 8, 2, 64), dense, false, PackGqa::kAuto), 4);
+  EXPECT_EQ(choose_q_pack(cuda_shape_of(1000, 1000, 8, 2, 64), dense, false, PackGqa::kAuto), 1);
   // Varlen: summed over the sequences (three of 40 rows and one of 128: 2 + 2 + 2 + 4 = 10
   // packed tiles of G = 4 against 4 · 4 = 16).
-  ProblemShape ragged = shape_of(40, 40, 8, 2, 128);
+  ProblemShape ragged = cuda_shape_of(40, 40, 8, 2, 128);
   ragged.batch = 4;
   ragged.seq_q = {40, 40, 40, 128};
   ragged.seq_k = {40, 40, 40, 128};
@@ -510,34 +535,34 @@ TEST(CudaPlan, GqaPackingWhereTheGroupSharesItsVisits) {
   ragged.k_start = {0, 40, 80, 120};
   EXPECT_EQ(choose_q_pack(ragged, dense, false, PackGqa::kAuto), 4);
   // Block masks: only with one row per KV head.
-  EXPECT_EQ(choose_q_pack(shape_of(32, 4096, 32, 8, 128), mask, true, PackGqa::kAlways), 4);
-  EXPECT_EQ(choose_q_pack(shape_of(32, 4096, 32, 8, 128), mask, false, PackGqa::kAlways), 1);
+  EXPECT_EQ(choose_q_pack(cuda_shape_of(32, 4096, 32, 8, 128), mask, true, PackGqa::kAlways), 4);
+  EXPECT_EQ(choose_q_pack(cuda_shape_of(32, 4096, 32, 8, 128), mask, false, PackGqa::kAlways), 1);
   // The gates decide per query head: never packed.
   for (PolicyMode gate : {PolicyMode::kExactGate, PolicyMode::kSoftmaxSkip}) {
-    EXPECT_EQ(choose_q_pack(shape_of(32, 4096, 32, 8, 128), gate, false, PackGqa::kAlways), 1);
+    EXPECT_EQ(choose_q_pack(cuda_shape_of(32, 4096, 32, 8, 128), gate, false, PackGqa::kAlways), 1);
   }
   // No group, or one that does not divide the 128-row tile (SmolLM2's 3, Qwen2.5-7B's 7).
-  EXPECT_EQ(choose_q_pack(shape_of(32, 4096, 8, 8, 128), dense, false, PackGqa::kAlways), 1);
-  EXPECT_EQ(choose_q_pack(shape_of(32, 4096, 9, 3, 64), dense, false, PackGqa::kAlways), 1);
-  EXPECT_EQ(choose_q_pack(shape_of(32, 4096, 28, 4, 128), dense, false, PackGqa::kAlways), 1);
-  EXPECT_EQ(choose_q_pack(shape_of(32, 4096, 64, 4, 128), dense, false, PackGqa::kAlways), 16);
+  EXPECT_EQ(choose_q_pack(cuda_shape_of(32, 4096, 8, 8, 128), dense, false, PackGqa::kAlways), 1);
+  EXPECT_EQ(choose_q_pack(cuda_shape_of(32, 4096, 9, 3, 64), dense, false, PackGqa::kAlways), 1);
+  EXPECT_EQ(choose_q_pack(cuda_shape_of(32, 4096, 28, 4, 128), dense, false, PackGqa::kAlways), 1);
+  EXPECT_EQ(choose_q_pack(cuda_shape_of(32, 4096, 64, 4, 128), dense, false, PackGqa::kAlways), 16);
 }
 
 // The grid goes KV head outermost exactly when the call's K and V exceed the L2 (50 MiB here,
 // an H100's; an H200 has 60): Llama-3.1-8B's 8 KV heads × d 128 in bf16 take 4 KiB per key.
 TEST(CudaPlan, KvMajorGridOnceKvOutgrowsTheL2) {
   constexpr std::int64_t kL2 = std::int64_t{50} << 20;
-  EXPECT_FALSE(kv_major_grid(shape_of(8192, 8192, 32, 8, 128), kL2));    // 32 MiB
-  EXPECT_TRUE(kv_major_grid(shape_of(16384, 16384, 32, 8, 128), kL2));   // 64 MiB
-  EXPECT_TRUE(kv_major_grid(shape_of(128, 16384, 32, 8, 128), kL2));     // a chunk reads every key
-  EXPECT_FALSE(kv_major_grid(shape_of(8192, 8192, 9, 3, 64), kL2));      // SmolLM2: 6 MiB
-  EXPECT_FALSE(kv_major_grid(shape_of(16384, 16384, 32, 8, 128, DType::kFP8E4M3), kL2));  // 32 MiB
-  EXPECT_TRUE(kv_major_grid(shape_of(16384, 16384, 32, 8, 128, DType::kFP8E4M3), kL2 / 2));
+  EXPECT_FALSE(kv_major_grid(cuda_shape_of(8192, 8192, 32, 8, 128), kL2));    // 32 MiB
+  EXPECT_TRUE(kv_major_grid(cuda_shape_of(16384, 16384, 32, 8, 128), kL2));   // 64 MiB
+  EXPECT_TRUE(kv_major_grid(cuda_shape_of(128, 16384, 32, 8, 128), kL2));     // a chunk reads every key
+  EXPECT_FALSE(kv_major_grid(cuda_shape_of(8192, 8192, 9, 3, 64), kL2));      // SmolLM2: 6 MiB
+  EXPECT_FALSE(kv_major_grid(cuda_shape_of(16384, 16384, 32, 8, 128, DType::kFP8E4M3), kL2));  // 32 MiB
+  EXPECT_TRUE(kv_major_grid(cuda_shape_of(16384, 16384, 32, 8, 128, DType::kFP8E4M3), kL2 / 2));
   // The boundary: exactly the L2 stays heads-fastest (12800 keys × 4 KiB = 50 MiB).
-  EXPECT_FALSE(kv_major_grid(shape_of(12800, 12800, 32, 8, 128), kL2));
-  EXPECT_TRUE(kv_major_grid(shape_of(12801, 12801, 32, 8, 128), kL2));
+  EXPECT_FALSE(kv_major_grid(cuda_shape_of(12800, 12800, 32, 8, 128), kL2));
+  EXPECT_TRUE(kv_major_grid(cuda_shape_of(12801, 12801, 32, 8, 128), kL2));
   // Varlen: summed over the sequences (4 × 4096 keys = 64 MiB).
-  ProblemShape four = shape_of(4096, 4096, 32, 8, 128);
+  ProblemShape four = cuda_shape_of(4096, 4096, 32, 8, 128);
   four.batch = 4;
   four.seq_q = four.seq_k = {4096, 4096, 4096, 4096};
   four.q_start = four.k_start = {0, 4096, 8192, 12288};
@@ -547,7 +572,7 @@ TEST(CudaPlan, KvMajorGridOnceKvOutgrowsTheL2) {
 TEST(CudaPlan, PagedKvStagedWhenTheCopyIsCheaperThanReadingPages) {
   constexpr std::size_t kFree = std::size_t{100} << 30;
   const auto paged = [](std::vector<std::int64_t> s_q, std::vector<std::int64_t> s_k) {
-    ProblemShape s = shape_of(1, 1, 32, 8, 128);
+    ProblemShape s = cuda_shape_of(1, 1, 32, 8, 128);
     s.batch = static_cast<int>(s_q.size());
     s.seq_q = s_q;
     s.seq_k = s_k;
@@ -632,7 +657,7 @@ TEST(CudaPlan, TmaDescribesPositiveStridesBelow2To40Bytes) {
 }
 
 TEST(CudaPlan, CompactMaskPacksRowsInOrder) {
-  const ProblemShape s = shape_of(300, 300, 2, 1, 64);
+  const ProblemShape s = cuda_shape_of(300, 300, 2, 1, 64);
   BlockMask m = BlockMask::empty(s, 128, 64, false);
   ASSERT_TRUE(m.add(s, 0, 0, 1, 0).ok());
   ASSERT_TRUE(m.add(s, 0, 0, 1, 3).ok());  // partial for q block 1 (rows 128..255)
@@ -649,7 +674,7 @@ TEST(CudaPlan, CompactMaskPacksRowsInOrder) {
 }
 
 TEST(CudaPlan, BitsAndArraysBecomeMasks) {
-  const ProblemShape s = shape_of(300, 300, 2, 1, 64);
+  const ProblemShape s = cuda_shape_of(300, 300, 2, 1, 64);
   BlockMask want = BlockMask::empty(s, 128, 128, false);
   ASSERT_TRUE(want.add(s, 0, 1, 2, 0).ok());
   ASSERT_TRUE(want.add(s, 0, 1, 2, 2).ok());
@@ -678,7 +703,7 @@ TEST(CudaPlan, BitsAndArraysBecomeMasks) {
 TEST(CudaPlan, PermuteLayoutSlotsSegmentsAndPrefixes) {
   // Three sequences, segment 128: 300 x 300 (segments 0-2), 100 x 500 (rows at positions
   // 400..499: segment 3 alone, prefix 384), 200 x 50 (rows 0..149 at negative positions).
-  ProblemShape s = shape_of(300, 300, 1, 1, 64);
+  ProblemShape s = cuda_shape_of(300, 300, 1, 1, 64);
   s.batch = 3;
   s.seq_q = {300, 100, 200};
   s.seq_k = {300, 500, 50};
@@ -783,15 +808,15 @@ TEST(CudaPlan, RankKeysSortInTheOraclesRankingOrder) {
 }
 
 TEST(CudaPlan, CalibrationStatisticsSupport) {
-  const ProblemShape s = shape_of(300, 300, 4, 1, 128);
+  const ProblemShape s = cuda_shape_of(300, 300, 4, 1, 128);
   EXPECT_TRUE(check_calib_support(s, 128, 64).ok());
   EXPECT_TRUE(check_calib_support(s, 64, 128).ok());
   const Status blocks = check_calib_support(s, 32, 128);
   EXPECT_EQ(blocks.code(), StatusCode::kUnsupported);
   EXPECT_EQ(blocks.message(), "calibration statistics: the CUDA kernel needs block_q and block_k of 64 or 128, got 32 x 128");
-  const Status dim = check_calib_support(shape_of(300, 300, 4, 1, 96), 128, 128);
+  const Status dim = check_calib_support(cuda_shape_of(300, 300, 4, 1, 96), 128, 128);
   EXPECT_NE(dim.message().find("no compiled CUDA kernel for bf16 head_dim 96"), std::string::npos) << dim.message();
-  const Status fp32 = check_calib_support(shape_of(300, 300, 4, 1, 64, DType::kFP32), 128, 128);
+  const Status fp32 = check_calib_support(cuda_shape_of(300, 300, 4, 1, 64, DType::kFP32), 128, 128);
   EXPECT_NE(fp32.message().find("dtype fp32"), std::string::npos) << fp32.message();
   EstimateSelectParams base;
   base.block = 128;
@@ -804,7 +829,7 @@ TEST(CudaPlan, CalibrationStatisticsSupport) {
 // Two sequences (300 x 300 and 100 x 200) in a [batch, heads, 3, 3] capacity layout of block
 // 128: each record gets its own corner, and g gets + ln s_k.
 TEST(CudaPlan, StatisticsArraysSplitPerSequence) {
-  ProblemShape s = shape_of(300, 300, 2, 1, 64);
+  ProblemShape s = cuda_shape_of(300, 300, 2, 1, 64);
   s.batch = 2;
   s.seq_q = {300, 100};
   s.seq_k = {300, 200};
@@ -842,7 +867,7 @@ TEST(CudaPlan, StatisticsArraysSplitPerSequence) {
 TEST(CudaPlan, ChunkedSelectTableOnlyWhenChunked) {
   // A one-shot call uploads nothing (select_seqs stays null, the kernels use the call's tail
   // and compute every mean); prompt_len or a cache gives one entry per sequence.
-  ProblemShape shape = shape_of(256, 1000, 2, 1, 64);
+  ProblemShape shape = cuda_shape_of(256, 1000, 2, 1, 64);
   EstimateSelectParams p;
   detail::EstimateChunks chunks;
   ASSERT_TRUE(detail::read_estimate_chunks(p, shape, &chunks).ok());

@@ -24,32 +24,47 @@ def ids(params):
     return [f"{d}-{str(t).replace('torch.', '')}" for d, t in params]
 
 
-def attention(q, k, v, causal, scale=None, mask=None, low_precision=False):
-    """q [b, s_q, h_q, d], k/v [b, s_k, h_kv, d]; mask: optional bool [b, h_q, s_q, s_k].
-    float64 by default; low_precision: fp32 scores, P rounded to q's dtype, fp32 accumulation.
-    Returns (out in float64 or q's dtype, lse float64 [b, h_q, s_q]); empty rows 0 / -inf."""
+def attention(q, k, v, causal, scale=None, mask=None, low_precision=False, window=(-1, -1), softcap=0.0,
+              sinks=None):
+    """q [b, s_q, h_q, d], k [b, s_k, h_kv, d], v [b, s_k, h_kv, d_v]; mask: optional bool
+    [b, h_q, s_q, s_k]. window: FlashAttention's (left, right), -1 no bound (query i at
+    a = i + s_k - s_q sees keys a - left .. a + right); softcap c: scores c * tanh(s / c);
+    sinks: [h_q] logits, one more term in every row's softmax denominator (docs/semantics.md
+    §1). float64 by default; low_precision: fp32 scores, P rounded to q's dtype, fp32
+    accumulation. Returns (out [b, s_q, h_q, d_v] in float64 or q's dtype, lse float64
+    [b, h_q, s_q]); rows without keys 0 and -inf (with a sink: 0 and the sink's logit)."""
     s_q, s_k, d = q.shape[1], k.shape[1], q.shape[-1]
     scale = 1.0 / math.sqrt(d) if scale is None else scale
     g = q.shape[2] // k.shape[2]
     work = torch.float32 if low_precision else torch.float64
     qf, kf, vf = q.to(work), k.to(work).repeat_interleave(g, 2), v.to(work).repeat_interleave(g, 2)
     s = torch.einsum("bqhd,bkhd->bhqk", qf, kf) * scale
-    i = torch.arange(s_q, device=q.device)[:, None]
+    if softcap:
+        s = softcap * torch.tanh(s / softcap)
+    a = torch.arange(s_q, device=q.device)[:, None] + (s_k - s_q)
     j = torch.arange(s_k, device=q.device)[None, :]
-    allowed = (j <= i + (s_k - s_q)) if causal else torch.ones(s_q, s_k, dtype=torch.bool, device=q.device)
+    allowed = (j <= a) if causal else torch.ones(s_q, s_k, dtype=torch.bool, device=q.device)
+    if window[0] >= 0:
+        allowed = allowed & (j >= a - window[0])
+    if window[1] >= 0:
+        allowed = allowed & (j <= a + window[1])
     allowed = allowed.expand(s.shape)
     if mask is not None:
         allowed = allowed & mask
     s = s.masked_fill(~allowed, -math.inf)
     m = s.amax(-1, keepdim=True)
+    sink = None if sinks is None else sinks.to(work).reshape(1, -1, 1, 1).expand(m.shape)
+    if sink is not None:
+        m = torch.maximum(m, sink)
     m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
     p = torch.exp(s - m).masked_fill(~allowed, 0)
     l = p.sum(-1, keepdim=True)
     if low_precision:
         p = p.to(q.dtype).to(work)
-    o = torch.einsum("bhqk,bkhd->bqhd", p, vf) / l.transpose(1, 2).clamp_min(torch.finfo(work).tiny)
-    o = torch.where(l.transpose(1, 2) > 0, o, torch.zeros_like(o))
-    lse = torch.where(l[..., 0] > 0, torch.log(l[..., 0].clamp_min(torch.finfo(work).tiny)) + m[..., 0],
+    den = l if sink is None else l + torch.exp(sink - m)
+    o = torch.einsum("bhqk,bkhd->bqhd", p, vf) / den.transpose(1, 2).clamp_min(torch.finfo(work).tiny)
+    o = torch.where(den.transpose(1, 2) > 0, o, torch.zeros_like(o))
+    lse = torch.where(den[..., 0] > 0, torch.log(den[..., 0].clamp_min(torch.finfo(work).tiny)) + m[..., 0],
                       torch.full_like(m[..., 0], -math.inf))
     return (o.to(q.dtype) if low_precision else o), lse.to(torch.float64)
 

@@ -89,6 +89,7 @@ def variants(device):
     varlen = flash_attn_varlen_func
     q8, k8, v8 = ((2 * x.float()).to(torch.float8_e4m3fn) for x in (q, k, v))
     descale = torch.full((1, 2), 0.5, device=device)
+    sinks = torch.linspace(-1.0, 1.0, 4, device=device)
     # Policies keyed by identity: one object per call site, as a model keeps them.
     gate_a, gate_b = gate(-1e9), gate(1e9)
     sparse_a, sparse_b = (sp.BlockSparse(dense=m, block_q=bl, block_k=bl) for m in (mask_a, mask_b))
@@ -118,7 +119,13 @@ def variants(device):
     ] + ([("dtype", lambda: fa(q, k, v, causal=True),
            lambda: fa(q.bfloat16(), k.bfloat16(), v.bfloat16(), causal=True)),
           # FP8 inputs run on the CPU backend (test_fp8.py).
-          ("descales", lambda: fa(q8, k8, v8, causal=True), lambda: fa(q8, k8, v8, causal=True, q_descale=descale))]
+          ("descales", lambda: fa(q8, k8, v8, causal=True), lambda: fa(q8, k8, v8, causal=True, q_descale=descale)),
+          # The model-family features run on the CPU backend (test_torch.py).
+          ("window", lambda: fa(q, k, v, causal=True, window_size=(7, 0)),
+           lambda: fa(q, k, v, causal=True, window_size=(6, 0))),
+          ("softcap", lambda: fa(q, k, v, causal=True, softcap=2.0), lambda: fa(q, k, v, causal=True, softcap=3.0)),
+          ("sinks given", lambda: fa(q, k, v, causal=True), lambda: fa(q, k, v, causal=True, sinks=sinks)),
+          ("v head dim", lambda: fa(q, k, v, causal=True), lambda: fa(q, k, v[..., :32], causal=True))]
          if device == "cpu" else [])
 
 
@@ -338,11 +345,29 @@ def test_statistics_collection_sees_every_call():
     assert [c.layer for c in log.calls] == [0, 1, 2]
 
 
+def test_sinks_are_read_as_the_call_runs():
+    # A hit patches the sinks' address and reads their values when it runs: sinks changed in
+    # place, and other sinks of the same layout, give what a full call gives.
+    q, k, v = qkv(21)
+    sinks = torch.tensor([0.5, -1.0, 2.0, float("-inf")])
+    call = lambda s: flash_attn_func(q, k, v, causal=True, window_size=(9, 0), sinks=s,  # noqa: E731
+                                     return_softmax_lse=True)
+    for _ in range(3):
+        call(sinks)
+    assert counts() == (1, 2, 1)
+    sinks.sub_(1.5)
+    assert same(call(sinks), uncached(lambda: call(sinks)))
+    others = torch.tensor([3.0, 0.0, -3.0, 1.0])
+    assert same(call(others), uncached(lambda: call(others)))
+    assert counts() == (3, 2, 1)
+    assert not same(call(others), call(sinks))
+
+
 @pytest.mark.parametrize("device", DEVICES)
 def test_the_ops_implementation_uses_the_cache(device):
     q, k, v = qkv(13, dtype=dtype_of(device), device=device)
-    args = (q, k, v, None, None, None, None, None, None, None, True, 0.0, "dense", "", None, None, None, 0, 0, False,
-            -1, None, None, None, None)
+    args = (q, k, v, None, None, None, None, None, None, None, True, 0.0, -1, -1, 0.0, None, "dense", "", None, None,
+            None, 0, 0, False, -1, None, None, None, None)
     want = uncached(lambda: torch.ops.sparseprefill.attention(*args))
     for _ in range(3):
         got = torch.ops.sparseprefill.attention(*args)

@@ -135,7 +135,7 @@ def test_plan_refuses_other_shapes():
     with pytest.raises(TypeError):
         sp.run(plan, q, k, v, policy=sp.Dense())  # the plan's policy is fixed
     # A mask the geometry does not allow (blocks above the causal diagonal) never makes a plan.
-    with pytest.raises(sp.InvalidArgumentError, match="not causally visible"):
+    with pytest.raises(sp.InvalidArgumentError, match="not visible"):
         sp.plan(q, k, v, sp.BlockSparse(dense=np.ones((1, 1, 5, 5), dtype=bool), block_q=8, block_k=8))
 
 

@@ -147,6 +147,50 @@ def test_policy_cpu_matches_oracle(name):
     assert np.allclose(cpu.lse[finite], ref.lse[finite], atol=1e-4)
 
 
+# Local windows, softcap, learned sinks and a V head dim of its own (docs/semantics.md §1).
+FEATURES = {"window": dict(window_size=(40, 0)), "softcap": dict(softcap=2.0),
+            "all": dict(window_size=(30, 0), softcap=3.0, sinks=np.linspace(-1.0, 2.0, 8).astype(np.float32))}
+
+
+@pytest.mark.parametrize("features", sorted(FEATURES))
+@pytest.mark.parametrize("name", sorted(POLICIES))
+def test_policy_with_model_family_features_matches_oracle(name, features):
+    # The CPU backend makes the oracle's decisions under each feature set (identical work per
+    # head; policies decide within the window's blocks) and attends within the calibrated bound;
+    # v has head dim 16 (q and k 32). A plan runs as run().
+    policy, kw = POLICIES[name], FEATURES[features]
+    q, k, _ = structured_qkv(11, 2, 97, 113, 8, 2, 32)
+    v = randn(rng(12), (2, 113, 2, 16))
+    cpu = sp.run(q, k, v, policy, causal=True, backend="cpu", **kw)
+    ref = sp.run(q, k, v, policy, causal=True, backend="reference", **kw)
+    np.testing.assert_array_equal(cpu.stats.heads, ref.stats.heads)
+    assert cpu.out.shape == (2, 97, 8, 16)
+    dense_ref, _ = attention(q, k, v, True)
+    dense_error = low_precision(q, k, v, True) - dense_ref
+    assert_close_calibrated(cpu.out, ref.out, ref.out + dense_error, np.float32)
+    finite = np.isfinite(ref.lse)
+    assert np.allclose(cpu.lse[finite], ref.lse[finite], atol=1e-4)
+    planned = sp.run(sp.plan(q, k, v, policy, causal=True, backend="cpu", **kw), q, k, v)
+    np.testing.assert_array_equal(planned.out, cpu.out)
+    assert sp.can_run(q, k, v, policy, causal=True, backend="cpu", **kw) == (True, "")
+
+
+def test_window_keeps_selections_within_it():
+    # estimate_select's selection under a causal window of 24 keys (blocks of 8): no selected
+    # block lies outside every row's window, forced sink blocks included.
+    q, k, v = structured_qkv(13, 1, 64, 96, 4, 2, 32)
+    policy = sp.EstimateSelect(block=8, alpha=0.5, sink=2, window=1, tail=1)
+    sel = sp.select(q, k, v, policy, causal=True, window_size=(23, 0))
+    dense = sel.mask.to_dense()[0, 0]
+    a = np.arange(64) + 32  # positions of the rows
+    for qb in range(dense.shape[0]):
+        first_key = a[qb * 8] - 23  # the block's first row sees the lowest keys
+        assert not dense[qb, :max(first_key, 0) // 8].any(), f"query block {qb} selects a block its window hides"
+    assert sel.mask.density < 1.0
+    unwindowed = sp.select(q, k, v, policy, causal=True).mask.to_dense()[0, 0]
+    assert unwindowed[:, :2].all()  # without the window the sink blocks are forced everywhere
+
+
 def test_all_kept_policies_equal_dense():
     q, k, v = qkv(12, 2, 64, 64, 4, 2, 32)
     dense = sp.run(q, k, v, causal=True)
@@ -355,6 +399,18 @@ BAD_INPUTS = [
      "k_descale: only with float8_e4m3fn inputs, got float32 inputs"),
     ("can_run descale", lambda: sp.can_run(*qkv(17, 2, 16, 16, 4, 2, 8), v_descale=np.ones((2, 2), np.float32)),
      "v_descale: only with float8_e4m3fn inputs"),
+    ("window", bad(window_size=(-3, 0)), r"window_size: left must be -1 \(no bound\)"),
+    ("window right", bad(window_size=(4, -2)), r"window_size: right must be -1 \(no bound\)"),
+    ("window type", bad(window_size=4), r"window_size: expected \(left, right\), got 4"),
+    ("softcap", bad(softcap=-2.0), r"softcap: expected 0 \(none\) or a finite positive number"),
+    ("softcap nan", bad(softcap=float("nan")), r"softcap: expected 0 \(none\)"),
+    ("sinks shape", bad(sinks=np.zeros(3, np.float32)),
+     r"sinks: expected float32 \[h_q\] = \[4\], got float32 \[3\]"),
+    ("sinks dtype", bad(sinks=np.zeros(4, np.float16)), r"sinks: expected float32 \[h_q\]"),
+    ("v head dim", bad(v=np.zeros((2, 16, 2, 0), np.float32)), "v: head_dim must be positive"),
+    ("out head dim", bad(v=np.zeros((2, 16, 2, 4), np.float32), out=np.zeros((2, 16, 4, 8), np.float32)),
+     r"out: expected q's shape with v's head dim \[2, 16, 4, 4\]"),
+    ("plan softcap", lambda: sp.plan(*qkv(17, 2, 16, 16, 4, 2, 8), softcap=math.inf), "softcap"),
 ]
 
 

@@ -71,6 +71,87 @@ def test_window_minus_one_zero_is_causal_and_scale_is_used(device):
     assert_calibrated(b, attention(q, k, v, True, scale=0.05)[0], attention(q, k, v, True, 0.05, low_precision=True)[0])
 
 
+# The model-family features (docs/semantics.md §1) on the CPU backend against float64, in every
+# FlashAttention layout; the CUDA backend refuses each by name (bad_cases). Each case names its
+# keyword arguments of flash_attn_func plus the head dims d (q, k) and d_v (v).
+FEATURE_CASES = {
+    "sliding window 8": dict(causal=True, window_size=(7, 0)),
+    "causal window, right bound": dict(causal=True, window_size=(12, 4)),
+    "non-causal window": dict(causal=False, window_size=(20, 5)),
+    "non-causal right bound only": dict(causal=False, window_size=(-1, 3)),
+    "window beyond the sequence": dict(causal=True, window_size=(500, 500)),
+    "softcap": dict(causal=True, softcap=1.5),
+    "sinks, window 16 (gpt-oss)": dict(causal=True, window_size=(15, 0), sinks=[0.5, -math.inf, 2.0, -1.0]),
+    "head_dim 96": dict(causal=True, d=96),
+    "head_dim 256, softcap": dict(causal=True, d=256, softcap=5.0),
+    "q/k 192, v 128, sinks": dict(causal=False, d=192, d_v=128, sinks=[1.0, 0.0, -2.0, 3.0]),
+}
+HOST_DTYPES = [t for d, t in DEVICE_DTYPES if d == "cpu"]
+
+
+def feature_call(case, dtype, s_q, s_k, b=2, seed=60):
+    """(q, k, v, flash_attn keyword arguments, reference keyword arguments) of a FEATURE_CASES case."""
+    args = dict(FEATURE_CASES[case])
+    d, d_v = args.pop("d", 64), args.pop("d_v", None)
+    q, k, v = qkv(seed, b, s_q, s_k, 4, 2, d, dtype, "cpu")
+    if d_v is not None:
+        v = randn(torch.Generator().manual_seed(seed + 1), (b, s_k, 2, d_v), dtype, "cpu")
+    if "sinks" in args:
+        args["sinks"] = torch.tensor(args["sinks"], dtype=torch.float32)
+    ref = dict(causal=args["causal"], window=args.get("window_size", (-1, -1)), softcap=args.get("softcap", 0.0),
+               sinks=args.get("sinks"))
+    return q, k, v, args, ref
+
+
+@pytest.mark.skipif("cpu" not in DEVICES, reason="the CPU backend runs the model-family features")
+@pytest.mark.parametrize("dtype", HOST_DTYPES, ids=[str(t).replace("torch.", "") for t in HOST_DTYPES])
+@pytest.mark.parametrize("case", list(FEATURE_CASES))
+@pytest.mark.parametrize("s_q,s_k", [(37, 53), (53, 37)])
+def test_model_family_features_match_float64(dtype, case, s_q, s_k):
+    q, k, v, args, ref = feature_call(case, dtype, s_q, s_k)
+    want, want_lse = attention(q, k, v, **ref)
+    plain = attention(q, k, v, ref["causal"])[0]
+    if case == "window beyond the sequence":
+        assert torch.equal(want, plain)  # a window that hides nothing is none
+    elif ref["window"] != (-1, -1) or ref["softcap"] or ref["sinks"] is not None:
+        assert not torch.allclose(want, plain, atol=1e-3), "the feature changes nothing on these inputs"
+    out, lse = flash_attn_func(q, k, v, return_softmax_lse=True, **args)
+    assert out.shape == q.shape[:-1] + v.shape[-1:] and out.dtype == dtype
+    assert_calibrated(out, want, attention(q, k, v, low_precision=True, **ref)[0])
+    assert_lse(lse, want_lse)
+    # Varlen (sequences of other lengths each against float64) and the paged cache call.
+    lens_q, lens_k = [s_q, s_q // 2], [s_k, s_k - 9]
+    out_v, lse_v = flash_attn_varlen_func(pack(q, lens_q), pack(k, lens_k), pack(v, lens_k), cu(lens_q, "cpu"),
+                                          cu(lens_k, "cpu"), max(lens_q), max(lens_k), return_softmax_lse=True,
+                                          **args)
+    start = 0
+    for i, (n_q, n_k) in enumerate(zip(lens_q, lens_k)):
+        qs, ks, vs = q[i:i + 1, :n_q], k[i:i + 1, :n_k], v[i:i + 1, :n_k]
+        seq, seq_lse = attention(qs, ks, vs, **ref)
+        assert_calibrated(out_v[None, start:start + n_q], seq, attention(qs, ks, vs, low_precision=True, **ref)[0],
+                          what=f"varlen sequence {i}")
+        assert_lse(lse_v[None, :, start:start + n_q], seq_lse)
+        start += n_q
+    pages = -(-s_k // 16)
+    paged = [x[:, :pages * 16].new_zeros(2 * pages, 16, *x.shape[2:]) for x in (k, v)]
+    for cache, x in zip(paged, (k, v)):
+        cache.view(2, pages * 16, *x.shape[2:])[:, :s_k] = x
+    table = torch.arange(2 * pages, dtype=torch.int32).reshape(2, pages)
+    out_p = flash_attn_with_kvcache(q, *paged, cache_seqlens=s_k, page_table=table, **args)
+    assert torch.equal(out_p, out)
+
+
+@pytest.mark.skipif("cpu" not in DEVICES, reason="the CPU backend runs the model-family features")
+def test_sinks_nan_and_inf_make_their_head_nan_alone():
+    q, k, v = qkv(61, 1, 20, 30, 4, 2, 64, torch.float32, "cpu")
+    sinks = torch.tensor([math.nan, math.inf, 0.5, -math.inf])
+    out, lse = flash_attn_func(q, k, v, causal=True, sinks=sinks, return_softmax_lse=True)
+    assert out[:, :, :2].isnan().all() and lse[:, :2].isnan().all()
+    assert not out[:, :, 2:].isnan().any() and not lse[:, 2:].isnan().any()
+    # A sink of -inf is no sink.
+    assert torch.equal(out[:, :, 3], flash_attn_func(q, k, v, causal=True)[:, :, 3])
+
+
 def pack(x, lengths):
     return torch.cat([x[b, :n] for b, n in enumerate(lengths)])
 
@@ -380,14 +461,38 @@ def test_torch_compile_fullgraph(device):
 def test_opcheck(device):
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
     q, k, v = qkv(42, 2, 33, 47, 4, 2, 64, dtype, device)
-    args = (q, k, v, None, None, None, None, None, None, None, True, 0.0, "dense", "", None, None, None, 0, 0, False,
-            -1, None, None, None, None)
+    args = (q, k, v, None, None, None, None, None, None, None, True, 0.0, -1, -1, 0.0, None, "dense", "", None, None,
+            None, 0, 0, False, -1, None, None, None, None)
     torch.library.opcheck(torch.ops.sparseprefill.attention.default, args,
                           test_utils=("test_schema", "test_faketensor", "test_aot_dispatch_dynamic"))
     out = torch.empty_like(q)
     lse = torch.empty((2, 4, 33), dtype=torch.float32, device=device)
     torch.library.opcheck(torch.ops.sparseprefill.attention_out.default, args + (out, lse),
                           test_utils=("test_schema", "test_faketensor"))
+
+
+@pytest.mark.skipif("cpu" not in DEVICES, reason="the CPU backend runs the model-family features")
+def test_model_family_features_compile_and_opcheck():
+    # The fakes give out v's head dim and check the features as the ops do; compiled calls with
+    # a window, softcap, sinks and d_v equal eager ones.
+    q, k, v, args, _ = feature_call("q/k 192, v 128, sinks", torch.float32, 33, 47)
+    sinks = args["sinks"]
+    op_args = (q, k, v, None, None, None, None, None, None, None, False, 0.0, 9, 3, 2.5, sinks, "dense", "", None,
+               None, None, 0, 0, False, -1, None, None, None, None)
+    torch.library.opcheck(torch.ops.sparseprefill.attention.default, op_args,
+                          test_utils=("test_schema", "test_faketensor", "test_aot_dispatch_dynamic"))
+    out = torch.empty(2, 33, 4, 128)
+    lse = torch.empty((2, 4, 33), dtype=torch.float32)
+    torch.library.opcheck(torch.ops.sparseprefill.attention_out.default, op_args + (out, lse),
+                          test_utils=("test_schema", "test_faketensor"))
+
+    def fn(q, k, v, sinks):
+        return flash_attn_func(q, k, v, causal=True, window_size=(9, 0), softcap=2.5, sinks=sinks)
+
+    torch._dynamo.reset()
+    assert torch.equal(torch.compile(fn, fullgraph=True)(q, k, v, sinks), fn(q, k, v, sinks))
+    with pytest.raises(sp.InvalidArgumentError, match="softcap"):
+        torch.ops.sparseprefill.attention(*op_args[:14], -1.0, *op_args[15:])
 
 
 @pytest.mark.skipif(not CUDA, reason="CUDA graphs need a GPU")
@@ -464,8 +569,19 @@ def bad_cases(device):
         ("policy", fa_bad(device, policy="sparse"), sp.InvalidArgumentError, "policy: expected"),
         ("policy value", fa_bad(device, policy=sp.PermuteStop(tau=-1.0)), sp.InvalidArgumentError, "tau"),
         ("dropout_p", fa_bad(device, dropout_p=0.1), sp.UnsupportedError, "dropout_p"),
-        ("window_size", fa_bad(device, window_size=(8, 0)), sp.UnsupportedError, "window_size"),
-        ("softcap", fa_bad(device, softcap=30.0), sp.UnsupportedError, "softcap"),
+        ("window_size", fa_bad(device, window_size=(-2, 0)), sp.InvalidArgumentError,
+         r"window_size: left must be -1 \(no bound\) or a number of keys >= 0"),
+        ("window_size type", fa_bad(device, window_size=(8.5, 0)), sp.InvalidArgumentError,
+         r"window_size: expected integers"),
+        ("window_size arity", fa_bad(device, window_size=(8,)), sp.InvalidArgumentError,
+         r"window_size: expected \(left, right\)"),
+        ("softcap", fa_bad(device, softcap=-30.0), sp.InvalidArgumentError, "softcap: expected 0 .none. or a finite"),
+        ("softcap nan", fa_bad(device, softcap=float("nan")), sp.InvalidArgumentError, "softcap: expected 0"),
+        ("softcap inf", fa_bad(device, softcap=float("inf")), sp.InvalidArgumentError, "softcap: expected 0"),
+        ("sinks shape", fa_bad(device, sinks=z(3, dt=torch.float32)), sp.InvalidArgumentError,
+         r"sinks: expected float32 \[h_q\] = \[4\]"),
+        ("sinks dtype", fa_bad(device, sinks=z(4, dt=torch.bfloat16)), sp.InvalidArgumentError, r"sinks: expected float32"),
+        ("sinks type", fa_bad(device, sinks=[0.0] * 4), sp.InvalidArgumentError, "sinks: expected a torch.Tensor"),
         ("alibi_slopes", fa_bad(device, alibi_slopes=z(4, dt=torch.float32)), sp.UnsupportedError, "alibi_slopes"),
         ("qv", fa_bad(device, qv=z(2, 16, 4, 64)), sp.UnsupportedError, "qv"),
         ("q_descale", fa_bad(device, q_descale=z(2, 2, dt=torch.float32)), sp.InvalidArgumentError,
@@ -500,6 +616,17 @@ def bad_cases(device):
             ("device", lambda: flash_attn_func(qc, kc.cpu(), vc), sp.InvalidArgumentError, "k: expected q's device"),
             ("out device", lambda: flash_attn_func(qc, kc, vc, out=torch.empty_like(qc).cpu()),
              sp.InvalidArgumentError, "out: expected q's device"),
+            ("sinks device", lambda: flash_attn_func(qc, kc, vc, sinks=torch.zeros(2)), sp.InvalidArgumentError,
+             "sinks: expected q's device"),
+            # The CUDA kernels take none of the model-family features yet: each is refused by name.
+            ("cuda window", lambda: flash_attn_func(qc, kc, vc, causal=True, window_size=(3, 0)), sp.UnsupportedError,
+             "window_left/window_right: local .sliding-window. attention has no CUDA kernel yet"),
+            ("cuda softcap", lambda: flash_attn_func(qc, kc, vc, softcap=5.0), sp.UnsupportedError,
+             "softcap: score soft-capping has no CUDA kernel yet"),
+            ("cuda sinks", lambda: flash_attn_func(qc, kc, vc, sinks=torch.zeros(2, device=device)),
+             sp.UnsupportedError, "sinks: learned attention sinks have no CUDA kernel yet"),
+            ("cuda d_v", lambda: flash_attn_func(qc, kc, vc[..., :32].contiguous()), sp.UnsupportedError,
+             "v: a V head dim unlike Q/K's"),
         ]
     return cases
 
@@ -523,8 +650,9 @@ def test_last_dim_contiguity(device):
     # The op itself rejects a strided last dimension; the FA functions copy it, as FA does.
     strided = torch.zeros(1, 16, 2, 128, dtype=dtype, device=device)[..., ::2]
     with pytest.raises(sp.InvalidArgumentError, match="q: the last dimension"):
-        torch.ops.sparseprefill.attention(strided, k, v, None, None, None, None, None, None, None, True, 0.0, "dense",
-                                          "", None, None, None, 0, 0, False, -1, None, None, None, None)
+        torch.ops.sparseprefill.attention(strided, k, v, None, None, None, None, None, None, None, True, 0.0, -1, -1,
+                                          0.0, None, "dense", "", None, None, None, 0, 0, False, -1, None, None, None,
+                                          None)
     strided.copy_(q)
     assert torch.equal(flash_attn_func(strided, k, v, causal=True), flash_attn_func(q, k, v, causal=True))
 

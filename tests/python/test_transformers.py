@@ -1,7 +1,9 @@
 # SPDX-License-Identifier: Apache-2.0
 """The transformers backend on a tiny Llama-architecture model with random weights (GQA):
 dense mode gives sdpa's logits (also with padding and in cached generation), and every
-policy runs per layer with decode and short prefills routed to dense."""
+policy runs per layer with decode and short prefills routed to dense. Tiny random Gemma 2,
+Gemma 3, gpt-oss and Phi-3 models (softcap, sliding windows, sinks, head dims 256 and 96) give
+transformers' own logits in dense mode."""
 
 import json
 import struct
@@ -160,9 +162,86 @@ def test_unsupported_arguments_raise():
     kv = torch.zeros(1, 2, 8, 64)
     with pytest.raises(sp.UnsupportedError, match="dropout"):
         spt.attention_forward(attn, q, kv, kv, None, dropout=0.1)
-    with pytest.raises(sp.UnsupportedError, match="sliding_window"):
-        spt.attention_forward(attn, q, kv, kv, None, sliding_window=4)
+    for bad in (0, -3, True):
+        with pytest.raises(sp.InvalidArgumentError, match="sliding_window: expected None or a number of tokens >= 1"):
+            spt.attention_forward(attn, q, kv, kv, None, sliding_window=bad)
+    with pytest.raises(sp.InvalidArgumentError, match="softcap"):
+        spt.attention_forward(attn, q, kv, kv, None, softcap=-1.0)
+    with pytest.raises(sp.InvalidArgumentError, match="sinks: expected float32 \\[h_q\\] = \\[4\\]"):
+        spt.attention_forward(attn, q, kv, kv, None, s_aux=torch.zeros(3))
     with pytest.raises(sp.UnsupportedError, match="attention_mask"):
         spt.attention_forward(attn, q, kv, kv, torch.zeros(1, 1, 8, 8))
     out, weights = spt.attention_forward(attn, q, kv, kv, None)
     assert out.shape == (1, 8, 4, 64) and weights is None
+
+
+# Tiny random models of the families whose attention uses the model-family features (docs/
+# semantics.md §1), each against transformers' own attention in dense mode on the CPU backend:
+# Gemma 2 (softcap, with sliding layers), Gemma 3 (head_dim 256, sliding window), gpt-oss
+# (learned sinks, 128-token window) and Phi-3 (head_dim 96). initializer_range 0.2 makes the
+# scores large enough for each feature to change the logits (checked against the model with the
+# feature removed). Reference: eager where sdpa lacks the feature (softcap, sinks).
+FAMILIES = {
+    "gemma2": ("Gemma2ForCausalLM", "Gemma2Config", "eager", 48,
+               dict(hidden_size=128, intermediate_size=256, num_attention_heads=4, num_key_value_heads=2, head_dim=32,
+                    sliding_window=16, layer_types=["sliding_attention", "full_attention"], attn_logit_softcapping=5.0,
+                    final_logit_softcapping=None, query_pre_attn_scalar=32),
+               dict(attn_logit_softcapping=None)),
+    "gemma3": ("Gemma3ForCausalLM", "Gemma3TextConfig", "sdpa", 48,
+               dict(hidden_size=128, intermediate_size=256, num_attention_heads=2, num_key_value_heads=1, head_dim=256,
+                    sliding_window=16, layer_types=["sliding_attention", "full_attention"], query_pre_attn_scalar=256),
+               dict(sliding_window=4096)),
+    "gpt_oss": ("GptOssForCausalLM", "GptOssConfig", "eager", 200,
+                dict(hidden_size=64, intermediate_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                     num_local_experts=4, num_experts_per_tok=2, sliding_window=128,
+                     layer_types=["sliding_attention", "full_attention"]),
+                dict(sliding_window=4096)),
+    "phi3": ("Phi3ForCausalLM", "Phi3Config", "sdpa", 48,
+             dict(hidden_size=192, intermediate_size=256, num_attention_heads=2, num_key_value_heads=1,
+                  pad_token_id=0),
+             None),
+}
+
+
+def family_model(name, attn, removed=False):
+    cls_name, config_name, _, _, kwargs, without = FAMILIES[name]
+    cls, config_cls = getattr(transformers, cls_name, None), getattr(transformers, config_name, None)
+    if cls is None or config_cls is None:
+        pytest.skip(f"transformers {transformers.__version__} has no {cls_name}")
+    config = config_cls(vocab_size=256, num_hidden_layers=2, max_position_embeddings=4096, initializer_range=0.2,
+                        **{**kwargs, **(without if removed else {})})
+    torch.manual_seed(0)
+    model = cls(config).eval()
+    if removed and name == "gpt_oss":
+        for layer in model.model.layers:
+            layer.self_attn.sinks.data.fill_(-float("inf"))  # a sink of -inf is none
+    model.set_attn_implementation(attn)
+    return model
+
+
+@pytest.mark.parametrize("name", list(FAMILIES))
+def test_model_family_logits_match_transformers(name):
+    spt.register(spt.BackendConfig())
+    reference = FAMILIES[name][2]
+    length = FAMILIES[name][3]
+    want_model, ours = family_model(name, reference), family_model(name, "sparseprefill")
+    ids = torch.randint(0, 256, (2, length), generator=torch.Generator().manual_seed(5))
+    mask = torch.ones(2, length, dtype=torch.long)
+    mask[1, :11] = 0  # left padding: the packed (varlen) path
+    with torch.no_grad():
+        want = want_model(ids).logits
+        with sp.collect_stats() as log:
+            got = ours(ids).logits
+        want_padded = want_model(ids, attention_mask=mask).logits
+        got_padded = ours(ids, attention_mask=mask).logits
+        if FAMILIES[name][5] is not None:
+            removed = family_model(name, reference, removed=True)(ids).logits
+            assert (removed - want).abs().max() > 1e-2, f"{name}: the feature changes nothing here"
+    assert sorted(log.layers()) == [0, 1] and log.density() == 1.0
+    torch.testing.assert_close(got, want, atol=2e-4, rtol=2e-4)
+    valid = mask.bool()
+    torch.testing.assert_close(got_padded[valid], want_padded[valid], atol=2e-4, rtol=2e-4)
+    # Cached generation: decode steps over the (sliding-window) cache.
+    with torch.no_grad():
+        assert torch.equal(ours.generate(ids[:1], max_new_tokens=5, do_sample=False),
+                           want_model.generate(ids[:1], max_new_tokens=5, do_sample=False))

@@ -14,16 +14,18 @@ namespace sparseprefill::rules {
 enum MaskFault : std::int32_t {
   kMaskOk = 0,
   kMaskCount = 1,     // the row's count is negative or exceeds the index tensor's capacity
-  kMaskRange = 2,     // the key block is negative or not causally visible to the query block
+  kMaskRange = 2,     // the key block is not visible to the query block (causal mask and window)
   kMaskOrder = 3,     // not strictly above the list's previous entry
   kMaskBoth = 4,      // also in the row's other list
   kMaskIndptr = 5,    // CSR: indptr decreases or points past the indices
 };
 
 // Entry kb of a list, after `prev` (-1 for the first), of a query block that sees key blocks
-// 0 .. visible_end - 1.
-SP_HD MaskFault mask_entry_fault(std::int64_t kb, std::int64_t prev, int visible_end) {
-  if (kb < 0 || kb >= visible_end) return kMaskRange;
+// visible_begin .. visible_end - 1 (geom::BlockGeometry). visible_begin is 0 without a local
+// window: the device check (kernel/mask_check.cuh) passes none, since the CUDA backend refuses
+// windows until its kernels take them.
+SP_HD MaskFault mask_entry_fault(std::int64_t kb, std::int64_t prev, int visible_end, int visible_begin = 0) {
+  if (kb < visible_begin || kb < 0 || kb >= visible_end) return kMaskRange;
   if (kb <= prev) return kMaskOrder;
   return kMaskOk;
 }

@@ -10,10 +10,13 @@
 
 namespace sparseprefill::rules {
 
-// Whether key block kb (visible to query block qb) is gated, i.e. decided by the threshold:
-// causal, the full blocks (the partial ones, the diagonal band, are always computed);
-// non-causal, every block but the sequence's last (always computed so that no row is empty).
-SP_HD bool gate_gated(const geom::BlockGeometry& g, int qb, int kb) { return kb < g.gated_end(qb); }
+// Whether key block kb (visible to query block qb) is gated, i.e. decided by the threshold: the
+// full blocks (the partial ones, the diagonal band and a local window's edges, are always
+// computed); without causal, when every visible block is full (no window, or one that hides
+// nothing), every block but the last (always computed so that no row is empty).
+SP_HD bool gate_gated(const geom::BlockGeometry& g, int qb, int kb) {
+  return kb >= g.gated_begin(qb) && kb < g.gated_end(qb);
+}
 
 // T of query head h and query block qb: an fp32 [h_q, positions] table with element strides
 // head_stride and pos_stride, read at the absolute threshold position of qb's first row

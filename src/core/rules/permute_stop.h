@@ -25,12 +25,13 @@ SP_HD std::int64_t segment_of(const geom::SegmentGeometry& sg, std::int64_t r) {
 SP_HD std::int64_t permute_tiles(const geom::SegmentGeometry& sg, std::int64_t s, int block_q) {
   return geom::ceil_div(sg.row_end(s) - sg.row_begin(s), block_q);
 }
-// Chunks of block_k keys of segment s's ranked prefix (PermuteTile::chunks_total).
+// Chunks of block_k keys of segment s's ranked keys, ranked_begin(s) .. prefix(s) - 1
+// (PermuteTile::chunks_total).
 SP_HD std::int64_t permute_chunks(const geom::SegmentGeometry& sg, std::int64_t s, int block_k) {
-  return geom::ceil_div(sg.prefix(s), block_k);
+  return geom::ceil_div(sg.prefix(s) - sg.ranked_begin(s), block_k);
 }
-// The top-ranked prefix keys whose mean is the guide vector u: min(block_k, prefix).
-SP_HD std::int64_t permute_guide_keys(std::int64_t prefix, int block_k) { return geom::min64(block_k, prefix); }
+// The top-ranked keys whose mean is the guide vector u: min(block_k, ranked keys).
+SP_HD std::int64_t permute_guide_keys(std::int64_t ranked, int block_k) { return geom::min64(block_k, ranked); }
 
 // A ranking score: the fp64 dot product rounded to fp32 (round to nearest; NaN stays NaN,
 // magnitudes past fp32 become ±inf). Ranking at fp32 resolution is the definition: the CUDA

@@ -13,24 +13,32 @@
 
 namespace sparseprefill::rules {
 
-// The block of query block qb visited `visit`-th (0 <= visit < g.visible_end(qb)): the partial
-// blocks first, then the full blocks, each group in descending index. The partial blocks all
-// lie above the full ones, so this is every visible block in descending order.
+// The blocks query block qb visits: its visible blocks.
+SP_HD int blasst_visits(const geom::BlockGeometry& g, int qb) { return g.visible_end(qb) - g.visible_begin(qb); }
+
+// The block of query block qb visited `visit`-th (0 <= visit < blasst_visits): the partial
+// blocks first, then the full blocks, each group in descending index. The partial blocks are
+// the band above the full blocks (the diagonal) and, under a left window bound, the band below
+// them (the window's edge): the upper band, the lower band, then the full blocks, each
+// descending. Without a window this is every visible block in descending order.
 SP_HD int blasst_block(const geom::BlockGeometry& g, int qb, int visit) {
-  const int partial = g.visible_end(qb) - g.full_end(qb);
-  return visit < partial ? g.visible_end(qb) - 1 - visit : g.full_end(qb) - 1 - (visit - partial);
+  const int upper = g.visible_end(qb) - g.full_end(qb);
+  const int lower = g.full_begin(qb) - g.visible_begin(qb);
+  if (visit < upper) return g.visible_end(qb) - 1 - visit;
+  if (visit < upper + lower) return g.full_begin(qb) - 1 - (visit - upper);
+  return g.full_end(qb) - 1 - (visit - upper - lower);
 }
 
 // Every visible block of qb in visit order (host).
 inline std::vector<int> blasst_order(const geom::BlockGeometry& g, int qb) {
-  std::vector<int> order(static_cast<std::size_t>(g.visible_end(qb)));
-  for (int v = 0; v < g.visible_end(qb); ++v) order[static_cast<std::size_t>(v)] = blasst_block(g, qb, v);
+  std::vector<int> order(static_cast<std::size_t>(blasst_visits(g, qb)));
+  for (int v = 0; v < blasst_visits(g, qb); ++v) order[static_cast<std::size_t>(v)] = blasst_block(g, qb, v);
   return order;
 }
 
-// λ = a / s_k of one sequence. With s_k < a, λ > 1 and the rule would skip blocks that raise
-// the running maximum: skipping is off there (TensorRT-LLM's XQA reference). When on, the
-// first visited block is never skipped.
+// λ = a / s_k of one sequence (s_k its keys, whatever a local window shows a row). With s_k < a,
+// λ > 1 and the rule would skip blocks that raise the running maximum: skipping is off there
+// (TensorRT-LLM's XQA reference). When on, the first visited block is never skipped.
 struct SkipRule {
   bool on = false;
   double ln_lambda = 0.0;

@@ -105,6 +105,7 @@ std::unique_ptr<DeviceProblem> to_device(TestProblem* tp, const Policy& policy) 
   for (int i = 0; i < 3; ++i) {
     if (views[i]->defined()) *views[i] = to_device(*tensors[i], &d->descale[i]);
   }
+  if (d->problem.sinks.defined()) d->problem.sinks = to_device(tp->sinks, &d->sinks);
   poison(&tp->o);
   poison(&tp->lse);
   d->output.o = to_device(tp->o, &d->o);

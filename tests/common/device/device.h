@@ -53,13 +53,14 @@ struct DevicePolicy {
 };
 std::unique_ptr<DevicePolicy> to_device(const Policy& host);
 
-// A TestProblem's tensors on the device: q, k, v and FP8 descales copied; O and LSE device
-// buffers poisoned with NaN (so that an element no kernel writes shows); the policy's tensors.
+// A TestProblem's tensors on the device: q, k, v, FP8 descales and sinks copied; O and LSE
+// device buffers poisoned with NaN (so that an element no kernel writes shows); the policy's
+// tensors.
 struct DeviceProblem {
   AttentionProblem problem;
   AttentionOutput output;
   std::unique_ptr<DevicePolicy> policy;
-  DeviceBuffer q, k, v, o, lse, descale[3];
+  DeviceBuffer q, k, v, o, lse, descale[3], sinks;
 
   // Copies O and LSE back into tp's host tensors and the cache of block means into the host
   // policy's.
