@@ -16,18 +16,21 @@ import sys
 
 PARTS = 22
 
-# Seconds, from the issue's figures for the H200 (a 32K prefill of this model with SDPA 0.35 s,
-# 16K 0.12 s; GGUF dequantisation about 60 s) and this plan's sizes.
+# Seconds, as measured on the H200 on 2026-12-01 (record
+# bench/records/quality/2026-12-01-h200-qwen25-coder-1.5b-long: its three calls).
 EXPECT = {
-    "start": 90,          # a fresh machine
-    "part": 5,            # one 50 MiB part up, copied and checked
-    "final": 90,          # join + check the GGUF, gguf wheel, dequantise to bf16, reload check
-    "calibrate": 40,      # load, 3 x 32K windows of the Debian Reference, statistics on the GPU
+    "start": 60,          # a fresh machine
+    "part": 6,            # one 50 MiB part up, copied and checked (a call's round trip included)
+    "final": 95,          # join + check the GGUF, gguf wheel, dequantise to bf16, reload check (93 with part 22)
+    "calibrate": 25,      # load, 3 x 32K windows of the Debian Reference, statistics on the GPU (17)
     "load": 15,           # the bf16 folder onto the GPU, tokenizing the texts
-    "ppl": 35,            # 52 settings x (one 16K + one 32K window, KL over both)
-    "timing": 60,         # 30 settings x 4 runs x (16K + 32K), SDPA and cuDNN baselines
+    "ppl": 50,            # 45 settings x (one 16K + one 32K window, KL over both)
+    "timing": 70,         # every setting x 3 runs x (16K + 32K), SDPA and cuDNN baselines (ppl + timing: 117)
 }
-PER_PROMPT = {32768: 0.30, 16384: 0.13, 8192: 0.07, 4096: 0.05}  # prefill + amortised greedy decode
+# Prefill + greedy decode per prompt in batches of --batch-tokens; 32K: dense 0.50 s (159 s for
+# its 320 prompts), the sparse settings alike when the GPU is not shared; the others scaled by
+# the prefill's cost.
+PER_PROMPT = {32768: 0.50, 16384: 0.20, 8192: 0.09, 4096: 0.05}
 PROMPTS = 8 * 40  # tasks x samples per (setting, length)
 CHOSEN = 6        # FlashPrefill V2's alpha 0.1 with and without mean correction, one per other policy
 
