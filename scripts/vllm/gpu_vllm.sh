@@ -27,7 +27,9 @@
 #      SP_VLLM_RATES, SP_VLLM_SOAK_RATE, SP_VLLM_SLO_S (report.py), SP_COMMIT (recorded),
 #      SP_CALL_START (epoch seconds the call began, default now: set it when something ran
 #      before in the same call), SP_CALL_SECONDS (seconds of work from SP_CALL_START, default
-#      560).
+#      560), SP_VLLM_PROFILE=1 (the TTFT stages also run one request per setting and length
+#      under torch.profiler: ttft.py --profile, tables in results/<stage>-profile.txt; the
+#      stages' expected seconds do not count it).
 set -uo pipefail
 out=${1:?usage: scripts/vllm/gpu_vllm.sh OUTDIR STAGE...}
 shift
@@ -112,6 +114,8 @@ synthetic='[{"name": "dense", "sparseprefill": {"policy": "dense"}},
   {"name": "synthetic 5%", "sparseprefill": {"policy": "synthetic", "density": 0.05}}]'
 serve_config=${SP_VLLM_SERVE_CONFIG:-'{"policy": "estimate_select", "alpha": 0.1}'}
 label8b="Llama-3.1-8B shape, dummy weights"
+# profile NAME: ttft.py's --profile for stage NAME when SP_VLLM_PROFILE is set.
+profile() { [ -n "${SP_VLLM_PROFILE:-}" ] && echo "--profile=$res/$1-profile.txt"; }
 
 for name in "$@"; do
   case $name in
@@ -123,20 +127,20 @@ for name in "$@"; do
       has_model greedy && stage greedy "$py" "$scripts/greedy.py" --model "$model" --out "$res/greedy" ;;
     ttft8b)
       stage ttft8b-fa "$py" "$scripts/ttft.py" --backend FLASH_ATTN --dummy --lengths 32768,65536,130048 \
-        --label "$label8b" --out "$res/ttft8b-fa.json"
+        --label "$label8b" $(profile ttft8b-fa) --out "$res/ttft8b-fa.json"
       stage ttft8b-ours "$py" "$scripts/ttft.py" --backend CUSTOM --dummy --lengths 32768,65536,130048 \
-        --settings "$synthetic" --label "$label8b" --out "$res/ttft8b-ours.json" ;;
+        --settings "$synthetic" --label "$label8b" $(profile ttft8b-ours) --out "$res/ttft8b-ours.json" ;;
     chunked)
       stage chunked-fa "$py" "$scripts/ttft.py" --backend FLASH_ATTN --dummy --lengths 32768,130048 --chunk 0 \
-        --label "$label8b" --out "$res/chunked-fa.json"
+        --label "$label8b" $(profile chunked-fa) --out "$res/chunked-fa.json"
       stage chunked-ours "$py" "$scripts/ttft.py" --backend CUSTOM --dummy --lengths 32768,130048 --chunk 0 \
-        --settings "$synthetic" --label "$label8b" --out "$res/chunked-ours.json" ;;
+        --settings "$synthetic" --label "$label8b" $(profile chunked-ours) --out "$res/chunked-ours.json" ;;
     qwen)
       has_model qwen || continue
       stage qwen-fa "$py" "$scripts/ttft.py" --backend FLASH_ATTN --model "$model" --lengths 16384,32000 \
-        --label "$(basename "$model")" --out "$res/qwen-fa.json"
+        --label "$(basename "$model")" $(profile qwen-fa) --out "$res/qwen-fa.json"
       stage qwen-ours "$py" "$scripts/ttft.py" --backend CUSTOM --model "$model" --lengths 16384,32000 \
-        --settings "$qwen_settings" --density --label "$(basename "$model")" --out "$res/qwen-ours.json" ;;
+        --settings "$qwen_settings" --density --label "$(basename "$model")" $(profile qwen-ours) --out "$res/qwen-ours.json" ;;
     serve-fa)
       has_model serve-fa && stage serve-fa "$py" "$scripts/serve.py" --backend FLASH_ATTN --model "$model" \
         ${SP_VLLM_RATES:+--rates "$SP_VLLM_RATES"} --out "$res/serve-fa.json" ;;
