@@ -165,19 +165,24 @@ def test_synthetic_masks_keep_their_density_of_the_visible_blocks(density):
                    for b, v in enumerate(visible_blocks(ql, kl, block) for ql, kl in zip(q_lens, k_lens)))
 
 
-def test_synthetic_masks_run_at_their_density_in_the_library():
-    """The library accepts the mask on a varlen chunked batch (every block visible in its
-    bottom-right geometry) and reports the mask's own density."""
-    q_lens, k_lens, block, density = [96, 40], [96, 200], 16, 0.3
-    mask = synthetic_mask(q_lens, k_lens, block, density)
-    g = np.random.default_rng(3)
+def run_varlen_on_cpu(policy, q_lens, k_lens, seed):
+    """sp.run of `policy` on the CPU backend over a random varlen batch of these lengths (h_q 4,
+    h_kv 2, d 32), causal."""
+    g = np.random.default_rng(seed)
     q = g.standard_normal((sum(q_lens), 4, 32)).astype(np.float32)
     k = g.standard_normal((sum(k_lens), 2, 32)).astype(np.float32)
     v = g.standard_normal((sum(k_lens), 2, 32)).astype(np.float32)
     cu_q = np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32)
     cu_k = np.concatenate([[0], np.cumsum(k_lens)]).astype(np.int32)
-    r = sp.run(q, k, v, sp.BlockSparse(dense=mask, block_q=block, block_k=block), causal=True, cu_seqlens_q=cu_q,
-               cu_seqlens_k=cu_k, backend="cpu")
+    return sp.run(q, k, v, policy, causal=True, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, backend="cpu")
+
+
+def test_synthetic_masks_run_at_their_density_in_the_library():
+    """The library accepts the mask on a varlen chunked batch (every block visible in its
+    bottom-right geometry) and reports the mask's own density."""
+    q_lens, k_lens, block, density = [96, 40], [96, 200], 16, 0.3
+    mask = synthetic_mask(q_lens, k_lens, block, density)
+    r = run_varlen_on_cpu(sp.BlockSparse(dense=mask, block_q=block, block_k=block), q_lens, k_lens, 3)
     kept = sum(int(mask[b, 0].sum()) for b in range(2))
     visible = sum(int(visible_blocks(ql, kl, block).sum()) for ql, kl in zip(q_lens, k_lens))
     assert r.stats.density == pytest.approx(kept / visible)
@@ -218,13 +223,7 @@ def test_flex_lists_run_as_the_block_map_does():
     q_lens, k_lens, block = [96, 40], [96, 200], 16
     mask = synthetic_mask(q_lens, k_lens, block, 0.3)
     counts, indices = flex_lists(mask)
-    g = np.random.default_rng(4)
-    q = g.standard_normal((sum(q_lens), 4, 32)).astype(np.float32)
-    k = g.standard_normal((sum(k_lens), 2, 32)).astype(np.float32)
-    v = g.standard_normal((sum(k_lens), 2, 32)).astype(np.float32)
-    cu_q = np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32)
-    cu_k = np.concatenate([[0], np.cumsum(k_lens)]).astype(np.int32)
-    runs = [sp.run(q, k, v, policy, causal=True, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, backend="cpu")
+    runs = [run_varlen_on_cpu(policy, q_lens, k_lens, 4)
             for policy in (sp.BlockSparse(dense=mask, block_q=block, block_k=block),
                            sp.BlockSparse(kv_num_blocks=counts, kv_indices=indices, block_q=block, block_k=block))]
     assert np.array_equal(runs[0].out, runs[1].out)
