@@ -33,7 +33,7 @@ import qwen_calls  # noqa: E402  (scripts/model: the Qwen part calls and their s
 # 116, ttft8b-ours 192, chunked-fa 82, chunked-ours 149) with a margin; session B's estimated
 # from them (engine start about 30 s for the 8B shape, ~40 s where torch.compile and CUDA graphs
 # are on; ours at density rho as linear layers + rho x attention; serving: 3 rates x (30 s of
-# arrivals + ~12 s to start `vllm bench serve` + the drain)).
+# arrivals + ~12 s to start `vllm bench serve` + the drain) and 200 requests at once).
 STAGES: Dict[str, int] = {
     "tests": 90,          # pytest tests/python/test_vllm_*.py against vLLM
     "smoke": 80,          # tiny dummy model, graphs on, chunked prefill, mixed steps

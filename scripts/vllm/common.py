@@ -71,11 +71,18 @@ SLO_S = float(os.environ.get("SP_VLLM_SLO_S", "10"))
 
 
 def best_rate(record: Dict[str, Any], slo_s: float = SLO_S) -> Optional[float]:
-    """The highest request rate of a serve.py record whose p99 TTFT met the SLO with no failed
-    request (None when no rate did)."""
+    """The highest finite request rate of a serve.py record whose p99 TTFT met the SLO with no
+    failed request (None when no rate did); the inf rate (all requests at once) measures capacity,
+    not a sustained rate."""
     ok = [r["rate"] for r in record["runs"] if r["p99_ttft_ms"] is not None and r["p99_ttft_ms"] <= 1e3 * slo_s
-          and not r["failed"]]
+          and not r["failed"] and math.isfinite(r["rate"])]
     return max(ok) if ok else None
+
+
+def capacity(record: Dict[str, Any]) -> Optional[float]:
+    """A serve.py record's request throughput at the inf rate (None without one)."""
+    runs = [r["request_throughput"] for r in record["runs"] if not math.isfinite(r["rate"])]
+    return runs[-1] if runs else None
 
 
 def write_json(path: str, data: Any) -> None:

@@ -3,7 +3,8 @@
 request rate (Poisson arrivals: --request-rate R --burstiness 1), prompts cut from this
 repository's text with lengths log-uniform over --min-len .. --max-len tokens (a custom JSONL
 data set), --output-len tokens each (ignore_eos). Records TTFT p50/p99, TPOT, request
-throughput and failures per rate; with --soak S, one run of S seconds instead, sampling the
+throughput and failures per rate. A rate of `inf` sends --saturate-count requests at once: its
+request throughput is the server's capacity, the figure the rates' grid only brackets. With --soak S, one run of S seconds instead, sampling the
 device memory every 5 s (it must stay flat) and counting failed requests, at --soak-rate or at
 the highest rate of an earlier record (--soak-rate-of) whose p99 TTFT met the SLO
 (SP_VLLM_SLO_S): the rate the server just sustains.
@@ -40,7 +41,8 @@ def parse() -> argparse.Namespace:
     p.add_argument("--backend", required=True, choices=["FLASH_ATTN", "CUSTOM"])
     p.add_argument("--model", default=os.environ.get("SP_VLLM_MODEL"))
     p.add_argument("--config", default="{}", help="our additional_config body (CUSTOM)")
-    p.add_argument("--rates", default="2,4,8", help="requests per second")
+    p.add_argument("--rates", default="4,8,12,inf", help="requests per second; inf: all at once (capacity)")
+    p.add_argument("--saturate-count", type=int, default=200, help="requests of the inf rate")
     p.add_argument("--seconds", type=float, default=30.0, help="arrivals per rate: rate x seconds requests")
     p.add_argument("--min-len", type=int, default=4096)
     p.add_argument("--max-len", type=int, default=32000)
@@ -128,7 +130,8 @@ def main() -> int:
             print(f"serve: no rate of {args.soak_rate_of} met the SLO of {common.SLO_S:g} s", file=sys.stderr)
             return 2
     rates = [args.soak_rate] if args.soak else [float(r) for r in args.rates.split(",")]
-    counts = [max(8, int(round(r * (args.soak or args.seconds)))) for r in rates]
+    counts = [args.saturate_count if r == float("inf") else max(8, int(round(r * (args.soak or args.seconds))))
+              for r in rates]
     data = dataset(args, min(max(counts), PROMPT_POOL))
     serve = cli("serve", args.model, "--host", "127.0.0.1", "--port", str(args.port), "--attention-backend",
                 args.backend, "--max-model-len", str(args.max_len + args.output_len + 64),

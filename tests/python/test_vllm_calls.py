@@ -74,3 +74,12 @@ def test_best_rate_is_the_highest_within_the_slo_without_failures():
     assert common.best_rate(record((4, 9000.0, 0), (2, 900.0, 0)), slo_s=10) == 4  # order of runs
     assert common.best_rate(record((2, 10000.0, 0)), slo_s=10) == 2  # the bound is inclusive
     assert common.best_rate(record((2, 10001.0, 0), (4, None, 0)), slo_s=10) is None
+    # the inf rate (every request at once) measures capacity, never a sustained rate
+    assert common.best_rate(record((2, 900.0, 0), (float("inf"), 900.0, 0)), slo_s=10) == 2
+
+
+def test_capacity_is_the_throughput_of_the_inf_rate():
+    runs = record((2, 900.0, 0), (float("inf"), 40000.0, 0))
+    runs["runs"][0]["request_throughput"], runs["runs"][1]["request_throughput"] = 1.9, 7.5
+    assert common.capacity(runs) == 7.5
+    assert common.capacity(record((2, 900.0, 0))) is None
