@@ -243,12 +243,18 @@ namespace {
 
 // The model-family features the kernels do not take yet (docs/cuda.md, support matrix): each
 // refused by name, so that backend auto on CUDA tensors fails clearly instead of computing
-// something else; the reference and cpu backends run them all.
-Status check_features(const ProblemShape& shape) {
+// something else; the reference and cpu backends run them all. A local window runs for dense
+// and block_sparse, whose visits and element masks the forward kernels take from the window's
+// geometry (FwdParams::window_left / window_right); the other policies' decision kernels
+// (exact_gate's, the selector, permute_stop's ranking) and in-loop gates do not read it yet.
+Status check_features(const ProblemShape& shape, const Policy& policy) {
   const char* host = "; the reference and cpu backends run it";
-  if (shape.local()) {
-    return unsupported("window_left/window_right: local (sliding-window) attention has no CUDA kernel yet" +
-                       std::string(host));
+  const bool windowed_policy =
+      std::holds_alternative<DenseParams>(policy) || std::holds_alternative<BlockSparseParams>(policy);
+  if (shape.local() && !windowed_policy) {
+    return unsupported(std::string("window_left/window_right: local (sliding-window) attention runs dense and "
+                                   "block_sparse on CUDA, not ") +
+                       policy_name(policy) + host);
   }
   if (shape.softcap != 0.0) return unsupported("softcap: score soft-capping has no CUDA kernel yet" + std::string(host));
   if (shape.sinks) return unsupported("sinks: learned attention sinks have no CUDA kernel yet" + std::string(host));
@@ -262,7 +268,7 @@ Status check_features(const ProblemShape& shape) {
 }  // namespace
 
 Status check_support(const ProblemShape& shape, const Policy& policy, int* block_k) {
-  SP_RETURN_IF_ERROR(check_features(shape));
+  SP_RETURN_IF_ERROR(check_features(shape, policy));
   if (shape.dtype == DType::kFP8E4M3) {
     // One instance: the Hopper kernel's, d = 128 over contiguous K/V (run_cuda also needs a
     // compute capability 9.0 device and TMA-describable tensors).
@@ -411,6 +417,10 @@ FwdParams make_fwd_params(const AttentionProblem& problem, const ProblemShape& s
   p.num_q_blocks = static_cast<int>(geom::ceil_div(shape.max_seq_q(), kBlockQ));
   p.q_pack = 1;
   p.causal = shape.causal;
+  if (shape.local()) {  // else plain causal or full: a causal call's right bound hides no key
+    p.window_left = shape.window_left;
+    p.window_right = shape.window_right;
+  }
   p.scale = static_cast<float>(shape.scale);
   p.scale_log2 = static_cast<float>(shape.scale * 1.4426950408889634);  // scale · log2(e)
   p.mode = PolicyMode::kDense;

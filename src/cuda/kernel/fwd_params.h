@@ -105,6 +105,8 @@ struct MaskCheckParams {
   int block_k;
   int bitmap_words;  // 32-bit words over the longest sequence's key blocks (shared memory per row)
   bool causal;
+  int window_left = -1;  // the call's window (FwdParams): entries outside it are out of range
+  int window_right = -1;
   std::int32_t* count_out[2];  // [rows]
   std::int64_t* start_out[2];  // [rows]
   std::uint32_t* kept_bits;    // [rows, bitmap_words]: the accepted blocks, for decisions; or nullptr
@@ -158,6 +160,12 @@ struct FwdParams {
   int q_pack;         // Hopper kernel: query heads per tile, 1 or the group (choose_q_pack)
   bool kv_major;      // grid order: KV head outermost instead of query heads fastest (kv_major_grid)
   bool causal;        // bottom-right aligned
+  // FlashAttention's local window (geom::SeqGeometry; -1: no bound on that side), set only
+  // where it hides keys (ProblemShape::local()), for dense and block masks without mean
+  // correction (check_support refuses it elsewhere; the launches check). The default is no
+  // window, so that a value-initialised FwdParams means plain causal or full attention.
+  int window_left = -1;
+  int window_right = -1;
   float scale;        // softmax scale (natural-log domain)
   float scale_log2;   // scale · log2(e): kernels work in the exp2 domain
 

@@ -372,8 +372,9 @@ __device__ __forceinline__ void zero_acc(float (&o)[kN][4]) {
 
 // Element mask of a partial or short key tile: key column c (tile-relative) is visible to the
 // thread's row r iff c <= limit[r], the row's last visible key relative to the tile (causal:
-// its position, bottom-right aligned; always: the sequence's last key), clamped to [-1, 128].
-// Keys past s_k were zero-filled by TMA; they get -inf here.
+// its position, bottom-right aligned; a right window bound: position + window_right; always:
+// the sequence's last key), clamped to [-1, 128]. Keys past s_k were zero-filled by TMA; they
+// get -inf here.
 __device__ __forceinline__ void mask_tile(float (&s)[1][16][4], const int (&limit)[2]) {
   const int t = threadIdx.x % 4;
 #pragma unroll
@@ -381,6 +382,19 @@ __device__ __forceinline__ void mask_tile(float (&s)[1][16][4], const int (&limi
 #pragma unroll
     for (int e = 0; e < 4; ++e) {
       if (8 * j + 2 * t + e % 2 > limit[e / 2]) s[0][j][e] = -INFINITY;
+    }
+  }
+}
+
+// The other side under a left window bound: column c is hidden from row r iff c < first[r],
+// the row's first visible key relative to the tile, clamped to [0, 128].
+__device__ __forceinline__ void mask_tile_below(float (&s)[1][16][4], const int (&first)[2]) {
+  const int t = threadIdx.x % 4;
+#pragma unroll
+  for (int j = 0; j < 16; ++j) {
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      if (8 * j + 2 * t + e % 2 < first[e / 2]) s[0][j][e] = -INFINITY;
     }
   }
 }
@@ -477,7 +491,7 @@ __device__ __forceinline__ void gather_tile(const FwdParams& p, const SeqInfo& s
 // block, and masks each row at its own position. The CTA visits the positions of its VisitList
 // (policy.cuh, over 128-key blocks: dense and the gates descend from the last visible block, a
 // block mask walks its partial then its full list), then its mean-correction tiles. Only
-// partial (causal band) and short (s_k tail) key tiles are masked.
+// partial (the causal band, a local window's bands) and short (s_k tail) key tiles are masked.
 //
 // Gated positions (exact_gate's full blocks, softmax_skip's after the first): once S is in
 // registers, every consumer warp votes (policy.cuh's per-row rule over its rows) and all wait
@@ -505,7 +519,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
   const int tile_rev = gt.tile_rev;
   const int hk = h / p.group;
   const SeqInfo seq = p.seqs[b];
-  const geom::BlockGeometry geo{{seq.s_q, seq.s_k, p.causal}, Cfg::kTileM, kTileN};
+  const geom::BlockGeometry geo{{seq.s_q, seq.s_k, p.causal, p.window_left, p.window_right}, Cfg::kTileM, kTileN};
   const int tile_rows = Cfg::kTileM / pack;  // query rows of one head in the tile
   const std::int64_t tiles = geom::ceil_div(seq.s_q, tile_rows);
   if (tile_rev >= tiles) return;
@@ -514,8 +528,9 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
   const std::int64_t row0 = geo.row_begin(qb);
   const int rows_valid = static_cast<int>(geo.row_end(qb) - row0);
   const int tile_row0 = static_cast<int>(first_row - row0);  // 0 unpacked
-  // Key tiles >= mask_lo are partial (causal band) or short (the s_k tail) and get an element
-  // mask; the ones below are full.
+  // Key tiles >= mask_lo are partial (the causal band, a local window's upper band) or short
+  // (the s_k tail) and get an element mask; the ones below are full but for a left window
+  // bound's lower band (mask_if_needed).
   const int full_tiles = static_cast<int>(seq.s_k / kTileN);
   const int mask_lo = geo.full_end(qb) < full_tiles ? geo.full_end(qb) : full_tiles;
   const int warpgroup = threadIdx.x / 128;
@@ -743,19 +758,37 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
   auto release = [&](std::uint64_t& bar) {
     if (lane == 0) hw::mbar_arrive(hw::smem_u32(&bar));
   };
-  // Masks key block `kb` if it is partial or short (uniform over the CTA: no divergence).
-  auto mask_if_needed = [&](int kb) {
-    if (kb < mask_lo) return;
+  // Masks key block `kb` if it is partial or short (uniform over the CTA: no divergence): the
+  // rows' last keys (position + reach: SeqGeometry::last_key_at) and, under a left window
+  // bound, their first keys (SeqGeometry::first_key_at); a row whose range is empty has
+  // first > last, so the two masks together hide every column from it. A block below mask_lo
+  // is full unless it lies in the window's lower band (full_below_end). kWindow: rounds that
+  // may run under a local window (dense and block masks without mean correction: no other
+  // policy takes one, check_support); the others compile none of it.
+  const bool window_below = geo.seq.window_left >= 0;
+  auto mask_if_needed = [&](int kb, auto window_tag) {
+    constexpr bool kWindow = decltype(window_tag)::value;
+    if (kb < mask_lo && (!kWindow || !window_below || geo.full_below_end(qb, kb))) return;
     const std::int64_t key0 = geo.key_begin(kb);
     const std::int64_t end_limit = geo.key_end(kb) - 1 - key0;
+    const std::int64_t reach = geo.seq.reach();
     const std::int64_t diag = row0 + geo.seq.offset() - key0;  // + block row: the row's position
     int limit[2];
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
-      const std::int64_t lim = p.causal ? geom::min64(diag + qrow[r], end_limit) : end_limit;
+      const std::int64_t lim = reach >= 0 ? geom::min64(diag + reach + qrow[r], end_limit) : end_limit;
       limit[r] = static_cast<int>(geom::min64(geom::max64(lim, -1), kTileN));
     }
     mask_tile(s, limit);
+    if (kWindow && window_below) {
+      int first[2];
+#pragma unroll
+      for (int r = 0; r < 2; ++r) {
+        const std::int64_t lo = geo.seq.first_key(row0 + qrow[r]) - key0;
+        first[r] = static_cast<int>(geom::min64(geom::max64(lo, 0), kTileN));
+      }
+      mask_tile_below(s, first);
+    }
   };
   // This warp's vote on gated position j from its rows' maxima (before the softmax moves m),
   // then the CTA's decision: the OR of the eight warps' votes, so a warp that votes keep knows it
@@ -820,7 +853,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
       hw::fence_regs(s[0]);
       release(sm.k_free[st]);
       if (kRegOnly || it < visit.n_reg) {
-        mask_if_needed(kb);
+        mask_if_needed(kb, std::bool_constant<!kGated && !kMeans>{});
       } else {
         mask_mean_tile(p, s, mean_bits, sm.mean_tiles[it - visit.n_reg], seq.s_k, mean_blocks_seq);
       }
@@ -1083,6 +1116,10 @@ int launch_fwd(const FwdParams& p, const SeqInfo* seqs, const std::int32_t* tabl
       (paged && !gather && p.paged.page_size % 8 != 0)) {
     return static_cast<int>(cudaErrorNotSupported);
   }
+  // A local window only where the rounds compile its masks: dense and block masks without mean
+  // correction (check_support; make_fwd_params passes a window only where it hides keys).
+  const bool window = p.window_left >= 0 || p.window_right >= 0;
+  if (window && (gated_mode(p.mode) || p.k_mean != nullptr)) return static_cast<int>(cudaErrorInvalidValue);
   // GQA packing only as choose_q_pack gives it: the group, for visits shared by its heads.
   const int pack = p.q_pack;
   if (pack < 1 || (pack > 1 && (pack != p.group || Cfg::kTileM % pack != 0 || p.kept_bits != nullptr ||
