@@ -13,6 +13,7 @@
 #include <vector>
 
 #include "core/geometry.h"
+#include "core/shape_geometry.h"
 #include "cuda/kernel/tuning.h"
 #include "cuda/registry.h"
 
@@ -457,10 +458,18 @@ std::vector<std::int32_t> compact_block_table(const AttentionProblem& problem, c
 
 namespace {
 
-// (query, key) pairs the mask lets a sequence's queries see: row i of a causal call sees
-// keys 0 .. i + s_k - s_q (bottom-right aligned).
-double visible_pairs(std::int64_t s_q, std::int64_t s_k, bool causal) {
+// (query, key) pairs the mask lets sequence b's queries see: row i of a causal call sees
+// keys 0 .. i + s_k - s_q (bottom-right aligned); under a local window, row by row.
+double visible_pairs(const ProblemShape& shape, int b) {
+  const geom::SeqGeometry g = detail::sequence_geometry(shape, b);
+  const std::int64_t s_q = g.s_q, s_k = g.s_k;
   if (s_q <= 0 || s_k <= 0) return 0.0;
+  if (shape.local()) {
+    double pairs = 0.0;
+    for (std::int64_t r = 0; r < s_q; ++r) pairs += static_cast<double>(g.keys_in(g.position(r), 0, s_k));
+    return pairs;
+  }
+  const bool causal = g.causal;
   if (!causal) return static_cast<double>(s_q) * static_cast<double>(s_k);
   const std::int64_t first = geom::max64(0, s_q - s_k);  // the first row that sees a key
   const double rows = static_cast<double>(s_q - first);
@@ -483,7 +492,7 @@ KvStaging plan_kv_staging(const ProblemShape& shape, const Policy& policy, std::
     const auto u = static_cast<std::size_t>(b);
     out.k_start[u] = out.rows;
     out.rows += shape.seq_k[u];
-    pairs += visible_pairs(shape.seq_q[u], shape.seq_k[u], shape.causal);
+    pairs += visible_pairs(shape, b);
   }
   const std::size_t row_bytes = static_cast<std::size_t>(shape.h_kv) * static_cast<std::size_t>(shape.d) *
                                 dtype_size(shape.dtype);

@@ -11,6 +11,8 @@
 #include <cstdint>
 #include <limits>
 #include <string>
+#include <utility>
+#include <variant>
 #include <vector>
 
 #include "common/inputs.h"
@@ -65,7 +67,8 @@ TEST(CudaPlan, UnsupportedMessagesNameTheArgument) {
 
 // The model-family features no kernel takes yet are refused by name for every policy, before
 // anything else is checked (docs/cuda.md, support matrix); head dims 96, 192 and 256 have no
-// instance, and say so.
+// instance, and say so. Local windows run dense and block_sparse (on both paths: their
+// choice of path is the window-free one's) and are refused by name for the other policies.
 TEST(CudaPlan, ModelFamilyFeaturesAreRefusedByName) {
   int n = 0;
   ExactGateParams gate;
@@ -78,14 +81,15 @@ TEST(CudaPlan, ModelFamilyFeaturesAreRefusedByName) {
   ProblemShape window = cuda_shape_of(300, 300, 4, 1, 128), right = window, softcap = window, sinks = window, mla = window;
   window.window_left = 127;
   right.causal = false;
-  right.window_right = 0;  // FlashAttention's causal as a window, which the kernels take as causal only
+  right.window_right = 0;  // FlashAttention's causal as a window
   softcap.softcap = 50.0;
   sinks.sinks = true;
   mla.d = 192;
   mla.d_v = 128;
-  for (const Case& c : {Case{"window_left/window_right: local (sliding-window) attention has no CUDA kernel yet", window},
-                        Case{"window_left/window_right: local (sliding-window) attention has no CUDA kernel yet", right},
-                        Case{"softcap: score soft-capping has no CUDA kernel yet", softcap},
+  ProblemShape window_sinks = window, window_softcap = window;  // the window runs; the other feature is named
+  window_sinks.sinks = true;
+  window_softcap.softcap = 50.0;
+  for (const Case& c : {Case{"softcap: score soft-capping has no CUDA kernel yet", softcap},
                         Case{"sinks: learned attention sinks have no CUDA kernel yet", sinks},
                         Case{"v: a V head dim unlike Q/K's (d_v 128, d 192) has no CUDA kernel yet", mla},
                         Case{"head_dim 96", cuda_shape_of(300, 300, 4, 1, 96)},
@@ -97,10 +101,72 @@ TEST(CudaPlan, ModelFamilyFeaturesAreRefusedByName) {
       EXPECT_NE(st.message().find(c.needle), std::string::npos) << st.message();
     }
   }
-  // A causal window that hides nothing more than causal ((-1, 0) and (-1, 5) under causal) runs.
+  BlockSparseParams mask;
+  for (const ProblemShape& local : {window, right}) {
+    SCOPED_TRACE(std::string("window (") + std::to_string(local.window_left) + ", " + std::to_string(local.window_right) +
+                 ")" + (local.causal ? " causal" : ""));
+    mask.mask = BlockMask::all_visible(local, 128, 64, false);
+    for (const Policy& policy : {Policy{DenseParams{}}, Policy{mask}}) {
+      SCOPED_TRACE(policy_name(policy));
+      EXPECT_TRUE(check_support(local, policy, &n).ok());
+      EXPECT_EQ(n, std::holds_alternative<DenseParams>(policy) ? dense_block_k(128) : 64);
+      EXPECT_EQ(choose_fwd_path(local, policy, true, 9, 0),
+                choose_fwd_path(cuda_shape_of(300, 300, 4, 1, 128), policy, true, 9, 0));
+    }
+    for (const Policy& policy : policies) {
+      if (std::holds_alternative<DenseParams>(policy)) continue;
+      SCOPED_TRACE(policy_name(policy));
+      const Status st = check_support(local, policy, &n);
+      EXPECT_EQ(st.code(), StatusCode::kUnsupported);
+      EXPECT_NE(st.message().find(std::string("window_left/window_right: local (sliding-window) attention runs dense "
+                                              "and block_sparse on CUDA, not ") +
+                                  policy_name(policy)),
+                std::string::npos)
+          << st.message();
+    }
+  }
+  // With a window, the other features are still named (dense and block_sparse take the window).
+  const Status with_sinks = check_support(window_sinks, DenseParams{}, &n);
+  EXPECT_NE(with_sinks.message().find("sinks: learned attention sinks"), std::string::npos) << with_sinks.message();
+  const Status with_cap = check_support(window_softcap, mask, &n);
+  EXPECT_NE(with_cap.message().find("softcap: score soft-capping"), std::string::npos) << with_cap.message();
+  // fp8 inputs take the window on the Hopper instance as 16-bit ones do.
+  ProblemShape fp8 = cuda_shape_of(300, 300, 4, 1, 128, DType::kFP8E4M3);
+  fp8.window_left = 127;
+  EXPECT_TRUE(check_support(fp8, DenseParams{}, &n).ok());
+  // A causal window that hides nothing more than causal ((-1, 0) and (-1, 5) under causal) runs
+  // every policy.
   ProblemShape causal_right = cuda_shape_of(300, 300, 4, 1, 128);
   causal_right.window_right = 5;
-  EXPECT_TRUE(check_support(causal_right, DenseParams{}, &n).ok());
+  for (const Policy& policy : policies) EXPECT_TRUE(check_support(causal_right, policy, &n).ok()) << policy_name(policy);
+}
+
+// The window reaches the kernels only where it hides keys (ProblemShape::local()): a causal
+// call's right bound leaves FwdParams' "no window" (-1, -1), which every kernel reads as plain
+// causal attention (and the gated and mean-correction launches, which compile no window masks,
+// accept); a local window arrives as given.
+TEST(CudaPlan, ForwardParametersCarryTheWindowWhereItHidesKeys) {
+  const test::TestProblem tp = test::build_problem(test::random_inputs({{300, 300}}, 4, 1, 64, DType::kBF16, 9));
+  ProblemShape s;
+  ASSERT_TRUE(validate_problem(tp.problem(), nullptr, &s).ok());
+  const auto window_of = [&](bool causal, int left, int right) {
+    ProblemShape shape = s;
+    shape.causal = causal;
+    shape.window_left = left;
+    shape.window_right = right;
+    const FwdParams p = make_fwd_params(tp.problem(), shape, tp.output(), 64);
+    EXPECT_EQ(p.causal, causal);
+    return std::pair<int, int>{p.window_left, p.window_right};
+  };
+  EXPECT_EQ(window_of(true, -1, -1), std::make_pair(-1, -1));
+  EXPECT_EQ(window_of(true, -1, 5), std::make_pair(-1, -1));
+  EXPECT_EQ(window_of(true, 127, 5), std::make_pair(127, 5));
+  EXPECT_EQ(window_of(false, -1, 0), std::make_pair(-1, 0));
+  EXPECT_EQ(window_of(false, 30, 40), std::make_pair(30, 40));
+  EXPECT_EQ(window_of(false, -1, -1), std::make_pair(-1, -1));
+  const FwdParams zero{};  // value-initialised: no window
+  EXPECT_EQ(zero.window_left, -1);
+  EXPECT_EQ(zero.window_right, -1);
 }
 
 TEST(CudaPlan, Fp8RunsDenseAndBlockSparseOnTheHopperInstance) {
@@ -604,6 +670,13 @@ TEST(CudaPlan, PagedKvStagedWhenTheCopyIsCheaperThanReadingPages) {
   EXPECT_TRUE(plan_kv_staging(chunk, SoftmaxSkipParams{}, kFree).stage);
   EXPECT_FALSE(plan_kv_staging(chunk, EstimateSelectParams{}, kFree).stage);
   EXPECT_FALSE(plan_kv_staging(chunk, PermuteStopParams{}, kFree).stage);
+  // A local window's pairs count: under a 4096-key window the chunk attends to 31x fewer, and the
+  // copy of the cache would cost more than reading its pages.
+  ProblemShape local = chunk;
+  local.window_left = 4095;
+  EXPECT_FALSE(plan_kv_staging(local, DenseParams{}, kFree).stage);
+  local.window_left = 131071;  // a window that hides nothing stages as no window
+  EXPECT_TRUE(plan_kv_staging(local, DenseParams{}, kFree).stage);
   // A block mask's own density counts: every visible block stages like dense, one block per
   // row does not.
   BlockSparseParams all;
