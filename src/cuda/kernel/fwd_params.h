@@ -160,12 +160,6 @@ struct FwdParams {
   int q_pack;         // Hopper kernel: query heads per tile, 1 or the group (choose_q_pack)
   bool kv_major;      // grid order: KV head outermost instead of query heads fastest (kv_major_grid)
   bool causal;        // bottom-right aligned
-  // FlashAttention's local window (geom::SeqGeometry; -1: no bound on that side), set only
-  // where it hides keys (ProblemShape::local()), for dense and block masks without mean
-  // correction (check_support refuses it elsewhere; the launches check). The default is no
-  // window, so that a value-initialised FwdParams means plain causal or full attention.
-  int window_left = -1;
-  int window_right = -1;
   float scale;        // softmax scale (natural-log domain)
   float scale_log2;   // scale · log2(e): kernels work in the exp2 domain
 
@@ -219,6 +213,15 @@ struct FwdParams {
   std::int64_t descale_stride[3][2];   // (batch, kv head)
   std::uint8_t* v_t;
   std::int64_t vt_stride;  // keys per (b, kv head, d) row: max s_k rounded up to 128
+
+  // FlashAttention's local window (geom::SeqGeometry; -1: no bound on that side), set only
+  // where it hides keys (ProblemShape::local()), for dense and block masks without mean
+  // correction (check_support refuses it elsewhere; the launches check). The default is no
+  // window, so that a value-initialised FwdParams means plain causal or full attention. Last, so
+  // that the other fields keep their parameter offsets (ptxas scheduled the window-free kernels
+  // differently when they moved).
+  int window_left = -1;
+  int window_right = -1;
 };
 
 // exact_gate's decisions ahead of the attention (plan.h, choose_gate_passes): the forward call's

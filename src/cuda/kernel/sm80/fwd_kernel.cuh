@@ -194,7 +194,12 @@ __global__ void __launch_bounds__(Cfg::kThreads, 2) fwd_kernel(const __grid_cons
   const int h = gt.unit, b = gt.b, qb_rev = gt.tile_rev;
   const int hk = h / p.group;
   const SeqInfo seq = p.seqs[b];
-  const geom::BlockGeometry geo{{seq.s_q, seq.s_k, p.causal, p.window_left, p.window_right}, kBlockM, p.block_k};
+  // A local window reaches the ungated instances only (check_support; launch_fwd refuses one
+  // here): the gated instance's geometry has none, so its setup compiles as without windows
+  // (with the window's, ptxas spilled 16 / 48 bytes more there at sm_90).
+  const geom::SeqGeometry rows{seq.s_q, seq.s_k, p.causal, Cfg::kGated ? -1 : p.window_left,
+                               Cfg::kGated ? -1 : p.window_right};
+  const geom::BlockGeometry geo{rows, kBlockM, p.block_k};
   if (qb_rev >= geo.num_q_blocks()) return;
   const int qb = geo.num_q_blocks() - 1 - qb_rev;
   const std::int64_t row0 = geo.row_begin(qb);
@@ -292,7 +297,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 2) fwd_kernel(const __grid_cons
   // more bytes there, sm_80 d = 128). Windows run dense and block masks only (check_support):
   // the gated instance compiles no window code.
   const int full_end = geo.full_end(qb);
-  const bool window_below = !Cfg::kGated && geo.seq.window_left >= 0;
+  const bool window_below = geo.seq.window_left >= 0;
   auto mask_scores = [&](int j, int sub) {
     if (Cfg::kPlain || j < visit.n_reg) {
       const int kb = visit.block(j);
