@@ -68,7 +68,8 @@ std::string support_summary() {
          "128-key blocks, contiguous or paged K/V of any page size, permute_stop with contiguous K/V; block_k 64 uses "
          "the portable path there): " +
          compiled_fwd90_summary() + "; paged K/V (any page size): every policy on the portable path; "
-         "fp8_e4m3 inputs: dense and block_sparse on the Hopper path, head_dim 128, contiguous K/V; not on CUDA: fp32";
+         "fp8_e4m3 inputs: dense and block_sparse on the Hopper path, head_dim 128, contiguous K/V; local windows "
+         "(window_size): dense and block_sparse on both paths; not on CUDA: fp32";
 }
 
 bool tma_describable(const TensorView& t) {

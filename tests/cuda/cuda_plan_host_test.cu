@@ -139,6 +139,7 @@ TEST(CudaPlan, ModelFamilyFeaturesAreRefusedByName) {
   ProblemShape causal_right = cuda_shape_of(300, 300, 4, 1, 128);
   causal_right.window_right = 5;
   for (const Policy& policy : policies) EXPECT_TRUE(check_support(causal_right, policy, &n).ok()) << policy_name(policy);
+  EXPECT_NE(support_summary().find("local windows (window_size): dense and block_sparse on both paths"), std::string::npos);
 }
 
 // The window reaches the kernels only where it hides keys (ProblemShape::local()): a causal
