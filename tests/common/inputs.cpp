@@ -5,15 +5,12 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
-#include <limits>
 #include <numeric>
 
 #include "sparseprefill/generator.h"
 
 namespace sparseprefill::test {
 namespace {
-
-constexpr double kNaN = std::numeric_limits<double>::quiet_NaN();
 
 void fill_nan(HostTensor* t) {
   for (std::int64_t i = 0; i < t->numel(); ++i) set(t, i, kNaN);

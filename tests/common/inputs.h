@@ -6,6 +6,7 @@
 
 #include <cstdint>
 #include <initializer_list>
+#include <limits>
 #include <vector>
 
 #include "sparseprefill/problem.h"
@@ -38,6 +39,10 @@ void set(HostTensor* t, std::int64_t i, double x);
 void put(HostTensor* t, std::int64_t row, int h, std::initializer_list<double> values);
 // A softmax scale of ln 2 makes e^s = 2^(q·k): hand-written cases with exact powers of two.
 constexpr double kLn2 = 0.69314718055994530942;
+constexpr double kInf = std::numeric_limits<double>::infinity();
+constexpr double kNaN = std::numeric_limits<double>::quiet_NaN();
+// The hand-written cases' bound: their exact results, up to fp64 rounding.
+constexpr double kExact = 1e-12;
 
 // Fills t with scale · (uniform or normal) values, rounded to t's dtype; never zero.
 void fill_random(HostTensor* t, std::uint64_t seed, double scale = 1.0,

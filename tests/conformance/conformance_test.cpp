@@ -45,8 +45,6 @@
 namespace sparseprefill::test {
 namespace {
 
-constexpr double kInf = std::numeric_limits<double>::infinity();
-constexpr double kNaN = std::numeric_limits<double>::quiet_NaN();
 constexpr int kBlock = 128;  // block_q of every policy (the CUDA kernels'), and estimate_select's block
 
 Inputs make_inputs(const std::vector<SeqLen>& lengths, int h_q, int h_kv, int d, std::uint64_t seed,

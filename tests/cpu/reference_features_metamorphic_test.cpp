@@ -8,7 +8,6 @@
 // chunk equals the tail of the full call; K/V outside every window are never read.
 #include <algorithm>
 #include <cmath>
-#include <limits>
 #include <string>
 #include <vector>
 
@@ -31,9 +30,9 @@ using test::Inputs;
 using test::LayoutOptions;
 using test::same_decisions;
 using test::same_result;
+using test::kInf;
 
 constexpr double kTight = 1e-12;  // two fp64 evaluations of the same sum in different orders
-constexpr double kInf = std::numeric_limits<double>::infinity();
 
 ref::Result run_ok(const test::TestProblem& tp, const Policy& policy) {
   ref::Result r;

@@ -7,7 +7,6 @@
 // masked softmax over the expanded mask (tests/common/naive.h), their decisions by hand.
 #include <cmath>
 #include <initializer_list>
-#include <limits>
 #include <vector>
 
 #include <gtest/gtest.h>
@@ -26,11 +25,9 @@ using test::kept_blocks;
 using test::kLn2;
 using test::put;
 using test::same_result;
-
-constexpr double kInf = std::numeric_limits<double>::infinity();
-constexpr double kNaN = std::numeric_limits<double>::quiet_NaN();
-constexpr double kExact = 1e-12;
-
+using test::kInf;
+using test::kNaN;
+using test::kExact;
 
 struct Call {
   double scale = kLn2;

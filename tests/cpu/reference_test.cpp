@@ -5,7 +5,6 @@
 // forced blocks, mean-correction eligibility, early stop, tie-breaking).
 #include <cmath>
 #include <initializer_list>
-#include <limits>
 #include <vector>
 
 #include <gtest/gtest.h>
@@ -24,10 +23,8 @@ using test::kept_blocks;
 using test::kLn2;
 using test::put;
 using test::same_result;
-
-constexpr double kInf = std::numeric_limits<double>::infinity();
-constexpr double kExact = 1e-12;
-
+using test::kInf;
+using test::kExact;
 
 // One fp32 sequence of hand-written values.
 Inputs hand_inputs(std::int64_t s_q, std::int64_t s_k, int h_q = 1, int h_kv = 1) {

@@ -13,6 +13,7 @@
 #include <limits>
 #include <vector>
 
+#include "common/inputs.h"
 #include "core/rules/block_sparse.h"
 #include "core/rules/estimate_select.h"
 #include "core/rules/exact_gate.h"
@@ -25,8 +26,8 @@
 namespace sparseprefill {
 namespace {
 
-constexpr double kInf = std::numeric_limits<double>::infinity();
-constexpr double kNaN = std::numeric_limits<double>::quiet_NaN();
+using test::kInf;
+using test::kNaN;
 
 geom::BlockGeometry blocks(std::int64_t s_q, std::int64_t s_k, bool causal, int bq, int bk) {
   return geom::BlockGeometry{{s_q, s_k, causal}, bq, bk};
