@@ -8,7 +8,8 @@ Usage: python3 bench/make_performance_md.py            # rewrite both files
 docs/performance.md shows current figures only: for every claim (a table below) and every row of
 it, the newest record that measured that row on the path the claim is about. Each row names its
 record. Records whose key `superseded` is a reason are left out; a `superseded` of
-{part of a name: reason} leaves out the rows (and target checks) whose names contain the part.
+{part of a name: reason} leaves out the rows (and target checks) whose names contain the part;
+a record with the key `feeds` (record.py --feeds) feeds only the tables it names.
 Runs that forced GQA packing are left out; runs that forced the portable kernels
 (`cuda_path` "portable") feed only the portable-path tables and issue 3's targets."""
 import argparse
@@ -299,7 +300,7 @@ CLAIMS = [
 def claim_table(claim, records):
     latest = {}
     for r in records:
-        if not usable(r, claim["path"]):
+        if not usable(r, claim["path"]) or claim["title"] not in r.get("feeds", [claim["title"]]):
             continue
         for c in r["cases"]:
             if not claim["cases"](c):

@@ -28,19 +28,19 @@ from typing import Dict, List
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "model"))
 import qwen_calls  # noqa: E402  (scripts/model: the Qwen part calls and their sizing)
 
-# Seconds of each gpu_vllm.sh stage on the H200, engine start included (about 25 s for the 8B
-# shape with a 90 GiB KV cache, measured; ~70 s where torch.compile and CUDA graphs are on). The
-# 8B-shape TTFTs are the measured FLASH_ATTN ones (1.21 s at 32K, 10.1 s at 128K; 64K
-# interpolated as 1.3 s of linear layers + 1.9 s of attention) x 4 requests per length, ours at
-# density rho as linear + rho x attention; serving: 3 rates x (30 s of arrivals + ~12 s to start
-# `vllm bench serve` + the drain).
+# Seconds of each gpu_vllm.sh stage on the H200, engine start included: session A's stages as
+# measured on 2026-12-02 (record vllm/2026-12-02-h200-session-a: tests 59, smoke 60, ttft8b-fa
+# 116, ttft8b-ours 192, chunked-fa 82, chunked-ours 149) with a margin; session B's estimated
+# from them (engine start about 30 s for the 8B shape, ~40 s where torch.compile and CUDA graphs
+# are on; ours at density rho as linear layers + rho x attention; serving: 3 rates x (30 s of
+# arrivals + ~12 s to start `vllm bench serve` + the drain)).
 STAGES: Dict[str, int] = {
-    "tests": 150,         # pytest tests/python/test_vllm_*.py against vLLM
-    "smoke": 90,          # tiny dummy model, graphs on, chunked prefill, mixed steps
-    "ttft8b-fa": 100,     # FLASH_ATTN at 32K / 64K / 128K
-    "ttft8b-ours": 180,   # ours dense and synthetic 20 / 10 / 5 % at the same lengths
-    "chunked-fa": 90,     # FLASH_ATTN at 32K and 128K under vLLM's default batched-token budget
-    "chunked-ours": 140,  # the four settings likewise
+    "tests": 90,          # pytest tests/python/test_vllm_*.py against vLLM
+    "smoke": 80,          # tiny dummy model, graphs on, chunked prefill, mixed steps
+    "ttft8b-fa": 130,     # FLASH_ATTN at 32K / 64K / 128K
+    "ttft8b-ours": 210,   # ours dense and synthetic 20 / 10 / 5 % at the same lengths
+    "chunked-fa": 95,     # FLASH_ATTN at 32K and 128K under vLLM's default batched-token budget
+    "chunked-ours": 165,  # the four settings likewise
     "greedy": 150,        # two engines (graphs on), 50 prompts x 32 tokens each
     "qwen-fa": 40,        # real weights, 16K and 32K
     "qwen-ours": 60,      # every policy at 16K and 32K, plus one request each for the density
@@ -55,7 +55,7 @@ EXPECT = {
     "call": 5,       # a call's transfer of the tree and its start
     "part1": 8,      # C.xz (53 MiB) up and copied
     "part2": 45,     # 36 MiB up, checksums, 45 wheels installed, vLLM unpacked and imported
-    "build": 60,     # the package's CUDA build from its start: 46 s on a fresh H200 machine (2026-12-01)
+    "build": 60,     # the package's CUDA build from its start: 46 s and 53 s on fresh H200 machines
     "check": 15,     # gpu_vllm.sh's first call on a machine: the plugin imported, env.json
     "report": 5,     # vllm-results.md, results.tar.gz
 }

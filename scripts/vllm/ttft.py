@@ -5,7 +5,9 @@ by sparseprefill.vllm.worker, so the settings are peers in one engine) at each p
 a warm-up request, then --repeats timed ones (TTFT: vLLM's own first_token_latency, from
 arrival to the first token), each prompt new (prefix caching off). With --density, one more
 request per setting and length records the density of our calls (statistics synchronise, so
-that request is not timed).
+that request is not timed). With --profile FILE, one more untimed request per setting and
+length runs under torch.profiler in the worker, and its operator tables (by self CUDA and self
+CPU time) go to FILE.
 
     python scripts/vllm/ttft.py --backend FLASH_ATTN --dummy --lengths 32768,65536,130048 --out fa.json
     python scripts/vllm/ttft.py --backend CUSTOM --dummy --lengths 32768 --out ours.json \
@@ -38,6 +40,8 @@ def parse() -> argparse.Namespace:
     p.add_argument("--chunk", type=int, default=None, help="max_num_batched_tokens (0: vLLM's default)")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--density", action="store_true", help="also record our calls' density (CUSTOM)")
+    p.add_argument("--profile", help="a text file: one more request per setting and length under "
+                                     "torch.profiler, its operator tables appended there (untimed)")
     p.add_argument("--gpu-memory-utilization", type=float, default=0.85)
     p.add_argument("--label", default="", help="a name for these records (e.g. 'Llama-3.1-8B shape, dummy')")
     p.add_argument("--out", required=True)
@@ -60,9 +64,10 @@ def main() -> int:
                   max_num_batched_tokens=max(lengths) if args.chunk is None else (args.chunk or None))
     if args.dummy:
         kwargs.update(load_format="dummy", skip_tokenizer_init=True)
+    if args.backend == "CUSTOM" or args.profile:
+        kwargs.update(worker_extension_cls="sparseprefill.vllm.worker.SparsePrefillWorkerExtension")
     if args.backend == "CUSTOM":
-        kwargs.update(worker_extension_cls="sparseprefill.vllm.worker.SparsePrefillWorkerExtension",
-                      additional_config={"sparseprefill": settings[0]["sparseprefill"]})
+        kwargs.update(additional_config={"sparseprefill": settings[0]["sparseprefill"]})
     if kwargs["max_num_batched_tokens"] is None:
         del kwargs["max_num_batched_tokens"]
     start = time.time()
@@ -97,6 +102,12 @@ def main() -> int:
                 llm.collective_rpc("sparseprefill_collect", args=(True,))
                 request(n)
                 rec["density"] = llm.collective_rpc("sparseprefill_collect", args=(False,))[0]["density"]
+            if args.profile:
+                llm.collective_rpc("sparseprefill_profile", args=(True,))
+                request(n)
+                (tables,) = llm.collective_rpc("sparseprefill_profile", args=(False,))
+                with open(args.profile, "a") as f:
+                    f.write(f"## {args.backend} {setting['name']} {n} (budget {budget})\n\n{tables}\n\n")
             records.append(rec)
             print(f"ttft: {args.backend} {setting['name']} {n}: median {rec['median_ttft_s']:.4f} s "
                   f"{rec.get('density', '')}", flush=True)

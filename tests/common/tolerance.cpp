@@ -12,6 +12,7 @@
 #include "poison.h"
 #include "reference/row_sets.h"
 #include "core/rules/softcap.h"
+#include "cuda/kernel/tuning.h"
 #include "reference/sequence.h"
 
 namespace sparseprefill::test {
@@ -107,11 +108,13 @@ void lowp_row(const ref::Sequence& seq, const std::vector<float>& q, const std::
   for (float x : s) m = max_nan(m, x);
   float l = std::exp(sink - m);
   std::vector<float> acc(d_v, 0.0f);
+  // FP8: P is rounded to e4m3 at 2^kFp8PLog2Offset times its value, as the kernel exponentiates
+  // it (its running max sits that far below the true one: docs/numerics.md, FP8).
+  const float p_scale = fp8 ? std::ldexp(1.0f, cuda::tuning::kFp8PLog2Offset) : 1.0f;
   for (std::size_t u = 0; u < n; ++u) {
     const float p = std::exp(s[u] - m);
-    const float p_rounded = round_to(seq.dtype, p);
-    // FP8: the kernel sums the rounded P for l too (docs/numerics.md, FP8).
-    l += fp8 ? p_rounded : p;
+    const float p_rounded = fp8 ? round_to(seq.dtype, p * p_scale) / p_scale : round_to(seq.dtype, p);
+    l += p;
     for (std::size_t c = 0; c < d_v; ++c) acc[c] += p_rounded * value[u][c];
   }
   // O in the output dtype (bf16 for fp8 inputs, whose P is rounded to fp8 as an FP8 kernel's).

@@ -171,10 +171,11 @@ TEST(CudaBlockSparse, AllVisibleMaskEqualsDenseBitwise) {
 
 // ------------------------------------------------------------------ fp8
 
-// FP8's error does not grow with the number of keys a row sums. The row sums that normalise O
-// are sums of positive terms over the whole row, and an FP8 wgmma adds into its accumulator at
-// about 14 significant bits (truncating), so a kernel that kept a whole row's sum in the P·V
-// accumulator normalised long rows by a sum too low in proportion to the key count. Reference:
+// FP8's error does not grow with the number of keys a row sums. A long row holds many small
+// terms p = exp2(x - m): in [0, 1] e4m3 flushes those below 2^-10 to zero and keeps few bits of
+// those below 2^-6, a growing share of the row's mass as keys are added (the kernel's running
+// max sits 2^7 low so that they stay in range), and a row sum kept in an FP8 wgmma's accumulator
+// would lose the small terms' bits as well (it adds at about 14 significant bits). Reference:
 // the bf16 kernel on the same values (e4m3 -> bf16 is exact), whose own error is far smaller;
 // FP8's O and LSE errors against it at 32K keys stay within 1.5x / 2x (+ slack) those at 2K.
 TEST(CudaFp8, ErrorDoesNotGrowWithTheKeyCount) {

@@ -5,11 +5,12 @@ a real paged KV cache in vLLM's layout, CommonAttentionMetadata for mixed batche
 short prefills, prefix-cache hits, prefill chunks, fresh prompts), the builder and the impl's
 forward.
 
-* dense: every row equals FLASH_ATTN's forward on the same batch (decodes and short prefills
-  are FLASH_ATTN's own rows; long prefills our dense kernel within FlashAttention's rule
-  against an fp64 reference);
+* dense: every row meets FlashAttention's rule against an fp64 reference, as FLASH_ATTN's
+  forward on the same batch does (decodes and short prefills are FLASH_ATTN's own rows, on a
+  sub-batch; long prefills our dense kernel);
 * policies: the long prefills equal our own library call on each request's keys gathered
-  contiguous (no paging, no vLLM), with the same density; the other rows equal FLASH_ATTN;
+  contiguous (no paging, no vLLM), with the same density; the other rows are FLASH_ATTN's
+  (within FlashAttention's rule against fp64: FA3's schedule depends on the batch);
 * a layer we cannot run (sliding window) equals FLASH_ATTN and says why in one log line;
 * pure-decode steps are FLASH_ATTN's metadata alone (its CUDA graphs untouched)."""
 
@@ -166,8 +167,25 @@ class Setup:
         pages = self.table[r, :math.ceil(n / PAGE)].long().to(DEV)
         return (k_view[pages].reshape(-1, HKV, D)[:n], v_view[pages].reshape(-1, HKV, D)[:n])
 
+    def reference(self, r):
+        """Request r's fp64 reference and FlashAttention's low-precision one, [q_len, h_q, d]."""
+        k, v = self.contiguous_kv(r)
+        q = self.q[self.rows(r)][None]
+        return (ref_attention(q, k[None], v[None], causal=True)[0][0],
+                ref_attention(q, k[None], v[None], causal=True, low_precision=True)[0][0])
+
     def sparse_requests(self):
         return [r for r, (q, s) in enumerate(self.requests) if q > 1 and s >= MIN_SPARSE_LEN]
+
+
+def assert_flash_attn_rows(s, ours, fa, r):
+    """Request r is not sparse: its rows in ours are FLASH_ATTN's own, run on a sub-batch of the
+    step. FA3 picks its split-KV schedule from the batch, so they may differ from FLASH_ATTN's
+    forward on the whole batch by accumulation order (one seed: 2 of 204 800 values 1.4e-3
+    apart); both must meet FlashAttention's rule against the fp64 reference."""
+    ref, low = s.reference(r)
+    assert_calibrated(ours[s.rows(r)], ref, low, what=f"request {r} (FLASH_ATTN on a sub-batch)")
+    assert_calibrated(fa[s.rows(r)], ref, low, what=f"request {r} (FLASH_ATTN on the batch)")
 
 
 def dense_config(**extra):
@@ -182,18 +200,13 @@ def test_dense_equals_flash_attn_on_a_mixed_batch(model_dir, requests):
     sparse = s.sparse_requests()
     assert sorted(int(r) for call in meta.sparse for r in call.run.rows) == sparse and sparse
     assert torch.isfinite(ours).all(), "a row of the step was left unwritten"
-    for r, (q_len, seq_len) in enumerate(requests):
-        rows = s.rows(r)
+    for r in range(len(requests)):
         if r not in sparse:
-            # FLASH_ATTN's own rows, on a sub-batch of the step.
-            torch.testing.assert_close(ours[rows], fa[rows], atol=1e-3, rtol=1e-2)
+            assert_flash_attn_rows(s, ours, fa, r)
             continue
-        k, v = s.contiguous_kv(r)
-        q = s.q[rows][None]
-        ref = ref_attention(q, k[None], v[None], causal=True)[0][0]
-        low = ref_attention(q, k[None], v[None], causal=True, low_precision=True)[0][0]
-        assert_calibrated(ours[rows], ref, low, what=f"request {r} (ours)")
-        assert_calibrated(fa[rows], ref, low, what=f"request {r} (FLASH_ATTN)")
+        ref, low = s.reference(r)
+        assert_calibrated(ours[s.rows(r)], ref, low, what=f"request {r} (ours)")
+        assert_calibrated(fa[s.rows(r)], ref, low, what=f"request {r} (FLASH_ATTN)")
 
 
 POLICIES = {
@@ -258,7 +271,7 @@ def test_policies_equal_our_own_call_on_contiguous_keys(model_dir, gate_calibrat
         assert ours_call.density < 0.35  # the mask's 20% (more in short query blocks)
     for r in range(len(MIXED)):
         if r not in sparse:
-            torch.testing.assert_close(ours[s.rows(r)], fa[s.rows(r)], atol=1e-3, rtol=1e-2)
+            assert_flash_attn_rows(s, ours, fa, r)
     assert call.run.context_lens.tolist() == [s.requests[r][1] - s.requests[r][0] for r in sparse]
 
 
@@ -285,7 +298,7 @@ def test_a_layer_we_cannot_run_is_flash_attn_with_one_log_line(model_dir):
     mine = [line for line in handler.lines if line.startswith("sparseprefill: layer 1:")]
     assert mine == ["sparseprefill: layer 1: FLASH_ATTN for every row: sliding window 256 (not supported)"]
     assert meta.fa_full is not None  # the group has a FLASH_ATTN layer: its whole-batch metadata is built
-    torch.testing.assert_close(ours, s.run_fa(), atol=1e-3, rtol=1e-2)
+    torch.testing.assert_close(ours, s.run_fa(), atol=0, rtol=0)  # FLASH_ATTN itself, on the same batch
 
 
 def test_pure_decode_steps_are_flash_attn_alone(model_dir):

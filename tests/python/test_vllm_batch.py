@@ -11,7 +11,7 @@ import pytest
 
 import sparseprefill as sp
 from _refs import allowed_mask
-from sparseprefill.vllm import split_batch, synthetic_mask
+from sparseprefill.vllm import flex_lists, split_batch, synthetic_mask
 
 
 def batch(*requests):
@@ -193,3 +193,46 @@ def test_synthetic_masks_run_at_their_density_in_the_library():
 def test_synthetic_mask_refuses_bad_geometry(args, message):
     with pytest.raises(ValueError, match=message):
         synthetic_mask(*args)
+
+
+def test_flex_lists_hold_each_rows_blocks_ascending():
+    g = np.random.default_rng(5)
+    mask = g.random((2, 3, 5, 7)) < 0.4
+    mask[0, 0, 0] = False  # an empty row
+    mask[1, 2, 4] = True  # a full row
+    counts, indices = flex_lists(mask)
+    assert counts.dtype == np.int32 and indices.dtype == np.int32 and indices.flags.c_contiguous
+    assert counts.shape == (2, 3, 5) and indices.shape == (2, 3, 5, 7)
+    for row in np.ndindex(counts.shape):
+        n = int(counts[row])
+        assert n == int(mask[row].sum())
+        assert indices[row][:n].tolist() == np.flatnonzero(mask[row]).tolist()
+        assert not indices[row][n:].any()
+    counts, indices = flex_lists(np.zeros((1, 1, 2, 3), dtype=bool))
+    assert counts.tolist() == [[[0, 0]]] and indices.shape == (1, 1, 2, 1)
+
+
+def test_flex_lists_run_as_the_block_map_does():
+    """The synthetic mask in list form (as the backend hands it to the device) and as a block
+    map give the same output and density on the library's CPU backend."""
+    q_lens, k_lens, block = [96, 40], [96, 200], 16
+    mask = synthetic_mask(q_lens, k_lens, block, 0.3)
+    counts, indices = flex_lists(mask)
+    g = np.random.default_rng(4)
+    q = g.standard_normal((sum(q_lens), 4, 32)).astype(np.float32)
+    k = g.standard_normal((sum(k_lens), 2, 32)).astype(np.float32)
+    v = g.standard_normal((sum(k_lens), 2, 32)).astype(np.float32)
+    cu_q = np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32)
+    cu_k = np.concatenate([[0], np.cumsum(k_lens)]).astype(np.int32)
+    runs = [sp.run(q, k, v, policy, causal=True, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, backend="cpu")
+            for policy in (sp.BlockSparse(dense=mask, block_q=block, block_k=block),
+                           sp.BlockSparse(kv_num_blocks=counts, kv_indices=indices, block_q=block, block_k=block))]
+    assert np.array_equal(runs[0].out, runs[1].out)
+    assert runs[0].stats.density == runs[1].stats.density < 0.5
+
+
+def test_flex_lists_refuse_what_is_not_a_block_map():
+    with pytest.raises(ValueError, match="bool block map"):
+        flex_lists(np.ones((2, 3, 4), dtype=bool))
+    with pytest.raises(ValueError, match="bool block map"):
+        flex_lists(np.ones((1, 1, 2, 3), dtype=np.int32))

@@ -14,11 +14,11 @@ nor torch; sparseprefill.vllm.backend holds the vLLM classes."""
 
 from __future__ import annotations
 
-from .batch import BatchSplit, DenseRun, SparseRun, split_batch, synthetic_mask
+from .batch import BatchSplit, DenseRun, SparseRun, flex_lists, split_batch, synthetic_mask
 from .config import (LayerDecision, LayerSpec, PolicySpec, SparsePrefillConfig, SyntheticDensity, decide_layer,
                      layer_policy, parse_config, rank_heads, rank_thresholds)
 
-__all__ = ["BACKEND", "register", "BatchSplit", "DenseRun", "SparseRun", "split_batch", "synthetic_mask",
+__all__ = ["BACKEND", "register", "BatchSplit", "DenseRun", "SparseRun", "flex_lists", "split_batch", "synthetic_mask",
            "LayerDecision", "LayerSpec", "PolicySpec", "SparsePrefillConfig", "SyntheticDensity", "decide_layer",
            "layer_policy", "parse_config", "rank_heads", "rank_thresholds"]
 

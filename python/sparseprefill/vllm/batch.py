@@ -22,7 +22,7 @@ from typing import Any, Tuple
 
 import numpy as np
 
-__all__ = ["DenseRun", "SparseRun", "BatchSplit", "split_batch", "synthetic_mask"]
+__all__ = ["DenseRun", "SparseRun", "BatchSplit", "split_batch", "synthetic_mask", "flex_lists"]
 
 
 @dataclass(frozen=True)
@@ -147,3 +147,19 @@ def synthetic_mask(query_lens: Any, key_lens: Any, block: int, density: float) -
             mask[b, 0, qb, others] = True
             mask[b, 0, qb, visible - 1] = True
     return mask
+
+
+def flex_lists(mask: Any) -> Tuple[np.ndarray, np.ndarray]:
+    """A bool block map [B, H, Q, K] in FlexAttention's list form, which the library reads in
+    place on the device (no host planning of the mask): (kv_num_blocks int32 [B, H, Q], each
+    row's count of True; kv_indices int32 [B, H, Q, W], a row's key blocks ascending in its
+    first count entries and 0 after them), W = max(1, the largest count)."""
+    m = np.asarray(mask)
+    if m.dtype != np.bool_ or m.ndim != 4:
+        raise ValueError(f"mask: expected a bool block map [B, H, Q, K], got {m.dtype} of shape {m.shape}")
+    counts = m.sum(axis=-1, dtype=np.int32)
+    width = max(1, int(counts.max(initial=0)))
+    # A stable sort of "not selected" puts a row's selected blocks first, in ascending order.
+    order = np.argsort(~m, axis=-1, kind="stable")[..., :width].astype(np.int32)
+    indices = np.where(np.arange(width, dtype=np.int32) < counts[..., None], order, np.int32(0))
+    return counts, np.ascontiguousarray(indices, dtype=np.int32)

@@ -9,8 +9,12 @@ running engine and read the density our calls had, without an engine restart.
     llm.collective_rpc("sparseprefill_collect", args=(True,))    # start recording our calls
     llm.generate(...)
     llm.collective_rpc("sparseprefill_collect", args=(False,))   # -> one summary per worker
+    llm.collective_rpc("sparseprefill_profile", args=(True,))    # torch.profiler over the steps
+    llm.generate(...)
+    llm.collective_rpc("sparseprefill_profile", args=(False,))   # -> the tables, per worker
 
-Recording statistics synchronises once per call: time with it off."""
+Recording statistics synchronises once per call, and profiling slows the host: time with both
+off."""
 
 from __future__ import annotations
 
@@ -25,6 +29,7 @@ class SparsePrefillWorkerExtension:
     """Mixed into vLLM's worker class (so `self` is the worker); runs between steps."""
 
     _collecting: Any = None
+    _profiling: Any = None
 
     def sparseprefill_configure(self, additional_config: Dict[str, Any]) -> str:
         """Replaces the configuration (additional_config's form); the layers decide again at the
@@ -53,3 +58,25 @@ class SparsePrefillWorkerExtension:
             return {"calls": 0, "density": None, "per_layer": {}}
         return {"calls": len(log.calls), "density": log.density(),
                 "per_layer": {str(k): v for k, v in log.per_layer().items()}}
+
+    def sparseprefill_profile(self, start: bool, rows: int = 25) -> Optional[str]:
+        """start=True starts torch.profiler (host and CUDA activity) in this worker; start=False
+        stops it and returns its operator tables: the `rows` costliest by self CUDA time, then by
+        self CPU time (where a step's time goes: kernels, or host work between them)."""
+        import torch
+
+        if start:
+            if self._profiling is not None:
+                raise RuntimeError("sparseprefill_profile: already profiling")
+            activities = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+            self._profiling = torch.profiler.profile(activities=activities)
+            self._profiling.__enter__()
+            return None
+        if self._profiling is None:
+            raise RuntimeError("sparseprefill_profile: not profiling (call with start=True first)")
+        prof, self._profiling = self._profiling, None
+        torch.cuda.synchronize()
+        prof.__exit__(None, None, None)
+        averages = prof.key_averages()
+        return "\n".join([averages.table(sort_by="self_cuda_time_total", row_limit=rows),
+                          averages.table(sort_by="self_cpu_time_total", row_limit=rows)])

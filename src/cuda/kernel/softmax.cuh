@@ -73,21 +73,26 @@ __device__ __forceinline__ void row_max(const float (&s)[kM][kN][4], float (&mx)
 constexpr float kLazyMaxLog2 = tuning::kLazyMaxLog2;
 
 // Whether a row with running max m (log2 domain) must move it to include a tile whose raw row
-// max is mx: the scaled max exceeds m by more than kLazyMaxLog2, or m is -inf (no key seen
-// yet: -inf - -inf is NaN too) or a NaN is involved, where rescale's exact rules apply. A row
-// that keeps m has a finite m (or +inf, which only an infinite score gives, and then l is
-// already NaN).
-__device__ __forceinline__ bool row_must_move(float m, float mx, float scale_log2) {
-  return !(mx * scale_log2 - m <= kLazyMaxLog2);
+// max is mx: the scaled max exceeds m by more than lazy_max (kLazyMaxLog2; the FP8 kernel's is
+// its own), or m is -inf (no key seen yet: -inf - -inf is NaN too) or a NaN is involved, where
+// rescale's exact rules apply. A row that keeps m has a finite m (or +inf, which only an
+// infinite score gives, and then l is already NaN).
+__device__ __forceinline__ bool row_must_move(float m, float mx, float scale_log2, float lazy_max = kLazyMaxLog2) {
+  return !(mx * scale_log2 - m <= lazy_max);
 }
 
 // One row's running max m (log2 domain) moved to include a tile whose raw row max is mx: the
 // max the tile's exponents subtract (m_use) and the factor of the row's l and O
 // (alpha = exp2(m_old - m_use)). When the new max is -inf (the row has seen no key, this tile
 // included) m_use is 0, so exp2(-inf - 0) = 0 and no -inf - (-inf) = NaN appears; alpha is then
-// exp2(-inf) = 0 on an all-zero accumulator.
+// exp2(-inf) = 0 on an all-zero accumulator. kBias: m is kept kBias below the true max, so the
+// exponents come out 2^kBias larger (the FP8 kernel's kFp8PLog2Offset; l and O carry the factor,
+// and the LSE m + log2 l is unchanged).
+template <int kBias = 0>
 __device__ __forceinline__ void move_row(float& m, float mx, float scale_log2, float& m_use, float& alpha) {
-  const float m_new = ptx::max_nan(m, mx * scale_log2);
+  float tile_max = mx * scale_log2;
+  if constexpr (kBias != 0) tile_max -= static_cast<float>(kBias);
+  const float m_new = ptx::max_nan(m, tile_max);
   m_use = m_new == -INFINITY ? 0.f : m_new;
   alpha = ptx::exp2f_fast(m - m_use);
   m = m_new;

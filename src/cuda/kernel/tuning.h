@@ -79,12 +79,6 @@ SP_HD constexpr bool hopper_q_in_registers(bool fp8, bool paged, int head_dim) {
   return !fp8 && !paged && head_dim == 128;
 }
 
-// The row sum l accumulated by the P·V wgmma (an extra column) instead of by the softmax
-// warps: FP8 only.
-// reproduce: A/B three.patch,fp8.patch --lengths 16384,65536 --structured-lengths 131072
-//            (record 2026-11-30-h200-hopper-round-copies-fp8-rowsum-ab.log)
-SP_HD constexpr bool hopper_row_sum_in_pv(bool fp8) { return fp8; }
-
 // Registers of the producer and consumer warpgroups (setmaxnreg): contiguous 24 / 240; paged
 // (the producer gathers or walks the block table) 56 / 224 at d 128 and 40 / 232 at d 64.
 // reproduce: scripts/gpu_check.sh OUT (resources.txt) and the paged rows of
@@ -117,6 +111,19 @@ SP_HD constexpr bool portable_fragments_ahead(bool gated) { return !gated; }
 // exceeds it by more than this, in log2 units (exact: the final O and LSE use the true max).
 // reproduce: bench/run_benchmarks.sh OUT (records 2026-11-30-h200-lazy-rescale, -portable-lazy-rescale)
 constexpr float kLazyMaxLog2 = 8.f;
+
+// FP8 P: e4m3 keeps 3 mantissa bits from 2^-6 (subnormals to 2^-9) up to 448, so p = exp2(x - m)
+// in [0, 1] loses the many small terms of a long row (at 32K keys of the uniform(-3, 3) test
+// inputs a fifth of a row's mass: its LSE 0.22 low). The FP8 kernel keeps its running max
+// kFp8PLog2Offset below the true one, so p comes out 2^offset times larger (O and l alike; the
+// LSE is m + log2 l as ever), and moves it lazily only within kFp8LazyMaxLog2 of that, so that p
+// stays below 2^(offset + lazy) = 2^8.5 = 362 < 448.
+// reproduce: CudaFp8.ErrorDoesNotGrowWithTheKeyCount and bench/run_benchmarks.sh OUT
+//            --impls sdpa_cudnn,ours_dense,ours_dense_fp8 (records 2026-12-01-h200-gpu-suite-redesign,
+//            -redesign-ab)
+constexpr int kFp8PLog2Offset = 7;
+constexpr float kFp8LazyMaxLog2 = 1.5f;
+static_assert(kFp8PLog2Offset + kFp8LazyMaxLog2 <= 8.5f, "p must stay below e4m3's 448");
 
 // ---------------------------------------------------------------- estimate_select's selector
 

@@ -59,16 +59,10 @@ struct FwdConfig {
   static constexpr int kHalfBytes = kTileN * kRowBytes;  // one [128][128 B] box: 16 KB
   static constexpr int kTileBytes = kHalves * kHalfBytes;
   static constexpr int kDFrags = kHeadDim / 8;  // n8 fragments of an output row
-  // FP8: P·V's B is Vᵀ plus one 8-row atom of e4m3 ones (wgmma N = 136), so that the output
-  // accumulator's extra fragment sums the rounded P of each row: l without 64 FADDs per tile
-  // (and O / l then normalises by exactly the weights P·V used). Each V stage is followed by
-  // its ones atom, written once before the loop. The fragment is emptied into RowStats::l after
-  // every P·V (take_row_sums): an FP8 wgmma adds into its accumulator with about 14 significant
-  // bits, truncating, so a sum of positive terms over a whole long row would come out low in
-  // proportion to the number of adds, while one tile's sum stays exact to that width.
-  static constexpr bool kRowSumInPv = tuning::hopper_row_sum_in_pv(kFp8);
-  static constexpr int kOFrags = kDFrags + (kRowSumInPv ? 1 : 0);
-  static constexpr int kVStageBytes = kTileBytes + (kRowSumInPv ? kAtomBytes : 0);
+  // FP8 keeps its running max 2^kPLog2Offset below the true one, moving it lazily within its own
+  // bound (tuning.h: e4m3's range).
+  static constexpr int kPLog2Offset = kFp8 ? tuning::kFp8PLog2Offset : 0;
+  static constexpr float kLazyMaxLog2 = kFp8 ? tuning::kFp8LazyMaxLog2 : tuning::kLazyMaxLog2;
   // wgmma K steps of 32 bytes: k16 of 16-bit elements, k32 of e4m3.
   static constexpr int kQkSteps = kHeadDim * kElemBytes / 32;
   static constexpr int kPvSteps = kTileN * kElemBytes / 32;
@@ -106,7 +100,7 @@ struct alignas(1024) Smem {
   // starts on a 1024-byte boundary (the swizzle is a function of the address bits).
   std::uint8_t q[Cfg::kTileBytes];
   std::uint8_t k[Cfg::kStages][Cfg::kTileBytes];
-  std::uint8_t v[Cfg::kStages][Cfg::kVStageBytes];  // + FP8's ones atom (kRowSumInPv)
+  std::uint8_t v[Cfg::kStages][Cfg::kTileBytes];
   // mbarriers, named after the event they signal.
   std::uint64_t q_loaded;                 // TMA -> consumers, once
   std::uint64_t k_loaded[Cfg::kStages];   // TMA -> consumers (transaction bytes)
@@ -200,26 +194,27 @@ __device__ __forceinline__ void row_max_tile(const float (&s)[1][16][4], float (
 }
 
 // Moves the running statistics to include a raw score tile s whose row maxima are mx
-// (row_max_tile) and turns s into p = exp2(s·scale_log2 - m_use) in place, adding p to l. The
+// (row_max_tile) and turns s into p = exp2(s·scale_log2 - m_use) in place, adding p to l
+// (m: Cfg::kPLog2Offset below the true max). The
 // output accumulator may still be in flight (the previous P·V), so its factor
 // alpha = exp2(m_old - m_use) is returned for scale_acc once that P·V has completed. A row that
 // has seen no key (m = -inf) gets alpha = 0 and p = 0. lazy: a row keeps m, with alpha = 1,
 // while row_must_move says it may (softmax.cuh); returns whether some row of the warp moved m,
-// i.e. whether O needs scale_acc (warp-uniform). kSumL = false (FwdConfig::kRowSumInPv): l is
-// not summed here, P·V sums P into the accumulator's extra fragment (take_row_sums), and the
-// caller rescales st.l with O.
-template <bool kSumL>
+// i.e. whether O needs scale_acc (warp-uniform).
+template <class Cfg>
 __device__ __forceinline__ bool softmax_tile(float (&s)[1][16][4], const float (&mx)[2], RowStats<1>& st,
                                              float scale_log2, bool lazy, float (&alpha)[2]) {
+  // m sits kPLog2Offset below the true max, which lazy keeps within kLazyMaxLog2 of it.
+  constexpr float kLazyMax = Cfg::kLazyMaxLog2 + static_cast<float>(Cfg::kPLog2Offset);
   float m_use[2];
   bool moved = false;
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
-    const bool move = !lazy || row_must_move(st.m[r], mx[r], scale_log2);
+    const bool move = !lazy || row_must_move(st.m[r], mx[r], scale_log2, kLazyMax);
     moved |= move;
     if (move) {
-      move_row(st.m[r], mx[r], scale_log2, m_use[r], alpha[r]);
-      if constexpr (kSumL) st.l[r] *= alpha[r];
+      move_row<Cfg::kPLog2Offset>(st.m[r], mx[r], scale_log2, m_use[r], alpha[r]);
+      st.l[r] *= alpha[r];
     } else {
       m_use[r] = st.m[r];
       alpha[r] = 1.f;
@@ -230,21 +225,10 @@ __device__ __forceinline__ bool softmax_tile(float (&s)[1][16][4], const float (
 #pragma unroll
     for (int e = 0; e < 4; ++e) {
       s[0][j][e] = ptx::exp2f_fast(fmaf(s[0][j][e], scale_log2, -m_use[e / 2]));
-      if constexpr (kSumL) st.l[e / 2] += s[0][j][e];
+      st.l[e / 2] += s[0][j][e];
     }
   }
   return !lazy || __any_sync(0xffffffffu, moved);
-}
-
-// kRowSumInPv: moves the row sums that the last P·V added to the accumulator's ones fragment
-// o[kOFrags - 1] (every column of a row holds the row's sum) into st.l and empties the fragment;
-// st.l then holds the rows' whole sums on every thread of the quad, under the same m as O.
-template <int kOFrags>
-__device__ __forceinline__ void take_row_sums(float (&o)[kOFrags][4], RowStats<1>& st) {
-#pragma unroll
-  for (int r = 0; r < 2; ++r) st.l[r] += o[kOFrags - 1][2 * r];
-#pragma unroll
-  for (int e = 0; e < 4; ++e) o[kOFrags - 1][e] = 0.f;
 }
 
 template <int kDFrags>
@@ -347,7 +331,7 @@ __device__ __forceinline__ void load_q_frags(std::uint32_t (&qf)[Cfg::kQkSteps][
 
 // O += P·V with P in registers (pack_p), as one commit group.
 template <class Cfg>
-__device__ __forceinline__ void wgmma_pv(float (&o)[Cfg::kOFrags][4], const std::uint32_t (&pf)[Cfg::kPvSteps][4],
+__device__ __forceinline__ void wgmma_pv(float (&o)[Cfg::kDFrags][4], const std::uint32_t (&pf)[Cfg::kPvSteps][4],
                                          std::uint64_t v) {
   hw::wgmma_fence();
 #pragma unroll
@@ -565,18 +549,6 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
     const int count = means ? collect_mean_tiles<kTileN>(p, mean_bits, mean_blocks_seq, threadIdx.x % 32, sm.mean_tiles) : 0;
     if (threadIdx.x % 32 == 0) sm.num_mean_tiles = count;
   }
-  if constexpr (Cfg::kRowSumInPv) {
-    // The ones atom after each V stage: e4m3 1.0 (0x38) in every byte, which any swizzle leaves
-    // as it is; generic-proxy stores, fenced for the wgmma's async-proxy reads.
-    if (warpgroup == 1) {
-      constexpr int kChunks = Cfg::kAtomBytes / 16;
-      for (int i = threadIdx.x - 128; i < Cfg::kStages * kChunks; i += 128) {
-        reinterpret_cast<uint4*>(sm.v[i / kChunks] + Cfg::kTileBytes)[i % kChunks] =
-            make_uint4(0x38383838u, 0x38383838u, 0x38383838u, 0x38383838u);
-      }
-      hw::fence_proxy_async();
-    }
-  }
   __syncthreads();
   // Positions 0 .. n_reg-1 are key blocks, then the mean tiles. n_visit = 0: every row of the
   // block sees no key (or the mask selects none).
@@ -728,14 +700,14 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
   const int lane = threadIdx.x % 32;
   const int r0 = wg * 64 + warp * 16 + lane / 4;  // the thread's first tile row; also r0 + 8
   // The query rows (relative to row0) of the thread's two tile rows; their heads are computed
-  // where the epilogue needs them (registers: FP8's extra accumulator fragment, kRowSumInPv).
+  // where the epilogue needs them (registers).
   int qrow[2];
 #pragma unroll
   for (int r = 0; r < 2; ++r) qrow[r] = tile_row0 + (r0 + 8 * r) / pack;
   std::uint32_t* kept_row = wg == 0 && warp == 0 && lane == 0 ? kept_row_of(p, b, h, qb) : nullptr;
 
   float s[1][16][4];            // scores, then p: [64 x 128] per warpgroup
-  float o[Cfg::kOFrags][4];     // output accumulator [64 x d] (+ FP8's row sums: kRowSumInPv)
+  float o[Cfg::kDFrags][4];     // output accumulator [64 x d]
   std::uint32_t pf[Cfg::kPvSteps][4];  // P as A fragments (16-bit or e4m3)
   RowStats<1> stats;
   init_row_stats(stats);
@@ -861,7 +833,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
       row_max_tile(s, mx);
       const bool keep = !gated || vote(it, mx);
       float alpha[2] = {1.f, 1.f};
-      const bool moved = keep && softmax_tile<!Cfg::kRowSumInPv>(s, mx, stats, scale_log2, !kGated || lazy, alpha);
+      const bool moved = keep && softmax_tile<Cfg>(s, mx, stats, scale_log2, !kGated || lazy, alpha);
       // This warpgroup's previous P·V is still in flight; the wait for it ends the round. ptxas
       // hoists a wgmma wait to the top of its basic block, which in the plain and mean-tile
       // rounds put it before the row max: their softmax waited for the P·V it should overlap.
@@ -875,14 +847,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
       if constexpr (Cfg::kFp8) {
         hw::wgmma_wait<0>();  // P·V done: its P registers and V stage are free
         hw::fence_regs(o);
-        if constexpr (Cfg::kRowSumInPv) take_row_sums(o, stats);
-        if (moved) {  // for this tile's P·V, next round
-          scale_acc(o, alpha);
-          if constexpr (Cfg::kRowSumInPv) {
-#pragma unroll
-            for (int r = 0; r < 2; ++r) stats.l[r] *= alpha[r];
-          }
-        }
+        if (moved) scale_acc(o, alpha);  // for this tile's P·V, next round
       } else if (moved) {
         hw::wgmma_wait<0>();
         hw::fence_regs(o);
@@ -935,11 +900,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
     float o_scale, lse;
-    // kRowSumInPv: every thread of the quad holds the row's whole sum (taken sums plus the last
-    // P·V's fragment); the first brings it to finalize_row's quad reduction.
-    const float l_part =
-        !Cfg::kRowSumInPv ? stats.l[r] : lane % 4 == 0 ? stats.l[r] + o[Cfg::kOFrags - 1][2 * r] : 0.f;
-    finalize_row(stats.m[r], l_part, &o_scale, &lse);
+    finalize_row(stats.m[r], stats.l[r], &o_scale, &lse);
     o_scale *= o_descale;
     const int row = qrow[r];
     const int qhead = h + (r0 + 8 * r) % pack;

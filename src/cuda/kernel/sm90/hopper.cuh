@@ -143,7 +143,6 @@ __device__ __forceinline__ void fence_regs(float (&a)[kN][4]) {
 #define SP_ACC64(a)                                                                                              \
   SP_ACC32(a), SP_F4(a, 8), SP_F4(a, 9), SP_F4(a, 10), SP_F4(a, 11), SP_F4(a, 12), SP_F4(a, 13), SP_F4(a, 14), \
       SP_F4(a, 15)
-#define SP_ACC68(a) SP_ACC64(a), SP_F4(a, 16)
 #define SP_D32                                                                                                      \
   "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, " \
   "%24, %25, %26, %27, %28, %29, %30, %31}"
@@ -151,10 +150,6 @@ __device__ __forceinline__ void fence_regs(float (&a)[kN][4]) {
   "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, " \
   "%24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, "  \
   "%46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}"
-#define SP_D68                                                                                                      \
-  "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, " \
-  "%24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, "  \
-  "%46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63, %64, %65, %66, %67}"
 #define SP_WGMMA_SS_N128(TY)                                                                      \
   asm volatile(                                                                                   \
       "{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n"                                                \
@@ -251,15 +246,13 @@ __device__ __forceinline__ void wgmma_ss_e4m3(float (&d)[16][4], std::uint64_t d
       : "l"(desc_a), "l"(desc_b), "r"(accumulate));
 }
 
-// FP8: d[64 x 136] += A[64 x 32] · B[32 x 136], A from registers: four 32-bit registers of four
-// e4m3 each, register r holding row g + 8·(r % 2) and k = 16·(r / 2) + 4t .. + 3 of the
-// thread (lane 4g + t) of its warp's 16 rows; B K-major in shared memory. N = 136: the forward
-// kernel's B is Vᵀ (128 rows) followed by 8 rows of ones, so d[16] accumulates A's row sums.
-__device__ __forceinline__ void wgmma_rs_e4m3(float (&d)[17][4], const std::uint32_t (&a)[4], std::uint64_t desc_b) {
+// FP8: d[64 x 128] += A[64 x 32] · B[32 x 128], A from registers as wgmma_rs_e4m3 below, B
+// K-major in shared memory (the forward kernel's Vᵀ).
+__device__ __forceinline__ void wgmma_rs_e4m3(float (&d)[16][4], const std::uint32_t (&a)[4], std::uint64_t desc_b) {
   asm volatile(
-      "{\n.reg .pred p;\nsetp.ne.b32 p, %73, 0;\n"
-      "wgmma.mma_async.sync.aligned.m64n136k32.f32.e4m3.e4m3 " SP_D68 ", {%68, %69, %70, %71}, %72, p, 1, 1;\n}\n"
-      : SP_ACC68(d)
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %69, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n128k32.f32.e4m3.e4m3 " SP_D64 ", {%64, %65, %66, %67}, %68, p, 1, 1;\n}\n"
+      : SP_ACC64(d)
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(1));
 }
 
@@ -268,10 +261,8 @@ __device__ __forceinline__ void wgmma_rs_e4m3(float (&d)[17][4], const std::uint
 #undef SP_WGMMA_RS_N128
 #undef SP_WGMMA_RS_N64
 #undef SP_WGMMA_RS_KMAJOR_N128
-#undef SP_D68
 #undef SP_D64
 #undef SP_D32
-#undef SP_ACC68
 #undef SP_ACC64
 #undef SP_ACC32
 #undef SP_F4
