@@ -53,7 +53,9 @@ struct SeqGeometry {
   SP_HD std::int64_t last_key_at(std::int64_t a) const {
     if (s_k <= 0) return -1;
     std::int64_t last = s_k - 1;
-    if (reach() >= 0) last = min64(last, a + reach());
+    // reach()'s bound, written as before windows ran (the window-free kernels' SASS).
+    if (causal) last = min64(last, a);
+    if (window_right >= 0) last = min64(last, a + window_right);
     if (last < first_key_at(a)) return -1;
     return last;
   }

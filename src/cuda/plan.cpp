@@ -69,7 +69,8 @@ std::string support_summary() {
          "the portable path there): " +
          compiled_fwd90_summary() + "; paged K/V (any page size): every policy on the portable path; "
          "fp8_e4m3 inputs: dense and block_sparse on the Hopper path, head_dim 128, contiguous K/V; local windows "
-         "(window_size): dense and block_sparse on both paths; not on CUDA: fp32";
+         "(window_size): dense and block_sparse on both paths, with softcap and learned sinks on bf16 and fp16; "
+         "not on CUDA: fp32";
 }
 
 bool tma_describable(const TensorView& t) {
@@ -243,23 +244,29 @@ int dense_block_k(int head_dim) {
 
 namespace {
 
-// The model-family features the kernels do not take yet (docs/cuda.md, support matrix): each
-// refused by name, so that backend auto on CUDA tensors fails clearly instead of computing
-// something else; the reference and cpu backends run them all. A local window runs for dense
-// and block_sparse, whose visits and element masks the forward kernels take from the window's
-// geometry (FwdParams::window_left / window_right); the other policies' decision kernels
-// (exact_gate's, the selector, permute_stop's ranking) and in-loop gates do not read it yet.
+// The model-family features the kernels take, and those they do not take yet (docs/cuda.md,
+// support matrix), each refused by name, so that backend auto on CUDA tensors fails clearly
+// instead of computing something else; the reference and cpu backends run them all. A local
+// window, a softcap and learned sinks run for dense and block_sparse in the forward kernels'
+// kFeatures kernel (FwdParams; softcap and sinks on 16-bit inputs); the other policies' decision
+// kernels (exact_gate's, the selector, permute_stop's ranking) and in-loop gates read none of
+// them yet.
 Status check_features(const ProblemShape& shape, const Policy& policy) {
   const char* host = "; the reference and cpu backends run it";
-  const bool windowed_policy =
+  const bool featured_policy =
       std::holds_alternative<DenseParams>(policy) || std::holds_alternative<BlockSparseParams>(policy);
-  if (shape.local() && !windowed_policy) {
-    return unsupported(std::string("window_left/window_right: local (sliding-window) attention runs dense and "
-                                   "block_sparse on CUDA, not ") +
-                       policy_name(policy) + host);
+  const auto refuse_other_policies = [&](const char* feature) {
+    return unsupported(std::string(feature) + " runs dense and block_sparse on CUDA, not " + policy_name(policy) + host);
+  };
+  if (shape.local() && !featured_policy) {
+    return refuse_other_policies("window_left/window_right: local (sliding-window) attention");
   }
-  if (shape.softcap != 0.0) return unsupported("softcap: score soft-capping has no CUDA kernel yet" + std::string(host));
-  if (shape.sinks) return unsupported("sinks: learned attention sinks have no CUDA kernel yet" + std::string(host));
+  if (shape.softcap != 0.0 && !featured_policy) return refuse_other_policies("softcap: score soft-capping");
+  if (shape.sinks && !featured_policy) return refuse_other_policies("sinks: learned attention sinks");
+  if ((shape.softcap != 0.0 || shape.sinks) && shape.dtype == DType::kFP8E4M3) {
+    return unsupported(std::string(shape.sinks ? "sinks" : "softcap") +
+                       ": fp8_e4m3 inputs on CUDA take no softcap or sinks (bf16 and fp16 do)" + host);
+  }
   if (shape.d_v != shape.d) {
     return unsupported("v: a V head dim unlike Q/K's (d_v " + std::to_string(shape.d_v) + ", d " + std::to_string(shape.d) +
                        ") has no CUDA kernel yet" + host);
@@ -425,6 +432,16 @@ FwdParams make_fwd_params(const AttentionProblem& problem, const ProblemShape& s
   }
   p.scale = static_cast<float>(shape.scale);
   p.scale_log2 = static_cast<float>(shape.scale * 1.4426950408889634);  // scale · log2(e)
+  if (shape.softcap != 0.0) {  // the capped score is the logit: the softmax then scales by 1
+    p.softcap = static_cast<float>(shape.softcap);
+    p.cap_scale = p.scale;
+    p.scale = 1.f;
+    p.scale_log2 = 1.4426950408889634f;
+  }
+  if (shape.sinks) {
+    p.sinks = static_cast<const float*>(problem.sinks.data);
+    p.sinks_stride = problem.sinks.stride[0];
+  }
   p.mode = PolicyMode::kDense;
   p.block_k = block_k;
   const TensorView* descales[3] = {&problem.q_descale, &problem.k_descale, &problem.v_descale};

@@ -105,21 +105,19 @@ TestProblem make_problem(const Inputs& in, const Features& f, Layout layout = La
 }
 
 // Why CUDA refuses the features of tp under `policy` (a fragment of its message), "" when it
-// takes them: local windows outside dense and block_sparse, softcap, sinks, a V head dim unlike
-// Q/K's and head dims other than 64 and 128 have no kernel yet (docs/cuda.md), and
-// check_support names them before anything else.
+// takes them: local windows, softcap and sinks run dense and block_sparse only (softcap and sinks
+// on 16-bit inputs); a V head dim unlike Q/K's and head dims other than 64 and 128 have no
+// kernel yet (docs/cuda.md), and check_support names them before anything else.
 std::string cuda_feature_refusal(const TestProblem& tp, const Policy& policy) {
   ProblemShape s;
   EXPECT_TRUE(validate_problem(tp.problem(), nullptr, &s).ok());
-  const bool windowed_policy =
+  const bool featured_policy =
       std::holds_alternative<DenseParams>(policy) || std::holds_alternative<BlockSparseParams>(policy);
-  if (s.local() && !windowed_policy) {
-    return std::string("window_left/window_right: local (sliding-window) attention runs dense and block_sparse on "
-                       "CUDA, not ") +
-           policy_name(policy);
-  }
-  if (s.softcap != 0.0) return "softcap: score soft-capping has no CUDA kernel yet";
-  if (s.sinks) return "sinks: learned attention sinks have no CUDA kernel yet";
+  const std::string others = std::string(" runs dense and block_sparse on CUDA, not ") + policy_name(policy);
+  if (s.local() && !featured_policy) return "window_left/window_right: local (sliding-window) attention" + others;
+  if (s.softcap != 0.0 && !featured_policy) return "softcap: score soft-capping" + others;
+  if (s.sinks && !featured_policy) return "sinks: learned attention sinks" + others;
+  if ((s.softcap != 0.0 || s.sinks) && s.dtype == DType::kFP8E4M3) return "fp8_e4m3 inputs on CUDA take no softcap or sinks";
   if (s.d_v != s.d) return "v: a V head dim unlike Q/K's (d_v " + std::to_string(s.d_v) + ", d " + std::to_string(s.d) + ")";
   if (s.d != 64 && s.d != 128) return "head_dim " + std::to_string(s.d);
   return {};

@@ -72,8 +72,9 @@ def test_window_minus_one_zero_is_causal_and_scale_is_used(device):
 
 
 # The model-family features (docs/semantics.md §1) on the CPU backend against float64, in every
-# FlashAttention layout; the CUDA backend runs local windows (dense and block_sparse:
-# test_local_windows_on_cuda) and refuses the others by name (bad_cases). Each case names its
+# FlashAttention layout; the CUDA backend runs local windows, softcap and sinks (dense and
+# block_sparse: test_model_family_features_on_cuda) and refuses the others by name (bad_cases).
+# Each case names its
 # keyword arguments of flash_attn_func plus the head dims d (q, k) and d_v (v).
 FEATURE_CASES = {
     "sliding window 8": dict(causal=True, window_size=(7, 0)),
@@ -142,17 +143,21 @@ def test_model_family_features_match_float64(dtype, case, s_q, s_k):
     assert torch.equal(out_p, out)
 
 
-WINDOW_CASES = [c for c, a in FEATURE_CASES.items() if "window_size" in a and set(a) <= {"causal", "window_size"}]
+# The features the CUDA kernels take (dense and block_sparse): windows, softcap and sinks, not a V
+# head dim unlike Q/K's or head dims other than 64 and 128.
+CUDA_FEATURE_CASES = [c for c, a in FEATURE_CASES.items() if set(a) <= {"causal", "window_size", "softcap", "sinks"}]
 
 
-@pytest.mark.skipif("cuda" not in DEVICES, reason="the CUDA kernels run local windows")
-@pytest.mark.parametrize("case", WINDOW_CASES)
+@pytest.mark.skipif("cuda" not in DEVICES, reason="the CUDA kernels run windows, softcap and sinks")
+@pytest.mark.parametrize("case", CUDA_FEATURE_CASES)
 @pytest.mark.parametrize("s_q,s_k", [(37, 53), (53, 37), (300, 700)])
-def test_local_windows_on_cuda(case, s_q, s_k):
-    # Dense attention under FlashAttention's window_size on the CUDA kernels against float64, and
-    # the paged cache call equal to it; an all-visible block mask (sp.BlockSparse) too.
+def test_model_family_features_on_cuda(case, s_q, s_k):
+    # Dense attention with FlashAttention's window_size, softcap and sinks on the CUDA kernels
+    # against float64, and the paged cache call equal to it.
     q, k, v, args, ref = feature_call(case, torch.bfloat16, s_q, s_k)
     q, k, v = q.cuda(), k.cuda(), v.cuda()
+    if "sinks" in args:
+        args["sinks"] = ref["sinks"] = args["sinks"].cuda()
     want, want_lse = attention(q, k, v, **ref)
     low = attention(q, k, v, low_precision=True, **ref)[0]
     out, lse = flash_attn_func(q, k, v, return_softmax_lse=True, **args)
@@ -644,16 +649,19 @@ def bad_cases(device):
              sp.InvalidArgumentError, "out: expected q's device"),
             ("sinks device", lambda: flash_attn_func(qc, kc, vc, sinks=torch.zeros(2)), sp.InvalidArgumentError,
              "sinks: expected q's device"),
-            # The CUDA kernels take the model-family features but dense and block_sparse under a
-            # local window (test_local_windows_on_cuda) not yet: each is refused by name.
+            # The CUDA kernels take local windows, softcap and sinks for dense and block_sparse
+            # only (test_model_family_features_on_cuda) and a V head dim unlike Q/K's not yet:
+            # each is refused by name.
             ("cuda window", lambda: flash_attn_func(qc, kc, vc, causal=True, window_size=(3, 0),
                                                     policy=sp.SoftmaxSkip()),
              sp.UnsupportedError, "window_left/window_right: local .sliding-window. attention runs dense and "
              "block_sparse on CUDA, not softmax_skip"),
-            ("cuda softcap", lambda: flash_attn_func(qc, kc, vc, softcap=5.0), sp.UnsupportedError,
-             "softcap: score soft-capping has no CUDA kernel yet"),
-            ("cuda sinks", lambda: flash_attn_func(qc, kc, vc, sinks=torch.zeros(2, device=device)),
-             sp.UnsupportedError, "sinks: learned attention sinks have no CUDA kernel yet"),
+            ("cuda softcap", lambda: flash_attn_func(qc, kc, vc, softcap=5.0, policy=sp.SoftmaxSkip()),
+             sp.UnsupportedError, "softcap: score soft-capping runs dense and block_sparse on CUDA, not softmax_skip"),
+            ("cuda sinks", lambda: flash_attn_func(qc, kc, vc, sinks=torch.zeros(2, device=device),
+                                                   policy=sp.SoftmaxSkip()),
+             sp.UnsupportedError, "sinks: learned attention sinks runs dense and block_sparse on CUDA, not "
+             "softmax_skip"),
             ("cuda d_v", lambda: flash_attn_func(qc, kc, vc[..., :32].contiguous()), sp.UnsupportedError,
              "v: a V head dim unlike Q/K's"),
         ]

@@ -7,6 +7,7 @@
 #include <cmath>
 #include <cstdint>
 
+#include "core/rules/softcap.h"
 #include "cuda/kernel/ptx.cuh"
 #include "cuda/kernel/tuning.h"
 
@@ -180,11 +181,14 @@ __device__ __forceinline__ void exp_pack(const float (&s)[kM][kN][4], const floa
 // l_part is this thread's part of the row sum, added here over the quad of threads that hold
 // the row (every thread of the quad calls it). An empty row (l = 0: it saw no key) gets O = 0
 // and LSE = -inf; a NaN row gets NaN for both.
+__device__ __forceinline__ float quad_sum(float x) {
+  x += __shfl_xor_sync(0xffffffffu, x, 1);
+  return x + __shfl_xor_sync(0xffffffffu, x, 2);
+}
+
 __device__ __forceinline__ void finalize_row(float m, float l_part, float* o_scale, float* lse) {
   constexpr float kLn2 = 0.6931471805599453f;
-  float l_sum = l_part;
-  l_sum += __shfl_xor_sync(0xffffffffu, l_sum, 1);
-  l_sum += __shfl_xor_sync(0xffffffffu, l_sum, 2);
+  const float l_sum = quad_sum(l_part);
   if (l_sum == 0.f) {
     *o_scale = 0.f;
     *lse = -INFINITY;
@@ -192,6 +196,41 @@ __device__ __forceinline__ void finalize_row(float m, float l_part, float* o_sca
     *o_scale = 1.f / l_sum;
     *lse = (m + __log2f(l_sum)) * kLn2;
   }
+}
+
+// The softcap on a raw score fragment s[kM][kN][4] (FwdParams::softcap, the kFeatures kernels):
+// each q·k becomes rules::capped_score(cap_scale · q·k, softcap), the logit itself (the softmax
+// then runs with scale 1). Before the element mask, which then writes -inf over capped values.
+template <int kM, int kN>
+__device__ __forceinline__ void cap_scores(float (&s)[kM][kN][4], float cap_scale, float softcap) {
+#pragma unroll
+  for (int mi = 0; mi < kM; ++mi) {
+#pragma unroll
+    for (int nf = 0; nf < kN; ++nf) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) s[mi][nf][e] = rules::capped_score(s[mi][nf][e] * cap_scale, softcap);
+    }
+  }
+}
+
+// finalize_row with a learned sink (docs/semantics.md §1): sink_log2 = σ · log2(e) is one more
+// term of the row's denominator and maximum, none of its numerator: with M = max(m, σ),
+// den = l · 2^(m - M) + 2^(σ - M), O = acc · 2^(m - M) / den, LSE = (M + log2 den) · ln 2. A
+// -inf sink is none (finalize_row). A row that saw no key (l = 0, m = -inf) gets O = 0 and
+// LSE = σ; a NaN or +inf sink makes the row NaN (max_nan; +inf - +inf).
+__device__ __forceinline__ void finalize_row_sink(float m, float l_part, float sink_log2, float* o_scale,
+                                                  float* lse) {
+  if (sink_log2 == -INFINITY) {
+    finalize_row(m, l_part, o_scale, lse);
+    return;
+  }
+  constexpr float kLn2 = 0.6931471805599453f;
+  const float l_sum = quad_sum(l_part);
+  const float top = ptx::max_nan(m, sink_log2);
+  const float keys = ptx::exp2f_fast(m - top);  // 0 for a row that saw no key
+  const float den = l_sum * keys + ptx::exp2f_fast(sink_log2 - top);
+  *o_scale = keys / den;
+  *lse = (top + __log2f(den)) * kLn2;
 }
 
 }  // namespace sparseprefill::cuda

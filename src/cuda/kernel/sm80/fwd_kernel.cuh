@@ -173,7 +173,13 @@ __device__ __forceinline__ KvRows kv_rows_of(const FwdParams& p, const SeqInfo& 
           value ? p.paged.v_page_stride : p.paged.k_page_stride};
 }
 
-template <class Cfg>
+// kFeatures: the kernel of calls with a model-family feature (FwdParams: a local window, a
+// softcap, learned sinks; launch_fwd picks it; the ungated instances only, check_support): its
+// geometry and element masks read the window, its scores are capped, its rows finalised with
+// their head's sink. The feature-free kernel takes every feature as absent at compile time, so
+// it compiles as it did before they ran (the same SASS: record
+// 2026-12-02-cpu-window-kernels-sass).
+template <class Cfg, bool kFeatures>
 __global__ void __launch_bounds__(Cfg::kThreads, 2) fwd_kernel(const __grid_constant__ FwdParams p) {
   using Tile = typename Cfg::Tile;
   constexpr int kBlockM = Cfg::kBlockM, kBlockN = Cfg::kBlockN, kD = Cfg::kHeadDim;
@@ -194,11 +200,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 2) fwd_kernel(const __grid_cons
   const int h = gt.unit, b = gt.b, qb_rev = gt.tile_rev;
   const int hk = h / p.group;
   const SeqInfo seq = p.seqs[b];
-  // A local window reaches the ungated instances only (check_support; launch_fwd refuses one
-  // here): the gated instance's geometry has none, so its setup compiles as without windows
-  // (with the window's, ptxas spilled 16 / 48 bytes more there at sm_90).
-  const geom::SeqGeometry rows{seq.s_q, seq.s_k, p.causal, Cfg::kGated ? -1 : p.window_left,
-                               Cfg::kGated ? -1 : p.window_right};
+  const geom::SeqGeometry rows{seq.s_q, seq.s_k, p.causal, kFeatures ? p.window_left : -1, kFeatures ? p.window_right : -1};
   const geom::BlockGeometry geo{rows, kBlockM, p.block_k};
   if (qb_rev >= geo.num_q_blocks()) return;
   const int qb = geo.num_q_blocks() - 1 - qb_rev;
@@ -292,12 +294,11 @@ __global__ void __launch_bounds__(Cfg::kThreads, 2) fwd_kernel(const __grid_cons
   // full_end are full (geo.is_full; its 64-bit division by block_k hoisted out of the loop: ptxas
   // recomputed it per sub-tile, a CALL or an I2F/F2I sequence between Q·Kᵀ and the softmax; dense
   // 3–7% faster, records 2026-11-30-h200-portable-path-forced and -full-end-hoisted) but for a
-  // left window bound's lower band, which only CTAs under one test (full_below_end: the
-  // window-free loop keeps its registers; computing full_begin per CTA instead spilled 36 / 32
-  // more bytes there, sm_80 d = 128). Windows run dense and block masks only (check_support):
-  // the gated instance compiles no window code.
+  // left window bound's lower band, which the kFeatures kernel tests per block (full_below_end:
+  // computing full_begin per CTA instead spilled 36 / 32 more bytes, sm_80 d = 128). Only the
+  // ungated instances' kFeatures kernel compiles window code (check_support: dense and block masks).
   const int full_end = geo.full_end(qb);
-  const bool window_below = geo.seq.window_left >= 0;
+  const bool window_below = kFeatures && geo.seq.window_left >= 0;
   auto mask_scores = [&](int j, int sub) {
     if (Cfg::kPlain || j < visit.n_reg) {
       const int kb = visit.block(j);
@@ -313,7 +314,9 @@ __global__ void __launch_bounds__(Cfg::kThreads, 2) fwd_kernel(const __grid_cons
       int limit[2 * kM];
 #pragma unroll
       for (int r = 0; r < 2 * kM; ++r) {
-        const std::int64_t lim = reach >= 0 ? geom::min64(diag + reach + row_of(r), end_limit) : end_limit;
+        const std::int64_t lim = !kFeatures ? (p.causal ? geom::min64(diag + row_of(r), end_limit) : end_limit)
+                                 : reach >= 0 ? geom::min64(diag + reach + row_of(r), end_limit)
+                                              : end_limit;
         limit[r] = static_cast<int>(geom::min64(geom::max64(lim, -1), kBlockN));
       }
 #pragma unroll
@@ -397,6 +400,9 @@ __global__ void __launch_bounds__(Cfg::kThreads, 2) fwd_kernel(const __grid_cons
         ptx::cp_async_commit();  // group V(j, sub)
         prefetch_next_k(sub);    // group K(next)
         compute_scores(stage);
+        if constexpr (kFeatures) {
+          if (p.softcap > 0.f) cap_scores(s, p.cap_scale, p.softcap);
+        }
         mask_scores(j, sub);
         float mx[2 * kM], m_use[2 * kM];
         row_max(s, mx);
@@ -518,7 +524,13 @@ __global__ void __launch_bounds__(Cfg::kThreads, 2) fwd_kernel(const __grid_cons
   float o_scale[2 * kM], lse[2 * kM];
 #pragma unroll
   for (int r = 0; r < 2 * kM; ++r) {
-    finalize_row(st.m[r], st.l[r], &o_scale[r], &lse[r]);
+    if constexpr (kFeatures) {
+      // The head's sink in m's log2 domain (-inf: none).
+      const float sink = p.sinks != nullptr ? p.sinks[h * p.sinks_stride] * 1.4426950408889634f : -INFINITY;
+      finalize_row_sink(st.m[r], st.l[r], sink, &o_scale[r], &lse[r]);
+    } else {
+      finalize_row(st.m[r], st.l[r], &o_scale[r], &lse[r]);
+    }
   }
   // A query block with nothing to visit (every row sees no key, or the mask selects none)
   // never waited for its Q load, whose rows any thread may have copied: it must land for all
@@ -570,10 +582,15 @@ template <class Cfg>
 int launch_fwd(const FwdParams& p, void* stream) {
   if (Cfg::kGated != gated_mode(p.mode)) return static_cast<int>(cudaErrorInvalidValue);  // the other instance's call
   if (Cfg::kPlain && !plain_call(p)) return static_cast<int>(cudaErrorInvalidValue);      // the general one's
-  // A local window only where its masks are compiled: the ungated instances (check_support;
-  // make_fwd_params passes a window only where it hides keys).
-  if (Cfg::kGated && (p.window_left >= 0 || p.window_right >= 0)) return static_cast<int>(cudaErrorInvalidValue);
-  auto* kernel = fwd_kernel<Cfg>;
+  // The model-family features only where they are compiled: the ungated instances' kFeatures
+  // kernel, without mean correction (check_support; make_fwd_params passes a window only where
+  // it hides keys).
+  const bool features = has_features(p);
+  if (features && (Cfg::kGated || p.k_mean != nullptr)) return static_cast<int>(cudaErrorInvalidValue);
+  auto* kernel = fwd_kernel<Cfg, false>;
+  if constexpr (!Cfg::kGated) {
+    if (features) kernel = fwd_kernel<Cfg, true>;
+  }
   cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Cfg::kSmemBytes);
   if (err != cudaSuccess) return static_cast<int>(err);
   // One CTA per (query block, batch, query head): the plan's portable_grid.
