@@ -7,6 +7,7 @@
 #include <cmath>
 #include <cstdint>
 
+#include "core/rules/sinks.h"
 #include "core/rules/softcap.h"
 #include "cuda/kernel/ptx.cuh"
 #include "cuda/kernel/tuning.h"
@@ -213,24 +214,16 @@ __device__ __forceinline__ void cap_scores(float (&s)[kM][kN][4], float cap_scal
   }
 }
 
-// finalize_row with a learned sink (docs/semantics.md §1): sink_log2 = σ · log2(e) is one more
-// term of the row's denominator and maximum, none of its numerator: with M = max(m, σ),
-// den = l · 2^(m - M) + 2^(σ - M), O = acc · 2^(m - M) / den, LSE = (M + log2 den) · ln 2. A
-// -inf sink is none (finalize_row). A row that saw no key (l = 0, m = -inf) gets O = 0 and
-// LSE = σ; a NaN or +inf sink makes the row NaN (max_nan; +inf - +inf).
+// finalize_row with a learned sink: sink_log2 = σ · log2(e), -inf for none (finalize_row);
+// else rules::finalize_with_sink over the quad's row sum (O = 0 and LSE = σ for a row that saw
+// no key; a NaN or +inf sink makes the row NaN).
 __device__ __forceinline__ void finalize_row_sink(float m, float l_part, float sink_log2, float* o_scale,
                                                   float* lse) {
   if (sink_log2 == -INFINITY) {
     finalize_row(m, l_part, o_scale, lse);
     return;
   }
-  constexpr float kLn2 = 0.6931471805599453f;
-  const float l_sum = quad_sum(l_part);
-  const float top = ptx::max_nan(m, sink_log2);
-  const float keys = ptx::exp2f_fast(m - top);  // 0 for a row that saw no key
-  const float den = l_sum * keys + ptx::exp2f_fast(sink_log2 - top);
-  *o_scale = keys / den;
-  *lse = (top + __log2f(den)) * kLn2;
+  rules::finalize_with_sink(m, quad_sum(l_part), sink_log2, o_scale, lse);
 }
 
 }  // namespace sparseprefill::cuda
