@@ -18,20 +18,24 @@ if [ ! -f .carry/fa3/test_flash_attn.py ]; then
   exit 0
 fi
 # Switch off what the suite cannot ask of a dense forward-only library: backward, FP8,
-# splits, local/chunked windows, softcap, pack_gqa, appending KV; head dims whose cases use
-# a V head dim unlike Q's (64: dv 256/512; 192: dv 128), and what the CUDA backend lacks.
+# splits, chunked windows, pack_gqa, appending KV; head dims whose cases use a V head dim
+# unlike Q's (64: dv 256/512; 192: dv 128), and what the CUDA backend lacks (local windows and
+# softcap where it does not run them).
 (cd /tmp && "$py" - <<'PY') >"$out/fa3_env.txt"
 import torch, sparseprefill as sp
-env = {k: "TRUE" for k in ("BACKWARD", "FP8", "SPLIT", "LOCAL", "SOFTCAP", "PACKGQA", "APPENDKV",
-                         "HDIM64", "HDIM192")}
-def runs(d, dtype=torch.bfloat16, paged=False):
+env = {k: "TRUE" for k in ("BACKWARD", "FP8", "SPLIT", "PACKGQA", "APPENDKV", "HDIM64", "HDIM192")}
+def runs(d, dtype=torch.bfloat16, paged=False, **features):
   q = torch.zeros(1, 128, 4, d, dtype=dtype, device="cuda")
   k = torch.zeros(2, 64, 2, d, dtype=dtype, device="cuda") if paged else q[:, :, :2]
   kw = dict(block_table=torch.zeros(1, 2, dtype=torch.int32), seqused_k=torch.tensor([128], dtype=torch.int32)) if paged else {}
-  return sp.can_run(q, k, k, causal=True, **kw)[0]
+  return sp.can_run(q, k, k, causal=True, **kw, **features)[0]
 for d in (96, 128, 256):
   if not runs(d):
       env[f"HDIM{d}"] = "TRUE"
+if not runs(128, window_size=(31, 0)):
+  env["LOCAL"] = "TRUE"
+if not runs(128, softcap=15.0):
+  env["SOFTCAP"] = "TRUE"
 if not runs(128, torch.float16):
   env["FP16"] = "TRUE"
 if not runs(128, paged=True):

@@ -14,8 +14,8 @@ The model-family features as FlashAttention defines them (docs/semantics.md §1)
 (left, right) local attention (-1 no bound; (-1, 0) is causal attention), softcap, and v with a
 head dim of its own (out then has it); plus sinks=, gpt-oss's learned sinks (float32 [h_q] on
 q's device, one logit per query head in every row's softmax denominator). The reference and cpu
-backends run them; the CUDA backend raises UnsupportedError naming the feature until its kernels
-take it.
+backends run them; the CUDA backend runs window_size under dense and block_sparse policies and
+raises UnsupportedError naming the feature otherwise, until its kernels take it.
 
 Accepted and ignored (performance knobs): deterministic, num_splits, pack_gqa, sm_margin,
 scheduler_metadata. Raised as UnsupportedError naming the argument: dropout_p != 0,

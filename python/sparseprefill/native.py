@@ -360,8 +360,9 @@ def run(*args: Any, **kwargs: Any) -> Result:
       cu_seqlens_q, and k, v [total_k, h_kv, d or d_v] with cu_seqlens_k or paged
       [num_pages, page_size, h_kv, d or d_v] with block_table and seqused_k; out has q's shape
       with d_v last. Causal is bottom-right aligned. The model-family features
-      (docs/semantics.md §1; the reference and cpu backends run them, CUDA raises
-      UnsupportedError naming each): window_size FlashAttention's (left, right), -1 no bound,
+      (docs/semantics.md §1; the reference and cpu backends run them, CUDA runs window_size
+      under Dense and BlockSparse and raises UnsupportedError naming each other one):
+      window_size FlashAttention's (left, right), -1 no bound,
       intersected with causal; softcap c > 0 caps every score to c * tanh(s / c); sinks float32
       [h_q] on q's device, one logit per query head added to every row's softmax denominator
       (gpt-oss), in out and lse. backend is "auto",

@@ -7,8 +7,9 @@ repetition); padding masks are handled by packing the valid tokens (varlen). Wha
 attention module passes is applied in every call, whatever the policy: its sliding window
 (Gemma 2/3, gpt-oss, Mistral: a window of w tokens is FlashAttention's (w - 1, w - 1),
 intersected with causal), its softcap (Gemma 2) and its learned sinks (gpt-oss's s_aux), on the
-backends that run them (docs/semantics.md §1; the CUDA backend raises UnsupportedError naming
-the feature until its kernels take it)."""
+backends that run them (docs/semantics.md §1; the CUDA backend runs sliding windows under dense
+and block_sparse layers and raises UnsupportedError naming the feature otherwise, until its
+kernels take it)."""
 
 from __future__ import annotations
 

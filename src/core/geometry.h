@@ -28,8 +28,8 @@ SP_HD std::int64_t max64(std::int64_t a, std::int64_t b) { return a > b ? a : b;
 // positions 0 .. s_k-1; row r sits at absolute position a = r + (s_k - s_q) (bottom-right).
 // Row r sees the keys [first_key(r), last_key(r)]: causal ends them at a; the local window
 // (FlashAttention's window_size, docs/semantics.md §1) keeps a - window_left .. a + window_right
-// (-1: no bound on that side); causal and window intersect. The kernels construct this as
-// {s_q, s_k, causal}: the window then defaults to unbounded, i.e. plain causal or full.
+// (-1: no bound on that side); causal and window intersect. Kernels without windows construct
+// this as {s_q, s_k, causal}: the window then defaults to unbounded, i.e. plain causal or full.
 struct SeqGeometry {
   std::int64_t s_q = 0;
   std::int64_t s_k = 0;
@@ -44,10 +44,16 @@ struct SeqGeometry {
   SP_HD std::int64_t first_key_at(std::int64_t a) const {
     return window_left < 0 ? 0 : max64(a - window_left, 0);
   }
-  // The last key a row at absolute position a sees (inclusive); -1 when it sees none.
+  // How far past its own position a row's range may end: 0 under causal (which a right window
+  // bound >= 0 cannot widen), window_right without causal, -1 when unbounded (the range then
+  // ends at s_k - 1). The kernels' element masks bound a row's keys by a + reach() directly.
+  SP_HD std::int64_t reach() const { return causal ? 0 : window_right; }
+  // The last key a row at absolute position a sees (inclusive), min(s_k - 1, a + reach());
+  // -1 when it sees none.
   SP_HD std::int64_t last_key_at(std::int64_t a) const {
     if (s_k <= 0) return -1;
     std::int64_t last = s_k - 1;
+    // reach()'s bound, written as before windows ran (the window-free kernels' SASS).
     if (causal) last = min64(last, a);
     if (window_right >= 0) last = min64(last, a + window_right);
     if (last < first_key_at(a)) return -1;
@@ -89,6 +95,9 @@ struct BlockGeometry {
     return static_cast<int>(ceil_div(seq.keys_seen(row_end(qb) - 1), block_k));
   }
   SP_HD int visible_begin(int qb) const {
+    // Without a left bound every range starts at key 0 (and the kernels' per-CTA setup skips
+    // the 64-bit division).
+    if (seq.window_left < 0) return 0;
     const int b = static_cast<int>(seq.first_key(row_begin(qb)) / block_k);
     return b < visible_end(qb) ? b : visible_end(qb);
   }
@@ -101,6 +110,7 @@ struct BlockGeometry {
     return static_cast<int>(seen / block_k);
   }
   SP_HD int full_begin(int qb) const {
+    if (seq.window_left < 0) return 0;  // as visible_begin
     const std::int64_t last = row_end(qb) - 1;
     // A last row that sees nothing leaves no full block (full_end is then 0 as well).
     const int b = seq.keys_seen(last) == 0 ? 0 : static_cast<int>(ceil_div(seq.first_key(last), block_k));
@@ -123,6 +133,10 @@ struct BlockGeometry {
     const int bands = seq.window_left >= 0 ? 2 : 1;
     return bands * (static_cast<int>(ceil_div(block_q, block_k)) + 1);
   }
+  // Whether key block kb, one below full_end(qb), is full: it starts at or after the last row's
+  // first key (before it lies a left window bound's lower band). is_full's form for kernels
+  // that test blocks one by one: no division, unlike full_begin.
+  SP_HD bool full_below_end(int qb, int kb) const { return key_begin(kb) >= seq.first_key(row_end(qb) - 1); }
   SP_HD bool is_visible(int qb, int kb) const { return kb >= visible_begin(qb) && kb < visible_end(qb); }
   SP_HD bool is_full(int qb, int kb) const { return kb >= full_begin(qb) && kb < full_end(qb); }
   SP_HD bool is_partial(int qb, int kb) const { return is_visible(qb, kb) && !is_full(qb, kb); }

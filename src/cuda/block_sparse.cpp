@@ -51,6 +51,8 @@ Status launch_mask_check(const Call& call, const ProblemShape& shape, const Devi
   mp.block_k = mask.block_k;
   mp.bitmap_words = bitmap_words(k_blocks);
   mp.causal = shape.causal;
+  mp.window_left = shape.window_left;
+  mp.window_right = shape.window_right;
   const std::size_t rows = static_cast<std::size_t>(shape.batch) * static_cast<std::size_t>(heads) *
                            static_cast<std::size_t>(p->num_q_blocks);
   for (int i = 0; i < 2; ++i) {

@@ -13,6 +13,7 @@
 #include <vector>
 
 #include "core/geometry.h"
+#include "core/shape_geometry.h"
 #include "cuda/kernel/tuning.h"
 #include "cuda/registry.h"
 
@@ -67,7 +68,9 @@ std::string support_summary() {
          "128-key blocks, contiguous or paged K/V of any page size, permute_stop with contiguous K/V; block_k 64 uses "
          "the portable path there): " +
          compiled_fwd90_summary() + "; paged K/V (any page size): every policy on the portable path; "
-         "fp8_e4m3 inputs: dense and block_sparse on the Hopper path, head_dim 128, contiguous K/V; not on CUDA: fp32";
+         "fp8_e4m3 inputs: dense and block_sparse on the Hopper path, head_dim 128, contiguous K/V; local windows "
+         "(window_size): dense and block_sparse on both paths, with softcap and learned sinks on bf16 and fp16; "
+         "not on CUDA: fp32";
 }
 
 bool tma_describable(const TensorView& t) {
@@ -241,17 +244,29 @@ int dense_block_k(int head_dim) {
 
 namespace {
 
-// The model-family features the kernels do not take yet (docs/cuda.md, support matrix): each
-// refused by name, so that backend auto on CUDA tensors fails clearly instead of computing
-// something else; the reference and cpu backends run them all.
-Status check_features(const ProblemShape& shape) {
+// The model-family features the kernels take, and those they do not take yet (docs/cuda.md,
+// support matrix), each refused by name, so that backend auto on CUDA tensors fails clearly
+// instead of computing something else; the reference and cpu backends run them all. A local
+// window, a softcap and learned sinks run for dense and block_sparse in the forward kernels'
+// kFeatures kernel (FwdParams; softcap and sinks on 16-bit inputs); the other policies' decision
+// kernels (exact_gate's, the selector, permute_stop's ranking) and in-loop gates read none of
+// them yet.
+Status check_features(const ProblemShape& shape, const Policy& policy) {
   const char* host = "; the reference and cpu backends run it";
-  if (shape.local()) {
-    return unsupported("window_left/window_right: local (sliding-window) attention has no CUDA kernel yet" +
-                       std::string(host));
+  const bool featured_policy =
+      std::holds_alternative<DenseParams>(policy) || std::holds_alternative<BlockSparseParams>(policy);
+  const auto refuse_other_policies = [&](const char* feature) {
+    return unsupported(std::string(feature) + " runs dense and block_sparse on CUDA, not " + policy_name(policy) + host);
+  };
+  if (shape.local() && !featured_policy) {
+    return refuse_other_policies("window_left/window_right: local (sliding-window) attention");
   }
-  if (shape.softcap != 0.0) return unsupported("softcap: score soft-capping has no CUDA kernel yet" + std::string(host));
-  if (shape.sinks) return unsupported("sinks: learned attention sinks have no CUDA kernel yet" + std::string(host));
+  if (shape.softcap != 0.0 && !featured_policy) return refuse_other_policies("softcap: score soft-capping");
+  if (shape.sinks && !featured_policy) return refuse_other_policies("sinks: learned attention sinks");
+  if ((shape.softcap != 0.0 || shape.sinks) && shape.dtype == DType::kFP8E4M3) {
+    return unsupported(std::string(shape.sinks ? "sinks" : "softcap") +
+                       ": fp8_e4m3 inputs on CUDA take no softcap or sinks (bf16 and fp16 do)" + host);
+  }
   if (shape.d_v != shape.d) {
     return unsupported("v: a V head dim unlike Q/K's (d_v " + std::to_string(shape.d_v) + ", d " + std::to_string(shape.d) +
                        ") has no CUDA kernel yet" + host);
@@ -262,7 +277,7 @@ Status check_features(const ProblemShape& shape) {
 }  // namespace
 
 Status check_support(const ProblemShape& shape, const Policy& policy, int* block_k) {
-  SP_RETURN_IF_ERROR(check_features(shape));
+  SP_RETURN_IF_ERROR(check_features(shape, policy));
   if (shape.dtype == DType::kFP8E4M3) {
     // One instance: the Hopper kernel's, d = 128 over contiguous K/V (run_cuda also needs a
     // compute capability 9.0 device and TMA-describable tensors).
@@ -411,8 +426,22 @@ FwdParams make_fwd_params(const AttentionProblem& problem, const ProblemShape& s
   p.num_q_blocks = static_cast<int>(geom::ceil_div(shape.max_seq_q(), kBlockQ));
   p.q_pack = 1;
   p.causal = shape.causal;
+  if (shape.local()) {  // else plain causal or full: a causal call's right bound hides no key
+    p.window_left = shape.window_left;
+    p.window_right = shape.window_right;
+  }
   p.scale = static_cast<float>(shape.scale);
   p.scale_log2 = static_cast<float>(shape.scale * 1.4426950408889634);  // scale · log2(e)
+  if (shape.softcap != 0.0) {  // the capped score is the logit: the softmax then scales by 1
+    p.softcap = static_cast<float>(shape.softcap);
+    p.cap_scale = p.scale;
+    p.scale = 1.f;
+    p.scale_log2 = 1.4426950408889634f;
+  }
+  if (shape.sinks) {
+    p.sinks = static_cast<const float*>(problem.sinks.data);
+    p.sinks_stride = problem.sinks.stride[0];
+  }
   p.mode = PolicyMode::kDense;
   p.block_k = block_k;
   const TensorView* descales[3] = {&problem.q_descale, &problem.k_descale, &problem.v_descale};
@@ -447,10 +476,18 @@ std::vector<std::int32_t> compact_block_table(const AttentionProblem& problem, c
 
 namespace {
 
-// (query, key) pairs the mask lets a sequence's queries see: row i of a causal call sees
-// keys 0 .. i + s_k - s_q (bottom-right aligned).
-double visible_pairs(std::int64_t s_q, std::int64_t s_k, bool causal) {
+// (query, key) pairs the mask lets sequence b's queries see: row i of a causal call sees
+// keys 0 .. i + s_k - s_q (bottom-right aligned); under a local window, row by row.
+double visible_pairs(const ProblemShape& shape, int b) {
+  const geom::SeqGeometry g = detail::sequence_geometry(shape, b);
+  const std::int64_t s_q = g.s_q, s_k = g.s_k;
   if (s_q <= 0 || s_k <= 0) return 0.0;
+  if (shape.local()) {
+    double pairs = 0.0;
+    for (std::int64_t r = 0; r < s_q; ++r) pairs += static_cast<double>(g.keys_in(g.position(r), 0, s_k));
+    return pairs;
+  }
+  const bool causal = g.causal;
   if (!causal) return static_cast<double>(s_q) * static_cast<double>(s_k);
   const std::int64_t first = geom::max64(0, s_q - s_k);  // the first row that sees a key
   const double rows = static_cast<double>(s_q - first);
@@ -473,7 +510,7 @@ KvStaging plan_kv_staging(const ProblemShape& shape, const Policy& policy, std::
     const auto u = static_cast<std::size_t>(b);
     out.k_start[u] = out.rows;
     out.rows += shape.seq_k[u];
-    pairs += visible_pairs(shape.seq_q[u], shape.seq_k[u], shape.causal);
+    pairs += visible_pairs(shape, b);
   }
   const std::size_t row_bytes = static_cast<std::size_t>(shape.h_kv) * static_cast<std::size_t>(shape.d) *
                                 dtype_size(shape.dtype);

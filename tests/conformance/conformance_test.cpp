@@ -11,8 +11,9 @@
 // K/V that a policy must not read; chunked prefill against the one-shot call; estimate_select's
 // cache of block means; select() and plans; the model-family features (local windows, sinks,
 // softcap, head dims 96 and 256, q/k 192 with v 128), which the CUDA targets refuse by name
-// until their kernels take them. Shapes are the CUDA kernels' (block_q 128, head_dim 64 or 128
-// but for those features) and small enough for the oracle (a few hundred tokens).
+// until their kernels take them (local windows: dense and block_sparse run there). Shapes are
+// the CUDA kernels' (block_q 128, head_dim 64 or 128 but for those features) and small enough
+// for the oracle (a few hundred tokens).
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -103,15 +104,20 @@ TestProblem make_problem(const Inputs& in, const Features& f, Layout layout = La
   return build_problem(in, f.layout(layout));
 }
 
-// Why CUDA refuses the features of tp (a fragment of its message), "" when it takes them: local
-// windows, softcap, sinks, a V head dim unlike Q/K's and head dims other than 64 and 128 have
-// no kernel yet (docs/cuda.md), and check_support names them before anything else.
-std::string cuda_feature_refusal(const TestProblem& tp) {
+// Why CUDA refuses the features of tp under `policy` (a fragment of its message), "" when it
+// takes them: local windows, softcap and sinks run dense and block_sparse only (softcap and sinks
+// on 16-bit inputs); a V head dim unlike Q/K's and head dims other than 64 and 128 have no
+// kernel yet (docs/cuda.md), and check_support names them before anything else.
+std::string cuda_feature_refusal(const TestProblem& tp, const Policy& policy) {
   ProblemShape s;
   EXPECT_TRUE(validate_problem(tp.problem(), nullptr, &s).ok());
-  if (s.local()) return "window_left/window_right: local (sliding-window) attention has no CUDA kernel yet";
-  if (s.softcap != 0.0) return "softcap: score soft-capping has no CUDA kernel yet";
-  if (s.sinks) return "sinks: learned attention sinks have no CUDA kernel yet";
+  const bool featured_policy =
+      std::holds_alternative<DenseParams>(policy) || std::holds_alternative<BlockSparseParams>(policy);
+  const std::string others = std::string(" runs dense and block_sparse on CUDA, not ") + policy_name(policy);
+  if (s.local() && !featured_policy) return "window_left/window_right: local (sliding-window) attention" + others;
+  if (s.softcap != 0.0 && !featured_policy) return "softcap: score soft-capping" + others;
+  if (s.sinks && !featured_policy) return "sinks: learned attention sinks" + others;
+  if ((s.softcap != 0.0 || s.sinks) && s.dtype == DType::kFP8E4M3) return "fp8_e4m3 inputs on CUDA take no softcap or sinks";
   if (s.d_v != s.d) return "v: a V head dim unlike Q/K's (d_v " + std::to_string(s.d_v) + ", d " + std::to_string(s.d) + ")";
   if (s.d != 64 && s.d != 128) return "head_dim " + std::to_string(s.d);
   return {};
@@ -126,7 +132,7 @@ std::string refusal(Target t, const TestProblem& tp, const Policy& policy) {
                            std::holds_alternative<PermuteStopParams>(policy);
   if (!tp.causal && causal_only) return "causal";
   if (!is_cuda(t)) return {};
-  const std::string feature = cuda_feature_refusal(tp);
+  const std::string feature = cuda_feature_refusal(tp, policy);
   if (!feature.empty()) return feature;
   if (tp.q.dtype() == DType::kFP32) return "fp32";
   if (tp.q.dtype() == DType::kFP8E4M3 && t == Target::kCudaPortable) return "fp8_e4m3 inputs run on the Hopper kernel only";
@@ -263,6 +269,48 @@ TEST_P(Conformance, DenseVarlenChunkedPrefillAndEmptySequences) {
   }
 }
 
+TEST_P(Conformance, DenseLocalWindowsOnEveryLayoutAndGroup) {
+  // FlashAttention's window_size on dense attention: a causal window narrower than a key block
+  // (both of a row's bounds inside one block) and one over two blocks, a non-causal window with
+  // both bounds, and FlashAttention's causal as a non-causal (-1, 0); GQA groups 1 and 8 (the
+  // Hopper kernel packs a group's heads into one tile for the short sequences); batched K/V,
+  // and varlen and paged K/V with a chunk over a longer prefix, fewer keys than queries and a
+  // single row. Under (-1, 0) the rows at negative positions see no key: O = 0, LSE = -inf.
+  struct Window {
+    bool causal;
+    int left, right;
+  };
+  std::uint64_t seed = 4000;
+  for (const Window& w : {Window{true, 5, -1}, Window{true, 300, -1}, Window{false, 70, 9}, Window{false, -1, 0}}) {
+    Features f = Features::plain(w.causal);
+    f.left = w.left;
+    f.right = w.right;
+    for (const int h_kv : {8, 1}) {
+      SCOPED_TRACE(std::string(w.causal ? "causal" : "non-causal") + " window (" + std::to_string(w.left) + ", " +
+                   std::to_string(w.right) + "), group " + std::to_string(8 / h_kv));
+      TestProblem batched = make_problem(make_inputs({{257, 257}}, 8, h_kv, 64, seed++), f);
+      check(&batched, DenseParams{});
+      const Inputs in = make_inputs({{130, 600}, {200, 90}, {1, 1}}, 8, h_kv, 128, seed++);
+      const Oracle want = oracle_of(make_problem(in, f, Layout::kVarlen), DenseParams{});
+      for (const Layout layout : {Layout::kVarlen, Layout::kPaged}) {
+        SCOPED_TRACE(layout == Layout::kVarlen ? "varlen" : "paged");
+        TestProblem tp = make_problem(in, f, layout);
+        const TargetRun r = check(&tp, DenseParams{}, want);
+        if (!r.status.ok() || w.right != 0 || w.causal) continue;
+        // Sequence {200, 90}: rows 0 .. 109 sit at negative positions; row 110 sees key 0.
+        const std::int64_t rows = static_cast<std::int64_t>(r.out.lse.size()) / in.h_q;
+        for (int h = 0; h < in.h_q; ++h) {
+          for (const std::int64_t row : {130, 130 + 109}) {
+            EXPECT_EQ(r.out.lse[static_cast<std::size_t>(h * rows + row)], -kInf) << "row " << row;
+            EXPECT_EQ(r.out.o[static_cast<std::size_t>((row * in.h_q + h) * in.d)], 0.0) << "row " << row;
+          }
+          EXPECT_TRUE(std::isfinite(r.out.lse[static_cast<std::size_t>(h * rows + 130 + 110)]));
+        }
+      }
+    }
+  }
+}
+
 TEST_P(Conformance, DenseBatchedUnequalKeysNeverReadCapacity) {
   // Batched K/V [b, max s_k, h_kv, d] with seqused_k: the storage past each sequence's keys is
   // NaN (build_problem), so reading it would show in O.
@@ -276,26 +324,40 @@ TEST_P(Conformance, DenseBatchedUnequalKeysNeverReadCapacity) {
 // ------------------------------------------------------------------ block_sparse
 
 TEST_P(Conformance, BlockSparseRandomMasksWithNaNInUnselectedBlocks) {
+  // Random masks over the visible blocks, 64- and 128-key blocks, per query head or per KV head
+  // (GQA packing on the Hopper kernel where it pays), causal or not; and under local windows
+  // (the window then cuts the visible blocks and their bands): a causal one over blocks of 64
+  // and of 128 keys, one narrower than a 64-key block (both bounds in one block), a non-causal
+  // one with both bounds, and FlashAttention's causal as a non-causal (-1, 0) over fewer keys
+  // than queries (rows at negative positions see nothing).
   struct Case {
     SeqLen len;
     int h_q, h_kv, d, block_k;
     bool per_kv, causal;
+    int left = -1, right = -1;
   };
   for (const Case& c : {Case{{300, 300}, 4, 1, 128, 64, false, true}, Case{{200, 450}, 8, 2, 64, 128, true, true},
                         Case{{333, 333}, 2, 2, 128, 128, false, false}, Case{{129, 600}, 4, 4, 64, 64, true, true},
-                        Case{{260, 200}, 4, 2, 64, 128, true, false}}) {
+                        Case{{260, 200}, 4, 2, 64, 128, true, false}, Case{{300, 700}, 4, 2, 64, 64, true, true, 200},
+                        Case{{200, 450}, 8, 2, 128, 128, true, true, 130}, Case{{129, 600}, 4, 4, 64, 64, false, true, 40},
+                        Case{{333, 333}, 2, 2, 128, 128, false, false, 100, 40},
+                        Case{{260, 200}, 4, 2, 64, 128, true, false, -1, 0}}) {
     SCOPED_TRACE(std::to_string(c.len.s_q) + "x" + std::to_string(c.len.s_k) + " block_k " + std::to_string(c.block_k) +
-                 (c.per_kv ? " per kv head" : " per q head") + (c.causal ? " causal" : " non-causal"));
-    Inputs in = make_inputs({c.len}, c.h_q, c.h_kv, c.d, 500 + static_cast<std::uint64_t>(c.len.s_k));
+                 (c.per_kv ? " per kv head" : " per q head") + (c.causal ? " causal" : " non-causal") + " window (" +
+                 std::to_string(c.left) + ", " + std::to_string(c.right) + ")");
+    Features f = Features::plain(c.causal);
+    f.left = c.left;
+    f.right = c.right;
+    Inputs in = make_inputs({c.len}, c.h_q, c.h_kv, c.d, 500 + static_cast<std::uint64_t>(c.len.s_k + c.left + 1));
     ProblemShape shape;
-    ASSERT_TRUE(validate_problem(make_problem(in, c.causal).problem(), nullptr, &shape).ok());
+    ASSERT_TRUE(validate_problem(make_problem(in, f).problem(), nullptr, &shape).ok());
     std::vector<std::vector<int>> dead;
     BlockSparseParams p;
     p.mask = random_mask(shape, kBlock, c.block_k, c.per_kv, 77, &dead);
-    const geom::BlockGeometry g = geometry(c.len.s_q, c.len.s_k, c.causal, kBlock, c.block_k);
+    const geom::BlockGeometry g = geometry(c.len.s_q, c.len.s_k, c.causal, kBlock, c.block_k, c.left, c.right);
     const int poisoned = poison_dead_blocks(&in, 0, g, c.per_kv, dead);
     if (c.per_kv) EXPECT_GT(poisoned, 0);  // per query head masks leave few blocks dead for a whole group
-    TestProblem dirty = make_problem(in, c.causal);
+    TestProblem dirty = make_problem(in, f);
     check(&dirty, p);
   }
 }
@@ -1184,21 +1246,26 @@ TEST_P(Conformance, PlanRunsAsRunOnEveryPolicyAndLayout) {
 // dense and 128 x 128 block masks against the oracle on the dequantized values, within the
 // calibrated tolerance (its low-precision reference rounds P to e4m3 as the kernels do);
 // batched and causal, varlen and non-causal, GQA groups 2, key counts that are not multiples of
-// 128 and a sequence without keys. A descale of the wrong head fails it. Head dim 128, the
-// Hopper kernel's fp8 instance; the portable kernels refuse fp8.
+// 128 and a sequence without keys; a causal local window over a chunk. A descale of the wrong
+// head fails it. Head dim 128, the Hopper kernel's fp8 instance; the portable kernels refuse fp8.
 TEST_P(Conformance, Fp8DenseAndBlockSparse) {
   struct Case {
     std::vector<SeqLen> lens;
     int h_q, h_kv;
     bool causal;
     Layout layout;
+    int left = -1;
   };
   for (const Case& c : {Case{{{300, 300}}, 2, 1, true, Layout::kBatched},
-                        Case{{{200, 450}, {129, 40}, {5, 0}}, 4, 2, false, Layout::kVarlen}}) {
+                        Case{{{200, 450}, {129, 40}, {5, 0}}, 4, 2, false, Layout::kVarlen},
+                        Case{{{200, 700}}, 2, 1, true, Layout::kVarlen, 150}}) {
     SCOPED_TRACE(std::to_string(c.lens.size()) + " sequence(s), h_q " + std::to_string(c.h_q) + ", h_kv " +
-                 std::to_string(c.h_kv) + (c.causal ? ", causal" : ", non-causal"));
-    const Inputs in = random_inputs(c.lens, c.h_q, c.h_kv, 128, DType::kFP8E4M3, 900 + c.h_q, 3.0);
-    TestProblem tp = make_problem(in, c.causal, c.layout);
+                 std::to_string(c.h_kv) + (c.causal ? ", causal" : ", non-causal") + ", window_left " +
+                 std::to_string(c.left));
+    const Inputs in = random_inputs(c.lens, c.h_q, c.h_kv, 128, DType::kFP8E4M3, 900 + c.h_q + std::max(c.left, 0), 3.0);
+    Features f = Features::plain(c.causal);
+    f.left = c.left;
+    TestProblem tp = make_problem(in, f, c.layout);
     const int batch = static_cast<int>(c.lens.size());
     tp.q_descale = HostTensor(DType::kFP32, {batch, c.h_kv});
     tp.k_descale = HostTensor(DType::kFP32, {batch, c.h_kv});

@@ -133,9 +133,10 @@ TEST(Geometry, GatedBlocksMatchTheDefinition) {
 
 // Under a local window (FlashAttention's window_size, causal or not) every block range of the
 // geometry against the element mask, counted row by row and key by key: visible (some row sees
-// some key), full (every row every key), the ranges visible_begin/end and full_begin/end,
-// visible pairs, exact_gate's gated blocks (the full ones) within ungated_room, and the ranked
-// keys of permute_stop's segments (the preceding keys a segment's first row sees).
+// some key), full (every row every key; the CUDA kernels' full_below_end below full_end), the
+// kernels' element mask (first_key_at .. position + reach), the ranges visible_begin/end and
+// full_begin/end, visible pairs, exact_gate's gated blocks (the full ones) within ungated_room,
+// and the ranked keys of permute_stop's segments (the preceding keys a segment's first row sees).
 TEST(Geometry, WindowRangesMatchTheElementMask) {
   for (const bool causal : {true, false}) {
     for (const auto& [left, right] : std::vector<std::pair<int, int>>{{-1, -1}, {0, 0}, {3, -1}, {5, 0}, {9, 2},
@@ -154,7 +155,14 @@ TEST(Geometry, WindowRangesMatchTheElementMask) {
             return t >= 0 && t < s_k && (!causal || t <= a) && (left < 0 || t >= a - left) && (right < 0 || t <= a + right);
           };
           for (std::int64_t r = 0; r < s_q; ++r) {
-            for (std::int64_t t = 0; t < s_k; ++t) ASSERT_EQ(g.seq.sees(r, t), sees(r, t)) << what << " row " << r << " key " << t;
+            // The kernels' element mask: a row sees t iff first_key_at(a) <= t <= a + reach()
+            // (no bound for reach -1) and t < s_k, with no empty-range rule of its own.
+            const std::int64_t a = g.seq.position(r);
+            for (std::int64_t t = 0; t < s_k; ++t) {
+              ASSERT_EQ(g.seq.sees(r, t), sees(r, t)) << what << " row " << r << " key " << t;
+              const bool masked_in = t >= g.seq.first_key_at(a) && (g.seq.reach() < 0 || t <= a + g.seq.reach());
+              ASSERT_EQ(masked_in, sees(r, t)) << what << " row " << r << " key " << t;
+            }
           }
           for (int qb = 0; qb < g.num_q_blocks(); ++qb) {
             int first_visible = -1, last_visible = -1, first_full = -1, last_full = -1;
@@ -170,6 +178,7 @@ TEST(Geometry, WindowRangesMatchTheElementMask) {
               }
               ASSERT_EQ(g.is_visible(qb, kb), any) << what << " qb " << qb << " kb " << kb;
               ASSERT_EQ(g.is_full(qb, kb), all) << what << " qb " << qb << " kb " << kb;
+              if (kb < g.full_end(qb)) ASSERT_EQ(g.full_below_end(qb, kb), all) << what << " qb " << qb << " kb " << kb;
               ASSERT_EQ(g.visible_pairs(qb, kb), pairs) << what << " qb " << qb << " kb " << kb;
               if (any && first_visible < 0) first_visible = kb;
               if (any) last_visible = kb;

@@ -8,6 +8,7 @@
 // docs/semantics.md states it.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <limits>
@@ -19,6 +20,7 @@
 #include "core/rules/exact_gate.h"
 #include "core/rules/nan_max.h"
 #include "core/rules/permute_stop.h"
+#include "core/rules/sinks.h"
 #include "core/rules/softcap.h"
 #include "core/rules/softmax_skip.h"
 #include "sparseprefill/types.h"
@@ -410,6 +412,45 @@ TEST(Rules, SoftcapIsTanhScaledMapsInfinitiesToTheCapAndKeepsNaN) {
   EXPECT_EQ(rules::capped_score(0.0f, 30.0f), 0.0f);
   // Monotone: capping keeps the order of scores (so block maxima are the capped maxima).
   EXPECT_LT(rules::capped_score(49.0, 50.0), rules::capped_score(50.0, 50.0));
+}
+
+// The kernels' finalisation with a sink (log2 domain) against docs/semantics.md's formula in
+// natural logs: M = max(σ, scores), den = e^(σ-M) + Σ e^(s-M), O = Σ e^(s-M) v / den.
+TEST(Rules, SinkFinalisationMatchesTheSemanticsAndItsEdgeCases) {
+  const double log2e = 1.4426950408889634;
+  const std::vector<double> scores = {0.3, -1.2, 2.5, 0.0};
+  for (const double sink : {-3.0, 0.7, 2.5, 9.0}) {
+    double top = sink;
+    for (double s : scores) top = std::max(top, s);
+    double key_sum = 0.0;
+    for (double s : scores) key_sum += std::exp(s - top);
+    const double den = std::exp(sink - top) + key_sum;
+    // The kernel's row: m = the scores' max, l relative to it, both log2.
+    const double m = 2.5 * log2e;
+    double l = 0.0;
+    for (double s : scores) l += std::exp2(s * log2e - m);
+    double o_scale = 0.0, lse = 0.0;
+    rules::finalize_with_sink(m, l, sink * log2e, &o_scale, &lse);
+    // O = o_scale · Σ 2^(s log2e - m) v: the weight of each key is o_scale · 2^(s log2e - m).
+    EXPECT_NEAR(o_scale * std::exp2(0.3 * log2e - m), std::exp(0.3 - top) / den, 1e-12) << sink;
+    EXPECT_NEAR(lse, top + std::log(den), 1e-12) << sink;
+  }
+  // A row that saw no key: O = 0, LSE = σ (float, as the kernels run it).
+  float o_scale = 1.f, lse = 0.f;
+  rules::finalize_with_sink(-std::numeric_limits<float>::infinity(), 0.f, 1.5f * 1.44269504f, &o_scale, &lse);
+  EXPECT_EQ(o_scale, 0.f);
+  EXPECT_NEAR(lse, 1.5f, 1e-6f);
+  // NaN or +inf sinks, and a NaN row, make the row NaN.
+  for (const float bad : {std::numeric_limits<float>::quiet_NaN(), std::numeric_limits<float>::infinity()}) {
+    rules::finalize_with_sink(2.f, 3.f, bad, &o_scale, &lse);
+    EXPECT_TRUE(std::isnan(o_scale) && std::isnan(lse)) << bad;
+  }
+  rules::finalize_with_sink(std::numeric_limits<float>::quiet_NaN(), 3.f, 0.f, &o_scale, &lse);
+  EXPECT_TRUE(std::isnan(o_scale) && std::isnan(lse));
+  // A sink far below the row's scores changes nothing measurable.
+  rules::finalize_with_sink(4.f, 2.f, -200.f, &o_scale, &lse);
+  EXPECT_FLOAT_EQ(o_scale, 0.5f);
+  EXPECT_FLOAT_EQ(lse, (4.f + 1.f) * 0.69314718f);
 }
 
 }  // namespace

@@ -4,7 +4,8 @@
 // the path override; long sequences and running maxima that trend along the keys (the kernels'
 // lazy rescaling); bitwise equalities between kernels that share their steps (an all-visible
 // mask and dense, a kept-all gate and dense on the Hopper kernel, packed GQA tiles and unpacked
-// ones, paged K/V and contiguous at every page size, read through the table or staged);
+// ones, paged K/V and contiguous at every page size, read through the table or staged; a local
+// window that hides nothing and none);
 // exact_gate in one pass and in two, with decisions split across the Hopper kernel's
 // warpgroups and heads; what is not compiled; CUDA graph capture, and plans captured without
 // warm-up. Cases run on the default path (the plan's choice: on an sm_90 device the Hopper
@@ -524,12 +525,25 @@ TEST(CudaPackGqa, PackedTilesEqualUnpackedAndMatchTheOracle) {
 // rows).
 constexpr int kPageSizes[] = {1, 3, 16, 24, 32, 64, 256};
 
-TestProblem paged_problem(const Inputs& in, int page_size, bool causal = true) {
+// Causal or not, under FlashAttention's window (left, right) (-1: no bound).
+struct Masking {
+  bool causal = true;
+  int left = -1, right = -1;
+};
+
+LayoutOptions layout_of(Layout layout, const Masking& m) {
   LayoutOptions opt;
-  opt.layout = Layout::kPaged;
+  opt.layout = layout;
+  opt.causal = m.causal;
+  opt.window_left = m.left;
+  opt.window_right = m.right;
+  return opt;
+}
+
+TestProblem paged_problem(const Inputs& in, int page_size, const Masking& m = {}) {
+  LayoutOptions opt = layout_of(Layout::kPaged, m);
   opt.page_size = page_size;
   opt.page_seed = 40 + static_cast<std::uint64_t>(page_size);
-  opt.causal = causal;
   return build_problem(in, opt);
 }
 
@@ -548,8 +562,8 @@ ExecutionOverrides staging(bool staged) {
 // rows past s_k masked as there; staged rows are the contiguous rows), every output written and
 // within the calibrated tolerance of the oracle. exact_gate runs one pass on pages read in the
 // kernels (the plan's choice): compared with contiguous one-pass runs.
-void expect_paged_equals_contiguous(const Inputs& in, const Policy& policy, bool causal = true) {
-  TestProblem contiguous = make_problem(in, causal, Layout::kVarlen);
+void expect_paged_equals_contiguous(const Inputs& in, const Policy& policy, const Masking& m = {}) {
+  TestProblem contiguous = build_problem(in, layout_of(Layout::kVarlen, m));
   const ref::Result ref64 = oracle(contiguous, policy);
   ref::Result lowp;
   const Status st = run_lowp_reference(contiguous.problem(), policy, ref64.decisions, &lowp);
@@ -571,7 +585,7 @@ void expect_paged_equals_contiguous(const Inputs& in, const Policy& policy, bool
     }
   }
   for (int page : kPageSizes) {
-    TestProblem paged = paged_problem(in, page, causal);
+    TestProblem paged = paged_problem(in, page, m);
     for (bool staged : {false, true}) {
       for (bool portable : {false, true}) {
         SCOPED_TRACE("page_size " + std::to_string(page) + (staged ? ", staged" : ", pages read in the kernel") +
@@ -601,7 +615,7 @@ TEST(CudaPaged, DenseEqualsContiguous) {
   const Inputs small = make_inputs({{300, 700}, {129, 129}, {1, 190}, {40, 0}, {200, 17}}, 4, 2, 64, 1600, DType::kFP16);
   for (bool causal : {true, false}) {
     SCOPED_TRACE(causal ? "causal" : "non-causal");
-    expect_paged_equals_contiguous(small, DenseParams{}, causal);
+    expect_paged_equals_contiguous(small, DenseParams{}, Masking{causal});
   }
   const Inputs wide = make_inputs({{700, 1300}}, 4, 2, 128, 1601);
   expect_paged_equals_contiguous(wide, DenseParams{});
@@ -696,6 +710,94 @@ TEST(CudaPaged, PermuteStopEqualsContiguous) {
     ASSERT_FALSE(std::isnan(tau)) << "no tau with a margin stops a tile early";
     expect_paged_equals_contiguous(in, permute_params(tau, 256, kBlockQ, 64));
   }
+}
+
+// ------------------------------------------------------------------ local windows
+// (tests/conformance runs dense and block_sparse under windows against the oracle.)
+
+// A window that hides no key (one wider than every sequence, causal or not) runs the kernels'
+// window code (the lower band's test and mask) and decides and attends exactly as no window
+// (docs/semantics.md §1): bit for bit, dense and block masks of 64- and 128-key blocks, on both
+// paths.
+TEST(CudaWindow, AWindowThatHidesNothingIsNoWindowBitwise) {
+  SP_REQUIRE_GPU();
+  const Inputs in = make_inputs({{300, 700}, {129, 129}, {200, 17}}, 4, 2, 128, 2500);
+  for (const bool causal : {true, false}) {
+    SCOPED_TRACE(causal ? "causal" : "non-causal");
+    TestProblem plain = build_problem(in, layout_of(Layout::kVarlen, Masking{causal}));
+    TestProblem wide = build_problem(in, layout_of(Layout::kVarlen, Masking{causal, 5000, causal ? -1 : 5000}));
+    ProblemShape shape;
+    ASSERT_TRUE(validate_problem(plain.problem(), nullptr, &shape).ok());
+    std::vector<std::vector<int>> dead;
+    BlockSparseParams m64, m128;
+    m64.mask = random_mask(shape, kBlockQ, 64, false, 81, &dead);
+    m128.mask = random_mask(shape, kBlockQ, 128, true, 82, &dead);
+    for (const Policy& policy : {Policy{DenseParams{}}, Policy{m64}, Policy{m128}}) {
+      for (const bool portable : {false, true}) {
+        SCOPED_TRACE(std::string(policy_name(policy)) + (portable ? ", portable path" : ", default path"));
+        const GpuRun want = run_gpu(&plain, policy, nullptr, on_path(portable));
+        const GpuRun got = run_gpu(&wide, policy, nullptr, on_path(portable));
+        ASSERT_TRUE(want.status.ok()) << want.status.to_string();
+        ASSERT_TRUE(got.status.ok()) << got.status.to_string();
+        expect_ran(got, policy, expected_path(policy, portable, false), false);
+        EXPECT_TRUE(same_result(got.out, want.out, 0.0));
+      }
+    }
+  }
+}
+
+// GQA packing under a window: each row of a packed tile is masked at its own position with
+// the window's bounds, so packed tiles equal unpacked ones element for element (dense and
+// per-KV-head masks): a chunk of 32 rows over a cache with a causal window, and ragged varlen
+// rows (one with fewer keys than rows) under a non-causal window with both bounds.
+TEST(CudaWindow, PackedTilesEqualUnpackedUnderAWindow) {
+  SP_REQUIRE_GPU();
+  struct Case {
+    std::vector<SeqLen> lens;
+    int h_q, h_kv, d;
+    DType dtype;
+    Masking masking;
+  };
+  int seed = 0;
+  for (const Case& c : {Case{{{32, 2000}}, 8, 2, 128, DType::kBF16, Masking{true, 700}},
+                        Case{{{5, 700}, {300, 300}, {130, 900}, {200, 60}}, 8, 1, 64, DType::kFP16, Masking{false, 100, 20}}}) {
+    const int group = c.h_q / c.h_kv;
+    SCOPED_TRACE("group " + std::to_string(group) + ", window (" + std::to_string(c.masking.left) + ", " +
+                 std::to_string(c.masking.right) + ")");
+    const Inputs in = make_inputs(c.lens, c.h_q, c.h_kv, c.d, 2510 + static_cast<std::uint64_t>(seed++), c.dtype);
+    TestProblem tp = build_problem(in, layout_of(c.lens.size() > 1 ? Layout::kVarlen : Layout::kBatched, c.masking));
+    {
+      SCOPED_TRACE("dense");
+      expect_packed_equals_unpacked(&tp, DenseParams{}, group);
+    }
+    ProblemShape shape;
+    ASSERT_TRUE(validate_problem(tp.problem(), nullptr, &shape).ok());
+    std::vector<std::vector<int>> dead;
+    BlockSparseParams mask;
+    mask.mask = random_mask(shape, kBlockQ, 128, true, 93 + static_cast<std::uint64_t>(seed), &dead);
+    SCOPED_TRACE("block_sparse, a mask row per KV head");
+    expect_packed_equals_unpacked(&tp, mask, group);
+  }
+}
+
+// Paged K/V under a causal window (every page size, read in the kernels or staged, both
+// paths) equals contiguous K/V bit for bit: dense, and a block mask of 64-key blocks whose
+// unselected blocks are NaN.
+TEST(CudaWindow, PagedEqualsContiguousUnderAWindow) {
+  SP_REQUIRE_GPU();
+  const Masking window{true, 150};
+  Inputs in = make_inputs({{300, 700}, {129, 129}, {1, 190}, {200, 17}}, 4, 2, 64, 2520);
+  expect_paged_equals_contiguous(in, DenseParams{}, window);
+  ProblemShape shape;
+  ASSERT_TRUE(validate_problem(build_problem(in, layout_of(Layout::kVarlen, window)).problem(), nullptr, &shape).ok());
+  std::vector<std::vector<int>> dead;
+  BlockSparseParams mask;
+  mask.mask = random_mask(shape, kBlockQ, 64, false, 83, &dead);
+  for (int b = 0; b < shape.batch; ++b) {
+    const auto u = static_cast<std::size_t>(b);
+    poison_dead_blocks(&in, b, geometry(shape.seq_q[u], shape.seq_k[u], true, kBlockQ, 64, window.left), false, dead);
+  }
+  expect_paged_equals_contiguous(in, mask, window);
 }
 
 // ------------------------------------------------------------------ what is not built

@@ -204,6 +204,62 @@ TEST(CudaDeviceMask, ABadEntryCutsItsRowAndIsReportedOnce) {
   EXPECT_NE(b.message().find("entry 3 is key block 9"), std::string::npos) << b.message();
 }
 
+// Under a local window the check takes the window's visible blocks (the host conversion's
+// rule): a mask over them runs as the host mask on both paths, and an entry that is visible
+// without the window, not with it, cuts its row and is reported as out of range.
+TEST(CudaDeviceMask, UnderALocalWindowTheCheckTakesTheWindowsBlocks) {
+  SP_REQUIRE_CUDA_DEVICE();
+  LayoutOptions opt;
+  opt.window_left = 200;  // causal: row r sees keys a - 200 .. a
+  DeviceProblem dp(build_problem(random_inputs(kLengths, 4, 2, 128, DType::kBF16, 26), opt));
+  const ProblemShape s = shape_of(dp.tp.problem());
+  {
+    const BlockMask m = half_mask(s, true, 9);
+    DeviceFlex flex(m);
+    BlockSparseParams host, dev;
+    host.mask = m;
+    dev.device_mask = flex.mask;
+    for (const auto path : {ExecutionOverrides::CudaPath::kPortable, ExecutionOverrides::CudaPath::kAuto}) {
+      Status a, b;
+      const auto want = dp.run_bytes(host, on(path), &a);
+      Decisions d;
+      const auto got = dp.run_bytes(dev, on(path), &b, &d);
+      ASSERT_TRUE(a.ok()) << a.to_string();
+      ASSERT_TRUE(b.ok()) << b.to_string();
+      EXPECT_EQ(got, want);
+      EXPECT_EQ(d.kept.to_dense(), m.to_dense());
+      EXPECT_TRUE(check_device_errors(0).ok());
+    }
+  }
+  // Row (b 0, h 1, q block 2): rows 256 .. 299 at positions 656 .. 699 of 700 keys see keys
+  // 456 .. 699, key blocks 3 .. 5 (partial 3 and 5, full 4). Its partial list's entry 0 (block 3)
+  // becomes block 2, which causal attention alone would show it.
+  const BlockMask all = BlockMask::all_visible(s, 128, 128, false);
+  const std::int64_t row = all.row(0, 1, 2);
+  ASSERT_EQ(all.partial_count[static_cast<std::size_t>(row)], 2);
+  ASSERT_EQ(all.partial_index[static_cast<std::size_t>(row * all.num_k_blocks)], 3);
+  DeviceFlex flex(all);
+  flex.index[0].as<std::int32_t>()[row * all.num_k_blocks] = 2;
+  flex.upload();
+  BlockMask cut = all;
+  cut.partial_count[static_cast<std::size_t>(row)] = 0;  // the list is cut before its first entry
+  BlockSparseParams host, dev;
+  host.mask = cut;
+  dev.device_mask = flex.mask;
+  ASSERT_TRUE(check_device_errors(0).ok());
+  Status a, b;
+  const auto want = dp.run_bytes(host, on(ExecutionOverrides::CudaPath::kAuto), &a);
+  const auto got = dp.run_bytes(dev, on(ExecutionOverrides::CudaPath::kAuto), &b);
+  ASSERT_TRUE(a.ok()) << a.to_string();
+  ASSERT_TRUE(b.ok()) << b.to_string();
+  EXPECT_EQ(got, want);
+  const Status reported = check_device_errors(0);
+  EXPECT_EQ(reported.code(), StatusCode::kInvalidArgument);
+  EXPECT_NE(reported.message().find("mask.kv_indices: row (b 0, h 1, q block 2) entry 0 is key block 2, not visible"),
+            std::string::npos)
+      << reported.message();
+}
+
 TEST(CudaDeviceMask, ACapturedGraphReadsTheMasksCurrentContents) {
   SP_REQUIRE_CUDA_DEVICE();
   DeviceProblem dp(build_problem(random_inputs(kLengths, 4, 2, 128, DType::kBF16, 24)));

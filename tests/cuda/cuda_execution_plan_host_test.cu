@@ -219,6 +219,37 @@ TEST(CudaExecutionPlan, PermuteStopPlansItsRankingAndAttention) {
   EXPECT_EQ(execution_info(p, 0).instance, p.permute->name);
 }
 
+// A local window changes no choice of the plan for dense and block_sparse (the same path,
+// instances, packing and grid as the window-free call: windows are runtime values of those
+// instances), on both devices and paged or not; only K/V staging counts the window's pairs
+// (cuda_plan_host_test), and neither stages here. The other policies are refused, by name.
+TEST(CudaExecutionPlan, LocalWindowsPlanAsWithoutOneForDenseAndBlockSparse) {
+  for (const ProblemShape& base : {cuda_shape_of(4096, 4096), cuda_shape_of(32, 4096), paged(cuda_shape_of(300, 9000), 16)}) {
+    ProblemShape local = base;
+    local.window_left = 1023;
+    BlockSparseParams mask;
+    mask.mask = BlockMask::all_visible(local, 128, 128, true);
+    for (const Policy& policy : {Policy{DenseParams{}}, Policy{mask}}) {
+      for (const DeviceCaps& caps : {kH200, kA100}) {
+        SCOPED_TRACE(std::string(policy_name(policy)) + " on " + std::to_string(caps.cc_major) + ".x, s_q " +
+                     std::to_string(base.seq_q[0]));
+        const ExecutionPlan w = plan_of(local, policy, caps), plain = plan_of(base, policy, caps);
+        EXPECT_EQ(w.path, plain.path);
+        EXPECT_EQ(w.fwd, plain.fwd);
+        EXPECT_EQ(w.fwd90, plain.fwd90);
+        EXPECT_EQ(w.mode, plain.mode);
+        EXPECT_EQ(w.q_pack, plain.q_pack);
+        EXPECT_EQ(w.grid, plain.grid);
+        EXPECT_EQ(w.passes, plain.passes);
+      }
+    }
+    ExecutionPlan refused;
+    const Status st = plan_execution(local, gate(), kTma, kH200, {}, std::size_t{100} << 30, &refused);
+    EXPECT_EQ(st.code(), StatusCode::kUnsupported);
+    EXPECT_NE(st.message().find("runs dense and block_sparse on CUDA, not exact_gate"), std::string::npos) << st.message();
+  }
+}
+
 TEST(CudaExecutionPlan, OverridesParseOnceAndTheCallsWin) {
   OverrideEnv env;
   env.cuda_path = "portable";

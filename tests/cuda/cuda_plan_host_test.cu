@@ -11,6 +11,8 @@
 #include <cstdint>
 #include <limits>
 #include <string>
+#include <utility>
+#include <variant>
 #include <vector>
 
 #include "common/inputs.h"
@@ -65,7 +67,9 @@ TEST(CudaPlan, UnsupportedMessagesNameTheArgument) {
 
 // The model-family features no kernel takes yet are refused by name for every policy, before
 // anything else is checked (docs/cuda.md, support matrix); head dims 96, 192 and 256 have no
-// instance, and say so.
+// instance, and say so. Local windows, softcap and sinks run dense and block_sparse (on both
+// paths: their choice of path is the feature-free one's; softcap and sinks on 16-bit inputs)
+// and are refused by name for the other policies.
 TEST(CudaPlan, ModelFamilyFeaturesAreRefusedByName) {
   int n = 0;
   ExactGateParams gate;
@@ -75,19 +79,16 @@ TEST(CudaPlan, ModelFamilyFeaturesAreRefusedByName) {
     const char* needle;
     ProblemShape shape;
   };
-  ProblemShape window = cuda_shape_of(300, 300, 4, 1, 128), right = window, softcap = window, sinks = window, mla = window;
+  const ProblemShape plain = cuda_shape_of(300, 300, 4, 1, 128);
+  ProblemShape window = plain, right = plain, softcap = plain, sinks = plain, mla = plain;
   window.window_left = 127;
   right.causal = false;
-  right.window_right = 0;  // FlashAttention's causal as a window, which the kernels take as causal only
+  right.window_right = 0;  // FlashAttention's causal as a window
   softcap.softcap = 50.0;
   sinks.sinks = true;
   mla.d = 192;
   mla.d_v = 128;
-  for (const Case& c : {Case{"window_left/window_right: local (sliding-window) attention has no CUDA kernel yet", window},
-                        Case{"window_left/window_right: local (sliding-window) attention has no CUDA kernel yet", right},
-                        Case{"softcap: score soft-capping has no CUDA kernel yet", softcap},
-                        Case{"sinks: learned attention sinks have no CUDA kernel yet", sinks},
-                        Case{"v: a V head dim unlike Q/K's (d_v 128, d 192) has no CUDA kernel yet", mla},
+  for (const Case& c : {Case{"v: a V head dim unlike Q/K's (d_v 128, d 192) has no CUDA kernel yet", mla},
                         Case{"head_dim 96", cuda_shape_of(300, 300, 4, 1, 96)},
                         Case{"head_dim 256", cuda_shape_of(300, 300, 4, 1, 256)}}) {
     for (const Policy& policy : policies) {
@@ -97,10 +98,124 @@ TEST(CudaPlan, ModelFamilyFeaturesAreRefusedByName) {
       EXPECT_NE(st.message().find(c.needle), std::string::npos) << st.message();
     }
   }
-  // A causal window that hides nothing more than causal ((-1, 0) and (-1, 5) under causal) runs.
-  ProblemShape causal_right = cuda_shape_of(300, 300, 4, 1, 128);
+  ProblemShape window_sinks_softcap = window;  // gpt-oss's window and sinks, Gemma 2's cap: together
+  window_sinks_softcap.sinks = true;
+  window_sinks_softcap.softcap = 50.0;
+  struct Featured {
+    const char* feature;  // the refusal's subject for the other policies
+    ProblemShape shape;
+  };
+  BlockSparseParams mask;
+  for (const Featured& f : {Featured{"window_left/window_right: local (sliding-window) attention", window},
+                            Featured{"window_left/window_right: local (sliding-window) attention", right},
+                            Featured{"softcap: score soft-capping", softcap},
+                            Featured{"sinks: learned attention sinks", sinks},
+                            Featured{"window_left/window_right: local (sliding-window) attention", window_sinks_softcap}}) {
+    const ProblemShape& shape = f.shape;
+    SCOPED_TRACE(std::string(f.feature) + ": window (" + std::to_string(shape.window_left) + ", " +
+                 std::to_string(shape.window_right) + ")" + (shape.causal ? " causal" : "") +
+                 (shape.softcap != 0.0 ? ", softcap" : "") + (shape.sinks ? ", sinks" : ""));
+    mask.mask = BlockMask::all_visible(shape, 128, 64, false);
+    for (const Policy& policy : {Policy{DenseParams{}}, Policy{mask}}) {
+      SCOPED_TRACE(policy_name(policy));
+      EXPECT_TRUE(check_support(shape, policy, &n).ok());
+      EXPECT_EQ(n, std::holds_alternative<DenseParams>(policy) ? dense_block_k(128) : 64);
+      EXPECT_EQ(choose_fwd_path(shape, policy, true, 9, 0), choose_fwd_path(plain, policy, true, 9, 0));
+    }
+    for (const Policy& policy : policies) {
+      if (std::holds_alternative<DenseParams>(policy)) continue;
+      SCOPED_TRACE(policy_name(policy));
+      const Status st = check_support(shape, policy, &n);
+      EXPECT_EQ(st.code(), StatusCode::kUnsupported);
+      EXPECT_NE(st.message().find(std::string(f.feature) + " runs dense and block_sparse on CUDA, not " +
+                                  policy_name(policy)),
+                std::string::npos)
+          << st.message();
+    }
+  }
+  // fp8 inputs take the window on the Hopper instance as 16-bit ones do, but no softcap or sinks.
+  ProblemShape fp8 = cuda_shape_of(300, 300, 4, 1, 128, DType::kFP8E4M3);
+  fp8.window_left = 127;
+  EXPECT_TRUE(check_support(fp8, DenseParams{}, &n).ok());
+  ProblemShape fp8_cap = fp8, fp8_sinks = fp8;
+  fp8_cap.softcap = 50.0;
+  fp8_sinks.sinks = true;
+  for (const ProblemShape& shape : {fp8_cap, fp8_sinks}) {
+    const Status st = check_support(shape, DenseParams{}, &n);
+    EXPECT_EQ(st.code(), StatusCode::kUnsupported);
+    EXPECT_NE(st.message().find("fp8_e4m3 inputs on CUDA take no softcap or sinks"), std::string::npos) << st.message();
+  }
+  // A causal window that hides nothing more than causal ((-1, 0) and (-1, 5) under causal) runs
+  // every policy.
+  ProblemShape causal_right = plain;
   causal_right.window_right = 5;
-  EXPECT_TRUE(check_support(causal_right, DenseParams{}, &n).ok());
+  for (const Policy& policy : policies) EXPECT_TRUE(check_support(causal_right, policy, &n).ok()) << policy_name(policy);
+  EXPECT_NE(support_summary().find("local windows (window_size): dense and block_sparse on both paths, with softcap "
+                                   "and learned sinks on bf16 and fp16"),
+            std::string::npos);
+}
+
+// The window reaches the kernels only where it hides keys (ProblemShape::local()): a causal
+// call's right bound leaves FwdParams' "no window" (-1, -1), which every kernel reads as plain
+// causal attention (and the gated and mean-correction launches, which compile no window masks,
+// accept); a local window arrives as given.
+TEST(CudaPlan, ForwardParametersCarryTheWindowWhereItHidesKeys) {
+  const test::TestProblem tp = test::build_problem(test::random_inputs({{300, 300}}, 4, 1, 64, DType::kBF16, 9));
+  ProblemShape s;
+  ASSERT_TRUE(validate_problem(tp.problem(), nullptr, &s).ok());
+  const auto window_of = [&](bool causal, int left, int right) {
+    ProblemShape shape = s;
+    shape.causal = causal;
+    shape.window_left = left;
+    shape.window_right = right;
+    const FwdParams p = make_fwd_params(tp.problem(), shape, tp.output(), 64);
+    EXPECT_EQ(p.causal, causal);
+    return std::pair<int, int>{p.window_left, p.window_right};
+  };
+  EXPECT_EQ(window_of(true, -1, -1), std::make_pair(-1, -1));
+  EXPECT_EQ(window_of(true, -1, 5), std::make_pair(-1, -1));
+  EXPECT_EQ(window_of(true, 127, 5), std::make_pair(127, 5));
+  EXPECT_EQ(window_of(false, -1, 0), std::make_pair(-1, 0));
+  EXPECT_EQ(window_of(false, 30, 40), std::make_pair(30, 40));
+  EXPECT_EQ(window_of(false, -1, -1), std::make_pair(-1, -1));
+  const FwdParams zero{};  // value-initialised: no window
+  EXPECT_EQ(zero.window_left, -1);
+  EXPECT_EQ(zero.window_right, -1);
+}
+
+// A softcap makes the capped score the logit: the softmax's scale becomes 1 and the call's scale
+// goes into the cap (rules::capped_score(cap_scale · q·k, c)); sinks arrive as the problem's
+// tensor with its stride. Any feature selects the kFeatures kernel (has_features), none the
+// feature-free one.
+TEST(CudaPlan, ForwardParametersCarrySoftcapAndSinks) {
+  test::Inputs in = test::random_inputs({{300, 300}}, 4, 1, 64, DType::kBF16, 11);
+  in.sinks = {0.5, -1.0, 2.0, -test::kInf};
+  test::LayoutOptions capped;
+  capped.softcap = 30.0;
+  const test::TestProblem tp = test::build_problem(in, capped);
+  ProblemShape s;
+  ASSERT_TRUE(validate_problem(tp.problem(), nullptr, &s).ok());
+  ASSERT_TRUE(s.sinks);
+  ASSERT_EQ(s.softcap, 30.0);
+  const FwdParams p = make_fwd_params(tp.problem(), s, tp.output(), 64);
+  EXPECT_EQ(p.softcap, 30.f);
+  EXPECT_EQ(p.cap_scale, static_cast<float>(s.scale));
+  EXPECT_EQ(p.scale, 1.f);
+  EXPECT_EQ(p.scale_log2, 1.4426950408889634f);
+  EXPECT_EQ(p.sinks, tp.problem().sinks.data);
+  EXPECT_EQ(p.sinks_stride, tp.problem().sinks.stride[0]);
+  EXPECT_TRUE(has_features(p));
+  ProblemShape plain = s;
+  plain.softcap = 0.0;
+  plain.sinks = false;
+  const FwdParams q = make_fwd_params(tp.problem(), plain, tp.output(), 64);
+  EXPECT_EQ(q.softcap, 0.f);
+  EXPECT_EQ(q.sinks, nullptr);
+  EXPECT_EQ(q.scale, static_cast<float>(s.scale));
+  EXPECT_FALSE(has_features(q));
+  FwdParams window = q;
+  window.window_left = 10;
+  EXPECT_TRUE(has_features(window));
 }
 
 TEST(CudaPlan, Fp8RunsDenseAndBlockSparseOnTheHopperInstance) {
@@ -604,6 +719,13 @@ TEST(CudaPlan, PagedKvStagedWhenTheCopyIsCheaperThanReadingPages) {
   EXPECT_TRUE(plan_kv_staging(chunk, SoftmaxSkipParams{}, kFree).stage);
   EXPECT_FALSE(plan_kv_staging(chunk, EstimateSelectParams{}, kFree).stage);
   EXPECT_FALSE(plan_kv_staging(chunk, PermuteStopParams{}, kFree).stage);
+  // A local window's pairs count: under a 4096-key window the chunk attends to 31x fewer, and the
+  // copy of the cache would cost more than reading its pages.
+  ProblemShape local = chunk;
+  local.window_left = 4095;
+  EXPECT_FALSE(plan_kv_staging(local, DenseParams{}, kFree).stage);
+  local.window_left = 131071;  // a window that hides nothing stages as no window
+  EXPECT_TRUE(plan_kv_staging(local, DenseParams{}, kFree).stage);
   // A block mask's own density counts: every visible block stages like dense, one block per
   // row does not.
   BlockSparseParams all;

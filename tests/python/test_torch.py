@@ -72,7 +72,9 @@ def test_window_minus_one_zero_is_causal_and_scale_is_used(device):
 
 
 # The model-family features (docs/semantics.md §1) on the CPU backend against float64, in every
-# FlashAttention layout; the CUDA backend refuses each by name (bad_cases). Each case names its
+# FlashAttention layout; the CUDA backend runs local windows, softcap and sinks (dense and
+# block_sparse: test_model_family_features_on_cuda) and refuses the others by name (bad_cases).
+# Each case names its
 # keyword arguments of flash_attn_func plus the head dims d (q, k) and d_v (v).
 FEATURE_CASES = {
     "sliding window 8": dict(causal=True, window_size=(7, 0)),
@@ -139,6 +141,35 @@ def test_model_family_features_match_float64(dtype, case, s_q, s_k):
     table = torch.arange(2 * pages, dtype=torch.int32).reshape(2, pages)
     out_p = flash_attn_with_kvcache(q, *paged, cache_seqlens=s_k, page_table=table, **args)
     assert torch.equal(out_p, out)
+
+
+# The features the CUDA kernels take (dense and block_sparse): windows, softcap and sinks, not a V
+# head dim unlike Q/K's or head dims other than 64 and 128.
+CUDA_FEATURE_CASES = [c for c, a in FEATURE_CASES.items() if set(a) <= {"causal", "window_size", "softcap", "sinks"}]
+
+
+@pytest.mark.skipif("cuda" not in DEVICES, reason="the CUDA kernels run windows, softcap and sinks")
+@pytest.mark.parametrize("case", CUDA_FEATURE_CASES)
+@pytest.mark.parametrize("s_q,s_k", [(37, 53), (53, 37), (300, 700)])
+def test_model_family_features_on_cuda(case, s_q, s_k):
+    # Dense attention with FlashAttention's window_size, softcap and sinks on the CUDA kernels
+    # against float64, and the paged cache call equal to it.
+    q, k, v, args, ref = feature_call(case, torch.bfloat16, s_q, s_k)
+    q, k, v = q.cuda(), k.cuda(), v.cuda()
+    if "sinks" in args:
+        args["sinks"] = ref["sinks"] = args["sinks"].cuda()
+    want, want_lse = attention(q, k, v, **ref)
+    low = attention(q, k, v, low_precision=True, **ref)[0]
+    out, lse = flash_attn_func(q, k, v, return_softmax_lse=True, **args)
+    assert_calibrated(out, want, low)
+    assert_lse(lse, want_lse)
+    pages = -(-s_k // 16)
+    paged = [x[:, :pages * 16].new_zeros(2 * pages, 16, *x.shape[2:]) for x in (k, v)]
+    for cache, x in zip(paged, (k, v)):
+        cache.view(2, pages * 16, *x.shape[2:])[:, :s_k] = x
+    table = torch.arange(2 * pages, dtype=torch.int32, device="cuda").reshape(2, pages)
+    out_p = flash_attn_with_kvcache(q, *paged, cache_seqlens=s_k, page_table=table, **args)
+    assert_calibrated(out_p, want, low, what="paged")
 
 
 @pytest.mark.skipif("cpu" not in DEVICES, reason="the CPU backend runs the model-family features")
@@ -618,13 +649,19 @@ def bad_cases(device):
              sp.InvalidArgumentError, "out: expected q's device"),
             ("sinks device", lambda: flash_attn_func(qc, kc, vc, sinks=torch.zeros(2)), sp.InvalidArgumentError,
              "sinks: expected q's device"),
-            # The CUDA kernels take none of the model-family features yet: each is refused by name.
-            ("cuda window", lambda: flash_attn_func(qc, kc, vc, causal=True, window_size=(3, 0)), sp.UnsupportedError,
-             "window_left/window_right: local .sliding-window. attention has no CUDA kernel yet"),
-            ("cuda softcap", lambda: flash_attn_func(qc, kc, vc, softcap=5.0), sp.UnsupportedError,
-             "softcap: score soft-capping has no CUDA kernel yet"),
-            ("cuda sinks", lambda: flash_attn_func(qc, kc, vc, sinks=torch.zeros(2, device=device)),
-             sp.UnsupportedError, "sinks: learned attention sinks have no CUDA kernel yet"),
+            # The CUDA kernels take local windows, softcap and sinks for dense and block_sparse
+            # only (test_model_family_features_on_cuda) and a V head dim unlike Q/K's not yet:
+            # each is refused by name.
+            ("cuda window", lambda: flash_attn_func(qc, kc, vc, causal=True, window_size=(3, 0),
+                                                    policy=sp.SoftmaxSkip()),
+             sp.UnsupportedError, "window_left/window_right: local .sliding-window. attention runs dense and "
+             "block_sparse on CUDA, not softmax_skip"),
+            ("cuda softcap", lambda: flash_attn_func(qc, kc, vc, softcap=5.0, policy=sp.SoftmaxSkip()),
+             sp.UnsupportedError, "softcap: score soft-capping runs dense and block_sparse on CUDA, not softmax_skip"),
+            ("cuda sinks", lambda: flash_attn_func(qc, kc, vc, sinks=torch.zeros(2, device=device),
+                                                   policy=sp.SoftmaxSkip()),
+             sp.UnsupportedError, "sinks: learned attention sinks runs dense and block_sparse on CUDA, not "
+             "softmax_skip"),
             ("cuda d_v", lambda: flash_attn_func(qc, kc, vc[..., :32].contiguous()), sp.UnsupportedError,
              "v: a V head dim unlike Q/K's"),
         ]

@@ -203,13 +203,13 @@ FAMILIES = {
 }
 
 
-def family_model(name, attn, removed=False):
+def family_model(name, attn, removed=False, **override):
     cls_name, config_name, _, _, kwargs, without = FAMILIES[name]
     cls, config_cls = getattr(transformers, cls_name, None), getattr(transformers, config_name, None)
     if cls is None or config_cls is None:
         pytest.skip(f"transformers {transformers.__version__} has no {cls_name}")
     config = config_cls(vocab_size=256, num_hidden_layers=2, max_position_embeddings=4096, initializer_range=0.2,
-                        **{**kwargs, **(without if removed else {})})
+                        **{**kwargs, **(without if removed else {}), **override})
     torch.manual_seed(0)
     model = cls(config).eval()
     if removed and name == "gpt_oss":
@@ -245,3 +245,28 @@ def test_model_family_logits_match_transformers(name):
     with torch.no_grad():
         assert torch.equal(ours.generate(ids[:1], max_new_tokens=5, do_sample=False),
                            want_model.generate(ids[:1], max_new_tokens=5, do_sample=False))
+
+
+# The families whose features the CUDA kernels take (windows, softcap, sinks; head dims 64 and
+# 128), at head_dim 64, bf16 on the GPU: our logits against the fp32 model's within twice the
+# error of transformers' own attention in bf16 (assert_logits_close's rule).
+CUDA_FAMILIES = {"gemma2": dict(head_dim=64, query_pre_attn_scalar=64), "gpt_oss": dict(head_dim=64)}
+
+
+@pytest.mark.skipif("cuda" not in DEVICES, reason="the CUDA kernels' model-family features")
+@pytest.mark.parametrize("name", list(CUDA_FAMILIES))
+def test_model_family_logits_on_cuda(name):
+    spt.register(spt.BackendConfig())
+    reference, length = FAMILIES[name][2], FAMILIES[name][3]
+    models = [family_model(name, attn, **CUDA_FAMILIES[name]) for attn in (reference, "sparseprefill", reference)]
+    want_model, ours, fp32 = (m.to("cuda", dtype) for m, dtype in zip(models, (torch.bfloat16, torch.bfloat16,
+                                                                               torch.float32)))
+    ids = torch.randint(0, 256, (2, length), generator=torch.Generator().manual_seed(5)).to("cuda")
+    with torch.no_grad():
+        want = want_model(ids).logits
+        with sp.collect_stats() as log:
+            got = ours(ids).logits
+        ref = fp32(ids).logits.float()
+    assert sorted(log.layers()) == [0, 1] and log.density() == 1.0
+    assert_logits_close(got, want, ref, "cuda")
+

@@ -21,9 +21,8 @@ enum MaskFault : std::int32_t {
 };
 
 // Entry kb of a list, after `prev` (-1 for the first), of a query block that sees key blocks
-// visible_begin .. visible_end - 1 (geom::BlockGeometry). visible_begin is 0 without a local
-// window: the device check (kernel/mask_check.cuh) passes none, since the CUDA backend refuses
-// windows until its kernels take them.
+// visible_begin .. visible_end - 1 (geom::BlockGeometry; visible_begin is 0, the default,
+// without a left window bound). The host conversion and the device check pass both.
 SP_HD MaskFault mask_entry_fault(std::int64_t kb, std::int64_t prev, int visible_end, int visible_begin = 0) {
   if (kb < visible_begin || kb < 0 || kb >= visible_end) return kMaskRange;
   if (kb <= prev) return kMaskOrder;

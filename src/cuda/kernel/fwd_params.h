@@ -105,6 +105,8 @@ struct MaskCheckParams {
   int block_k;
   int bitmap_words;  // 32-bit words over the longest sequence's key blocks (shared memory per row)
   bool causal;
+  int window_left = -1;  // the call's window (FwdParams): entries outside it are out of range
+  int window_right = -1;
   std::int32_t* count_out[2];  // [rows]
   std::int64_t* start_out[2];  // [rows]
   std::uint32_t* kept_bits;    // [rows, bitmap_words]: the accepted blocks, for decisions; or nullptr
@@ -211,7 +213,31 @@ struct FwdParams {
   std::int64_t descale_stride[3][2];   // (batch, kv head)
   std::uint8_t* v_t;
   std::int64_t vt_stride;  // keys per (b, kv head, d) row: max s_k rounded up to 128
+
+  // The model-family features (docs/semantics.md §1), run by the forward kernels' kFeatures
+  // kernel (fwd_kernel<Cfg, true>) for dense and block masks without mean correction, 16-bit
+  // inputs (check_support refuses them elsewhere; the launches check). The defaults are none,
+  // so that a value-initialised FwdParams means plain causal or full attention. Last, so that
+  // the other fields keep their parameter offsets (ptxas scheduled the feature-free kernels
+  // differently when they moved).
+  // FlashAttention's local window (geom::SeqGeometry; -1: no bound on that side), set only where
+  // it hides keys (ProblemShape::local()).
+  int window_left = -1;
+  int window_right = -1;
+  // Softcap c > 0: each score becomes rules::capped_score(cap_scale · q·k, c), and then scale is
+  // 1 and scale_log2 log2(e) (the capped score is the logit); cap_scale is the call's scale.
+  float softcap = 0.f;
+  float cap_scale = 0.f;
+  // Learned sinks: fp32 logits [h_q] (element stride sinks_stride), one more term of every
+  // row's softmax denominator and maximum (finalize_row_sink); nullptr: none.
+  const float* sinks = nullptr;
+  std::int64_t sinks_stride = 0;
 };
+
+// Whether a call needs the kFeatures kernel (FwdParams' model-family features).
+inline bool has_features(const FwdParams& p) {
+  return p.window_left >= 0 || p.window_right >= 0 || p.softcap > 0.f || p.sinks != nullptr;
+}
 
 // exact_gate's decisions ahead of the attention (plan.h, choose_gate_passes): the forward call's
 // parameters (mode kExactGate, its q, k, geometry, thresholds and kept bitmap) and the

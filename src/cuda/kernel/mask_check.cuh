@@ -44,12 +44,13 @@ __global__ void __launch_bounds__(kWarps * 32) mask_check_kernel(const __grid_co
   const int h = static_cast<int>(row / p.num_q_blocks % p.heads);
   const int b = static_cast<int>(row / p.num_q_blocks / p.heads);
   const SeqInfo seq = p.seqs[b];
-  const geom::BlockGeometry g{{seq.s_q, seq.s_k, p.causal}, p.block_q, p.block_k};
+  const geom::BlockGeometry g{{seq.s_q, seq.s_k, p.causal, p.window_left, p.window_right}, p.block_q, p.block_k};
   std::uint32_t* seen = bitmaps + warp * p.bitmap_words;
   for (int w = lane; w < p.bitmap_words; w += 32) seen[w] = 0u;
   __syncwarp();
   const bool in_seq = qb < g.num_q_blocks();  // rows past the sequence's end hold nothing
   const int visible = in_seq ? g.visible_end(qb) : 0;
+  const int visible_begin = in_seq ? g.visible_begin(qb) : 0;
   std::uint32_t* kept = p.kept_bits != nullptr ? p.kept_bits + row * p.bitmap_words : nullptr;
   for (int list = 0; list < 2; ++list) {
     const MaskListView& v = p.list[list];
@@ -87,7 +88,7 @@ __global__ void __launch_bounds__(kWarps * 32) mask_check_kernel(const __grid_co
       const std::int64_t kb = i < n ? v.index[first + i] : 0;
       std::int64_t before = __shfl_up_sync(0xffffffffu, kb, 1);
       if (lane == 0) before = prev;
-      rules::MaskFault fault = i < n ? rules::mask_entry_fault(kb, before, visible) : rules::kMaskOk;
+      rules::MaskFault fault = i < n ? rules::mask_entry_fault(kb, before, visible, visible_begin) : rules::kMaskOk;
       if (fault == rules::kMaskOk && i < n && list == 1 && (seen[kb / 32] >> (kb % 32) & 1u)) fault = rules::kMaskBoth;
       const unsigned bad = __ballot_sync(0xffffffffu, fault != rules::kMaskOk);
       const int ok_lanes = bad != 0u ? __ffs(static_cast<int>(bad)) - 1 : 32;

@@ -24,9 +24,11 @@ __device__ __forceinline__ std::int64_t mask_row_of(const FwdParams& p, int b, i
 
 // The key blocks one CTA visits, in order: group A (never gated by exact_gate: the partial
 // blocks, or non-causal the last key block), then group B (the full blocks), each descending,
-// then the mean-correction tiles. Dense and the gates walk one descending range [0, a_hi); a
-// block mask walks its partial list then its full list. (softmax_skip's visit order is part of
-// its semantics: partial blocks then full ones, each descending — the same order.)
+// then the mean-correction tiles. Dense and the gates walk one descending range
+// [visible_begin, a_hi); a block mask walks its partial list then its full list. (softmax_skip's
+// visit order is part of its semantics: partial blocks then full ones, each descending — the
+// same order.) A local window's lower partial band comes last in the range, inside group B:
+// only dense walks a range under a window (check_support refuses windows for the gates).
 struct VisitList {
   bool lists = false;    // mask mode (else range mode)
   int n_a = 0;           // group A entries
@@ -58,7 +60,7 @@ __device__ __forceinline__ VisitList make_visit_list(const FwdParams& p, const g
     // out here, since that form changed the forward kernels' SASS.)
     const int a_lo = p.causal ? geo.full_end(qb) : geo.visible_end(qb) - 1;
     visit.n_a = visit.a_hi - (a_lo < 0 ? 0 : a_lo);
-    visit.n_reg = visit.a_hi;
+    visit.n_reg = visit.a_hi - geo.visible_begin(qb);  // visible_begin: 0 without a left window bound
   }
   return visit;
 }

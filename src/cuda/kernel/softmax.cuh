@@ -7,6 +7,8 @@
 #include <cmath>
 #include <cstdint>
 
+#include "core/rules/sinks.h"
+#include "core/rules/softcap.h"
 #include "cuda/kernel/ptx.cuh"
 #include "cuda/kernel/tuning.h"
 
@@ -180,11 +182,14 @@ __device__ __forceinline__ void exp_pack(const float (&s)[kM][kN][4], const floa
 // l_part is this thread's part of the row sum, added here over the quad of threads that hold
 // the row (every thread of the quad calls it). An empty row (l = 0: it saw no key) gets O = 0
 // and LSE = -inf; a NaN row gets NaN for both.
+__device__ __forceinline__ float quad_sum(float x) {
+  x += __shfl_xor_sync(0xffffffffu, x, 1);
+  return x + __shfl_xor_sync(0xffffffffu, x, 2);
+}
+
 __device__ __forceinline__ void finalize_row(float m, float l_part, float* o_scale, float* lse) {
   constexpr float kLn2 = 0.6931471805599453f;
-  float l_sum = l_part;
-  l_sum += __shfl_xor_sync(0xffffffffu, l_sum, 1);
-  l_sum += __shfl_xor_sync(0xffffffffu, l_sum, 2);
+  const float l_sum = quad_sum(l_part);
   if (l_sum == 0.f) {
     *o_scale = 0.f;
     *lse = -INFINITY;
@@ -192,6 +197,33 @@ __device__ __forceinline__ void finalize_row(float m, float l_part, float* o_sca
     *o_scale = 1.f / l_sum;
     *lse = (m + __log2f(l_sum)) * kLn2;
   }
+}
+
+// The softcap on a raw score fragment s[kM][kN][4] (FwdParams::softcap, the kFeatures kernels):
+// each q·k becomes rules::capped_score(cap_scale · q·k, softcap), the logit itself (the softmax
+// then runs with scale 1). Before the element mask, which then writes -inf over capped values.
+template <int kM, int kN>
+__device__ __forceinline__ void cap_scores(float (&s)[kM][kN][4], float cap_scale, float softcap) {
+#pragma unroll
+  for (int mi = 0; mi < kM; ++mi) {
+#pragma unroll
+    for (int nf = 0; nf < kN; ++nf) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) s[mi][nf][e] = rules::capped_score(s[mi][nf][e] * cap_scale, softcap);
+    }
+  }
+}
+
+// finalize_row with a learned sink: sink_log2 = σ · log2(e), -inf for none (finalize_row);
+// else rules::finalize_with_sink over the quad's row sum (O = 0 and LSE = σ for a row that saw
+// no key; a NaN or +inf sink makes the row NaN).
+__device__ __forceinline__ void finalize_row_sink(float m, float l_part, float sink_log2, float* o_scale,
+                                                  float* lse) {
+  if (sink_log2 == -INFINITY) {
+    finalize_row(m, l_part, o_scale, lse);
+    return;
+  }
+  rules::finalize_with_sink(m, quad_sum(l_part), sink_log2, o_scale, lse);
 }
 
 }  // namespace sparseprefill::cuda

@@ -173,7 +173,13 @@ __device__ __forceinline__ KvRows kv_rows_of(const FwdParams& p, const SeqInfo& 
           value ? p.paged.v_page_stride : p.paged.k_page_stride};
 }
 
-template <class Cfg>
+// kFeatures: the kernel of calls with a model-family feature (FwdParams: a local window, a
+// softcap, learned sinks; launch_fwd picks it; the ungated instances only, check_support): its
+// geometry and element masks read the window, its scores are capped, its rows finalised with
+// their head's sink. The feature-free kernel takes every feature as absent at compile time, so
+// it compiles as it did before they ran (the same SASS: record
+// 2026-12-02-cpu-window-kernels-sass).
+template <class Cfg, bool kFeatures>
 __global__ void __launch_bounds__(Cfg::kThreads, 2) fwd_kernel(const __grid_constant__ FwdParams p) {
   using Tile = typename Cfg::Tile;
   constexpr int kBlockM = Cfg::kBlockM, kBlockN = Cfg::kBlockN, kD = Cfg::kHeadDim;
@@ -194,7 +200,8 @@ __global__ void __launch_bounds__(Cfg::kThreads, 2) fwd_kernel(const __grid_cons
   const int h = gt.unit, b = gt.b, qb_rev = gt.tile_rev;
   const int hk = h / p.group;
   const SeqInfo seq = p.seqs[b];
-  const geom::BlockGeometry geo{{seq.s_q, seq.s_k, p.causal}, kBlockM, p.block_k};
+  const geom::SeqGeometry rows{seq.s_q, seq.s_k, p.causal, kFeatures ? p.window_left : -1, kFeatures ? p.window_right : -1};
+  const geom::BlockGeometry geo{rows, kBlockM, p.block_k};
   if (qb_rev >= geo.num_q_blocks()) return;
   const int qb = geo.num_q_blocks() - 1 - qb_rev;
   const std::int64_t row0 = geo.row_begin(qb);
@@ -281,27 +288,35 @@ __global__ void __launch_bounds__(Cfg::kThreads, 2) fwd_kernel(const __grid_cons
     warp_scores<Cfg>(s_q_tile, s_k_tile + stage * Cfg::kKVBytes, warp_row, lane, s);
   };
 
-  // Element masks of sub-tile `sub` of position j: the causal diagonal band and the sequence's
-  // last, short key block for key blocks; the marked pooled blocks for mean tiles. Rows past
-  // s_q are left alone (never stored, excluded from the gates). Blocks below full_end are full
-  // (geo.is_full; its 64-bit division by block_k hoisted out of the loop: ptxas recomputed it
-  // per sub-tile, a CALL or an I2F/F2I sequence between Q·Kᵀ and the softmax; dense 3–7%
-  // faster, records 2026-11-30-h200-portable-path-forced and -full-end-hoisted).
+  // Element masks of sub-tile `sub` of position j: the causal diagonal band, a local window's
+  // bands and the sequence's last, short key block for key blocks; the marked pooled blocks for
+  // mean tiles. Rows past s_q are left alone (never stored, excluded from the gates). Blocks below
+  // full_end are full (geo.is_full; its 64-bit division by block_k hoisted out of the loop: ptxas
+  // recomputed it per sub-tile, a CALL or an I2F/F2I sequence between Q·Kᵀ and the softmax; dense
+  // 3–7% faster, records 2026-11-30-h200-portable-path-forced and -full-end-hoisted) but for a
+  // left window bound's lower band, which the kFeatures kernel tests per block (full_below_end:
+  // computing full_begin per CTA instead spilled 36 / 32 more bytes, sm_80 d = 128). Only the
+  // ungated instances' kFeatures kernel compiles window code (check_support: dense and block masks).
   const int full_end = geo.full_end(qb);
+  const bool window_below = kFeatures && geo.seq.window_left >= 0;
   auto mask_scores = [&](int j, int sub) {
     if (Cfg::kPlain || j < visit.n_reg) {
       const int kb = visit.block(j);
       const std::int64_t key0 = geo.key_begin(kb) + sub * kBlockN;
       const std::int64_t key_end = geo.key_end(kb);
-      if (kb < full_end && key0 + kBlockN <= key_end) return;
-      // Column limit per row: the last key the row sees (causal: its position; always before
-      // the block's end), relative to the sub-tile, clamped to [-1, kBlockN].
+      if (kb < full_end && key0 + kBlockN <= key_end && (!window_below || geo.full_below_end(qb, kb))) return;
+      // Column limit per row: the last key the row sees (its position + reach under causal or
+      // a right window bound: SeqGeometry::last_key_at; always before the block's end),
+      // relative to the sub-tile, clamped to [-1, kBlockN].
       const std::int64_t end_limit = key_end - 1 - key0;
+      const std::int64_t reach = geo.seq.reach();
       const std::int64_t diag = row0 + geo.seq.offset() - key0;  // + row: the row's position
       int limit[2 * kM];
 #pragma unroll
       for (int r = 0; r < 2 * kM; ++r) {
-        const std::int64_t lim = p.causal ? geom::min64(diag + row_of(r), end_limit) : end_limit;
+        const std::int64_t lim = !kFeatures ? (p.causal ? geom::min64(diag + row_of(r), end_limit) : end_limit)
+                                 : reach >= 0 ? geom::min64(diag + reach + row_of(r), end_limit)
+                                              : end_limit;
         limit[r] = static_cast<int>(geom::min64(geom::max64(lim, -1), kBlockN));
       }
 #pragma unroll
@@ -311,6 +326,27 @@ __global__ void __launch_bounds__(Cfg::kThreads, 2) fwd_kernel(const __grid_cons
 #pragma unroll
           for (int e = 0; e < 4; ++e) {
             if (nf * 8 + 2 * t4 + (e & 1) > limit[2 * mi + e / 2]) s[mi][nf][e] = -INFINITY;
+          }
+        }
+      }
+      // A left window bound: columns before the row's first key (SeqGeometry::first_key_at),
+      // clamped to [0, kBlockN]. A row whose range is empty has first > last, so the two
+      // masks together hide every column from it.
+      if (window_below) {
+        // first_key_at(a) = max(a - window_left, 0), relative to the sub-tile: the row's offset
+        // plus one 32-bit base (rows span kBlockM positions, so it is clamped to that range).
+        const int base = static_cast<int>(geom::min64(geom::max64(diag - geo.seq.window_left, -kBlockM), kBlockN));
+        int first[2 * kM];
+#pragma unroll
+        for (int r = 0; r < 2 * kM; ++r) first[r] = min(max(base + row_of(r), 0), kBlockN);
+#pragma unroll
+        for (int mi = 0; mi < kM; ++mi) {
+#pragma unroll
+          for (int nf = 0; nf < kNFrags; ++nf) {
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+              if (nf * 8 + 2 * t4 + (e & 1) < first[2 * mi + e / 2]) s[mi][nf][e] = -INFINITY;
+            }
           }
         }
       }
@@ -364,6 +400,9 @@ __global__ void __launch_bounds__(Cfg::kThreads, 2) fwd_kernel(const __grid_cons
         ptx::cp_async_commit();  // group V(j, sub)
         prefetch_next_k(sub);    // group K(next)
         compute_scores(stage);
+        if constexpr (kFeatures) {
+          if (p.softcap > 0.f) cap_scores(s, p.cap_scale, p.softcap);
+        }
         mask_scores(j, sub);
         float mx[2 * kM], m_use[2 * kM];
         row_max(s, mx);
@@ -485,7 +524,13 @@ __global__ void __launch_bounds__(Cfg::kThreads, 2) fwd_kernel(const __grid_cons
   float o_scale[2 * kM], lse[2 * kM];
 #pragma unroll
   for (int r = 0; r < 2 * kM; ++r) {
-    finalize_row(st.m[r], st.l[r], &o_scale[r], &lse[r]);
+    if constexpr (kFeatures) {
+      // The head's sink in m's log2 domain (-inf: none).
+      const float sink = p.sinks != nullptr ? p.sinks[h * p.sinks_stride] * 1.4426950408889634f : -INFINITY;
+      finalize_row_sink(st.m[r], st.l[r], sink, &o_scale[r], &lse[r]);
+    } else {
+      finalize_row(st.m[r], st.l[r], &o_scale[r], &lse[r]);
+    }
   }
   // A query block with nothing to visit (every row sees no key, or the mask selects none)
   // never waited for its Q load, whose rows any thread may have copied: it must land for all
@@ -537,7 +582,15 @@ template <class Cfg>
 int launch_fwd(const FwdParams& p, void* stream) {
   if (Cfg::kGated != gated_mode(p.mode)) return static_cast<int>(cudaErrorInvalidValue);  // the other instance's call
   if (Cfg::kPlain && !plain_call(p)) return static_cast<int>(cudaErrorInvalidValue);      // the general one's
-  auto* kernel = fwd_kernel<Cfg>;
+  // The model-family features only where they are compiled: the ungated instances' kFeatures
+  // kernel, without mean correction (check_support; make_fwd_params passes a window only where
+  // it hides keys).
+  const bool features = has_features(p);
+  if (features && (Cfg::kGated || p.k_mean != nullptr)) return static_cast<int>(cudaErrorInvalidValue);
+  auto* kernel = fwd_kernel<Cfg, false>;
+  if constexpr (!Cfg::kGated) {
+    if (features) kernel = fwd_kernel<Cfg, true>;
+  }
   cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Cfg::kSmemBytes);
   if (err != cudaSuccess) return static_cast<int>(err);
   // One CTA per (query block, batch, query head): the plan's portable_grid.

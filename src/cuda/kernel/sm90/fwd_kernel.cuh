@@ -356,8 +356,9 @@ __device__ __forceinline__ void zero_acc(float (&o)[kN][4]) {
 
 // Element mask of a partial or short key tile: key column c (tile-relative) is visible to the
 // thread's row r iff c <= limit[r], the row's last visible key relative to the tile (causal:
-// its position, bottom-right aligned; always: the sequence's last key), clamped to [-1, 128].
-// Keys past s_k were zero-filled by TMA; they get -inf here.
+// its position, bottom-right aligned; a right window bound: position + window_right; always:
+// the sequence's last key), clamped to [-1, 128]. Keys past s_k were zero-filled by TMA; they
+// get -inf here.
 __device__ __forceinline__ void mask_tile(float (&s)[1][16][4], const int (&limit)[2]) {
   const int t = threadIdx.x % 4;
 #pragma unroll
@@ -365,6 +366,19 @@ __device__ __forceinline__ void mask_tile(float (&s)[1][16][4], const int (&limi
 #pragma unroll
     for (int e = 0; e < 4; ++e) {
       if (8 * j + 2 * t + e % 2 > limit[e / 2]) s[0][j][e] = -INFINITY;
+    }
+  }
+}
+
+// The other side under a left window bound: column c is hidden from row r iff c < first[r],
+// the row's first visible key relative to the tile, clamped to [0, 128].
+__device__ __forceinline__ void mask_tile_below(float (&s)[1][16][4], const int (&first)[2]) {
+  const int t = threadIdx.x % 4;
+#pragma unroll
+  for (int j = 0; j < 16; ++j) {
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      if (8 * j + 2 * t + e % 2 < first[e / 2]) s[0][j][e] = -INFINITY;
     }
   }
 }
@@ -461,14 +475,21 @@ __device__ __forceinline__ void gather_tile(const FwdParams& p, const SeqInfo& s
 // block, and masks each row at its own position. The CTA visits the positions of its VisitList
 // (policy.cuh, over 128-key blocks: dense and the gates descend from the last visible block, a
 // block mask walks its partial then its full list), then its mean-correction tiles. Only
-// partial (causal band) and short (s_k tail) key tiles are masked.
+// partial (the causal band, a local window's bands) and short (s_k tail) key tiles are masked.
 //
 // Gated positions (exact_gate's full blocks, softmax_skip's after the first): once S is in
 // registers, every consumer warp votes (policy.cuh's per-row rule over its rows) and all wait
 // for the 8 votes; a skipped block does no softmax and no P·V and leaves m, l and O untouched.
 // The producer loads K one position ahead of the decision and V only after it, for kept blocks;
 // the V ring therefore advances per loaded V tile, on both sides.
-template <class Cfg>
+//
+// kFeatures: the kernel of calls with a model-family feature (FwdParams: a local window, a
+// softcap, learned sinks; launch_fwd picks it; dense and block masks without mean correction
+// only, check_support): its geometry and element masks read the window, its scores are capped,
+// its rows finalised with their head's sink. The feature-free kernel takes every feature as
+// absent at compile time, so it compiles as it did before they ran (the same SASS: record
+// 2026-12-02-cpu-window-kernels-sass).
+template <class Cfg, bool kFeatures>
 __global__ void __launch_bounds__(Cfg::kThreads, 1)
     fwd_kernel(const __grid_constant__ FwdParams p, const SeqMaps* __restrict__ uploaded_maps,
                const __grid_constant__ ScratchMaps scratch_maps, const __grid_constant__ ParamMaps param_maps) {
@@ -489,7 +510,8 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
   const int tile_rev = gt.tile_rev;
   const int hk = h / p.group;
   const SeqInfo seq = p.seqs[b];
-  const geom::BlockGeometry geo{{seq.s_q, seq.s_k, p.causal}, Cfg::kTileM, kTileN};
+  const geom::BlockGeometry geo{{seq.s_q, seq.s_k, p.causal, kFeatures ? p.window_left : -1, kFeatures ? p.window_right : -1},
+                                Cfg::kTileM, kTileN};
   const int tile_rows = Cfg::kTileM / pack;  // query rows of one head in the tile
   const std::int64_t tiles = geom::ceil_div(seq.s_q, tile_rows);
   if (tile_rev >= tiles) return;
@@ -498,8 +520,9 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
   const std::int64_t row0 = geo.row_begin(qb);
   const int rows_valid = static_cast<int>(geo.row_end(qb) - row0);
   const int tile_row0 = static_cast<int>(first_row - row0);  // 0 unpacked
-  // Key tiles >= mask_lo are partial (causal band) or short (the s_k tail) and get an element
-  // mask; the ones below are full.
+  // Key tiles >= mask_lo are partial (the causal band, a local window's upper band) or short
+  // (the s_k tail) and get an element mask; the ones below are full but for a left window
+  // bound's lower band (mask_if_needed).
   const int full_tiles = static_cast<int>(seq.s_k / kTileN);
   const int mask_lo = geo.full_end(qb) < full_tiles ? geo.full_end(qb) : full_tiles;
   const int warpgroup = threadIdx.x / 128;
@@ -715,19 +738,39 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
   auto release = [&](std::uint64_t& bar) {
     if (lane == 0) hw::mbar_arrive(hw::smem_u32(&bar));
   };
-  // Masks key block `kb` if it is partial or short (uniform over the CTA: no divergence).
-  auto mask_if_needed = [&](int kb) {
-    if (kb < mask_lo) return;
+  // Masks key block `kb` if it is partial or short (uniform over the CTA: no divergence): the
+  // rows' last keys (position + reach: SeqGeometry::last_key_at) and, under a left window
+  // bound, their first keys (SeqGeometry::first_key_at); a row whose range is empty has
+  // first > last, so the two masks together hide every column from it. A block below mask_lo
+  // is full unless it lies in the window's lower band (full_below_end). kWindow: the rounds of
+  // the kFeatures kernel (dense and block masks without mean correction: no other policy takes a
+  // feature, check_support); the others compile none of it.
+  const bool window_below = kFeatures && geo.seq.window_left >= 0;
+  auto mask_if_needed = [&](int kb, auto window_tag) {
+    constexpr bool kWindow = decltype(window_tag)::value;
+    if (kb < mask_lo && (!kWindow || !window_below || geo.full_below_end(qb, kb))) return;
     const std::int64_t key0 = geo.key_begin(kb);
     const std::int64_t end_limit = geo.key_end(kb) - 1 - key0;
+    const std::int64_t reach = geo.seq.reach();
     const std::int64_t diag = row0 + geo.seq.offset() - key0;  // + block row: the row's position
     int limit[2];
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
-      const std::int64_t lim = p.causal ? geom::min64(diag + qrow[r], end_limit) : end_limit;
+      const std::int64_t lim = !kWindow ? (p.causal ? geom::min64(diag + qrow[r], end_limit) : end_limit)
+                               : reach >= 0 ? geom::min64(diag + reach + qrow[r], end_limit)
+                                            : end_limit;
       limit[r] = static_cast<int>(geom::min64(geom::max64(lim, -1), kTileN));
     }
     mask_tile(s, limit);
+    if (kWindow && window_below) {
+      int first[2];
+#pragma unroll
+      for (int r = 0; r < 2; ++r) {
+        const std::int64_t lo = geo.seq.first_key(row0 + qrow[r]) - key0;
+        first[r] = static_cast<int>(geom::min64(geom::max64(lo, 0), kTileN));
+      }
+      mask_tile_below(s, first);
+    }
   };
   // This warp's vote on gated position j from its rows' maxima (before the softmax moves m),
   // then the CTA's decision: the OR of the eight warps' votes, so a warp that votes keep knows it
@@ -792,7 +835,10 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
       hw::fence_regs(s[0]);
       release(sm.k_free[st]);
       if (kRegOnly || it < visit.n_reg) {
-        mask_if_needed(kb);
+        if constexpr (kFeatures && !Cfg::kFp8) {
+          if (p.softcap > 0.f) cap_scores(s, p.cap_scale, p.softcap);
+        }
+        mask_if_needed(kb, std::bool_constant<kFeatures && !kGated && !kMeans>{});
       } else {
         mask_mean_tile(p, s, mean_bits, sm.mean_tiles[it - visit.n_reg], seq.s_k, mean_blocks_seq);
       }
@@ -850,8 +896,10 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
     if (wg == 1) hw::named_arrive(1);  // warpgroup 0 issues first
     hw::mbar_wait(hw::smem_u32(&sm.q_loaded), 0);
     if constexpr (Cfg::kQInRegs) load_q_frags<Cfg>(qf, hw::smem_u32(sm.q), wg);
-    if constexpr (Cfg::kFp8) {
-      rounds(std::false_type{}, std::false_type{});  // FP8 runs dense and block masks only (policy.cpp)
+    if constexpr (Cfg::kFp8 || kFeatures) {
+      // FP8 runs dense and block masks only (policy.cpp); a feature, dense and block masks
+      // without mean correction (check_support).
+      rounds(std::false_type{}, std::false_type{});
     } else if (gate.exact || gate.skip) {
       rounds(std::true_type{}, std::false_type{});
     } else if (n_visit > visit.n_reg) {
@@ -867,7 +915,14 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
     float o_scale, lse;
-    finalize_row(stats.m[r], stats.l[r], &o_scale, &lse);
+    if constexpr (kFeatures && !Cfg::kFp8) {
+      // The row's head's sink in m's log2 domain (-inf: none).
+      const float* sink = p.sinks + (h + (r0 + 8 * r) % pack) * p.sinks_stride;
+      finalize_row_sink(stats.m[r], stats.l[r], p.sinks != nullptr ? *sink * 1.4426950408889634f : -INFINITY,
+                        &o_scale, &lse);
+    } else {
+      finalize_row(stats.m[r], stats.l[r], &o_scale, &lse);
+    }
     o_scale *= o_descale;
     const int row = qrow[r];
     const int qhead = h + (r0 + 8 * r) % pack;
@@ -1044,6 +1099,13 @@ int launch_fwd(const FwdParams& p, const SeqInfo* seqs, const std::int32_t* tabl
       (paged && !gather && p.paged.page_size % 8 != 0)) {
     return static_cast<int>(cudaErrorNotSupported);
   }
+  // The model-family features only where the kFeatures kernel compiles them: dense and block
+  // masks without mean correction, a softcap and sinks on 16-bit inputs (check_support;
+  // make_fwd_params passes a window only where it hides keys).
+  const bool features = has_features(p);
+  if (features && (gated_mode(p.mode) || p.k_mean != nullptr || (Cfg::kFp8 && (p.softcap > 0.f || p.sinks)))) {
+    return static_cast<int>(cudaErrorInvalidValue);
+  }
   // GQA packing only as choose_q_pack gives it: the group, for visits shared by its heads.
   const int pack = p.q_pack;
   if (pack < 1 || (pack > 1 && (pack != p.group || Cfg::kTileM % pack != 0 || p.kept_bits != nullptr ||
@@ -1127,7 +1189,7 @@ int launch_fwd(const FwdParams& p, const SeqInfo* seqs, const std::int32_t* tabl
       return static_cast<int>(cudaErrorInvalidValue);
     }
   }
-  auto* kernel = fwd_kernel<Cfg>;
+  auto* kernel = features ? fwd_kernel<Cfg, true> : fwd_kernel<Cfg, false>;
   const int smem = static_cast<int>(sizeof(Smem<Cfg>)) + 1024;  // + alignment slack
   cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
   if (err != cudaSuccess) return static_cast<int>(err);
