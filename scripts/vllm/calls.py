@@ -1,17 +1,19 @@
 #!/usr/bin/env python3
 # SPDX-License-Identifier: Apache-2.0
-"""Prints issue 31's device calls: two sessions, each on a fresh machine (nothing survives from
+"""Prints issue 31's device calls: three sessions, each on a fresh machine (nothing survives from
 one to the next), each made of calls back to back (the machine goes back after 30 s idle, and
 after 30 minutes held). For each call: the paths to carry, the command, its timeout and the
 seconds it is expected to take; then each session's total.
 
-  A  no real model: vLLM's two parts, the package build; the GPU tests, the engine smoke run,
-     TTFT of the Llama-3.1-8B shape with dummy weights, one-shot and chunked
+  A  no real model: vLLM's two parts, the package build; the engine smoke run, TTFT of the
+     Llama-3.1-8B shape with dummy weights under chunked prefill
   B  Qwen2.5-Coder-1.5B (the 22 parts of scripts/model/qwen_calls.py, converted by
-     scripts/model/assemble_qwen.sh final) and vLLM's two parts; greedy agreement, real-weight
-     TTFT, open-loop serving of both backends, the soak
+     scripts/model/assemble_qwen.sh final) and vLLM's two parts; real-weight TTFT, open-loop
+     serving of both backends
+  C  the model and vLLM again; the GPU tests, greedy agreement (with its control), one-shot TTFT
+     of the Llama-3.1-8B shape, the soak at the saturating rate of the latest session-B record
 
-Run scripts/vllm/pack.sh first (and for B scripts/model/fetch_qwen.sh and pack_qwen.sh).
+Run scripts/vllm/pack.sh first (and for B and C scripts/model/fetch_qwen.sh and pack_qwen.sh).
 --json prints one JSON object per call. --need STAGE prints the seconds a stage of
 scripts/vllm/gpu_vllm.sh is expected to take, which it reads to skip a stage that would not fit
 the rest of its call."""
@@ -28,12 +30,11 @@ from typing import Dict, List
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "model"))
 import qwen_calls  # noqa: E402  (scripts/model: the Qwen part calls and their sizing)
 
-# Seconds of each gpu_vllm.sh stage on the H200, engine start included: session A's stages as
-# measured on 2026-12-02 (record vllm/2026-12-02-h200-session-a: tests 59, smoke 60, ttft8b-fa
-# 116, ttft8b-ours 192, chunked-fa 82, chunked-ours 149) with a margin; session B's estimated
-# from them (engine start about 30 s for the 8B shape, ~40 s where torch.compile and CUDA graphs
-# are on; ours at density rho as linear layers + rho x attention; serving: 3 rates x (30 s of
-# arrivals + ~12 s to start `vllm bench serve` + the drain) and 200 requests at once).
+# Seconds of each gpu_vllm.sh stage on the H200, engine start included, as measured with a margin:
+# records vllm/2026-12-02-h200-session-a (tests 59, smoke 60, ttft8b-fa 116, ttft8b-ours 192,
+# chunked-fa 82, chunked-ours 149) and -session-b (two greedy engines 198, qwen-fa 50, qwen-ours
+# 46, serve-fa 388, serve-ours 342: server start 90-106 s, rates 4/8/12 and 200 requests at once);
+# greedy with its control as three engines, the soak as server start + 300 s + the drain.
 STAGES: Dict[str, int] = {
     "tests": 90,          # pytest tests/python/test_vllm_*.py against vLLM
     "smoke": 80,          # tiny dummy model, graphs on, chunked prefill, mixed steps
@@ -41,12 +42,12 @@ STAGES: Dict[str, int] = {
     "ttft8b-ours": 210,   # ours dense and synthetic 20 / 10 / 5 % at the same lengths
     "chunked-fa": 95,     # FLASH_ATTN at 32K and 128K under vLLM's default batched-token budget
     "chunked-ours": 165,  # the four settings likewise
-    "greedy": 150,        # two engines (graphs on), 50 prompts x 32 tokens each
-    "qwen-fa": 40,        # real weights, 16K and 32K
+    "greedy": 310,        # three engines (graphs on: FLASH_ATTN, ours, the control), 50 prompts x 32 tokens
+    "qwen-fa": 60,        # real weights, 16K and 32K
     "qwen-ours": 60,      # every policy at 16K and 32K, plus one request each for the density
-    "serve-fa": 230,      # vllm serve + 3 rates of vllm bench serve
-    "serve-ours": 230,
-    "soak": 400,          # server start + 300 s of arrivals + the drain
+    "serve-fa": 400,      # vllm serve + rates 4, 8, 12 and inf of vllm bench serve
+    "serve-ours": 360,
+    "soak": 430,          # server start + 300 s of arrivals + the drain
 }
 # gpu_vllm.sh's stage names -> the stages they run.
 GROUPS: Dict[str, List[str]] = {"ttft8b": ["ttft8b-fa", "ttft8b-ours"], "chunked": ["chunked-fa", "chunked-ours"],
@@ -64,6 +65,8 @@ CALL_SECONDS = 560   # gpu_vllm.sh's default SP_CALL_SECONDS: its stages' share 
 # held for the estimates' error.
 SESSION_LIMIT = 26 * 60
 ASSEMBLE = "scripts/vllm/assemble.sh"
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+RECORDS = ROOT / "bench" / "records" / "vllm"
 
 
 def stage_seconds(name: str) -> int:
@@ -82,27 +85,54 @@ def gpu_vllm(commit: str, stages: List[str], first: bool, before: str = "", wait
     return {"carry": [], "command": command, "timeout_s": 600, "budget_s": budget, "expect_s": EXPECT["call"] + budget}
 
 
+def vllm_parts() -> List[dict]:
+    """vLLM's two parts as calls, after a first call that started the package build."""
+    part1 = {"carry": [".carry/vllm/1"], "command": f"{ASSEMBLE} part1", "timeout_s": 60, "expect_s": EXPECT["part1"]}
+    part2 = {"carry": [".carry/vllm/2"], "command": f"{ASSEMBLE} part2", "timeout_s": 180, "expect_s": EXPECT["part2"],
+             "note": "while the package builds (started by the first call)"}
+    return [part1, part2]
+
+
 def session_a(commit: str) -> List[dict]:
     part1 = {"carry": [".carry/vllm/1"], "command": f"{ASSEMBLE} part1 && {ASSEMBLE} install", "timeout_s": 120,
              "expect_s": EXPECT["part1"], "note": f"plus the machine's start (~{qwen_calls.EXPECT['start']} s); "
              "the package builds in the background meanwhile"}
     wait = max(0, EXPECT["build"] - EXPECT["part1"] - EXPECT["part2"])
-    second = gpu_vllm(commit, ["tests", "smoke"], True, f"{ASSEMBLE} part2", waited=wait)
+    second = gpu_vllm(commit, ["smoke", "chunked"], True, f"{ASSEMBLE} part2", waited=wait)
     second.update(carry=[".carry/vllm/2"], note=f"gpu_vllm.sh first waits ~{wait} s for the build")
-    return [part1, second, gpu_vllm(commit, ["ttft8b"], False), gpu_vllm(commit, ["chunked"], False)]
+    return [part1, second]
+
+
+def with_model(then: List[dict]) -> List[dict]:
+    """The model's 22 part calls with vLLM's two parts after the first (which starts the package
+    build), the last part joining and converting the model, then `then`."""
+    parts = qwen_calls.part_calls("scripts/model/assemble_qwen.sh final", 600, 0,
+                                  "joins and checks the GGUF, waits for the package, converts it to /root/qwen/qwen-bf16")
+    calls = parts[:1] + vllm_parts() + parts[1:]
+    elapsed = sum(c["expect_s"] for c in calls[:-1]) + qwen_calls.EXPECT["part"]
+    calls[-1]["expect_s"] = qwen_calls.EXPECT["part"] + max(0, EXPECT["build"] - elapsed) + qwen_calls.EXPECT["final"]
+    return calls + then
 
 
 def session_b(commit: str) -> List[dict]:
-    vllm = [{"carry": [".carry/vllm/1"], "command": f"{ASSEMBLE} part1", "timeout_s": 60, "expect_s": EXPECT["part1"]},
-            {"carry": [".carry/vllm/2"], "command": f"{ASSEMBLE} part2", "timeout_s": 180, "expect_s": EXPECT["part2"],
-             "note": "while the package builds (started by the first call)"}]
-    parts = qwen_calls.part_calls("scripts/model/assemble_qwen.sh final", 600, 0,
-                                  "joins and checks the GGUF, waits for the package, converts it to /root/qwen/qwen-bf16")
-    calls = parts[:1] + vllm + parts[1:]
-    elapsed = sum(c["expect_s"] for c in calls[:-1]) + qwen_calls.EXPECT["part"]
-    calls[-1]["expect_s"] = qwen_calls.EXPECT["part"] + max(0, EXPECT["build"] - elapsed) + qwen_calls.EXPECT["final"]
-    return calls + [gpu_vllm(commit, ["greedy", "qwen"], True), gpu_vllm(commit, ["serve-fa"], False),
-                    gpu_vllm(commit, ["serve-ours"], False), gpu_vllm(commit, ["soak"], False)]
+    return with_model([gpu_vllm(commit, ["qwen"], True), gpu_vllm(commit, ["serve-fa"], False),
+                       gpu_vllm(commit, ["serve-ours"], False)])
+
+
+def latest_serving_record() -> str:
+    """The newest session-B record (repository-relative): session C's soak rate comes from its
+    serve-ours, measured on another machine."""
+    found = sorted(RECORDS.glob("*-session-b.json"))
+    return str(found[-1].relative_to(ROOT)) if found else "NO-SESSION-B-RECORD"
+
+
+def session_c(commit: str) -> List[dict]:
+    soak = gpu_vllm(commit, ["soak"], False)
+    soak["command"] = f"SP_VLLM_SOAK_OF={latest_serving_record()} " + soak["command"]
+    return with_model([gpu_vllm(commit, ["tests", "greedy"], True), gpu_vllm(commit, ["ttft8b"], False), soak])
+
+
+SESSIONS = {"A": session_a, "B": session_b, "C": session_c}
 
 
 def total(calls: List[dict]) -> int:
@@ -111,7 +141,7 @@ def total(calls: List[dict]) -> int:
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--session", choices=["A", "B"], help="one session only")
+    p.add_argument("--session", choices=sorted(SESSIONS), help="one session only")
     p.add_argument("--json", action="store_true", help="one JSON object per call")
     p.add_argument("--need", metavar="STAGE", choices=sorted(STAGES), help="a stage's expected seconds")
     args = p.parse_args()
@@ -120,7 +150,7 @@ def main() -> int:
         return 0
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
                             cwd=pathlib.Path(__file__).parent).stdout.strip() or "unknown"
-    for name, make in (("A", session_a), ("B", session_b)):
+    for name, make in SESSIONS.items():
         if args.session not in (None, name):
             continue
         calls = make(commit)

@@ -85,6 +85,15 @@ def capacity(record: Dict[str, Any]) -> Optional[float]:
     return runs[-1] if runs else None
 
 
+def soak_rate(record: Dict[str, Any], slo_s: float = SLO_S) -> Optional[float]:
+    """The rate a soak runs at from a serve.py record, or from a session record holding one under
+    "serve-ours": the saturating rate, its capacity (rounded down to 0.5 req/s), else without an
+    inf run its highest rate within the SLO (None when neither)."""
+    record = record.get("serve-ours", record)
+    cap = capacity(record)
+    return math.floor(2 * cap) / 2 if cap else best_rate(record, slo_s)
+
+
 def write_json(path: str, data: Any) -> None:
     pathlib.Path(path).write_text(json.dumps(data, indent=1))
 

@@ -15,11 +15,13 @@
 #   ttft8b    Llama-3.1-8B shape, dummy weights, one-shot 32K/64K/128K: FLASH_ATTN; ours dense and
 #             synthetic densities 20/10/5%
 #   chunked   the same at 32K and 128K with vLLM's default batched-token budget
-#   greedy    50 prompts x 32 greedy tokens, ours dense vs FLASH_ATTN (SP_VLLM_MODEL)
+#   greedy    50 prompts x 32 greedy tokens, ours dense vs FLASH_ATTN (SP_VLLM_MODEL), and the
+#             controls (SP_VLLM_GREEDY_CONTROLS, default TRITON_ATTN) vs FLASH_ATTN
 #   qwen      real weights (SP_VLLM_MODEL) at 16K/32K: FLASH_ATTN and every policy, with density
 #   serve-fa, serve-ours   vllm serve + vllm bench serve at serve.py's rates (or SP_VLLM_RATES)
-#   soak      5 minutes with ours at SP_VLLM_SOAK_RATE, by default the highest rate of serve-ours
-#             that met the SLO (serve.py --soak-rate-of): failures and device memory
+#   soak      5 minutes with ours at SP_VLLM_SOAK_RATE, by default the saturating rate of this
+#             session's serve-ours, or of the record SP_VLLM_SOAK_OF on a machine that did not
+#             serve (serve.py --soak-rate-of: common.soak_rate): failures and device memory
 # Env: SP_VLLM_MODEL (a checkpoint folder with its tokenizer; default $QWEN_HOME/qwen-bf16, as
 #      scripts/model/assemble_qwen.sh writes it), SP_VLLM_QWEN_SETTINGS (JSON list of {name,
 #      sparseprefill}), SP_VLLM_CALIBRATION + SP_VLLM_GATE_BUDGET (exact_gate in the qwen stage),
@@ -124,7 +126,8 @@ for name in "$@"; do
       [ -f "$res/tests.log" ] && grep -E "passed|failed|error" "$res/tests.log" | tail -n 1 >"$res/tests.txt" ;;
     smoke) stage smoke "$py" "$scripts/smoke.py" --out "$res/smoke.json" ;;
     greedy)
-      has_model greedy && stage greedy "$py" "$scripts/greedy.py" --model "$model" --out "$res/greedy" ;;
+      has_model greedy && stage greedy "$py" "$scripts/greedy.py" --model "$model" \
+        --controls "${SP_VLLM_GREEDY_CONTROLS-TRITON_ATTN}" --out "$res/greedy" ;;
     ttft8b)
       stage ttft8b-fa "$py" "$scripts/ttft.py" --backend FLASH_ATTN --dummy --lengths 32768,65536,130048 \
         --label "$label8b" $(profile ttft8b-fa) --out "$res/ttft8b-fa.json"
@@ -149,6 +152,7 @@ for name in "$@"; do
         --config "$serve_config" ${SP_VLLM_RATES:+--rates "$SP_VLLM_RATES"} --out "$res/serve-ours.json" ;;
     soak)
       soak_rate=(--soak-rate-of "$res/serve-ours.json")
+      [ -f "$res/serve-ours.json" ] || soak_rate=(--soak-rate-of "${SP_VLLM_SOAK_OF:-$res/serve-ours.json}")
       [ -n "${SP_VLLM_SOAK_RATE:-}" ] && soak_rate=(--soak-rate "$SP_VLLM_SOAK_RATE")
       has_model soak && stage soak "$py" "$scripts/serve.py" --backend CUSTOM --model "$model" --config "$serve_config" \
         --soak 300 "${soak_rate[@]}" --out "$res/soak.json" ;;

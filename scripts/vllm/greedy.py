@@ -5,8 +5,11 @@ through two engines in turn (separate processes), 32 greedy tokens each, CUDA gr
 steps run FLASH_ATTN's graphs in both). Passes when at least --pass-fraction of the prompts give
 the same first 32 tokens; reports every divergence (prompt, position, both tokens, both
 logprobs and FLASH_ATTN's top-2 margin there) and the logprob differences over agreeing tokens.
+--controls adds other vLLM backends (for example TRITON_ATTN), compared with FLASH_ATTN the
+same way: what two correct dense backends give on the same prompts, the scale for ours.
 
     python scripts/vllm/greedy.py --model $SP_VLLM_MODEL --out greedy   # -> greedy.json, greedy.md
+    python scripts/vllm/greedy.py ... --controls TRITON_ATTN
 
 --config: our additional_config body; by default dense with min_sparse_len 1, so that every
 prefill of the run goes through our kernel."""
@@ -36,7 +39,8 @@ def parse() -> argparse.Namespace:
     p.add_argument("--pass-fraction", type=float, default=0.9)
     p.add_argument("--eager", action="store_true", help="no CUDA graphs")
     p.add_argument("--gpu-memory-utilization", type=float, default=0.6)
-    p.add_argument("--run", choices=["FLASH_ATTN", "CUSTOM"], help=argparse.SUPPRESS)
+    p.add_argument("--controls", default="", help="comma-separated vLLM backends also compared with FLASH_ATTN")
+    p.add_argument("--run", help=argparse.SUPPRESS)
     p.add_argument("--prompt-file", help=argparse.SUPPRESS)
     return p.parse_args()
 
@@ -100,16 +104,17 @@ def main() -> int:
     prompts = common.token_windows(tokenizer, lengths, seed=2)
     prompt_file = args.out + ".prompts.json"
     common.write_json(prompt_file, prompts)
-    for backend in ("FLASH_ATTN", "CUSTOM"):
-        cmd = [sys.executable, __file__, "--run", backend, "--prompt-file", prompt_file] + \
-              [a for a in sys.argv[1:]]
+    controls = [b for b in args.controls.split(",") if b]
+    outputs = {}
+    for backend in ["FLASH_ATTN", "CUSTOM"] + controls:
+        cmd = [sys.executable, __file__, "--run", backend, "--prompt-file", prompt_file] + sys.argv[1:]
         subprocess.run(cmd, check=True)
-    fa = json.loads(open(prompt_file + ".FLASH_ATTN.json").read())
-    ours = json.loads(open(prompt_file + ".CUSTOM.json").read())
-    result = compare(fa, ours, lengths, args.tokens)
+        outputs[backend] = json.loads(open(f"{prompt_file}.{backend}.json").read())
+    result = compare(outputs["FLASH_ATTN"], outputs["CUSTOM"], lengths, args.tokens)
     result.update(model=args.model, config=json.loads(args.config), tokens=args.tokens,
                   lengths=[args.min_len, args.max_len], pass_fraction=args.pass_fraction,
-                  passed=result["fraction"] >= args.pass_fraction)
+                  passed=result["fraction"] >= args.pass_fraction,
+                  controls={b: compare(outputs["FLASH_ATTN"], outputs[b], lengths, args.tokens) for b in controls})
     common.write_json(args.out + ".json", result)
     lines = [f"### Greedy agreement with FLASH_ATTN: {os.path.basename(args.model.rstrip('/'))}", "",
              f"{result['agree']} of {result['prompts']} prompts ({100 * result['fraction']:.0f}%) give FLASH_ATTN's "
@@ -118,14 +123,20 @@ def main() -> int:
              f"configuration `{json.dumps(result['config'])}`, CUDA graphs {'off' if args.eager else 'on'}.",
              f"Logprob of the agreeing tokens: max |diff| {result['max_logprob_diff']}, mean "
              f"{result['mean_logprob_diff']}.", ""]
-    if result["divergences"]:
+    lines += [f"Control, {b} against FLASH_ATTN on the same prompts: {c['agree']} of {c['prompts']} agree "
+              f"({100 * c['fraction']:.0f}%); logprob max |diff| {c['max_logprob_diff']}, mean {c['mean_logprob_diff']}."
+              for b, c in result["controls"].items()]
+    if controls:
+        lines.append("")
+    rows = [(b, d) for b, r in [("ours", result)] + list(result["controls"].items()) for d in r["divergences"]]
+    if rows:
         lines.append(common.table(
-            ["prompt", "prompt tokens", "position", "FLASH_ATTN token (logprob)", "ours token (logprob)",
+            ["backend", "prompt", "prompt tokens", "position", "FLASH_ATTN token (logprob)", "its token (logprob)",
              "FLASH_ATTN top-2 margin"],
-            [[d["prompt"], d["prompt_len"], d["position"], f"{d['flash_attn'][0]} ({d['flash_attn'][1]:.3f})",
+            [[b, d["prompt"], d["prompt_len"], d["position"], f"{d['flash_attn'][0]} ({d['flash_attn'][1]:.3f})",
               f"{d['ours'][0]} ({d['ours'][1]:.3f})",
               None if d["flash_attn_top2_margin"] is None else round(d["flash_attn_top2_margin"], 4)]
-             for d in result["divergences"]]))
+             for b, d in rows]))
     with open(args.out + ".md", "w") as f:
         f.write("\n".join(lines) + "\n")
     print("\n".join(lines))

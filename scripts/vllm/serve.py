@@ -6,8 +6,8 @@ data set), --output-len tokens each (ignore_eos). Records TTFT p50/p99, TPOT, re
 throughput and failures per rate. A rate of `inf` sends --saturate-count requests at once: its
 request throughput is the server's capacity, the figure the rates' grid only brackets. With --soak S, one run of S seconds instead, sampling the
 device memory every 5 s (it must stay flat) and counting failed requests, at --soak-rate or at
-the highest rate of an earlier record (--soak-rate-of) whose p99 TTFT met the SLO
-(SP_VLLM_SLO_S): the rate the server just sustains.
+the saturating rate of an earlier record (--soak-rate-of: common.soak_rate, its capacity, or
+its highest rate whose p99 TTFT met the SLO, SP_VLLM_SLO_S).
 
     python scripts/vllm/serve.py --backend FLASH_ATTN --model $SP_VLLM_MODEL --rates 2,4,8 --out fa.json
     python scripts/vllm/serve.py --backend CUSTOM --config '{"policy": "estimate_select", "alpha": 0.1}' ...
@@ -50,7 +50,7 @@ def parse() -> argparse.Namespace:
     p.add_argument("--soak", type=float, default=0.0, help="seconds of one soak run instead of the rates")
     p.add_argument("--soak-rate", type=float, default=4.0, help="the soak's rate (without --soak-rate-of)")
     p.add_argument("--soak-rate-of", metavar="RECORD",
-                   help="soak at the highest rate of this serve.py record that met the SLO")
+                   help="soak at the saturating rate of this serve.py (or session) record")
     p.add_argument("--port", type=int, default=18731)
     p.add_argument("--gpu-memory-utilization", type=float, default=0.85)
     p.add_argument("--out", required=True)
@@ -125,9 +125,10 @@ def main() -> int:
                   "give --soak-rate)", file=sys.stderr)
             return 2
         with open(args.soak_rate_of) as f:
-            args.soak_rate = common.best_rate(json.load(f))
+            args.soak_rate = common.soak_rate(json.load(f))
         if args.soak_rate is None:
-            print(f"serve: no rate of {args.soak_rate_of} met the SLO of {common.SLO_S:g} s", file=sys.stderr)
+            print(f"serve: {args.soak_rate_of} has no inf run and no rate within the SLO of {common.SLO_S:g} s",
+                  file=sys.stderr)
             return 2
     rates = [args.soak_rate] if args.soak else [float(r) for r in args.rates.split(",")]
     counts = [args.saturate_count if r == float("inf") else max(8, int(round(r * (args.soak or args.seconds))))

@@ -1,5 +1,5 @@
 # SPDX-License-Identifier: Apache-2.0
-"""The GPU machine's plan for the vLLM backend (scripts/vllm/calls.py, pure Python): both
+"""The GPU machine's plan for the vLLM backend (scripts/vllm/calls.py, pure Python): the
 sessions fit the device limits, every stage gpu_vllm.sh runs has its expected seconds there (and
 no other), each session builds the package once and carries vLLM's parts in order; and the
 serving records' highest rate within the SLO (scripts/vllm/common.py), which the soak and the
@@ -16,7 +16,7 @@ sys.path.insert(0, str(ROOT / "scripts" / "vllm"))
 import calls  # noqa: E402
 import common  # noqa: E402
 
-SESSIONS = {"A": calls.session_a("c0ffee"), "B": calls.session_b("c0ffee")}
+SESSIONS = {name: make("c0ffee") for name, make in calls.SESSIONS.items()}
 
 
 @pytest.mark.parametrize("name", sorted(SESSIONS))
@@ -51,17 +51,22 @@ def test_each_session_builds_once_and_carries_vllm_in_order():
         paths = carried(session)
         assert paths.index(".carry/vllm/1") < paths.index(".carry/vllm/2") <= first_run, name
     assert not any(p.startswith(".carry/qwen/") for p in carried(SESSIONS["A"]))
-    assert [p for p in carried(SESSIONS["B"]) if p.startswith(".carry/qwen/")] == \
-        [f".carry/qwen/{i:02d}" for i in range(1, 23)]
-    final = next(c for c in SESSIONS["B"] if "assemble_qwen.sh final" in c["command"])
-    assert SESSIONS["B"].index(final) < next(i for i, c in enumerate(SESSIONS["B"]) if "greedy" in c["command"])
+    for name in ("B", "C"):  # the model's parts in order, joined before any stage needs it
+        session = SESSIONS[name]
+        assert [p for p in carried(session) if p.startswith(".carry/qwen/")] == \
+            [f".carry/qwen/{i:02d}" for i in range(1, 23)]
+        final = next(c for c in session if "assemble_qwen.sh final" in c["command"])
+        assert session.index(final) < next(i for i, c in enumerate(session) if "gpu_vllm.sh" in c["command"])
 
 
 def test_the_sessions_run_every_stage_once():
     runs = {name: [w for c in s if "gpu_vllm.sh" in c["command"] for w in c["command"].split("$OUT ")[1].split()]
             for name, s in SESSIONS.items()}
-    assert runs == {"A": ["tests", "smoke", "ttft8b", "chunked"],
-                    "B": ["greedy", "qwen", "serve-fa", "serve-ours", "soak"]}
+    assert sorted(w for stages in runs.values() for w in stages) == sorted(calls.GROUPS.keys() | (
+        set(calls.STAGES) - {s for g in calls.GROUPS.values() for s in g}))
+    # the soak reads its rate from a record that session B wrote (serving ran on another machine)
+    soak = next(c for c in SESSIONS["C"] if "$OUT soak" in c["command"])
+    assert soak["command"].startswith(f"SP_VLLM_SOAK_OF={calls.latest_serving_record()} ")
 
 
 def record(*runs):
@@ -83,3 +88,13 @@ def test_capacity_is_the_throughput_of_the_inf_rate():
     runs["runs"][0]["request_throughput"], runs["runs"][1]["request_throughput"] = 1.9, 7.5
     assert common.capacity(runs) == 7.5
     assert common.capacity(record((2, 900.0, 0))) is None
+
+
+def test_the_soak_runs_at_the_capacity_else_the_best_rate():
+    runs = record((4, 900.0, 0), (8, 9000.0, 0), (float("inf"), 40000.0, 0))
+    for run, throughput in zip(runs["runs"], (3.9, 7.8, 10.27)):
+        run["request_throughput"] = throughput
+    assert common.soak_rate(runs) == 10.0  # rounded down to 0.5 req/s
+    assert common.soak_rate({"serve-ours": runs, "serve-fa": record((2, 900.0, 0))}) == 10.0  # a session record
+    assert common.soak_rate(record((4, 900.0, 0), (8, 9000.0, 0)), slo_s=10) == 8
+    assert common.soak_rate(record((4, 90000.0, 0)), slo_s=10) is None
