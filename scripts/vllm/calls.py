@@ -12,6 +12,8 @@ seconds it is expected to take; then each session's total.
      serving of both backends
   C  the model and vLLM again; the GPU tests, greedy agreement (with its control), one-shot TTFT
      of the Llama-3.1-8B shape, the soak at the saturating rate of the latest session-B record
+  D  tensor parallelism (issue 34) on a machine of 2 GPUs (the `kind` nvidia-h200-x2): vLLM's
+     parts, the build, TTFT of the 8B shape at TP 2 and, for the scaling, at TP 1
 
 Run scripts/vllm/pack.sh first (and for B and C scripts/model/fetch_qwen.sh and pack_qwen.sh).
 --json prints one JSON object per call. --need STAGE prints the seconds a stage of
@@ -25,7 +27,7 @@ import json
 import pathlib
 import subprocess
 import sys
-from typing import Dict, List
+from typing import Dict, List, Sequence
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "model"))
 import qwen_calls  # noqa: E402  (scripts/model: the Qwen part calls and their sizing)
@@ -42,6 +44,8 @@ STAGES: Dict[str, int] = {
     "ttft8b-ours": 210,   # ours dense and synthetic 20 / 10 / 5 % at the same lengths
     "chunked-fa": 95,     # FLASH_ATTN at 32K and 128K under vLLM's default batched-token budget
     "chunked-ours": 165,  # the four settings likewise
+    "tp-fa": 150,         # FLASH_ATTN at 32K and 128K at TP 2 (engine start about twice TP 1's: estimate)
+    "tp-ours": 190,       # dense and synthetic 5% likewise
     "greedy": 310,        # three engines (graphs on: FLASH_ATTN, ours, the control), 50 prompts x 32 tokens
     "qwen-fa": 60,        # real weights, 16K and 32K
     "qwen-ours": 60,      # every policy at 16K and 32K, plus one request each for the density
@@ -51,6 +55,7 @@ STAGES: Dict[str, int] = {
 }
 # gpu_vllm.sh's stage names -> the stages they run.
 GROUPS: Dict[str, List[str]] = {"ttft8b": ["ttft8b-fa", "ttft8b-ours"], "chunked": ["chunked-fa", "chunked-ours"],
+                                "tp": ["tp-fa", "tp-ours"],
                                 "qwen": ["qwen-fa", "qwen-ours"]}
 EXPECT = {
     "call": 5,       # a call's transfer of the tree and its start
@@ -73,13 +78,14 @@ def stage_seconds(name: str) -> int:
     return sum(STAGES[s] for s in GROUPS.get(name, [name]))
 
 
-def gpu_vllm(commit: str, stages: List[str], first: bool, before: str = "", waited: int = 0) -> dict:
+def gpu_vllm(commit: str, stages: List[str], first: bool, before: str = "", waited: int = 0, env: str = "") -> dict:
     """A call running gpu_vllm.sh STAGES (after `before`, assemble.sh part2, in the same call:
     then the stages' time counts from the call's start); first: the session's first gpu_vllm.sh
-    call (its plugin check); waited: seconds it waits for the package build."""
+    call (its plugin check); waited: seconds it waits for the package build; env: variable
+    assignments for gpu_vllm.sh ("NAME=value ...")."""
     budget = (sum(stage_seconds(s) for s in stages) + EXPECT["report"] + waited + (EXPECT["check"] if first else 0)
               + (EXPECT["part2"] if before else 0))
-    run = f"SP_COMMIT={commit} scripts/vllm/gpu_vllm.sh $OUT {' '.join(stages)}"
+    run = f"{env + ' ' if env else ''}SP_COMMIT={commit} scripts/vllm/gpu_vllm.sh $OUT {' '.join(stages)}"
     command = f"export SP_CALL_START=$(date +%s); {before} && {run}" if before else run
     # budget_s: what the call spends of gpu_vllm.sh's SP_CALL_SECONDS (counted from the call's start).
     return {"carry": [], "command": command, "timeout_s": 600, "budget_s": budget, "expect_s": EXPECT["call"] + budget}
@@ -93,12 +99,13 @@ def vllm_parts() -> List[dict]:
     return [part1, part2]
 
 
-def session_a(commit: str) -> List[dict]:
+def session_a(commit: str, stages: Sequence[str] = ("smoke", "chunked"), env: str = "") -> List[dict]:
+    """vLLM's parts and the build, then `stages` in the call of part 2 (D reuses it)."""
     part1 = {"carry": [".carry/vllm/1"], "command": f"{ASSEMBLE} part1 && {ASSEMBLE} install", "timeout_s": 120,
              "expect_s": EXPECT["part1"], "note": f"plus the machine's start (~{qwen_calls.EXPECT['start']} s); "
              "the package builds in the background meanwhile"}
     wait = max(0, EXPECT["build"] - EXPECT["part1"] - EXPECT["part2"])
-    second = gpu_vllm(commit, ["smoke", "chunked"], True, f"{ASSEMBLE} part2", waited=wait)
+    second = gpu_vllm(commit, list(stages), True, f"{ASSEMBLE} part2", waited=wait, env=env)
     second.update(carry=[".carry/vllm/2"], note=f"gpu_vllm.sh first waits ~{wait} s for the build")
     return [part1, second]
 
@@ -127,12 +134,18 @@ def latest_serving_record() -> str:
 
 
 def session_c(commit: str) -> List[dict]:
-    soak = gpu_vllm(commit, ["soak"], False)
-    soak["command"] = f"SP_VLLM_SOAK_OF={latest_serving_record()} " + soak["command"]
+    soak = gpu_vllm(commit, ["soak"], False, env=f"SP_VLLM_SOAK_OF={latest_serving_record()}")
     return with_model([gpu_vllm(commit, ["tests", "greedy"], True), gpu_vllm(commit, ["ttft8b"], False), soak])
 
 
-SESSIONS = {"A": session_a, "B": session_b, "C": session_c}
+def session_d(commit: str) -> List[dict]:
+    calls = session_a(commit, ["tp"], env="SP_VLLM_TP=2") + [gpu_vllm(commit, ["ttft8b"], False)]
+    for call in calls:
+        call["kind"] = "nvidia-h200-x2"
+    return calls
+
+
+SESSIONS = {"A": session_a, "B": session_b, "C": session_c, "D": session_d}
 
 
 def total(calls: List[dict]) -> int:
@@ -161,6 +174,7 @@ def main() -> int:
         print(f"Session {name} (a fresh machine):")
         for i, c in enumerate(calls, 1):
             print(f"call {i:2d}: carry={json.dumps(c['carry'])} timeout_s={c['timeout_s']} (~{c['expect_s']} s)"
+                  + (f" kind={c['kind']}" if "kind" in c else "")
                   + (f"  # {c['note']}" if "note" in c else ""))
             print(f"         command: {c['command']}")
         s = total(calls)

@@ -15,6 +15,8 @@
 #   ttft8b    Llama-3.1-8B shape, dummy weights, one-shot 32K/64K/128K: FLASH_ATTN; ours dense and
 #             synthetic densities 20/10/5%
 #   chunked   the same at 32K and 128K with vLLM's default batched-token budget
+#   tp        tensor parallelism (issue 34; a machine of SP_VLLM_TP GPUs, default 2): the 8B shape at
+#             32K and 128K with --tp SP_VLLM_TP, FLASH_ATTN and ours dense and synthetic 5%
 #   greedy    50 prompts x 32 greedy tokens, ours dense vs FLASH_ATTN (SP_VLLM_MODEL), and the
 #             controls (SP_VLLM_GREEDY_CONTROLS, default TRITON_ATTN) vs FLASH_ATTN
 #   qwen      real weights (SP_VLLM_MODEL) at 16K/32K: FLASH_ATTN and every policy, with density
@@ -116,6 +118,9 @@ synthetic='[{"name": "dense", "sparseprefill": {"policy": "dense"}},
   {"name": "synthetic 5%", "sparseprefill": {"policy": "synthetic", "density": 0.05}}]'
 serve_config=${SP_VLLM_SERVE_CONFIG:-'{"policy": "estimate_select", "alpha": 0.1}'}
 label8b="Llama-3.1-8B shape, dummy weights"
+tp_settings='[{"name": "dense", "sparseprefill": {"policy": "dense"}},
+  {"name": "synthetic 5%", "sparseprefill": {"policy": "synthetic", "density": 0.05}}]'
+tp=${SP_VLLM_TP:-2}
 # profile NAME: ttft.py's --profile for stage NAME when SP_VLLM_PROFILE is set.
 profile() { [ -n "${SP_VLLM_PROFILE:-}" ] && echo "--profile=$res/$1-profile.txt"; }
 
@@ -138,6 +143,11 @@ for name in "$@"; do
         --label "$label8b" $(profile chunked-fa) --out "$res/chunked-fa.json"
       stage chunked-ours "$py" "$scripts/ttft.py" --backend CUSTOM --dummy --lengths 32768,130048 --chunk 0 \
         --settings "$synthetic" --label "$label8b" $(profile chunked-ours) --out "$res/chunked-ours.json" ;;
+    tp)
+      stage tp-fa "$py" "$scripts/ttft.py" --backend FLASH_ATTN --dummy --tp "$tp" --lengths 32768,130048 \
+        --label "$label8b, TP=$tp" --out "$res/tp$tp-fa.json"
+      stage tp-ours "$py" "$scripts/ttft.py" --backend CUSTOM --dummy --tp "$tp" --lengths 32768,130048 \
+        --settings "$tp_settings" --label "$label8b, TP=$tp" --out "$res/tp$tp-ours.json" ;;
     qwen)
       has_model qwen || continue
       stage qwen-fa "$py" "$scripts/ttft.py" --backend FLASH_ATTN --model "$model" --lengths 16384,32000 \
@@ -156,7 +166,7 @@ for name in "$@"; do
       [ -n "${SP_VLLM_SOAK_RATE:-}" ] && soak_rate=(--soak-rate "$SP_VLLM_SOAK_RATE")
       has_model soak && stage soak "$py" "$scripts/serve.py" --backend CUSTOM --model "$model" --config "$serve_config" \
         --soak 300 "${soak_rate[@]}" --out "$res/soak.json" ;;
-    *) note "unknown stage $name (tests smoke greedy ttft8b chunked qwen serve-fa serve-ours soak)" ;;
+    *) note "unknown stage $name (tests smoke greedy ttft8b chunked tp qwen serve-fa serve-ours soak)" ;;
   esac
 done
 

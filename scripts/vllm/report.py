@@ -1,7 +1,7 @@
 # SPDX-License-Identifier: Apache-2.0
 """Record-ready markdown from the results scripts/vllm/gpu_vllm.sh collects (RESULTS holds
-env.json, tests.txt, smoke.json, greedy.md, ttft8b-*.json, chunked-*.json, qwen-*.json,
-serve-*.json, soak.json; absent ones are listed as not run). Speedups are against FLASH_ATTN
+env.json, tests.txt, smoke.json, greedy.md, ttft8b-*.json, chunked-*.json, tpN-*.json,
+qwen-*.json, serve-*.json, soak.json; absent ones are listed as not run). Speedups are against FLASH_ATTN
 in the same call's engine of the same model and length.
 
     python scripts/vllm/report.py RESULTS > vllm-results.md"""
@@ -124,6 +124,11 @@ def main() -> int:
                         "blocks; docs/vllm.md), not a policy's decisions.")
     out += chunk_section(load(results, "ttft8b-fa.json"), load(results, "ttft8b-ours.json"),
                          load(results, "chunked-fa.json"), load(results, "chunked-ours.json"))
+    for tp in sorted({int(n[2:].split("-")[0]) for n in os.listdir(results) if n.startswith("tp") and
+                      n.endswith("-fa.json")}):
+        out += ttft_section(f"TTFT at tensor parallelism {tp}, Llama-3.1-8B shape, dummy weights",
+                            load(results, f"tp{tp}-fa.json"), load(results, f"tp{tp}-ours.json"),
+                            f"vLLM's tensor_parallel_size {tp}: each rank runs its heads; FLASH_ATTN at the same size.")
     out += ttft_section("TTFT with real weights", load(results, "qwen-fa.json"), load(results, "qwen-ours.json"),
                         "Each policy at its setting; density: kept / visible key blocks over our calls of one "
                         "untimed request of that length.")

@@ -15,7 +15,8 @@ CPU time) go to FILE.
 
 --dummy: the Llama-3.1-8B shape with dummy weights (common.LLAMA_8B_SHAPE); else --model, a
 checkpoint folder with real weights. --chunk N: the engine's max_num_batched_tokens (chunked
-prefill); 0 keeps vLLM's default budget; by default the longest prompt (one-shot)."""
+prefill); 0 keeps vLLM's default budget; by default the longest prompt (one-shot). --tp N: vLLM's
+tensor_parallel_size (each rank runs its heads; the density is the ranks' mean)."""
 
 from __future__ import annotations
 
@@ -39,6 +40,7 @@ def parse() -> argparse.Namespace:
                    help="JSON list of {name, sparseprefill} (CUSTOM only)")
     p.add_argument("--chunk", type=int, default=None, help="max_num_batched_tokens (0: vLLM's default)")
     p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--tp", type=int, default=1, help="tensor_parallel_size")
     p.add_argument("--density", action="store_true", help="also record our calls' density (CUSTOM)")
     p.add_argument("--profile", help="a text file: one more request per setting and length under "
                                      "torch.profiler, its operator tables appended there (untimed)")
@@ -60,7 +62,7 @@ def main() -> int:
     if args.dummy and args.model is None:
         args.model = common.llama_8b_shape_dir()
     kwargs = common.engine_kwargs(args)
-    kwargs.update(attention_backend=args.backend, max_model_len=max(lengths) + 64,
+    kwargs.update(attention_backend=args.backend, max_model_len=max(lengths) + 64, tensor_parallel_size=args.tp,
                   max_num_batched_tokens=max(lengths) if args.chunk is None else (args.chunk or None))
     if args.dummy:
         kwargs.update(load_format="dummy", skip_tokenizer_init=True)
@@ -95,13 +97,14 @@ def main() -> int:
             request(n)  # warm-up: kernels, allocations, the prepared-call cache
             times = [request(n) for _ in range(args.repeats)]
             rec = {"label": args.label, "backend": args.backend, "setting": setting["name"],
-                   "config": setting["sparseprefill"], "length": n, "chunk": budget,
+                   "config": setting["sparseprefill"], "length": n, "chunk": budget, "tp": args.tp,
                    "ttft_s": [t for t, _ in times], "wall_s": [w for _, w in times],
                    "median_ttft_s": statistics.median(t for t, _ in times), "engine_start_s": started}
             if args.density and args.backend == "CUSTOM":
                 llm.collective_rpc("sparseprefill_collect", args=(True,))
                 request(n)
-                rec["density"] = llm.collective_rpc("sparseprefill_collect", args=(False,))[0]["density"]
+                ranks = llm.collective_rpc("sparseprefill_collect", args=(False,))
+                rec["density"] = statistics.mean(r["density"] for r in ranks)  # equal heads per rank
             if args.profile:
                 llm.collective_rpc("sparseprefill_profile", args=(True,))
                 request(n)
@@ -109,7 +112,7 @@ def main() -> int:
                 with open(args.profile, "a") as f:
                     f.write(f"## {args.backend} {setting['name']} {n} (budget {budget})\n\n{tables}\n\n")
             records.append(rec)
-            print(f"ttft: {args.backend} {setting['name']} {n}: median {rec['median_ttft_s']:.4f} s "
+            print(f"ttft: {args.backend} tp {args.tp} {setting['name']} {n}: median {rec['median_ttft_s']:.4f} s "
                   f"{rec.get('density', '')}", flush=True)
             common.write_json(args.out, records)
     return 0

@@ -62,8 +62,13 @@ def test_each_session_builds_once_and_carries_vllm_in_order():
 def test_the_sessions_run_every_stage_once():
     runs = {name: [w for c in s if "gpu_vllm.sh" in c["command"] for w in c["command"].split("$OUT ")[1].split()]
             for name, s in SESSIONS.items()}
-    assert sorted(w for stages in runs.values() for w in stages) == sorted(calls.GROUPS.keys() | (
+    # A-C on one GPU; D (tensor parallelism, two GPUs) runs tp and, on its own machine, ttft8b at TP 1
+    one_gpu = [w for name, stages in runs.items() if name != "D" for w in stages]
+    assert sorted(one_gpu + ["tp"]) == sorted(calls.GROUPS.keys() | (
         set(calls.STAGES) - {s for g in calls.GROUPS.values() for s in g}))
+    assert runs["D"] == ["tp", "ttft8b"]
+    assert all(c.get("kind") == "nvidia-h200-x2" for c in SESSIONS["D"])
+    assert "SP_VLLM_TP=2 " in next(c["command"] for c in SESSIONS["D"] if "$OUT tp" in c["command"])
     # the soak reads its rate from a record that session B wrote (serving ran on another machine)
     soak = next(c for c in SESSIONS["C"] if "$OUT soak" in c["command"])
     assert soak["command"].startswith(f"SP_VLLM_SOAK_OF={calls.latest_serving_record()} ")
