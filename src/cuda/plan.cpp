@@ -250,13 +250,14 @@ namespace {
 // window, a softcap and learned sinks run for dense and block_sparse in the forward kernels'
 // kFeatures kernel (FwdParams; softcap and sinks on 16-bit inputs); the other policies' decision
 // kernels (exact_gate's, the selector, permute_stop's ranking) and in-loop gates read none of
-// them yet.
+// them yet. So too the wide head dims (variants.py: 256), whose only kernels are the ungated
+// forward instances.
 Status check_features(const ProblemShape& shape, const Policy& policy) {
   const char* host = "; the reference and cpu backends run it";
   const bool featured_policy =
       std::holds_alternative<DenseParams>(policy) || std::holds_alternative<BlockSparseParams>(policy);
-  const auto refuse_other_policies = [&](const char* feature) {
-    return unsupported(std::string(feature) + " runs dense and block_sparse on CUDA, not " + policy_name(policy) + host);
+  const auto refuse_other_policies = [&](const std::string& feature) {
+    return unsupported(feature + " runs dense and block_sparse on CUDA, not " + policy_name(policy) + host);
   };
   if (shape.local() && !featured_policy) {
     return refuse_other_policies("window_left/window_right: local (sliding-window) attention");
@@ -271,6 +272,9 @@ Status check_features(const ProblemShape& shape, const Policy& policy) {
     return unsupported("v: a V head dim unlike Q/K's (d_v " + std::to_string(shape.d_v) + ", d " + std::to_string(shape.d) +
                        ") has no CUDA kernel yet" + host);
   }
+  const bool ungated_only =
+      find_fwd(shape.dtype, shape.d, false, true) != nullptr && find_fwd(shape.dtype, shape.d, true, false) == nullptr;
+  if (ungated_only && !featured_policy) return refuse_other_policies("head_dim " + std::to_string(shape.d));
   return {};
 }
 
@@ -353,7 +357,8 @@ Status check_support(const ProblemShape& shape, const Policy& policy, int* block
       policy);
   SP_RETURN_IF_ERROR(st);
   const bool gated = std::holds_alternative<ExactGateParams>(policy) || std::holds_alternative<SoftmaxSkipParams>(policy);
-  // Every compiled (dtype, head_dim) has its plain, general and gated instances (variants.py).
+  // Every compiled (dtype, head_dim) has its plain and general instances, and its gated one but
+  // at the wide head dims, which check_features left to dense and block_sparse (variants.py).
   if (find_fwd(shape.dtype, shape.d, gated, false) == nullptr) {
     return unsupported(std::string("no compiled CUDA kernel for dtype ") + dtype_name(shape.dtype) + ", head_dim " +
                        std::to_string(shape.d) + " (" + support_summary() + ")");

@@ -111,8 +111,9 @@ std::string compiled_fwd_summary() {
   std::ostringstream os;
   for (std::size_t i = 0; i < std::size(kFwdVariants); ++i) {
     const FwdVariant& v = kFwdVariants[i];
-    if (!v.plain) continue;  // every (dtype, head_dim) has its three instances
+    if (!v.plain) continue;  // every (dtype, head_dim) has a plain instance
     os << (i ? ", " : "") << dtype_name(v.dtype) << " d=" << v.head_dim;
+    if (find_fwd(v.dtype, v.head_dim, true, false) == nullptr) os << " (dense, block_sparse)";
   }
   return os.str();
 }

@@ -1,9 +1,9 @@
 // SPDX-License-Identifier: Apache-2.0
 // The portable forward attention kernel (mma.sync m16n8k16, ldmatrix, cp.async; sm_80 and
-// newer): one CTA of 4 warps per (query block of 128 rows, batch, query head), online softmax
-// over the key blocks a policy selects in 64-key sub-tiles, in-loop gates (exact_gate,
-// softmax_skip) on whole blocks, block-mask execution and mean-correction pseudo-tokens. K/V
-// rows are contiguous or paged (through the block table, KvRows in tile.cuh).
+// newer): one CTA of 4 warps (8 at head dims above 128) per (query block of 128 rows, batch,
+// query head), online softmax over the key blocks a policy selects in 64-key sub-tiles, in-loop
+// gates (exact_gate, softmax_skip) on whole blocks, block-mask execution and mean-correction
+// pseudo-tokens. K/V rows are contiguous or paged (through the block table, KvRows in tile.cuh).
 // Included only by generated instance files.
 #pragma once
 
@@ -51,9 +51,14 @@ struct FwdConfig {
   static constexpr bool kXorFragments = tuning::portable_xor_fragments(kGated);
   static constexpr int kBlockM = kBlockQ;
   static constexpr int kBlockN = tuning::kPortableBlockN;  // keys per sub-tile
-  static constexpr int kWarps = tuning::kPortableWarps;
+  // d <= 128: 4 warps of 32 rows, two CTAs per SM; wider heads: 8 warps of 16 rows, one CTA
+  // (tuning.h: the accumulator's registers), dense and block masks only (no gated instance).
+  static constexpr bool kWide = kHeadDim > 128;
+  static_assert(!(kWide && kGated), "the wide head dims compile no gated instance (variants.py)");
+  static constexpr int kWarps = kWide ? tuning::kPortableWarpsWide : tuning::kPortableWarps;
+  static constexpr int kMinBlocks = kWide ? 1 : 2;  // CTAs per SM (__launch_bounds__)
   static constexpr int kThreads = kWarps * 32;
-  static constexpr int kM = 2;                    // m16 fragments per warp: 32 rows
+  static constexpr int kM = kBlockM / (kWarps * 16);  // m16 fragments per warp: 32 rows, or 16 wide
   static constexpr int kNFrags = kBlockN / 8;     // n8 fragments of a sub-tile's score row
   static constexpr int kDFrags = kHeadDim / 8;    // n8 fragments of an output row
   static constexpr int kKSteps = kHeadDim / 16;   // k16 steps of Q·Kᵀ
@@ -73,13 +78,16 @@ struct FwdConfig {
   // CTAs per SM (255 × 128 threads); shared memory allows two ungated ones on every portable
   // GPU at d = 64 and on an A100's 164 KB at d = 128 (2 × (80 KB + 640 B static + 1 KB the
   // driver reserves per CTA) <= 164 KB; one only with a 96 KB V region or 1152 B static),
-  // and two gated ones from 228 KB per SM (H100, H200).
+  // and two gated ones from 228 KB per SM (H100, H200). d = 256: 160 KB, one CTA, within the
+  // 163 KB a CTA may opt into on an A100 (H100: 227 KB); GPUs with 99 KB (sm_86, sm_89) refuse
+  // the launch.
   static constexpr int kSmemBytes = kQBytes + 2 * kKVBytes + kVRegionBytes;
   static constexpr int kStaticSmemBytes = 640;  // fwd_kernel's __shared__ arrays, in 128-byte units
   // Compute capability 8.0: 164 KB of shared memory per SM, 1 KB of it reserved per CTA
   // (the CUDA C++ Programming Guide's table of compute capabilities).
-  static_assert(kGated || 2 * (kSmemBytes + kStaticSmemBytes + 1024) <= 164 * 1024,
+  static_assert(kGated || kWide || 2 * (kSmemBytes + kStaticSmemBytes + 1024) <= 164 * 1024,
                 "two ungated CTAs per SM of an A100");
+  static_assert(!kWide || kSmemBytes + kStaticSmemBytes <= 163 * 1024, "one wide CTA on an A100");
   // After the decision the first sub-tile's P (16-bit, half the stash) is parked in the free K
   // stage where it fits (d = 128: the accumulator leaves no room for a second P in registers);
   // at d = 64 it stays in registers.
@@ -180,7 +188,7 @@ __device__ __forceinline__ KvRows kv_rows_of(const FwdParams& p, const SeqInfo& 
 // it compiles as it did before they ran (the same SASS: record
 // 2026-12-02-cpu-window-kernels-sass).
 template <class Cfg, bool kFeatures>
-__global__ void __launch_bounds__(Cfg::kThreads, 2) fwd_kernel(const __grid_constant__ FwdParams p) {
+__global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocks) fwd_kernel(const __grid_constant__ FwdParams p) {
   using Tile = typename Cfg::Tile;
   constexpr int kBlockM = Cfg::kBlockM, kBlockN = Cfg::kBlockN, kD = Cfg::kHeadDim;
   constexpr int kM = Cfg::kM, kNFrags = Cfg::kNFrags, kDFrags = Cfg::kDFrags;
@@ -283,7 +291,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 2) fwd_kernel(const __grid_cons
   init_row_stats(st);
   float s[kM][kNFrags][4];  // raw scores of the current sub-tile
 
-  // S = Q·K(stage)ᵀ for the warp's 32 rows.
+  // S = Q·K(stage)ᵀ for the warp's 16·kM rows.
   auto compute_scores = [&](int stage) {
     warp_scores<Cfg>(s_q_tile, s_k_tile + stage * Cfg::kKVBytes, warp_row, lane, s);
   };
