@@ -250,8 +250,8 @@ namespace {
 // window, a softcap and learned sinks run for dense and block_sparse in the forward kernels'
 // kFeatures kernel (FwdParams; softcap and sinks on 16-bit inputs); the other policies' decision
 // kernels (exact_gate's, the selector, permute_stop's ranking) and in-loop gates read none of
-// them yet. So too the wide head dims (variants.py: 256), whose only kernels are the ungated
-// forward instances.
+// them yet. So too the head dims whose only kernels are the ungated forward instances
+// (variants.py's FWD_ONLY_HEAD_DIMS: 96, 256).
 Status check_features(const ProblemShape& shape, const Policy& policy) {
   const char* host = "; the reference and cpu backends run it";
   const bool featured_policy =
@@ -358,7 +358,7 @@ Status check_support(const ProblemShape& shape, const Policy& policy, int* block
   SP_RETURN_IF_ERROR(st);
   const bool gated = std::holds_alternative<ExactGateParams>(policy) || std::holds_alternative<SoftmaxSkipParams>(policy);
   // Every compiled (dtype, head_dim) has its plain and general instances, and its gated one but
-  // at the wide head dims, which check_features left to dense and block_sparse (variants.py).
+  // at the forward-only head dims, which check_features left to dense and block_sparse.
   if (find_fwd(shape.dtype, shape.d, gated, false) == nullptr) {
     return unsupported(std::string("no compiled CUDA kernel for dtype ") + dtype_name(shape.dtype) + ", head_dim " +
                        std::to_string(shape.d) + " (" + support_summary() + ")");

@@ -66,8 +66,8 @@ TEST(CudaPlan, UnsupportedMessagesNameTheArgument) {
 }
 
 // The model-family features no kernel takes yet are refused by name for every policy, before
-// anything else is checked (docs/cuda.md, support matrix); head dims 96 and 192 have no
-// instance, and say so. Local windows, softcap and sinks run dense and block_sparse (on both
+// anything else is checked (docs/cuda.md, support matrix); a V head dim unlike Q/K's (MLA's
+// 192/128) has no instance, and says so. Local windows, softcap and sinks run dense and block_sparse (on both
 // paths: their choice of path is the feature-free one's; softcap and sinks on 16-bit inputs)
 // and are refused by name for the other policies.
 TEST(CudaPlan, ModelFamilyFeaturesAreRefusedByName) {
@@ -88,8 +88,7 @@ TEST(CudaPlan, ModelFamilyFeaturesAreRefusedByName) {
   sinks.sinks = true;
   mla.d = 192;
   mla.d_v = 128;
-  for (const Case& c : {Case{"v: a V head dim unlike Q/K's (d_v 128, d 192) has no CUDA kernel yet", mla},
-                        Case{"head_dim 96", cuda_shape_of(300, 300, 4, 1, 96)}}) {
+  for (const Case& c : {Case{"v: a V head dim unlike Q/K's (d_v 128, d 192) has no CUDA kernel yet", mla}}) {
     for (const Policy& policy : policies) {
       SCOPED_TRACE(std::string(c.needle) + ", " + policy_name(policy));
       const Status st = check_support(c.shape, policy, &n);
@@ -154,25 +153,26 @@ TEST(CudaPlan, ModelFamilyFeaturesAreRefusedByName) {
             std::string::npos);
 }
 
-// head_dim 256 (Gemma 3): the portable kernel's ungated instances run dense and block_sparse on
-// bf16 and fp16, on the portable path on a Hopper device too (no Hopper instance); the other
-// policies are refused by name before anything else (no gated, selector or permute kernel
-// there), and fp8 keeps its one head dim.
-TEST(CudaPlan, HeadDim256RunsDenseAndBlockSparseOnThePortablePath) {
+// Head dims 96 (Phi-3) and 256 (Gemma 3): the portable kernel's ungated instances run dense and
+// block_sparse on bf16 and fp16, on the portable path on a Hopper device too (no Hopper
+// instance); the other policies are refused by name before anything else (no gated, selector or
+// permute kernel there), and fp8 keeps its one head dim.
+TEST(CudaPlan, HeadDims96And256RunDenseAndBlockSparseOnThePortablePath) {
   int n = 0;
   ExactGateParams gate;
   gate.block_k = 128;
   PermuteStopParams stop;
   stop.block_k = 32;  // refused for its head dim before its block size
-  for (const DType dtype : {DType::kBF16, DType::kFP16}) {
-    SCOPED_TRACE(dtype_name(dtype));
-    const ProblemShape s = cuda_shape_of(300, 700, 4, 2, 256, dtype);
+  for (const auto& [d, dtype] : {std::pair{96, DType::kBF16}, std::pair{96, DType::kFP16}, std::pair{256, DType::kBF16},
+                                 std::pair{256, DType::kFP16}}) {
+    SCOPED_TRACE(std::string(dtype_name(dtype)) + " d " + std::to_string(d));
+    const ProblemShape s = cuda_shape_of(300, 700, 4, 2, d, dtype);
     BlockSparseParams mask;
     mask.mask = BlockMask::all_visible(s, 128, 128, false);
     for (const Policy& policy : {Policy{DenseParams{}}, Policy{mask}}) {
       SCOPED_TRACE(policy_name(policy));
       EXPECT_TRUE(check_support(s, policy, &n).ok());
-      EXPECT_EQ(n, std::holds_alternative<DenseParams>(policy) ? dense_block_k(256) : 128);
+      EXPECT_EQ(n, std::holds_alternative<DenseParams>(policy) ? dense_block_k(d) : 128);
       EXPECT_EQ(choose_fwd_path(s, policy, true, 9, 0), FwdPath::kPortable);
       EXPECT_EQ(choose_fwd_path(s, policy, true, 8, 0), FwdPath::kPortable);
     }
@@ -180,7 +180,8 @@ TEST(CudaPlan, HeadDim256RunsDenseAndBlockSparseOnThePortablePath) {
       SCOPED_TRACE(policy_name(policy));
       const Status st = check_support(s, policy, &n);
       EXPECT_EQ(st.code(), StatusCode::kUnsupported);
-      EXPECT_NE(st.message().find(std::string("head_dim 256 runs dense and block_sparse on CUDA, not ") + policy_name(policy)),
+      EXPECT_NE(st.message().find("head_dim " + std::to_string(d) + " runs dense and block_sparse on CUDA, not " +
+                                  policy_name(policy)),
                 std::string::npos)
           << st.message();
     }
@@ -188,6 +189,7 @@ TEST(CudaPlan, HeadDim256RunsDenseAndBlockSparseOnThePortablePath) {
   const Status fp8 = check_support(cuda_shape_of(300, 300, 4, 1, 256, DType::kFP8E4M3), DenseParams{}, &n);
   EXPECT_EQ(fp8.code(), StatusCode::kUnsupported);
   EXPECT_NE(fp8.message().find("head_dim 128 only"), std::string::npos) << fp8.message();
+  EXPECT_NE(support_summary().find("bf16 d=96 (dense, block_sparse)"), std::string::npos) << support_summary();
   EXPECT_NE(support_summary().find("bf16 d=256 (dense, block_sparse)"), std::string::npos) << support_summary();
   EXPECT_EQ(support_summary().find("d=128 (dense"), std::string::npos) << support_summary();
 }

@@ -64,8 +64,8 @@ struct FwdConfig {
   static constexpr int kKSteps = kHeadDim / 16;   // k16 steps of Q·Kᵀ
   static constexpr int kPSteps = kBlockN / 16;    // k16 steps of P·V
   using Tile = SmemTile<kHeadDim, kThreads>;
-  static constexpr int kQBytes = kBlockM * kHeadDim * 2;
-  static constexpr int kKVBytes = kBlockN * kHeadDim * 2;  // one K stage or V slot
+  static constexpr int kQBytes = kBlockM * Tile::kRowBytes;
+  static constexpr int kKVBytes = kBlockN * Tile::kRowBytes;  // one K stage or V slot
   // A gated 128-key block needs both sub-tiles' scores before its decision: the first
   // sub-tile's raw scores wait in smem, thread-private, in the region of the V slots (unused
   // until the decision), since the registers hold the output accumulator.
@@ -78,7 +78,8 @@ struct FwdConfig {
   // CTAs per SM (255 × 128 threads); shared memory allows two ungated ones on every portable
   // GPU at d = 64 and on an A100's 164 KB at d = 128 (2 × (80 KB + 640 B static + 1 KB the
   // driver reserves per CTA) <= 164 KB; one only with a 96 KB V region or 1152 B static),
-  // and two gated ones from 228 KB per SM (H100, H200). d = 256: 160 KB, one CTA, within the
+  // and two gated ones from 228 KB per SM (H100, H200). d = 96 as d = 128 (its rows' pitch,
+  // SmemTile). d = 256: 160 KB, one CTA, within the
   // 163 KB a CTA may opt into on an A100 (H100: 227 KB); GPUs with 99 KB (sm_86, sm_89) refuse
   // the launch.
   static constexpr int kSmemBytes = kQBytes + 2 * kKVBytes + kVRegionBytes;
@@ -565,10 +566,11 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocks) fwd_kernel(con
   }
   __syncwarp();  // each warp stores only the rows it wrote
   auto* o_base = static_cast<std::uint16_t*>(p.o) + seq.o_off + row0 * p.o_row_stride + h * p.o_head_stride;
+  static_assert(16 * kM * Tile::kDataChunks % 32 == 0, "whole rounds of the warp's chunk stores");
 #pragma unroll
-  for (int i = 0; i < 16 * kM * Tile::kChunks / 32; ++i) {
+  for (int i = 0; i < 16 * kM * Tile::kDataChunks / 32; ++i) {
     const int idx = lane + 32 * i;
-    const int r = warp_row + idx / Tile::kChunks, c = idx % Tile::kChunks;
+    const int r = warp_row + idx / Tile::kDataChunks, c = idx % Tile::kDataChunks;
     if (r < rows_valid) {
       const uint4 val = *reinterpret_cast<const uint4*>(smem + swizzle<Tile>(r, c));
       *reinterpret_cast<uint4*>(o_base + r * p.o_row_stride + c * 8) = val;

@@ -11,14 +11,18 @@
 
 namespace sparseprefill::cuda::sm80 {
 
-// Copy geometry of a [rows, kHeadDim] tile filled by kThreads threads.
+// Copy geometry of a [rows, kHeadDim] tile filled by kThreads threads. A row is stored in whole
+// groups of 8 16-byte chunks (the XOR swizzle's span): d = 96's 12 chunks take a 16-chunk
+// pitch, whose last 4 chunks are never written or read (every load and fragment loop stops at
+// kDataChunks; at d = 64, 128 and 256 the two counts are equal).
 template <int kHeadDim_, int kThreads_>
 struct SmemTile {
   static constexpr int kHeadDim = kHeadDim_;
   static constexpr int kThreads = kThreads_;
-  static constexpr int kChunks = kHeadDim / 8;  // 16-byte chunks per row
-  static constexpr int kRowBytes = kHeadDim * 2;
-  static_assert(kHeadDim % 64 == 0, "the XOR swizzle needs at least 8 chunks per row");
+  static constexpr int kDataChunks = kHeadDim / 8;             // 16-byte chunks of a row's values
+  static constexpr int kChunks = (kDataChunks + 7) / 8 * 8;    // chunks per row in smem (the pitch)
+  static constexpr int kRowBytes = kChunks * 16;
+  static_assert(kHeadDim % 16 == 0, "k16 steps of Q·Kᵀ and pairs of n8 output fragments");
 };
 
 // Byte offset of 16-byte chunk c of row r. Chunks are XOR-swizzled by r % 8 so that the 8 rows
@@ -82,6 +86,7 @@ __device__ __forceinline__ void load_rows(std::uint32_t smem, const RowPtr& row_
   constexpr int kRowStep = Tile::kThreads / Tile::kChunks;
   static_assert(kRowStep % 8 == 0 && kRows % kRowStep == 0, "constant swizzle per thread");
   const int r0 = tid / Tile::kChunks, c = tid % Tile::kChunks;
+  if (Tile::kDataChunks < Tile::kChunks && c >= Tile::kDataChunks) return;  // the pitch's padding
   const std::uint32_t dst = smem + swizzle<Tile>(r0, c);
 #pragma unroll
   for (int i = 0; i < kRows / kRowStep; ++i) {
@@ -99,6 +104,7 @@ __device__ __forceinline__ void load_tile(std::uint32_t smem, const TileSrc& src
     constexpr int kRowStep = Tile::kThreads / Tile::kChunks;
     static_assert(kRowStep % 8 == 0 && kRows % kRowStep == 0, "constant swizzle per thread");
     const int r0 = tid / Tile::kChunks, c = tid % Tile::kChunks;
+    if (Tile::kDataChunks < Tile::kChunks && c >= Tile::kDataChunks) return;  // the pitch's padding
     const std::uint32_t dst = smem + swizzle<Tile>(r0, c);
     // One pointer stepped by a 64-bit add per row, and rows past `valid` not read (ignore-src,
     // so their address need not be valid): a multiply and a select per row made the two tile
