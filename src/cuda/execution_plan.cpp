@@ -160,7 +160,7 @@ Status plan_execution(const ProblemShape& shape, const Policy& policy, const Tma
     // The portable instance (also the Hopper launch's fallback): gated or not, plain or not.
     const bool gated = gated_mode(plan.mode);
     const bool plain = !gated && !reads_pages && !(plan.mode == PolicyMode::kBlockMask && mean_correction);
-    plan.fwd = find_fwd(shape.dtype, shape.d, gated, plain);
+    plan.fwd = find_fwd(shape.dtype, shape.d, shape.d_v, gated, plain);
     if (plan.fwd == nullptr) {
       return unsupported(std::string("no compiled portable CUDA kernel for this call (") + support_summary() + ")");
     }

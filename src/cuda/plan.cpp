@@ -268,13 +268,16 @@ Status check_features(const ProblemShape& shape, const Policy& policy) {
     return unsupported(std::string(shape.sinks ? "sinks" : "softcap") +
                        ": fp8_e4m3 inputs on CUDA take no softcap or sinks (bf16 and fp16 do)" + host);
   }
-  if (shape.d_v != shape.d) {
+  const bool compiled = find_fwd(shape.dtype, shape.d, shape.d_v, false, true) != nullptr;
+  if (shape.d_v != shape.d && !compiled) {
     return unsupported("v: a V head dim unlike Q/K's (d_v " + std::to_string(shape.d_v) + ", d " + std::to_string(shape.d) +
-                       ") has no CUDA kernel yet" + host);
+                       ") has no CUDA kernel (" + compiled_fwd_summary() + ")" + host);
   }
-  const bool ungated_only =
-      find_fwd(shape.dtype, shape.d, false, true) != nullptr && find_fwd(shape.dtype, shape.d, true, false) == nullptr;
-  if (ungated_only && !featured_policy) return refuse_other_policies("head_dim " + std::to_string(shape.d));
+  const bool ungated_only = compiled && find_fwd(shape.dtype, shape.d, shape.d_v, true, false) == nullptr;
+  if (ungated_only && !featured_policy) {
+    return refuse_other_policies("head_dim " + std::to_string(shape.d) +
+                                 (shape.d_v != shape.d ? " (d_v " + std::to_string(shape.d_v) + ")" : ""));
+  }
   return {};
 }
 
@@ -359,7 +362,7 @@ Status check_support(const ProblemShape& shape, const Policy& policy, int* block
   const bool gated = std::holds_alternative<ExactGateParams>(policy) || std::holds_alternative<SoftmaxSkipParams>(policy);
   // Every compiled (dtype, head_dim) has its plain and general instances, and its gated one but
   // at the forward-only head dims, which check_features left to dense and block_sparse.
-  if (find_fwd(shape.dtype, shape.d, gated, false) == nullptr) {
+  if (find_fwd(shape.dtype, shape.d, shape.d_v, gated, false) == nullptr) {
     return unsupported(std::string("no compiled CUDA kernel for dtype ") + dtype_name(shape.dtype) + ", head_dim " +
                        std::to_string(shape.d) + " (" + support_summary() + ")");
   }
@@ -517,9 +520,10 @@ KvStaging plan_kv_staging(const ProblemShape& shape, const Policy& policy, std::
     out.rows += shape.seq_k[u];
     pairs += visible_pairs(shape, b);
   }
-  const std::size_t row_bytes = static_cast<std::size_t>(shape.h_kv) * static_cast<std::size_t>(shape.d) *
+  // A key's K and V rows (V's head dim is d_v).
+  const std::size_t row_bytes = static_cast<std::size_t>(shape.h_kv) * static_cast<std::size_t>(shape.d + shape.d_v) *
                                 dtype_size(shape.dtype);
-  out.bytes = 2 * static_cast<std::size_t>(out.rows) * row_bytes;
+  out.bytes = static_cast<std::size_t>(out.rows) * row_bytes;
   if (out.rows == 0 || pairs == 0.0) return out;
   const double density = std::visit(
       [&](const auto& p) -> double {
@@ -540,7 +544,7 @@ KvStaging plan_kv_staging(const ProblemShape& shape, const Policy& policy, std::
         }
       },
       policy);
-  const double attention_flops = 4.0 * shape.d * shape.h_q * pairs * density;
+  const double attention_flops = 2.0 * (shape.d + shape.d_v) * shape.h_q * pairs * density;
   const double copy_bytes = 2.0 * static_cast<double>(out.bytes);  // read and write
   out.stage = copy_bytes * kFlopsPerCopyByte <= kGatheredCost * attention_flops &&
               out.bytes <= free_bytes / tuning::kStagingFreeShare;

@@ -106,8 +106,8 @@ TestProblem make_problem(const Inputs& in, const Features& f, Layout layout = La
 
 // Why CUDA refuses the features of tp under `policy` (a fragment of its message), "" when it
 // takes them: local windows, softcap and sinks run dense and block_sparse only (softcap and sinks
-// on 16-bit inputs), and so do head dims 96 and 256; a V head dim unlike Q/K's and head dims
-// other than 64, 96, 128 and 256 have no kernel yet (docs/cuda.md), and check_support names them
+// on 16-bit inputs), and so do head dims 96, 256 and q/k 192 with v 128 (MLA); other V head dims
+// unlike Q/K's and head dims have no kernel yet (docs/cuda.md), and check_support names them
 // before anything else.
 std::string cuda_feature_refusal(const TestProblem& tp, const Policy& policy) {
   ProblemShape s;
@@ -119,9 +119,13 @@ std::string cuda_feature_refusal(const TestProblem& tp, const Policy& policy) {
   if (s.softcap != 0.0 && !featured_policy) return "softcap: score soft-capping" + others;
   if (s.sinks && !featured_policy) return "sinks: learned attention sinks" + others;
   if ((s.softcap != 0.0 || s.sinks) && s.dtype == DType::kFP8E4M3) return "fp8_e4m3 inputs on CUDA take no softcap or sinks";
-  if (s.d_v != s.d) return "v: a V head dim unlike Q/K's (d_v " + std::to_string(s.d_v) + ", d " + std::to_string(s.d) + ")";
-  const bool forward_only = s.d == 96 || s.d == 256;  // variants.py's FWD_ONLY_HEAD_DIMS
-  if (forward_only && !featured_policy && s.dtype != DType::kFP8E4M3) return "head_dim " + std::to_string(s.d) + others;
+  // variants.py's FWD_ONLY_HEAD_DIMS: dense and block_sparse, 16-bit
+  const bool mla = s.d == 192 && s.d_v == 128 && s.dtype != DType::kFP8E4M3;
+  const bool forward_only = ((s.d == 96 || s.d == 256) && s.d_v == s.d) || mla;
+  if (s.d_v != s.d && !mla) return "v: a V head dim unlike Q/K's (d_v " + std::to_string(s.d_v) + ", d " + std::to_string(s.d) + ")";
+  if (forward_only && !featured_policy && s.dtype != DType::kFP8E4M3) {
+    return "head_dim " + std::to_string(s.d) + (mla ? " (d_v 128)" : "") + others;
+  }
   if (s.d != 64 && s.d != 128 && !forward_only) return "head_dim " + std::to_string(s.d);
   return {};
 }
@@ -141,7 +145,7 @@ std::string refusal(Target t, const TestProblem& tp, const Policy& policy) {
   if (tp.q.dtype() == DType::kFP8E4M3 && t == Target::kCudaPortable) return "fp8_e4m3 inputs run on the Hopper kernel only";
   // The suite reads pages in the kernels (target_options).
   const std::int64_t d = tp.q.shape().back();
-  if (t == Target::kCudaHopper && tp.q.dtype() != DType::kFP8E4M3 && (d == 96 || d == 256)) {
+  if (t == Target::kCudaHopper && tp.q.dtype() != DType::kFP8E4M3 && (d == 96 || d == 192 || d == 256)) {
     return "no Hopper instance is compiled for";  // the portable kernel's alone (variants.py)
   }
   if (t == Target::kCudaHopper && !hopper_serves(policy, is_paged(tp))) return "hopper";
