@@ -255,10 +255,10 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocks) fwd_kernel(con
   auto row_ok = [&](int r) { return row_of(r) < rows_valid; };
 
   auto kv_rows = [&](bool value) { return kv_rows_of(p, seq, b, hk, value); };
-  // Row 0 of this (b, hk)'s pooled K (value = false) or V blocks: [b, h_kv, mean_blocks, d or d_v].
-  auto mean_base = [&](bool value) {
-    return (static_cast<std::int64_t>(b) * p.h_kv + hk) * p.mean_blocks * static_cast<std::int64_t>(value ? kDV : kD);
-  };
+  // Row 0 of this (b, hk)'s pooled K and V blocks, [b, h_kv, mean_blocks, d] and [.., d_v].
+  const std::int64_t mean_base = (static_cast<std::int64_t>(b) * p.h_kv + hk) * p.mean_blocks * static_cast<std::int64_t>(kD);
+  const std::int64_t mean_base_v =
+      kDV == kD ? mean_base : (static_cast<std::int64_t>(b) * p.h_kv + hk) * p.mean_blocks * static_cast<std::int64_t>(kDV);
 
   // 64-key sub-tiles of visit position j: one or two for a key block, one for a mean tile.
   auto num_sub = [&](int j) -> int {
@@ -280,7 +280,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocks) fwd_kernel(con
     const auto* mean = static_cast<const std::uint16_t*>(value ? p.v_mean : p.k_mean);
     const int valid = mean_blocks_seq - c * kMeanChunk;
     const int d = value ? kDV : kD;
-    return {contiguous_rows(mean + mean_base(value) + static_cast<std::int64_t>(c) * kMeanChunk * d, d), 0,
+    return {contiguous_rows(mean + (value ? mean_base_v : mean_base) + static_cast<std::int64_t>(c) * kMeanChunk * d, d), 0,
             valid < kMeanChunk ? valid : kMeanChunk};
   };
 
