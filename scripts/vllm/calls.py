@@ -5,13 +5,14 @@ one to the next), each made of calls back to back (the machine goes back after 3
 after 30 minutes held). For each call: the paths to carry, the command, its timeout and the
 seconds it is expected to take; then each session's total.
 
-  A  no real model: vLLM's two parts, the package build; the engine smoke run, TTFT of the
-     Llama-3.1-8B shape with dummy weights under chunked prefill
+  A  no real model: vLLM's two parts, the package build; the GPU tests, the engine smoke run,
+     TTFT of the Llama-3.1-8B shape with dummy weights under chunked prefill
   B  Qwen2.5-Coder-1.5B (the 22 parts of scripts/model/qwen_calls.py, converted by
      scripts/model/assemble_qwen.sh final) and vLLM's two parts; real-weight TTFT, open-loop
      serving of both backends
-  C  the model and vLLM again; the GPU tests, greedy agreement (with its control), one-shot TTFT
-     of the Llama-3.1-8B shape, the soak at the saturating rate of the latest session-B record
+  C  the model and vLLM again; greedy agreement (with its control), one-shot TTFT of the
+     Llama-3.1-8B shape, the soak at the saturating rate of the latest session-B record (and with
+     --patch a branch's GPU suite beside it)
   D  tensor parallelism (issue 34) on a machine of 2 GPUs (the `kind` nvidia-h200-x2): vLLM's
      parts, the build, TTFT of the 8B shape at TP 2 and, for the scaling, at TP 1
 
@@ -99,7 +100,7 @@ def vllm_parts() -> List[dict]:
     return [part1, part2]
 
 
-def session_a(commit: str, stages: Sequence[str] = ("smoke", "chunked"), env: str = "") -> List[dict]:
+def session_a(commit: str, stages: Sequence[str] = ("tests", "smoke", "chunked"), env: str = "") -> List[dict]:
     """vLLM's parts and the build, then `stages` in the call of part 2 (D reuses it)."""
     part1 = {"carry": [".carry/vllm/1"], "command": f"{ASSEMBLE} part1 && {ASSEMBLE} install", "timeout_s": 120,
              "expect_s": EXPECT["part1"], "note": f"plus the machine's start (~{qwen_calls.EXPECT['start']} s); "
@@ -133,9 +134,26 @@ def latest_serving_record() -> str:
     return str(found[-1].relative_to(ROOT)) if found else "NO-SESSION-B-RECORD"
 
 
-def session_c(commit: str) -> List[dict]:
+# A branch's GPU suite beside session C (--patch): scripts/gpu_check_patch.sh starts it in the
+# first call and the ttft8b call first waits for it (at most PATCH_WAIT s, about PATCH_EXPECT s
+# after the calls before it), so that nothing timed shares the GPU. It took 158 s without its
+# pytest on 2026-12-02 (record 2026-12-01-h200-gpu-suite-redesign, row d893b44).
+PATCH_WAIT = 200
+PATCH_EXPECT = 20
+PATCH_OUT = "/root/patch-check"
+
+
+def session_c(commit: str, patch: str = "") -> List[dict]:
     soak = gpu_vllm(commit, ["soak"], False, env=f"SP_VLLM_SOAK_OF={latest_serving_record()}")
-    return with_model([gpu_vllm(commit, ["tests", "greedy"], True), gpu_vllm(commit, ["ttft8b"], False), soak])
+    ttft = gpu_vllm(commit, ["ttft8b"], False)
+    calls = with_model([gpu_vllm(commit, ["greedy"], True), ttft, soak])
+    if patch:
+        calls[0]["command"] += f" && scripts/gpu_check_patch.sh start {patch} {PATCH_OUT}"
+        ttft["command"] = (f"export SP_CALL_START=$(date +%s); scripts/gpu_check_patch.sh collect {PATCH_OUT} "
+                           f"$OUT/patch-check {PATCH_WAIT}; {ttft['command']}")
+        ttft.update(budget_s=ttft["budget_s"] + PATCH_WAIT, expect_s=ttft["expect_s"] + PATCH_EXPECT,
+                    note=f"first waits for the GPU suite of {patch} (at most {PATCH_WAIT} s)")
+    return calls
 
 
 def session_d(commit: str) -> List[dict]:
@@ -157,6 +175,9 @@ def main() -> int:
     p.add_argument("--session", choices=sorted(SESSIONS), help="one session only")
     p.add_argument("--json", action="store_true", help="one JSON object per call")
     p.add_argument("--need", metavar="STAGE", choices=sorted(STAGES), help="a stage's expected seconds")
+    p.add_argument("--patch", metavar="FILE", default="",
+                   help="session C also runs this branch patch's GPU suite (an untracked file at the repository's "
+                        "root, which travels with the tree: scripts/gpu_check_patch.sh)")
     args = p.parse_args()
     if args.need:
         print(STAGES[args.need])
@@ -166,7 +187,7 @@ def main() -> int:
     for name, make in SESSIONS.items():
         if args.session not in (None, name):
             continue
-        calls = make(commit)
+        calls = make(commit, args.patch) if make is session_c else make(commit)
         if args.json:
             for i, c in enumerate(calls, 1):
                 print(json.dumps(dict(c, session=name, call=i)))

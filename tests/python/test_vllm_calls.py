@@ -74,6 +74,16 @@ def test_the_sessions_run_every_stage_once():
     assert soak["command"].startswith(f"SP_VLLM_SOAK_OF={calls.latest_serving_record()} ")
 
 
+def test_a_patch_check_beside_session_c_ends_before_anything_timed():
+    session = calls.session_c("c0ffee", "branch.patch")
+    assert "gpu_check_patch.sh start branch.patch" in session[0]["command"]
+    timed = next(i for i, c in enumerate(session) if "$OUT ttft8b" in c["command"])
+    assert "gpu_check_patch.sh collect" in session[timed]["command"]
+    assert not any("gpu_check_patch.sh" in c["command"] for c in session[1:timed])
+    assert session[timed]["budget_s"] <= calls.CALL_SECONDS  # its wait and the stage fit gpu_vllm.sh's time
+    assert calls.total(session) <= calls.SESSION_LIMIT
+
+
 def record(*runs):
     return {"runs": [{"rate": rate, "p99_ttft_ms": p99, "failed": failed} for rate, p99, failed in runs]}
 
