@@ -49,8 +49,8 @@ struct FwdConfig {
   static_assert(!(kGated && kHeadDimV != kHeadDim), "the gated instance runs one head dim");
   static constexpr int kBlockM = kBlockQ;
   static constexpr int kBlockN = tuning::kPortableBlockN;  // keys per sub-tile
-  // d <= 128: 4 warps of 32 rows, two CTAs per SM; wider heads: 8 warps of 16 rows, one CTA
-  // (tuning.h: the accumulator's registers), dense and block masks only (no gated instance).
+  // d <= 128: 4 warps of 32 rows, two CTAs per SM; wider Q/K heads (192, 256): 8 warps of 16
+  // rows, one CTA (tuning.h: the registers), dense and block masks only (no gated instance).
   static constexpr bool kWide = kHeadDim > 128;
   static_assert(!(kWide && kGated), "the wide head dims compile no gated instance (variants.py)");
   static constexpr int kWarps = kWide ? tuning::kPortableWarpsWide : tuning::kPortableWarps;
@@ -86,10 +86,9 @@ struct FwdConfig {
   // GPU at d = 64 and on an A100's 164 KB at d = 128 (2 × (80 KB + 640 B static + 1 KB the
   // driver reserves per CTA) <= 164 KB; one only with a 96 KB V region or 1152 B static),
   // and two gated ones from 228 KB per SM (H100, H200). d = 96 as d = 128 (its rows' pitch,
-  // SmemTile). d 192 / d_v 128: 112 KB, two CTAs from 228 KB per SM, one on an A100. d = 256:
-  // 160 KB, one CTA, within the
-  // 163 KB a CTA may opt into on an A100 (H100: 227 KB); GPUs with 99 KB (sm_86, sm_89) refuse
-  // the launch.
+  // SmemTile). The wide shapes run one CTA of 8 warps: d 192 / d_v 128 in 112 KB, d = 256 in
+  // 160 KB, within the 163 KB a CTA may opt into on an A100 (H100: 227 KB); GPUs with 99 KB
+  // (sm_86, sm_89) refuse d = 256's launch.
   static constexpr int kSmemBytes = kQBytes + 2 * kKVBytes + kVRegionBytes;
   static constexpr int kStaticSmemBytes = 640;  // fwd_kernel's __shared__ arrays, in 128-byte units
   // Compute capability 8.0: 164 KB of shared memory per SM, 1 KB of it reserved per CTA
