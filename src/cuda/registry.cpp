@@ -12,7 +12,8 @@ namespace {
 
 // Each table takes its kind's lines of registry.inc (which leaves the other kinds empty).
 constexpr FwdVariant kFwdVariants[] = {
-#define SP_FWD_VARIANT(fn, dtype, head_dim, head_dim_v, gated, plain) {#fn, DType::dtype, head_dim, head_dim_v, gated, plain, &fn},
+#define SP_FWD_VARIANT(fn, dtype, head_dim, head_dim_v, gated, plain) \
+  {#fn, DType::dtype, head_dim, head_dim_v, gated, plain, &fn, &fn##_smem_bytes},
 #include "cuda/instances/registry.inc"
 };
 

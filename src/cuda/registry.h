@@ -54,6 +54,7 @@ struct FwdVariant {
   bool gated;  // runs the in-kernel gates (gated_mode), and only those
   bool plain;  // runs the plain_call calls, and only those
   FwdLaunchFn launch;
+  const int* smem_bytes;  // shared memory of one CTA, dynamic and static (the instance's own count)
 };
 
 struct Fwd90Variant {
@@ -99,7 +100,9 @@ struct GateVariant {
   GateLaunchFn launch;
 };
 
-#define SP_FWD_VARIANT(fn, dtype, head_dim, head_dim_v, gated, plain) int fn(const FwdParams& params, void* stream);
+#define SP_FWD_VARIANT(fn, dtype, head_dim, head_dim_v, gated, plain) \
+  int fn(const FwdParams& params, void* stream);                      \
+  extern const int fn##_smem_bytes;
 #define SP_SELECT_VARIANT(fn, dtype, head_dim) int fn(SelectStage stage, const SelectParams& params, void* stream);
 #define SP_CALIB_VARIANT(fn, dtype, head_dim) int fn(const CalibParams& params, void* stream);
 #define SP_PERMUTE_VARIANT(fn, dtype, head_dim) int fn(PermuteStage stage, const PermuteParams& params, void* stream);

@@ -162,10 +162,13 @@ def expected_files():
             forward_only = (d, d_v) in FWD_ONLY_HEAD_DIMS
             for loop in PORTABLE_LOOPS if not forward_only else ("plain", "general"):
                 name = fwd_name(dtype, d, loop, d_v)
+                # The CTA's shared memory, for the plan's check against the device.
                 files[f"{name}.cu"] = translation_unit(
                     "cuda/kernel/sm80/fwd_kernel.cuh",
+                    f"namespace {{\nusing Config = {fwd_config(is_bf16, d, loop, d_v)};\n}}  // namespace\n\n"
+                    f"extern const int {name}_smem_bytes = Config::kSmemBytes + Config::kStaticSmemBytes;\n\n"
                     f"int {name}(const FwdParams& params, void* stream) {{\n"
-                    f"  return sm80::launch_fwd<{fwd_config(is_bf16, d, loop, d_v)}>(params, stream);\n")
+                    "  return sm80::launch_fwd<Config>(params, stream);\n")
                 flags = f"{'true' if loop == 'gated' else 'false'}, {'true' if loop == 'plain' else 'false'}"
                 registry.append(f"SP_FWD_VARIANT({name}, {enum}, {d}, {d_v}, {flags})\n")
             if forward_only:

@@ -87,8 +87,8 @@ struct FwdConfig {
   // driver reserves per CTA) <= 164 KB; one only with a 96 KB V region or 1152 B static),
   // and two gated ones from 228 KB per SM (H100, H200). d = 96 as d = 128 (its rows' pitch,
   // SmemTile). The wide shapes run one CTA of 8 warps: d 192 / d_v 128 in 112 KB, d = 256 in
-  // 160 KB, within the 163 KB a CTA may opt into on an A100 (H100: 227 KB); GPUs with 99 KB
-  // (sm_86, sm_89) refuse d = 256's launch.
+  // 160 KB, within the 163 KB a CTA may opt into on an A100 (H100: 227 KB); on GPUs with 99 KB
+  // (sm_86, sm_89) the plan refuses them (each instance exports its count: variants.py).
   static constexpr int kSmemBytes = kQBytes + 2 * kKVBytes + kVRegionBytes;
   static constexpr int kStaticSmemBytes = 640;  // fwd_kernel's __shared__ arrays, in 128-byte units
   // Compute capability 8.0: 164 KB of shared memory per SM, 1 KB of it reserved per CTA
