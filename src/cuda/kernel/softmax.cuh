@@ -214,6 +214,14 @@ __device__ __forceinline__ void cap_scores(float (&s)[kM][kN][4], float cap_scal
   }
 }
 
+// A head's learned sink in the log2 domain of m (σ · log2(e)), from FwdParams' sinks [h_q] with
+// element stride `stride` (0 without sinks, so the address is formed either way); -inf (none)
+// without sinks.
+__device__ __forceinline__ float head_sink_log2(const float* sinks, std::int64_t stride, int head) {
+  const float* sink = sinks + head * stride;
+  return sinks != nullptr ? *sink * 1.4426950408889634f : -INFINITY;
+}
+
 // finalize_row with a learned sink: sink_log2 = σ · log2(e), -inf for none (finalize_row);
 // else rules::finalize_with_sink over the quad's row sum (O = 0 and LSE = σ for a row that saw
 // no key; a NaN or +inf sink makes the row NaN).

@@ -546,9 +546,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocks) fwd_kernel(con
 #pragma unroll
   for (int r = 0; r < 2 * kM; ++r) {
     if constexpr (kFeatures) {
-      // The head's sink in m's log2 domain (-inf: none).
-      const float sink = p.sinks != nullptr ? p.sinks[h * p.sinks_stride] * 1.4426950408889634f : -INFINITY;
-      finalize_row_sink(st.m[r], st.l[r], sink, &o_scale[r], &lse[r]);
+      finalize_row_sink(st.m[r], st.l[r], head_sink_log2(p.sinks, p.sinks_stride, h), &o_scale[r], &lse[r]);
     } else {
       finalize_row(st.m[r], st.l[r], &o_scale[r], &lse[r]);
     }

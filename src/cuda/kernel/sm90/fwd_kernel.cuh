@@ -916,10 +916,8 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
   for (int r = 0; r < 2; ++r) {
     float o_scale, lse;
     if constexpr (kFeatures && !Cfg::kFp8) {
-      // The row's head's sink in m's log2 domain (-inf: none).
-      const float* sink = p.sinks + (h + (r0 + 8 * r) % pack) * p.sinks_stride;
-      finalize_row_sink(stats.m[r], stats.l[r], p.sinks != nullptr ? *sink * 1.4426950408889634f : -INFINITY,
-                        &o_scale, &lse);
+      const int sink_head = h + (r0 + 8 * r) % pack;  // the row's query head
+      finalize_row_sink(stats.m[r], stats.l[r], head_sink_log2(p.sinks, p.sinks_stride, sink_head), &o_scale, &lse);
     } else {
       finalize_row(stats.m[r], stats.l[r], &o_scale, &lse);
     }
