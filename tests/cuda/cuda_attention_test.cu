@@ -832,11 +832,12 @@ TEST(CudaSupport, UnsupportedCombinationsSayWhatIsCompiled) {
   EXPECT_EQ(blocks.status.code(), StatusCode::kUnsupported);
   EXPECT_NE(blocks.status.message().find("block_q = 128"), std::string::npos) << blocks.status.message();
 
-  const Inputs odd = make_inputs({{64, 64}}, 2, 1, 96, 1401);
-  TestProblem tp96 = make_problem(odd);
-  const GpuRun d96 = run_gpu(&tp96, DenseParams{});
-  EXPECT_EQ(d96.status.code(), StatusCode::kUnsupported);
-  EXPECT_NE(d96.status.message().find("head_dim 96"), std::string::npos) << d96.status.message();
+  // 80: no model family in issue 33's list, so no instance (96, 192/128 and 256 run dense).
+  const Inputs odd = make_inputs({{64, 64}}, 2, 1, 80, 1401);
+  TestProblem tp80 = make_problem(odd);
+  const GpuRun d80 = run_gpu(&tp80, DenseParams{});
+  EXPECT_EQ(d80.status.code(), StatusCode::kUnsupported);
+  EXPECT_NE(d80.status.message().find("head_dim 80"), std::string::npos) << d80.status.message();
 
   const Inputs f32 = make_inputs({{64, 64}}, 2, 1, 64, 1402, DType::kFP32);
   TestProblem tp32 = make_problem(f32);
