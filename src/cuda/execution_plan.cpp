@@ -160,9 +160,16 @@ Status plan_execution(const ProblemShape& shape, const Policy& policy, const Tma
     // The portable instance (also the Hopper launch's fallback): gated or not, plain or not.
     const bool gated = gated_mode(plan.mode);
     const bool plain = !gated && !reads_pages && !(plan.mode == PolicyMode::kBlockMask && mean_correction);
-    plan.fwd = find_fwd(shape.dtype, shape.d, gated, plain);
+    plan.fwd = find_fwd(shape.dtype, shape.d, shape.d_v, gated, plain);
     if (plan.fwd == nullptr) {
       return unsupported(std::string("no compiled portable CUDA kernel for this call (") + support_summary() + ")");
+    }
+    if (!hopper && caps.smem_optin > 0 && *plan.fwd->smem_bytes > caps.smem_optin) {
+      return unsupported(std::string(plan.fwd->name) + " needs " + std::to_string(*plan.fwd->smem_bytes) +
+                         " bytes of shared memory per CTA; this device (compute capability " +
+                         std::to_string(caps.cc_major) + "." + std::to_string(caps.cc_minor) + ") offers " +
+                         std::to_string(caps.smem_optin) + ": head_dim " + std::to_string(shape.d) +
+                         " runs on A100- and H100-class GPUs; the reference and cpu backends run it");
     }
   }
   if (hopper) {

@@ -20,6 +20,7 @@ struct DeviceCaps {
   int cc_minor = 0;
   std::int64_t l2_bytes = 0;
   int sm_count = 0;
+  int smem_optin = 0;  // shared memory a CTA may opt into (bytes); 0: not known, not checked
   bool hopper() const { return cc_major == 9 && cc_minor == 0; }
 };
 

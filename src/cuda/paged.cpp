@@ -14,11 +14,15 @@ Status stage_kv_rows(const AttentionProblem& problem, const ProblemShape& shape,
                      const AttentionOutput& output, Scratch* buffers, cudaStream_t stream, AttentionProblem* staged) {
   const ProblemShape to = staged_shape(shape, staging);
   const std::size_t elem = dtype_size(shape.dtype);
+  const std::int64_t dims[2] = {shape.d, shape.d_v};  // K's and V's head dims
   std::uint8_t* rows[2] = {nullptr, nullptr};
-  for (std::uint8_t*& r : rows) SP_RETURN_IF_ERROR(buffers->alloc(staging.bytes / 2, &r));
+  for (int i = 0; i < 2; ++i) {
+    const std::size_t bytes = static_cast<std::size_t>(staging.rows * shape.h_kv * dims[i]) * elem;
+    SP_RETURN_IF_ERROR(buffers->alloc(bytes, &rows[i]));
+  }
   *staged = problem;
   staged->k = TensorView::contiguous(rows[0], shape.dtype, {staging.rows, shape.h_kv, shape.d}, shape.device);
-  staged->v = TensorView::contiguous(rows[1], shape.dtype, {staging.rows, shape.h_kv, shape.d}, shape.device);
+  staged->v = TensorView::contiguous(rows[1], shape.dtype, {staging.rows, shape.h_kv, shape.d_v}, shape.device);
   const std::vector<SeqInfo> seqs = make_seq_infos(*staged, to, output);
   const std::vector<std::int32_t> table = compact_block_table(problem, shape);
   StageKvParams sp{};
@@ -29,6 +33,7 @@ Status stage_kv_rows(const AttentionProblem& problem, const ProblemShape& shape,
     sp.page_stride[i] = caches[i]->stride[0];
     sp.row_stride[i] = caches[i]->stride[1];
     sp.head_stride[i] = caches[i]->stride[2];
+    sp.row_chunks[i] = static_cast<int>(static_cast<std::size_t>(dims[i]) * elem / 16);
   }
   SP_RETURN_IF_ERROR(buffers->upload(table, &sp.block_table));
   SP_RETURN_IF_ERROR(buffers->upload(seqs, &sp.seqs));
@@ -37,7 +42,6 @@ Status stage_kv_rows(const AttentionProblem& problem, const ProblemShape& shape,
   sp.batch = shape.batch;
   sp.h_kv = shape.h_kv;
   sp.elem_bytes = static_cast<int>(elem);
-  sp.row_chunks = static_cast<int>(static_cast<std::size_t>(shape.d) * elem / 16);
   sp.max_s_k = shape.max_seq_k();
   return launch_status(stage_paged_kv(sp, stream), "stage_kv_sm80");
 }

@@ -250,13 +250,14 @@ namespace {
 // window, a softcap and learned sinks run for dense and block_sparse in the forward kernels'
 // kFeatures kernel (FwdParams; softcap and sinks on 16-bit inputs); the other policies' decision
 // kernels (exact_gate's, the selector, permute_stop's ranking) and in-loop gates read none of
-// them yet.
+// them yet. So too the head dims whose only kernels are the ungated forward instances
+// (variants.py's FWD_ONLY_HEAD_DIMS: 96, 256).
 Status check_features(const ProblemShape& shape, const Policy& policy) {
   const char* host = "; the reference and cpu backends run it";
   const bool featured_policy =
       std::holds_alternative<DenseParams>(policy) || std::holds_alternative<BlockSparseParams>(policy);
-  const auto refuse_other_policies = [&](const char* feature) {
-    return unsupported(std::string(feature) + " runs dense and block_sparse on CUDA, not " + policy_name(policy) + host);
+  const auto refuse_other_policies = [&](const std::string& feature) {
+    return unsupported(feature + " runs dense and block_sparse on CUDA, not " + policy_name(policy) + host);
   };
   if (shape.local() && !featured_policy) {
     return refuse_other_policies("window_left/window_right: local (sliding-window) attention");
@@ -267,9 +268,15 @@ Status check_features(const ProblemShape& shape, const Policy& policy) {
     return unsupported(std::string(shape.sinks ? "sinks" : "softcap") +
                        ": fp8_e4m3 inputs on CUDA take no softcap or sinks (bf16 and fp16 do)" + host);
   }
-  if (shape.d_v != shape.d) {
+  const bool compiled = find_fwd(shape.dtype, shape.d, shape.d_v, false, true) != nullptr;
+  if (shape.d_v != shape.d && !compiled) {
     return unsupported("v: a V head dim unlike Q/K's (d_v " + std::to_string(shape.d_v) + ", d " + std::to_string(shape.d) +
-                       ") has no CUDA kernel yet" + host);
+                       ") has no CUDA kernel (" + compiled_fwd_summary() + ")" + host);
+  }
+  const bool ungated_only = compiled && find_fwd(shape.dtype, shape.d, shape.d_v, true, false) == nullptr;
+  if (ungated_only && !featured_policy) {
+    return refuse_other_policies("head_dim " + std::to_string(shape.d) +
+                                 (shape.d_v != shape.d ? " (d_v " + std::to_string(shape.d_v) + ")" : ""));
   }
   return {};
 }
@@ -353,8 +360,9 @@ Status check_support(const ProblemShape& shape, const Policy& policy, int* block
       policy);
   SP_RETURN_IF_ERROR(st);
   const bool gated = std::holds_alternative<ExactGateParams>(policy) || std::holds_alternative<SoftmaxSkipParams>(policy);
-  // Every compiled (dtype, head_dim) has its plain, general and gated instances (variants.py).
-  if (find_fwd(shape.dtype, shape.d, gated, false) == nullptr) {
+  // Every compiled (dtype, head_dim) has its plain and general instances, and its gated one but
+  // at the forward-only head dims, which check_features left to dense and block_sparse.
+  if (find_fwd(shape.dtype, shape.d, shape.d_v, gated, false) == nullptr) {
     return unsupported(std::string("no compiled CUDA kernel for dtype ") + dtype_name(shape.dtype) + ", head_dim " +
                        std::to_string(shape.d) + " (" + support_summary() + ")");
   }
@@ -512,9 +520,10 @@ KvStaging plan_kv_staging(const ProblemShape& shape, const Policy& policy, std::
     out.rows += shape.seq_k[u];
     pairs += visible_pairs(shape, b);
   }
-  const std::size_t row_bytes = static_cast<std::size_t>(shape.h_kv) * static_cast<std::size_t>(shape.d) *
+  // A key's K and V rows (V's head dim is d_v).
+  const std::size_t row_bytes = static_cast<std::size_t>(shape.h_kv) * static_cast<std::size_t>(shape.d + shape.d_v) *
                                 dtype_size(shape.dtype);
-  out.bytes = 2 * static_cast<std::size_t>(out.rows) * row_bytes;
+  out.bytes = static_cast<std::size_t>(out.rows) * row_bytes;
   if (out.rows == 0 || pairs == 0.0) return out;
   const double density = std::visit(
       [&](const auto& p) -> double {
@@ -535,7 +544,7 @@ KvStaging plan_kv_staging(const ProblemShape& shape, const Policy& policy, std::
         }
       },
       policy);
-  const double attention_flops = 4.0 * shape.d * shape.h_q * pairs * density;
+  const double attention_flops = 2.0 * (shape.d + shape.d_v) * shape.h_q * pairs * density;
   const double copy_bytes = 2.0 * static_cast<double>(out.bytes);  // read and write
   out.stage = copy_bytes * kFlopsPerCopyByte <= kGatheredCost * attention_flops &&
               out.bytes <= free_bytes / tuning::kStagingFreeShare;

@@ -12,7 +12,8 @@ namespace {
 
 // Each table takes its kind's lines of registry.inc (which leaves the other kinds empty).
 constexpr FwdVariant kFwdVariants[] = {
-#define SP_FWD_VARIANT(fn, dtype, head_dim, gated, plain) {#fn, DType::dtype, head_dim, gated, plain, &fn},
+#define SP_FWD_VARIANT(fn, dtype, head_dim, head_dim_v, gated, plain) \
+  {#fn, DType::dtype, head_dim, head_dim_v, gated, plain, &fn, &fn##_smem_bytes},
 #include "cuda/instances/registry.inc"
 };
 
@@ -67,9 +68,10 @@ const V* find_in(const V (&table)[N], const Match& match) {
 
 }  // namespace
 
-const FwdVariant* find_fwd(DType dtype, int head_dim, bool gated, bool plain) {
+const FwdVariant* find_fwd(DType dtype, int head_dim, int head_dim_v, bool gated, bool plain) {
   return find_in(kFwdVariants, [&](const FwdVariant& v) {
-    return v.dtype == dtype && v.head_dim == head_dim && v.gated == gated && v.plain == plain;
+    return v.dtype == dtype && v.head_dim == head_dim && v.head_dim_v == head_dim_v && v.gated == gated &&
+           v.plain == plain;
   });
 }
 
@@ -111,8 +113,10 @@ std::string compiled_fwd_summary() {
   std::ostringstream os;
   for (std::size_t i = 0; i < std::size(kFwdVariants); ++i) {
     const FwdVariant& v = kFwdVariants[i];
-    if (!v.plain) continue;  // every (dtype, head_dim) has its three instances
+    if (!v.plain) continue;  // every (dtype, head_dim) has a plain instance
     os << (i ? ", " : "") << dtype_name(v.dtype) << " d=" << v.head_dim;
+    if (v.head_dim_v != v.head_dim) os << " d_v=" << v.head_dim_v;
+    if (find_fwd(v.dtype, v.head_dim, v.head_dim_v, true, false) == nullptr) os << " (dense, block_sparse)";
   }
   return os.str();
 }

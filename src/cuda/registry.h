@@ -50,9 +50,11 @@ struct FwdVariant {
   const char* name;  // e.g. "fwd_sm80_bf16_hd128", "fwd_sm80_bf16_hd128_general", "fwd_sm80_gated_bf16_hd128"
   DType dtype;
   int head_dim;
+  int head_dim_v;  // V's and O's: head_dim but for MLA-style prefill (192 / 128)
   bool gated;  // runs the in-kernel gates (gated_mode), and only those
   bool plain;  // runs the plain_call calls, and only those
   FwdLaunchFn launch;
+  const int* smem_bytes;  // shared memory of one CTA, dynamic and static (the instance's own count)
 };
 
 struct Fwd90Variant {
@@ -98,7 +100,9 @@ struct GateVariant {
   GateLaunchFn launch;
 };
 
-#define SP_FWD_VARIANT(fn, dtype, head_dim, gated, plain) int fn(const FwdParams& params, void* stream);
+#define SP_FWD_VARIANT(fn, dtype, head_dim, head_dim_v, gated, plain) \
+  int fn(const FwdParams& params, void* stream);                      \
+  extern const int fn##_smem_bytes;
 #define SP_SELECT_VARIANT(fn, dtype, head_dim) int fn(SelectStage stage, const SelectParams& params, void* stream);
 #define SP_CALIB_VARIANT(fn, dtype, head_dim) int fn(const CalibParams& params, void* stream);
 #define SP_PERMUTE_VARIANT(fn, dtype, head_dim) int fn(PermuteStage stage, const PermuteParams& params, void* stream);
@@ -114,7 +118,7 @@ struct GateVariant {
 // The instance for (dtype, head_dim) (and, for the portable forward kernel, gated or not and
 // plain or not: plain_call; for the Hopper one, K/V paged or not), or nullptr when none is
 // compiled.
-const FwdVariant* find_fwd(DType dtype, int head_dim, bool gated, bool plain);
+const FwdVariant* find_fwd(DType dtype, int head_dim, int head_dim_v, bool gated, bool plain);
 const SelectVariant* find_select(DType dtype, int head_dim);
 const SelectVariant* find_select90(DType dtype, int head_dim);
 const PermuteVariant* find_permute(DType dtype, int head_dim);

@@ -39,6 +39,8 @@ Status device_caps(int device, DeviceCaps* out) {
   SP_CUDA_TRY(cudaDeviceGetAttribute(&caps.cc_minor, cudaDevAttrComputeCapabilityMinor, device), "cudaDeviceGetAttribute");
   SP_CUDA_TRY(cudaDeviceGetAttribute(&l2, cudaDevAttrL2CacheSize, device), "cudaDeviceGetAttribute");
   SP_CUDA_TRY(cudaDeviceGetAttribute(&caps.sm_count, cudaDevAttrMultiProcessorCount, device), "cudaDeviceGetAttribute");
+  SP_CUDA_TRY(cudaDeviceGetAttribute(&caps.smem_optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device),
+              "cudaDeviceGetAttribute");
   caps.l2_bytes = l2;
   std::lock_guard<std::mutex> lock(mutex);
   known.emplace(device, caps);

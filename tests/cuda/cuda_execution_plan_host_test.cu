@@ -67,6 +67,27 @@ TEST(CudaExecutionPlan, DenseRunsTheHopperKernelOnAnH200AndThePortableOneElsewhe
   EXPECT_EQ(plan_of(s, DenseParams{}, kH200, {}, 0, TmaFacts{true, false}).path, FwdPath::kPortable);
 }
 
+// A portable instance whose CTA needs more shared memory than the device offers is refused when
+// the call is planned, naming both counts: head_dim 256 (160 KB + 640 B) on a GPU with 99 KB per
+// CTA (sm_89), while d 128 runs there and d 256 runs on an A100's 163 KB. Devices whose limit is
+// not known (0) are not checked.
+TEST(CudaExecutionPlan, PortableInstancesNeedTheirSharedMemory) {
+  constexpr DeviceCaps kAda{8, 9, std::int64_t{72} << 20, 128, 101376};
+  constexpr DeviceCaps kA100Limit{8, 0, std::int64_t{40} << 20, 108, 166912};
+  const ProblemShape wide = cuda_shape_of(300, 300, 4, 1, 256);
+  ExecutionPlan plan;
+  const Status st = plan_execution(wide, DenseParams{}, kTma, kAda, {}, std::size_t{100} << 30, &plan);
+  EXPECT_EQ(st.code(), StatusCode::kUnsupported);
+  EXPECT_NE(st.message().find("fwd_sm80_bf16_hd256 needs 164480 bytes of shared memory per CTA; this device (compute "
+                              "capability 8.9) offers 101376"),
+            std::string::npos)
+      << st.message();
+  EXPECT_EQ(plan_of(cuda_shape_of(300, 300, 4, 1, 128), DenseParams{}, kAda).path, FwdPath::kPortable);
+  EXPECT_EQ(plan_of(wide, DenseParams{}, kA100Limit).path, FwdPath::kPortable);
+  EXPECT_EQ(plan_of(wide, DenseParams{}, kA100).path, FwdPath::kPortable);  // limit not known
+  EXPECT_EQ(plan_of(wide, DenseParams{}, kH200).path, FwdPath::kPortable);  // no Hopper instance at 256
+}
+
 TEST(CudaExecutionPlan, ShortChunksPackTheGqaGroupAndTheOverrideDecides) {
   const ProblemShape s = cuda_shape_of(32, 4096);
   const ExecutionPlan packed = plan_of(s, DenseParams{});

@@ -66,8 +66,8 @@ TEST(CudaPlan, UnsupportedMessagesNameTheArgument) {
 }
 
 // The model-family features no kernel takes yet are refused by name for every policy, before
-// anything else is checked (docs/cuda.md, support matrix); head dims 96, 192 and 256 have no
-// instance, and say so. Local windows, softcap and sinks run dense and block_sparse (on both
+// anything else is checked (docs/cuda.md, support matrix); a V head dim unlike Q/K's but MLA's
+// 192/128 has no instance, and says so. Local windows, softcap and sinks run dense and block_sparse (on both
 // paths: their choice of path is the feature-free one's; softcap and sinks on 16-bit inputs)
 // and are refused by name for the other policies.
 TEST(CudaPlan, ModelFamilyFeaturesAreRefusedByName) {
@@ -86,11 +86,9 @@ TEST(CudaPlan, ModelFamilyFeaturesAreRefusedByName) {
   right.window_right = 0;  // FlashAttention's causal as a window
   softcap.softcap = 50.0;
   sinks.sinks = true;
-  mla.d = 192;
-  mla.d_v = 128;
-  for (const Case& c : {Case{"v: a V head dim unlike Q/K's (d_v 128, d 192) has no CUDA kernel yet", mla},
-                        Case{"head_dim 96", cuda_shape_of(300, 300, 4, 1, 96)},
-                        Case{"head_dim 256", cuda_shape_of(300, 300, 4, 1, 256)}}) {
+  mla.d = 128;
+  mla.d_v = 64;
+  for (const Case& c : {Case{"v: a V head dim unlike Q/K's (d_v 64, d 128) has no CUDA kernel", mla}}) {
     for (const Policy& policy : policies) {
       SCOPED_TRACE(std::string(c.needle) + ", " + policy_name(policy));
       const Status st = check_support(c.shape, policy, &n);
@@ -153,6 +151,57 @@ TEST(CudaPlan, ModelFamilyFeaturesAreRefusedByName) {
   EXPECT_NE(support_summary().find("local windows (window_size): dense and block_sparse on both paths, with softcap "
                                    "and learned sinks on bf16 and fp16"),
             std::string::npos);
+}
+
+// Head dims 96 (Phi-3), 256 (Gemma 3) and q/k 192 with v 128 (MLA-style prefill): the portable
+// kernel's ungated instances run dense and block_sparse on bf16 and fp16, on the portable path on
+// a Hopper device too (no Hopper instance); the other policies are refused by name before
+// anything else (no gated, selector or permute kernel there), and fp8 keeps its one head dim.
+TEST(CudaPlan, ForwardOnlyHeadDimsRunDenseAndBlockSparseOnThePortablePath) {
+  int n = 0;
+  ExactGateParams gate;
+  gate.block_k = 128;
+  PermuteStopParams stop;
+  stop.block_k = 32;  // refused for its head dim before its block size
+  const auto expect_forward_only = [&](DType dtype, int d, int d_v, const std::string& subject) {
+    ProblemShape s = cuda_shape_of(300, 700, 4, 2, d, dtype);
+    s.d_v = d_v;
+    BlockSparseParams mask;
+    mask.mask = BlockMask::all_visible(s, 128, 128, false);
+    for (const Policy& policy : {Policy{DenseParams{}}, Policy{mask}}) {
+      SCOPED_TRACE(policy_name(policy));
+      EXPECT_TRUE(check_support(s, policy, &n).ok());
+      EXPECT_EQ(n, std::holds_alternative<DenseParams>(policy) ? dense_block_k(d) : 128);
+      EXPECT_EQ(choose_fwd_path(s, policy, true, 9, 0), FwdPath::kPortable);
+      EXPECT_EQ(choose_fwd_path(s, policy, true, 8, 0), FwdPath::kPortable);
+    }
+    for (const Policy& policy : {Policy{gate}, Policy{SoftmaxSkipParams{}}, Policy{EstimateSelectParams{}}, Policy{stop}}) {
+      SCOPED_TRACE(policy_name(policy));
+      const Status st = check_support(s, policy, &n);
+      EXPECT_EQ(st.code(), StatusCode::kUnsupported);
+      EXPECT_NE(st.message().find(subject + " runs dense and block_sparse on CUDA, not " + policy_name(policy)),
+                std::string::npos)
+          << st.message();
+    }
+  };
+  struct Dims {
+    int d, d_v;
+    const char* subject;  // of the other policies' refusal
+  };
+  for (const DType dtype : {DType::kBF16, DType::kFP16}) {
+    for (const Dims& dims : {Dims{96, 96, "head_dim 96"}, Dims{256, 256, "head_dim 256"},
+                             Dims{192, 128, "head_dim 192 (d_v 128)"}}) {
+      SCOPED_TRACE(std::string(dtype_name(dtype)) + " " + dims.subject);
+      expect_forward_only(dtype, dims.d, dims.d_v, dims.subject);
+    }
+  }
+  const Status fp8 = check_support(cuda_shape_of(300, 300, 4, 1, 256, DType::kFP8E4M3), DenseParams{}, &n);
+  EXPECT_EQ(fp8.code(), StatusCode::kUnsupported);
+  EXPECT_NE(fp8.message().find("head_dim 128 only"), std::string::npos) << fp8.message();
+  EXPECT_NE(support_summary().find("bf16 d=96 (dense, block_sparse)"), std::string::npos) << support_summary();
+  EXPECT_NE(support_summary().find("bf16 d=256 (dense, block_sparse)"), std::string::npos) << support_summary();
+  EXPECT_NE(support_summary().find("bf16 d=192 d_v=128 (dense, block_sparse)"), std::string::npos) << support_summary();
+  EXPECT_EQ(support_summary().find("d=128 (dense"), std::string::npos) << support_summary();
 }
 
 // The window reaches the kernels only where it hides keys (ProblemShape::local()): a causal
@@ -279,13 +328,13 @@ TEST(CudaPlan, PortableInstancesSplitByTheGatesAndTheLayout) {
   EXPECT_FALSE(plain_call(p));
   for (DType dtype : {DType::kBF16, DType::kFP16}) {
     for (int d : {64, 128}) {
-      const FwdVariant* plain = find_fwd(dtype, d, false, true);
-      const FwdVariant* general = find_fwd(dtype, d, false, false);
-      const FwdVariant* gated = find_fwd(dtype, d, true, false);
+      const FwdVariant* plain = find_fwd(dtype, d, d, false, true);
+      const FwdVariant* general = find_fwd(dtype, d, d, false, false);
+      const FwdVariant* gated = find_fwd(dtype, d, d, true, false);
       ASSERT_NE(plain, nullptr) << dtype_name(dtype) << " d=" << d;
       ASSERT_NE(general, nullptr) << dtype_name(dtype) << " d=" << d;
       ASSERT_NE(gated, nullptr) << dtype_name(dtype) << " d=" << d;
-      EXPECT_EQ(find_fwd(dtype, d, true, true), nullptr);  // the gated instance runs every layout
+      EXPECT_EQ(find_fwd(dtype, d, d, true, true), nullptr);  // the gated instance runs every layout
       EXPECT_TRUE(plain->plain && !plain->gated);
       EXPECT_TRUE(!general->plain && !general->gated);
       EXPECT_TRUE(gated->gated && !gated->plain);
@@ -298,7 +347,10 @@ TEST(CudaPlan, PortableInstancesSplitByTheGatesAndTheLayout) {
       EXPECT_EQ(std::string(plain->name).find("gated"), std::string::npos) << plain->name;
     }
   }
-  EXPECT_EQ(find_fwd(DType::kFP8E4M3, 128, false, true), nullptr);  // fp8 runs on the Hopper kernel only
+  EXPECT_EQ(find_fwd(DType::kFP8E4M3, 128, 128, false, true), nullptr);  // fp8 runs on the Hopper kernel only
+  EXPECT_EQ(find_fwd(DType::kBF16, 192, 192, false, true), nullptr);  // 192 only with d_v 128 (MLA)
+  ASSERT_NE(find_fwd(DType::kBF16, 192, 128, false, true), nullptr);
+  EXPECT_EQ(find_fwd(DType::kBF16, 192, 128, false, true)->head_dim_v, 128);
 }
 
 TEST(CudaPlan, HopperPathOnComputeCapability90For128KeyBlocks) {

@@ -36,9 +36,12 @@ inline ExecutionOverrides on_path(bool portable, ExecutionOverrides base = {}) {
 }
 
 // The path a call takes: the portable kernels when forced, else the Hopper kernels on a 9.0
-// device where they serve it (reads_pages: K/V read through the block table, not staged).
-inline std::string expected_path(const Policy& policy, bool portable, bool reads_pages) {
-  return !portable && hopper_device() && hopper_serves(policy, reads_pages) ? "cuda-hopper" : "cuda-portable";
+// device where they serve it (reads_pages: K/V read through the block table, not staged; the
+// Hopper kernels take head dims 64 and 128 alone, variants.py).
+inline std::string expected_path(const Policy& policy, bool portable, bool reads_pages, int head_dim = 128) {
+  const bool hopper_dim = head_dim == 64 || head_dim == 128;
+  return !portable && hopper_device() && hopper_dim && hopper_serves(policy, reads_pages) ? "cuda-hopper"
+                                                                                          : "cuda-portable";
 }
 
 // The run took `path`, with an attention kernel of its family; on the Hopper path a call

@@ -143,9 +143,9 @@ def test_model_family_features_match_float64(dtype, case, s_q, s_k):
     assert torch.equal(out_p, out)
 
 
-# The features the CUDA kernels take (dense and block_sparse): windows, softcap and sinks, not a V
-# head dim unlike Q/K's or head dims other than 64 and 128.
-CUDA_FEATURE_CASES = [c for c, a in FEATURE_CASES.items() if set(a) <= {"causal", "window_size", "softcap", "sinks"}]
+# The features the CUDA kernels take (dense and block_sparse): windows, softcap, sinks, head dims 96
+# and 256, and MLA's q/k 192 with v 128: every case.
+CUDA_FEATURE_CASES = list(FEATURE_CASES)
 
 
 @pytest.mark.skipif("cuda" not in DEVICES, reason="the CUDA kernels run windows, softcap and sinks")
@@ -649,9 +649,9 @@ def bad_cases(device):
              sp.InvalidArgumentError, "out: expected q's device"),
             ("sinks device", lambda: flash_attn_func(qc, kc, vc, sinks=torch.zeros(2)), sp.InvalidArgumentError,
              "sinks: expected q's device"),
-            # The CUDA kernels take local windows, softcap and sinks for dense and block_sparse
-            # only (test_model_family_features_on_cuda) and a V head dim unlike Q/K's not yet:
-            # each is refused by name.
+            # The CUDA kernels take local windows, softcap, sinks, head dims 96 and 256 and MLA's
+            # 192/128 for dense and block_sparse only (test_model_family_features_on_cuda) and
+            # other V head dims unlike Q/K's not at all: each is refused by name.
             ("cuda window", lambda: flash_attn_func(qc, kc, vc, causal=True, window_size=(3, 0),
                                                     policy=sp.SoftmaxSkip()),
              sp.UnsupportedError, "window_left/window_right: local .sliding-window. attention runs dense and "
@@ -664,6 +664,9 @@ def bad_cases(device):
              "softmax_skip"),
             ("cuda d_v", lambda: flash_attn_func(qc, kc, vc[..., :32].contiguous()), sp.UnsupportedError,
              "v: a V head dim unlike Q/K's"),
+            ("cuda head_dim 96", lambda: flash_attn_func(*qkv(47, 1, 8, 8, 2, 2, 96, dtype, device), causal=True,
+                                                         policy=sp.SoftmaxSkip()),
+             sp.UnsupportedError, "head_dim 96 runs dense and block_sparse on CUDA, not softmax_skip"),
         ]
     return cases
 

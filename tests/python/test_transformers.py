@@ -247,10 +247,12 @@ def test_model_family_logits_match_transformers(name):
                            want_model.generate(ids[:1], max_new_tokens=5, do_sample=False))
 
 
-# The families whose features the CUDA kernels take (windows, softcap, sinks; head dims 64 and
-# 128), at head_dim 64, bf16 on the GPU: our logits against the fp32 model's within twice the
-# error of transformers' own attention in bf16 (assert_logits_close's rule).
-CUDA_FAMILIES = {"gemma2": dict(head_dim=64, query_pre_attn_scalar=64), "gpt_oss": dict(head_dim=64)}
+# The families whose features the CUDA kernels take (windows, softcap, sinks; head dims 64, 96,
+# 128 and 256), Gemma 2 and gpt-oss at head_dim 64, Gemma 3 and Phi-3 at theirs (256, 96), bf16 on
+# the GPU: our logits against the fp32 model's within twice the error of transformers' own
+# attention in bf16 (assert_logits_close's rule).
+CUDA_FAMILIES = {"gemma2": dict(head_dim=64, query_pre_attn_scalar=64), "gpt_oss": dict(head_dim=64), "gemma3": {},
+                 "phi3": {}}
 
 
 @pytest.mark.skipif("cuda" not in DEVICES, reason="the CUDA kernels' model-family features")

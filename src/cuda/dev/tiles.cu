@@ -173,11 +173,11 @@ void run_shape(const Shape& sh, const Options& opt) {
 
     std::vector<Instance> instances;
     // The portable kernel: the instance its launch would choose for each row.
-    const FwdVariant* var = find_fwd(dtype, sh.d, false, true);
+    const FwdVariant* var = find_fwd(dtype, sh.d, sh.d, false, true);
     if (var != nullptr) {
       instances.push_back({var->name,
                            [dtype, d = sh.d](const FwdParams& fp) {
-                             return find_fwd(dtype, d, gated_mode(fp.mode), plain_call(fp))->launch(fp, nullptr);
+                             return find_fwd(dtype, d, d, gated_mode(fp.mode), plain_call(fp))->launch(fp, nullptr);
                            },
                            false});
     }

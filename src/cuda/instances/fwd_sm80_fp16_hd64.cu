@@ -5,8 +5,14 @@
 
 namespace sparseprefill::cuda {
 
+namespace {
+using Config = sm80::FwdConfig<false, 64, false, true>;
+}  // namespace
+
+extern const int fwd_sm80_fp16_hd64_smem_bytes = Config::kSmemBytes + Config::kStaticSmemBytes;
+
 int fwd_sm80_fp16_hd64(const FwdParams& params, void* stream) {
-  return sm80::launch_fwd<sm80::FwdConfig<false, 64, false, true>>(params, stream);
+  return sm80::launch_fwd<Config>(params, stream);
 }
 
 }  // namespace sparseprefill::cuda

@@ -5,8 +5,14 @@
 
 namespace sparseprefill::cuda {
 
+namespace {
+using Config = sm80::FwdConfig<false, 128, true>;
+}  // namespace
+
+extern const int fwd_sm80_gated_fp16_hd128_smem_bytes = Config::kSmemBytes + Config::kStaticSmemBytes;
+
 int fwd_sm80_gated_fp16_hd128(const FwdParams& params, void* stream) {
-  return sm80::launch_fwd<sm80::FwdConfig<false, 128, true>>(params, stream);
+  return sm80::launch_fwd<Config>(params, stream);
 }
 
 }  // namespace sparseprefill::cuda

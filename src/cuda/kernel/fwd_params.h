@@ -118,7 +118,7 @@ struct MaskCheckParams {
 // dst[i] [Σ s_k, h_kv, d] row-major at the forward call's own SeqInfo::k_off / v_off, which
 // then reads them as varlen K/V. Element strides of the caches as in PagedKv.
 struct StageKvParams {
-  const void* src[2];                 // k, v caches [num_pages, page_size, h_kv, d]
+  const void* src[2];                 // k, v caches [num_pages, page_size, h_kv, d or d_v]
   void* dst[2];                       // staged k, v
   std::int64_t page_stride[2];        // elements between pages
   std::int64_t row_stride[2];         // between rows of a page
@@ -130,7 +130,7 @@ struct StageKvParams {
   int batch;
   int h_kv;
   int elem_bytes;                     // of the dtype
-  int row_chunks;                     // 16-byte chunks per (row, head): d · elem_bytes / 16
+  int row_chunks[2];                  // 16-byte chunks per (row, head): d (K) or d_v (V) · elem_bytes / 16
   std::int64_t max_s_k;
 };
 

@@ -17,21 +17,23 @@ namespace sparseprefill::cuda::stage {
 
 constexpr int kThreads = tuning::kStageKvThreads;
 
-// Grid (ceil(max_s_k · h_kv · row_chunks / kThreads), batch, 2: K and V). Thread i of a
+// Grid (ceil(max_s_k · h_kv · max(row_chunks) / kThreads), batch, 2: K and V). Thread i of a
 // sequence copies 16-byte chunk i % row_chunks of head (i / row_chunks) % h_kv of key
-// i / (h_kv · row_chunks): a warp reads whole rows of consecutive heads, and since the staged
-// rows are [key, head, d] row-major its chunk lands at byte 16 · i past the sequence's start.
+// i / (h_kv · row_chunks), row_chunks K's or V's: a warp reads whole rows of consecutive heads,
+// and since the staged rows are [key, head, d] row-major its chunk lands at byte 16 · i past the
+// sequence's start.
 __global__ void __launch_bounds__(kThreads) stage_paged_kv_kernel(const StageKvParams p) {
   const int b = static_cast<int>(blockIdx.y);
   const int which = static_cast<int>(blockIdx.z);
-  const std::int64_t per_key = static_cast<std::int64_t>(p.h_kv) * p.row_chunks;
+  const int row_chunks = p.row_chunks[which];
+  const std::int64_t per_key = static_cast<std::int64_t>(p.h_kv) * row_chunks;
   const std::int64_t i = static_cast<std::int64_t>(blockIdx.x) * kThreads + threadIdx.x;
   const std::int64_t key = i / per_key;
   const SeqInfo s = p.seqs[b];
   if (key >= s.s_k) return;
   const std::int64_t within = i - key * per_key;
-  const std::int64_t head = within / p.row_chunks;
-  const std::int64_t chunk = within - head * p.row_chunks;
+  const std::int64_t head = within / row_chunks;
+  const std::int64_t chunk = within - head * row_chunks;
   const std::int64_t page = p.block_table[b * p.table_stride + key / p.page_size];
   const std::int64_t src_elem =
       page * p.page_stride[which] + (key % p.page_size) * p.row_stride[which] + head * p.head_stride[which];
@@ -41,7 +43,8 @@ __global__ void __launch_bounds__(kThreads) stage_paged_kv_kernel(const StageKvP
 }
 
 inline int launch_stage_paged_kv(const StageKvParams& p, void* stream) {
-  const std::int64_t threads = p.max_s_k * p.h_kv * p.row_chunks;
+  const int row_chunks = p.row_chunks[0] > p.row_chunks[1] ? p.row_chunks[0] : p.row_chunks[1];
+  const std::int64_t threads = p.max_s_k * p.h_kv * row_chunks;
   if (threads == 0 || p.batch == 0) return static_cast<int>(cudaSuccess);
   const dim3 grid(static_cast<unsigned>((threads + kThreads - 1) / kThreads), static_cast<unsigned>(p.batch), 2);
   stage_paged_kv_kernel<<<grid, kThreads, 0, static_cast<cudaStream_t>(stream)>>>(p);

@@ -96,6 +96,10 @@ SP_HD constexpr int hopper_consumer_regs(bool paged, int head_dim) {
 // reproduce: build/h200/src/cuda/sp_cuda_tiles (record 2026-11-29-h200-portable-sm80-kernel-tiles)
 constexpr int kPortableBlockN = 64;
 constexpr int kPortableWarps = 4;
+// Q/K head dims above 128 (192, 256): 8 warps of 16 rows, one CTA per SM. Not a timing choice:
+// 32 rows of a d = 256 accumulator are 256 fp32 registers a thread, over the 255 a thread can
+// hold; 16 rows are 128. q/k 192 (v 128) takes the same shape, untimed against 4 warps.
+constexpr int kPortableWarpsWide = 8;
 
 // XOR-swizzled fragment addresses and the next fragment's loads issued ahead: ungated
 // instances only (the gates' vote needs the registers).

@@ -1,9 +1,9 @@
 // SPDX-License-Identifier: Apache-2.0
 // The portable forward attention kernel (mma.sync m16n8k16, ldmatrix, cp.async; sm_80 and
-// newer): one CTA of 4 warps per (query block of 128 rows, batch, query head), online softmax
-// over the key blocks a policy selects in 64-key sub-tiles, in-loop gates (exact_gate,
-// softmax_skip) on whole blocks, block-mask execution and mean-correction pseudo-tokens. K/V
-// rows are contiguous or paged (through the block table, KvRows in tile.cuh).
+// newer): one CTA of 4 warps (8 at head dims above 128) per (query block of 128 rows, batch,
+// query head), online softmax over the key blocks a policy selects in 64-key sub-tiles, in-loop
+// gates (exact_gate, softmax_skip) on whole blocks, block-mask execution and mean-correction
+// pseudo-tokens. K/V rows are contiguous or paged (through the block table, KvRows in tile.cuh).
 // Included only by generated instance files.
 #pragma once
 
@@ -37,49 +37,65 @@ namespace sparseprefill::cuda::sm80 {
 // kPlain (ungated only): the instance runs calls over contiguous K/V without mean-correction
 // tiles (dense and block masks), so the paged row lookup and the mean tiles compile out;
 // the other ungated instance (kPlain false) runs paged K/V and mean correction.
-template <bool kBf16_, int kHeadDim_, bool kGated_ = false, bool kPlain_ = false>
+// kHeadDimV: V's (and O's) head dim, Q/K's but for MLA-style prefill (192 / 128; ungated only).
+template <bool kBf16_, int kHeadDim_, bool kGated_ = false, bool kPlain_ = false, int kHeadDimV_ = kHeadDim_>
 struct FwdConfig {
   static constexpr bool kBf16 = kBf16_;
   static constexpr int kHeadDim = kHeadDim_;
+  static constexpr int kHeadDimV = kHeadDimV_;
   static constexpr bool kGated = kGated_;
   static constexpr bool kPlain = kPlain_;
   static_assert(!(kGated && kPlain), "the gated instance runs every K/V layout");
-  // Fragment addresses in frag_addr's XOR form. Ungated: dense 6-7% and block masks 5% faster
-  // at 8K-32K (Llama shape), while the gated instance and the permute kernel (PermuteConfig)
-  // ran 1-2.5% slower with it, in one same-call A/B (record
-  // 2026-11-30-h200-portable-xor-fragment-addresses).
-  static constexpr bool kXorFragments = tuning::portable_xor_fragments(kGated);
+  static_assert(!(kGated && kHeadDimV != kHeadDim), "the gated instance runs one head dim");
   static constexpr int kBlockM = kBlockQ;
   static constexpr int kBlockN = tuning::kPortableBlockN;  // keys per sub-tile
-  static constexpr int kWarps = tuning::kPortableWarps;
+  // d <= 128: 4 warps of 32 rows, two CTAs per SM; wider Q/K heads (192, 256): 8 warps of 16
+  // rows, one CTA (tuning.h: the registers), dense and block masks only (no gated instance).
+  static constexpr bool kWide = kHeadDim > 128;
+  static_assert(!(kWide && kGated), "the wide head dims compile no gated instance (variants.py)");
+  static constexpr int kWarps = kWide ? tuning::kPortableWarpsWide : tuning::kPortableWarps;
+  static constexpr int kMinBlocks = kWide ? 1 : 2;  // CTAs per SM (__launch_bounds__)
   static constexpr int kThreads = kWarps * 32;
-  static constexpr int kM = 2;                    // m16 fragments per warp: 32 rows
+  static constexpr int kM = kBlockM / (kWarps * 16);  // m16 fragments per warp: 32 rows, or 16 wide
   static constexpr int kNFrags = kBlockN / 8;     // n8 fragments of a sub-tile's score row
-  static constexpr int kDFrags = kHeadDim / 8;    // n8 fragments of an output row
+  static constexpr int kDFrags = kHeadDimV / 8;   // n8 fragments of an output row
   static constexpr int kKSteps = kHeadDim / 16;   // k16 steps of Q·Kᵀ
   static constexpr int kPSteps = kBlockN / 16;    // k16 steps of P·V
-  using Tile = SmemTile<kHeadDim, kThreads>;
-  static constexpr int kQBytes = kBlockM * kHeadDim * 2;
-  static constexpr int kKVBytes = kBlockN * kHeadDim * 2;  // one K stage or V slot
+  using Tile = SmemTile<kHeadDim, kThreads>;    // Q and K (and O, staged in Q's tile)
+  using TileV = SmemTile<kHeadDimV, kThreads>;  // V
+  static constexpr int kQBytes = kBlockM * Tile::kRowBytes;
+  static constexpr int kKVBytes = kBlockN * Tile::kRowBytes;  // one K stage
+  static constexpr int kVBytes = kBlockN * TileV::kRowBytes;  // one V slot
+  // Fragment addresses in frag_addr's XOR form, which needs rows of a power of two bytes (not
+  // d = 192's 384). Ungated: dense 6-7% and block masks 5% faster at 8K-32K (Llama shape), while
+  // the gated instance and the permute kernel (PermuteConfig) ran 1-2.5% slower with it, in one
+  // same-call A/B (record 2026-11-30-h200-portable-xor-fragment-addresses).
+  static constexpr bool kXorFragments = tuning::portable_xor_fragments(kGated) &&
+                                        (Tile::kRowBytes & (Tile::kRowBytes - 1)) == 0 &&
+                                        (TileV::kRowBytes & (TileV::kRowBytes - 1)) == 0;
   // A gated 128-key block needs both sub-tiles' scores before its decision: the first
   // sub-tile's raw scores wait in smem, thread-private, in the region of the V slots (unused
   // until the decision), since the registers hold the output accumulator.
   static constexpr int kStashBytes = kThreads * kM * kNFrags * 4 * 4;
   static constexpr int kVRegionBytes =
-      !kGated ? kKVBytes : (2 * kKVBytes > kStashBytes ? 2 * kKVBytes : kStashBytes);
+      !kGated ? kVBytes : (2 * kVBytes > kStashBytes ? 2 * kVBytes : kStashBytes);
   // Q (reused for the O epilogue), K double-buffered, then the V region: one slot, or in the
   // gated instance two (one per sub-tile of a gated 128-key block) overlapping the stash.
   // Ungated 80 KB at d = 128 and 40 KB at d = 64, gated 96 and 64 KB. The registers allow two
   // CTAs per SM (255 × 128 threads); shared memory allows two ungated ones on every portable
   // GPU at d = 64 and on an A100's 164 KB at d = 128 (2 × (80 KB + 640 B static + 1 KB the
   // driver reserves per CTA) <= 164 KB; one only with a 96 KB V region or 1152 B static),
-  // and two gated ones from 228 KB per SM (H100, H200).
+  // and two gated ones from 228 KB per SM (H100, H200). d = 96 as d = 128 (its rows' pitch,
+  // SmemTile). The wide shapes run one CTA of 8 warps: d 192 / d_v 128 in 112 KB, d = 256 in
+  // 160 KB, within the 163 KB a CTA may opt into on an A100 (H100: 227 KB); on GPUs with 99 KB
+  // (sm_86, sm_89) the plan refuses them (each instance exports its count: variants.py).
   static constexpr int kSmemBytes = kQBytes + 2 * kKVBytes + kVRegionBytes;
   static constexpr int kStaticSmemBytes = 640;  // fwd_kernel's __shared__ arrays, in 128-byte units
   // Compute capability 8.0: 164 KB of shared memory per SM, 1 KB of it reserved per CTA
   // (the CUDA C++ Programming Guide's table of compute capabilities).
-  static_assert(kGated || 2 * (kSmemBytes + kStaticSmemBytes + 1024) <= 164 * 1024,
+  static_assert(kGated || kWide || kHeadDimV != kHeadDim || 2 * (kSmemBytes + kStaticSmemBytes + 1024) <= 164 * 1024,
                 "two ungated CTAs per SM of an A100");
+  static_assert(kSmemBytes + kStaticSmemBytes <= 163 * 1024, "one CTA on an A100");
   // After the decision the first sub-tile's P (16-bit, half the stash) is parked in the free K
   // stage where it fits (d = 128: the accumulator leaves no room for a second P in registers);
   // at d = 64 it stays in registers.
@@ -142,11 +158,11 @@ __device__ __forceinline__ void warp_scores(std::uint32_t q_tile, std::uint32_t 
   }
 }
 
-// O += P·V for one warp's rows: P as A fragments [kM][kPSteps][4], V a [kBlockN, kHeadDim] tile.
+// O += P·V for one warp's rows: P as A fragments [kM][kPSteps][4], V a [kBlockN, kHeadDimV] tile.
 template <class Cfg>
 __device__ __forceinline__ void warp_pv(std::uint32_t v_tile, int lane, const std::uint32_t (&pp)[Cfg::kM][Cfg::kPSteps][4],
                                         float (&acc)[Cfg::kM][Cfg::kDFrags][4]) {
-  using Tile = typename Cfg::Tile;
+  using Tile = typename Cfg::TileV;
 #pragma unroll
   for (int kk = 0; kk < Cfg::kPSteps; ++kk) {
 #pragma unroll
@@ -180,9 +196,10 @@ __device__ __forceinline__ KvRows kv_rows_of(const FwdParams& p, const SeqInfo& 
 // it compiles as it did before they ran (the same SASS: record
 // 2026-12-02-cpu-window-kernels-sass).
 template <class Cfg, bool kFeatures>
-__global__ void __launch_bounds__(Cfg::kThreads, 2) fwd_kernel(const __grid_constant__ FwdParams p) {
+__global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocks) fwd_kernel(const __grid_constant__ FwdParams p) {
   using Tile = typename Cfg::Tile;
-  constexpr int kBlockM = Cfg::kBlockM, kBlockN = Cfg::kBlockN, kD = Cfg::kHeadDim;
+  using TileV = typename Cfg::TileV;
+  constexpr int kBlockM = Cfg::kBlockM, kBlockN = Cfg::kBlockN, kD = Cfg::kHeadDim, kDV = Cfg::kHeadDimV;
   constexpr int kM = Cfg::kM, kNFrags = Cfg::kNFrags, kDFrags = Cfg::kDFrags;
   extern __shared__ __align__(128) unsigned char smem[];
   __shared__ std::uint16_t s_chunks[kMaxMeanChunks];  // mean-correction tiles to visit (16-bit: kSmemBytes)
@@ -210,7 +227,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 2) fwd_kernel(const __grid_cons
 
   const std::uint32_t s_q_tile = ptx::smem_addr(smem);
   const std::uint32_t s_k_tile = s_q_tile + Cfg::kQBytes;       // 2 stages
-  const std::uint32_t s_v_tile = s_k_tile + 2 * Cfg::kKVBytes;  // 2 slots
+  const std::uint32_t s_v_tile = s_k_tile + 2 * Cfg::kKVBytes;  // 1 slot, or 2 gated
   // Thread-private stash in the V slots: float4 i of thread tid at (i · kThreads + tid) · 16.
   auto* stash = reinterpret_cast<float4*>(smem + Cfg::kQBytes + 2 * Cfg::kKVBytes);
 
@@ -237,7 +254,10 @@ __global__ void __launch_bounds__(Cfg::kThreads, 2) fwd_kernel(const __grid_cons
   auto row_ok = [&](int r) { return row_of(r) < rows_valid; };
 
   auto kv_rows = [&](bool value) { return kv_rows_of(p, seq, b, hk, value); };
+  // Row 0 of this (b, hk)'s pooled K and V blocks, [b, h_kv, mean_blocks, d] and [.., d_v].
   const std::int64_t mean_base = (static_cast<std::int64_t>(b) * p.h_kv + hk) * p.mean_blocks * static_cast<std::int64_t>(kD);
+  const std::int64_t mean_base_v =
+      kDV == kD ? mean_base : (static_cast<std::int64_t>(b) * p.h_kv + hk) * p.mean_blocks * static_cast<std::int64_t>(kDV);
 
   // 64-key sub-tiles of visit position j: one or two for a key block, one for a mean tile.
   auto num_sub = [&](int j) -> int {
@@ -258,7 +278,8 @@ __global__ void __launch_bounds__(Cfg::kThreads, 2) fwd_kernel(const __grid_cons
     const int c = s_chunks[j - visit.n_reg];
     const auto* mean = static_cast<const std::uint16_t*>(value ? p.v_mean : p.k_mean);
     const int valid = mean_blocks_seq - c * kMeanChunk;
-    return {contiguous_rows(mean + mean_base + static_cast<std::int64_t>(c) * kMeanChunk * kD, kD), 0,
+    const int d = value ? kDV : kD;
+    return {contiguous_rows(mean + (value ? mean_base_v : mean_base) + static_cast<std::int64_t>(c) * kMeanChunk * d, d), 0,
             valid < kMeanChunk ? valid : kMeanChunk};
   };
 
@@ -283,7 +304,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 2) fwd_kernel(const __grid_cons
   init_row_stats(st);
   float s[kM][kNFrags][4];  // raw scores of the current sub-tile
 
-  // S = Q·K(stage)ᵀ for the warp's 32 rows.
+  // S = Q·K(stage)ᵀ for the warp's 16·kM rows.
   auto compute_scores = [&](int stage) {
     warp_scores<Cfg>(s_q_tile, s_k_tile + stage * Cfg::kKVBytes, warp_row, lane, s);
   };
@@ -357,7 +378,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 2) fwd_kernel(const __grid_cons
 
   // O += P·V(slot) for the warp's rows.
   auto pv = [&](int slot, const std::uint32_t (&pp)[kM][Cfg::kPSteps][4]) {
-    warp_pv<Cfg>(s_v_tile + slot * Cfg::kKVBytes, lane, pp, acc);
+    warp_pv<Cfg>(s_v_tile + slot * Cfg::kVBytes, lane, pp, acc);
   };
 
   // Ungated instances compile no gated block (the code after the ungated branch is dead there).
@@ -396,7 +417,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 2) fwd_kernel(const __grid_cons
         ptx::cp_async_wait<0>();  // K(j, sub) has landed for this thread...
         __syncthreads();          // ...for all; and every warp is done with the previous
                                   // sub-tile (its Q·Kᵀ read the other K stage, its P·V the V slot)
-        load_tile<Tile, kBlockN>(s_v_tile, sub_src(j, sub, true), tid);
+        load_tile<TileV, kBlockN>(s_v_tile, sub_src(j, sub, true), tid);
         ptx::cp_async_commit();  // group V(j, sub)
         prefetch_next_k(sub);    // group K(next)
         compute_scores(stage);
@@ -496,7 +517,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 2) fwd_kernel(const __grid_cons
       }
       __syncthreads();  // every thread has read its stash before V overwrites the slots
     }
-    for (int sub = 0; sub < n_sub; ++sub) load_tile<Tile, kBlockN>(s_v_tile + sub * Cfg::kKVBytes, sub_src(j, sub, true), tid);
+    for (int sub = 0; sub < n_sub; ++sub) load_tile<TileV, kBlockN>(s_v_tile + sub * Cfg::kVBytes, sub_src(j, sub, true), tid);
     ptx::cp_async_commit();  // V of the kept block, overlapping the last sub-tile's softmax
     std::uint32_t p_last[kM][Cfg::kPSteps][4];
     exp_pack<Cfg::kBf16>(s, m_use, p.scale_log2, st.l, p_last);
@@ -555,10 +576,13 @@ __global__ void __launch_bounds__(Cfg::kThreads, 2) fwd_kernel(const __grid_cons
   }
   __syncwarp();  // each warp stores only the rows it wrote
   auto* o_base = static_cast<std::uint16_t*>(p.o) + seq.o_off + row0 * p.o_row_stride + h * p.o_head_stride;
+  // O's rows have d_v values: TileV's data chunks, in Q's tile (its pitch, d_v <= d).
+  static_assert(16 * kM * TileV::kDataChunks % 32 == 0, "whole rounds of the warp's chunk stores");
+  static_assert(kDV <= kD, "O is staged in Q's tile");
 #pragma unroll
-  for (int i = 0; i < 16 * kM * Tile::kChunks / 32; ++i) {
+  for (int i = 0; i < 16 * kM * TileV::kDataChunks / 32; ++i) {
     const int idx = lane + 32 * i;
-    const int r = warp_row + idx / Tile::kChunks, c = idx % Tile::kChunks;
+    const int r = warp_row + idx / TileV::kDataChunks, c = idx % TileV::kDataChunks;
     if (r < rows_valid) {
       const uint4 val = *reinterpret_cast<const uint4*>(smem + swizzle<Tile>(r, c));
       *reinterpret_cast<uint4*>(o_base + r * p.o_row_stride + c * 8) = val;

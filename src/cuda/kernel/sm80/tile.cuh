@@ -11,14 +11,18 @@
 
 namespace sparseprefill::cuda::sm80 {
 
-// Copy geometry of a [rows, kHeadDim] tile filled by kThreads threads.
+// Copy geometry of a [rows, kHeadDim] tile filled by kThreads threads. A row is stored in whole
+// groups of 8 16-byte chunks (the XOR swizzle's span): d = 96's 12 chunks take a 16-chunk
+// pitch, whose last 4 chunks are never written or read (every load and fragment loop stops at
+// kDataChunks; at d = 64, 128 and 256 the two counts are equal).
 template <int kHeadDim_, int kThreads_>
 struct SmemTile {
   static constexpr int kHeadDim = kHeadDim_;
   static constexpr int kThreads = kThreads_;
-  static constexpr int kChunks = kHeadDim / 8;  // 16-byte chunks per row
-  static constexpr int kRowBytes = kHeadDim * 2;
-  static_assert(kHeadDim % 64 == 0, "the XOR swizzle needs at least 8 chunks per row");
+  static constexpr int kDataChunks = kHeadDim / 8;             // 16-byte chunks of a row's values
+  static constexpr int kChunks = (kDataChunks + 7) / 8 * 8;    // chunks per row in smem (the pitch)
+  static constexpr int kRowBytes = kChunks * 16;
+  static_assert(kHeadDim % 16 == 0, "k16 steps of Q·Kᵀ and pairs of n8 output fragments");
 };
 
 // Byte offset of 16-byte chunk c of row r. Chunks are XOR-swizzled by r % 8 so that the 8 rows
@@ -72,6 +76,28 @@ __device__ __forceinline__ TileSrc tile_src(const KvRows& rows, std::int64_t fir
   return {contiguous_rows(rows.row(first), rows.row_stride), 0, valid};
 }
 
+// Whether the threads of a tile copy each chunk column in a row step that is a multiple of 8 (a
+// constant swizzle per thread): kThreads a multiple of 8 rows' chunks. Not d = 192's 24 chunks
+// with 128 threads, which copy element by element (load_rows_each).
+template <class Tile>
+constexpr bool kConstantSwizzle = Tile::kThreads % (8 * Tile::kChunks) == 0;
+
+// load_rows without a constant swizzle: item i = tid + k·kThreads of the tile's data chunks is
+// chunk i % kDataChunks of row i / kDataChunks.
+template <class Tile, int kRows, class RowPtr>
+__device__ __forceinline__ void load_rows_each(std::uint32_t smem, const RowPtr& row_ptr, int valid, const void* safe,
+                                               int tid) {
+  constexpr int kItems = kRows * Tile::kDataChunks;
+  static_assert(kItems % Tile::kThreads == 0, "whole rounds of the tile's chunks");
+#pragma unroll
+  for (int k = 0; k < kItems / Tile::kThreads; ++k) {
+    const int i = tid + k * Tile::kThreads;
+    const int r = i / Tile::kDataChunks, c = i % Tile::kDataChunks;
+    const bool ok = r < valid;
+    ptx::cp_async_16(smem + swizzle<Tile>(r, c), ok ? row_ptr(r) + c * 8 : safe, ok ? 16 : 0);
+  }
+}
+
 // Asynchronously copies a [kRows, kHeadDim] tile into swizzled smem, row r (< valid) from
 // row_ptr(r); rows >= valid become zeros without reading global memory (`safe` is the address
 // given to their zero-byte copies). The caller commits the group. Thread tid copies chunk
@@ -79,15 +105,20 @@ __device__ __forceinline__ TileSrc tile_src(const KvRows& rows, std::int64_t fir
 // swizzled chunk is the same for every i. Rows addressed one by one: paged and gathered tiles.
 template <class Tile, int kRows, class RowPtr>
 __device__ __forceinline__ void load_rows(std::uint32_t smem, const RowPtr& row_ptr, int valid, const void* safe, int tid) {
-  constexpr int kRowStep = Tile::kThreads / Tile::kChunks;
-  static_assert(kRowStep % 8 == 0 && kRows % kRowStep == 0, "constant swizzle per thread");
-  const int r0 = tid / Tile::kChunks, c = tid % Tile::kChunks;
-  const std::uint32_t dst = smem + swizzle<Tile>(r0, c);
+  if constexpr (!kConstantSwizzle<Tile>) {
+    load_rows_each<Tile, kRows>(smem, row_ptr, valid, safe, tid);
+  } else {
+    constexpr int kRowStep = Tile::kThreads / Tile::kChunks;
+    static_assert(kRowStep % 8 == 0 && kRows % kRowStep == 0, "constant swizzle per thread");
+    const int r0 = tid / Tile::kChunks, c = tid % Tile::kChunks;
+    if (Tile::kDataChunks < Tile::kChunks && c >= Tile::kDataChunks) return;  // the pitch's padding
+    const std::uint32_t dst = smem + swizzle<Tile>(r0, c);
 #pragma unroll
-  for (int i = 0; i < kRows / kRowStep; ++i) {
-    const int r = r0 + i * kRowStep;
-    const bool ok = r < valid;
-    ptx::cp_async_16(dst + i * kRowStep * Tile::kRowBytes, ok ? row_ptr(r) + c * 8 : safe, ok ? 16 : 0);
+    for (int i = 0; i < kRows / kRowStep; ++i) {
+      const int r = r0 + i * kRowStep;
+      const bool ok = r < valid;
+      ptx::cp_async_16(dst + i * kRowStep * Tile::kRowBytes, ok ? row_ptr(r) + c * 8 : safe, ok ? 16 : 0);
+    }
   }
 }
 
@@ -95,32 +126,37 @@ __device__ __forceinline__ void load_rows(std::uint32_t smem, const RowPtr& row_
 // from the addressor for rows spanning pages.
 template <class Tile, int kRows>
 __device__ __forceinline__ void load_tile(std::uint32_t smem, const TileSrc& src, int tid) {
-  if (src.rows.pages == nullptr) {
-    constexpr int kRowStep = Tile::kThreads / Tile::kChunks;
-    static_assert(kRowStep % 8 == 0 && kRows % kRowStep == 0, "constant swizzle per thread");
-    const int r0 = tid / Tile::kChunks, c = tid % Tile::kChunks;
-    const std::uint32_t dst = smem + swizzle<Tile>(r0, c);
-    // One pointer stepped by a 64-bit add per row, and rows past `valid` not read (ignore-src,
-    // so their address need not be valid): a multiply and a select per row made the two tile
-    // loads of a dense sub-tile about 230 instructions per thread (SASS at sm_90), most of what
-    // the kernel executed beyond FlashAttention-2 (Nsight: 3.04 against 2.60 G instructions,
-    // Llama 16K; record 2026-11-30-h200-portable-dense-ncu-16k).
-    const std::int64_t step = static_cast<std::int64_t>(kRowStep) * src.rows.row_stride;
-    const std::uint16_t* g = src.rows.row(src.first + r0) + c * 8;
-    // A whole tile at d = 128 takes no row predicates. With the forward kernel's single K
-    // prefetch site, Llama dense ran 1.9% faster at 16K; at d = 64 this path made SmolLM2 dense
-    // 1.3% slower, where the prefetch site alone left it within 0.3% (same-call A/Bs, records
-    // 2026-11-30-h200-portable-dense-whole-tiles and -whole-tiles-every-head-dim).
-    if (Tile::kHeadDim == 128 && src.valid >= kRows) {
+  if constexpr (kConstantSwizzle<Tile>) {
+    if (src.rows.pages == nullptr) {
+      constexpr int kRowStep = Tile::kThreads / Tile::kChunks;
+      static_assert(kRowStep % 8 == 0 && kRows % kRowStep == 0, "constant swizzle per thread");
+      const int r0 = tid / Tile::kChunks, c = tid % Tile::kChunks;
+      if (Tile::kDataChunks < Tile::kChunks && c >= Tile::kDataChunks) return;  // the pitch's padding
+      const std::uint32_t dst = smem + swizzle<Tile>(r0, c);
+      // One pointer stepped by a 64-bit add per row, and rows past `valid` not read (ignore-src,
+      // so their address need not be valid): a multiply and a select per row made the two tile
+      // loads of a dense sub-tile about 230 instructions per thread (SASS at sm_90), most of what
+      // the kernel executed beyond FlashAttention-2 (Nsight: 3.04 against 2.60 G instructions,
+      // Llama 16K; record 2026-11-30-h200-portable-dense-ncu-16k).
+      const std::int64_t step = static_cast<std::int64_t>(kRowStep) * src.rows.row_stride;
+      const std::uint16_t* g = src.rows.row(src.first + r0) + c * 8;
+      // A whole tile at d = 128 takes no row predicates. With the forward kernel's single K
+      // prefetch site, Llama dense ran 1.9% faster at 16K; at d = 64 this path made SmolLM2 dense
+      // 1.3% slower, where the prefetch site alone left it within 0.3% (same-call A/Bs, records
+      // 2026-11-30-h200-portable-dense-whole-tiles and -whole-tiles-every-head-dim).
+      if (Tile::kHeadDim == 128 && src.valid >= kRows) {
 #pragma unroll
-      for (int i = 0; i < kRows / kRowStep; ++i, g += step) ptx::cp_async_16(dst + i * kRowStep * Tile::kRowBytes, g, 16);
+        for (int i = 0; i < kRows / kRowStep; ++i, g += step) {
+          ptx::cp_async_16(dst + i * kRowStep * Tile::kRowBytes, g, 16);
+        }
+        return;
+      }
+#pragma unroll
+      for (int i = 0; i < kRows / kRowStep; ++i, g += step) {
+        ptx::cp_async_16_or_zero(dst + i * kRowStep * Tile::kRowBytes, g, r0 + i * kRowStep < src.valid);
+      }
       return;
     }
-#pragma unroll
-    for (int i = 0; i < kRows / kRowStep; ++i, g += step) {
-      ptx::cp_async_16_or_zero(dst + i * kRowStep * Tile::kRowBytes, g, r0 + i * kRowStep < src.valid);
-    }
-    return;
   }
   load_rows<Tile, kRows>(smem, [&](int r) { return src.rows.row(src.first + r); }, src.valid, src.rows.base, tid);
 }
