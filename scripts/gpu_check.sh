@@ -92,13 +92,13 @@ conf_bin=$build/tests/conformance_test
 mask_bin=$build/tests/cuda/cuda_device_mask_test
 sanitizer() {
   timeout 240 compute-sanitizer --tool memcheck --error-exitcode 3 "$conf_bin" \
-    --gtest_filter="${SP_MEMCHECK_FILTER:-Cuda/Conformance.DenseGqaGroups*:Cuda/Conformance.DenseVarlen*:Cuda/Conformance.EstimateSelectCachedMeans*:Cuda/Conformance.PermuteStopStableTau*:Cuda/Conformance.PermuteStopNaNValues*:Cuda/Conformance.Fp8*}"
+    --gtest_filter="${SP_MEMCHECK_FILTER:-Cuda/Conformance.DenseGqaGroups*:Cuda/Conformance.DenseVarlen*:Cuda/Conformance.EstimateSelectCachedMeans*:Cuda/Conformance.PermuteStopStableTau*:Cuda/Conformance.PermuteStopNaNValues*:Cuda/Conformance.Fp8*:Cuda/Conformance.DenseOddLengthsDtypesAndHeadDims*}"
   echo "memcheck (conformance) rc=$?"
   timeout 180 compute-sanitizer --tool memcheck --error-exitcode 3 "$test_bin" \
-    --gtest_filter='CudaBlockSparse.AllVisible*:CudaExactGate.KeptAllGate*:CudaPaged.DenseShortCaches*:CudaFp8.*'
+    --gtest_filter='CudaBlockSparse.AllVisible*:CudaExactGate.KeptAllGate*:CudaPaged.DenseShortCaches*:CudaPaged.ForwardOnlyHeadDims*:CudaFp8.*'
   echo "memcheck rc=$?"
   timeout 180 compute-sanitizer --tool racecheck --error-exitcode 3 "$conf_bin" \
-    --gtest_filter='Cuda/Conformance.ExactGateMinusInfinity*:Cuda/Conformance.SoftmaxSkipOffWhen*:Cuda/Conformance.PermuteStopTauZero*:Cuda/Conformance.EstimateSelectStableAlpha*'
+    --gtest_filter='Cuda/Conformance.ExactGateMinusInfinity*:Cuda/Conformance.SoftmaxSkipOffWhen*:Cuda/Conformance.PermuteStopTauZero*:Cuda/Conformance.EstimateSelectStableAlpha*:Cuda/Conformance.DenseOddLengthsDtypesAndHeadDims*'
   echo "racecheck (conformance) rc=$?"
   # The device block mask path (its check kernel, hostile entries included).
   if [[ -x $mask_bin ]]; then
