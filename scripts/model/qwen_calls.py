@@ -76,7 +76,7 @@ def collect_patch(seconds: int) -> str:
 
 
 def calls(first_eval: int, second_eval: int, resume: bool = False, patch: str = ""):
-    """resume: the evaluation calls carry .carry/qwen-results (an earlier session's results, which
+    """resume: the first evaluation call carries .carry/qwen-results (an earlier session's results, which
     the run goes on from); patch: the second call starts a branch's GPU suite, and each evaluation
     call copies what it has (the first waits for nothing, the second up to a minute)."""
     out = part_calls("scripts/model/assemble_qwen.sh final && SP_CALL_SECONDS=" + str(first_eval)
