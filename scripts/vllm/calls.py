@@ -60,7 +60,7 @@ GROUPS: Dict[str, List[str]] = {"ttft8b": ["ttft8b-fa", "ttft8b-ours"], "chunked
                                 "qwen": ["qwen-fa", "qwen-ours"]}
 EXPECT = {
     "call": 5,       # a call's transfer of the tree and its start
-    "part1": 8,      # C.xz (53 MiB) up and copied
+    "part1": 6,      # one piece of C.xz (at most 40 MiB) up and copied
     "part2": 45,     # 36 MiB up, checksums, 45 wheels installed, vLLM unpacked and imported
     "build": 60,     # the package's CUDA build from its start: 46 s and 53 s on fresh H200 machines
     "check": 15,     # gpu_vllm.sh's first call on a machine: the plugin imported, env.json
@@ -92,23 +92,36 @@ def gpu_vllm(commit: str, stages: List[str], first: bool, before: str = "", wait
     return {"carry": [], "command": command, "timeout_s": 600, "budget_s": budget, "expect_s": EXPECT["call"] + budget}
 
 
+def c_pieces() -> List[str]:
+    """The pieces of vLLM's _C that scripts/vllm/pack.sh laid out (.carry/vllm/1/N); before it ran,
+    the two that its split of 53 MiB at 40 MiB gives."""
+    laid_out = sorted(d.name for d in (ROOT / ".carry" / "vllm" / "1").glob("[0-9]") if d.is_dir())
+    return laid_out or ["0", "1"]
+
+
+def part1(piece: str) -> dict:
+    return {"carry": [f".carry/vllm/1/{piece}"], "command": f"{ASSEMBLE} part1 {piece}", "timeout_s": 60,
+            "expect_s": EXPECT["part1"]}
+
+
 def vllm_parts() -> List[dict]:
-    """vLLM's two parts as calls, after a first call that started the package build."""
-    part1 = {"carry": [".carry/vllm/1"], "command": f"{ASSEMBLE} part1", "timeout_s": 60, "expect_s": EXPECT["part1"]}
+    """vLLM's parts as calls (the pieces of _C, then the rest), after a first call that started
+    the package build."""
     part2 = {"carry": [".carry/vllm/2"], "command": f"{ASSEMBLE} part2", "timeout_s": 180, "expect_s": EXPECT["part2"],
              "note": "while the package builds (started by the first call)"}
-    return [part1, part2]
+    return [part1(piece) for piece in c_pieces()] + [part2]
 
 
 def session_a(commit: str, stages: Sequence[str] = ("tests", "smoke", "chunked"), env: str = "") -> List[dict]:
     """vLLM's parts and the build, then `stages` in the call of part 2 (D reuses it)."""
-    part1 = {"carry": [".carry/vllm/1"], "command": f"{ASSEMBLE} part1 && {ASSEMBLE} install", "timeout_s": 120,
-             "expect_s": EXPECT["part1"], "note": f"plus the machine's start (~{qwen_calls.EXPECT['start']} s); "
-             "the package builds in the background meanwhile"}
-    wait = max(0, EXPECT["build"] - EXPECT["part1"] - EXPECT["part2"])
-    second = gpu_vllm(commit, list(stages), True, f"{ASSEMBLE} part2", waited=wait, env=env)
-    second.update(carry=[".carry/vllm/2"], note=f"gpu_vllm.sh first waits ~{wait} s for the build")
-    return [part1, second]
+    *pieces, part2 = vllm_parts()
+    first = dict(pieces[0], command=f"{pieces[0]['command']} && {ASSEMBLE} install", timeout_s=120,
+                 note=f"plus the machine's start (~{qwen_calls.EXPECT['start']} s); "
+                 "the package builds in the background meanwhile")
+    wait = max(0, EXPECT["build"] - EXPECT["part1"] * len(pieces) - EXPECT["part2"])
+    last = gpu_vllm(commit, list(stages), True, part2["command"], waited=wait, env=env)
+    last.update(carry=part2["carry"], note=f"gpu_vllm.sh first waits ~{wait} s for the build")
+    return [first] + pieces[1:] + [last]
 
 
 def with_model(then: List[dict]) -> List[dict]:

@@ -3,7 +3,9 @@
 # Lays vLLM 0.26.0 out for the GPU machine, which reaches no registry and receives at most
 # 64 MiB per device call (the working tree, about 9 MiB, included), under the git-ignored
 # .carry/vllm/ (never committed):
-#   1/C.xz              vllm/_C_stable_libtorch.abi3.so, xz -9 (about 53 MiB: the first call)
+#   1/N/C.xz.N          vllm/_C_stable_libtorch.abi3.so, xz -9 (about 53 MiB), split into pieces of
+#                       at most 40 MiB (N = 0, 1, ...), one call each: the tree (about 12 MiB)
+#                       travels with every call
 #   2/rest.tar.xz       the rest of the wheel that vLLM imports, xz -9 (about 14 MiB), without what
 #                       FA3-on-Hopper serving never loads: FlashAttention-2's and the MoE
 #                       library, the Rust frontend, DeepGEMM's builds and headers, FlashMLA,
@@ -33,7 +35,14 @@ rm -rf "$out" "$stage"
 mkdir -p "$out/1" "$out/2/wheels" "$stage"
 (cd "$stage" && "$py" -m zipfile -e "$wheel" .)
 site=$stage
-xz -9 -T0 -c "$site/vllm/_C_stable_libtorch.abi3.so" >"$out/1/C.xz"
+xz -9 -T0 -c "$site/vllm/_C_stable_libtorch.abi3.so" >"$stage/C.xz"
+(cd "$stage" && sha256sum C.xz >"$stage/C.sum")
+split -b 40M -d -a 1 "$stage/C.xz" "$stage/C.xz."
+for piece in "$stage"/C.xz.?; do
+  n=${piece##*.}
+  mkdir -p "$out/1/$n" && mv "$piece" "$out/1/$n/"
+done
+rm "$stage/C.xz"
 rm "$site/vllm/_C_stable_libtorch.abi3.so"
 rm -rf "$site/vllm/vllm_flash_attn/_vllm_fa2_C.abi3.so" "$site/vllm/_moe_C_stable_libtorch.abi3.so" \
   "$site/vllm/vllm-rs" "$site/vllm/third_party/deep_gemm/include" "$site/vllm/_qutlass_C.abi3.so" \
@@ -45,10 +54,10 @@ grep -v '^#' "$root/scripts/vllm/wheels.txt" | xargs "$py" -m pip download -q --
   --python-version 3.12 --implementation cp --platform manylinux_2_31_x86_64 --platform manylinux_2_28_x86_64 \
   --platform manylinux_2_27_x86_64 --platform manylinux_2_24_x86_64 --platform manylinux_2_17_x86_64 \
   --platform manylinux2014_x86_64 --platform manylinux1_x86_64 -d "$out/2/wheels"
-(cd "$out" && sha256sum 1/C.xz 2/rest.tar.xz 2/wheels/*.whl | sed 's#  [12]/#  #' >"$out/2/SHA256SUMS")
+(cat "$stage/C.sum" && cd "$out/2" && sha256sum rest.tar.xz wheels/*.whl) >"$out/2/SHA256SUMS"
 rm -rf "$stage"
 tree=$(cd "$root" && git ls-files -z | xargs -0 du -cb 2>/dev/null | tail -1 | cut -f1)
-for part in 1 2; do
+for part in 1/* 2; do
   size=$(du -sb "$out/$part" | cut -f1)
   echo "pack: .carry/vllm/$part: $((size >> 20)) MiB (+ the tracked tree, $((tree >> 20)) MiB)"
   if [ $((size + tree)) -gt $((63 << 20)) ]; then
