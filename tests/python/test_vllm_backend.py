@@ -247,14 +247,16 @@ def test_policies_equal_our_own_call_on_contiguous_keys(model_dir, gate_calibrat
     (call,) = meta.sparse
     # The reference: one varlen call of the library on the sparse requests' keys made
     # contiguous (cu_seqlens_k), under the policy the layer runs (the synthetic mask: made for
-    # the same requests by the pure function).
+    # the same requests by the pure functions, in the form the layer passes, FlexAttention's
+    # lists on the device, so that the two calls' statistics name the same policy).
     kv = [s.contiguous_kv(r) for r in sparse]
     q_lens = [s.requests[r][0] for r in sparse]
     k_lens = [s.requests[r][1] for r in sparse]
     policy = plan.policy
     if isinstance(policy, spv.SyntheticDensity):
-        policy = sp.BlockSparse(dense=spv.synthetic_mask(q_lens, k_lens, policy.block, policy.density),
-                                block_q=policy.block, block_k=policy.block)
+        counts, indices = spv.flex_lists(spv.synthetic_mask(q_lens, k_lens, policy.block, policy.density))
+        policy = sp.BlockSparse(kv_num_blocks=torch.from_numpy(counts).to(DEV),
+                                kv_indices=torch.from_numpy(indices).to(DEV), block_q=policy.block, block_k=policy.block)
     cu_q = torch.tensor([0] + q_lens, dtype=torch.int32).cumsum(0, dtype=torch.int32)
     cu_k = torch.tensor([0] + k_lens, dtype=torch.int32).cumsum(0, dtype=torch.int32)
     q = torch.cat([s.q[s.rows(r)] for r in sparse])
