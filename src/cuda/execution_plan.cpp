@@ -73,8 +73,19 @@ ExecutionOverrides merge_overrides(const ExecutionOverrides& env, const Executio
 const SelectVariant* choose_selector(const ProblemShape& shape, const DeviceCaps& caps,
                                      const ExecutionOverrides& overrides) {
   const bool hopper = caps.hopper() && overrides.cuda_path != ExecutionOverrides::CudaPath::kPortable;
-  const SelectVariant* s90 = hopper ? find_select90(shape.dtype, shape.d) : nullptr;
-  return s90 != nullptr ? s90 : find_select(shape.dtype, shape.d);
+  const SelectVariant* s90 = hopper && shape.d_v == shape.d ? find_select90(shape.dtype, shape.d) : nullptr;
+  return s90 != nullptr ? s90 : find_select(shape.dtype, shape.d, shape.d_v);
+}
+
+Status check_selector_smem(const SelectVariant& select, const ProblemShape& shape, int block, const DeviceCaps& caps) {
+  const int num_k_blocks = static_cast<int>(geom::ceil_div(shape.max_seq_k(), block));
+  const std::size_t bytes = select.smem_bytes(num_k_blocks);
+  if (caps.smem_optin <= 0 || bytes <= static_cast<std::size_t>(caps.smem_optin)) return {};
+  return unsupported(std::string("estimate_select: ") + select.name + " needs " + std::to_string(bytes) +
+                     " bytes of shared memory per CTA at " + std::to_string(num_k_blocks) +
+                     " key blocks; this device (compute capability " + std::to_string(caps.cc_major) + "." +
+                     std::to_string(caps.cc_minor) + ") offers " + std::to_string(caps.smem_optin) +
+                     "; the reference and cpu backends run it");
 }
 
 TmaFacts tma_facts(const AttentionProblem& problem) {
@@ -134,6 +145,7 @@ Status plan_execution(const ProblemShape& shape, const Policy& policy, const Tma
     mask_per_kv_head = es->pack_gqa;
     mean_correction = es->mean_correction;
     plan.select = choose_selector(shape, caps, overrides);
+    SP_RETURN_IF_ERROR(check_selector_smem(*plan.select, shape, es->block, caps));
     plan.mode = PolicyMode::kBlockMask;
   } else if (const auto* bs = std::get_if<BlockSparseParams>(&policy)) {
     mask_per_kv_head = bs->per_kv_head();

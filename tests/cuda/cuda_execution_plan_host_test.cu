@@ -88,6 +88,32 @@ TEST(CudaExecutionPlan, PortableInstancesNeedTheirSharedMemory) {
   EXPECT_EQ(plan_of(wide, DenseParams{}, kH200).path, FwdPath::kPortable);  // no Hopper instance at 256
 }
 
+// The portable selector's CTA holds a Q tile and two chunks of k̄ (32 + 2 x 16 KB at d 128) and
+// λ for each query half and key block (8 bytes a block): at 600K keys (4688 blocks) that is
+// 103040 bytes, more than sm_89's 101376, so the call is refused when planned, naming the
+// instance and both counts; the H200 runs it (its wgmma selector, 227 KB), and so does sm_89 at
+// 32K keys. The selector at d 96 lays its rows at d 128's pitch: the same bytes.
+TEST(CudaExecutionPlan, TheSelectorNeedsItsSharedMemory) {
+  constexpr DeviceCaps kAda{8, 9, std::int64_t{72} << 20, 128, 101376};
+  EstimateSelectParams es;
+  for (const int d : {128, 96}) {
+    SCOPED_TRACE("d " + std::to_string(d));
+    const ProblemShape s = cuda_shape_of(300, 600000, 4, 1, d);
+    ExecutionPlan plan;
+    const Status st = plan_execution(s, es, kTma, kAda, {}, std::size_t{100} << 30, &plan);
+    EXPECT_EQ(st.code(), StatusCode::kUnsupported);
+    EXPECT_NE(st.message().find("estimate_select: select_sm80_bf16_hd" + std::to_string(d) +
+                                " needs 103040 bytes of shared memory per CTA at 4688 key blocks; this device "
+                                "(compute capability 8.9) offers 101376"),
+              std::string::npos)
+        << st.message();
+    EXPECT_STREQ(plan_of(cuda_shape_of(300, 32768, 4, 1, d), es, kAda).select->name,
+                 ("select_sm80_bf16_hd" + std::to_string(d)).c_str());
+  }
+  EXPECT_STREQ(plan_of(cuda_shape_of(300, 600000, 4, 1, 128), es, kH200).select->name, "select_sm90_bf16_hd128");
+  EXPECT_STREQ(plan_of(cuda_shape_of(300, 600000, 4, 1, 96), es, kH200).select->name, "select_sm80_bf16_hd96");
+}
+
 TEST(CudaExecutionPlan, ShortChunksPackTheGqaGroupAndTheOverrideDecides) {
   const ProblemShape s = cuda_shape_of(32, 4096);
   const ExecutionPlan packed = plan_of(s, DenseParams{});
