@@ -92,7 +92,7 @@ conf_bin=$build/tests/conformance_test
 mask_bin=$build/tests/cuda/cuda_device_mask_test
 sanitizer() {
   timeout 240 compute-sanitizer --tool memcheck --error-exitcode 3 "$conf_bin" \
-    --gtest_filter="${SP_MEMCHECK_FILTER:-Cuda/Conformance.DenseGqaGroups*:Cuda/Conformance.DenseVarlen*:Cuda/Conformance.EstimateSelectCachedMeans*:Cuda/Conformance.PermuteStopStableTau*:Cuda/Conformance.PermuteStopNaNValues*:Cuda/Conformance.Fp8*:Cuda/Conformance.DenseOddLengthsDtypesAndHeadDims*}"
+    --gtest_filter="${SP_MEMCHECK_FILTER:-Cuda/Conformance.DenseGqaGroups*:Cuda/Conformance.DenseVarlen*:Cuda/Conformance.EstimateSelectCachedMeans*:Cuda/Conformance.PermuteStopStableTau*:Cuda/Conformance.PermuteStopNaNValues*:Cuda/Conformance.Fp8*:Cuda/Conformance.DenseOddLengthsDtypesAndHeadDims*:Cuda/Conformance.ModelFamilyFeaturesOnEveryPolicy*}"
   echo "memcheck (conformance) rc=$?"
   timeout 180 compute-sanitizer --tool memcheck --error-exitcode 3 "$test_bin" \
     --gtest_filter='CudaBlockSparse.AllVisible*:CudaExactGate.KeptAllGate*:CudaPaged.DenseShortCaches*:CudaPaged.ForwardOnlyHeadDims*:CudaFp8.*'
