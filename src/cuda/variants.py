@@ -188,8 +188,9 @@ def expected_files():
                 flags = f"{'true' if loop == 'gated' else 'false'}, {'true' if loop == 'plain' else 'false'}"
                 registry.append(f"SP_FWD_VARIANT({name}, {enum}, {d}, {d_v}, {flags})\n")
             name = select_name(dtype, d, d_v)
+            v_arg = f", {d_v}" if d_v != d else ""
             files[f"{name}.cu"] = select_unit(name, f"select::SelectConfig<{is_bf16}, {d}>",
-                                              f"select::launch_select<{is_bf16}, {d}{', ' + str(d_v) if d_v != d else ''}>")
+                                              f"select::launch_select<{is_bf16}, {d}{v_arg}>")
             registry.append(f"SP_SELECT_VARIANT({name}, {enum}, {d}, {d_v})\n")
             if family:
                 continue
@@ -244,7 +245,8 @@ def expected_files():
             registry.append(f"SP_PERMUTE90_VARIANT({name}, {enum}, {d})\n")
             name = select90_name(dtype, d)
             files[f"{name}.cu"] = select_unit(name, f"select90::Select90Config<{is_bf16}, {d}>",
-                                              f"select90::launch_select<{is_bf16}, {d}>", "cuda/kernel/sm90/select_kernel.cuh")
+                                              f"select90::launch_select<{is_bf16}, {d}>",
+                                              "cuda/kernel/sm90/select_kernel.cuh")
             registry.append(f"SP_SELECT90_VARIANT({name}, {enum}, {d})\n")
             name = gate90_name(dtype, d)
             files[f"{name}.cu"] = translation_unit(

@@ -834,10 +834,11 @@ TEST_P(Conformance, EveryPolicyWithNaNInputs) {
 // a non-causal window, Gemma 2's softcap (3 here, so that it bites: these inputs' block maxima
 // reach about 6), gpt-oss's sinks with its 128-token window, and the head dims of Phi-3 (96),
 // Gemma 3 (256, alone and with a softcap) and MLA prefill (q/k 192, v 128). The host targets
-// match the oracle; CUDA runs what it has kernels for and refuses the rest by name. Sequences: a chunk of 200 queries over a cached prefix (900 keys under a
-// window, so that it cuts the prefix; 640 otherwise, enough for estimate_select's first tile to
-// have blocks beyond the forced ones) and 130 queries over 40 keys (rows at negative
-// positions); the non-causal window also 300 over 300 (its right bound cuts the early rows).
+// match the oracle; CUDA runs what it has kernels for and refuses the rest by name.
+// Sequences: a chunk of 200 queries over a cached prefix (900 keys under a window, so that it cuts
+// the prefix; 640 otherwise, enough for estimate_select's first tile to have blocks beyond the
+// forced ones) and 130 queries over 40 keys (rows at negative positions); the non-causal window
+// also 300 over 300 (its right bound cuts the early rows).
 std::vector<Features> model_features() {
   const std::vector<SeqLen> windowed = {{200, 900}, {130, 40}}, plain = {{200, 640}, {130, 40}};
   // name, sequences, causal, window (left, right), softcap, sinks, d, d_v, sparse

@@ -171,7 +171,8 @@ TEST(CudaPlan, ForwardOnlyHeadDimsRunDenseBlockSparseAndEstimateSelectOnThePorta
     mask.mask = BlockMask::all_visible(s, 128, 128, false);
     EstimateSelectParams corrected;
     corrected.mean_correction = true;
-    for (const Policy& policy : {Policy{DenseParams{}}, Policy{mask}, Policy{EstimateSelectParams{}}, Policy{corrected}}) {
+    for (const Policy& policy :
+         {Policy{DenseParams{}}, Policy{mask}, Policy{EstimateSelectParams{}}, Policy{corrected}}) {
       SCOPED_TRACE(policy_name(policy));
       EXPECT_TRUE(check_support(s, policy, &n).ok());
       EXPECT_EQ(n, std::holds_alternative<DenseParams>(policy) ? dense_block_k(d) : 128);
@@ -204,7 +205,8 @@ TEST(CudaPlan, ForwardOnlyHeadDimsRunDenseBlockSparseAndEstimateSelectOnThePorta
   EXPECT_EQ(fp8.code(), StatusCode::kUnsupported);
   EXPECT_NE(fp8.message().find("head_dim 128 only"), std::string::npos) << fp8.message();
   for (const char* dims : {"bf16 d=96", "bf16 d=256", "fp16 d=192 d_v=128"}) {
-    EXPECT_NE(support_summary().find(std::string(dims) + " (dense, block_sparse and estimate_select)"), std::string::npos)
+    EXPECT_NE(support_summary().find(std::string(dims) + " (dense, block_sparse and estimate_select)"),
+              std::string::npos)
         << support_summary();
   }
   EXPECT_EQ(support_summary().find("d=128 (dense"), std::string::npos) << support_summary();
