@@ -77,15 +77,26 @@ const SelectVariant* choose_selector(const ProblemShape& shape, const DeviceCaps
   return s90 != nullptr ? s90 : find_select(shape.dtype, shape.d, shape.d_v);
 }
 
+namespace {
+
+// "" when a CTA of `bytes` shared memory fits the device (or its limit is not known: 0), else
+// "NAME needs BYTES bytes of shared memory per CTA<at>; this device (compute capability X.Y)
+// offers LIMIT" for a refusal.
+std::string smem_shortfall(const char* name, std::size_t bytes, const std::string& at, const DeviceCaps& caps) {
+  if (caps.smem_optin <= 0 || bytes <= static_cast<std::size_t>(caps.smem_optin)) return {};
+  return std::string(name) + " needs " + std::to_string(bytes) + " bytes of shared memory per CTA" + at +
+         "; this device (compute capability " + std::to_string(caps.cc_major) + "." + std::to_string(caps.cc_minor) +
+         ") offers " + std::to_string(caps.smem_optin);
+}
+
+}  // namespace
+
 Status check_selector_smem(const SelectVariant& select, const ProblemShape& shape, int block, const DeviceCaps& caps) {
   const int num_k_blocks = static_cast<int>(geom::ceil_div(shape.max_seq_k(), block));
-  const std::size_t bytes = select.smem_bytes(num_k_blocks);
-  if (caps.smem_optin <= 0 || bytes <= static_cast<std::size_t>(caps.smem_optin)) return {};
-  return unsupported(std::string("estimate_select: ") + select.name + " needs " + std::to_string(bytes) +
-                     " bytes of shared memory per CTA at " + std::to_string(num_k_blocks) +
-                     " key blocks; this device (compute capability " + std::to_string(caps.cc_major) + "." +
-                     std::to_string(caps.cc_minor) + ") offers " + std::to_string(caps.smem_optin) +
-                     "; the reference and cpu backends run it");
+  const std::string shortfall = smem_shortfall(select.name, select.smem_bytes(num_k_blocks),
+                                               " at " + std::to_string(num_k_blocks) + " key blocks", caps);
+  if (shortfall.empty()) return {};
+  return unsupported("estimate_select: " + shortfall + "; the reference and cpu backends run it");
 }
 
 TmaFacts tma_facts(const AttentionProblem& problem) {
@@ -176,11 +187,10 @@ Status plan_execution(const ProblemShape& shape, const Policy& policy, const Tma
     if (plan.fwd == nullptr) {
       return unsupported(std::string("no compiled portable CUDA kernel for this call (") + support_summary() + ")");
     }
-    if (!hopper && caps.smem_optin > 0 && *plan.fwd->smem_bytes > caps.smem_optin) {
-      return unsupported(std::string(plan.fwd->name) + " needs " + std::to_string(*plan.fwd->smem_bytes) +
-                         " bytes of shared memory per CTA; this device (compute capability " +
-                         std::to_string(caps.cc_major) + "." + std::to_string(caps.cc_minor) + ") offers " +
-                         std::to_string(caps.smem_optin) + ": head_dim " + std::to_string(shape.d) +
+    const auto fwd_smem = static_cast<std::size_t>(*plan.fwd->smem_bytes);
+    const std::string shortfall = hopper ? std::string() : smem_shortfall(plan.fwd->name, fwd_smem, "", caps);
+    if (!shortfall.empty()) {
+      return unsupported(shortfall + ": head_dim " + std::to_string(shape.d) +
                          " runs on A100- and H100-class GPUs; the reference and cpu backends run it");
     }
   }

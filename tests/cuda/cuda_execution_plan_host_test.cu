@@ -17,6 +17,7 @@ using test::cuda_shape_of;
 
 constexpr DeviceCaps kH200{9, 0, std::int64_t{60} << 20, 132};
 constexpr DeviceCaps kA100{8, 0, std::int64_t{40} << 20, 108};
+constexpr DeviceCaps kAda{8, 9, std::int64_t{72} << 20, 128, 101376};  // its shared memory per CTA known
 constexpr TmaFacts kTma{true, true};
 
 ProblemShape paged(ProblemShape s, int page_size) {
@@ -72,7 +73,6 @@ TEST(CudaExecutionPlan, DenseRunsTheHopperKernelOnAnH200AndThePortableOneElsewhe
 // CTA (sm_89), while d 128 runs there and d 256 runs on an A100's 163 KB. Devices whose limit is
 // not known (0) are not checked.
 TEST(CudaExecutionPlan, PortableInstancesNeedTheirSharedMemory) {
-  constexpr DeviceCaps kAda{8, 9, std::int64_t{72} << 20, 128, 101376};
   constexpr DeviceCaps kA100Limit{8, 0, std::int64_t{40} << 20, 108, 166912};
   const ProblemShape wide = cuda_shape_of(300, 300, 4, 1, 256);
   ExecutionPlan plan;
@@ -94,7 +94,6 @@ TEST(CudaExecutionPlan, PortableInstancesNeedTheirSharedMemory) {
 // instance and both counts; the H200 runs it (its wgmma selector, 227 KB), and so does sm_89 at
 // 32K keys. The selector at d 96 lays its rows at d 128's pitch: the same bytes.
 TEST(CudaExecutionPlan, TheSelectorNeedsItsSharedMemory) {
-  constexpr DeviceCaps kAda{8, 9, std::int64_t{72} << 20, 128, 101376};
   EstimateSelectParams es;
   for (const int d : {128, 96}) {
     SCOPED_TRACE("d " + std::to_string(d));
