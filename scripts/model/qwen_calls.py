@@ -6,9 +6,10 @@ it is expected to take; then the plan's sizing. Run scripts/model/fetch_qwen.sh 
 scripts/model/pack_qwen.sh first. --json prints one JSON object per call instead.
 
 If the machine is lost between calls: copy the last call's qwen-long.json and cal.safetensors
-into .carry/qwen-results/ (as results.json and cal.safetensors), then make the calls again from
-the first, adding ".carry/qwen-results" to the carry of the evaluation calls: the run goes on
-where it stopped (a new calibration would not match the results' fingerprint)."""
+into .carry/qwen-results/ (as results.json and cal.safetensors), then make the calls of
+`--resume` from the first (the first evaluation call carries .carry/qwen-results): the run goes on
+where it stopped (a new calibration would not match the results' fingerprint). `--patch FILE`
+also runs a branch's GPU suite beside the uploads."""
 
 import argparse
 import json
@@ -56,7 +57,28 @@ def part_calls(then: str, timeout_s: int, expect_s: int, note: str, prefix: str 
     return out
 
 
-def calls(first_eval: int, second_eval: int):
+# A branch's GPU suite beside the uploads (--patch, shared with scripts/vllm/calls.py): its tree
+# copy needs GoogleTest (.carry/gtest, 1.5 MB beside a part); it ran 231 s beside this plan's
+# parts and first RULER items (record 2026-12-01-h200-gpu-suite-redesign, row eb58e94), which
+# time nothing.
+PATCH_OUT = "/root/patch-check"
+
+
+def start_patch(call: dict, patch: str) -> None:
+    """Makes `call` also start `patch`'s GPU suite in the background (scripts/gpu_check_patch.sh)."""
+    call["carry"] = call["carry"] + [".carry/gtest"]
+    call["command"] += f" && scripts/gpu_check_patch.sh start {patch} {PATCH_OUT}"
+
+
+def collect_patch(seconds: int) -> str:
+    """A command copying the patch suite's summaries into $OUT/patch-check (waiting up to `seconds`)."""
+    return f"scripts/gpu_check_patch.sh collect {PATCH_OUT} $OUT/patch-check {seconds}"
+
+
+def calls(first_eval: int, second_eval: int, resume: bool = False, patch: str = ""):
+    """resume: the first evaluation call carries .carry/qwen-results (an earlier session's results, which
+    the run goes on from); patch: the second call starts a branch's GPU suite, and each evaluation
+    call copies what it has (the first waits for nothing, the second up to a minute)."""
     out = part_calls("scripts/model/assemble_qwen.sh final && SP_CALL_SECONDS=" + str(first_eval)
                      + " scripts/model/gpu_qwen.sh $OUT", 600, first_eval + 20,
                      "assembles and converts the model, calibrates, then evaluates until the call's time is spent",
@@ -65,6 +87,12 @@ def calls(first_eval: int, second_eval: int):
                 "timeout_s": 600, "expect_s": second_eval + 20,
                 "note": "resumes the evaluation; set SP_CALL_SECONDS to the device time left minus 60 (at most "
                 "540); repeat this call while device time is left"})
+    if resume:
+        out[-2]["carry"] = out[-2]["carry"] + [".carry/qwen-results"]
+    if patch:
+        start_patch(out[1], patch)
+        out[-2]["command"] += "; " + collect_patch(1)
+        out[-1]["command"] = collect_patch(60) + "; " + out[-1]["command"]
     return out
 
 
@@ -99,8 +127,13 @@ def main() -> int:
     p.add_argument("--json", action="store_true", help="one JSON object per call")
     p.add_argument("--first-eval", type=int, default=520, help="work seconds of the call with part 22")
     p.add_argument("--second-eval", type=int, default=420, help="work seconds of the next call")
+    p.add_argument("--resume", action="store_true",
+                   help="go on from .carry/qwen-results (an earlier session's qwen-long.json and cal.safetensors)")
+    p.add_argument("--patch", metavar="FILE", default="",
+                   help="also run this branch patch's GPU suite beside the uploads (an untracked file at the "
+                        "repository's root: scripts/gpu_check_patch.sh)")
     args = p.parse_args()
-    for i, c in enumerate(calls(args.first_eval, args.second_eval), 1):
+    for i, c in enumerate(calls(args.first_eval, args.second_eval, args.resume, args.patch), 1):
         if args.json:
             print(json.dumps(dict(c, call=i)))
         else:

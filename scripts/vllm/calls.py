@@ -140,7 +140,6 @@ def latest_serving_record() -> str:
 # pytest on 2026-12-02 (record 2026-12-01-h200-gpu-suite-redesign, row d893b44).
 PATCH_WAIT = 200
 PATCH_EXPECT = 20
-PATCH_OUT = "/root/patch-check"
 
 
 def session_c(commit: str, patch: str = "") -> List[dict]:
@@ -148,9 +147,8 @@ def session_c(commit: str, patch: str = "") -> List[dict]:
     ttft = gpu_vllm(commit, ["ttft8b"], False)
     calls = with_model([gpu_vllm(commit, ["greedy"], True), ttft, soak])
     if patch:
-        calls[0]["command"] += f" && scripts/gpu_check_patch.sh start {patch} {PATCH_OUT}"
-        ttft["command"] = (f"export SP_CALL_START=$(date +%s); scripts/gpu_check_patch.sh collect {PATCH_OUT} "
-                           f"$OUT/patch-check {PATCH_WAIT}; {ttft['command']}")
+        qwen_calls.start_patch(calls[0], patch)
+        ttft["command"] = f"export SP_CALL_START=$(date +%s); {qwen_calls.collect_patch(PATCH_WAIT)}; {ttft['command']}"
         ttft.update(budget_s=ttft["budget_s"] + PATCH_WAIT, expect_s=ttft["expect_s"] + PATCH_EXPECT,
                     note=f"first waits for the GPU suite of {patch} (at most {PATCH_WAIT} s)")
     return calls

@@ -3,7 +3,8 @@
 sessions fit the device limits, every stage gpu_vllm.sh runs has its expected seconds there (and
 no other), each session builds the package once and carries vLLM's parts in order; and the
 serving records' highest rate within the SLO (scripts/vllm/common.py), which the soak and the
-report use."""
+report use; and the Qwen plan's resume and patch calls (scripts/model/qwen_calls.py, which
+calls.py builds on)."""
 
 import pathlib
 import re
@@ -15,6 +16,7 @@ ROOT = pathlib.Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "scripts" / "vllm"))
 import calls  # noqa: E402
 import common  # noqa: E402
+import qwen_calls  # noqa: E402  (scripts/model, on the path through calls)
 
 SESSIONS = {name: make("c0ffee") for name, make in calls.SESSIONS.items()}
 
@@ -77,6 +79,7 @@ def test_the_sessions_run_every_stage_once():
 def test_a_patch_check_beside_session_c_ends_before_anything_timed():
     session = calls.session_c("c0ffee", "branch.patch")
     assert "gpu_check_patch.sh start branch.patch" in session[0]["command"]
+    assert ".carry/gtest" in session[0]["carry"]  # gpu_check.sh's GoogleTest on the GPU machine
     timed = next(i for i, c in enumerate(session) if "$OUT ttft8b" in c["command"])
     assert "gpu_check_patch.sh collect" in session[timed]["command"]
     assert not any("gpu_check_patch.sh" in c["command"] for c in session[1:timed])
@@ -113,3 +116,13 @@ def test_the_soak_runs_at_the_capacity_else_the_best_rate():
     assert common.soak_rate({"serve-ours": runs, "serve-fa": record((2, 900.0, 0))}) == 10.0  # a session record
     assert common.soak_rate(record((4, 900.0, 0), (8, 9000.0, 0)), slo_s=10) == 8
     assert common.soak_rate(record((4, 90000.0, 0)), slo_s=10) is None
+
+
+def test_the_qwen_plan_resumes_and_runs_a_patch_beside_its_uploads():
+    plain = qwen_calls.calls(520, 420)
+    both = qwen_calls.calls(520, 420, resume=True, patch="branch.patch")
+    assert len(both) == len(plain) == qwen_calls.PARTS + 1
+    assert not any(".carry/qwen-results" in c["carry"] or "gpu_check_patch" in c["command"] for c in plain)
+    assert both[-2]["carry"] == [".carry/qwen/22", ".carry/qwen-results"]  # the call that runs gpu_qwen.sh first
+    assert "gpu_check_patch.sh start branch.patch" in both[1]["command"] and ".carry/gtest" in both[1]["carry"]
+    assert all("gpu_check_patch.sh collect" in c["command"] for c in both[-2:])
