@@ -173,7 +173,10 @@ class CudaBackend final : public detail::BackendImpl {
     SP_RETURN_IF_ERROR(prefixed(who, call_overrides(RunOptions{}, &overrides)));
     DeviceCaps caps;
     SP_RETURN_IF_ERROR(prefixed(who, device_caps(shape.device.index, &caps)));
+    // Supported first (block 128, a compiled selector), then the selector's shared memory.
+    SP_RETURN_IF_ERROR(prefixed(who, check_select_statistics_support(shape, base)));
     const SelectVariant* select = choose_selector(shape, caps, overrides);
+    SP_RETURN_IF_ERROR(prefixed(who, check_selector_smem(*select, shape, base.block, caps)));
     return prefixed(who, select_statistics_cuda(sample, shape, base, select, cuda_stream, out));
   }
 

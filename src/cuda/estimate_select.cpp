@@ -13,12 +13,13 @@
 namespace sparseprefill::cuda {
 
 Status alloc_block_means(const ProblemShape& shape, Scratch* scratch, SelectParams* sp) {
-  const std::size_t means = static_cast<std::size_t>(shape.batch) * static_cast<std::size_t>(shape.h_kv) *
-                            static_cast<std::size_t>(sp->num_k_blocks) * static_cast<std::size_t>(shape.d);
+  // k̄ [batch, h_kv, num_k_blocks, d], v̄ [.., d_v].
+  const std::size_t blocks = static_cast<std::size_t>(shape.batch) * static_cast<std::size_t>(shape.h_kv) *
+                             static_cast<std::size_t>(sp->num_k_blocks);
   std::uint16_t* k_mean = nullptr;
   std::uint16_t* v_mean = nullptr;
-  SP_RETURN_IF_ERROR(scratch->alloc(means, &k_mean));
-  SP_RETURN_IF_ERROR(scratch->alloc(means, &v_mean));
+  SP_RETURN_IF_ERROR(scratch->alloc(blocks * static_cast<std::size_t>(shape.d), &k_mean));
+  SP_RETURN_IF_ERROR(scratch->alloc(blocks * static_cast<std::size_t>(shape.d_v), &v_mean));
   sp->k_mean = k_mean;
   sp->v_mean = v_mean;
   return {};

@@ -73,8 +73,30 @@ ExecutionOverrides merge_overrides(const ExecutionOverrides& env, const Executio
 const SelectVariant* choose_selector(const ProblemShape& shape, const DeviceCaps& caps,
                                      const ExecutionOverrides& overrides) {
   const bool hopper = caps.hopper() && overrides.cuda_path != ExecutionOverrides::CudaPath::kPortable;
-  const SelectVariant* s90 = hopper ? find_select90(shape.dtype, shape.d) : nullptr;
-  return s90 != nullptr ? s90 : find_select(shape.dtype, shape.d);
+  const SelectVariant* s90 = hopper && shape.d_v == shape.d ? find_select90(shape.dtype, shape.d) : nullptr;
+  return s90 != nullptr ? s90 : find_select(shape.dtype, shape.d, shape.d_v);
+}
+
+namespace {
+
+// "" when a CTA of `bytes` shared memory fits the device (or its limit is not known: 0), else
+// "NAME needs BYTES bytes of shared memory per CTA<at>; this device (compute capability X.Y)
+// offers LIMIT" for a refusal.
+std::string smem_shortfall(const char* name, std::size_t bytes, const std::string& at, const DeviceCaps& caps) {
+  if (caps.smem_optin <= 0 || bytes <= static_cast<std::size_t>(caps.smem_optin)) return {};
+  return std::string(name) + " needs " + std::to_string(bytes) + " bytes of shared memory per CTA" + at +
+         "; this device (compute capability " + std::to_string(caps.cc_major) + "." + std::to_string(caps.cc_minor) +
+         ") offers " + std::to_string(caps.smem_optin);
+}
+
+}  // namespace
+
+Status check_selector_smem(const SelectVariant& select, const ProblemShape& shape, int block, const DeviceCaps& caps) {
+  const int num_k_blocks = static_cast<int>(geom::ceil_div(shape.max_seq_k(), block));
+  const std::string shortfall = smem_shortfall(select.name, select.smem_bytes(num_k_blocks),
+                                               " at " + std::to_string(num_k_blocks) + " key blocks", caps);
+  if (shortfall.empty()) return {};
+  return unsupported("estimate_select: " + shortfall + "; the reference and cpu backends run it");
 }
 
 TmaFacts tma_facts(const AttentionProblem& problem) {
@@ -134,6 +156,7 @@ Status plan_execution(const ProblemShape& shape, const Policy& policy, const Tma
     mask_per_kv_head = es->pack_gqa;
     mean_correction = es->mean_correction;
     plan.select = choose_selector(shape, caps, overrides);
+    SP_RETURN_IF_ERROR(check_selector_smem(*plan.select, shape, es->block, caps));
     plan.mode = PolicyMode::kBlockMask;
   } else if (const auto* bs = std::get_if<BlockSparseParams>(&policy)) {
     mask_per_kv_head = bs->per_kv_head();
@@ -164,11 +187,10 @@ Status plan_execution(const ProblemShape& shape, const Policy& policy, const Tma
     if (plan.fwd == nullptr) {
       return unsupported(std::string("no compiled portable CUDA kernel for this call (") + support_summary() + ")");
     }
-    if (!hopper && caps.smem_optin > 0 && *plan.fwd->smem_bytes > caps.smem_optin) {
-      return unsupported(std::string(plan.fwd->name) + " needs " + std::to_string(*plan.fwd->smem_bytes) +
-                         " bytes of shared memory per CTA; this device (compute capability " +
-                         std::to_string(caps.cc_major) + "." + std::to_string(caps.cc_minor) + ") offers " +
-                         std::to_string(caps.smem_optin) + ": head_dim " + std::to_string(shape.d) +
+    const auto fwd_smem = static_cast<std::size_t>(*plan.fwd->smem_bytes);
+    const std::string shortfall = hopper ? std::string() : smem_shortfall(plan.fwd->name, fwd_smem, "", caps);
+    if (!shortfall.empty()) {
+      return unsupported(shortfall + ": head_dim " + std::to_string(shape.d) +
                          " runs on A100- and H100-class GPUs; the reference and cpu backends run it");
     }
   }

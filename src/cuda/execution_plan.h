@@ -76,6 +76,10 @@ Status plan_execution(const ProblemShape& shape, const Policy& policy, const Tma
 // portable path is forced), for calls and for calibration statistics alike.
 const SelectVariant* choose_selector(const ProblemShape& shape, const DeviceCaps& caps,
                                      const ExecutionOverrides& overrides);
+// kUnsupported when the selector's CTA (a Q tile, two chunks of k̄, λ per key block of `block`
+// keys) needs more shared memory than the device offers (d = 256 on sm_86 / sm_89, or very long
+// calls there); caps.smem_optin 0: not checked.
+Status check_selector_smem(const SelectVariant& select, const ProblemShape& shape, int block, const DeviceCaps& caps);
 
 // Its summary for users (Plan::execution, RunStats::execution). `scratch_bytes` is the run's.
 ExecutionInfo execution_info(const ExecutionPlan& plan, std::size_t scratch_bytes);

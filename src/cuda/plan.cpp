@@ -234,7 +234,8 @@ std::vector<std::int64_t> gate_seq_gated(const ProblemShape& shape, int block_k)
 
 FwdPath choose_select_path(const ProblemShape& shape, int cc_major, int cc_minor, bool portable) {
   const bool hopper = cc_major == 9 && cc_minor == 0 && !portable;
-  return hopper && find_select90(shape.dtype, shape.d) != nullptr ? FwdPath::kHopper : FwdPath::kPortable;
+  return hopper && shape.d_v == shape.d && find_select90(shape.dtype, shape.d) != nullptr ? FwdPath::kHopper
+                                                                                          : FwdPath::kPortable;
 }
 
 int dense_block_k(int head_dim) {
@@ -250,8 +251,9 @@ namespace {
 // window, a softcap and learned sinks run for dense and block_sparse in the forward kernels'
 // kFeatures kernel (FwdParams; softcap and sinks on 16-bit inputs); the other policies' decision
 // kernels (exact_gate's, the selector, permute_stop's ranking) and in-loop gates read none of
-// them yet. So too the head dims whose only kernels are the ungated forward instances
-// (variants.py's FWD_ONLY_HEAD_DIMS: 96, 256).
+// them yet. At the head dims whose kernels are the ungated forward instances and the selector
+// (variants.py's FAMILY_HEAD_DIMS: 96, 256, 192 with v 128), the policies needing the others
+// are refused by name (compiled_policies).
 Status check_features(const ProblemShape& shape, const Policy& policy) {
   const char* host = "; the reference and cpu backends run it";
   const bool featured_policy =
@@ -273,10 +275,26 @@ Status check_features(const ProblemShape& shape, const Policy& policy) {
     return unsupported("v: a V head dim unlike Q/K's (d_v " + std::to_string(shape.d_v) + ", d " + std::to_string(shape.d) +
                        ") has no CUDA kernel (" + compiled_fwd_summary() + ")" + host);
   }
-  const bool ungated_only = compiled && find_fwd(shape.dtype, shape.d, shape.d_v, true, false) == nullptr;
-  if (ungated_only && !featured_policy) {
-    return refuse_other_policies("head_dim " + std::to_string(shape.d) +
-                                 (shape.d_v != shape.d ? " (d_v " + std::to_string(shape.d_v) + ")" : ""));
+  if (!compiled) return {};
+  const CompiledPolicies policies = compiled_policies(shape.dtype, shape.d, shape.d_v);
+  const bool runs = std::visit(
+      [&](const auto& p) {
+        using P = std::decay_t<decltype(p)>;
+        if constexpr (std::is_same_v<P, ExactGateParams> || std::is_same_v<P, SoftmaxSkipParams>) {
+          return policies.gates;
+        } else if constexpr (std::is_same_v<P, EstimateSelectParams>) {
+          return policies.select;
+        } else if constexpr (std::is_same_v<P, PermuteStopParams>) {
+          return policies.permute;
+        } else {
+          return true;  // dense and block_sparse (the forward instance), or refused by check_support
+        }
+      },
+      policy);
+  if (!runs) {
+    return unsupported("head_dim " + std::to_string(shape.d) +
+                       (shape.d_v != shape.d ? " (d_v " + std::to_string(shape.d_v) + ")" : "") + " runs " +
+                       policies.describe() + " on CUDA, not " + policy_name(policy) + host);
   }
   return {};
 }
@@ -338,7 +356,7 @@ Status check_support(const ProblemShape& shape, const Policy& policy, int* block
             return unsupported("estimate_select: mean correction on CUDA handles at most " +
                                std::to_string(kMaxMeanChunks * kMeanChunk) + " key blocks");
           }
-          if (find_select(shape.dtype, shape.d) == nullptr) {
+          if (find_select(shape.dtype, shape.d, shape.d_v) == nullptr) {
             return unsupported(std::string("estimate_select: no compiled selector for ") + dtype_name(shape.dtype) +
                                " head_dim " + std::to_string(shape.d) + " (" + support_summary() + ")");
           }
@@ -361,7 +379,7 @@ Status check_support(const ProblemShape& shape, const Policy& policy, int* block
   SP_RETURN_IF_ERROR(st);
   const bool gated = std::holds_alternative<ExactGateParams>(policy) || std::holds_alternative<SoftmaxSkipParams>(policy);
   // Every compiled (dtype, head_dim) has its plain and general instances, and its gated one but
-  // at the forward-only head dims, which check_features left to dense and block_sparse.
+  // at the model-family head dims (96, 256, 192/128), where check_features refused the gates.
   if (find_fwd(shape.dtype, shape.d, shape.d_v, gated, false) == nullptr) {
     return unsupported(std::string("no compiled CUDA kernel for dtype ") + dtype_name(shape.dtype) + ", head_dim " +
                        std::to_string(shape.d) + " (" + support_summary() + ")");
@@ -759,7 +777,7 @@ Status check_select_statistics_support(const ProblemShape& shape, const Estimate
                        std::to_string(kMaxSelectBlocks) + " key blocks, got " +
                        std::to_string(max_blocks(shape, base.block)));
   }
-  if (find_select(shape.dtype, shape.d) == nullptr) {
+  if (find_select(shape.dtype, shape.d, shape.d_v) == nullptr) {
     return unsupported(std::string("estimate_select statistics: no compiled selector for ") + dtype_name(shape.dtype) +
                        " head_dim " + std::to_string(shape.d) + " (" + support_summary() + ")");
   }

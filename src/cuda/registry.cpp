@@ -6,6 +6,7 @@
 #include <cstddef>
 #include <iterator>
 #include <sstream>
+#include <vector>
 
 namespace sparseprefill::cuda {
 namespace {
@@ -18,12 +19,13 @@ constexpr FwdVariant kFwdVariants[] = {
 };
 
 constexpr SelectVariant kSelectVariants[] = {
-#define SP_SELECT_VARIANT(fn, dtype, head_dim) {#fn, DType::dtype, head_dim, &fn},
+#define SP_SELECT_VARIANT(fn, dtype, head_dim, head_dim_v) \
+  {#fn, DType::dtype, head_dim, head_dim_v, &fn, &fn##_smem_bytes},
 #include "cuda/instances/registry.inc"
 };
 
 constexpr SelectVariant kSelect90Variants[] = {
-#define SP_SELECT90_VARIANT(fn, dtype, head_dim) {#fn, DType::dtype, head_dim, &fn},
+#define SP_SELECT90_VARIANT(fn, dtype, head_dim) {#fn, DType::dtype, head_dim, head_dim, &fn, &fn##_smem_bytes},
 #include "cuda/instances/registry.inc"
 };
 
@@ -75,8 +77,10 @@ const FwdVariant* find_fwd(DType dtype, int head_dim, int head_dim_v, bool gated
   });
 }
 
-const SelectVariant* find_select(DType dtype, int head_dim) {
-  return find_in(kSelectVariants, [&](const SelectVariant& v) { return v.dtype == dtype && v.head_dim == head_dim; });
+const SelectVariant* find_select(DType dtype, int head_dim, int head_dim_v) {
+  return find_in(kSelectVariants, [&](const SelectVariant& v) {
+    return v.dtype == dtype && v.head_dim == head_dim && v.head_dim_v == head_dim_v;
+  });
 }
 
 const SelectVariant* find_select90(DType dtype, int head_dim) {
@@ -109,6 +113,25 @@ const GateVariant* find_gate90(DType dtype, int head_dim) {
   return find_in(kGate90Variants, [&](const GateVariant& v) { return v.dtype == dtype && v.head_dim == head_dim; });
 }
 
+CompiledPolicies compiled_policies(DType dtype, int head_dim, int head_dim_v) {
+  CompiledPolicies c;
+  c.gates = find_fwd(dtype, head_dim, head_dim_v, true, false) != nullptr;
+  c.select = find_select(dtype, head_dim, head_dim_v) != nullptr;
+  c.permute = head_dim_v == head_dim && find_permute(dtype, head_dim) != nullptr;
+  return c;
+}
+
+std::string CompiledPolicies::describe() const {
+  if (all()) return "every policy";
+  std::vector<std::string> names = {"dense", "block_sparse"};
+  if (gates) names.insert(names.end(), {"exact_gate", "softmax_skip"});
+  if (select) names.emplace_back("estimate_select");
+  if (permute) names.emplace_back("permute_stop");
+  std::string out = names[0];
+  for (std::size_t i = 1; i < names.size(); ++i) out += (i + 1 == names.size() ? " and " : ", ") + names[i];
+  return out;
+}
+
 std::string compiled_fwd_summary() {
   std::ostringstream os;
   for (std::size_t i = 0; i < std::size(kFwdVariants); ++i) {
@@ -116,7 +139,8 @@ std::string compiled_fwd_summary() {
     if (!v.plain) continue;  // every (dtype, head_dim) has a plain instance
     os << (i ? ", " : "") << dtype_name(v.dtype) << " d=" << v.head_dim;
     if (v.head_dim_v != v.head_dim) os << " d_v=" << v.head_dim_v;
-    if (find_fwd(v.dtype, v.head_dim, v.head_dim_v, true, false) == nullptr) os << " (dense, block_sparse)";
+    const CompiledPolicies policies = compiled_policies(v.dtype, v.head_dim, v.head_dim_v);
+    if (!policies.all()) os << " (" << policies.describe() << ")";
   }
   return os.str();
 }

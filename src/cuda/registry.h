@@ -83,7 +83,9 @@ struct SelectVariant {
   const char* name;  // e.g. "select_sm80_bf16_hd128", "select_sm90_bf16_hd128"
   DType dtype;
   int head_dim;
+  int head_dim_v;  // V's (its block means'): head_dim but for MLA-style prefill (192 / 128)
   SelectLaunchFn launch;
+  std::size_t (*smem_bytes)(int num_k_blocks);  // the selector CTA's dynamic shared memory
 };
 
 struct CalibVariant {
@@ -103,11 +105,15 @@ struct GateVariant {
 #define SP_FWD_VARIANT(fn, dtype, head_dim, head_dim_v, gated, plain) \
   int fn(const FwdParams& params, void* stream);                      \
   extern const int fn##_smem_bytes;
-#define SP_SELECT_VARIANT(fn, dtype, head_dim) int fn(SelectStage stage, const SelectParams& params, void* stream);
+#define SP_SELECT_VARIANT(fn, dtype, head_dim, head_dim_v)              \
+  int fn(SelectStage stage, const SelectParams& params, void* stream); \
+  std::size_t fn##_smem_bytes(int num_k_blocks);
 #define SP_CALIB_VARIANT(fn, dtype, head_dim) int fn(const CalibParams& params, void* stream);
 #define SP_PERMUTE_VARIANT(fn, dtype, head_dim) int fn(PermuteStage stage, const PermuteParams& params, void* stream);
 #define SP_PERMUTE90_VARIANT(fn, dtype, head_dim) int fn(const PermuteParams& params, void* stream);
-#define SP_SELECT90_VARIANT(fn, dtype, head_dim) int fn(SelectStage stage, const SelectParams& params, void* stream);
+#define SP_SELECT90_VARIANT(fn, dtype, head_dim)                        \
+  int fn(SelectStage stage, const SelectParams& params, void* stream); \
+  std::size_t fn##_smem_bytes(int num_k_blocks);
 #define SP_GATE90_VARIANT(fn, dtype, head_dim) int fn(const GateParams& params, void* stream);
 #define SP_GATE_VARIANT(fn, dtype, head_dim) int fn(const GateParams& params, void* stream);
 #define SP_FWD90_VARIANT(fn, dtype, head_dim, paged)                                                   \
@@ -119,7 +125,7 @@ struct GateVariant {
 // plain or not: plain_call; for the Hopper one, K/V paged or not), or nullptr when none is
 // compiled.
 const FwdVariant* find_fwd(DType dtype, int head_dim, int head_dim_v, bool gated, bool plain);
-const SelectVariant* find_select(DType dtype, int head_dim);
+const SelectVariant* find_select(DType dtype, int head_dim, int head_dim_v);
 const SelectVariant* find_select90(DType dtype, int head_dim);
 const PermuteVariant* find_permute(DType dtype, int head_dim);
 const Permute90Variant* find_permute90(DType dtype, int head_dim);
@@ -127,6 +133,20 @@ const Fwd90Variant* find_fwd90(DType dtype, int head_dim, bool paged);
 const CalibVariant* find_calib(DType dtype, int head_dim);
 const GateVariant* find_gate(DType dtype, int head_dim);
 const GateVariant* find_gate90(DType dtype, int head_dim);
+// The policies beyond dense and block_sparse whose portable kernels are compiled at (dtype,
+// head_dim, head_dim_v), given a forward instance there: exact_gate and softmax_skip with its
+// gated instance, estimate_select with a selector of both head dims, permute_stop with a permute
+// instance (head_dim_v = head_dim). Every (dtype, head_dim) of variants.py's HEAD_DIMS has all
+// three; its FAMILY_HEAD_DIMS the selector alone.
+struct CompiledPolicies {
+  bool gates = false;
+  bool select = false;
+  bool permute = false;
+  bool all() const { return gates && select && permute; }
+  // "dense, block_sparse and estimate_select", for messages.
+  std::string describe() const;
+};
+CompiledPolicies compiled_policies(DType dtype, int head_dim, int head_dim_v);
 // "bf16 d=64, ..." for messages, and one instance name per line for build_info.
 std::string compiled_fwd_summary();
 std::string compiled_fwd90_summary();

@@ -106,9 +106,9 @@ TestProblem make_problem(const Inputs& in, const Features& f, Layout layout = La
 
 // Why CUDA refuses the features of tp under `policy` (a fragment of its message), "" when it
 // takes them: local windows, softcap and sinks run dense and block_sparse only (softcap and sinks
-// on 16-bit inputs), and so do head dims 96, 256 and q/k 192 with v 128 (MLA); other V head dims
-// unlike Q/K's and head dims have no kernel yet (docs/cuda.md), and check_support names them
-// before anything else.
+// on 16-bit inputs); head dims 96, 256 and q/k 192 with v 128 (MLA) run those and estimate_select;
+// other V head dims unlike Q/K's and head dims have no kernel yet (docs/cuda.md), and
+// check_support names them before anything else.
 std::string cuda_feature_refusal(const TestProblem& tp, const Policy& policy) {
   ProblemShape s;
   EXPECT_TRUE(validate_problem(tp.problem(), nullptr, &s).ok());
@@ -119,14 +119,16 @@ std::string cuda_feature_refusal(const TestProblem& tp, const Policy& policy) {
   if (s.softcap != 0.0 && !featured_policy) return "softcap: score soft-capping" + others;
   if (s.sinks && !featured_policy) return "sinks: learned attention sinks" + others;
   if ((s.softcap != 0.0 || s.sinks) && s.dtype == DType::kFP8E4M3) return "fp8_e4m3 inputs on CUDA take no softcap or sinks";
-  // variants.py's FWD_ONLY_HEAD_DIMS: dense and block_sparse, 16-bit
+  // variants.py's FAMILY_HEAD_DIMS: dense, block_sparse and estimate_select, 16-bit
   const bool mla = s.d == 192 && s.d_v == 128 && s.dtype != DType::kFP8E4M3;
-  const bool forward_only = ((s.d == 96 || s.d == 256) && s.d_v == s.d) || mla;
+  const bool family = ((s.d == 96 || s.d == 256) && s.d_v == s.d) || mla;
   if (s.d_v != s.d && !mla) return "v: a V head dim unlike Q/K's (d_v " + std::to_string(s.d_v) + ", d " + std::to_string(s.d) + ")";
-  if (forward_only && !featured_policy && s.dtype != DType::kFP8E4M3) {
-    return "head_dim " + std::to_string(s.d) + (mla ? " (d_v 128)" : "") + others;
+  if (family && !featured_policy && !std::holds_alternative<EstimateSelectParams>(policy) &&
+      s.dtype != DType::kFP8E4M3) {
+    return "head_dim " + std::to_string(s.d) + (mla ? " (d_v 128)" : "") +
+           " runs dense, block_sparse and estimate_select on CUDA, not " + policy_name(policy);
   }
-  if (s.d != 64 && s.d != 128 && !forward_only) return "head_dim " + std::to_string(s.d);
+  if (s.d != 64 && s.d != 128 && !family) return "head_dim " + std::to_string(s.d);
   return {};
 }
 
@@ -831,11 +833,12 @@ TEST_P(Conformance, EveryPolicyWithNaNInputs) {
 // every policy: local layers (a causal window narrower than a block, and one over two blocks),
 // a non-causal window, Gemma 2's softcap (3 here, so that it bites: these inputs' block maxima
 // reach about 6), gpt-oss's sinks with its 128-token window, and the head dims of Phi-3 (96),
-// Gemma 3 (256) and MLA prefill (q/k 192, v 128). The host targets match the oracle; CUDA
-// refuses each by name. Sequences: a chunk of 200 queries over a cached prefix (900 keys under a
-// window, so that it cuts the prefix; 640 otherwise, enough for estimate_select's first tile to
-// have blocks beyond the forced ones) and 130 queries over 40 keys (rows at negative
-// positions); the non-causal window also 300 over 300 (its right bound cuts the early rows).
+// Gemma 3 (256, alone and with a softcap) and MLA prefill (q/k 192, v 128). The host targets
+// match the oracle; CUDA runs what it has kernels for and refuses the rest by name.
+// Sequences: a chunk of 200 queries over a cached prefix (900 keys under a window, so that it cuts
+// the prefix; 640 otherwise, enough for estimate_select's first tile to have blocks beyond the
+// forced ones) and 130 queries over 40 keys (rows at negative positions); the non-causal window
+// also 300 over 300 (its right bound cuts the early rows).
 std::vector<Features> model_features() {
   const std::vector<SeqLen> windowed = {{200, 900}, {130, 40}}, plain = {{200, 640}, {130, 40}};
   // name, sequences, causal, window (left, right), softcap, sinks, d, d_v, sparse
@@ -846,6 +849,7 @@ std::vector<Features> model_features() {
       {"sinks and window 128 (gpt-oss)", windowed, true, 127, -1, 0.0, {0.5, 2.0}, 64, 0, false},
       {"softcap 3", plain, true, -1, -1, 3.0},
       {"head_dim 256 and softcap 4 (Gemma 3 global layers, Gemma 2's cap)", plain, true, -1, -1, 4.0, {}, 256},
+      {"head_dim 256 (Gemma 3)", plain, true, -1, -1, 0.0, {}, 256},
       {"head_dim 96 (Phi-3)", plain, true, -1, -1, 0.0, {}, 96},
       {"q/k head_dim 192, v head_dim 128 (MLA prefill)", plain, true, -1, -1, 0.0, {}, 192, 128},
   };

@@ -17,6 +17,7 @@ using test::cuda_shape_of;
 
 constexpr DeviceCaps kH200{9, 0, std::int64_t{60} << 20, 132};
 constexpr DeviceCaps kA100{8, 0, std::int64_t{40} << 20, 108};
+constexpr DeviceCaps kAda{8, 9, std::int64_t{72} << 20, 128, 101376};  // its shared memory per CTA known
 constexpr TmaFacts kTma{true, true};
 
 ProblemShape paged(ProblemShape s, int page_size) {
@@ -72,7 +73,6 @@ TEST(CudaExecutionPlan, DenseRunsTheHopperKernelOnAnH200AndThePortableOneElsewhe
 // CTA (sm_89), while d 128 runs there and d 256 runs on an A100's 163 KB. Devices whose limit is
 // not known (0) are not checked.
 TEST(CudaExecutionPlan, PortableInstancesNeedTheirSharedMemory) {
-  constexpr DeviceCaps kAda{8, 9, std::int64_t{72} << 20, 128, 101376};
   constexpr DeviceCaps kA100Limit{8, 0, std::int64_t{40} << 20, 108, 166912};
   const ProblemShape wide = cuda_shape_of(300, 300, 4, 1, 256);
   ExecutionPlan plan;
@@ -86,6 +86,31 @@ TEST(CudaExecutionPlan, PortableInstancesNeedTheirSharedMemory) {
   EXPECT_EQ(plan_of(wide, DenseParams{}, kA100Limit).path, FwdPath::kPortable);
   EXPECT_EQ(plan_of(wide, DenseParams{}, kA100).path, FwdPath::kPortable);  // limit not known
   EXPECT_EQ(plan_of(wide, DenseParams{}, kH200).path, FwdPath::kPortable);  // no Hopper instance at 256
+}
+
+// The portable selector's CTA holds a Q tile and two chunks of k̄ (32 + 2 x 16 KB at d 128) and
+// λ for each query half and key block (8 bytes a block): at 600K keys (4688 blocks) that is
+// 103040 bytes, more than sm_89's 101376, so the call is refused when planned, naming the
+// instance and both counts; the H200 runs it (its wgmma selector, 227 KB), and so does sm_89 at
+// 32K keys. The selector at d 96 lays its rows at d 128's pitch: the same bytes.
+TEST(CudaExecutionPlan, TheSelectorNeedsItsSharedMemory) {
+  EstimateSelectParams es;
+  for (const int d : {128, 96}) {
+    SCOPED_TRACE("d " + std::to_string(d));
+    const ProblemShape s = cuda_shape_of(300, 600000, 4, 1, d);
+    ExecutionPlan plan;
+    const Status st = plan_execution(s, es, kTma, kAda, {}, std::size_t{100} << 30, &plan);
+    EXPECT_EQ(st.code(), StatusCode::kUnsupported);
+    EXPECT_NE(st.message().find("estimate_select: select_sm80_bf16_hd" + std::to_string(d) +
+                                " needs 103040 bytes of shared memory per CTA at 4688 key blocks; this device "
+                                "(compute capability 8.9) offers 101376"),
+              std::string::npos)
+        << st.message();
+    EXPECT_STREQ(plan_of(cuda_shape_of(300, 32768, 4, 1, d), es, kAda).select->name,
+                 ("select_sm80_bf16_hd" + std::to_string(d)).c_str());
+  }
+  EXPECT_STREQ(plan_of(cuda_shape_of(300, 600000, 4, 1, 128), es, kH200).select->name, "select_sm90_bf16_hd128");
+  EXPECT_STREQ(plan_of(cuda_shape_of(300, 600000, 4, 1, 96), es, kH200).select->name, "select_sm80_bf16_hd96");
 }
 
 TEST(CudaExecutionPlan, ShortChunksPackTheGqaGroupAndTheOverrideDecides) {

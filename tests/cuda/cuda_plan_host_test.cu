@@ -154,32 +154,38 @@ TEST(CudaPlan, ModelFamilyFeaturesAreRefusedByName) {
 }
 
 // Head dims 96 (Phi-3), 256 (Gemma 3) and q/k 192 with v 128 (MLA-style prefill): the portable
-// kernel's ungated instances run dense and block_sparse on bf16 and fp16, on the portable path on
-// a Hopper device too (no Hopper instance); the other policies are refused by name before
-// anything else (no gated, selector or permute kernel there), and fp8 keeps its one head dim.
-TEST(CudaPlan, ForwardOnlyHeadDimsRunDenseAndBlockSparseOnThePortablePath) {
+// kernel's ungated instances run dense and block_sparse, and its selector estimate_select (with
+// and without mean correction), on bf16 and fp16, on the portable path on a Hopper device too (no
+// Hopper instance); exact_gate, softmax_skip and permute_stop are refused by name before
+// anything else (no gated or permute kernel there), and fp8 keeps its one head dim.
+TEST(CudaPlan, ForwardOnlyHeadDimsRunDenseBlockSparseAndEstimateSelectOnThePortablePath) {
   int n = 0;
   ExactGateParams gate;
   gate.block_k = 128;
   PermuteStopParams stop;
   stop.block_k = 32;  // refused for its head dim before its block size
-  const auto expect_forward_only = [&](DType dtype, int d, int d_v, const std::string& subject) {
+  const auto expect_family_dims = [&](DType dtype, int d, int d_v, const std::string& subject) {
     ProblemShape s = cuda_shape_of(300, 700, 4, 2, d, dtype);
     s.d_v = d_v;
     BlockSparseParams mask;
     mask.mask = BlockMask::all_visible(s, 128, 128, false);
-    for (const Policy& policy : {Policy{DenseParams{}}, Policy{mask}}) {
+    EstimateSelectParams corrected;
+    corrected.mean_correction = true;
+    for (const Policy& policy :
+         {Policy{DenseParams{}}, Policy{mask}, Policy{EstimateSelectParams{}}, Policy{corrected}}) {
       SCOPED_TRACE(policy_name(policy));
       EXPECT_TRUE(check_support(s, policy, &n).ok());
       EXPECT_EQ(n, std::holds_alternative<DenseParams>(policy) ? dense_block_k(d) : 128);
       EXPECT_EQ(choose_fwd_path(s, policy, true, 9, 0), FwdPath::kPortable);
       EXPECT_EQ(choose_fwd_path(s, policy, true, 8, 0), FwdPath::kPortable);
     }
-    for (const Policy& policy : {Policy{gate}, Policy{SoftmaxSkipParams{}}, Policy{EstimateSelectParams{}}, Policy{stop}}) {
+    EXPECT_EQ(choose_select_path(s, 9, 0, false), FwdPath::kPortable);
+    for (const Policy& policy : {Policy{gate}, Policy{SoftmaxSkipParams{}}, Policy{stop}}) {
       SCOPED_TRACE(policy_name(policy));
       const Status st = check_support(s, policy, &n);
       EXPECT_EQ(st.code(), StatusCode::kUnsupported);
-      EXPECT_NE(st.message().find(subject + " runs dense and block_sparse on CUDA, not " + policy_name(policy)),
+      EXPECT_NE(st.message().find(subject + " runs dense, block_sparse and estimate_select on CUDA, not " +
+                                  policy_name(policy)),
                 std::string::npos)
           << st.message();
     }
@@ -192,15 +198,17 @@ TEST(CudaPlan, ForwardOnlyHeadDimsRunDenseAndBlockSparseOnThePortablePath) {
     for (const Dims& dims : {Dims{96, 96, "head_dim 96"}, Dims{256, 256, "head_dim 256"},
                              Dims{192, 128, "head_dim 192 (d_v 128)"}}) {
       SCOPED_TRACE(std::string(dtype_name(dtype)) + " " + dims.subject);
-      expect_forward_only(dtype, dims.d, dims.d_v, dims.subject);
+      expect_family_dims(dtype, dims.d, dims.d_v, dims.subject);
     }
   }
   const Status fp8 = check_support(cuda_shape_of(300, 300, 4, 1, 256, DType::kFP8E4M3), DenseParams{}, &n);
   EXPECT_EQ(fp8.code(), StatusCode::kUnsupported);
   EXPECT_NE(fp8.message().find("head_dim 128 only"), std::string::npos) << fp8.message();
-  EXPECT_NE(support_summary().find("bf16 d=96 (dense, block_sparse)"), std::string::npos) << support_summary();
-  EXPECT_NE(support_summary().find("bf16 d=256 (dense, block_sparse)"), std::string::npos) << support_summary();
-  EXPECT_NE(support_summary().find("bf16 d=192 d_v=128 (dense, block_sparse)"), std::string::npos) << support_summary();
+  for (const char* dims : {"bf16 d=96", "bf16 d=256", "fp16 d=192 d_v=128"}) {
+    EXPECT_NE(support_summary().find(std::string(dims) + " (dense, block_sparse and estimate_select)"),
+              std::string::npos)
+        << support_summary();
+  }
   EXPECT_EQ(support_summary().find("d=128 (dense"), std::string::npos) << support_summary();
 }
 

@@ -369,6 +369,32 @@ def test_policy_matches_oracle(device, dtype, name):
 
 
 @pytest.mark.parametrize("device,dtype", DEVICE_DTYPES, ids=ids(DEVICE_DTYPES))
+@pytest.mark.parametrize("d,d_v", [(96, 96), (256, 256), (192, 128)])
+@pytest.mark.parametrize("name", ["estimate_select", "estimate_select_mean_correction_pack_gqa"])
+def test_estimate_select_head_dims_match_oracle(device, dtype, d, d_v, name):
+    # Phi-3's, Gemma 3's and MLA prefill's head dims: the selector's decisions are the oracle's
+    # (identical per-head work), the output within the calibrated bound, as at 64 above.
+    bl = POLICY_BLOCK[device]
+    s = 4 * bl + 17
+    q, k, v = structured(35, 1, s, s, 8, 2, d, dtype, device, bl)
+    if d_v != d:
+        v = randn(torch.Generator().manual_seed(36), (1, s, 2, d_v), dtype, device)
+    policy = policies(device)[name]
+    skip_unless_runs(q, k, v, policy)
+    with sp.collect_stats() as log:
+        out, lse = flash_attn_func(q, k, v, causal=True, policy=policy, return_softmax_lse=True)
+    oracle = sp.run(q.cpu(), k.cpu(), v.cpu(), policy, causal=True, backend="reference")
+    np.testing.assert_array_equal(log.calls[0].heads, oracle.stats.heads)
+    assert 0.0 < oracle.stats.density < 1.0
+    dense_ref, _ = attention(q, k, v, True)
+    dense_err = attention(q, k, v, True, low_precision=True)[0].to(torch.float64) - dense_ref
+    ref = oracle.out.to(torch.float64).to(device)
+    assert out.shape == q.shape[:-1] + (d_v,)
+    assert_calibrated(out, ref, ref + dense_err)
+    assert_lse(lse, oracle.lse.to(torch.float64), tol=2e-2)
+
+
+@pytest.mark.parametrize("device,dtype", DEVICE_DTYPES, ids=ids(DEVICE_DTYPES))
 @pytest.mark.parametrize("name", POLICY_NAMES)
 def test_kvcache_paged_chunked_prefill_every_policy(device, dtype, name):
     """A prompt prefilled in two chunks through flash_attn_with_kvcache into a paged cache
@@ -666,7 +692,7 @@ def bad_cases(device):
              "v: a V head dim unlike Q/K's"),
             ("cuda head_dim 96", lambda: flash_attn_func(*qkv(47, 1, 8, 8, 2, 2, 96, dtype, device), causal=True,
                                                          policy=sp.SoftmaxSkip()),
-             sp.UnsupportedError, "head_dim 96 runs dense and block_sparse on CUDA, not softmax_skip"),
+             sp.UnsupportedError, "head_dim 96 runs dense, block_sparse and estimate_select on CUDA, not softmax_skip"),
         ]
     return cases
 

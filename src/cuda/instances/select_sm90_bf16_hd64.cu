@@ -5,6 +5,10 @@
 
 namespace sparseprefill::cuda {
 
+std::size_t select_sm90_bf16_hd64_smem_bytes(int num_k_blocks) {
+  return select90::Select90Config<true, 64>::smem_bytes(num_k_blocks);
+}
+
 int select_sm90_bf16_hd64(SelectStage stage, const SelectParams& params, void* stream) {
   return select90::launch_select<true, 64>(stage, params, stream);
 }

@@ -27,45 +27,55 @@ __device__ __forceinline__ std::uint16_t* cache_at(const MeanCache& c, int b, in
 
 // k̄_j and v̄_j of one (block j, kv head, sequence): the mean of the block's valid keys,
 // accumulated in double, rounded to fp32 and then to the input dtype, exactly as the oracle
-// stores them. Thread t of a CTA owns the 16-byte chunk c = t % (d / 8) of block
-// j = blockIdx.x · kMeansBlocksPerCta + t / (d / 8): 8 elements, each summed over the block's
-// keys in key order (the oracle's), from one 16-byte load per key row: 0.148 ms at 128K on the
+// stores them. k̄ has Q/K's head dim kD, v̄ V's kDV (MLA-style prefill: 192 and 128). Thread t
+// of a CTA owns the 16-byte chunk c = t % C of block j = blockIdx.x · kMeansBlocksPerCta + t / C,
+// C = max(kD, kDV) / 8 (of k̄ where c < kD / 8, of v̄ where c < kDV / 8): 8 elements, each
+// summed over the block's keys in key order (the oracle's), from one 16-byte load per key row: 0.148 ms at 128K on the
 // Llama shape against 0.250 with one thread per element and a 2-byte load per key (record
 // 2026-11-30-h200-selector-block-means-vectorized). Grid (ceil(num_k_blocks /
-// kMeansBlocksPerCta), h_kv, b), kMeansThreads threads. Chunked prefill: blocks j < cached are
+// kMeansBlocksPerCta), h_kv, b), kMeansThreads threads (those past the CTA's whole blocks idle:
+// 8 of 128 at d = 96 and at 192). Chunked prefill: blocks j < cached are
 // copied from the cache; the blocks this call completes (cached <= j < s_k / B) are written to
 // it. Every thread reads and writes only its own elements (b, hk, j, 8c .. 8c + 7) of the cache
 // and of the means, so no synchronisation is needed; the selector reads the means after this
 // kernel on the same stream. K/V rows and the means are 16-byte aligned (plan.cpp's
 // check_view); the cache, a caller's tensor, is read and written element by element.
 constexpr int kMeansThreads = tuning::kMeansThreads;
-template <int kD>
-constexpr int kMeansBlocksPerCta = kMeansThreads / (kD / 8);
+template <int kD, int kDV>
+constexpr int kMeansChunks = (kD > kDV ? kD : kDV) / 8;
+template <int kD, int kDV>
+constexpr int kMeansBlocksPerCta = kMeansThreads / kMeansChunks<kD, kDV>;
 
-template <bool kBf16, int kD>
+template <bool kBf16, int kD, int kDV>
 __global__ void __launch_bounds__(kMeansThreads) block_means_kernel(const __grid_constant__ SelectParams p) {
-  constexpr int kChunks = kD / 8;
+  constexpr int kChunks = kMeansChunks<kD, kDV>;
+  if constexpr (kMeansThreads % kChunks != 0) {
+    if (threadIdx.x >= kMeansBlocksPerCta<kD, kDV> * kChunks) return;
+  }
   const int c = threadIdx.x % kChunks, hk = blockIdx.y, b = blockIdx.z;
-  const int j = blockIdx.x * kMeansBlocksPerCta<kD> + threadIdx.x / kChunks;
+  const int j = blockIdx.x * kMeansBlocksPerCta<kD, kDV> + threadIdx.x / kChunks;
   if (j >= p.num_k_blocks) return;
+  // Whether chunk c exists in k̄'s and v̄'s rows (both when kD = kDV).
+  const bool has_k = kD >= kDV || c < kD / 8;
+  const bool has_v = kDV >= kD || c < kDV / 8;
   const SeqInfo seq = p.seqs[b];
   const std::int64_t key0 = static_cast<std::int64_t>(j) * p.block;
-  const std::int64_t out = ((static_cast<std::int64_t>(b) * p.h_kv + hk) * p.num_k_blocks + j) * kD + 8 * c;
-  auto* k_out = static_cast<std::uint16_t*>(p.k_mean) + out;
-  auto* v_out = static_cast<std::uint16_t*>(p.v_mean) + out;
+  const std::int64_t row = (static_cast<std::int64_t>(b) * p.h_kv + hk) * p.num_k_blocks + j;
+  auto* k_out = static_cast<std::uint16_t*>(p.k_mean) + row * kD + 8 * c;
+  auto* v_out = static_cast<std::uint16_t*>(p.v_mean) + row * kDV + 8 * c;
   if (key0 >= seq.s_k) {
     // Past this sequence's last block: masked out wherever it is read (the Hopper kernel loads
     // whole 128-block tiles of means), but its P·V term is 0 · v̄ only if v̄ is finite.
-    *reinterpret_cast<uint4*>(k_out) = make_uint4(0, 0, 0, 0);
-    *reinterpret_cast<uint4*>(v_out) = make_uint4(0, 0, 0, 0);
+    if (has_k) *reinterpret_cast<uint4*>(k_out) = make_uint4(0, 0, 0, 0);
+    if (has_v) *reinterpret_cast<uint4*>(v_out) = make_uint4(0, 0, 0, 0);
     return;
   }
   const std::int64_t cached = p.select_seqs != nullptr ? p.select_seqs[b].cached : 0;
   if (j < cached) {  // cached <= s_k / B (validated on the host): a complete block
 #pragma unroll
     for (int e = 0; e < 8; ++e) {
-      k_out[e] = *cache_at(p.cache_k, b, hk, j, 8 * c + e);
-      v_out[e] = *cache_at(p.cache_v, b, hk, j, 8 * c + e);
+      if (has_k) k_out[e] = *cache_at(p.cache_k, b, hk, j, 8 * c + e);
+      if (has_v) v_out[e] = *cache_at(p.cache_v, b, hk, j, 8 * c + e);
     }
     return;
   }
@@ -84,8 +94,8 @@ __global__ void __launch_bounds__(kMeansThreads) block_means_kernel(const __grid
 #pragma unroll
     for (int u = 0; u < kBatch; ++u) {
       const bool ok = t0 + u < end;
-      k_raw[u] = ok ? *reinterpret_cast<const uint4*>(k_rows.row(t0 + u) + 8 * c) : make_uint4(0, 0, 0, 0);
-      v_raw[u] = ok ? *reinterpret_cast<const uint4*>(v_rows.row(t0 + u) + 8 * c) : make_uint4(0, 0, 0, 0);
+      k_raw[u] = ok && has_k ? *reinterpret_cast<const uint4*>(k_rows.row(t0 + u) + 8 * c) : make_uint4(0, 0, 0, 0);
+      v_raw[u] = ok && has_v ? *reinterpret_cast<const uint4*>(v_rows.row(t0 + u) + 8 * c) : make_uint4(0, 0, 0, 0);
     }
 #pragma unroll
     for (int u = 0; u < kBatch; ++u) {
@@ -110,13 +120,13 @@ __global__ void __launch_bounds__(kMeansThreads) block_means_kernel(const __grid
     auto w = [&](int i) { return static_cast<std::uint32_t>(h[2 * i]) | (static_cast<std::uint32_t>(h[2 * i + 1]) << 16); };
     return make_uint4(w(0), w(1), w(2), w(3));
   };
-  *reinterpret_cast<uint4*>(k_out) = pack(k_bar);
-  *reinterpret_cast<uint4*>(v_out) = pack(v_bar);
+  if (has_k) *reinterpret_cast<uint4*>(k_out) = pack(k_bar);
+  if (has_v) *reinterpret_cast<uint4*>(v_out) = pack(v_bar);
   if (p.cache_k.data != nullptr && j < seq.s_k / p.block) {
 #pragma unroll
     for (int e = 0; e < 8; ++e) {
-      *cache_at(p.cache_k, b, hk, j, 8 * c + e) = k_bar[e];
-      *cache_at(p.cache_v, b, hk, j, 8 * c + e) = v_bar[e];
+      if (has_k) *cache_at(p.cache_k, b, hk, j, 8 * c + e) = k_bar[e];
+      if (has_v) *cache_at(p.cache_v, b, hk, j, 8 * c + e) = v_bar[e];
     }
   }
 }
@@ -131,14 +141,19 @@ template <bool kBf16, int kD>
 struct SelectConfig {
   static constexpr int kWarps = tuning::kSelectWarps;
   static constexpr int kThreads = kWarps * 32;
+  // Two CTAs per SM cap a thread at 128 registers: at d 192 that spilled 416 bytes (load_rows_each's
+  // addresses; 256: 60, 96: 52; ptxas -v, sm_80), and their CTAs' shared memory (96 and 128 KB)
+  // leaves at most two per SM anyway. One CTA per SM above d 128 is untimed.
+  static constexpr int kMinBlocks = kD <= 128 ? 2 : 1;
   static constexpr int kRows = 128;  // = kBlockQ
   static constexpr int kHalves = tuning::kSelectHalves;  // query halves
   static constexpr int kHalf = kRows / kHalves;
   static constexpr int kChunk = kWarps / kHalves * 16;  // pooled blocks per chunk
   static constexpr int kKSteps = kD / 16;
   using Tile = sm80::SmemTile<kD, kThreads>;
-  static constexpr int kQBytes = kRows * kD * 2;
-  static constexpr int kChunkBytes = kChunk * kD * 2;
+  // Rows at the tile's pitch (d = 96's rows take 128 elements' bytes).
+  static constexpr int kQBytes = kRows * Tile::kRowBytes;
+  static constexpr int kChunkBytes = kChunk * Tile::kRowBytes;
   static constexpr int kSmemFixed = kQBytes + 2 * kChunkBytes;  // Q tile + two chunks of k̄
   static_assert(kRows == kBlockQ, "one query tile of block 128 per CTA");
   // Plus λ per query half and block.
@@ -379,7 +394,7 @@ __device__ __forceinline__ void finish_selection(const SelectParams& p, const Se
 // chunk of k̄ (double buffered: the next chunk loads while this one is scored). Each query half
 // keeps its own λ (log2 energy, pack_gqa heads added); finish_selection adds the halves.
 template <bool kBf16, int kD>
-__global__ void __launch_bounds__(SelectConfig<kBf16, kD>::kThreads, 2)
+__global__ void __launch_bounds__(SelectConfig<kBf16, kD>::kThreads, SelectConfig<kBf16, kD>::kMinBlocks)
     select_kernel(const __grid_constant__ SelectParams p) {
   using Cfg = SelectConfig<kBf16, kD>;
   using Tile = typename Cfg::Tile;
@@ -484,17 +499,18 @@ __global__ void __launch_bounds__(SelectConfig<kBf16, kD>::kThreads, 2)
 }
 
 // One launch of estimate_select's selection (SelectStage, launch_types.h): kMeans, the block
-// means [ceil(num_k_blocks / per CTA), h_kv, batch]; kSelect, the selector `kernel` (this
+// means [ceil(num_k_blocks / per CTA), h_kv, batch] (k̄ of kD, v̄ of kDV); kSelect, the selector `kernel` (this
 // file's, or the Hopper one) with `threads` threads and `smem` bytes of dynamic shared memory,
 // one CTA per (query block, KV head, batch). Returns a cudaError_t value.
-template <bool kBf16, int kD>
+template <bool kBf16, int kD, int kDV = kD>
 int launch_selection_stage(SelectStage stage, const SelectParams& p, void* stream, void (*kernel)(SelectParams),
                            int threads, std::size_t smem) {
   const auto st = static_cast<cudaStream_t>(stream);
   if (p.batch == 0 || p.num_k_blocks == 0) return 0;
   if (stage == SelectStage::kMeans) {
-    const unsigned mean_ctas = static_cast<unsigned>((p.num_k_blocks + kMeansBlocksPerCta<kD> - 1) / kMeansBlocksPerCta<kD>);
-    block_means_kernel<kBf16, kD><<<dim3(mean_ctas, p.h_kv, p.batch), kMeansThreads, 0, st>>>(p);
+    constexpr int kPerCta = kMeansBlocksPerCta<kD, kDV>;
+    const unsigned mean_ctas = static_cast<unsigned>((p.num_k_blocks + kPerCta - 1) / kPerCta);
+    block_means_kernel<kBf16, kD, kDV><<<dim3(mean_ctas, p.h_kv, p.batch), kMeansThreads, 0, st>>>(p);
     return static_cast<int>(cudaGetLastError());
   }
   const cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem));
@@ -506,11 +522,11 @@ int launch_selection_stage(SelectStage stage, const SelectParams& p, void* strea
   return static_cast<int>(cudaGetLastError());
 }
 
-template <bool kBf16, int kD>
+template <bool kBf16, int kD, int kDV = kD>
 int launch_select(SelectStage stage, const SelectParams& p, void* stream) {
   using Cfg = SelectConfig<kBf16, kD>;
-  return launch_selection_stage<kBf16, kD>(stage, p, stream, select_kernel<kBf16, kD>, Cfg::kThreads,
-                                           Cfg::smem_bytes(p.num_k_blocks));
+  return launch_selection_stage<kBf16, kD, kDV>(stage, p, stream, select_kernel<kBf16, kD>, Cfg::kThreads,
+                                                Cfg::smem_bytes(p.num_k_blocks));
 }
 
 }  // namespace sparseprefill::cuda::select
