@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # SPDX-License-Identifier: Apache-2.0
 # Lays vLLM 0.26.0 out for the GPU machine, which reaches no registry and receives at most
-# 64 MiB per device call (the working tree, about 9 MiB, included), under the git-ignored
+# 64 MiB per device call (the working tree, about 12 MiB, included), under the git-ignored
 # .carry/vllm/ (never committed):
 #   1/N/C.xz.N          vllm/_C_stable_libtorch.abi3.so, xz -9 (about 53 MiB), split into pieces of
 #                       at most 40 MiB (N = 0, 1, ...), one call each: the tree (about 12 MiB)
