@@ -3,8 +3,9 @@
 
 Cases: the Llama-3.1-8B attention shape (h_q 32, h_kv 8, d 128) at 4K..128K and SmolLM2-135M's
 (h_q 9, h_kv 3, d 64) at 8K, on random inputs; and the Llama shape at --structured-lengths on
-the library's structured generator (StructuredCase: the selectors' figures of issue 5); bf16,
-causal, batch 1.
+the library's structured generator (StructuredCase: the selectors' figures of issue 5); issue
+33's model-family head dims (FamilyCase: MODELS' Phi-3, Gemma 3 and MLA shapes) and sliding
+window (WindowCase: the Llama shape with window_size (W, 0)), where asked; bf16, causal, batch 1.
 
 Implementations:
   peers  SDPA flash backend (FlashAttention-2 in torch), SDPA cuDNN backend (K/V repeated to
@@ -48,10 +49,12 @@ Method:
     between its own event pair, one synchronisation at the end; the median is reported. The
     host time of each call (no synchronisation) is reported too: when it exceeds the device
     time the GPU waits for the host, and the event time shows that.
-  - Work: TFLOP/s = 4·d·pairs / time over the (query, key) pairs actually computed (our run
-    statistics; the causal count for dense peers; the mask's count for Flex with a mask).
-  - Error: relative L2 ‖out − ref‖/‖ref‖ in fp32 against our dense and against SDPA flash,
-    and for block_sparse against Flex on the same mask. Outputs of ours are filled with NaN
+  - Work: TFLOP/s = 2·(d + d_v)·pairs / time over the (query, key) pairs actually computed (our
+    run statistics; the causal count, or the window's, for dense peers; the mask's count for
+    Flex with a mask).
+  - Error: relative L2 ‖out − ref‖/‖ref‖ in fp32 against our dense and against SDPA flash (SDPA
+    cuDNN where flash lacks the shape), and for block_sparse and the window against Flex on the
+    same mask. Outputs of ours are filled with NaN
     before the checked call; a non-finite output is reported as an error.
   - Ratios (bench_report.py): peer time / our time, from this one run.
 
@@ -81,7 +84,12 @@ import sp_ctypes  # noqa: E402
 BLOCK = 128
 DEV = "cuda"
 
-MODELS = {"llama-3.1-8b": (32, 8, 128), "smollm2-135m": (9, 3, 64)}
+# (h_q, h_kv, d[, d_v]). Beside the Llama and SmolLM2 shapes, issue 33's model families
+# (--family-lengths): Phi-3-mini (MHA, d 96), Gemma-3-12B (d 256) and DeepSeek-V2-Lite's MLA
+# prefill (MHA, q/k 192, v 128).
+MODELS = {"llama-3.1-8b": (32, 8, 128), "smollm2-135m": (9, 3, 64), "phi-3-mini": (32, 32, 96),
+          "gemma-3-12b": (16, 8, 256), "deepseek-v2-lite": (16, 16, 192, 128)}
+FAMILIES = ("phi-3-mini", "gemma-3-12b", "deepseek-v2-lite")
 
 
 def parse_args():
@@ -113,6 +121,13 @@ def parse_args():
     ap.add_argument("--peakedness", type=float, default=1.0, help="structured generator peakedness")
     ap.add_argument("--structured-density", type=float, default=0.05,
                     help="estimate_select density the structured cases tune alpha to")
+    ap.add_argument("--family-lengths", default="",
+                    help="lengths of issue 33's head-dim cases (dense against SDPA; default none)")
+    ap.add_argument("--families", default=",".join(FAMILIES),
+                    help=f"model shapes of --family-lengths (some of {', '.join(FAMILIES)})")
+    ap.add_argument("--window-lengths", default="",
+                    help="lengths of issue 33's sliding-window case (Llama shape; default none)")
+    ap.add_argument("--window", type=int, default=4096, help="the window's left size (keys before each query)")
     ap.add_argument("--budget-ms", type=float, default=400.0,
                     help="device time per implementation and case for the repetitions")
     ap.add_argument("--min-reps", type=int, default=3)
@@ -196,9 +211,9 @@ class InputSet:
         return self.e4m3
 
     @classmethod
-    def random(cls, h_q, h_kv, d, n, gen):
-        return cls(*(torch.randn(1, n, h, d, device=DEV, dtype=torch.bfloat16, generator=gen)
-                     for h in (h_q, h_kv, h_kv)))
+    def random(cls, h_q, h_kv, d, n, gen, d_v=None):
+        return cls(*(torch.randn(1, n, h, w, device=DEV, dtype=torch.bfloat16, generator=gen)
+                     for h, w in ((h_q, d), (h_kv, d), (h_kv, d_v or d))))
 
     @classmethod
     def structured(cls, lib, h_q, h_kv, d, n, seed, peakedness):
@@ -272,6 +287,33 @@ class Mask:
 
 def causal_mod(b, h, q_idx, kv_idx):
     return q_idx >= kv_idx
+
+
+def window_block_mask(n, w, device=DEV):
+    """FlexAttention's BlockMask of window_size (w, 0) with causal at s_q = s_k = n, built from
+    block indices (never as an n x n mask), [1, 1, nb, ...] for every head: per query block qb,
+    the key blocks all of whose keys every row sees (full: first_full .. qb - 1) and the partial
+    ones (those the window's left edge cuts, first .. first_full - 1, and the causal diagonal)."""
+    nb = n // BLOCK
+    qb = torch.arange(nb, device=device)
+    j = torch.arange(nb, device=device)
+    # Row r sees keys r - w .. r: the block's first row sees from qb·B − w, its last from qb·B + B − 1 − w.
+    first = torch.clamp(torch.div(qb * BLOCK - w, BLOCK, rounding_mode="floor"), min=0)
+    first_full = torch.minimum(torch.clamp(-torch.div(w - qb * BLOCK - (BLOCK - 1), BLOCK, rounding_mode="floor"),
+                                           min=0), qb)
+    left = first_full - first
+    part_idx = torch.where(j[None, :] < left[:, None], first[:, None] + j[None, :], qb[:, None])
+    full_cnt = qb - first_full
+    full_idx = torch.where(j[None, :] < full_cnt[:, None], first_full[:, None] + j[None, :], 0)
+
+    def window_mod(b, h, q_idx, kv_idx):
+        return (q_idx >= kv_idx) & (q_idx - kv_idx <= w)
+
+    def as4(t):
+        return t.view(1, 1, *t.shape).to(torch.int32).contiguous()
+
+    return BlockMask.from_kv_blocks(as4(left + 1), as4(part_idx), as4(full_cnt), as4(full_idx),
+                                   BLOCK_SIZE=BLOCK, mask_mod=window_mod)
 
 
 def sample_gate_thresholds(s, h_q, h_kv, d, n, targets, gen):
@@ -376,8 +418,9 @@ def rel_l2(out, ref):
 class Case:
     def __init__(self, model, n, args, lib):
         self.model, self.n, self.args, self.lib = model, n, args, lib
-        self.h_q, self.h_kv, self.d = MODELS[model]
-        set_bytes = 2 * n * self.d * (self.h_q + 2 * self.h_kv)
+        self.h_q, self.h_kv, self.d, *d_v = MODELS[model]
+        self.d_v = d_v[0] if d_v else self.d
+        set_bytes = 2 * n * (self.d * (self.h_q + self.h_kv) + self.d_v * self.h_kv)
         l2 = getattr(torch.cuda.get_device_properties(0), "L2_cache_size", 60 << 20)
         self.n_sets = max(1, min(16, math.ceil(4 * l2 / set_bytes)))
         gen = torch.Generator(device=DEV)
@@ -385,22 +428,23 @@ class Case:
         self.gen = gen
         self.sets = self.make_sets()
         self.n_sets = len(self.sets)
-        self.record = {"model": model, "n": n, "h_q": self.h_q, "h_kv": self.h_kv, "d": self.d,
+        self.record = {"model": model, "n": n, "h_q": self.h_q, "h_kv": self.h_kv, "d": self.d, "d_v": self.d_v,
                        "inputs": self.INPUTS, "n_sets": self.n_sets, "set_mb": set_bytes / 1e6, "rows": []}
         self.dense_pairs = self.h_q * n * (n + 1) // 2
         self.ref_sdpa = None
         self.ref_ours = None
+        self.window = None
         self.flex_out = {}
 
     INPUTS = "random"
 
     def make_sets(self):
-        return [InputSet.random(self.h_q, self.h_kv, self.d, self.n, self.gen) for _ in range(self.n_sets)]
+        return [InputSet.random(self.h_q, self.h_kv, self.d, self.n, self.gen, self.d_v) for _ in range(self.n_sets)]
 
     def add(self, row):
         row.setdefault("status", "ok")
         if row.get("ms") and row.get("pairs"):
-            row["tflops"] = 4 * self.d * row["pairs"] / row["ms"] / 1e9
+            row["tflops"] = 2 * (self.d + self.d_v) * row["pairs"] / row["ms"] / 1e9
         self.record["rows"].append(row)
         shown = f"{row['ms']:.3f} ms" if row.get("ms") else row["status"]
         print(f"  {row['label']:<28} {shown:>14}  density {row.get('density')}  "
@@ -425,7 +469,7 @@ class Case:
             self.add(row)
             return None
         out_bshd = out.transpose(1, 2)
-        if impl == "sdpa_flash":
+        if impl == "sdpa_flash" or (impl == "sdpa_cudnn" and self.ref_sdpa is None):
             self.ref_sdpa = out_bshd
         row["err_vs_sdpa"] = rel_l2(out_bshd, self.ref_sdpa)
         self.add(row)
@@ -475,6 +519,8 @@ class Case:
             p.seqused_k = sp_ctypes.tensor_from_torch(used)
         p.causal = 1
         p.scale = 0.0
+        if self.window is not None:
+            p.local, p.window_left, p.window_right = 1, self.window, 0
         return p
 
     def ours(self, impl, label, policy, target=None, mask_pairs=None, mask_density=None,
@@ -574,7 +620,7 @@ class Case:
             self.ref_ours = result
         row["err_vs_ours_dense"] = rel_l2(result, self.ref_ours)
         row["err_vs_sdpa"] = rel_l2(result, self.ref_sdpa)
-        if impl == "ours_block_sparse":
+        if impl in ("ours_block_sparse", "ours_dense_window"):
             row["err_vs_flex_mask"] = rel_l2(result, self.flex_out.get(target))
         if notes:
             row["note"] = "; ".join(notes)
@@ -768,6 +814,42 @@ class StructuredCase(Case):
         return self.record
 
 
+class FamilyCase(Case):
+    """Issue 33's model-family head dims (--family-lengths, --families): ours dense against SDPA
+    flash and cuDNN on random inputs (a peer that lacks the shape is reported as such; the error
+    column is against cuDNN where SDPA flash cannot run)."""
+
+    def run(self):
+        self.run_peers([])
+        if self.lib is not None:
+            self.ours("ours_dense", "ours dense", self.lib.policy("dense"))
+        return self.record
+
+
+class WindowCase(Case):
+    """Issue 33's local attention (--window-lengths, --window W): FlashAttention's
+    window_size=(W, 0) with causal, each query seeing itself and the W keys before it. Ours dense
+    with that window against FlexAttention given the same window (create_block_mask over its
+    mask_mod, built outside the timed calls, as for the block masks); work counts the window's
+    pairs."""
+
+    def __init__(self, model, n, args, lib):
+        super().__init__(model, n, args, lib)
+        w = self.window = args.window
+        self.record["window"] = w
+        self.dense_pairs = self.h_q * (min(n, w + 1) * (min(n, w + 1) + 1) // 2 + max(0, n - w - 1) * (w + 1))
+
+    def run(self):
+        s = self.sets
+        mask = window_block_mask(self.n, self.window)
+        self.flex_out["window"] = self.peer(
+            "flex_mask", f"Flex window {w}",
+            lambda i: FLEX(s[i].q, s[i].k, s[i].v, block_mask=mask, enable_gqa=True), target="window")
+        if self.lib is not None:
+            self.ours("ours_dense_window", f"ours dense window {w}", self.lib.policy("dense"), target="window")
+        return self.record
+
+
 class BatchCase(Case):
     """--batch sequences, each --batch-chunk queries over the case's n keys, the queries being
     the last positions (bottom-right causal, as a chunk over its cache): where a 128-row tile
@@ -876,7 +958,12 @@ def main():
         if not args.lib:
             sys.exit("bench_attention: --lib PATH to libsparseprefill_c.so (or --peers-only)")
         lib = sp_ctypes.Library(args.lib)
-    for length in ints(args.lengths) + ints(args.small_lengths) + ints(args.structured_lengths):
+    families = [f for f in args.families.split(",") if f]
+    unknown = [f for f in families if f not in FAMILIES]
+    if unknown:
+        sys.exit(f"bench_attention: --families: unknown {unknown}; expected some of {list(FAMILIES)}")
+    for length in (ints(args.lengths) + ints(args.small_lengths) + ints(args.structured_lengths)
+                   + ints(args.family_lengths) + ints(args.window_lengths)):
         if length % BLOCK:
             sys.exit(f"bench_attention: lengths must be multiples of {BLOCK}, got {length}")
     result = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
@@ -894,7 +981,9 @@ def main():
     todo = [(Case, "llama-3.1-8b", n) for n in ints(args.lengths)] + \
            [(Case, "smollm2-135m", n) for n in ints(args.small_lengths)] + \
            [(StructuredCase, "llama-3.1-8b", n) for n in (ints(args.structured_lengths) if lib else [])] + \
-           [(BatchCase, "llama-3.1-8b", n) for n in ints(args.batch_lengths)]
+           [(BatchCase, "llama-3.1-8b", n) for n in ints(args.batch_lengths)] + \
+           [(FamilyCase, f, n) for f in families for n in ints(args.family_lengths)] + \
+           [(WindowCase, "llama-3.1-8b", n) for n in ints(args.window_lengths)]
     for kind, model, n in todo:
         print(f"{model} s={n} ({kind.INPUTS} inputs)", flush=True)
         t0 = time.perf_counter()

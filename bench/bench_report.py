@@ -1,7 +1,7 @@
 # SPDX-License-Identifier: Apache-2.0
 """Markdown rendering of a benchmark result (bench.json from bench_attention.py): per-case
 tables with ratios against each peer, a summary over lengths, and the checks against the
-targets of issues 3 and 4. Pure functions over the JSON; no torch."""
+targets of issues 3, 4, 5, 8 and 33. Pure functions over the JSON; no torch."""
 
 # Peer rows every ratio is taken against (their `impl` names in bench.json).
 PEERS = [("sdpa_flash", "×SDPA flash"), ("sdpa_cudnn", "×SDPA cuDNN"), ("flex_dense", "×Flex dense")]
@@ -41,7 +41,7 @@ def ratio(peer, row):
 
 def row_ratios(case, row):
     out = {impl: ratio(find(case, impl), row) for impl, _ in PEERS}
-    if row["impl"] in ("ours_block_sparse",):
+    if row["impl"] in ("ours_block_sparse", "ours_dense_window"):
         out["flex_mask"] = ratio(find(case, "flex_mask", row.get("target")), row)
     out["ours_dense"] = ratio(find(case, "ours_dense"), row)
     return out
@@ -55,7 +55,8 @@ def case_name(case):
     if "batch" in case:
         return f"{case['model']} ({case['batch']} × {case['chunk']} queries)"
     heads = " (masks per KV head)" if case.get("mask_heads") == "kv" else ""
-    return case["model"] + (" (structured)" if structured(case) else "") + heads
+    window = f" (window {case['window']})" if "window" in case else ""
+    return case["model"] + (" (structured)" if structured(case) else "") + heads + window
 
 
 def case_title(case):
@@ -63,8 +64,10 @@ def case_title(case):
              if structured(case) and "alpha" in case else "")
     batch = (f"batch {case['batch']} of {case['chunk']} queries at the end of s keys (bottom-right)"
              if "batch" in case else "batch 1")
+    d = f"{case['d']}/{case['d_v']}" if case.get("d_v", case["d"]) != case["d"] else f"{case['d']}"
+    causal = f"causal, window_size ({case['window']}, 0)" if "window" in case else "causal"
     return (f"{case_name(case)} — s={case['n']} (h_q {case['h_q']}, h_kv {case['h_kv']}, "
-            f"d {case['d']}, bf16, causal, {batch}; {case['n_sets']} input set(s) of "
+            f"d {d}, bf16, {causal}, {batch}; {case['n_sets']} input set(s) of "
             f"{case['set_mb']:.0f} MB{extra})")
 
 
@@ -133,7 +136,7 @@ def target_checks(cases):
     whose masks were drawn per KV head (--mask-heads kv), which the targets do not describe."""
     checks = []
     llama = [c for c in cases if c["model"].startswith("llama") and not structured(c) and "batch" not in c
-             and c.get("mask_heads", "q") == "q"]
+             and "window" not in c and c.get("mask_heads", "q") == "q"]
     for c in llama:
         n = c["n"]
         dense = find(c, "ours_dense")
@@ -180,6 +183,28 @@ def target_checks(cases):
         if structured(c):
             checks += selection_checks(c)
             checks += serving_checks(c)  # the chunked rows of the selectors
+        checks += family_checks(c)
+    return checks
+
+
+def family_checks(c):
+    """Issue 33's targets: dense at the model-family head dims (d 96 and 256) from 16K at least
+    SDPA cuDNN's speed (SDPA flash's where cuDNN lacks the shape); a 4096-token window at 128K at
+    least 1.5x FlexAttention with the same window."""
+    checks = []
+    n = c["n"]
+    dense = find(c, "ours_dense")
+    if c["model"] != "llama-3.1-8b" and c["d"] in (96, 256) and dense and n >= 16384:
+        peer = find(c, "sdpa_cudnn") or find(c, "sdpa_flash")
+        if peer:
+            v = ratio(peer, dense)
+            name = "SDPA cuDNN" if peer["impl"] == "sdpa_cudnn" else "SDPA flash (no cuDNN)"
+            checks.append((f"#33 dense d {c['d']} ≥ 1.0× {name}", n, v, 1.0, v >= 1.0))
+    window = find(c, "ours_dense_window", "window")
+    flex = find(c, "flex_mask", "window")
+    if window and flex and c.get("window") == 4096 and n >= 131072:
+        v = ratio(flex, window)
+        checks.append(("#33 window 4096 ≥ 1.5× Flex, same window", n, v, 1.5, v >= 1.5))
     return checks
 
 
@@ -295,7 +320,7 @@ def render(result, heading_level=2):
              f"- CUDA path of ours: {path_note(result.get('cuda_path', 'auto'))}",
              f"- GQA packing of ours: {pack_note(result.get('pack_gqa', 'auto'))}",
              "", f"{h} Summary (ms, median)", "", summary_table(result["cases"]), "",
-             f"{h} Targets (issues 3, 4, 5 and 8)", "",
+             f"{h} Targets (issues 3, 4, 5, 8 and 33)", "",
              targets_table(result["cases"], result.get("cuda_path", "auto")), ""]
     for case in result["cases"]:
         parts += [f"{h}# {case_title(case)}", "", case_table(case), ""]

@@ -12,7 +12,9 @@
 #      work this call may take from SP_CALL_START, default 540), QWEN_HOME (default /root/qwen),
 #      SP_CAL_ARGS, SP_LONG_ARGS (more calibrate / longctx arguments; later ones win). On a fresh
 #      machine, carry .carry/qwen-results/ (an earlier call's results.json and cal.safetensors) to
-#      go on with them. For scripts/model/qwen_dry_run.sh on a CPU: SP_DEVICE=cpu, QWEN_MODEL (a
+#      go on with them; without its cal.safetensors (a record's results alone) the calibration is
+#      made again with the date the results record, and longctx goes on only if it is the same file
+#      (QWEN_CARRY: another folder than .carry/qwen-results). For scripts/model/qwen_dry_run.sh on a CPU: SP_DEVICE=cpu, QWEN_MODEL (a
 #      model folder other than QWEN_HOME/qwen-bf16).
 set -uo pipefail
 out=${1:?usage: scripts/model/gpu_qwen.sh OUTDIR}
@@ -26,12 +28,24 @@ budget=${SP_CALL_SECONDS:-540}
 device=${SP_DEVICE:-cuda}
 dtype=$([ "$device" = cpu ] && echo auto || echo bfloat16)
 model=${QWEN_MODEL:-$home/qwen-bf16}
+carry=${QWEN_CARRY:-.carry/qwen-results}
 export PYTHONUNBUFFERED=1 TQDM_MININTERVAL=10
 mkdir -p "$out" "$run"
 note() { echo "[$(($(date +%s) - start)) s] $*" | tee -a "$out/summary.txt"; }
 [ -d "$model" ] || { echo "gpu_qwen: $model missing: run the part calls first" >&2; exit 2; }
-if [ -d .carry/qwen-results ] && [ ! -f "$run/results.json" ]; then
-  cp .carry/qwen-results/results.json .carry/qwen-results/cal.safetensors "$run/" && note "carried results resumed"
+if [ -d "$carry" ] && [ ! -f "$run/results.json" ]; then
+  cp "$carry/results.json" "$run/" || exit 2
+  if [ -f "$carry/cal.safetensors" ]; then
+    cp "$carry/cal.safetensors" "$run/" && note "carried results and calibration resumed"
+  else
+    # The calibration is made again below, dated as the results record it (SOURCE_DATE_EPOCH):
+    # the same model, text and statistics then give the same file, which longctx checks
+    # against the results' calibration_sha256 before it goes on.
+    SOURCE_DATE_EPOCH=$(cd /tmp && "$py" -c 'import json, sys; from sparseprefill.quality.longctx import calibration_epoch
+print(calibration_epoch(json.load(open(sys.argv[1]))))' "$run/results.json") || exit 2
+    export SOURCE_DATE_EPOCH
+    note "carried results resumed; their calibration is made again, dated $(date -u -d "@$SOURCE_DATE_EPOCH" +%F)"
+  fi
 fi
 if [ "$device" != cpu ]; then
   (cd /tmp && "$py" -c "import sparseprefill, sys; sys.exit('backend cuda: not compiled' in sparseprefill.build_info())") || {

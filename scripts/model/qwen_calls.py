@@ -13,6 +13,8 @@ also runs a branch's GPU suite beside the uploads."""
 
 import argparse
 import json
+import shlex
+import subprocess
 import sys
 
 PARTS = 22
@@ -75,7 +77,23 @@ def collect_patch(seconds: int) -> str:
     return f"scripts/gpu_check_patch.sh collect {PATCH_OUT} $OUT/patch-check {seconds}"
 
 
-def calls(first_eval: int, second_eval: int, resume: bool = False, patch: str = ""):
+# A benchmark beside the uploads (--bench): one part call, once the package has built, runs
+# bench/run_benchmarks.sh on the installed library; the part calls leave the GPU idle.
+BENCH_CALL = 12
+EXPECT_BENCH = 150  # issue 33's head-dim and window cases at 16K-128K (bench/bench_attention.py)
+
+
+def start_bench(call: dict, bench: str, commit: str) -> None:
+    """Makes `call` also run the benchmark with arguments `bench` into $OUT/bench."""
+    call["command"] += (" && scripts/python_install_background.sh wait /root/qwen/install 240 && "
+                        f"SP_LIB=installed SP_COMMIT={commit} bench/run_benchmarks.sh $OUT/bench {bench}")
+    call["timeout_s"] = 600
+    call["expect_s"] = EXPECT_BENCH
+    call["note"] = "waits for the package, then the benchmark (its record: python3 bench/record.py OUT/bench/bench.json)"
+
+
+def calls(first_eval: int, second_eval: int, resume: bool = False, patch: str = "", bench: str = "",
+          commit: str = "unknown"):
     """resume: the first evaluation call carries .carry/qwen-results (an earlier session's results, which
     the run goes on from); patch: the second call starts a branch's GPU suite, and each evaluation
     call copies what it has (the first waits for nothing, the second up to a minute)."""
@@ -89,6 +107,8 @@ def calls(first_eval: int, second_eval: int, resume: bool = False, patch: str = 
                 "540); repeat this call while device time is left"})
     if resume:
         out[-2]["carry"] = out[-2]["carry"] + [".carry/qwen-results"]
+    if bench:
+        start_bench(out[BENCH_CALL - 1], bench, commit)
     if patch:
         start_patch(out[1], patch)
         out[-2]["command"] += "; " + collect_patch(1)
@@ -132,8 +152,14 @@ def main() -> int:
     p.add_argument("--patch", metavar="FILE", default="",
                    help="also run this branch patch's GPU suite beside the uploads (an untracked file at the "
                         "repository's root: scripts/gpu_check_patch.sh)")
+    p.add_argument("--bench", metavar="ARGS", default="",
+                   help=f"also run bench/run_benchmarks.sh with these arguments in part call {BENCH_CALL}, on the "
+                        "installed package, into $OUT/bench")
     args = p.parse_args()
-    for i, c in enumerate(calls(args.first_eval, args.second_eval, args.resume, args.patch), 1):
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+    bench = " ".join(shlex.quote(a) for a in shlex.split(args.bench))
+    for i, c in enumerate(calls(args.first_eval, args.second_eval, args.resume, args.patch, bench,
+                                commit or "unknown"), 1):
         if args.json:
             print(json.dumps(dict(c, call=i)))
         else:

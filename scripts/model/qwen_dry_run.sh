@@ -5,8 +5,9 @@
 # join, checks and GGUF-to-bf16 conversion with its logits check (on the CPU: a few minutes;
 # --no-convert skips it), then scripts/model/gpu_qwen.sh twice on a random two-layer Qwen2 with
 # the model's tokenizer (calibration, perplexity/KL at 1K/2K, timing, RULER at 2K/4K with 2
-# samples per task): the first call stopped by its deadline, the second resuming it; last the
-# report with --long into WORK (docs/ untouched). Needs scripts/model/fetch_qwen.sh and
+# samples per task): the first call stopped by its deadline, the second resuming it, a third
+# given the results alone (the calibration made again, the same file); last the report with
+# --long into WORK (docs/ untouched). Needs scripts/model/fetch_qwen.sh and
 # pack_qwen.sh first, and the package installed CPU-only (scripts/python_ci.sh's way) in the
 # running python.
 # Usage: scripts/model/qwen_dry_run.sh [--no-convert] [WORK]   (default WORK build/qwen-dry-run)
@@ -48,6 +49,18 @@ import json, sys
 d = json.load(open(sys.argv[1]))
 assert d["calls"][-1]["stopped"] == "done" and len(d["calls"]) == 2, d["calls"]
 print("second call resumed and finished:", [c["stopped"] for c in d["calls"]])
+PY
+# A fresh machine given the results alone (as a record keeps them): the calibration is made
+# again with their date, is the same file, and the run resumes with nothing left to do.
+mv "$QWEN_HOME/run" "$work/run-before"
+mkdir -p "$work/carry" && cp "$work/out2/qwen-long.json" "$work/carry/results.json"
+QWEN_CARRY=$work/carry SP_CALL_SECONDS=600 scripts/model/gpu_qwen.sh "$work/out3"
+cmp "$work/run-before/cal.safetensors" "$QWEN_HOME/run/cal.safetensors"
+"$py" - "$work/out3/qwen-long.json" <<'PY'
+import json, sys
+d = json.load(open(sys.argv[1]))
+assert [c["stopped"] for c in d["calls"]] == ["deadline", "done", "done"], d["calls"]
+print("third call: the calibration made again is the same file; resumed with nothing left")
 PY
 # A copy of the small model's record: the report writes a page beside each JSON it is given.
 cp bench/records/quality/2026-11-29-h200-smollm2-b128-operator-timing.json "$work/smollm2.json"

@@ -128,3 +128,16 @@ def test_the_qwen_plan_resumes_and_runs_a_patch_beside_its_uploads():
     assert both[-2]["carry"] == [".carry/qwen/22", ".carry/qwen-results"]  # the call that runs gpu_qwen.sh first
     assert "gpu_check_patch.sh start branch.patch" in both[1]["command"] and ".carry/gtest" in both[1]["carry"]
     assert all("gpu_check_patch.sh collect" in c["command"] for c in both[-2:])
+
+
+def test_the_qwen_plan_runs_a_benchmark_in_one_part_call_after_the_package_built():
+    plain = qwen_calls.calls(520, 420)
+    bench = qwen_calls.calls(520, 420, bench="--family-lengths 16384", commit="c0ffee")
+    changed = [i for i, (a, b) in enumerate(zip(plain, bench)) if a != b]
+    assert changed == [qwen_calls.BENCH_CALL - 1]
+    cmd = bench[qwen_calls.BENCH_CALL - 1]["command"]
+    assert cmd.index("assemble_qwen.sh part") < cmd.index("python_install_background.sh wait") < cmd.index(
+        "bench/run_benchmarks.sh $OUT/bench --family-lengths 16384")
+    assert "SP_LIB=installed SP_COMMIT=c0ffee" in cmd
+    assert bench[qwen_calls.BENCH_CALL - 1]["timeout_s"] <= 600 and "install" in bench[0]["command"]
+    assert not any("run_benchmarks" in c["command"] for c in plain)
