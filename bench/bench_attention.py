@@ -540,7 +540,8 @@ class Case:
         if chunk is not None:
             row["chunk"] = chunk
         spans = [(c0, min(self.n, c0 + chunk)) for c0 in range(0, self.n, chunk)] if chunk else [None]
-        o = torch.empty_like(self.sets[0].q_bshd)
+        q0 = self.sets[0].q_bshd
+        o = q0.new_empty(*q0.shape[:-1], self.d_v)
         outs = []
         for span in spans:
             out = sp_ctypes.Output()
@@ -843,10 +844,10 @@ class WindowCase(Case):
         s = self.sets
         mask = window_block_mask(self.n, self.window)
         self.flex_out["window"] = self.peer(
-            "flex_mask", f"Flex window {w}",
+            "flex_mask", f"Flex window {self.window}",
             lambda i: FLEX(s[i].q, s[i].k, s[i].v, block_mask=mask, enable_gqa=True), target="window")
         if self.lib is not None:
-            self.ours("ours_dense_window", f"ours dense window {w}", self.lib.policy("dense"), target="window")
+            self.ours("ours_dense_window", f"ours dense window {self.window}", self.lib.policy("dense"), target="window")
         return self.record
 
 
