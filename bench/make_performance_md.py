@@ -85,9 +85,18 @@ def row_of(record, case, impl, target=None):
     return find(case, impl, target)
 
 
+def family_case(case):
+    """Issue 33's head dims beyond the Hopper kernel's 64 and 128 (bench_attention.py's FamilyCase)."""
+    return case["d"] not in (64, 128) or case.get("d_v", case["d"]) != case["d"]
+
+
+def window_case(case):
+    return "window" in case
+
+
 def random_case(case):
     return case.get("inputs", "random") in (None, "random") and "batch" not in case and \
-        case.get("mask_heads", "q") == "q"
+        case.get("mask_heads", "q") == "q" and not family_case(case) and not window_case(case)
 
 
 def structured_case(case):
@@ -128,6 +137,25 @@ def dense_rows(r, c):
         return []
     return [((c["model"], c["n"]), [fmt(dense["ms"]), fmt(dense.get("tflops")), fmt(ratio(cudnn, dense)),
                                      fmt(ratio(flash, dense)), fmt(ratio(flex, dense))])]
+
+
+def family_rows(r, c):
+    dense = row_of(r, c, "ours_dense")
+    cudnn, flash = find(c, "sdpa_cudnn"), find(c, "sdpa_flash")
+    if not dense or not (cudnn or flash):
+        return []
+    d = f"{c['d']}/{c['d_v']}" if c.get("d_v", c["d"]) != c["d"] else str(c["d"])
+    return [((c["model"], c["n"]), [d, fmt(dense["ms"]), fmt(dense.get("tflops")), fmt(ratio(cudnn, dense)),
+                                     fmt(ratio(flash, dense))])]
+
+
+def window_rows(r, c):
+    ours, flex = row_of(r, c, "ours_dense_window", "window"), find(c, "flex_mask", "window")
+    if not ours or not flex:
+        return []
+    err = ours.get("err_vs_flex_mask")
+    return [((c["model"], c["n"]), [str(c["window"]), fmt(ours["ms"]), fmt(ours.get("tflops")), fmt(flex["ms"]),
+                                     fmt(ratio(flex, ours)), "—" if err is None else f"{err:.1e}"])]
 
 
 def mask_rows(r, c):
@@ -251,6 +279,15 @@ CLAIMS = [
     dict(title="Dense attention, portable path", path="portable", cases=random_case, rows=dense_rows,
          what="The portable (mma.sync) kernels, forced on the H200 with SPARSEPREFILL_CUDA_PATH=portable.",
          keys=["model", "s"], cols=["ours ms", "TFLOP/s", "× SDPA cuDNN", "× SDPA flash", "× Flex dense"]),
+    dict(title="Dense attention at the model-family head dims", path="auto", cases=family_case, rows=family_rows,
+         what="Head dims 96 (Phi-3-mini, MHA), 256 (Gemma-3-12B) and q/k 192 with v 128 (DeepSeek-V2-Lite's MLA "
+              "prefill, MHA) run the portable kernel (the Hopper kernel has 64 and 128), against SDPA cuDNN and "
+              "flash (which lacks 192/128), bf16, causal, batch 1.",
+         keys=["model", "s"], cols=["d", "ours ms", "TFLOP/s", "× SDPA cuDNN", "× SDPA flash"]),
+    dict(title="Sliding window", path="auto", cases=window_case, rows=window_rows,
+         what="FlashAttention's window_size (W, 0) with causal, dense, on the Llama shape: ours against "
+              "FlexAttention given the same window as a block mask; the error is against Flex's output.",
+         keys=["model", "s"], cols=["window", "ours ms", "TFLOP/s", "Flex ms", "× Flex same window", "error vs Flex"]),
     dict(title="block_sparse, Hopper path", path="auto", cases=random_case, rows=mask_rows,
          what="Random 128 × 128 block masks per query head (diagonal and sink kept), planned once; "
               "time against our dense, and against FlexAttention on the same mask.",
