@@ -17,7 +17,8 @@ convert=1
 if [ "${1:-}" = --no-convert ]; then convert=; shift; fi
 work=$(realpath -m "${1:-$root/build/qwen-dry-run}")
 py=${PYTHON:-python3}
-export QWEN_HOME=$work/home SP_DEVICE=cpu SP_SKIP_INSTALL=1 PYTHON=$py
+# QWEN_CARRY: no carried results until the third call (not the repository's .carry/qwen-results).
+export QWEN_HOME=$work/home SP_DEVICE=cpu SP_SKIP_INSTALL=1 PYTHON=$py QWEN_CARRY=$work/carry
 cd "$root"
 [ -d .carry/qwen/22 ] || { echo "qwen_dry_run: run scripts/model/pack_qwen.sh first" >&2; exit 2; }
 rm -rf "$work" && mkdir -p "$work"
