@@ -80,7 +80,7 @@ class EstimateSelect(Policy):
     Chunked prefill (docs/semantics.md §1 and §3.5), all optional: prompt_len, int32 [b], each
     prompt's whole length (tail then counts the prompt's last query tiles, so chunks force the
     one-shot tail once); and a cache of block means kept beside the K/V cache: k_block_means,
-    v_block_means [b, h_kv, max_blocks, d] in the input dtype on q's device, with
+    v_block_means [b, h_kv, max_blocks, d] in the input dtype (bfloat16 for float8_e4m3fn inputs) on q's device, with
     block_means_valid, int32 [b], the leading blocks they hold (all three or none). A call reads
     the valid blocks' means, computes the rest, and writes the blocks it completes into the
     cache (in place); set block_means_valid to s_k // block before the next chunk. Index

@@ -5,6 +5,9 @@
 #include <string>
 
 namespace sparseprefill::detail {
+
+DType block_mean_dtype(DType input) { return input == DType::kFP8E4M3 ? DType::kBF16 : input; }
+
 namespace {
 
 // A host int32 [batch] index tensor, read into `out`.
@@ -22,10 +25,11 @@ Status read_counts(const char* name, const TensorView& t, int batch, std::vector
 }
 
 Status check_cache(const char* name, const TensorView& t, const ProblemShape& s, std::int64_t min_blocks) {
+  const DType dtype = block_mean_dtype(s.dtype);
   const std::string expected = std::string("[batch = ") + std::to_string(s.batch) + ", h_kv = " + std::to_string(s.h_kv) +
                                ", max_blocks >= " + std::to_string(min_blocks) + ", d = " + std::to_string(s.d) +
-                               "] " + dtype_name(s.dtype) + " on q's device, last dimension contiguous";
-  bool ok = t.rank == 4 && t.dtype == s.dtype && t.device == s.device && t.shape[0] == s.batch &&
+                               "] " + dtype_name(dtype) + " on q's device, last dimension contiguous";
+  bool ok = t.rank == 4 && t.dtype == dtype && t.device == s.device && t.shape[0] == s.batch &&
             t.shape[1] == s.h_kv && t.shape[2] >= min_blocks && t.shape[3] == s.d &&
             (t.shape[3] <= 1 || t.stride[3] == 1) && (t.data != nullptr || t.numel() == 0);
   for (int i = 0; ok && i < 4; ++i) ok = t.stride[i] >= 0;

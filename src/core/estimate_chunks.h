@@ -21,8 +21,13 @@ struct EstimateChunks {
                                          // cache receives valid .. complete - 1
 };
 
+// The dtype estimate_select's block means are stored in (docs/semantics.md §3.5): the input
+// dtype, bf16 for fp8_e4m3 inputs (the means are of their dequantized values, which E4M3's range
+// and 3 mantissa bits would not hold).
+DType block_mean_dtype(DType input);
+
 // Validates prompt_len (host int32 [b], each >= s_k), the cache tensors ([b, h_kv, max_blocks, d]
-// in the input dtype on q's device, last dimension contiguous, max_blocks >= every s_k / block)
+// in block_mean_dtype on q's device, last dimension contiguous, max_blocks >= every s_k / block)
 // and block_means_valid (host int32 [b], 0 <= valid <= s_k / block), and reads them. Errors
 // name the argument.
 Status read_estimate_chunks(const EstimateSelectParams& p, const ProblemShape& s, EstimateChunks* out);

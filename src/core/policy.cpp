@@ -7,7 +7,6 @@
 #include <cstdlib>
 #include <sstream>
 
-#include "core/policy_dtype.h"
 
 namespace sparseprefill {
 namespace {
@@ -203,17 +202,5 @@ Status validate_policy(const Policy& policy) {
         return {};
       }}, policy);
 }
-
-namespace detail {
-
-Status check_policy_dtype(const Policy& policy, DType dtype) {
-  if (dtype != DType::kFP8E4M3 || std::holds_alternative<DenseParams>(policy) ||
-      std::holds_alternative<BlockSparseParams>(policy)) {
-    return {};
-  }
-  return unsupported(std::string(policy_name(policy)) + ": fp8_e4m3 inputs run dense and block_sparse only");
-}
-
-}  // namespace detail
 
 }  // namespace sparseprefill

@@ -315,7 +315,8 @@ Status check_support(const ProblemShape& shape, const Policy& policy, int* block
     }
     const auto* mask = std::get_if<BlockSparseParams>(&policy);
     if (mask == nullptr && !std::holds_alternative<DenseParams>(policy)) {
-      return unsupported(std::string(policy_name(policy)) + ": fp8_e4m3 inputs run dense and block_sparse only");
+      return unsupported(std::string(policy_name(policy)) + ": fp8_e4m3 inputs on CUDA run dense and block_sparse only "
+                         "(the reference and cpu backends run every policy)");
     }
     if (mask != nullptr && (mask->block_q() != kBlockQ || mask->block_k() != hopper_block_k())) {
       return unsupported("block_sparse mask: fp8_e4m3 inputs on CUDA need 128 x 128 blocks, got " +

@@ -9,7 +9,6 @@
 #include <sstream>
 
 #include "core/estimate_chunks.h"
-#include "core/policy_dtype.h"
 #include "core/stats.h"
 #include "dispatch/dispatch.h"
 #include "sparseprefill/plan.h"
@@ -42,7 +41,6 @@ Status validate_policy_for(const Policy& policy, const ProblemShape& s) {
     detail::EstimateChunks chunks;
     SP_RETURN_IF_ERROR(detail::read_estimate_chunks(*es, s, &chunks));
   }
-  SP_RETURN_IF_ERROR(detail::check_policy_dtype(policy, s.dtype));
   if (!s.causal && (std::holds_alternative<EstimateSelectParams>(policy) ||
                     std::holds_alternative<PermuteStopParams>(policy))) {
     return unsupported(std::string(policy_name(policy)) + ": defined for causal attention only (causal = false given)");

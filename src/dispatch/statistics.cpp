@@ -25,8 +25,9 @@ Status check_sample(const char* who, const AttentionProblem& sample, ProblemShap
     return invalid_argument(std::string(who) + ": sample.causal: calibration expects causal (prefill) samples");
   }
   if (shape->dtype == DType::kFP8E4M3) {
-    return unsupported(std::string(who) + ": sample: fp8_e4m3 inputs run dense and block_sparse only, which need no "
-                       "calibration; calibrate on the bf16/fp16 activations");
+    return unsupported(std::string(who) + ": sample: calibration takes bf16, fp16 or fp32 samples, got fp8_e4m3; "
+                       "calibrate on the model's 16-bit activations (FP8 inputs apply the thresholds to their "
+                       "dequantized scores)");
   }
   // The statistics are those of the policies' rules on causal prefixes of plain scores; a local
   // window changes which blocks are visible and softcap every score, so neither is calibrated

@@ -29,7 +29,8 @@ BlockMeans block_means(const Sequence& seq, const EstimateSelectParams& p, std::
   means.length.assign(static_cast<std::size_t>(blocks), 0);
   std::vector<double> sum(static_cast<std::size_t>(seq.d > seq.d_v ? seq.d : seq.d_v));
   std::vector<float> k_cached(static_cast<std::size_t>(seq.d)), v_cached(static_cast<std::size_t>(seq.d_v));
-  const auto round = [&seq](float x) { return static_cast<double>(round_to(seq.dtype, x)); };
+  const DType mean_dtype = detail::block_mean_dtype(seq.dtype);
+  const auto round = [mean_dtype](float x) { return static_cast<double>(round_to(mean_dtype, x)); };
   for (int j = 0; j < blocks; ++j) {
     means.length[static_cast<std::size_t>(j)] = g.key_end(j) - g.key_begin(j);
     for (int hk = 0; hk < seq.h_kv; ++hk) {

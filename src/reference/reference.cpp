@@ -12,7 +12,6 @@
 #include <vector>
 
 #include "core/estimate_chunks.h"
-#include "core/policy_dtype.h"
 #include "core/rules/nan_max.h"
 #include "reference/decide.h"
 #include "reference/row_sets.h"
@@ -33,7 +32,6 @@ Status check_host(const ProblemShape& shape) {
 
 // The policy's checks that need the problem's shape (validate_policy checks the rest).
 Status check_policy_for(const ProblemShape& shape, const Policy& policy) {
-  SP_RETURN_IF_ERROR(detail::check_policy_dtype(policy, shape.dtype));
   if (const auto* bs = std::get_if<BlockSparseParams>(&policy)) {
     const Status s = bs->mask.validate_for(shape);
     if (!s.ok()) return {s.code(), "mask: " + s.message()};

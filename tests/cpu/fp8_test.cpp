@@ -12,6 +12,7 @@
 #include <vector>
 
 #include "common/cases.h"
+#include "common/decisions.h"
 #include "common/inputs.h"
 #include "common/results.h"
 #include "common/tolerance.h"
@@ -90,17 +91,19 @@ HostTensor descales(int batch, int h_kv, double base) {
 }
 
 // An fp8 problem with power-of-two descales (2^-1 .. 2^1 times `base`, per (b, kv head)) and
-// its twin in fp32 holding the dequantized values, which are exact in fp32.
+// its twin in fp32 (or `twin`) holding the dequantized values, which are exact in fp32 and in
+// bf16 (E4M3's 4 significant bits times a power of two). The bf16 twin stores estimate_select's
+// block means as the fp8 problem does (block_mean_dtype), the fp32 one rounds them to fp32.
 struct Twins {
   Inputs in8, in32;
   TestProblem p8, p32;
 };
 
 Twins make_twins(const std::vector<SeqLen>& lengths, int h_q, int h_kv, int d, std::uint64_t seed, bool causal,
-                 Layout layout = Layout::kBatched) {
+                 Layout layout = Layout::kBatched, DType twin = DType::kFP32) {
   Twins t;
   t.in8 = random_inputs(lengths, h_q, h_kv, d, DType::kFP8E4M3, seed, 3.0);
-  t.in32 = empty_inputs(lengths, h_q, h_kv, d, DType::kFP32);
+  t.in32 = empty_inputs(lengths, h_q, h_kv, d, twin);
   const int batch = static_cast<int>(lengths.size());
   const HostTensor qd = descales(batch, h_kv, 0.5), kd = descales(batch, h_kv, 1.0), vd = descales(batch, h_kv, 2.0);
   for (int b = 0; b < batch; ++b) {
@@ -183,20 +186,53 @@ TEST(Fp8, ValidationNamesTheArgument) {
     tp.k = HostTensor(DType::kBF16, tp.k.shape());
     expect_error(validate_problem(tp.problem(), nullptr, &s), "k, v: expected q's dtype fp8_e4m3");
   }
-  // Dense and block_sparse only, on every entry point; no calibration on fp8 samples.
-  RunOptions opt;
-  opt.backend = Backend::kCPU;
-  for (const Policy& p : {Policy{SoftmaxSkipParams{}}, Policy{EstimateSelectParams{}}, Policy{PermuteStopParams{}}}) {
-    const Status st = run(t.p8.problem(), p, t.p8.output(), opt);
-    EXPECT_EQ(st.code(), StatusCode::kUnsupported) << policy_name(p);
-    expect_error(st, "fp8_e4m3 inputs run dense and block_sparse only");
-    ref::Result r;
-    EXPECT_EQ(ref::run_reference(t.p8.problem(), p, &r).code(), StatusCode::kUnsupported) << policy_name(p);
-  }
+  // No calibration on fp8 samples (thresholds come from the model's 16-bit activations).
   std::vector<BlockStatistics> stats;
   const Status cal = compute_block_statistics(t.p8.problem(), 16, 16, true, false, &stats);
   EXPECT_EQ(cal.code(), StatusCode::kUnsupported);
-  expect_error(cal, "fp8_e4m3 inputs run dense and block_sparse only, which need no calibration");
+  expect_error(cal, "calibration takes bf16, fp16 or fp32 samples, got fp8_e4m3");
+  // estimate_select's cache of block means holds bf16 for fp8 inputs (block_mean_dtype).
+  for (DType dtype : {DType::kFP8E4M3, DType::kFP32}) {
+    HostTensor k(dtype, {2, 2, 3, 16}), v(dtype, {2, 2, 3, 16}), valid(DType::kInt32, {2});
+    EstimateSelectParams p = small_estimate_select(0.2, 8);
+    p.k_block_means = k.view();
+    p.v_block_means = v.view();
+    p.block_means_valid = valid.view();
+    for (Backend backend : {Backend::kReference, Backend::kCPU}) {
+      RunOptions opt;
+      opt.backend = backend;
+      const Status st = run(t.p8.problem(), p, t.p8.output(), opt);
+      EXPECT_EQ(st.code(), StatusCode::kInvalidArgument) << dtype_name(dtype);
+      expect_error(st, "k_block_means: expected [batch = 2, h_kv = 2, max_blocks >= 5, d = 16] bf16 on q's device");
+    }
+  }
+}
+
+// Every policy on fp8 inputs, small blocks: exact_gate at a threshold that keeps some blocks,
+// softmax_skip, estimate_select without and with mean correction, permute_stop (the last three
+// causal only).
+std::vector<Policy> every_policy(int h_q, HostTensor* thresholds, bool causal) {
+  ExactGateParams gate;
+  gate.block_q = 16;
+  gate.block_k = 8;
+  *thresholds = HostTensor(DType::kFP32, {h_q, 1});
+  for (std::int64_t i = 0; i < thresholds->numel(); ++i) set(thresholds, i, 0.5);
+  gate.thresholds = thresholds->view();
+  SoftmaxSkipParams skip;
+  skip.block_q = 16;
+  skip.block_k = 8;
+  skip.a = 40.0;
+  std::vector<Policy> out = {Policy{gate}, Policy{skip}};
+  if (causal) {
+    PermuteStopParams permute;
+    permute.segment = 32;
+    permute.tau = 0.01;
+    permute.block_q = 16;
+    permute.block_k = 8;
+    out.insert(out.end(), {Policy{small_estimate_select(0.2, 8)}, Policy{small_estimate_select(0.2, 8, true)},
+                           Policy{permute}});
+  }
+  return out;
 }
 
 // The oracle runs on the dequantized values: with power-of-two descales its results equal,
@@ -213,6 +249,32 @@ TEST(Fp8, OracleEqualsTheOracleOnDequantizedValues) {
       ASSERT_EQ(r8.o.size(), r32.o.size());
       for (std::size_t i = 0; i < r8.o.size(); ++i) ASSERT_EQ(r8.o[i], r32.o[i]) << i;
       for (std::size_t i = 0; i < r8.lse.size(); ++i) ASSERT_EQ(r8.lse[i], r32.lse[i]) << i;
+    }
+  }
+}
+
+// Every policy decides on the dequantized values: on fp8 inputs the oracle's decisions and
+// results equal its own on the bf16 twin bit for bit (estimate_select's means are bf16 in both),
+// and each policy decides something (neither all blocks kept nor none).
+TEST(Fp8, EveryPolicyOfTheOracleEqualsItOnDequantizedValues) {
+  for (bool causal : {true, false}) {
+    SCOPED_TRACE(causal ? "causal" : "non-causal");
+    const Twins t = make_twins({{70, 70}, {33, 90}, {5, 0}}, 6, 2, 32, 22, causal, Layout::kVarlen, DType::kBF16);
+    HostTensor thresholds;
+    for (const Policy& p : every_policy(t.in8.h_q, &thresholds, causal)) {
+      SCOPED_TRACE(policy_name(p));
+      ref::Result r8, r16;
+      ASSERT_TRUE(ref::run_reference(t.p8.problem(), p, &r8).ok());
+      ASSERT_TRUE(ref::run_reference(t.p32.problem(), p, &r16).ok());
+      EXPECT_TRUE(same_decisions(r16.decisions, r8.decisions));
+      EXPECT_TRUE(same_result(r8, r16, 0.0));
+      RunOptions opt;
+      opt.backend = Backend::kReference;
+      RunStats stats;
+      TestProblem tp = t.p8;
+      ASSERT_TRUE(run(tp.problem(), p, tp.output(), opt, &stats).ok());
+      EXPECT_GT(stats.pair_density(), 0.0);
+      EXPECT_LT(stats.pair_density(), 1.0);
     }
   }
 }
@@ -251,6 +313,36 @@ TEST(Fp8, CpuBackendEqualsItsRunOnDequantizedValues) {
       Tolerance tight;
       tight.factor = 0.0;
       EXPECT_TRUE(matches_reference(odd.problem(), p, odd.output(), tight));
+    }
+  }
+}
+
+// The CPU backend runs every policy on fp8 inputs as on their bf16 twin: the same decisions and
+// the same bf16 O and LSE, bit for bit (contiguous and paged K/V). The descales' own handling
+// (any value, each element reaching its (batch, kv head)) is the dense tests' above: the policies
+// read the same dequantized values.
+TEST(Fp8, EveryPolicyOfTheCpuBackendEqualsItOnDequantizedValues) {
+  RunOptions opt;
+  opt.backend = Backend::kCPU;
+  opt.num_threads = 2;
+  for (Layout layout : {Layout::kBatched, Layout::kPaged}) {
+    SCOPED_TRACE(layout == Layout::kPaged ? "paged" : "batched");
+    Twins t = make_twins({{70, 70}, {33, 90}}, 4, 2, 32, 32, true, layout, DType::kBF16);
+    HostTensor thresholds;
+    for (const Policy& p : every_policy(t.in8.h_q, &thresholds, true)) {
+      SCOPED_TRACE(policy_name(p));
+      Decisions d8, d16;
+      ASSERT_TRUE(run(t.p8.problem(), p, t.p8.output(), opt, nullptr, &d8).ok());
+      ASSERT_TRUE(run(t.p32.problem(), p, t.p32.output(), opt, nullptr, &d16).ok());
+      EXPECT_TRUE(same_decisions(d16, d8));
+      ASSERT_EQ(t.p8.o.numel(), t.p32.o.numel());
+      for (std::int64_t i = 0; i < t.p8.o.numel(); ++i) {
+        ASSERT_EQ(t.p8.o.as<std::uint16_t>()[i], t.p32.o.as<std::uint16_t>()[i]) << i;
+      }
+      for (std::int64_t i = 0; i < t.p8.lse.numel(); ++i) {
+        const float a = t.p8.lse.as<float>()[i], b = t.p32.lse.as<float>()[i];
+        ASSERT_TRUE(a == b || (std::isnan(a) && std::isnan(b))) << i;
+      }
     }
   }
 }

@@ -299,7 +299,7 @@ TEST(CudaPlan, Fp8RunsDenseAndBlockSparseOnTheHopperInstance) {
   expect_unsupported(s, mask, "fp8_e4m3 inputs on CUDA need 128 x 128 blocks, got 128 x 64");
   ExactGateParams gate;
   gate.block_k = 128;
-  expect_unsupported(s, gate, "exact_gate: fp8_e4m3 inputs run dense and block_sparse only");
+  expect_unsupported(s, gate, "exact_gate: fp8_e4m3 inputs on CUDA run dense and block_sparse only");
   expect_unsupported(cuda_shape_of(300, 300, 4, 1, 64, DType::kFP8E4M3), DenseParams{},
                      "fp8_e4m3 inputs run on CUDA with head_dim 128 only (the Hopper kernel's fp8 instance), got 64");
   ProblemShape paged = s;

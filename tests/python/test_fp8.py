@@ -1,10 +1,10 @@
 # SPDX-License-Identifier: Apache-2.0
 """FP8 (torch.float8_e4m3fn) inputs with FlashAttention-3's q_descale, k_descale, v_descale
 through the FlashAttention functions, the torch ops and the native calls, on the CPU backend
-(the one backend with FP8 inputs, docs/semantics.md §1): bit for bit the CPU backend's run on
-the dequantized values with O rounded to bfloat16, within one bfloat16 unit of float64
-attention, each descale element applied to its own (batch, kv head), and every bad argument
-named."""
+(docs/semantics.md §1): bit for bit the CPU backend's run on the dequantized values with O
+rounded to bfloat16, within one bfloat16 unit of float64 attention, each descale element applied
+to its own (batch, kv head), every policy deciding as on the dequantized values, and every bad
+argument named."""
 
 import re
 
@@ -76,6 +76,37 @@ def test_fp8_equals_its_run_on_dequantized_values(policy_name, causal):
     assert_within_one_bf16_unit(out, ref)
     # The native call and the op agree.
     assert torch.equal(sp.run(q, k, v, policy, causal=causal, **descale_args(descales)).out, out)
+
+
+def every_policy(h_q):
+    return [sp.ExactGate(block_q=16, block_k=16, thresholds=torch.full((h_q, 1), 0.5)),
+            sp.SoftmaxSkip(block_q=16, block_k=16, a=90.0),
+            sp.EstimateSelect(block=16, alpha=0.2, sink=1, window=1, tail=1),
+            sp.EstimateSelect(block=16, alpha=0.2, sink=1, window=1, tail=1, mean_correction=True),
+            sp.PermuteStop(segment=64, tau=0.05, block_q=16, block_k=16)]
+
+
+@pytest.mark.parametrize("index", range(5), ids=["exact_gate", "softmax_skip", "estimate_select",
+                                                 "estimate_select_mc", "permute_stop"])
+def test_fp8_every_policy_equals_its_run_on_the_bf16_twin(index):
+    """Every policy decides on the dequantized values (docs/semantics.md §1). With power-of-two
+    descales those are exact in bfloat16 (E4M3 holds 4 significant bits), and estimate_select's
+    block means are bfloat16 for FP8 inputs, so the FP8 run is the bfloat16 twin's bit for bit:
+    decisions, O and LSE; and each policy prunes some of the work."""
+    b, s, h_q, h_kv, d = 2, 256, 6, 2, 32
+    q, k, v, _ = fp8_inputs(62, b, s, s, h_q, h_kv, d)
+    descales = tuple(torch.tensor([[0.5, 2.0], [1.0, 0.25]]) * f for f in (1.0, 0.5, 2.0))
+    twin = [dequantized(x, c).to(torch.bfloat16) for x, c in zip((q, k, v), descales)]
+    assert all(torch.equal(t.float(), dequantized(x, c)) for t, x, c in zip(twin, (q, k, v), descales))
+    policy = every_policy(h_q)[index]
+    got = sp.run(q, k, v, policy, causal=True, decisions=True, **descale_args(descales))
+    want = sp.run(*twin, policy, causal=True, decisions=True)
+    assert torch.equal(got.out, want.out) and torch.equal(got.lse, want.lse)
+    a, w = got.decisions, want.decisions
+    assert a.policy == w.policy and np.array_equal(a.tiles, w.tiles) and np.array_equal(a.query_order, w.query_order)
+    for mine, theirs in ((a.kept, w.kept), (a.corrected, w.corrected)):
+        assert (mine is None) == (theirs is None) and (mine is None or np.array_equal(mine.to_dense(), theirs.to_dense()))
+    assert 0 < got.stats.pair_density < 1
 
 
 def test_fp8_descales_reach_their_batch_and_kv_head():
@@ -208,12 +239,6 @@ def bad_cases():
         ("out dtype", call(out=torch.empty(q.shape, dtype=FP8)), sp.InvalidArgumentError,
          "out: expected dtype bfloat16 (float8_e4m3fn inputs give a bfloat16 output), got float8_e4m3fn"),
         ("mixed dtypes", call(k=bf16[1]), sp.InvalidArgumentError, "k, v: expected q's dtype float8_e4m3fn"),
-        ("softmax_skip", call(policy=sp.SoftmaxSkip(block_q=16, block_k=16)), sp.UnsupportedError,
-         "softmax_skip: fp8_e4m3 inputs run dense and block_sparse only"),
-        ("estimate_select", call(policy=sp.EstimateSelect(block=16)), sp.UnsupportedError,
-         "estimate_select: fp8_e4m3 inputs run dense and block_sparse only"),
-        ("native", lambda: sp.run(q, k, v, sp.PermuteStop(segment=16, block_q=16, block_k=16)), sp.UnsupportedError,
-         "permute_stop: fp8_e4m3 inputs run dense and block_sparse only"),
     ]
 
 
