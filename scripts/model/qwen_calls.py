@@ -3,7 +3,9 @@
 """Prints issue 32's device calls in order, to be made back to back on one warm machine (it goes
 back after 30 s idle): for each call the paths to carry, the command, its timeout and the seconds
 it is expected to take; then the plan's sizing. Run scripts/model/fetch_qwen.sh and
-scripts/model/pack_qwen.sh first. --json prints one JSON object per call instead.
+scripts/model/pack_qwen.sh first. --json prints one JSON object per call instead. A call whose
+working tree and carry paths (as packed here) exceed the 64 MiB one call carries is named on
+stderr, and the exit status is 1.
 
 If the machine is lost between calls: copy the last call's qwen-long.json and cal.safetensors
 into .carry/qwen-results/ (as results.json and cal.safetensors), then make the calls of
@@ -13,6 +15,8 @@ also runs a branch's GPU suite beside the uploads."""
 
 import argparse
 import json
+import os
+import pathlib
 import shlex
 import subprocess
 import sys
@@ -36,6 +40,44 @@ EXPECT = {
 PER_PROMPT = {32768: 0.50, 16384: 0.20, 8192: 0.09, 4096: 0.05}
 PROMPTS = 8 * 40  # tasks x samples per (setting, length)
 CHOSEN = 6        # FlashPrefill V2's alpha 0.1 with and without mean correction, one per other policy
+
+
+CARRY_LIMIT = 64 << 20  # bytes one device call carries: the working tree's copy and its carry paths
+
+
+def path_bytes(path: pathlib.Path) -> int:
+    """Bytes of a file, or of every file under a folder; 0 when it does not exist."""
+    if path.is_file():
+        return path.stat().st_size
+    return sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
+
+
+def tree_bytes(root: pathlib.Path) -> int:
+    """Bytes of the working tree the device tool copies: tracked files and untracked ones git does
+    not ignore."""
+    names = subprocess.run(["git", "ls-files", "-z", "-co", "--exclude-standard"], capture_output=True, cwd=root,
+                           check=True).stdout.split(b"\0")
+    return sum((root / os.fsdecode(n)).stat().st_size for n in names if n and (root / os.fsdecode(n)).is_file())
+
+
+def oversized(calls_: list, tree: int, size_of) -> list:
+    """(call number, bytes) of each call whose tree plus carry paths exceed CARRY_LIMIT;
+    size_of(path) gives a carry path's bytes."""
+    out = []
+    for i, c in enumerate(calls_, 1):
+        total = tree + sum(size_of(path) for path in c["carry"])
+        if total > CARRY_LIMIT:
+            out.append((i, total))
+    return out
+
+
+def check_sizes(calls_: list, root: pathlib.Path) -> bool:
+    """Says which calls would not fit one device call (the packed parts as they are here); False then."""
+    big = oversized(calls_, tree_bytes(root), lambda path: path_bytes(root / path))
+    for i, total in big:
+        print(f"call {i}: the tree and its carry paths hold {total / (1 << 20):.1f} MiB, over the "
+              f"{CARRY_LIMIT >> 20} MiB a call carries", file=sys.stderr)
+    return not big
 
 
 def part_calls(then: str, timeout_s: int, expect_s: int, note: str, prefix: str = "") -> list:
@@ -158,8 +200,9 @@ def main() -> int:
     args = p.parse_args()
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
     bench = " ".join(shlex.quote(a) for a in shlex.split(args.bench))
-    for i, c in enumerate(calls(args.first_eval, args.second_eval, args.resume, args.patch, bench,
-                                commit or "unknown"), 1):
+    plan_calls = calls(args.first_eval, args.second_eval, args.resume, args.patch, bench, commit or "unknown")
+    fits = check_sizes(plan_calls, pathlib.Path(__file__).resolve().parents[2])
+    for i, c in enumerate(plan_calls, 1):
         if args.json:
             print(json.dumps(dict(c, call=i)))
         else:
@@ -174,7 +217,7 @@ def main() -> int:
               "2026-11-29-h200-smollm2-b128-operator-timing.json --mc-analysis bench/records/quality/"
               "2026-11-30-cpu-smollm2-b128-mc-analysis.json --long bench/records/quality/DATE-h200-qwen25-coder-"
               "1.5b-long.json")
-    return 0
+    return 0 if fits else 1
 
 
 if __name__ == "__main__":

@@ -195,10 +195,12 @@ def main() -> int:
         return 0
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
                             cwd=pathlib.Path(__file__).parent).stdout.strip() or "unknown"
+    fits = True
     for name, make in SESSIONS.items():
         if args.session not in (None, name):
             continue
         calls = make(commit, args.patch) if make is session_c else make(commit)
+        fits = qwen_calls.check_sizes(calls, pathlib.Path(__file__).resolve().parents[2]) and fits
         if args.json:
             for i, c in enumerate(calls, 1):
                 print(json.dumps(dict(c, session=name, call=i)))
@@ -214,7 +216,7 @@ def main() -> int:
     if not args.json:
         print("A stage that would not fit the rest of its call is skipped (summary.txt says so): add it to the "
               "next call.\nEach call's $OUT/vllm-results.md holds every result of its session so far.")
-    return 0
+    return 0 if fits else 1
 
 
 if __name__ == "__main__":

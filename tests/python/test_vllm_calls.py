@@ -141,3 +141,16 @@ def test_the_qwen_plan_runs_a_benchmark_in_one_part_call_after_the_package_built
     assert "SP_LIB=installed SP_COMMIT=c0ffee" in cmd
     assert bench[qwen_calls.BENCH_CALL - 1]["timeout_s"] <= 600 and "install" in bench[0]["command"]
     assert not any("run_benchmarks" in c["command"] for c in plain)
+
+
+def test_a_call_whose_tree_and_carry_exceed_the_limit_is_named():
+    plan = qwen_calls.calls(520, 420, resume=True)
+    sizes = {".carry/qwen-results": 2 << 20}
+    part = lambda path: 50 << 20 if path.startswith(".carry/qwen/") else sizes.get(path, 0)  # noqa: E731
+    assert qwen_calls.oversized(plan, 12 << 20, part) == []
+    # The call with part 22 also carries the earlier results: 64 MiB and a byte more does not fit.
+    over = qwen_calls.oversized(plan, (12 << 20) + 1, part)
+    assert over == [(qwen_calls.PARTS, (64 << 20) + 1)]
+    assert qwen_calls.oversized(plan, 15 << 20, part) == [(i, (65 << 20) + (2 << 20 if i == qwen_calls.PARTS else 0))
+                                                          for i in range(1, qwen_calls.PARTS + 1)]
+    assert qwen_calls.path_bytes(ROOT / "no-such-path") == 0 and qwen_calls.tree_bytes(ROOT) > 0
