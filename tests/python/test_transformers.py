@@ -2,8 +2,8 @@
 """The transformers backend on a tiny Llama-architecture model with random weights (GQA):
 dense mode gives sdpa's logits (also with padding and in cached generation), and every
 policy runs per layer with decode and short prefills routed to dense. Tiny random Gemma 2,
-Gemma 3, gpt-oss and Phi-3 models (softcap, sliding windows, sinks, head dims 256 and 96) give
-transformers' own logits in dense mode."""
+Gemma 3, gpt-oss, Phi-3 and DeepSeek-V3 models (softcap, sliding windows, sinks, head dims 256
+and 96, MLA's V head dim unlike Q/K's) give transformers' own logits in dense mode."""
 
 import json
 import struct
@@ -178,7 +178,8 @@ def test_unsupported_arguments_raise():
 # Tiny random models of the families whose attention uses the model-family features (docs/
 # semantics.md §1), each against transformers' own attention in dense mode on the CPU backend:
 # Gemma 2 (softcap, with sliding layers), Gemma 3 (head_dim 256, sliding window), gpt-oss
-# (learned sinks, 128-token window) and Phi-3 (head_dim 96). initializer_range 0.2 makes the
+# (learned sinks, 128-token window), Phi-3 (head_dim 96) and DeepSeek-V3 (MLA: a V head dim
+# unlike Q/K's). initializer_range 0.2 makes the
 # scores large enough for each feature to change the logits (checked against the model with the
 # feature removed). Reference: eager where sdpa lacks the feature (softcap, sinks).
 FAMILIES = {
@@ -200,6 +201,13 @@ FAMILIES = {
              dict(hidden_size=192, intermediate_size=256, num_attention_heads=2, num_key_value_heads=1,
                   pad_token_id=0),
              None),
+    # MLA: q/k of qk_nope + qk_rope = 48 features, v of 32 (DeepSeek-V2/V3's 192/128 in small).
+    "deepseek_v3": ("DeepseekV3ForCausalLM", "DeepseekV3Config", "sdpa", 48,
+                    dict(hidden_size=128, intermediate_size=256, moe_intermediate_size=64, num_attention_heads=4,
+                         num_key_value_heads=4, q_lora_rank=None, kv_lora_rank=32, qk_nope_head_dim=32,
+                         qk_rope_head_dim=16, v_head_dim=32, n_routed_experts=4, num_experts_per_tok=2,
+                         first_k_dense_replace=1, n_group=1, topk_group=1),
+                    None),
 }
 
 
@@ -248,11 +256,12 @@ def test_model_family_logits_match_transformers(name):
 
 
 # The families whose features the CUDA kernels take (windows, softcap, sinks; head dims 64, 96,
-# 128 and 256), Gemma 2 and gpt-oss at head_dim 64, Gemma 3 and Phi-3 at theirs (256, 96), bf16 on
+# 128 and 256; q/k 192 with v 128), Gemma 2 and gpt-oss at head_dim 64, Gemma 3, Phi-3 and
+# DeepSeek-V3 at theirs (256, 96, 192/128), bf16 on
 # the GPU: our logits against the fp32 model's within twice the error of transformers' own
 # attention in bf16 (assert_logits_close's rule).
 CUDA_FAMILIES = {"gemma2": dict(head_dim=64, query_pre_attn_scalar=64), "gpt_oss": dict(head_dim=64), "gemma3": {},
-                 "phi3": {}}
+                 "phi3": {}, "deepseek_v3": dict(qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128)}
 
 
 @pytest.mark.skipif("cuda" not in DEVICES, reason="the CUDA kernels' model-family features")
