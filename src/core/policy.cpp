@@ -7,7 +7,6 @@
 #include <cstdlib>
 #include <sstream>
 
-
 namespace sparseprefill {
 namespace {
 

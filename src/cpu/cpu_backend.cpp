@@ -721,11 +721,12 @@ Status estimate_select_plan(const AttentionProblem& problem, const ProblemShape&
     detail::gather_q<float>(problem, shape, b, &sq.q);
     detail::gather_kv<float>(problem, shape, b, false, &raw);
     const geom::BlockGeometry mg{sq.seq, B, B};
-    block_means(raw, mg, shape.h_kv, shape.d, detail::block_mean_dtype(shape.dtype), params.k_block_means, b, cached, &plan->k_mean[sz(b)]);
+    const DType mean_dtype = detail::block_mean_dtype(shape.dtype);
+    block_means(raw, mg, shape.h_kv, shape.d, mean_dtype, params.k_block_means, b, cached, &plan->k_mean[sz(b)]);
     // The cache holds both means of a block (a later chunk may correct with v̄).
     if (params.mean_correction || chunks.cached) {
       detail::gather_kv<float>(problem, shape, b, true, &raw);
-      block_means(raw, mg, shape.h_kv, shape.d_v, detail::block_mean_dtype(shape.dtype), params.v_block_means, b, cached, &plan->v_mean[sz(b)]);
+      block_means(raw, mg, shape.h_kv, shape.d_v, mean_dtype, params.v_block_means, b, cached, &plan->v_mean[sz(b)]);
     }
     const int nkb = mg.num_k_blocks();
     // The blocks this call completes go to the cache: each block's mean is computed once.
