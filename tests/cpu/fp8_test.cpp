@@ -279,13 +279,27 @@ TEST(Fp8, EveryPolicyOfTheOracleEqualsItOnDequantizedValues) {
   }
 }
 
+RunOptions cpu_options() {
+  RunOptions opt;
+  opt.backend = Backend::kCPU;
+  opt.num_threads = 2;
+  return opt;
+}
+
+// Two runs' LSE bit for bit (NaN where the other is NaN).
+void expect_same_lse(const HostTensor& got, const HostTensor& want) {
+  ASSERT_EQ(got.numel(), want.numel());
+  for (std::int64_t i = 0; i < got.numel(); ++i) {
+    const float a = got.as<float>()[i], b = want.as<float>()[i];
+    ASSERT_TRUE(a == b || (std::isnan(a) && std::isnan(b))) << i;
+  }
+}
+
 // The CPU backend on fp8 inputs computes exactly what it computes on the fp32 twin, O then
 // rounded to bf16 instead of stored as fp32; and within one bf16 rounding of the oracle with
 // descales that are not powers of two.
 TEST(Fp8, CpuBackendEqualsItsRunOnDequantizedValues) {
-  RunOptions opt;
-  opt.backend = Backend::kCPU;
-  opt.num_threads = 2;
+  const RunOptions opt = cpu_options();
   for (Layout layout : {Layout::kBatched, Layout::kPaged}) {
     SCOPED_TRACE(layout == Layout::kPaged ? "paged" : "batched");
     Twins t = make_twins({{70, 70}, {33, 90}}, 4, 1, 32, 31, true, layout);
@@ -297,10 +311,7 @@ TEST(Fp8, CpuBackendEqualsItsRunOnDequantizedValues) {
       for (std::int64_t i = 0; i < t.p8.o.numel(); ++i) {
         ASSERT_EQ(t.p8.o.as<std::uint16_t>()[i], float_to_bf16(t.p32.o.as<float>()[i])) << i;
       }
-      for (std::int64_t i = 0; i < t.p8.lse.numel(); ++i) {
-        const float a = t.p8.lse.as<float>()[i], b = t.p32.lse.as<float>()[i];
-        ASSERT_TRUE(a == b || (std::isnan(a) && std::isnan(b))) << i;
-      }
+      expect_same_lse(t.p8.lse, t.p32.lse);
       // Against the oracle, descales 0.3 / 1.7 / 0.9 (not powers of two): the fp32 compute's
       // error plus O's bf16 rounding stays within one bf16 unit of the largest output.
       TestProblem odd = t.p8;
@@ -322,9 +333,7 @@ TEST(Fp8, CpuBackendEqualsItsRunOnDequantizedValues) {
 // (any value, each element reaching its (batch, kv head)) is the dense tests' above: the policies
 // read the same dequantized values.
 TEST(Fp8, EveryPolicyOfTheCpuBackendEqualsItOnDequantizedValues) {
-  RunOptions opt;
-  opt.backend = Backend::kCPU;
-  opt.num_threads = 2;
+  const RunOptions opt = cpu_options();
   for (Layout layout : {Layout::kBatched, Layout::kPaged}) {
     SCOPED_TRACE(layout == Layout::kPaged ? "paged" : "batched");
     Twins t = make_twins({{70, 70}, {33, 90}}, 4, 2, 32, 32, true, layout, DType::kBF16);
@@ -339,10 +348,7 @@ TEST(Fp8, EveryPolicyOfTheCpuBackendEqualsItOnDequantizedValues) {
       for (std::int64_t i = 0; i < t.p8.o.numel(); ++i) {
         ASSERT_EQ(t.p8.o.as<std::uint16_t>()[i], t.p32.o.as<std::uint16_t>()[i]) << i;
       }
-      for (std::int64_t i = 0; i < t.p8.lse.numel(); ++i) {
-        const float a = t.p8.lse.as<float>()[i], b = t.p32.lse.as<float>()[i];
-        ASSERT_TRUE(a == b || (std::isnan(a) && std::isnan(b))) << i;
-      }
+      expect_same_lse(t.p8.lse, t.p32.lse);
     }
   }
 }
