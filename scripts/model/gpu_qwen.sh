@@ -41,7 +41,7 @@ if [ -d "$carry" ] && [ ! -f "$run/results.json" ]; then
     # The calibration is made again below, dated as the results record it (SOURCE_DATE_EPOCH):
     # the same model, text and statistics then give the same file, which longctx checks
     # against the results' calibration_sha256 before it goes on.
-    SOURCE_DATE_EPOCH=$(cd /tmp && "$py" -c 'import json, sys; from sparseprefill.quality.longctx import calibration_epoch
+    SOURCE_DATE_EPOCH=$(cd /tmp && "$py" -c 'import json, sys; from sparseprefill.quality.data import calibration_epoch
 print(calibration_epoch(json.load(open(sys.argv[1]))))' "$run/results.json") || exit 2
     export SOURCE_DATE_EPOCH
     note "carried results resumed; their calibration is made again, dated $(date -u -d "@$SOURCE_DATE_EPOCH" +%F)"

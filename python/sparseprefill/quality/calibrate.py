@@ -13,7 +13,6 @@ block sizes are in the file's reserved keys."""
 from __future__ import annotations
 
 import argparse
-import datetime
 import glob
 import os
 import shlex
@@ -116,20 +115,6 @@ def calibrate_on_gpu(model, wins, args: argparse.Namespace, output: str, metadat
     cal.save(output, metadata)
 
 
-def record_date() -> str:
-    """The date the file records: SOURCE_DATE_EPOCH's (the reproducible-builds convention; UTC)
-    when it is set, so that a calibration made again from the same model, text and arguments is
-    the same file, byte for byte (what a resumed quality run checks: longctx's
-    calibration_sha256); today's otherwise."""
-    epoch = os.environ.get("SOURCE_DATE_EPOCH")
-    if not epoch:
-        return datetime.date.today().isoformat()
-    try:
-        return datetime.datetime.fromtimestamp(int(epoch), datetime.timezone.utc).date().isoformat()
-    except (ValueError, OverflowError, OSError):
-        raise SystemExit(f"SOURCE_DATE_EPOCH: expected whole seconds since 1970-01-01 UTC, got {epoch!r}")
-
-
 def add_metadata(path: str, extra: Dict[str, str]) -> None:
     """Rewrites a calibration file with `extra` added to its free-form metadata."""
     from safetensors import safe_open
@@ -170,7 +155,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         "qk_dtype": str(next(iter(model.parameters())).dtype).replace("torch.", ""),
         "device": args.device,
         "statistics": "gpu" if on_gpu else ("cpu, sparseprefill.Calibrator" if direct else "cpu"),
-        "date": record_date(),
+        "date": data.record_date(),
         "command": " ".join(shlex.quote(a) for a in ["python", "-m", "sparseprefill.quality.calibrate"]
                             + (sys.argv[1:] if argv is None else argv)),
     }

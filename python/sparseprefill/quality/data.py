@@ -6,6 +6,7 @@ token windows, passkey prompts, and loading a model from a GGUF file or a transf
 from __future__ import annotations
 
 import argparse
+import datetime
 import hashlib
 import os
 import random
@@ -13,7 +14,7 @@ from dataclasses import dataclass
 from typing import Any, List, Sequence, Tuple
 
 __all__ = ["TextSplit", "split_text", "read_split", "windows", "PasskeyPrompt", "passkey_prompt",
-           "load_model", "file_sha256", "progress"]
+           "load_model", "file_sha256", "progress", "record_date", "calibration_epoch"]
 
 # The held-out part starts at this fraction of the document (calibration text before it).
 DEFAULT_SPLIT_FRACTION = 0.4
@@ -152,3 +153,28 @@ def progress(iterable: Any = None, total: int = 0, desc: str = "") -> Any:
     from tqdm import tqdm
 
     return tqdm(iterable, total=total or None, desc=desc, dynamic_ncols=True, leave=True)
+
+
+def record_date() -> str:
+    """The date a calibration file records: SOURCE_DATE_EPOCH's (the reproducible-builds
+    convention; UTC) when it is set, so that a calibration made again from the same model, text
+    and arguments is the same file, byte for byte (what a resumed quality run checks: longctx's
+    calibration_sha256); today's otherwise."""
+    epoch = os.environ.get("SOURCE_DATE_EPOCH")
+    if not epoch:
+        return datetime.date.today().isoformat()
+    try:
+        return datetime.datetime.fromtimestamp(int(epoch), datetime.timezone.utc).date().isoformat()
+    except (ValueError, OverflowError, OSError):
+        raise SystemExit(f"SOURCE_DATE_EPOCH: expected whole seconds since 1970-01-01 UTC, got {epoch!r}")
+
+
+def calibration_epoch(doc: dict) -> int:
+    """SOURCE_DATE_EPOCH (midnight UTC) of the date a longctx results document's calibration
+    records, to make that calibration again byte for byte (record_date) when only the results
+    were kept."""
+    date = doc["meta"]["calibration"]["metadata"].get("date")
+    if not date:
+        raise SystemExit("results: the calibration's metadata records no date")
+    day = datetime.date.fromisoformat(date)
+    return int(datetime.datetime(day.year, day.month, day.day, tzinfo=datetime.timezone.utc).timestamp())

@@ -225,17 +225,6 @@ def greedy(model: Any, prompts: List[List[int]], max_new: int, eos: Sequence[int
     return out, prefill
 
 
-def calibration_epoch(doc: Dict[str, Any]) -> int:
-    """SOURCE_DATE_EPOCH (midnight UTC) of the date a results document's calibration records, to
-    make that calibration again byte for byte (calibrate.record_date) when only the results were
-    kept."""
-    date = doc["meta"]["calibration"]["metadata"].get("date")
-    if not date:
-        raise SystemExit("results: the calibration's metadata records no date")
-    day = datetime.date.fromisoformat(date)
-    return int(datetime.datetime(day.year, day.month, day.day, tzinfo=datetime.timezone.utc).timestamp())
-
-
 class Run:
     """The results document and its file: loaded when it exists (its arguments checked against
     this run's), written atomically."""
