@@ -830,8 +830,8 @@ class FamilyCase(Case):
 class WindowCase(Case):
     """Issue 33's local attention (--window-lengths, --window W): FlashAttention's
     window_size=(W, 0) with causal, each query seeing itself and the W keys before it. Ours dense
-    with that window against FlexAttention given the same window (create_block_mask over its
-    mask_mod, built outside the timed calls, as for the block masks); work counts the window's
+    with that window against FlexAttention given the same window (window_block_mask: from block
+    indices, built outside the timed calls, as the block masks are); work counts the window's
     pairs."""
 
     def __init__(self, model, n, args, lib):
