@@ -14,8 +14,8 @@
 #      machine, carry .carry/qwen-results/ (an earlier call's results.json and cal.safetensors) to
 #      go on with them; without its cal.safetensors (a record's results alone) the calibration is
 #      made again with the date the results record, and longctx goes on only if it is the same file
-#      (QWEN_CARRY: another folder than .carry/qwen-results). For scripts/model/qwen_dry_run.sh on a CPU: SP_DEVICE=cpu, QWEN_MODEL (a
-#      model folder other than QWEN_HOME/qwen-bf16).
+#      (QWEN_CARRY: another folder than .carry/qwen-results). For scripts/model/qwen_dry_run.sh
+#      on a CPU: SP_DEVICE=cpu, QWEN_MODEL (a model folder other than QWEN_HOME/qwen-bf16).
 set -uo pipefail
 out=${1:?usage: scripts/model/gpu_qwen.sh OUTDIR}
 root=$(cd "$(dirname "$0")/../.." && pwd)

@@ -131,7 +131,8 @@ def start_bench(call: dict, bench: str, commit: str) -> None:
                         f"SP_LIB=installed SP_COMMIT={commit} bench/run_benchmarks.sh $OUT/bench {bench}")
     call["timeout_s"] = 600
     call["expect_s"] = EXPECT_BENCH
-    call["note"] = "waits for the package, then the benchmark (its record: python3 bench/record.py OUT/bench/bench.json)"
+    call["note"] = ("waits for the package, then the benchmark (its record: python3 bench/record.py "
+                    "OUT/bench/bench.json)")
 
 
 def calls(first_eval: int, second_eval: int, resume: bool = False, patch: str = "", bench: str = "",
