@@ -847,7 +847,8 @@ class WindowCase(Case):
             "flex_mask", f"Flex window {self.window}",
             lambda i: FLEX(s[i].q, s[i].k, s[i].v, block_mask=mask, enable_gqa=True), target="window")
         if self.lib is not None:
-            self.ours("ours_dense_window", f"ours dense window {self.window}", self.lib.policy("dense"), target="window")
+            self.ours("ours_dense_window", f"ours dense window {self.window}", self.lib.policy("dense"),
+                      target="window")
         return self.record
 
 
