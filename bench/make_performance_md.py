@@ -87,8 +87,8 @@ def row_of(record, case, impl, target=None):
 
 def family_case(case):
     """Issue 33's head dims beyond the Hopper kernel's 64 and 128 (bench_attention.py's FamilyCase)."""
-    d = case.get("d")  # records before the head dims of issue 33 all hold it; hand-made test cases may not
-    return d is not None and (d not in (64, 128) or case.get("d_v", d) != d)
+    d = case["d"]  # every case bench_attention.py writes holds it; d_v only from issue 33 on
+    return d not in (64, 128) or case.get("d_v", d) != d
 
 
 def window_case(case):

@@ -30,7 +30,8 @@ case "${1:-}" in
     echo "assemble: building sparseprefill in the background ($home/install)"
     ;;
   part2)
-    compgen -G "$home/C.xz.?" >/dev/null || { echo "assemble: no piece of C.xz in $home: run part1 first (same warm machine)" >&2; exit 1; }
+    compgen -G "$home/C.xz.?" >/dev/null ||
+      { echo "assemble: no piece of C.xz in $home: run part1 first (same warm machine)" >&2; exit 1; }
     cat "$home"/C.xz.? >"$home/C.xz"
     cp .carry/vllm/2/rest.tar.xz .carry/vllm/2/SHA256SUMS "$home/"
     rm -rf "$home/wheels" && cp -r .carry/vllm/2/wheels "$home/wheels"

@@ -256,7 +256,8 @@ def test_policies_equal_our_own_call_on_contiguous_keys(model_dir, gate_calibrat
     if isinstance(policy, spv.SyntheticDensity):
         counts, indices = spv.flex_lists(spv.synthetic_mask(q_lens, k_lens, policy.block, policy.density))
         policy = sp.BlockSparse(kv_num_blocks=torch.from_numpy(counts).to(DEV),
-                                kv_indices=torch.from_numpy(indices).to(DEV), block_q=policy.block, block_k=policy.block)
+                                kv_indices=torch.from_numpy(indices).to(DEV), block_q=policy.block,
+                                block_k=policy.block)
     cu_q = torch.tensor([0] + q_lens, dtype=torch.int32).cumsum(0, dtype=torch.int32)
     cu_k = torch.tensor([0] + k_lens, dtype=torch.int32).cumsum(0, dtype=torch.int32)
     q = torch.cat([s.q[s.rows(r)] for r in sparse])
