@@ -8,7 +8,8 @@ working tree and carry paths (as packed here) exceed the 64 MiB one call carries
 stderr, and the exit status is 1.
 
 If the machine is lost between calls: copy the last call's qwen-long.json and cal.safetensors
-into .carry/qwen-results/ (as results.json and cal.safetensors), then make the calls of
+into .carry/qwen-results/ (as results.json and cal.safetensors; from a record,
+`zcat RECORD.json.gz > .carry/qwen-results/results.json`), then make the calls of
 `--resume` from the first (the first evaluation call carries .carry/qwen-results): the run goes on
 where it stopped (a new calibration would not match the results' fingerprint). `--patch FILE`
 also runs a branch's GPU suite beside the uploads."""
@@ -213,11 +214,11 @@ def main() -> int:
     if not args.json:
         print()
         print(plan(args.first_eval, args.second_eval))
-        print("\nAfter the calls, here: cp the last $OUT/qwen-long.json to bench/records/quality/DATE-h200-qwen25-"
-              "coder-1.5b-long.json and run\n  python -m sparseprefill.quality.report bench/records/quality/"
+        print("\nAfter the calls, here: gzip -9nc the last $OUT/qwen-long.json > bench/records/quality/DATE-h200-"
+              "qwen25-coder-1.5b-long.json.gz and run\n  python -m sparseprefill.quality.report bench/records/quality/"
               "2026-11-29-h200-smollm2-b128-operator-timing.json --mc-analysis bench/records/quality/"
               "2026-11-30-cpu-smollm2-b128-mc-analysis.json --long bench/records/quality/DATE-h200-qwen25-coder-"
-              "1.5b-long.json")
+              "1.5b-long.json.gz")
     return 0 if fits else 1
 
 

@@ -5,6 +5,7 @@ the recommendation by measured speed-up, the issue's density target, mean correc
 first layers compared, the items not measured; and report.main putting the section first on the
 page (or saying it is not yet measured) while the small model's record page stays as it was."""
 
+import gzip
 import json
 
 import pytest
@@ -189,3 +190,25 @@ def test_report_main_puts_the_long_section_first(tmp_path):
     pytest.importorskip("matplotlib")
     assert {p.name for p in img.iterdir()} >= {"long-ruler-frontier.png", "long-kl-frontier.png",
                                               "long-layer-density.png", "long-head-density.png"}
+
+
+def test_report_main_reads_a_compressed_long_record_as_the_plain_one(tmp_path):
+    main_path = tmp_path / "small.json"
+    main_path.write_text(json.dumps(smollm_doc()))
+    plain, packed = tmp_path / "plain" / "long.json", tmp_path / "packed" / "long.json.gz"
+    plain.parent.mkdir()
+    packed.parent.mkdir()
+    plain.write_text(json.dumps(long_doc()))
+    with gzip.open(packed, "wt") as f:
+        f.write(json.dumps(long_doc()))
+    pages = []
+    for long_path in (plain, packed):
+        out = long_path.parent / "quality.md"
+        assert report.main([str(main_path), "--output", str(out), "--img-dir", str(long_path.parent / "img"),
+                            "--long", str(long_path)]) == 0
+        beside = long_path.parent / "long.md"  # STEM.md beside the record, .json.gz stripped whole
+        assert beside.exists()
+        pages.append((out.read_text(), beside.read_text()))
+    (page_plain, beside_plain), (page_packed, beside_packed) = pages
+    assert page_packed == page_plain.replace("plain/long.json", "packed/long.json.gz")
+    assert beside_packed == beside_plain.replace("plain/long.json", "packed/long.json.gz")
