@@ -35,10 +35,11 @@ EXPECT = {
     "ppl": 50,            # 45 settings x (one 16K + one 32K window, KL over both)
     "timing": 70,         # every setting x 3 runs x (16K + 32K), SDPA and cuDNN baselines (ppl + timing: 117)
 }
-# Prefill + greedy decode per prompt in batches of --batch-tokens; 32K: dense 0.50 s (159 s for
-# its 320 prompts), the sparse settings alike when the GPU is not shared; the others scaled by
-# the prefill's cost.
-PER_PROMPT = {32768: 0.50, 16384: 0.20, 8192: 0.09, 4096: 0.05}
+# Prefill + greedy decode per prompt in batches of --batch-tokens, the mean over the settings of
+# record bench/records/quality/2026-12-02-h200-qwen25-coder-1.5b-long-resumed-2 (32K: dense 159 s
+# for its 320 prompts, the sparse settings 111-299 s: their prefills are read back for the
+# density, collect_stats' decisions of every layer).
+PER_PROMPT = {32768: 0.63, 16384: 0.27, 8192: 0.11, 4096: 0.06}
 PROMPTS = 8 * 40  # tasks x samples per (setting, length)
 CHOSEN = 6        # FlashPrefill V2's alpha 0.1 with and without mean correction, one per other policy
 
@@ -186,6 +187,39 @@ def plan(first_eval: int, second_eval: int) -> str:
     return "\n".join(lines)
 
 
+def items_left(doc: dict) -> list:
+    """(setting, length, prompts left) of each RULER item of a results document's queue not yet
+    complete (PROMPTS prompts each), in queue order."""
+    ruler = doc.get("ruler", {})
+    results = ruler.get("results", {})
+    out = []
+    for setting, length in ruler.get("queue", []):
+        tasks = results.get(setting, {}).get(str(length), {}).get("tasks", {})
+        left = PROMPTS - sum(len(samples) for samples in tasks.values())
+        if left > 0:
+            out.append((setting, int(length), left))
+    return out
+
+
+def resume_plan(doc: dict, first_eval: int, second_eval: int) -> str:
+    """The resumed run's sizing: the carried results' items left, at PER_PROMPT's rates."""
+    before = EXPECT["final"] + EXPECT["calibrate"] + EXPECT["load"]
+    ruler = first_eval + 20 - before + second_eval - EXPECT["load"]
+    left = items_left(doc)
+    lines = [f"Plan of the resumed run (estimates): {len(left)} RULER items left in the carried results; "
+             f"before RULER, final {EXPECT['final']} s, calibrate {EXPECT['calibrate']} s, load {EXPECT['load']} s",
+             f"  RULER time in the two evaluation calls: ~{ruler} s; each further call ~SP_CALL_SECONDS - "
+             f"{EXPECT['load']} s:"]
+    acc = 0.0
+    for setting, length, prompts in left:
+        acc += prompts * PER_PROMPT[length]
+        lines.append(f"    {setting} @ {length // 1024}K: {prompts} prompts, {prompts * PER_PROMPT[length]:.0f} s "
+                     f"(cumulative {acc:.0f} s){'  <- within the two calls' if acc <= ruler else ''}")
+    total = EXPECT["start"] + PARTS * EXPECT["part"] + before + acc + 40
+    lines.append(f"  device time for all of it: ~{total:.0f} s ({total / 60:.1f} min) in one session's calls")
+    return "\n".join(lines)
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--json", action="store_true", help="one JSON object per call")
@@ -213,7 +247,11 @@ def main() -> int:
             print(f"         command: {c['command']}")
     if not args.json:
         print()
-        print(plan(args.first_eval, args.second_eval))
+        carried = pathlib.Path(__file__).resolve().parents[2] / ".carry" / "qwen-results" / "results.json"
+        if args.resume and carried.is_file():
+            print(resume_plan(json.loads(carried.read_text()), args.first_eval, args.second_eval))
+        else:
+            print(plan(args.first_eval, args.second_eval))
         print("\nAfter the calls, here: gzip -9nc the last $OUT/qwen-long.json > bench/records/quality/DATE-h200-"
               "qwen25-coder-1.5b-long.json.gz and run\n  python -m sparseprefill.quality.report bench/records/quality/"
               "2026-11-29-h200-smollm2-b128-operator-timing.json --mc-analysis bench/records/quality/"

@@ -154,3 +154,15 @@ def test_a_call_whose_tree_and_carry_exceed_the_limit_is_named():
     assert qwen_calls.oversized(plan, 15 << 20, part) == [(i, (65 << 20) + (2 << 20 if i == qwen_calls.PARTS else 0))
                                                           for i in range(1, qwen_calls.PARTS + 1)]
     assert qwen_calls.path_bytes(ROOT / "no-such-path") == 0 and qwen_calls.tree_bytes(ROOT) > 0
+
+
+def test_the_resumed_qwen_plan_counts_the_prompts_each_item_has_left():
+    whole = {t: [0] * 40 for t in "abcdefgh"}  # 8 tasks x 40 samples: PROMPTS
+    doc = {"ruler": {"queue": [["dense", 32768], ["x", 32768], ["x", 16384], ["y", 32768]],
+                     "results": {"dense": {"32768": {"tasks": whole}},
+                                 "x": {"32768": {"tasks": {"a": [0] * 40, "b": [0] * 7}}}}}}
+    assert qwen_calls.items_left(doc) == [("x", 32768, 320 - 47), ("x", 16384, 320), ("y", 32768, 320)]
+    text = qwen_calls.resume_plan(doc, 520, 420)
+    assert "3 RULER items left" in text and "x @ 32K: 273 prompts" in text and "dense @" not in text
+    assert qwen_calls.items_left({"ruler": {"queue": [["dense", 4096]], "results": {"dense": {"4096": {
+        "tasks": whole}}}}}) == []
