@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <string>
 
+#include "core/block_mask_layout.h"
 #include "core/geometry.h"
 #include "core/shape_geometry.h"
 
@@ -31,7 +32,9 @@ void insert_sorted(std::int32_t* idx, std::int32_t* count, int kb) {
 
 }  // namespace
 
-BlockMask BlockMask::empty(const ProblemShape& s, int block_q, int block_k, bool per_kv_head) {
+namespace detail {
+
+BlockMask block_mask_layout(const ProblemShape& s, int block_q, int block_k, bool per_kv_head) {
   BlockMask m;
   m.batch = s.batch;
   m.heads = per_kv_head ? s.h_kv : s.h_q;
@@ -43,6 +46,13 @@ BlockMask BlockMask::empty(const ProblemShape& s, int block_q, int block_k, bool
     m.num_q_blocks = std::max(m.num_q_blocks, g.num_q_blocks());
     m.num_k_blocks = std::max(m.num_k_blocks, g.num_k_blocks());
   }
+  return m;
+}
+
+}  // namespace detail
+
+BlockMask BlockMask::empty(const ProblemShape& s, int block_q, int block_k, bool per_kv_head) {
+  BlockMask m = detail::block_mask_layout(s, block_q, block_k, per_kv_head);
   const std::size_t rows = static_cast<std::size_t>(m.batch) * m.heads * m.num_q_blocks;
   m.full_count.assign(rows, 0);
   m.partial_count.assign(rows, 0);

@@ -4,6 +4,7 @@
 // selector alone with its mask copied back.
 #include <cstddef>
 #include <cstdint>
+#include <utility>
 #include <vector>
 
 #include "core/estimate_chunks.h"
@@ -104,8 +105,8 @@ Status read_selection(const Call& call, const ProblemShape& shape, const Estimat
     SP_RETURN_IF_ERROR(scratch.download(sp.corrected_bits, sel.rows * static_cast<std::size_t>(sp.corrected_words), &corrected));
   }
   SP_CUDA_TRY(cudaStreamSynchronize(call.stream), "cudaStreamSynchronize (decisions)");
-  SP_RETURN_IF_ERROR(mask_from_arrays(shape, es.block, es.pack_gqa, full_count, full_index, partial_count,
-                                      partial_index, &out->kept));
+  SP_RETURN_IF_ERROR(mask_from_arrays(shape, es.block, es.pack_gqa, std::move(full_count), std::move(full_index),
+                                      std::move(partial_count), std::move(partial_index), &out->kept));
   if (es.mean_correction) {
     SP_RETURN_IF_ERROR(mask_from_bits(shape, es.block, es.block, es.pack_gqa, corrected, &out->corrected));
   }

@@ -12,6 +12,7 @@
 #include <variant>
 #include <vector>
 
+#include "core/block_mask_layout.h"
 #include "core/geometry.h"
 #include "core/shape_geometry.h"
 #include "cuda/kernel/tuning.h"
@@ -696,16 +697,30 @@ Status mask_from_bits(const ProblemShape& shape, int block_q, int block_k, bool 
     return {StatusCode::kInternal, "mask_from_bits: bitmap has " + std::to_string(bits.size()) + " words, expected " +
                                        std::to_string(rows * static_cast<std::size_t>(words))};
   }
+  // A row's bits in ascending order are its sorted lists, each block classified as
+  // BlockMask::add does (by the sequence's geometry), without add's per-block search.
   for (int b = 0; b < m.batch; ++b) {
+    const geom::BlockGeometry g = detail::block_geometry(shape, b, block_q, block_k);
     for (int h = 0; h < m.heads; ++h) {
       for (int qb = 0; qb < m.num_q_blocks; ++qb) {
         const std::size_t row = static_cast<std::size_t>(m.row(b, h, qb));
+        const std::size_t base = row * static_cast<std::size_t>(m.num_k_blocks);
+        std::int32_t& full = m.full_count[row];
+        std::int32_t& partial = m.partial_count[row];
         for (int w = 0; w < words; ++w) {
           for (std::uint32_t word = bits[row * static_cast<std::size_t>(words) + static_cast<std::size_t>(w)]; word != 0u;
                word &= word - 1u) {
             const int kb = w * 32 + __builtin_ctz(word);
-            Status st = m.add(shape, b, h, qb, kb);
-            if (!st.ok()) return {StatusCode::kInternal, "CUDA decisions: " + st.message()};
+            if (!g.is_visible(qb, kb)) {
+              return {StatusCode::kInternal, "CUDA decisions: key block " + std::to_string(kb) +
+                                                 " is not visible to query block " + std::to_string(qb) + " of row (" +
+                                                 std::to_string(b) + ", " + std::to_string(h) + ")"};
+            }
+            if (g.is_full(qb, kb)) {
+              m.full_index[base + static_cast<std::size_t>(full++)] = kb;
+            } else {
+              m.partial_index[base + static_cast<std::size_t>(partial++)] = kb;
+            }
           }
         }
       }
@@ -715,27 +730,33 @@ Status mask_from_bits(const ProblemShape& shape, int block_q, int block_k, bool 
   return {};
 }
 
-Status mask_from_arrays(const ProblemShape& shape, int block, bool per_kv_head,
-                        const std::vector<std::int32_t>& full_count,
-                        const std::vector<std::int32_t>& full_index,
-                        const std::vector<std::int32_t>& partial_count,
-                        const std::vector<std::int32_t>& partial_index, BlockMask* out) {
-  BlockMask m = BlockMask::empty(shape, block, block, per_kv_head);
-  const std::size_t rows = m.full_count.size(), cap = static_cast<std::size_t>(m.num_k_blocks);
+Status mask_from_arrays(const ProblemShape& shape, int block, bool per_kv_head, std::vector<std::int32_t>&& full_count,
+                        std::vector<std::int32_t>&& full_index, std::vector<std::int32_t>&& partial_count,
+                        std::vector<std::int32_t>&& partial_index, BlockMask* out) {
+  // The arrays become the mask's (they have its layout): no second allocation of
+  // rows x num_k_blocks entries, which a selection read back at every layer paid for.
+  BlockMask m = detail::block_mask_layout(shape, block, block, per_kv_head);
+  const std::size_t rows = static_cast<std::size_t>(m.batch) * static_cast<std::size_t>(m.heads) *
+                           static_cast<std::size_t>(m.num_q_blocks);
+  const std::size_t cap = static_cast<std::size_t>(m.num_k_blocks);
   if (full_count.size() != rows || partial_count.size() != rows || full_index.size() != rows * cap ||
       partial_index.size() != rows * cap) {
     return {StatusCode::kInternal, "mask_from_arrays: array sizes do not match the mask geometry"};
   }
+  // Entries past a row's count are -1, as BlockMask promises; a count out of [0, cap] is left
+  // for validate_for to name.
+  const auto clear_tail = [cap](std::int32_t* row, std::int32_t count) {
+    const std::size_t used = static_cast<std::size_t>(std::clamp<std::int64_t>(count, 0, static_cast<std::int64_t>(cap)));
+    std::fill(row + used, row + cap, -1);
+  };
   for (std::size_t r = 0; r < rows; ++r) {
-    m.full_count[r] = full_count[r];
-    m.partial_count[r] = partial_count[r];
-    for (std::size_t i = 0; i < cap; ++i) {
-      const bool full_used = static_cast<std::int32_t>(i) < full_count[r];
-      const bool part_used = static_cast<std::int32_t>(i) < partial_count[r];
-      m.full_index[r * cap + i] = full_used ? full_index[r * cap + i] : -1;
-      m.partial_index[r * cap + i] = part_used ? partial_index[r * cap + i] : -1;
-    }
+    clear_tail(full_index.data() + r * cap, full_count[r]);
+    clear_tail(partial_index.data() + r * cap, partial_count[r]);
   }
+  m.full_count = std::move(full_count);
+  m.full_index = std::move(full_index);
+  m.partial_count = std::move(partial_count);
+  m.partial_index = std::move(partial_index);
   Status st = m.validate_for(shape);
   if (!st.ok()) return {StatusCode::kInternal, "CUDA selector produced an invalid mask: " + st.message()};
   *out = std::move(m);

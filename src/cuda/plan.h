@@ -233,12 +233,11 @@ MeanCache mean_cache(const TensorView& cache);
 Status mask_from_bits(const ProblemShape& shape, int block_q, int block_k, bool per_kv_head,
                       const std::vector<std::uint32_t>& bits, BlockMask* out);
 
-// The BlockMask of capacity-layout device arrays copied back (the selector's output).
-Status mask_from_arrays(const ProblemShape& shape, int block, bool per_kv_head,
-                        const std::vector<std::int32_t>& full_count,
-                        const std::vector<std::int32_t>& full_index,
-                        const std::vector<std::int32_t>& partial_count,
-                        const std::vector<std::int32_t>& partial_index, BlockMask* out);
+// The BlockMask of capacity-layout device arrays copied back (the selector's output): counts
+// [batch, heads, num_q_blocks], indices [.., num_k_blocks]; the arrays are moved into it.
+Status mask_from_arrays(const ProblemShape& shape, int block, bool per_kv_head, std::vector<std::int32_t>&& full_count,
+                        std::vector<std::int32_t>&& full_index, std::vector<std::int32_t>&& partial_count,
+                        std::vector<std::int32_t>&& partial_index, BlockMask* out);
 
 // ---- Calibration statistics (compute_block_statistics / compute_select_statistics on CUDA).
 

@@ -878,8 +878,88 @@ TEST(CudaPlan, BitsAndArraysBecomeMasks) {
   fi[r * cap] = 0;
   pc[r] = 1;
   pi[r * cap] = 2;
-  ASSERT_TRUE(mask_from_arrays(s, 128, false, fc, fi, pc, pi, &got).ok());
+  ASSERT_TRUE(mask_from_arrays(s, 128, false, std::move(fc), std::move(fi), std::move(pc), std::move(pi), &got).ok());
   EXPECT_EQ(got.to_dense(), want.to_dense());
+}
+
+// The read-back conversions against BlockMask::add, array for array (the full/partial split, the
+// order, the -1 past each count), on sequences of their own lengths under a local window:
+// rows past a short sequence's end, both bands of the window and a short last key block.
+TEST(CudaPlan, ReadBackMasksEqualTheMasksAddBuilds) {
+  ProblemShape s = cuda_shape_of(700, 700, 4, 2, 64);
+  s.batch = 3;
+  s.seq_q = {700, 200, 450};
+  s.seq_k = {700, 900, 450};
+  s.q_start = {0, 700, 900};
+  s.k_start = {0, 700, 1600};
+  s.window_left = 300;
+  for (const bool per_kv_head : {false, true}) {
+    BlockMask want = BlockMask::empty(s, 128, 128, per_kv_head);
+    const int words = bitmap_words(want.num_k_blocks);
+    std::vector<std::uint32_t> bits(want.full_count.size() * static_cast<std::size_t>(words), 0u);
+    std::uint32_t x = 12345u;
+    int added = 0;
+    for (int b = 0; b < want.batch; ++b) {
+      for (int h = 0; h < want.heads; ++h) {
+        for (int qb = 0; qb < want.num_q_blocks; ++qb) {
+          for (int kb = want.num_k_blocks - 1; kb >= 0; --kb) {  // descending: add sorts
+            x = x * 1664525u + 1013904223u;
+            if ((x >> 16) % 3 == 0 || !want.add(s, b, h, qb, kb).ok()) continue;  // invisible: not added
+            ++added;
+            bits[static_cast<std::size_t>(want.row(b, h, qb)) * static_cast<std::size_t>(words) +
+                 static_cast<std::size_t>(kb / 32)] |= 1u << (kb % 32);
+          }
+        }
+      }
+    }
+    ASSERT_GT(added, 20);
+    BlockMask got;
+    ASSERT_TRUE(mask_from_bits(s, 128, 128, per_kv_head, bits, &got).ok());
+    EXPECT_EQ(got.full_count, want.full_count);
+    EXPECT_EQ(got.full_index, want.full_index);
+    EXPECT_EQ(got.partial_count, want.partial_count);
+    EXPECT_EQ(got.partial_index, want.partial_index);
+
+    // The selector's arrays: its entries past each count are whatever the device left there.
+    std::vector<std::int32_t> fi = want.full_index, pi = want.partial_index;
+    for (std::size_t r = 0; r < want.full_count.size(); ++r) {
+      const std::size_t cap = static_cast<std::size_t>(want.num_k_blocks);
+      for (std::size_t i = static_cast<std::size_t>(want.full_count[r]); i < cap; ++i) fi[r * cap + i] = 77;
+      for (std::size_t i = static_cast<std::size_t>(want.partial_count[r]); i < cap; ++i) pi[r * cap + i] = 1 << 30;
+    }
+    BlockMask arrays;
+    ASSERT_TRUE(mask_from_arrays(s, 128, per_kv_head, std::vector<std::int32_t>(want.full_count), std::move(fi),
+                                 std::vector<std::int32_t>(want.partial_count), std::move(pi), &arrays)
+                    .ok());
+    EXPECT_EQ(arrays.full_index, want.full_index);
+    EXPECT_EQ(arrays.partial_index, want.partial_index);
+    EXPECT_EQ(arrays.full_count, want.full_count);
+    EXPECT_EQ(arrays.partial_count, want.partial_count);
+
+    // A count past the capacity, or a block listed on the wrong side, is the selector's fault.
+    std::vector<std::int32_t> bad_count = want.full_count;
+    bad_count[1] = want.num_k_blocks + 1;
+    EXPECT_EQ(mask_from_arrays(s, 128, per_kv_head, std::move(bad_count), std::vector<std::int32_t>(want.full_index),
+                               std::vector<std::int32_t>(want.partial_count),
+                               std::vector<std::int32_t>(want.partial_index), &arrays)
+                  .code(),
+              StatusCode::kInternal);
+    const auto swapped = std::find_if(want.full_count.begin(), want.full_count.end(), [](std::int32_t c) { return c > 0; });
+    ASSERT_NE(swapped, want.full_count.end());
+    const std::size_t r = static_cast<std::size_t>(swapped - want.full_count.begin());
+    std::vector<std::int32_t> fc = want.full_count, pc = want.partial_count;
+    std::vector<std::int32_t> fi2 = want.full_index, pi2 = want.partial_index;
+    const std::size_t cap = static_cast<std::size_t>(want.num_k_blocks);
+    --fc[r];  // the row's last full block moved to the partial list, which it does not belong to
+    pi2[r * cap + static_cast<std::size_t>(pc[r])] = fi2[r * cap + static_cast<std::size_t>(fc[r])];
+    ++pc[r];
+    std::sort(pi2.begin() + static_cast<std::ptrdiff_t>(r * cap),
+              pi2.begin() + static_cast<std::ptrdiff_t>(r * cap + static_cast<std::size_t>(pc[r])));
+    EXPECT_EQ(mask_from_arrays(s, 128, per_kv_head, std::move(fc), std::move(fi2), std::move(pc), std::move(pi2),
+                               &arrays)
+                  .code(),
+              StatusCode::kInternal);
+  }
 }
 
 TEST(CudaPlan, PermuteLayoutSlotsSegmentsAndPrefixes) {
