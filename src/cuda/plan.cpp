@@ -746,8 +746,8 @@ Status mask_from_arrays(const ProblemShape& shape, int block, bool per_kv_head, 
   // Entries past a row's count are -1, as BlockMask promises; a count out of [0, cap] is left
   // for validate_for to name.
   const auto clear_tail = [cap](std::int32_t* row, std::int32_t count) {
-    const std::size_t used = static_cast<std::size_t>(std::clamp<std::int64_t>(count, 0, static_cast<std::int64_t>(cap)));
-    std::fill(row + used, row + cap, -1);
+    const std::int64_t used = std::clamp<std::int64_t>(count, 0, static_cast<std::int64_t>(cap));
+    std::fill(row + used, row + static_cast<std::int64_t>(cap), -1);
   };
   for (std::size_t r = 0; r < rows; ++r) {
     clear_tail(full_index.data() + r * cap, full_count[r]);

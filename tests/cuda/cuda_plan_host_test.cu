@@ -8,6 +8,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstddef>
 #include <cstdint>
 #include <limits>
 #include <string>
@@ -944,7 +945,8 @@ TEST(CudaPlan, ReadBackMasksEqualTheMasksAddBuilds) {
                                std::vector<std::int32_t>(want.partial_index), &arrays)
                   .code(),
               StatusCode::kInternal);
-    const auto swapped = std::find_if(want.full_count.begin(), want.full_count.end(), [](std::int32_t c) { return c > 0; });
+    const auto swapped =
+        std::find_if(want.full_count.begin(), want.full_count.end(), [](std::int32_t c) { return c > 0; });
     ASSERT_NE(swapped, want.full_count.end());
     const std::size_t r = static_cast<std::size_t>(swapped - want.full_count.begin());
     std::vector<std::int32_t> fc = want.full_count, pc = want.partial_count;
