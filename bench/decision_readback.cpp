@@ -14,7 +14,6 @@
 #include <cstdlib>
 #include <cstring>
 #include <random>
-#include <string>
 #include <utility>
 #include <vector>
 

@@ -161,10 +161,16 @@ def calls(first_eval: int, second_eval: int, resume: bool = False, patch: str = 
     return out
 
 
+def ruler_seconds(before: int, first_eval: int, second_eval: int) -> int:
+    """RULER's seconds in the two evaluation calls: what the first leaves after `before` (its
+    work ahead of RULER), and the second after loading the model."""
+    return first_eval + 20 - before + second_eval - EXPECT["load"]
+
+
 def plan(first_eval: int, second_eval: int) -> str:
     item = {L: PROMPTS * t for L, t in PER_PROMPT.items()}
     before = EXPECT["final"] + EXPECT["calibrate"] + EXPECT["load"] + EXPECT["ppl"] + EXPECT["timing"]
-    ruler = first_eval + 20 - before + second_eval - EXPECT["load"]
+    ruler = ruler_seconds(before, first_eval, second_eval)
     queue = [(f"dense + {CHOSEN} chosen @ 32K", (1 + CHOSEN) * item[32768]),
              (f"dense + {CHOSEN} chosen @ 16K", (1 + CHOSEN) * item[16384]),
              ("dense @ 8K and 4K", item[8192] + item[4096]),
@@ -204,7 +210,7 @@ def items_left(doc: dict) -> list:
 def resume_plan(doc: dict, first_eval: int, second_eval: int) -> str:
     """The resumed run's sizing: the carried results' items left, at PER_PROMPT's rates."""
     before = EXPECT["final"] + EXPECT["calibrate"] + EXPECT["load"]
-    ruler = first_eval + 20 - before + second_eval - EXPECT["load"]
+    ruler = ruler_seconds(before, first_eval, second_eval)
     left = items_left(doc)
     lines = [f"Plan of the resumed run (estimates): {len(left)} RULER items left in the carried results; "
              f"before RULER, final {EXPECT['final']} s, calibrate {EXPECT['calibrate']} s, load {EXPECT['load']} s",
