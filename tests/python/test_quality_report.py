@@ -4,6 +4,8 @@ same length, the target verdict (sparsest setting within 1% perplexity and dense
 accuracy at every length), the mean-correction comparison, the per-density winners, and a page
 that states them."""
 
+import pytest
+
 from sparseprefill.quality import report
 
 
@@ -226,3 +228,24 @@ def test_mc_analysis_section_and_summary():
     assert "lowers the error in 1 of 2 cases, by 50.0% at the median (-25.0% to +50.0%)" in text
     assert "python -m sparseprefill.quality.mc_analysis x\npython -m sparseprefill.quality.report r.json " \
         "--mc-analysis a.json" in text
+
+
+def test_default_page_is_the_records_checkout(tmp_path, monkeypatch):
+    import json
+
+    assert report.docs_dir_of("/a/b/bench/records/quality/x.json") == "/a/b/docs"
+    assert report.docs_dir_of("/a/bench/x.json") is None
+    records = tmp_path / "repo" / "bench" / "records" / "quality"
+    records.mkdir(parents=True)
+    (tmp_path / "repo" / "docs").mkdir()
+    path = records / "main.json"
+    path.write_text(json.dumps(doc()))
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    monkeypatch.chdir(elsewhere)
+    assert report.main([str(path)]) == 0
+    assert (tmp_path / "repo" / "docs" / "quality.md").exists() and not list(elsewhere.iterdir())
+    stray = tmp_path / "stray.json"
+    stray.write_text(json.dumps(doc()))
+    with pytest.raises(SystemExit):
+        report.main([str(stray)])

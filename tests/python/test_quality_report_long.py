@@ -130,7 +130,8 @@ def test_render_states_them():
         "measured prefill speed-up" in text
     assert "**estimate_select at 32K**: `estimate_select alpha=0.1` keeps 0.100 of the pairs" in text and \
         "target met; prefill 1.75× torch sdpa (cuDNN)." in text
-    assert "**exact_gate at 32K**: no measured setting within 1 point at density ≤ 0.2; closest `exact_gate budget=16`" in text
+    assert "**exact_gate at 32K**: no measured setting within 1 point at density ≤ 0.2; the sparsest within it " \
+        "`exact_gate budget=16` (density 0.300" in text
     assert "| permute_stop tau=0.01 | – | incomplete (2 of 8 prompts) |" in text
     assert "| exact_gate budget=8 | 0.080 | 75.0 [" in text and "| 75 | 75 | 150.0 | 2.33 | 2.13 |" in text
     # One qa prompt flips: drawn 0 to 3 times of 4 in the bootstrap, over two tasks.
@@ -144,6 +145,15 @@ def test_render_states_them():
     assert "| exact_gate budget=16 | 0.300 | +2.00 | 0.05 | 0.950 | 250.0 | 1.40 | 1.28 |" in text
     assert "| permute_stop tau=0.01 | 0.150 | +0.20 | 0.02 | 0.980 | – | – | – |" in text
     assert "median of 3 runs: torch sdpa (cuDNN) 350.0 ms" in text
+
+
+def test_summary_names_the_best_difference_when_none_is_within_the_tolerance():
+    s = report_long.summarize(long_doc())
+    hit, mine = s["targets"]["exact_gate"]
+    s["targets"]["exact_gate"] = (hit, [r for r in mine if r["label"] != "exact_gate budget=16"])
+    text = "\n".join(report_long._summary(s))
+    assert "**exact_gate at 32K**: no measured setting within 1 point at density ≤ 0.2; closest " \
+        "`exact_gate budget=8` (density 0.080, Δ -12.5 [" in text
 
 
 def test_recommendation_needs_a_faster_prefill():

@@ -669,18 +669,36 @@ def record_stem(path: str) -> str:
     return os.path.splitext(path)[0]
 
 
+def docs_dir_of(record: str) -> Optional[str]:
+    """The docs/ folder of the checkout that holds `record` (ROOT/bench/records/...: ROOT/docs), or None
+    when the record is not under a bench/records/ folder; the page's default place, whatever the cwd."""
+    parts = os.path.abspath(record).split(os.sep)
+    for i in range(len(parts) - 2, 0, -1):
+        if parts[i] == "bench" and parts[i + 1] == "records":
+            return os.sep.join(parts[:i] + ["docs"])
+    return None
+
+
 def main(argv: Optional[List[str]] = None) -> int:
     p = argparse.ArgumentParser(prog="python -m sparseprefill.quality.report", description=__doc__)
     p.add_argument("results", nargs="+",
                    help="results JSON from python -m sparseprefill.quality.evaluate: the main run (plots, "
                         "operator level), then optional separate runs (e.g. longer lengths) tabulated after it")
-    p.add_argument("--output", default="docs/quality.md")
-    p.add_argument("--img-dir", default="docs/img")
+    p.add_argument("--output", help="the page (default: docs/quality.md of the checkout holding RESULTS)")
+    p.add_argument("--img-dir", help="the plots' folder (default: docs/img of that checkout)")
     p.add_argument("--mc-analysis", help="results JSON from python -m sparseprefill.quality.mc_analysis: a "
                                          "section on what the mean correction's approximation loses")
     p.add_argument("--long", help="results JSON from python -m sparseprefill.quality.longctx: the long-context "
                                   "section, first on the page (without it the page says it is not yet measured)")
     args = p.parse_args(argv)
+    home = docs_dir_of(args.results[0])
+    # Paths named in the pages are relative to the records' checkout, whatever the cwd.
+    root = os.path.dirname(home) if home else os.getcwd()
+    if args.output is None or args.img_dir is None:
+        if home is None:
+            p.error(f"{args.results[0]} is not under a bench/records/ folder: give --output and --img-dir")
+        args.output = args.output or os.path.join(home, "quality.md")
+        args.img_dir = args.img_dir or os.path.join(home, "img")
     docs = []
     for path in args.results:
         docs.append(load_record(path))
@@ -688,15 +706,17 @@ def main(argv: Optional[List[str]] = None) -> int:
     stem = os.path.basename(record_stem(args.results[0]))
     out_dir = os.path.dirname(os.path.abspath(args.output))
     images = plots(docs[0], args.img_dir, stem, out_dir)
-    sources = [os.path.relpath(r) for r in args.results]
+    sources = [os.path.relpath(r, root) for r in args.results]
     extras = list(zip(docs[1:], sources[1:]))
     mc = None
     if args.mc_analysis:
-        mc = (load_record(args.mc_analysis), os.path.relpath(args.mc_analysis))
+        mc = (load_record(args.mc_analysis), os.path.relpath(args.mc_analysis, root))
     source = " ".join(sources)
+    if mc:
+        source += f" --mc-analysis {mc[1]}"
     if args.long:
         long_doc = load_record(args.long)
-        long_src = os.path.relpath(args.long)
+        long_src = os.path.relpath(args.long, root)
         long_stem = os.path.basename(record_stem(args.long))
         long_images = report_long.plots(long_doc, args.img_dir, long_stem, out_dir)
         long_lines = report_long.render(long_doc, long_src, long_images)

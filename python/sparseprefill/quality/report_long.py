@@ -279,9 +279,12 @@ def _summary(s: Dict[str, Any]) -> List[str]:
                        f"{TOLERANCE:g} point at density ≤ {s['max_density']:g}: target met"
                        + (f"; prefill {hit['vs_base']:.2f}× {s['base']}" if hit["vs_base"] else "") + ".")
         else:
-            best = max(mine, key=lambda r: r["diff"])
+            # Within the tolerance but denser than the target: the sparsest such; else the best Δ.
+            within = [r for r in mine if r["diff"] >= -TOLERANCE]
+            best = min(within, key=lambda r: r["density"]) if within else max(mine, key=lambda r: r["diff"])
             out.append(f"- **{_name(policy)} at {_k(L)}**: no measured setting within {TOLERANCE:g} point at density ≤ "
-                       f"{s['max_density']:g}; closest `{_label(best['label'])}` (density {best['density']:.3f}, Δ "
+                       f"{s['max_density']:g}; " + ("the sparsest within it " if within else "closest ")
+                       + f"`{_label(best['label'])}` (density {best['density']:.3f}, Δ "
                        f"{_ci(best['diff'], best['diff_lo'], best['diff_hi'], True)}).")
     ruler_mc = [m for m in s["mc"] if m["kind"] == "ruler"]
     for m in ruler_mc:
