@@ -253,8 +253,8 @@ namespace {
 // kFeatures kernel (FwdParams; softcap and sinks on 16-bit inputs); the other policies' decision
 // kernels (exact_gate's, the selector, permute_stop's ranking) and in-loop gates read none of
 // them yet. At the head dims whose kernels are the ungated forward instances and the selector
-// (variants.py's FAMILY_HEAD_DIMS: 96, 256, 192 with v 128), the policies needing the others
-// are refused by name (compiled_policies).
+// (variants.py's WIDE_HEAD_DIMS: 256, 192 with v 128), the policies needing the others are
+// refused by name (compiled_policies).
 Status check_features(const ProblemShape& shape, const Policy& policy) {
   const char* host = "; the reference and cpu backends run it";
   const bool featured_policy =
@@ -381,7 +381,7 @@ Status check_support(const ProblemShape& shape, const Policy& policy, int* block
   SP_RETURN_IF_ERROR(st);
   const bool gated = std::holds_alternative<ExactGateParams>(policy) || std::holds_alternative<SoftmaxSkipParams>(policy);
   // Every compiled (dtype, head_dim) has its plain and general instances, and its gated one but
-  // at the model-family head dims (96, 256, 192/128), where check_features refused the gates.
+  // at the wide head dims (256, 192/128), where check_features refused the gates.
   if (find_fwd(shape.dtype, shape.d, shape.d_v, gated, false) == nullptr) {
     return unsupported(std::string("no compiled CUDA kernel for dtype ") + dtype_name(shape.dtype) + ", head_dim " +
                        std::to_string(shape.d) + " (" + support_summary() + ")");

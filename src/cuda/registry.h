@@ -137,7 +137,7 @@ const GateVariant* find_gate90(DType dtype, int head_dim);
 // head_dim, head_dim_v), given a forward instance there: exact_gate and softmax_skip with its
 // gated instance, estimate_select with a selector of both head dims, permute_stop with a permute
 // instance (head_dim_v = head_dim). Every (dtype, head_dim) of variants.py's HEAD_DIMS has all
-// three; its FAMILY_HEAD_DIMS the selector alone.
+// three; its WIDE_HEAD_DIMS the selector alone.
 struct CompiledPolicies {
   bool gates = false;
   bool select = false;

@@ -154,12 +154,12 @@ TEST(CudaPlan, ModelFamilyFeaturesAreRefusedByName) {
             std::string::npos);
 }
 
-// Head dims 96 (Phi-3), 256 (Gemma 3) and q/k 192 with v 128 (MLA-style prefill): the portable
-// kernel's ungated instances run dense and block_sparse, and its selector estimate_select (with
-// and without mean correction), on bf16 and fp16, on the portable path on a Hopper device too (no
+// Head dims 256 (Gemma 3) and q/k 192 with v 128 (MLA-style prefill): the portable kernel's
+// ungated instances run dense and block_sparse, and its selector estimate_select (with and
+// without mean correction), on bf16 and fp16, on the portable path on a Hopper device too (no
 // Hopper instance); exact_gate, softmax_skip and permute_stop are refused by name before
 // anything else (no gated or permute kernel there), and fp8 keeps its one head dim.
-TEST(CudaPlan, ForwardOnlyHeadDimsRunDenseBlockSparseAndEstimateSelectOnThePortablePath) {
+TEST(CudaPlan, WideHeadDimsRunDenseBlockSparseAndEstimateSelectOnThePortablePath) {
   int n = 0;
   ExactGateParams gate;
   gate.block_k = 128;
@@ -196,8 +196,7 @@ TEST(CudaPlan, ForwardOnlyHeadDimsRunDenseBlockSparseAndEstimateSelectOnThePorta
     const char* subject;  // of the other policies' refusal
   };
   for (const DType dtype : {DType::kBF16, DType::kFP16}) {
-    for (const Dims& dims : {Dims{96, 96, "head_dim 96"}, Dims{256, 256, "head_dim 256"},
-                             Dims{192, 128, "head_dim 192 (d_v 128)"}}) {
+    for (const Dims& dims : {Dims{256, 256, "head_dim 256"}, Dims{192, 128, "head_dim 192 (d_v 128)"}}) {
       SCOPED_TRACE(std::string(dtype_name(dtype)) + " " + dims.subject);
       expect_family_dims(dtype, dims.d, dims.d_v, dims.subject);
     }
@@ -205,12 +204,47 @@ TEST(CudaPlan, ForwardOnlyHeadDimsRunDenseBlockSparseAndEstimateSelectOnThePorta
   const Status fp8 = check_support(cuda_shape_of(300, 300, 4, 1, 256, DType::kFP8E4M3), DenseParams{}, &n);
   EXPECT_EQ(fp8.code(), StatusCode::kUnsupported);
   EXPECT_NE(fp8.message().find("head_dim 128 only"), std::string::npos) << fp8.message();
-  for (const char* dims : {"bf16 d=96", "bf16 d=256", "fp16 d=192 d_v=128"}) {
+  for (const char* dims : {"bf16 d=256", "fp16 d=192 d_v=128"}) {
     EXPECT_NE(support_summary().find(std::string(dims) + " (dense, block_sparse and estimate_select)"),
               std::string::npos)
         << support_summary();
   }
   EXPECT_EQ(support_summary().find("d=128 (dense"), std::string::npos) << support_summary();
+}
+
+// Head dim 96 (Phi-3) has every portable kernel: each policy runs there on bf16 and fp16, on the
+// portable path on a Hopper device too (no Hopper instance at 96), with the d 96 instances of its
+// decision kernels (the two-pass exact_gate's gate kernel, permute_stop's ranking, the gated
+// forward loop, the selector) and calibration statistics.
+TEST(CudaPlan, HeadDim96RunsEveryPolicyOnThePortableKernels) {
+  for (const DType dtype : {DType::kBF16, DType::kFP16}) {
+    const std::string dt = dtype_name(dtype);
+    SCOPED_TRACE(dt);
+    const ProblemShape s = cuda_shape_of(300, 700, 4, 2, 96, dtype);
+    ExactGateParams gate;
+    gate.block_k = 128;
+    PermuteStopParams stop;
+    stop.block_k = 64;
+    BlockSparseParams mask;
+    mask.mask = BlockMask::all_visible(s, 128, 128, false);
+    EstimateSelectParams corrected;
+    corrected.mean_correction = true;
+    for (const Policy& policy : {Policy{DenseParams{}}, Policy{mask}, Policy{gate}, Policy{SoftmaxSkipParams{}},
+                                 Policy{EstimateSelectParams{}}, Policy{corrected}, Policy{stop}}) {
+      SCOPED_TRACE(policy_name(policy));
+      int n = 0;
+      EXPECT_TRUE(check_support(s, policy, &n).ok());
+      EXPECT_EQ(choose_fwd_path(s, policy, true, 9, 0), FwdPath::kPortable);
+    }
+    ASSERT_NE(find_gate(dtype, 96), nullptr);
+    EXPECT_EQ(find_gate(dtype, 96)->name, "gate_sm80_" + dt + "_hd96");
+    EXPECT_NE(find_permute(dtype, 96), nullptr);
+    EXPECT_EQ(find_gate90(dtype, 96), nullptr);
+    EXPECT_EQ(find_permute90(dtype, 96), nullptr);
+    EXPECT_TRUE(check_calib_support(s, 128, 64).ok());
+    EXPECT_TRUE(compiled_policies(dtype, 96, 96).all());
+  }
+  EXPECT_NE(support_summary().find("bf16 d=96, "), std::string::npos) << support_summary();
 }
 
 // The window reaches the kernels only where it hides keys (ProblemShape::local()): a causal
@@ -336,7 +370,7 @@ TEST(CudaPlan, PortableInstancesSplitByTheGatesAndTheLayout) {
   p.mode = PolicyMode::kExactGate;
   EXPECT_FALSE(plain_call(p));
   for (DType dtype : {DType::kBF16, DType::kFP16}) {
-    for (int d : {64, 128}) {
+    for (int d : {64, 96, 128}) {
       const FwdVariant* plain = find_fwd(dtype, d, d, false, true);
       const FwdVariant* general = find_fwd(dtype, d, d, false, false);
       const FwdVariant* gated = find_fwd(dtype, d, d, true, false);
@@ -1078,8 +1112,8 @@ TEST(CudaPlan, CalibrationStatisticsSupport) {
   const Status blocks = check_calib_support(s, 32, 128);
   EXPECT_EQ(blocks.code(), StatusCode::kUnsupported);
   EXPECT_EQ(blocks.message(), "calibration statistics: the CUDA kernel needs block_q and block_k of 64 or 128, got 32 x 128");
-  const Status dim = check_calib_support(cuda_shape_of(300, 300, 4, 1, 96), 128, 128);
-  EXPECT_NE(dim.message().find("no compiled CUDA kernel for bf16 head_dim 96"), std::string::npos) << dim.message();
+  const Status dim = check_calib_support(cuda_shape_of(300, 300, 4, 1, 256), 128, 128);
+  EXPECT_NE(dim.message().find("no compiled CUDA kernel for bf16 head_dim 256"), std::string::npos) << dim.message();
   const Status fp32 = check_calib_support(cuda_shape_of(300, 300, 4, 1, 64, DType::kFP32), 128, 128);
   EXPECT_NE(fp32.message().find("dtype fp32"), std::string::npos) << fp32.message();
   EstimateSelectParams base;
