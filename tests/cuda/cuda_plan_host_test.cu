@@ -155,11 +155,11 @@ TEST(CudaPlan, ModelFamilyFeaturesAreRefusedByName) {
 }
 
 // Head dims 256 (Gemma 3) and q/k 192 with v 128 (MLA-style prefill): the portable kernel's
-// ungated instances run dense and block_sparse, and its selector estimate_select (with and
-// without mean correction), on bf16 and fp16, on the portable path on a Hopper device too (no
-// Hopper instance); exact_gate, softmax_skip and permute_stop are refused by name before
-// anything else (no gated or permute kernel there), and fp8 keeps its one head dim.
-TEST(CudaPlan, WideHeadDimsRunDenseBlockSparseAndEstimateSelectOnThePortablePath) {
+// ungated instances run dense and block_sparse, its selector estimate_select (with and without
+// mean correction) and its gate kernel exact_gate (two passes), on bf16 and fp16, on the portable
+// path on a Hopper device too (no Hopper instance); softmax_skip and permute_stop are refused by
+// name before anything else (no gated or permute kernel there), and fp8 keeps its one head dim.
+TEST(CudaPlan, WideHeadDimsRunEveryPolicyButTheInLoopOnesOnThePortablePath) {
   int n = 0;
   ExactGateParams gate;
   gate.block_k = 128;
@@ -173,7 +173,7 @@ TEST(CudaPlan, WideHeadDimsRunDenseBlockSparseAndEstimateSelectOnThePortablePath
     EstimateSelectParams corrected;
     corrected.mean_correction = true;
     for (const Policy& policy :
-         {Policy{DenseParams{}}, Policy{mask}, Policy{EstimateSelectParams{}}, Policy{corrected}}) {
+         {Policy{DenseParams{}}, Policy{mask}, Policy{gate}, Policy{EstimateSelectParams{}}, Policy{corrected}}) {
       SCOPED_TRACE(policy_name(policy));
       EXPECT_TRUE(check_support(s, policy, &n).ok());
       EXPECT_EQ(n, std::holds_alternative<DenseParams>(policy) ? dense_block_k(d) : 128);
@@ -181,11 +181,13 @@ TEST(CudaPlan, WideHeadDimsRunDenseBlockSparseAndEstimateSelectOnThePortablePath
       EXPECT_EQ(choose_fwd_path(s, policy, true, 8, 0), FwdPath::kPortable);
     }
     EXPECT_EQ(choose_select_path(s, 9, 0, false), FwdPath::kPortable);
-    for (const Policy& policy : {Policy{gate}, Policy{SoftmaxSkipParams{}}, Policy{stop}}) {
+    EXPECT_TRUE(exact_gate_two_passes_only(s, gate));
+    EXPECT_TRUE(check_calib_support(s, 128, 64).ok());  // exact_gate's thresholds calibrate here too
+    for (const Policy& policy : {Policy{SoftmaxSkipParams{}}, Policy{stop}}) {
       SCOPED_TRACE(policy_name(policy));
       const Status st = check_support(s, policy, &n);
       EXPECT_EQ(st.code(), StatusCode::kUnsupported);
-      EXPECT_NE(st.message().find(subject + " runs dense, block_sparse and estimate_select on CUDA, not " +
+      EXPECT_NE(st.message().find(subject + " runs dense, block_sparse, exact_gate and estimate_select on CUDA, not " +
                                   policy_name(policy)),
                 std::string::npos)
           << st.message();
@@ -205,7 +207,7 @@ TEST(CudaPlan, WideHeadDimsRunDenseBlockSparseAndEstimateSelectOnThePortablePath
   EXPECT_EQ(fp8.code(), StatusCode::kUnsupported);
   EXPECT_NE(fp8.message().find("head_dim 128 only"), std::string::npos) << fp8.message();
   for (const char* dims : {"bf16 d=256", "fp16 d=192 d_v=128"}) {
-    EXPECT_NE(support_summary().find(std::string(dims) + " (dense, block_sparse and estimate_select)"),
+    EXPECT_NE(support_summary().find(std::string(dims) + " (dense, block_sparse, exact_gate and estimate_select)"),
               std::string::npos)
         << support_summary();
   }
@@ -243,6 +245,7 @@ TEST(CudaPlan, HeadDim96RunsEveryPolicyOnThePortableKernels) {
     EXPECT_EQ(find_permute90(dtype, 96), nullptr);
     EXPECT_TRUE(check_calib_support(s, 128, 64).ok());
     EXPECT_TRUE(compiled_policies(dtype, 96, 96).all());
+    EXPECT_FALSE(exact_gate_two_passes_only(s, gate));
   }
   EXPECT_NE(support_summary().find("bf16 d=96, "), std::string::npos) << support_summary();
 }
@@ -1112,8 +1115,8 @@ TEST(CudaPlan, CalibrationStatisticsSupport) {
   const Status blocks = check_calib_support(s, 32, 128);
   EXPECT_EQ(blocks.code(), StatusCode::kUnsupported);
   EXPECT_EQ(blocks.message(), "calibration statistics: the CUDA kernel needs block_q and block_k of 64 or 128, got 32 x 128");
-  const Status dim = check_calib_support(cuda_shape_of(300, 300, 4, 1, 256), 128, 128);
-  EXPECT_NE(dim.message().find("no compiled CUDA kernel for bf16 head_dim 256"), std::string::npos) << dim.message();
+  const Status dim = check_calib_support(cuda_shape_of(300, 300, 4, 1, 80), 128, 128);
+  EXPECT_NE(dim.message().find("no compiled CUDA kernel for bf16 head_dim 80"), std::string::npos) << dim.message();
   const Status fp32 = check_calib_support(cuda_shape_of(300, 300, 4, 1, 64, DType::kFP32), 128, 128);
   EXPECT_NE(fp32.message().find("dtype fp32"), std::string::npos) << fp32.message();
   EstimateSelectParams base;
