@@ -201,7 +201,8 @@ Status plan_execution(const ProblemShape& shape, const Policy& policy, const Tma
     const std::string shortfall = hopper ? std::string() : smem_shortfall(plan.fwd->name, fwd_smem, "", caps);
     if (!shortfall.empty()) {
       return unsupported(shortfall + ": head_dim " + std::to_string(shape.d) +
-                         " runs on A100- and H100-class GPUs; the reference and cpu backends run it");
+                         " runs where a CTA may hold that much (A100: 166912 bytes, H100 and H200: 232448); the "
+                         "reference and cpu backends run it");
     }
   }
   if (hopper) {

@@ -71,8 +71,9 @@ TEST(CudaExecutionPlan, DenseRunsTheHopperKernelOnAnH200AndThePortableOneElsewhe
 
 // A portable instance whose CTA needs more shared memory than the device offers is refused when
 // the call is planned, naming both counts: head_dim 256 (160 KB + 640 B) on a GPU with 99 KB per
-// CTA (sm_89), while d 128 runs there and d 256 runs on an A100's 163 KB. Devices whose limit is
-// not known (0) are not checked.
+// CTA (sm_89), while d 128 runs there and d 256 runs on an A100's 163 KB; its gated instance
+// (192 KB + 640 B: softmax_skip) on an H100's 227 KB only. Devices whose limit is not known (0)
+// are not checked.
 TEST(CudaExecutionPlan, PortableInstancesNeedTheirSharedMemory) {
   constexpr DeviceCaps kA100Limit{8, 0, std::int64_t{40} << 20, 108, 166912};
   const ProblemShape wide = cuda_shape_of(300, 300, 4, 1, 256);
@@ -87,6 +88,15 @@ TEST(CudaExecutionPlan, PortableInstancesNeedTheirSharedMemory) {
   EXPECT_EQ(plan_of(wide, DenseParams{}, kA100Limit).path, FwdPath::kPortable);
   EXPECT_EQ(plan_of(wide, DenseParams{}, kA100).path, FwdPath::kPortable);  // limit not known
   EXPECT_EQ(plan_of(wide, DenseParams{}, kH200).path, FwdPath::kPortable);  // no Hopper instance at 256
+  const Status gated = plan_execution(wide, SoftmaxSkipParams{}, kTma, kA100Limit, {}, std::size_t{100} << 30, &plan);
+  EXPECT_EQ(gated.code(), StatusCode::kUnsupported);
+  EXPECT_NE(gated.message().find("fwd_sm80_gated_bf16_hd256 needs 197248 bytes of shared memory per CTA; this device "
+                                 "(compute capability 8.0) offers 166912: head_dim 256 runs where a CTA may hold that "
+                                 "much (A100: 166912 bytes, H100 and H200: 232448)"),
+            std::string::npos)
+      << gated.message();
+  constexpr DeviceCaps kH200Limit{9, 0, std::int64_t{60} << 20, 132, 232448};
+  EXPECT_STREQ(plan_of(wide, SoftmaxSkipParams{}, kH200Limit).fwd->name, "fwd_sm80_gated_bf16_hd256");
 }
 
 // The portable selector's CTA holds a Q tile and two chunks of k̄ (32 + 2 x 16 KB at d 128) and
@@ -172,12 +182,23 @@ TEST(CudaExecutionPlan, ExactGateTakesTwoPassesWhereTheDecisionKernelRuns) {
   EXPECT_NE(st.message().find("gate_passes"), std::string::npos) << st.message();
 }
 
-// At the wide head dims (no gated instance) exact_gate runs two passes only: the portable gate
+// At q/k 192 with v 128 (no gated instance) exact_gate runs two passes only: the portable gate
 // kernel's decisions, then the plain forward instance over them; paged K/V is staged even where
 // reading pages would win (a short chunk), and a call that cannot stage or asks for one pass is
-// refused naming why.
+// refused naming why. At 256 (a gated instance) it runs as at 128: two passes on contiguous K/V,
+// one over pages read in the kernel.
 TEST(CudaExecutionPlan, WideHeadDimsRunExactGateInTwoPasses) {
-  for (const auto& [d, d_v, tag] : {std::tuple{256, 256, "hd256"}, std::tuple{192, 128, "hd192"}}) {
+  {
+    const ProblemShape s = cuda_shape_of(4096, 4096, 8, 2, 256);
+    const ExecutionPlan two = plan_of(s, gate());
+    EXPECT_EQ(two.passes, 2);
+    EXPECT_STREQ(two.gate->name, "gate_sm80_bf16_hd256");
+    const ExecutionPlan pages = plan_of(paged(cuda_shape_of(64, 8192, 8, 2, 256), 16), gate());
+    EXPECT_FALSE(pages.staging.stage);
+    EXPECT_EQ(pages.passes, 1);
+    EXPECT_STREQ(pages.fwd->name, "fwd_sm80_gated_bf16_hd256");
+  }
+  for (const auto& [d, d_v, tag] : {std::tuple{192, 128, "hd192"}}) {
     SCOPED_TRACE(tag);
     ProblemShape s = cuda_shape_of(4096, 4096, 8, 2, d);
     s.d_v = d_v;

@@ -156,10 +156,11 @@ TEST(CudaPlan, ModelFamilyFeaturesAreRefusedByName) {
 
 // Head dims 256 (Gemma 3) and q/k 192 with v 128 (MLA-style prefill): the portable kernel's
 // ungated instances run dense and block_sparse, its selector estimate_select (with and without
-// mean correction) and its gate kernel exact_gate (two passes), on bf16 and fp16, on the portable
-// path on a Hopper device too (no Hopper instance); softmax_skip and permute_stop are refused by
-// name before anything else (no gated or permute kernel there), and fp8 keeps its one head dim.
-TEST(CudaPlan, WideHeadDimsRunEveryPolicyButTheInLoopOnesOnThePortablePath) {
+// mean correction) and its gate kernel exact_gate, on bf16 and fp16, on the portable path on a
+// Hopper device too (no Hopper instance); at 256 its gated instance softmax_skip too (and
+// exact_gate in one pass). permute_stop (and softmax_skip at 192/128, where exact_gate runs two
+// passes only) is refused by name before anything else, and fp8 keeps its one head dim.
+TEST(CudaPlan, WideHeadDimsRunEveryPolicyButPermuteStopOnThePortablePath) {
   int n = 0;
   ExactGateParams gate;
   gate.block_k = 128;
@@ -172,8 +173,11 @@ TEST(CudaPlan, WideHeadDimsRunEveryPolicyButTheInLoopOnesOnThePortablePath) {
     mask.mask = BlockMask::all_visible(s, 128, 128, false);
     EstimateSelectParams corrected;
     corrected.mean_correction = true;
-    for (const Policy& policy :
-         {Policy{DenseParams{}}, Policy{mask}, Policy{gate}, Policy{EstimateSelectParams{}}, Policy{corrected}}) {
+    const bool gated = d == d_v;  // 256: the gated instance
+    std::vector<Policy> runs = {DenseParams{}, mask, gate, EstimateSelectParams{}, corrected};
+    std::vector<Policy> refused = {stop};
+    (gated ? runs : refused).emplace_back(SoftmaxSkipParams{});
+    for (const Policy& policy : runs) {
       SCOPED_TRACE(policy_name(policy));
       EXPECT_TRUE(check_support(s, policy, &n).ok());
       EXPECT_EQ(n, std::holds_alternative<DenseParams>(policy) ? dense_block_k(d) : 128);
@@ -181,15 +185,15 @@ TEST(CudaPlan, WideHeadDimsRunEveryPolicyButTheInLoopOnesOnThePortablePath) {
       EXPECT_EQ(choose_fwd_path(s, policy, true, 8, 0), FwdPath::kPortable);
     }
     EXPECT_EQ(choose_select_path(s, 9, 0, false), FwdPath::kPortable);
-    EXPECT_TRUE(exact_gate_two_passes_only(s, gate));
+    EXPECT_EQ(exact_gate_two_passes_only(s, gate), !gated);
     EXPECT_TRUE(check_calib_support(s, 128, 64).ok());  // exact_gate's thresholds calibrate here too
-    for (const Policy& policy : {Policy{SoftmaxSkipParams{}}, Policy{stop}}) {
+    const std::string runs_text = gated ? " runs dense, block_sparse, exact_gate, softmax_skip and estimate_select"
+                                        : " runs dense, block_sparse, exact_gate and estimate_select";
+    for (const Policy& policy : refused) {
       SCOPED_TRACE(policy_name(policy));
       const Status st = check_support(s, policy, &n);
       EXPECT_EQ(st.code(), StatusCode::kUnsupported);
-      EXPECT_NE(st.message().find(subject + " runs dense, block_sparse, exact_gate and estimate_select on CUDA, not " +
-                                  policy_name(policy)),
-                std::string::npos)
+      EXPECT_NE(st.message().find(subject + runs_text + " on CUDA, not " + policy_name(policy)), std::string::npos)
           << st.message();
     }
   };
@@ -206,11 +210,12 @@ TEST(CudaPlan, WideHeadDimsRunEveryPolicyButTheInLoopOnesOnThePortablePath) {
   const Status fp8 = check_support(cuda_shape_of(300, 300, 4, 1, 256, DType::kFP8E4M3), DenseParams{}, &n);
   EXPECT_EQ(fp8.code(), StatusCode::kUnsupported);
   EXPECT_NE(fp8.message().find("head_dim 128 only"), std::string::npos) << fp8.message();
-  for (const char* dims : {"bf16 d=256", "fp16 d=192 d_v=128"}) {
-    EXPECT_NE(support_summary().find(std::string(dims) + " (dense, block_sparse, exact_gate and estimate_select)"),
-              std::string::npos)
-        << support_summary();
-  }
+  EXPECT_NE(support_summary().find("bf16 d=256 (dense, block_sparse, exact_gate, softmax_skip and estimate_select)"),
+            std::string::npos)
+      << support_summary();
+  EXPECT_NE(support_summary().find("fp16 d=192 d_v=128 (dense, block_sparse, exact_gate and estimate_select)"),
+            std::string::npos)
+      << support_summary();
   EXPECT_EQ(support_summary().find("d=128 (dense"), std::string::npos) << support_summary();
 }
 

@@ -50,9 +50,8 @@ struct FwdConfig {
   static constexpr int kBlockM = kBlockQ;
   static constexpr int kBlockN = tuning::kPortableBlockN;  // keys per sub-tile
   // d <= 128: 4 warps of 32 rows, two CTAs per SM; wider Q/K heads (192, 256): 8 warps of 16
-  // rows, one CTA (tuning.h: the registers), dense and block masks only (no gated instance).
+  // rows, one CTA (tuning.h: the registers); the gated instance at 256 only (one head dim).
   static constexpr bool kWide = kHeadDim > 128;
-  static_assert(!(kWide && kGated), "the wide head dims compile no gated instance (variants.py)");
   static constexpr int kWarps = kWide ? tuning::kPortableWarpsWide : tuning::kPortableWarps;
   static constexpr int kMinBlocks = kWide ? 1 : 2;  // CTAs per SM (__launch_bounds__)
   static constexpr int kThreads = kWarps * 32;
@@ -87,15 +86,18 @@ struct FwdConfig {
   // driver reserves per CTA) <= 164 KB; one only with a 96 KB V region or 1152 B static),
   // and two gated ones from 228 KB per SM (H100, H200). d = 96 as d = 128 (its rows' pitch,
   // SmemTile). The wide shapes run one CTA of 8 warps: d 192 / d_v 128 in 112 KB, d = 256 in
-  // 160 KB, within the 163 KB a CTA may opt into on an A100 (H100: 227 KB); on GPUs with 99 KB
-  // (sm_86, sm_89) the plan refuses them (each instance exports its count: variants.py).
+  // 160 KB, within the 163 KB a CTA may opt into on an A100, and gated d = 256 in 192 KB (two V
+  // slots of 32 KB), within an H100's 227 KB only; where a device offers less (A100 for the gated
+  // one, 99 KB on sm_86 and sm_89 for all) the plan refuses them (each instance exports its
+  // count: variants.py).
   static constexpr int kSmemBytes = kQBytes + 2 * kKVBytes + kVRegionBytes;
   static constexpr int kStaticSmemBytes = 640;  // fwd_kernel's __shared__ arrays, in 128-byte units
   // Compute capability 8.0: 164 KB of shared memory per SM, 1 KB of it reserved per CTA
   // (the CUDA C++ Programming Guide's table of compute capabilities).
   static_assert(kGated || kWide || kHeadDimV != kHeadDim || 2 * (kSmemBytes + kStaticSmemBytes + 1024) <= 164 * 1024,
                 "two ungated CTAs per SM of an A100");
-  static_assert(kSmemBytes + kStaticSmemBytes <= 163 * 1024, "one CTA on an A100");
+  static_assert(kSmemBytes + kStaticSmemBytes <= (kGated && kWide ? 227 : 163) * 1024,
+                "one CTA on an A100 (the gated wide one: on an H100)");
   // After the decision the first sub-tile's P (16-bit, half the stash) is parked in the free K
   // stage where it fits (d = 128: the accumulator leaves no room for a second P in registers);
   // at d = 64 it stays in registers.
