@@ -58,10 +58,8 @@ Status plan_call(const AttentionProblem& problem, const ProblemShape& shape, con
 struct CudaPrepared final : detail::PreparedRun {
   ExecutionPlan plan;
   // Staging plans only: the same call reading its pages in the kernels, for runs under CUDA
-  // graph capture (a captured graph would own the staged rows' memory), or why it cannot
-  // (exact_gate at the wide head dims runs over contiguous rows only): then captured runs fail.
+  // graph capture (a captured graph would own the staged rows' memory).
   ExecutionPlan unstaged;
-  Status unstaged_status;
   std::shared_ptr<const PlanState> state;  // a Plan's device state; null for a transient plan
 };
 
@@ -83,13 +81,12 @@ class CudaBackend final : public detail::BackendImpl {
     if (prepared->plan.staging.stage) {
       RunOptions unstaged = options;
       unstaged.overrides.kv_staging = ExecutionOverrides::Choice::kNever;
-      prepared->unstaged_status = plan_call(problem, shape, policy, unstaged, &prepared->unstaged);
+      SP_RETURN_IF_ERROR(plan_call(problem, shape, policy, unstaged, &prepared->unstaged));
     }
     if (persistent) {
       // The state serves the runs that need metadata cached ahead: captured ones, which never
-      // stage (the unstaged plan, where there is one).
-      const bool unstaged = prepared->plan.staging.stage && prepared->unstaged_status.ok();
-      const ExecutionPlan& captured = unstaged ? prepared->unstaged : prepared->plan;
+      // stage (the unstaged plan).
+      const ExecutionPlan& captured = prepared->plan.staging.stage ? prepared->unstaged : prepared->plan;
       SP_RETURN_IF_ERROR(make_plan_state(problem, shape, policy, captured,
                                          static_cast<cudaStream_t>(options.cuda_stream), &prepared->state));
     }
@@ -111,12 +108,7 @@ class CudaBackend final : public detail::BackendImpl {
       return unsupported("cuda_stream: is capturing a CUDA graph, so decisions and statistics cannot be read back; "
                          "request none under capture");
     }
-    const bool capture_unstaged = device.capturing && cuda.plan.staging.stage;
-    if (capture_unstaged && !cuda.unstaged_status.ok()) {
-      return unsupported("cuda_stream: is capturing a CUDA graph, where paged K/V is read in place (never staged): " +
-                         cuda.unstaged_status.message());
-    }
-    const ExecutionPlan& plan = capture_unstaged ? cuda.unstaged : cuda.plan;
+    const ExecutionPlan& plan = device.capturing && cuda.plan.staging.stage ? cuda.unstaged : cuda.plan;
     if (plan.path == FwdPath::kHopper && !plan.staging.stage) {
       const TmaFacts tma = tma_facts(problem);
       if (!tma.q || !tma.kv) {

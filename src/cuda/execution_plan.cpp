@@ -164,16 +164,6 @@ Status plan_execution(const ProblemShape& shape, const Policy& policy, const Tma
   } else if (std::holds_alternative<ExactGateParams>(policy)) {
     const GateVariant* gate = hopper ? find_gate90(shape.dtype, shape.d) : find_gate(shape.dtype, shape.d);
     const bool two = choose_gate_passes(read, gate != nullptr, gate_passes_of(overrides.gate_passes));
-    if (!two && !hopper && exact_gate_two_passes_only(shape, policy)) {
-      const std::string why =
-          overrides.gate_passes == 1
-              ? std::string(kGatePassesEnv) + " (or overrides.gate_passes) = 1"
-              : std::string("paged K/V that is not staged (") + kKvStagingEnv +
-                    " = never, or the rows exceed the free device memory's share)";
-      return unsupported("exact_gate at head_dim " + std::to_string(shape.d) +
-                         " runs in two passes on CUDA (no gated instance), over contiguous K/V: " + why +
-                         "; the reference and cpu backends run it");
-    }
     plan.gate = two ? gate : nullptr;
     plan.passes = two ? 2 : 1;
     plan.mode = two ? PolicyMode::kBlockMask : PolicyMode::kExactGate;

@@ -199,11 +199,6 @@ bool choose_gate_passes(const ProblemShape& shape, bool instance, GatePasses mod
   return possible && mode != GatePasses::kOne;
 }
 
-bool exact_gate_two_passes_only(const ProblemShape& shape, const Policy& policy) {
-  return std::holds_alternative<ExactGateParams>(policy) &&
-         find_fwd(shape.dtype, shape.d, shape.d_v, true, false) == nullptr;
-}
-
 int gate_heads_per_cta(int group) {
   for (int h = tuning::kGateHeadsPerCta; h > 1; --h) {
     if (group % h == 0) return h;
@@ -257,9 +252,8 @@ namespace {
 // window, a softcap and learned sinks run for dense and block_sparse in the forward kernels'
 // kFeatures kernel (FwdParams; softcap and sinks on 16-bit inputs); the other policies' decision
 // kernels (exact_gate's, the selector, permute_stop's ranking) and in-loop gates read none of
-// them yet. At the head dims whose kernels are the ungated forward instances, the selector and
-// the gate kernel (variants.py's WIDE_HEAD_DIMS: 256, 192 with v 128), softmax_skip and
-// permute_stop are refused by name (compiled_policies).
+// them yet. At the head dims without a permute kernel (variants.py's WIDE_HEAD_DIMS: 256, 192
+// with v 128) permute_stop is refused by name (compiled_policies).
 Status check_features(const ProblemShape& shape, const Policy& policy) {
   const char* host = "; the reference and cpu backends run it";
   const bool featured_policy =
@@ -286,10 +280,8 @@ Status check_features(const ProblemShape& shape, const Policy& policy) {
   const bool runs = std::visit(
       [&](const auto& p) {
         using P = std::decay_t<decltype(p)>;
-        if constexpr (std::is_same_v<P, ExactGateParams>) {
-          return policies.exact_gate;
-        } else if constexpr (std::is_same_v<P, SoftmaxSkipParams>) {
-          return policies.softmax_skip;
+        if constexpr (std::is_same_v<P, ExactGateParams> || std::is_same_v<P, SoftmaxSkipParams>) {
+          return policies.gates;
         } else if constexpr (std::is_same_v<P, EstimateSelectParams>) {
           return policies.select;
         } else if constexpr (std::is_same_v<P, PermuteStopParams>) {
@@ -386,11 +378,8 @@ Status check_support(const ProblemShape& shape, const Policy& policy, int* block
       },
       policy);
   SP_RETURN_IF_ERROR(st);
-  // Every compiled (dtype, head_dim) has its plain and general instances, and its gated one but
-  // at the wide head dims (256, 192/128), where check_features refused softmax_skip and exact_gate
-  // runs two passes over the ungated instances (exact_gate_two_passes_only).
-  const bool gated = std::holds_alternative<SoftmaxSkipParams>(policy) ||
-                     (std::holds_alternative<ExactGateParams>(policy) && !exact_gate_two_passes_only(shape, policy));
+  const bool gated = std::holds_alternative<ExactGateParams>(policy) || std::holds_alternative<SoftmaxSkipParams>(policy);
+  // Every compiled (dtype, head_dim) has its plain, general and gated instances.
   if (find_fwd(shape.dtype, shape.d, shape.d_v, gated, false) == nullptr) {
     return unsupported(std::string("no compiled CUDA kernel for dtype ") + dtype_name(shape.dtype) + ", head_dim " +
                        std::to_string(shape.d) + " (" + support_summary() + ")");
@@ -575,8 +564,7 @@ KvStaging plan_kv_staging(const ProblemShape& shape, const Policy& policy, std::
       policy);
   const double attention_flops = 2.0 * (shape.d + shape.d_v) * shape.h_q * pairs * density;
   const double copy_bytes = 2.0 * static_cast<double>(out.bytes);  // read and write
-  const bool cheaper = copy_bytes * kFlopsPerCopyByte <= kGatheredCost * attention_flops;
-  out.stage = (cheaper || exact_gate_two_passes_only(shape, policy)) &&
+  out.stage = copy_bytes * kFlopsPerCopyByte <= kGatheredCost * attention_flops &&
               out.bytes <= free_bytes / tuning::kStagingFreeShare;
   return out;
 }

@@ -115,10 +115,6 @@ Status gate_passes_mode(const char* env_value, GatePasses* mode);
 // launch stages into rows counts as contiguous) unless `mode` is kOne (two passes were faster
 // everywhere measured: record 2026-11-30-h200-exact-gate-two-passes-ab.log).
 bool choose_gate_passes(const ProblemShape& shape, bool instance, GatePasses mode);
-// Whether `policy` is exact_gate at a (dtype, head_dim) without a gated forward instance (the
-// wide head dims, variants.py's WIDE_HEAD_DIMS): it runs in two passes only, over contiguous K/V
-// (paged K/V is then staged whenever the rows fit: plan_kv_staging).
-bool exact_gate_two_passes_only(const ProblemShape& shape, const Policy& policy);
 
 // Query heads of one KV group the decision kernel scores against each K tile it loads: the
 // largest divisor of the group that is at most 4 (its shared memory holds 4 Q tiles of d = 128
@@ -186,9 +182,8 @@ struct KvStaging {
 // free memory: a full device declines, and the kernels read the pages directly). The attention
 // time counts the visible (query, key) pairs at the dense rate, times the policy's density:
 // a block mask's own, an assumed 5% for estimate_select and permute_stop (the densities their
-// papers run at), 1 for dense and the gates (which compute every Q·Kᵀ tile). exact_gate in two
-// passes only (exact_gate_two_passes_only) stages whenever the rows fit. Not paged, or an empty
-// call: no staging.
+// papers run at), 1 for dense and the gates (which compute every Q·Kᵀ tile). Not paged, or an
+// empty call: no staging.
 KvStaging plan_kv_staging(const ProblemShape& shape, const Policy& policy, std::size_t free_bytes);
 // The shape of the staged call: varlen K/V with rows from staging.k_start, no pages.
 ProblemShape staged_shape(const ProblemShape& shape, const KvStaging& staging);

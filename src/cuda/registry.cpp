@@ -115,8 +115,7 @@ const GateVariant* find_gate90(DType dtype, int head_dim) {
 
 CompiledPolicies compiled_policies(DType dtype, int head_dim, int head_dim_v) {
   CompiledPolicies c;
-  c.softmax_skip = find_fwd(dtype, head_dim, head_dim_v, true, false) != nullptr;
-  c.exact_gate = c.softmax_skip || find_gate(dtype, head_dim) != nullptr;
+  c.gates = find_fwd(dtype, head_dim, head_dim_v, true, false) != nullptr;
   c.select = find_select(dtype, head_dim, head_dim_v) != nullptr;
   c.permute = head_dim_v == head_dim && find_permute(dtype, head_dim) != nullptr;
   return c;
@@ -125,8 +124,7 @@ CompiledPolicies compiled_policies(DType dtype, int head_dim, int head_dim_v) {
 std::string CompiledPolicies::describe() const {
   if (all()) return "every policy";
   std::vector<std::string> names = {"dense", "block_sparse"};
-  if (exact_gate) names.emplace_back("exact_gate");
-  if (softmax_skip) names.emplace_back("softmax_skip");
+  if (gates) names.insert(names.end(), {"exact_gate", "softmax_skip"});
   if (select) names.emplace_back("estimate_select");
   if (permute) names.emplace_back("permute_stop");
   std::string out = names[0];

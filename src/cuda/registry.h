@@ -134,17 +134,15 @@ const CalibVariant* find_calib(DType dtype, int head_dim);
 const GateVariant* find_gate(DType dtype, int head_dim);
 const GateVariant* find_gate90(DType dtype, int head_dim);
 // The policies beyond dense and block_sparse whose portable kernels are compiled at (dtype,
-// head_dim, head_dim_v), given a forward instance there: softmax_skip with its gated instance,
-// exact_gate with that or a gate kernel (two passes), estimate_select with a selector of both
-// head dims, permute_stop with a permute instance (head_dim_v = head_dim). Every (dtype,
-// head_dim) of variants.py's HEAD_DIMS has all four; its WIDE_HEAD_DIMS exact_gate (two passes)
-// and the selector.
+// head_dim, head_dim_v), given a forward instance there: exact_gate and softmax_skip with its
+// gated instance, estimate_select with a selector of both head dims, permute_stop with a permute
+// instance (head_dim_v = head_dim). Every (dtype, head_dim) of variants.py's HEAD_DIMS has all
+// three; its WIDE_HEAD_DIMS the gates and the selector.
 struct CompiledPolicies {
-  bool exact_gate = false;
-  bool softmax_skip = false;
+  bool gates = false;
   bool select = false;
   bool permute = false;
-  bool all() const { return exact_gate && softmax_skip && select && permute; }
+  bool all() const { return gates && select && permute; }
   // "dense, block_sparse and estimate_select", for messages.
   std::string describe() const;
 };

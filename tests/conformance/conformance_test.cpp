@@ -106,9 +106,8 @@ TestProblem make_problem(const Inputs& in, const Features& f, Layout layout = La
 
 // Why CUDA refuses the features of tp under `policy` (a fragment of its message), "" when it
 // takes them: local windows, softcap and sinks run dense and block_sparse only (softcap and sinks
-// on 16-bit inputs); head dim 96 runs every policy (the portable kernels), 256 all but
-// permute_stop, q/k 192 with v 128 (MLA) dense, block_sparse, exact_gate (two passes over
-// contiguous K/V) and estimate_select;
+// on 16-bit inputs); head dim 96 runs every policy (the portable kernels), 256 and q/k 192 with
+// v 128 (MLA) every policy but permute_stop;
 // other V head dims unlike Q/K's and head dims have no kernel yet (docs/cuda.md), and
 // check_support names them before anything else.
 std::string cuda_feature_refusal(const TestProblem& tp, const Policy& policy) {
@@ -121,16 +120,13 @@ std::string cuda_feature_refusal(const TestProblem& tp, const Policy& policy) {
   if (s.softcap != 0.0 && !featured_policy) return "softcap: score soft-capping" + others;
   if (s.sinks && !featured_policy) return "sinks: learned attention sinks" + others;
   if ((s.softcap != 0.0 || s.sinks) && s.dtype == DType::kFP8E4M3) return "fp8_e4m3 inputs on CUDA take no softcap or sinks";
-  // variants.py's WIDE_HEAD_DIMS, 16-bit: permute_stop refused, and softmax_skip at 192/128
+  // variants.py's WIDE_HEAD_DIMS, 16-bit: every policy but permute_stop
   const bool mla = s.d == 192 && s.d_v == 128 && s.dtype != DType::kFP8E4M3;
   const bool family = (s.d == 256 && s.d_v == s.d) || mla;
   if (s.d_v != s.d && !mla) return "v: a V head dim unlike Q/K's (d_v " + std::to_string(s.d_v) + ", d " + std::to_string(s.d) + ")";
-  const bool refused = std::holds_alternative<PermuteStopParams>(policy) ||
-                       (mla && std::holds_alternative<SoftmaxSkipParams>(policy));
-  if (family && refused && s.dtype != DType::kFP8E4M3) {
-    return "head_dim " + std::to_string(s.d) + (mla ? " (d_v 128) runs dense, block_sparse, exact_gate and" :
-                                                      " runs dense, block_sparse, exact_gate, softmax_skip and") +
-           " estimate_select on CUDA, not " + policy_name(policy);
+  if (family && std::holds_alternative<PermuteStopParams>(policy) && s.dtype != DType::kFP8E4M3) {
+    return "head_dim " + std::to_string(s.d) + (mla ? " (d_v 128)" : "") +
+           " runs dense, block_sparse, exact_gate, softmax_skip and estimate_select on CUDA, not permute_stop";
   }
   if (s.d != 64 && s.d != 96 && s.d != 128 && !family) return "head_dim " + std::to_string(s.d);
   return {};

@@ -630,53 +630,19 @@ TEST(CudaPaged, DenseShortCachesUnderLongChunks) {
   expect_paged_equals_contiguous(in, DenseParams{});
 }
 
-TEST(CudaPaged, ForwardOnlyHeadDimsEqualContiguous) {
+TEST(CudaPaged, FamilyHeadDimsEqualContiguous) {
   SP_REQUIRE_GPU();
-  // Head dims 96 and 256 and MLA's q/k 192 with v 128 (the portable kernel's plain and general
-  // instances): pages read in the kernel and staged (K and V at their own widths), GQA, a
-  // sequence shorter than a block and one with no keys.
+  // Head dims 96 and 256 and MLA's q/k 192 with v 128 (the portable kernel's instances), dense
+  // and exact_gate (two passes, and one over pages read in the kernel: the gated instance):
+  // pages read in the kernel and staged (K and V at their own widths), GQA, a sequence shorter
+  // than a block and one with no keys.
   for (const auto& [d, d_v] : {std::pair{96, 96}, std::pair{256, 256}, std::pair{192, 128}}) {
     SCOPED_TRACE("d " + std::to_string(d) + ", d_v " + std::to_string(d_v));
     const Inputs in = random_inputs({{300, 700}, {40, 0}, {129, 190}}, 4, 2, d, DType::kBF16, 1650 + d, 1.0,
                                     Distribution::kUniform, d_v);
     expect_paged_equals_contiguous(in, DenseParams{});
-  }
-}
-
-// exact_gate at q/k 192 with v 128 (no gated instance: two passes, the portable gate kernel and
-// the plain forward instance): the oracle's decisions on contiguous K/V; paged K/V is staged by
-// the plan even for this short call (bit for bit the contiguous run), and a call that forbids
-// staging is refused naming why.
-TEST(CudaPaged, WideHeadDimExactGateRunsTwoPassesAndStagesPages) {
-  SP_REQUIRE_GPU();
-  for (const auto& [d, d_v] : {std::pair{192, 128}}) {
-    SCOPED_TRACE("d " + std::to_string(d) + ", d_v " + std::to_string(d_v));
-    const Inputs in = random_inputs({{300, 700}, {129, 190}}, 4, 2, d, DType::kBF16, 1660 + d, 1.0,
-                                    Distribution::kUniform, d_v);
     const HostTensor thr = midpoint_thresholds(in, true, kBlockQ, 128, 0.4);
-    const Policy policy = gate(thr, 128);
-    TestProblem contiguous = build_problem(in, layout_of(Layout::kVarlen, {}));
-    const ref::Result ref64 = oracle(contiguous, policy);
-    ref::Result lowp;
-    ASSERT_TRUE(run_lowp_reference(contiguous.problem(), policy, ref64.decisions, &lowp).ok());
-    const GpuRun want = run_gpu(&contiguous, policy);
-    ASSERT_TRUE(want.status.ok()) << want.status.to_string();
-    EXPECT_EQ(want.stats.execution.path, "cuda-portable");
-    EXPECT_EQ(want.stats.execution.passes, 2);
-    EXPECT_TRUE(fully_written(want.out, ref64));
-    EXPECT_TRUE(close_calibrated(in.dtype, want.out, ref64, lowp));
-    EXPECT_TRUE(same_decisions(ref64.decisions, want.decisions));
-
-    TestProblem paged = paged_problem(in, 16);
-    const GpuRun got = run_gpu(&paged, policy);
-    ASSERT_TRUE(got.status.ok()) << got.status.to_string();
-    EXPECT_TRUE(got.stats.execution.kv_staged);
-    EXPECT_TRUE(same_decisions(ref64.decisions, got.decisions));
-    EXPECT_TRUE(same_result(got.out, want.out, 0.0));
-    const GpuRun refused = run_gpu(&paged, policy, nullptr, staging(false));
-    EXPECT_EQ(refused.status.code(), StatusCode::kUnsupported);
-    EXPECT_NE(refused.status.message().find("runs in two passes on CUDA (no gated instance)"), std::string::npos)
-        << refused.status.to_string();
+    expect_paged_equals_contiguous(in, gate(thr, 128));
   }
 }
 

@@ -12,6 +12,7 @@
 #include <cstdint>
 #include <limits>
 #include <string>
+#include <tuple>
 #include <utility>
 #include <variant>
 #include <vector>
@@ -155,11 +156,10 @@ TEST(CudaPlan, ModelFamilyFeaturesAreRefusedByName) {
 }
 
 // Head dims 256 (Gemma 3) and q/k 192 with v 128 (MLA-style prefill): the portable kernel's
-// ungated instances run dense and block_sparse, its selector estimate_select (with and without
-// mean correction) and its gate kernel exact_gate, on bf16 and fp16, on the portable path on a
-// Hopper device too (no Hopper instance); at 256 its gated instance softmax_skip too (and
-// exact_gate in one pass). permute_stop (and softmax_skip at 192/128, where exact_gate runs two
-// passes only) is refused by name before anything else, and fp8 keeps its one head dim.
+// instances run dense, block_sparse, exact_gate and softmax_skip, its selector estimate_select
+// (with and without mean correction), on bf16 and fp16, on the portable path on a Hopper device
+// too (no Hopper instance), with calibration statistics; permute_stop is refused by name before
+// anything else (no permute kernel there), and fp8 keeps its one head dim.
 TEST(CudaPlan, WideHeadDimsRunEveryPolicyButPermuteStopOnThePortablePath) {
   int n = 0;
   ExactGateParams gate;
@@ -173,11 +173,8 @@ TEST(CudaPlan, WideHeadDimsRunEveryPolicyButPermuteStopOnThePortablePath) {
     mask.mask = BlockMask::all_visible(s, 128, 128, false);
     EstimateSelectParams corrected;
     corrected.mean_correction = true;
-    const bool gated = d == d_v;  // 256: the gated instance
-    std::vector<Policy> runs = {DenseParams{}, mask, gate, EstimateSelectParams{}, corrected};
-    std::vector<Policy> refused = {stop};
-    (gated ? runs : refused).emplace_back(SoftmaxSkipParams{});
-    for (const Policy& policy : runs) {
+    for (const Policy& policy : {Policy{DenseParams{}}, Policy{mask}, Policy{gate}, Policy{SoftmaxSkipParams{}},
+                                 Policy{EstimateSelectParams{}}, Policy{corrected}}) {
       SCOPED_TRACE(policy_name(policy));
       EXPECT_TRUE(check_support(s, policy, &n).ok());
       EXPECT_EQ(n, std::holds_alternative<DenseParams>(policy) ? dense_block_k(d) : 128);
@@ -185,37 +182,30 @@ TEST(CudaPlan, WideHeadDimsRunEveryPolicyButPermuteStopOnThePortablePath) {
       EXPECT_EQ(choose_fwd_path(s, policy, true, 8, 0), FwdPath::kPortable);
     }
     EXPECT_EQ(choose_select_path(s, 9, 0, false), FwdPath::kPortable);
-    EXPECT_EQ(exact_gate_two_passes_only(s, gate), !gated);
     EXPECT_TRUE(check_calib_support(s, 128, 64).ok());  // exact_gate's thresholds calibrate here too
-    const std::string runs_text = gated ? " runs dense, block_sparse, exact_gate, softmax_skip and estimate_select"
-                                        : " runs dense, block_sparse, exact_gate and estimate_select";
-    for (const Policy& policy : refused) {
-      SCOPED_TRACE(policy_name(policy));
-      const Status st = check_support(s, policy, &n);
-      EXPECT_EQ(st.code(), StatusCode::kUnsupported);
-      EXPECT_NE(st.message().find(subject + runs_text + " on CUDA, not " + policy_name(policy)), std::string::npos)
-          << st.message();
-    }
-  };
-  struct Dims {
-    int d, d_v;
-    const char* subject;  // of the other policies' refusal
+    const Status st = check_support(s, stop, &n);
+    EXPECT_EQ(st.code(), StatusCode::kUnsupported);
+    EXPECT_NE(st.message().find(subject + " runs dense, block_sparse, exact_gate, softmax_skip and estimate_select on "
+                                          "CUDA, not permute_stop"),
+              std::string::npos)
+        << st.message();
   };
   for (const DType dtype : {DType::kBF16, DType::kFP16}) {
-    for (const Dims& dims : {Dims{256, 256, "head_dim 256"}, Dims{192, 128, "head_dim 192 (d_v 128)"}}) {
-      SCOPED_TRACE(std::string(dtype_name(dtype)) + " " + dims.subject);
-      expect_family_dims(dtype, dims.d, dims.d_v, dims.subject);
+    for (const auto& [d, d_v, subject] :
+         {std::tuple{256, 256, "head_dim 256"}, std::tuple{192, 128, "head_dim 192 (d_v 128)"}}) {
+      SCOPED_TRACE(std::string(dtype_name(dtype)) + " " + subject);
+      expect_family_dims(dtype, d, d_v, subject);
     }
   }
   const Status fp8 = check_support(cuda_shape_of(300, 300, 4, 1, 256, DType::kFP8E4M3), DenseParams{}, &n);
   EXPECT_EQ(fp8.code(), StatusCode::kUnsupported);
   EXPECT_NE(fp8.message().find("head_dim 128 only"), std::string::npos) << fp8.message();
-  EXPECT_NE(support_summary().find("bf16 d=256 (dense, block_sparse, exact_gate, softmax_skip and estimate_select)"),
-            std::string::npos)
-      << support_summary();
-  EXPECT_NE(support_summary().find("fp16 d=192 d_v=128 (dense, block_sparse, exact_gate and estimate_select)"),
-            std::string::npos)
-      << support_summary();
+  for (const char* dims : {"bf16 d=256", "fp16 d=192 d_v=128"}) {
+    EXPECT_NE(support_summary().find(std::string(dims) + " (dense, block_sparse, exact_gate, softmax_skip and "
+                                                         "estimate_select)"),
+              std::string::npos)
+        << support_summary();
+  }
   EXPECT_EQ(support_summary().find("d=128 (dense"), std::string::npos) << support_summary();
 }
 
@@ -250,7 +240,6 @@ TEST(CudaPlan, HeadDim96RunsEveryPolicyOnThePortableKernels) {
     EXPECT_EQ(find_permute90(dtype, 96), nullptr);
     EXPECT_TRUE(check_calib_support(s, 128, 64).ok());
     EXPECT_TRUE(compiled_policies(dtype, 96, 96).all());
-    EXPECT_FALSE(exact_gate_two_passes_only(s, gate));
   }
   EXPECT_NE(support_summary().find("bf16 d=96, "), std::string::npos) << support_summary();
 }

@@ -374,9 +374,9 @@ def test_policy_matches_oracle(device, dtype, d, name):
 @pytest.mark.parametrize("name", ["estimate_select", "estimate_select_mean_correction_pack_gqa", "exact_gate",
                                   "softmax_skip"])
 def test_head_dims_match_oracle(device, dtype, d, d_v, name):
-    # Phi-3's, Gemma 3's and MLA prefill's head dims: the selector's, exact_gate's (two passes
-    # only on CUDA at 192/128) and softmax_skip's (not at 192/128 on CUDA) decisions are the
-    # oracle's (identical per-head work), the output within the calibrated bound, as at 64 above.
+    # Phi-3's, Gemma 3's and MLA prefill's head dims: the selector's, exact_gate's and
+    # softmax_skip's decisions are the oracle's (identical per-head work), the output within the
+    # calibrated bound, as at 64 above.
     bl = POLICY_BLOCK[device]
     s = 4 * bl + 17
     q, k, v = structured(35, 1, s, s, 8, 2, d, dtype, device, bl)

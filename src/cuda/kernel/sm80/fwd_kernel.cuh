@@ -37,7 +37,7 @@ namespace sparseprefill::cuda::sm80 {
 // kPlain (ungated only): the instance runs calls over contiguous K/V without mean-correction
 // tiles (dense and block masks), so the paged row lookup and the mean tiles compile out;
 // the other ungated instance (kPlain false) runs paged K/V and mean correction.
-// kHeadDimV: V's (and O's) head dim, Q/K's but for MLA-style prefill (192 / 128; ungated only).
+// kHeadDimV: V's (and O's) head dim, Q/K's but for MLA-style prefill (192 / 128).
 template <bool kBf16_, int kHeadDim_, bool kGated_ = false, bool kPlain_ = false, int kHeadDimV_ = kHeadDim_>
 struct FwdConfig {
   static constexpr bool kBf16 = kBf16_;
@@ -46,11 +46,10 @@ struct FwdConfig {
   static constexpr bool kGated = kGated_;
   static constexpr bool kPlain = kPlain_;
   static_assert(!(kGated && kPlain), "the gated instance runs every K/V layout");
-  static_assert(!(kGated && kHeadDimV != kHeadDim), "the gated instance runs one head dim");
   static constexpr int kBlockM = kBlockQ;
   static constexpr int kBlockN = tuning::kPortableBlockN;  // keys per sub-tile
   // d <= 128: 4 warps of 32 rows, two CTAs per SM; wider Q/K heads (192, 256): 8 warps of 16
-  // rows, one CTA (tuning.h: the registers); the gated instance at 256 only (one head dim).
+  // rows, one CTA (tuning.h: the registers).
   static constexpr bool kWide = kHeadDim > 128;
   static constexpr int kWarps = kWide ? tuning::kPortableWarpsWide : tuning::kPortableWarps;
   static constexpr int kMinBlocks = kWide ? 1 : 2;  // CTAs per SM (__launch_bounds__)
@@ -86,10 +85,10 @@ struct FwdConfig {
   // driver reserves per CTA) <= 164 KB; one only with a 96 KB V region or 1152 B static),
   // and two gated ones from 228 KB per SM (H100, H200). d = 96 as d = 128 (its rows' pitch,
   // SmemTile). The wide shapes run one CTA of 8 warps: d 192 / d_v 128 in 112 KB, d = 256 in
-  // 160 KB, within the 163 KB a CTA may opt into on an A100, and gated d = 256 in 192 KB (two V
-  // slots of 32 KB), within an H100's 227 KB only; where a device offers less (A100 for the gated
-  // one, 99 KB on sm_86 and sm_89 for all) the plan refuses them (each instance exports its
-  // count: variants.py).
+  // 160 KB, within the 163 KB a CTA may opt into on an A100; gated, 192 / 128 in 128 KB and
+  // d = 256 in 192 KB (two V slots of 32 KB), within an H100's 227 KB only; where a device offers
+  // less (A100 for the gated 256, 99 KB on sm_86 and sm_89 for the wide ones) the plan refuses
+  // them (each instance exports its count: variants.py).
   static constexpr int kSmemBytes = kQBytes + 2 * kKVBytes + kVRegionBytes;
   static constexpr int kStaticSmemBytes = 640;  // fwd_kernel's __shared__ arrays, in 128-byte units
   // Compute capability 8.0: 164 KB of shared memory per SM, 1 KB of it reserved per CTA
