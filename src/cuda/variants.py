@@ -9,7 +9,7 @@ files differ from what this script would write (CI runs it).
 Axes (each one multiplies the compile time of CI's 2 cores; add one only with a measurement):
   dtype     bf16, fp16: the input dtype; the mma instruction differs.
   head_dim  64, 96, 128 for every portable kernel (96: Phi-3; rows stored at d = 128's pitch,
-            SmemTile): register tiles are sized by it. The portable forward kernel's ungated
+            SmemTile): register tiles are sized by it. The portable forward kernel's three
             instances, the selector (estimate_select), exact_gate's decision kernel and the
             calibration statistics also at WIDE_HEAD_DIMS, (d, d_v) pairs: 256 (Gemma 3; 8
             warps of 16 rows, one CTA per SM; the gated CTA holds 192 KB: H100-class GPUs) and

@@ -85,10 +85,10 @@ struct FwdConfig {
   // driver reserves per CTA) <= 164 KB; one only with a 96 KB V region or 1152 B static),
   // and two gated ones from 228 KB per SM (H100, H200). d = 96 as d = 128 (its rows' pitch,
   // SmemTile). The wide shapes run one CTA of 8 warps: d 192 / d_v 128 in 112 KB, d = 256 in
-  // 160 KB, within the 163 KB a CTA may opt into on an A100; gated, 192 / 128 in 128 KB and
-  // d = 256 in 192 KB (two V slots of 32 KB), within an H100's 227 KB only; where a device offers
-  // less (A100 for the gated 256, 99 KB on sm_86 and sm_89 for the wide ones) the plan refuses
-  // them (each instance exports its count: variants.py).
+  // 160 KB, within the 163 KB a CTA may opt into on an A100; gated, 192 / 128 in 128 KB (an
+  // A100 too) and d = 256 in 192 KB (two V slots of 32 KB), within an H100's 227 KB only; where a
+  // device offers less (A100 for the gated 256, 99 KB on sm_86 and sm_89 for the wide ones) the
+  // plan refuses them (each instance exports its count: variants.py).
   static constexpr int kSmemBytes = kQBytes + 2 * kKVBytes + kVRegionBytes;
   static constexpr int kStaticSmemBytes = 640;  // fwd_kernel's __shared__ arrays, in 128-byte units
   // Compute capability 8.0: 164 KB of shared memory per SM, 1 KB of it reserved per CTA
