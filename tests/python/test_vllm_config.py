@@ -88,7 +88,16 @@ def test_synthetic_density_is_a_setting_not_a_library_policy():
     ({"policy": "exact_gate"}, r"sparseprefill.calibration: required by policy exact_gate \(sparseprefill\)"),
     ({"layers": {"3": {"policy": "exact_gate", "budget": 4}}},
      r"sparseprefill.calibration: required by policy exact_gate \(sparseprefill.layers.3\)"),
-    ({"calibration": "x.safetensors"}, "sparseprefill.calibration: given, but no layer runs exact_gate"),
+    ({"calibration": "x.safetensors"}, r"sparseprefill.calibration: given, but no layer reads it \(exact_gate, "),
+    ({"policy": "softmax_skip", "density_target": 0.2}, "sparseprefill.density_target: only with policy estimate_select"),
+    ({"policy": "estimate_select", "skip_target": 0.2}, "sparseprefill.skip_target: only with policy softmax_skip"),
+    ({"policy": "estimate_select", "density_target": 0}, r"sparseprefill.density_target: expected a fraction in \(0, 1\]"),
+    ({"policy": "estimate_select", "density_target": 0.2, "alpha": 0.1},
+     "sparseprefill.alpha: the calibration file fits it with density_target; give one or the other"),
+    ({"policy": "softmax_skip", "skip_target": 0.8, "layers": {"2": {"block_k": 64}}},
+     "sparseprefill.layers.2.block_k: the calibration file fits it with skip_target"),
+    ({"policy": "estimate_select", "density_target": 0.2},
+     r"sparseprefill.calibration: required by density_target \(sparseprefill\)"),
     ({"policy": "exact_gate", "calibration": 5}, "sparseprefill.calibration: expected a file path"),
     ({"policy": "synthetic"}, r"sparseprefill.density: required with policy synthetic"),
     ({"policy": "synthetic", "density": 0}, r"sparseprefill.density: expected a fraction in \(0, 1\], got 0.0"),
@@ -156,6 +165,45 @@ def test_calibration_is_checked_at_parse_time(calibration, tmp_path):
     # A layer override may run exact_gate under another global policy; its budget is its own.
     c = cfg(policy="estimate_select", calibration=calibration, layers={"1": {"policy": "exact_gate", "budget": 1}})
     assert c.spec_for(1) == (PolicySpec("exact_gate", (), 1), "layers.1")
+
+
+@pytest.fixture(scope="module")
+def fitted(tmp_path_factory):
+    """A calibration file with softmax_skip and estimate_select fits (3 layers whose scores grow
+    with the layer, so each layer's fitted alpha differs), CPU route, blocks of 16."""
+    g = np.random.default_rng(8)
+    cal = sp.Calibrator(LAYERS, HEADS, skip_targets=[0.5], density_targets=[0.3, 0.5], block_q=BLOCK, block_k=BLOCK,
+                        select_block=BLOCK)
+    for layer in range(LAYERS):
+        q = g.standard_normal((1, 1024, HEADS, D)) * (1 + layer)
+        cal.add(layer, q.astype(np.float32), g.standard_normal((1, 1024, KV_HEADS, D)).astype(np.float32))
+    path = tmp_path_factory.mktemp("fit") / "fit.safetensors"
+    cal.save(path)
+    return str(path)
+
+
+def test_calibrated_targets_run_each_layers_fitted_value(fitted, calibration):
+    # The quality report's recommendations are calibrated targets: each layer runs the alpha (or
+    # a) the file fitted for it, with the file's blocks; mean_correction stays the configuration's.
+    c = cfg(policy="estimate_select", density_target=0.3, mean_correction=True, calibration=fitted,
+            layers={"2": {"policy": "softmax_skip", "skip_target": 0.5}})
+    assert c.policy == PolicySpec("estimate_select", (("mean_correction", True),), None, 0.3)
+    assert c.policy.describe() == "estimate_select mean_correction=True density_target=0.3"
+    cal = sp.load_calibration(fitted)
+    for layer in (0, 1):
+        want = cal.estimate_select(layer, 0.3)
+        assert layer_policy(c, layer, num_heads=HEADS)[0] == sp.EstimateSelect(
+            block=want.block, alpha=want.alpha, sink=want.sink, window=want.window, tail=want.tail,
+            mean_correction=True, pack_gqa=want.pack_gqa)
+    assert layer_policy(c, 2, num_heads=HEADS) == (cal.softmax_skip(2, 0.5), "layers.2")
+    assert layer_policy(c, 0, HEADS)[0].alpha != layer_policy(c, 1, HEADS)[0].alpha  # per layer, from the file
+    with pytest.raises(ValueError, match=r"^sparseprefill.density_target: expected one of the file's targets \[0.3"):
+        cfg(policy="estimate_select", density_target=0.2, calibration=fitted)
+    with pytest.raises(ValueError, match="^sparseprefill.calibration: .* has no softmax_skip section "
+                                         r"\(needed by sparseprefill.skip_target\)"):
+        cfg(policy="softmax_skip", skip_target=0.5, calibration=calibration)
+    with pytest.raises(ValueError, match="^sparseprefill.calibration: .*layer: expected 0 .. 2"):
+        layer_policy(c, 5, num_heads=HEADS)
 
 
 def test_rank_heads_split_query_heads_in_order():

@@ -20,13 +20,17 @@ The schema (docs/vllm.md lists every key with its type and default):
                                   "20-23": {"policy": "softmax_skip", "a": 20}},
                        "calibration": "cal.safetensors", "budget": 16, # exact_gate's thresholds
                        "log_level": "info"}}
+
+With a calibration file, estimate_select may take "density_target" and softmax_skip
+"skip_target" instead of alpha / a: each layer runs the value the file fitted for it (its
+estimate_select block, sink, window, tail and pack_gqa, its softmax_skip blocks).
 """
 
 from __future__ import annotations
 
 import math
 import typing
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 from typing import Any, Callable, Dict, FrozenSet, Mapping, Optional, Tuple
 
 import numpy as np
@@ -46,8 +50,14 @@ SYNTHETIC = "synthetic"
 _LIBRARY_POLICIES: Dict[str, type] = {cls.name: cls for cls in (Dense, EstimateSelect, ExactGate, SoftmaxSkip,
                                                                PermuteStop)}
 _SYNTHETIC_SETTINGS = {"density": float, "block": int}
-_TOP_KEYS = ("policy", "dense_layers", "min_sparse_len", "layers", "calibration", "budget", "log_level")
-_LAYER_KEYS = ("policy", "budget")
+# The calibrated target each policy may take from the calibration file, and the settings the file
+# then fixes (those the fit depends on; mean_correction stays the configuration's).
+_TARGETS = {EstimateSelect.name: ("density_target", ("alpha", "block", "sink", "window", "tail", "pack_gqa")),
+            SoftmaxSkip.name: ("skip_target", ("a", "block_q", "block_k"))}
+_TARGET_KEYS = tuple(key for key, _ in _TARGETS.values())
+_TOP_KEYS = ("policy", "dense_layers", "min_sparse_len", "layers", "calibration", "budget") + _TARGET_KEYS + (
+    "log_level",)
+_LAYER_KEYS = ("policy", "budget") + _TARGET_KEYS
 _LOG_LEVELS = ("debug", "info", "warning", "error")
 _DEFAULT_MIN_SPARSE_LEN = 4096
 
@@ -98,16 +108,20 @@ def _typed(path: str, value: Any, kind: type) -> Any:
 @dataclass(frozen=True)
 class PolicySpec:
     """A policy as the configuration names it: the library's name (or SYNTHETIC), its settings
-    as checked values, and exact_gate's budget (a budget value of the calibration file)."""
+    as checked values, exact_gate's budget (a budget value of the calibration file), and
+    estimate_select's density_target or softmax_skip's skip_target (a target of the file)."""
 
     name: str
     settings: Tuple[Tuple[str, Any], ...] = ()
     budget: Optional[int] = None
+    target: Optional[float] = None
 
     def describe(self) -> str:
         parts = [self.name] + [f"{k}={v}" for k, v in self.settings]
         if self.budget is not None:
             parts.append(f"budget={self.budget}")
+        if self.target is not None:
+            parts.append(f"{_TARGETS[self.name][0]}={self.target}")
         return " ".join(parts)
 
 
@@ -195,7 +209,21 @@ def _spec(path: str, raw: Mapping[str, Any], allowed: Tuple[str, ...], base: Opt
         if name != ExactGate.name:
             raise _fail(f"{path}.budget", f"only with policy exact_gate (this one is {name})")
         budget = _typed(f"{path}.budget", raw["budget"], int)
-    spec = PolicySpec(name, tuple(sorted(settings.items())), budget)
+    target = base.target if inherit else None
+    for key in _TARGET_KEYS:
+        if key in raw:
+            owner = next(p for p, (k, _) in _TARGETS.items() if k == key)
+            if name != owner:
+                raise _fail(f"{path}.{key}", f"only with policy {owner} (this one is {name})")
+            target = _typed(f"{path}.{key}", raw[key], float)
+            if not 0.0 < target <= 1.0:
+                raise _fail(f"{path}.{key}", f"expected a fraction in (0, 1], got {target}")
+    if target is not None:
+        key, fitted = _TARGETS[name]
+        for setting in fitted:
+            if setting in settings:
+                raise _fail(f"{path}.{setting}", f"the calibration file fits it with {key}; give one or the other")
+    spec = PolicySpec(name, tuple(sorted(settings.items())), budget, target)
     _check_values(path, spec)
     return spec
 
@@ -228,13 +256,22 @@ def _check_values(path: str, spec: PolicySpec) -> None:
 
 
 def _calibrated(path: str, file: str, spec: PolicySpec) -> None:
-    """Checks an exact_gate spec against the calibration file: the file loads (FileError and
-    CorruptDataError become ValueErrors naming the key), has an exact_gate section with spec's
-    budget, and the block sizes (given ones must be the file's) pass the library's checks."""
+    """Checks a spec that reads the calibration file against it: the file loads (FileError and
+    CorruptDataError become ValueErrors naming the key) and has the spec's section and value (an
+    exact_gate budget, whose block sizes, given ones the file's, pass the library's checks; a
+    density or skip target)."""
     try:
         cal = load_calibration(file)
     except _ext.Error as e:
         raise _fail(f"{ROOT}.calibration", str(e)) from None
+    if spec.target is not None:
+        key, _ = _TARGETS[spec.name]
+        targets = cal.density_targets if spec.name == EstimateSelect.name else cal.skip_targets
+        if not targets:
+            raise _fail(f"{ROOT}.calibration", f"{file} has no {spec.name} section (needed by {path}.{key})")
+        if not any(math.isclose(t, spec.target, rel_tol=1e-6, abs_tol=1e-7) for t in targets):
+            raise _fail(f"{path}.{key}", f"expected one of the file's targets {targets}, got {spec.target}")
+        return
     if not cal.gate_budgets:
         raise _fail(f"{ROOT}.calibration", f"{file} has no exact_gate section")
     if spec.budget is None:
@@ -296,16 +333,17 @@ def parse_config(additional_config: Optional[Mapping[str, Any]]) -> SparsePrefil
             layers[layer] = (spec, f"layers.{key}")
 
     calibration = raw.get("calibration")
-    gated = [(ROOT, policy)] if policy.name == ExactGate.name else []
-    gated += [(f"{ROOT}.{source}", spec) for spec, source in layers.values() if spec.name == ExactGate.name]
+    readers = [(f"{ROOT}.{source}", spec) for spec, source in layers.values()]
+    readers = [(p, s) for p, s in [(ROOT, policy)] + readers if s.name == ExactGate.name or s.target is not None]
     if calibration is not None:
         if not isinstance(calibration, str) or not calibration:
             raise _fail(f"{ROOT}.calibration", f"expected a file path, got {calibration!r}")
-        if not gated:
-            raise _fail(f"{ROOT}.calibration", "given, but no layer runs exact_gate")
-    for path, spec in gated:
+        if not readers:
+            raise _fail(f"{ROOT}.calibration", "given, but no layer reads it (exact_gate, density_target, skip_target)")
+    for path, spec in readers:
         if calibration is None:
-            raise _fail(f"{ROOT}.calibration", f"required by policy exact_gate ({path})")
+            what = "policy exact_gate" if spec.target is None else _TARGETS[spec.name][0]
+            raise _fail(f"{ROOT}.calibration", f"required by {what} ({path})")
         _calibrated(path, calibration, spec)
 
     return SparsePrefillConfig(policy=policy, dense_layers=frozenset(dense),
@@ -342,6 +380,14 @@ def layer_policy(config: SparsePrefillConfig, layer: int, num_heads: int, tp_siz
     values = dict(spec.settings)
     if spec.name == SYNTHETIC:
         return SyntheticDensity(**values), source
+    if spec.target is not None:
+        cal = load_calibration(config.calibration)  # cached by the loader; parse_config checked it
+        fit = cal.estimate_select if spec.name == EstimateSelect.name else cal.softmax_skip
+        try:
+            policy = fit(layer, spec.target)
+        except _ext.Error as e:
+            raise _fail(f"{ROOT}.calibration", f"{config.calibration}: {e}") from None
+        return replace(policy, **values), source
     if spec.name != ExactGate.name:
         return _LIBRARY_POLICIES[spec.name](**values), source
     cal = load_calibration(config.calibration)  # cached by the loader; parse_config checked it
