@@ -55,8 +55,8 @@ fi
 . "$root/scripts/model/qwen_env.sh"
 if [ ! -f "$run/cal.safetensors" ]; then
   note "calibrate"
-  QWEN_HOME=$home QWEN_MODEL=$model SP_DEVICE=$device PYTHON=$py scripts/model/calibrate_qwen.sh "$run/cal.safetensors" \
-    >"$out/calibrate.log" 2>&1 ||
+  QWEN_HOME=$home QWEN_MODEL=$model SP_DEVICE=$device PYTHON=$py \
+    scripts/model/calibrate_qwen.sh "$run/cal.safetensors" >"$out/calibrate.log" 2>&1 ||
     { tail -30 "$out/calibrate.log"; note "calibrate FAILED"; exit 1; }
   tail -1 "$out/calibrate.log"
 fi

@@ -174,7 +174,8 @@ for name in "$@"; do
       stage qwen-fa "$py" "$scripts/ttft.py" --backend FLASH_ATTN --model "$model" --lengths 16384,32000 \
         --label "$(basename "$model")" $(profile qwen-fa) --out "$res/qwen-fa.json"
       stage qwen-ours "$py" "$scripts/ttft.py" --backend CUSTOM --model "$model" --lengths 16384,32000 \
-        --settings "$settings" --density --label "$(basename "$model")" $(profile qwen-ours) --out "$res/qwen-ours.json" ;;
+        --settings "$settings" --density --label "$(basename "$model")" $(profile qwen-ours) \
+        --out "$res/qwen-ours.json" ;;
     serve-fa)
       has_model serve-fa && stage serve-fa "$py" "$scripts/serve.py" --backend FLASH_ATTN --model "$model" \
         ${SP_VLLM_RATES:+--rates "$SP_VLLM_RATES"} --out "$res/serve-fa.json" ;;
