@@ -96,7 +96,8 @@ def test_synthetic_density_is_a_setting_not_a_library_policy():
      r"sparseprefill.density_target: expected a fraction in \(0, 1\]"),
     ({"policy": "estimate_select", "density_target": 0.2, "alpha": 0.1},
      "sparseprefill.alpha: the calibration file fits it with density_target; give one or the other"),
-    ({"policy": "softmax_skip", "skip_target": 0.8, "layers": {"2": {"block_k": 64}}},
+    ({"policy": "softmax_skip", "skip_target": 0.8, "a": 5}, "sparseprefill.a: the calibration file fits it with"),
+    ({"layers": {"2": {"policy": "softmax_skip", "skip_target": 0.8, "block_k": 64}}},
      "sparseprefill.layers.2.block_k: the calibration file fits it with skip_target"),
     ({"policy": "estimate_select", "density_target": 0.2},
      r"sparseprefill.calibration: required by density_target \(sparseprefill\)"),
@@ -188,17 +189,21 @@ def test_calibrated_targets_run_each_layers_fitted_value(fitted, calibration):
     # The quality report's recommendations are calibrated targets: each layer runs the alpha (or
     # a) the file fitted for it, with the file's blocks; mean_correction stays the configuration's.
     c = cfg(policy="estimate_select", density_target=0.3, mean_correction=True, calibration=fitted,
-            layers={"2": {"policy": "softmax_skip", "skip_target": 0.5}})
+            layers={"2": {"policy": "softmax_skip", "skip_target": 0.5}, "1": {"alpha": 0.25}})
     assert c.policy == PolicySpec("estimate_select", (("mean_correction", True),), None, 0.3)
     assert c.policy.describe() == "estimate_select mean_correction=True density_target=0.3"
     cal = sp.load_calibration(fitted)
-    for layer in (0, 1):
-        want = cal.estimate_select(layer, 0.3)
-        assert layer_policy(c, layer, num_heads=HEADS)[0] == sp.EstimateSelect(
-            block=want.block, alpha=want.alpha, sink=want.sink, window=want.window, tail=want.tail,
-            mean_correction=True, pack_gqa=want.pack_gqa)
+    want = cal.estimate_select(0, 0.3)
+    assert layer_policy(c, 0, num_heads=HEADS)[0] == sp.EstimateSelect(
+        block=want.block, alpha=want.alpha, sink=want.sink, window=want.window, tail=want.tail,
+        mean_correction=True, pack_gqa=want.pack_gqa)
     assert layer_policy(c, 2, num_heads=HEADS) == (cal.softmax_skip(2, 0.5), "layers.2")
-    assert layer_policy(c, 0, HEADS)[0].alpha != layer_policy(c, 1, HEADS)[0].alpha  # per layer, from the file
+    # An override giving its own alpha runs it (the target is not inherited), mean_correction kept.
+    assert c.spec_for(1) == (PolicySpec("estimate_select", (("alpha", 0.25), ("mean_correction", True))), "layers.1")
+    assert layer_policy(c, 1, num_heads=HEADS)[0] == sp.EstimateSelect(alpha=0.25, mean_correction=True)
+    # Per layer from the file: layers 0 and 1 fitted different alphas for the same target.
+    c2 = cfg(policy="estimate_select", density_target=0.3, calibration=fitted)
+    assert layer_policy(c2, 0, HEADS)[0].alpha == want.alpha != layer_policy(c2, 1, HEADS)[0].alpha
     with pytest.raises(ValueError, match=r"^sparseprefill.density_target: expected one of the file's targets \[0.3"):
         cfg(policy="estimate_select", density_target=0.2, calibration=fitted)
     with pytest.raises(ValueError, match="^sparseprefill.calibration: .* has no softmax_skip section "

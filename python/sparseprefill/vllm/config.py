@@ -210,6 +210,8 @@ def _spec(path: str, raw: Mapping[str, Any], allowed: Tuple[str, ...], base: Opt
             raise _fail(f"{path}.budget", f"only with policy exact_gate (this one is {name})")
         budget = _typed(f"{path}.budget", raw["budget"], int)
     target = base.target if inherit else None
+    if target is not None and _TARGETS[name][0] not in raw and any(s in raw for s in _TARGETS[name][1]):
+        target = None  # an override giving its own alpha (or a, blocks) replaces the inherited target
     for key in _TARGET_KEYS:
         if key in raw:
             owner = next(p for p, (k, _) in _TARGETS.items() if k == key)
