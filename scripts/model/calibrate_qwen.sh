@@ -16,10 +16,9 @@ root=$(cd "$(dirname "$0")/../.." && pwd)
 . "$root/scripts/model/qwen_env.sh"
 home=${QWEN_HOME:-/root/qwen}
 device=${SP_DEVICE:-cuda}
-dtype=$([ "$device" = cpu ] && echo auto || echo bfloat16)
 cd /tmp  # the installed package, not the checkout's python/ folder
 # shellcheck disable=SC2086
 exec "${PYTHON:-python3}" -m sparseprefill.quality.calibrate --model "${QWEN_MODEL:-$home/qwen-bf16}" \
   --model-name "$QWEN_MODEL_NAME" --text "$home/debian-reference.en.txt" --whole-text --direct --device "$device" \
-  --dtype "$dtype" --samples 3 --length 32768 --block 128 --budgets 4,8,16,32 --skip-targets 0.7,0.8,0.9 \
+  --dtype "$(qwen_dtype "$device")" --samples 3 --length 32768 --block 128 --budgets 4,8,16,32 --skip-targets 0.7,0.8,0.9 \
   --density-targets 0.1,0.2,0.3 --output "$output" ${SP_CAL_ARGS:-}

@@ -20,13 +20,15 @@ set -uo pipefail
 out=${1:?usage: scripts/model/gpu_qwen.sh OUTDIR}
 root=$(cd "$(dirname "$0")/../.." && pwd)
 cd "$root"
+# shellcheck source=scripts/model/qwen_env.sh
+. "$root/scripts/model/qwen_env.sh"
 home=${QWEN_HOME:-/root/qwen}
 run=$home/run
 py=${PYTHON:-python3}
 start=${SP_CALL_START:-$(date +%s)}
 budget=${SP_CALL_SECONDS:-540}
 device=${SP_DEVICE:-cuda}
-dtype=$([ "$device" = cpu ] && echo auto || echo bfloat16)
+dtype=$(qwen_dtype "$device")
 model=${QWEN_MODEL:-$home/qwen-bf16}
 carry=${QWEN_CARRY:-.carry/qwen-results}
 export PYTHONUNBUFFERED=1 TQDM_MININTERVAL=10
@@ -51,8 +53,6 @@ if [ "$device" != cpu ]; then
   (cd /tmp && "$py" -c "import sparseprefill, sys; sys.exit('backend cuda: not compiled' in sparseprefill.build_info())") || {
     echo "gpu_qwen: sparseprefill with CUDA is not installed (scripts/model/assemble_qwen.sh install)" >&2; exit 2; }
 fi
-# shellcheck source=scripts/model/qwen_env.sh
-. "$root/scripts/model/qwen_env.sh"
 if [ ! -f "$run/cal.safetensors" ]; then
   note "calibrate"
   QWEN_HOME=$home QWEN_MODEL=$model SP_DEVICE=$device PYTHON=$py \
