@@ -57,7 +57,7 @@ grep -v '^#' "$root/scripts/vllm/wheels.txt" | xargs "$py" -m pip download -q --
 (cat "$stage/C.sum" && cd "$out/2" && sha256sum rest.tar.xz wheels/*.whl) >"$out/2/SHA256SUMS"
 rm -rf "$stage"
 tree=$(cd "$root" && git ls-files -z | xargs -0 du -cb 2>/dev/null | tail -1 | cut -f1)
-for part in 1/* 2; do
+for part in $(cd "$out" && echo 1/* 2); do
   size=$(du -sb "$out/$part" | cut -f1)
   echo "pack: .carry/vllm/$part: $((size >> 20)) MiB (+ the tracked tree, $((tree >> 20)) MiB)"
   if [ $((size + tree)) -gt $((63 << 20)) ]; then
