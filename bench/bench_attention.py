@@ -524,12 +524,13 @@ class Case:
         return p
 
     def ours(self, impl, label, policy, target=None, mask_pairs=None, mask_density=None,
-             extra=None, page=None, chunk=None, planned=False, fp8=False):
+             extra=None, page=None, chunk=None, planned=False, fp8=False, twin=None):
         """One row of ours: a call per input set, or with `chunk` the calls of a chunked
         prefill (every chunk of the prompt, each writing its rows of one output). planned: the
         calls run sp_plans made once per call shape, outside the timed region (block_sparse:
         the mask is validated, compacted and uploaded there, as a server would do once per
-        mask), instead of sp_run with the policy."""
+        mask), instead of sp_run with the policy. twin: the output of the same policy on the
+        bf16 inputs (an fp8 row's err_vs_bf16: FP8's operator error under the policy)."""
         if not self.wanted(impl):
             return None
         lib = self.lib
@@ -621,6 +622,8 @@ class Case:
             self.ref_ours = result
         row["err_vs_ours_dense"] = rel_l2(result, self.ref_ours)
         row["err_vs_sdpa"] = rel_l2(result, self.ref_sdpa)
+        if twin is not None:
+            row["err_vs_bf16"] = rel_l2(result, twin)
         if impl in ("ours_block_sparse", "ours_dense_window"):
             row["err_vs_flex_mask"] = rel_l2(result, self.flex_out.get(target))
         if notes:
@@ -764,8 +767,12 @@ class StructuredCase(Case):
         alpha, dens = self.alpha_for(target)
         self.record.update(alpha=alpha, alpha_density=dens)
         print(f"  alpha {alpha:.4g} gives density {dens:.4f}", flush=True)
-        self.ours("ours_estimate_select", f"ours estimate_select ~{target:.0%}",
-                  self.estimate_policy(alpha), target=target, extra={"alpha": alpha})
+        bf16 = self.ours("ours_estimate_select", f"ours estimate_select ~{target:.0%}",
+                         self.estimate_policy(alpha), target=target, extra={"alpha": alpha})
+        # The same alpha on the E4M3 quantization of the set (per-KV-head descales): issue 33's
+        # FP8 figure, its speed against the row above and its error against that row's output.
+        self.ours("ours_estimate_select_fp8", f"ours estimate_select fp8 (e4m3) ~{target:.0%}",
+                  self.estimate_policy(alpha), target=target, extra={"alpha": alpha}, fp8=True, twin=bf16)
         self.ours("ours_estimate_select_mc", f"ours estimate_select+mc ~{target:.0%}",
                   self.estimate_policy(alpha, mc=True), target=target, extra={"alpha": alpha})
         if self.wanted("ours_estimate_select_mc_packed"):

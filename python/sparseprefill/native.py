@@ -367,7 +367,8 @@ def run(*args: Any, **kwargs: Any) -> Result:
       [h_q] on q's device, one logit per query head added to every row's softmax denominator
       (gpt-oss), in out and lse. backend is "auto",
       "reference" (the fp64 oracle), "cpu" or "cuda". FP8 inputs (torch.float8_e4m3fn q, k and
-      v; dense and block_sparse, host backends) may take float32 descales [b, h_kv]: attention
+      v; every policy on the host backends; on CUDA, a 9.0 device, head_dim 128: dense,
+      block_sparse and estimate_select without mean correction) may take float32 descales [b, h_kv]: attention
       runs on q * q_descale[b, h // group], k * k_descale[b, kv head], v * v_descale[b, kv head]
       (an absent descale is 1), and out is bfloat16.
 

@@ -40,6 +40,11 @@ Status launch_selection(const Call& call, const ProblemShape& shape, const FwdPa
   sp.v_head_stride = p.v_head_stride;
   sp.seqs = p.seqs;
   sp.paged = p.paged;
+  for (int i = 0; i < 3; ++i) {  // e4m3 inputs: the forward's descales (nullptr: 1)
+    sp.descale[i] = p.descale[i];
+    sp.descale_stride[i][0] = p.descale_stride[i][0];
+    sp.descale_stride[i][1] = p.descale_stride[i][1];
+  }
   sp.batch = shape.batch;
   sp.h_q = shape.h_q;
   sp.h_kv = shape.h_kv;

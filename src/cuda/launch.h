@@ -86,7 +86,7 @@ struct Selection {
   std::size_t rows = 0;  // batch * units * num_q_blocks, units = h_kv with pack_gqa, else h_q
 };
 // The selector's block means in scratch: sp->k_mean [batch, h_kv, num_k_blocks, d] and sp->v_mean
-// [.., d_v], in the input dtype (16-bit); sp->num_k_blocks must be set.
+// [.., d_v], in the input dtype (16-bit; bf16 for e4m3 inputs); sp->num_k_blocks must be set.
 Status alloc_block_means(const ProblemShape& shape, Scratch* scratch, SelectParams* sp);
 // Fills sel->sp from the call's parameters `p` (tensors, strides, sequence table) and `pol`,
 // allocates the selector's outputs and launches the block means then the selector.

@@ -69,7 +69,8 @@ std::string support_summary() {
          "128-key blocks, contiguous or paged K/V of any page size, permute_stop with contiguous K/V; block_k 64 uses "
          "the portable path there): " +
          compiled_fwd90_summary() + "; paged K/V (any page size): every policy on the portable path; "
-         "fp8_e4m3 inputs: dense and block_sparse on the Hopper path, head_dim 128, contiguous K/V; local windows "
+         "fp8_e4m3 inputs: dense, block_sparse and estimate_select without mean correction on the Hopper path, "
+         "head_dim 128, contiguous K/V; local windows "
          "(window_size): dense and block_sparse on both paths, with softcap and learned sinks on bf16 and fp16; "
          "not on CUDA: fp32";
 }
@@ -299,6 +300,19 @@ Status check_features(const ProblemShape& shape, const Policy& policy) {
   return {};
 }
 
+// estimate_select's blocks on CUDA: the selector's query tile is its pooling block, 128, and
+// its energies of a tile live in shared memory (kMaxSelectBlocks key blocks).
+Status check_select_blocks(const ProblemShape& shape, const EstimateSelectParams& p) {
+  if (p.block != kBlockQ) {
+    return unsupported("estimate_select: the CUDA selector needs block = 128, got " + std::to_string(p.block));
+  }
+  if (max_blocks(shape, p.block) > kMaxSelectBlocks) {
+    return unsupported("estimate_select: the CUDA selector handles at most " + std::to_string(kMaxSelectBlocks) +
+                       " key blocks, got " + std::to_string(max_blocks(shape, p.block)));
+  }
+  return {};
+}
+
 }  // namespace
 
 Status check_support(const ProblemShape& shape, const Policy& policy, int* block_k) {
@@ -314,15 +328,30 @@ Status check_support(const ProblemShape& shape, const Policy& policy, int* block
       return unsupported("k: fp8_e4m3 inputs need contiguous K/V on CUDA (paged K/V: the reference and cpu backends)");
     }
     const auto* mask = std::get_if<BlockSparseParams>(&policy);
-    if (mask == nullptr && !std::holds_alternative<DenseParams>(policy)) {
-      return unsupported(std::string(policy_name(policy)) + ": fp8_e4m3 inputs on CUDA run dense and block_sparse only "
-                         "(the reference and cpu backends run every policy)");
+    const auto* es = std::get_if<EstimateSelectParams>(&policy);
+    if (mask == nullptr && es == nullptr && !std::holds_alternative<DenseParams>(policy)) {
+      return unsupported(std::string(policy_name(policy)) + ": fp8_e4m3 inputs on CUDA run dense, block_sparse and "
+                         "estimate_select only (the reference and cpu backends run every policy)");
     }
     if (mask != nullptr && (mask->block_q() != kBlockQ || mask->block_k() != hopper_block_k())) {
       return unsupported("block_sparse mask: fp8_e4m3 inputs on CUDA need 128 x 128 blocks, got " +
                          std::to_string(mask->block_q()) + " x " + std::to_string(mask->block_k()));
     }
-    *block_k = mask != nullptr ? hopper_block_k() : dense_block_k(shape.d);
+    if (es != nullptr) {
+      // The selector's fp8 instance scores e4m3 queries against bf16 means; the fp8 forward
+      // instance has no mean tiles.
+      if (es->mean_correction) {
+        return unsupported("estimate_select: mean correction over fp8_e4m3 inputs does not run on CUDA (the Hopper "
+                           "kernel's fp8 instance has no mean tiles); without it, or on the reference and cpu "
+                           "backends, it runs");
+      }
+      SP_RETURN_IF_ERROR(check_select_blocks(shape, *es));
+      if (find_select90(shape.dtype, shape.d) == nullptr) {
+        return unsupported(std::string("estimate_select: no compiled selector for fp8_e4m3 head_dim ") +
+                           std::to_string(shape.d) + " (" + support_summary() + ")");
+      }
+    }
+    *block_k = mask != nullptr || es != nullptr ? hopper_block_k() : dense_block_k(shape.d);
     return {};
   }
   if (shape.dtype != DType::kBF16 && shape.dtype != DType::kFP16) {
@@ -345,14 +374,8 @@ Status check_support(const ProblemShape& shape, const Policy& policy, int* block
           SP_RETURN_IF_ERROR(check_blocks("softmax_skip", p.block_q, p.block_k));
           n = p.block_k;
         } else if constexpr (std::is_same_v<P, EstimateSelectParams>) {
-          if (p.block != kBlockQ) {
-            return unsupported("estimate_select: the CUDA selector needs block = 128, got " + std::to_string(p.block));
-          }
+          SP_RETURN_IF_ERROR(check_select_blocks(shape, p));
           n = p.block;
-          if (max_blocks(shape, p.block) > kMaxSelectBlocks) {
-            return unsupported("estimate_select: the CUDA selector handles at most " + std::to_string(kMaxSelectBlocks) +
-                               " key blocks, got " + std::to_string(max_blocks(shape, p.block)));
-          }
           if (p.mean_correction && geom::ceil_div(max_blocks(shape, p.block), kMeanChunk) > kMaxMeanChunks) {
             return unsupported("estimate_select: mean correction on CUDA handles at most " +
                                std::to_string(kMaxMeanChunks * kMeanChunk) + " key blocks");

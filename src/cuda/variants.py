@@ -38,8 +38,9 @@ build them as their own target). The Hopper forward kernel has one more axis:
   kv        contiguous or paged: the producer's K/V loads (contiguous tensor maps, or boxes
             through the block table) differ at compile time, so the contiguous instances keep
             exactly the code they had before paged K/V ran there.
-and one more dtype, fp8 (e4m3 inputs, bf16 output, d = 128, contiguous K/V: one instance; e4m3
-wgmma, V transposed by the launch; dense and block_sparse only, docs/semantics.md §1).
+and one more dtype, fp8 (e4m3 inputs, bf16 output, d = 128, contiguous K/V: one forward instance;
+e4m3 wgmma, V transposed by the launch; dense, block_sparse and, with SELECT90's fp8 instance
+(e4m3 Q widened to bf16 against bf16 means), estimate_select, docs/semantics.md §1).
 """
 
 import argparse
@@ -250,6 +251,11 @@ def expected_files():
             files[f"{name}.cu"] = launch_unit(name, "cuda/kernel/sm90/gate_kernel.cuh", "GateParams",
                                               f"gate90::launch_gate<{is_bf16}, {d}>")
             registry.append(f"SP_GATE90_VARIANT({name}, {enum}, {d})\n")
+    # estimate_select over e4m3 inputs: the selector widens Q, the means kernel dequantizes K/V.
+    name = select90_name("fp8", 128)
+    files[f"{name}.cu"] = select_unit(name, "select90::Select90Config<true, 128, true>",
+                                      "select90::launch_select<true, 128, true>", "cuda/kernel/sm90/select_kernel.cuh")
+    registry.append(f"SP_SELECT90_VARIANT({name}, kFP8E4M3, 128)\n")
     # Every kind's macro defaults to nothing and is undefined at the end, so an includer
     # defines only the kinds it wants.
     kinds = ["SP_FWD_VARIANT(fn, dtype, head_dim, head_dim_v, gated, plain)",

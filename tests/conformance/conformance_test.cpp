@@ -135,7 +135,8 @@ std::string cuda_feature_refusal(const TestProblem& tp, const Policy& policy) {
 // Why `t` refuses (tp, policy), as a fragment of its kUnsupported message, or "" when it runs
 // it: estimate_select and permute_stop are causal only (every backend); CUDA refuses the
 // model-family features it has no kernel for, has no fp32 kernels and runs fp8 on the Hopper
-// kernel only; cuda-hopper runs what the Hopper kernels serve.
+// kernels only (dense, block masks, estimate_select without mean correction); cuda-hopper runs
+// what the Hopper kernels serve.
 std::string refusal(Target t, const TestProblem& tp, const Policy& policy) {
   const bool causal_only = std::holds_alternative<EstimateSelectParams>(policy) ||
                            std::holds_alternative<PermuteStopParams>(policy);
@@ -145,6 +146,13 @@ std::string refusal(Target t, const TestProblem& tp, const Policy& policy) {
   if (!feature.empty()) return feature;
   if (tp.q.dtype() == DType::kFP32) return "fp32";
   if (tp.q.dtype() == DType::kFP8E4M3 && t == Target::kCudaPortable) return "fp8_e4m3 inputs run on the Hopper kernel only";
+  if (tp.q.dtype() == DType::kFP8E4M3) {
+    const auto* es = std::get_if<EstimateSelectParams>(&policy);
+    if (es != nullptr && es->mean_correction) return "mean correction over fp8_e4m3 inputs does not run on CUDA";
+    if (es == nullptr && !std::holds_alternative<DenseParams>(policy) && !std::holds_alternative<BlockSparseParams>(policy)) {
+      return "fp8_e4m3 inputs on CUDA run dense, block_sparse and estimate_select only";
+    }
+  }
   // The suite reads pages in the kernels (target_options).
   const std::int64_t d = tp.q.shape().back();
   if (t == Target::kCudaHopper && tp.q.dtype() != DType::kFP8E4M3 && (d == 96 || d == 192 || d == 256)) {
@@ -1257,6 +1265,19 @@ TEST_P(Conformance, PlanRunsAsRunOnEveryPolicyAndLayout) {
 
 // ------------------------------------------------------------------ fp8
 
+// Descales [batch, h_kv] that are not powers of two and differ per (batch, KV head); q's are
+// q_gain times 0.3 + 0.05 i (the scores' temperature scales with q_gain).
+void set_fp8_descales(TestProblem* tp, int batch, int h_kv, double q_gain = 1.0) {
+  tp->q_descale = HostTensor(DType::kFP32, {batch, h_kv});
+  tp->k_descale = HostTensor(DType::kFP32, {batch, h_kv});
+  tp->v_descale = HostTensor(DType::kFP32, {batch, h_kv});
+  for (int i = 0; i < batch * h_kv; ++i) {
+    set(&tp->q_descale, i, q_gain * (0.3 + 0.05 * i));
+    set(&tp->k_descale, i, 0.7 - 0.03 * i);
+    set(&tp->v_descale, i, 1.3 + 0.11 * (i % 5));
+  }
+}
+
 // FP8 (e4m3) inputs with per-(batch, KV head) descales that are not powers of two, bf16 output:
 // dense and 128 x 128 block masks against the oracle on the dequantized values, within the
 // calibrated tolerance (its low-precision reference rounds P to e4m3 as the kernels do);
@@ -1281,15 +1302,7 @@ TEST_P(Conformance, Fp8DenseAndBlockSparse) {
     Features f = Features::plain(c.causal);
     f.left = c.left;
     TestProblem tp = make_problem(in, f, c.layout);
-    const int batch = static_cast<int>(c.lens.size());
-    tp.q_descale = HostTensor(DType::kFP32, {batch, c.h_kv});
-    tp.k_descale = HostTensor(DType::kFP32, {batch, c.h_kv});
-    tp.v_descale = HostTensor(DType::kFP32, {batch, c.h_kv});
-    for (int i = 0; i < batch * c.h_kv; ++i) {
-      set(&tp.q_descale, i, 0.3 + 0.05 * i);
-      set(&tp.k_descale, i, 0.7 - 0.03 * i);
-      set(&tp.v_descale, i, 1.3 + 0.11 * (i % 5));
-    }
+    set_fp8_descales(&tp, static_cast<int>(c.lens.size()), c.h_kv);
     ProblemShape shape;
     ASSERT_TRUE(validate_problem(tp.problem(), nullptr, &shape).ok());
     std::vector<std::vector<int>> dead;
@@ -1299,6 +1312,38 @@ TEST_P(Conformance, Fp8DenseAndBlockSparse) {
       SCOPED_TRACE(policy_name(policy));
       check(&tp, policy);
     }
+  }
+}
+
+// FP8 estimate_select against the oracle on the dequantized values (bf16 means of k · k_descale
+// and v · v_descale, scores of q · q_descale): decisions exactly at an alpha with a margin, O
+// within the fp8 tolerance; per head and pack_gqa, GQA groups 2, varlen, a chunk over a cached
+// prefix (s_k > s_q), a last block of 4 keys. Mean correction over fp8 runs on the host targets
+// and is refused on CUDA by name (refusal). The descales differ per (batch, KV head): one read
+// for the wrong pair moves the scores' temperature or O (q's 4x those of the dense cases: at
+// q · k descales near 0.2 every block's energy is within alpha of the peak and nothing prunes).
+TEST_P(Conformance, Fp8EstimateSelect) {
+  struct Case {
+    std::vector<SeqLen> lens;
+    int h_q, h_kv;
+    bool pack, correction;
+    int window;
+    Layout layout;
+  };
+  for (const Case& c : {Case{{{256, 1024}}, 2, 1, false, false, 1, Layout::kBatched},
+                        Case{{{384, 900}, {200, 1028}}, 4, 2, true, false, 2, Layout::kVarlen},
+                        Case{{{300, 896}}, 4, 2, false, true, 1, Layout::kBatched}}) {
+    SCOPED_TRACE(std::to_string(c.lens.size()) + " sequence(s), first " + std::to_string(c.lens[0].s_q) + "x" +
+                 std::to_string(c.lens[0].s_k) + (c.pack ? " pack_gqa" : "") + (c.correction ? " corrected" : ""));
+    TestProblem tp = make_problem(select_inputs(c.lens, c.h_q, c.h_kv, 128, 1300 + static_cast<std::uint64_t>(c.h_q),
+                                                DType::kFP8E4M3),
+                                  true, c.layout);
+    set_fp8_descales(&tp, static_cast<int>(c.lens.size()), c.h_kv, 4.0);
+    const auto params = [&c](double alpha) { return select_params(alpha, c.correction, c.pack, c.window); };
+    const double alpha = stable_parameter(tp, {0.3, 0.2, 0.5, 0.1, 0.05, 0.7}, [&](double x) -> Policy { return params(x); },
+                                          some_skipped(visible(c.lens, c.pack ? c.h_kv : c.h_q, true, kBlock)));
+    ASSERT_FALSE(std::isnan(alpha)) << "no alpha with a margin prunes anything";
+    check(&tp, params(alpha), oracle_of(tp, params(alpha)));
   }
 }
 

@@ -307,7 +307,7 @@ TEST(CudaPlan, ForwardParametersCarrySoftcapAndSinks) {
   EXPECT_TRUE(has_features(window));
 }
 
-TEST(CudaPlan, Fp8RunsDenseAndBlockSparseOnTheHopperInstance) {
+TEST(CudaPlan, Fp8RunsDenseBlockSparseAndEstimateSelectOnTheHopperInstances) {
   int n = 0;
   const ProblemShape s = cuda_shape_of(300, 300, 4, 1, 128, DType::kFP8E4M3);
   const auto expect_unsupported = [&](const ProblemShape& shape, const Policy& policy, const char* needle) {
@@ -321,7 +321,18 @@ TEST(CudaPlan, Fp8RunsDenseAndBlockSparseOnTheHopperInstance) {
   mask.mask = BlockMask::empty(s, 128, 128, false);
   ASSERT_TRUE(check_support(s, mask, &n).ok());
   EXPECT_EQ(n, 128);
-  for (const Policy& policy : {Policy{DenseParams{}}, Policy{mask}}) {
+  // estimate_select without mean correction: the fp8 selector (e4m3 queries against bf16 means),
+  // then the fp8 forward instance on its mask.
+  EstimateSelectParams es;
+  es.block = 128;
+  es.alpha = 0.1;
+  ASSERT_TRUE(check_support(s, es, &n).ok());
+  EXPECT_EQ(n, 128);
+  const SelectVariant* selector = find_select90(DType::kFP8E4M3, 128);
+  ASSERT_NE(selector, nullptr);
+  EXPECT_STREQ(selector->name, "select_sm90_fp8_hd128");
+  EXPECT_EQ(find_select(DType::kFP8E4M3, 128, 128), nullptr);  // no portable selector reads e4m3
+  for (const Policy& policy : {Policy{DenseParams{}}, Policy{mask}, Policy{es}}) {
     EXPECT_EQ(choose_fwd_path(s, policy, true, 9, 0), FwdPath::kHopper);
     EXPECT_EQ(choose_fwd_path(s, policy, true, 8, 0), FwdPath::kPortable);  // run_cuda then refuses
     EXPECT_EQ(choose_fwd_path(s, policy, false, 9, 0), FwdPath::kPortable);
@@ -331,7 +342,13 @@ TEST(CudaPlan, Fp8RunsDenseAndBlockSparseOnTheHopperInstance) {
   expect_unsupported(s, mask, "fp8_e4m3 inputs on CUDA need 128 x 128 blocks, got 128 x 64");
   ExactGateParams gate;
   gate.block_k = 128;
-  expect_unsupported(s, gate, "exact_gate: fp8_e4m3 inputs on CUDA run dense and block_sparse only");
+  expect_unsupported(s, gate, "exact_gate: fp8_e4m3 inputs on CUDA run dense, block_sparse and estimate_select only");
+  EstimateSelectParams corrected = es;
+  corrected.mean_correction = true;
+  expect_unsupported(s, corrected, "estimate_select: mean correction over fp8_e4m3 inputs does not run on CUDA");
+  EstimateSelectParams small = es;
+  small.block = 64;
+  expect_unsupported(s, small, "estimate_select: the CUDA selector needs block = 128, got 64");
   expect_unsupported(cuda_shape_of(300, 300, 4, 1, 64, DType::kFP8E4M3), DenseParams{},
                      "fp8_e4m3 inputs run on CUDA with head_dim 128 only (the Hopper kernel's fp8 instance), got 64");
   ProblemShape paged = s;
@@ -447,8 +464,9 @@ TEST(CudaPlan, HopperSelectorOnComputeCapability90) {
     EXPECT_EQ(choose_select_path(s, 8, 9, false), FwdPath::kPortable);
     EXPECT_EQ(choose_select_path(s, 10, 0, false), FwdPath::kPortable);
   }
-  // No sm90 selector for fp8 (estimate_select takes 16-bit inputs).
-  EXPECT_EQ(choose_select_path(cuda_shape_of(300, 300, 4, 1, 128, DType::kFP8E4M3), 9, 0, false), FwdPath::kPortable);
+  // fp8: one sm90 selector, head dim 128 (check_support refuses the others by name).
+  EXPECT_EQ(choose_select_path(cuda_shape_of(300, 300, 4, 1, 128, DType::kFP8E4M3), 9, 0, false), FwdPath::kHopper);
+  EXPECT_EQ(choose_select_path(cuda_shape_of(300, 300, 4, 1, 64, DType::kFP8E4M3), 9, 0, false), FwdPath::kPortable);
 }
 
 // A paged problem (shuffled pages, NaN in every storage no valid key uses) and its shape.

@@ -273,3 +273,35 @@ def test_fp8_on_cuda(causal):
     ref = attention(qd, kd, vd, causal)[0]
     rel = ((out.cpu().double() - ref).norm() / ref.norm()).item()
     assert rel < 0.05, f"relative L2 error {rel:.3e}"
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("pack_gqa", [False, True])
+def test_fp8_estimate_select_on_cuda_selects_as_its_bf16_twin(pack_gqa):
+    """estimate_select over FP8 inputs on the Hopper kernels (head_dim 128, block 128): with
+    power-of-two descales the dequantized values are exact in bfloat16, the fp8 selector's
+    widened queries and bf16 means are the twin's, and q's descale scales every score exactly,
+    so the CUDA run keeps the blocks the bfloat16 twin's CUDA run keeps, bit for bit. O differs
+    by the fp8 forward's rounding of P to E4M3 (test_fp8_on_cuda's bound). Mean correction
+    over FP8 is refused on CUDA by name; other devices refuse FP8, saying why."""
+    b, s, h_q, h_kv, d = 2, 1024, 4, 2, 128
+    q, k, v, _ = fp8_inputs(73, b, s, s, h_q, h_kv, d)
+    descales = tuple(torch.tensor([[0.5, 2.0], [1.0, 0.25]]) * f for f in (1.0, 0.5, 2.0))
+    twin = [dequantized(x, c).to(torch.bfloat16).cuda() for x, c in zip((q, k, v), descales)]
+    args = [t.cuda() for t in (q, k, v)]
+    dev_descales = descale_args([t.cuda() for t in descales])
+    policy = sp.EstimateSelect(block=128, alpha=0.3, sink=1, window=1, tail=1, pack_gqa=pack_gqa)
+    if torch.cuda.get_device_capability() != (9, 0):
+        with pytest.raises(sp.UnsupportedError, match="fp8_e4m3 inputs run on the Hopper kernel only"):
+            sp.run(*args, policy, causal=True, **dev_descales)
+        return
+    got = sp.run(*args, policy, causal=True, decisions=True, **dev_descales)
+    want = sp.run(*twin, policy, causal=True, decisions=True)
+    assert got.out.dtype == torch.bfloat16 and got.out.is_cuda
+    assert np.array_equal(got.decisions.kept.to_dense(), want.decisions.kept.to_dense())
+    assert 0 < got.stats.pair_density < 1
+    rel = ((got.out.double() - want.out.double()).norm() / want.out.double().norm()).item()
+    assert rel < 0.05, f"relative L2 error against the bf16 twin {rel:.3e}"
+    corrected = sp.EstimateSelect(block=128, alpha=0.3, mean_correction=True)
+    with pytest.raises(sp.UnsupportedError, match="mean correction over fp8_e4m3 inputs does not run on CUDA"):
+        sp.run(*args, corrected, causal=True, **dev_descales)

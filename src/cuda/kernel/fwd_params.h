@@ -314,7 +314,7 @@ struct SelectParams {
   MeanCache cache_k;
   MeanCache cache_v;
 
-  // Outputs. Means [batch, h_kv, num_k_blocks, d] in the input dtype (written by the means
+  // Outputs. Means [batch, h_kv, num_k_blocks, d] in the input dtype, bf16 for e4m3 (written by the means
   // kernel, read by the selector and the attention kernel).
   void* k_mean;
   void* v_mean;
@@ -329,6 +329,11 @@ struct SelectParams {
   // Calibration (compute_select_statistics): E_j / max E of every scored block j of each
   // mask row, [batch, units, num_q_blocks, num_k_blocks]; nullptr = not written.
   float* energy_ratio;
+
+  // FP8 (e4m3) q/k/v, the Hopper selector's fp8 instance only: FwdParams::descale of the same
+  // call (q's scales the scores, k's and v's the block means, which are bf16 then).
+  const float* descale[3];             // q, k, v
+  std::int64_t descale_stride[3][2];   // (batch, kv head)
 };
 
 // Parameters of the calibration statistics kernel (compute_block_statistics): the q/k of one

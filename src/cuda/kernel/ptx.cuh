@@ -108,6 +108,24 @@ __device__ __forceinline__ std::uint16_t from_float(float x) {
   return r;
 }
 
+// One OCP E4M3 "fn" byte -> fp32, exactly (bias 7, 3 mantissa bits, subnormals m · 2^-9, NaN
+// only at S.1111.111): integer operations, so that every architecture decodes it as the host's
+// e4m3_to_float does.
+__device__ __forceinline__ float e4m3_to_float(std::uint32_t byte) {
+  const std::uint32_t e = (byte >> 3) & 15u, m = byte & 7u;
+  float mag = e == 0 ? static_cast<float>(m) * 0x1p-9f : __uint_as_float(((e + 120u) << 23) | (m << 20));
+  if (e == 15u && m == 7u) mag = __uint_as_float(0x7fc00000u);
+  return (byte & 0x80u) != 0 ? -mag : mag;
+}
+
+// FP8 descale `which` (0: q, 1: k, 2: v) of (batch b, kv head hk) of a parameter block with
+// FwdParams' descale fields (FwdParams, SelectParams); 1 when not given.
+template <class Params>
+__device__ __forceinline__ float descale_of(const Params& p, int which, int b, int hk) {
+  const float* d = p.descale[which];
+  return d == nullptr ? 1.f : d[b * p.descale_stride[which][0] + hk * p.descale_stride[which][1]];
+}
+
 // 2^x with the MUFU approximation (relative error ~2^-22); exp2(-inf) = 0, exp2(NaN) = NaN.
 __device__ __forceinline__ float exp2f_fast(float x) {
   float r;

@@ -40,14 +40,18 @@ __device__ __forceinline__ std::uint16_t* cache_at(const MeanCache& c, int b, in
 // and of the means, so no synchronisation is needed; the selector reads the means after this
 // kernel on the same stream. K/V rows and the means are 16-byte aligned (plan.cpp's
 // check_view); the cache, a caller's tensor, is read and written element by element.
+// kFp8: e4m3 K/V (contiguous; 8-byte loads of a chunk's 8 elements), each element times its
+// (batch, KV head) descale in double, as the oracle dequantizes; the means (and their cache)
+// are bf16 (kBf16), docs/semantics.md §3.5.
 constexpr int kMeansThreads = tuning::kMeansThreads;
 template <int kD, int kDV>
 constexpr int kMeansChunks = (kD > kDV ? kD : kDV) / 8;
 template <int kD, int kDV>
 constexpr int kMeansBlocksPerCta = kMeansThreads / kMeansChunks<kD, kDV>;
 
-template <bool kBf16, int kD, int kDV>
+template <bool kBf16, int kD, int kDV, bool kFp8 = false>
 __global__ void __launch_bounds__(kMeansThreads) block_means_kernel(const __grid_constant__ SelectParams p) {
+  static_assert(!kFp8 || kBf16, "e4m3 inputs have bf16 means");
   constexpr int kChunks = kMeansChunks<kD, kDV>;
   if constexpr (kMeansThreads % kChunks != 0) {
     if (threadIdx.x >= kMeansBlocksPerCta<kD, kDV> * kChunks) return;
@@ -80,32 +84,57 @@ __global__ void __launch_bounds__(kMeansThreads) block_means_kernel(const __grid
     return;
   }
   const std::int64_t end = key0 + geom::min64(p.block, seq.s_k - key0);
-  // The keys' rows through the forward kernel's addressor (contiguous or paged).
-  const auto* k = static_cast<const std::uint16_t*>(p.k) + seq.k_off + hk * p.k_head_stride;
-  const auto* v = static_cast<const std::uint16_t*>(p.v) + seq.v_off + hk * p.v_head_stride;
-  const std::int32_t* pages = p.paged.block_table == nullptr ? nullptr : p.paged.block_table + b * p.paged.table_stride;
-  const sm80::KvRows k_rows{k, p.k_row_stride, pages, p.paged.page_size, p.paged.k_page_stride};
-  const sm80::KvRows v_rows{v, p.v_row_stride, pages, p.paged.page_size, p.paged.v_page_stride};
   // kBatch keys' loads issued before their adds: the loads, not the adds, are the latency.
   constexpr int kBatch = 4;
   double k_sum[8] = {}, v_sum[8] = {};
-  for (std::int64_t t0 = key0; t0 < end; t0 += kBatch) {
-    uint4 k_raw[kBatch], v_raw[kBatch];
+  if constexpr (kFp8) {
+    const auto* k = static_cast<const std::uint8_t*>(p.k) + seq.k_off + hk * p.k_head_stride + 8 * c;
+    const auto* v = static_cast<const std::uint8_t*>(p.v) + seq.v_off + hk * p.v_head_stride + 8 * c;
+    const double k_scale = ptx::descale_of(p, 1, b, hk), v_scale = ptx::descale_of(p, 2, b, hk);
+    for (std::int64_t t0 = key0; t0 < end; t0 += kBatch) {
+      uint2 k_raw[kBatch], v_raw[kBatch];
 #pragma unroll
-    for (int u = 0; u < kBatch; ++u) {
-      const bool ok = t0 + u < end;
-      k_raw[u] = ok && has_k ? *reinterpret_cast<const uint4*>(k_rows.row(t0 + u) + 8 * c) : make_uint4(0, 0, 0, 0);
-      v_raw[u] = ok && has_v ? *reinterpret_cast<const uint4*>(v_rows.row(t0 + u) + 8 * c) : make_uint4(0, 0, 0, 0);
+      for (int u = 0; u < kBatch; ++u) {
+        const bool ok = t0 + u < end;
+        k_raw[u] = ok && has_k ? *reinterpret_cast<const uint2*>(k + (t0 + u) * p.k_row_stride) : make_uint2(0, 0);
+        v_raw[u] = ok && has_v ? *reinterpret_cast<const uint2*>(v + (t0 + u) * p.v_row_stride) : make_uint2(0, 0);
+      }
+#pragma unroll
+      for (int u = 0; u < kBatch; ++u) {
+        if (t0 + u >= end) break;
+#pragma unroll
+        for (int e = 0; e < 8; ++e) {  // element e: byte e % 4 of word e / 4 (little-endian)
+          const std::uint32_t kw = e < 4 ? k_raw[u].x : k_raw[u].y, vw = e < 4 ? v_raw[u].x : v_raw[u].y;
+          k_sum[e] += static_cast<double>(ptx::e4m3_to_float((kw >> (8 * (e % 4))) & 0xffu)) * k_scale;
+          v_sum[e] += static_cast<double>(ptx::e4m3_to_float((vw >> (8 * (e % 4))) & 0xffu)) * v_scale;
+        }
+      }
     }
+  } else {
+    // The keys' rows through the forward kernel's addressor (contiguous or paged).
+    const auto* k = static_cast<const std::uint16_t*>(p.k) + seq.k_off + hk * p.k_head_stride;
+    const auto* v = static_cast<const std::uint16_t*>(p.v) + seq.v_off + hk * p.v_head_stride;
+    const std::int32_t* pages = p.paged.block_table == nullptr ? nullptr : p.paged.block_table + b * p.paged.table_stride;
+    const sm80::KvRows k_rows{k, p.k_row_stride, pages, p.paged.page_size, p.paged.k_page_stride};
+    const sm80::KvRows v_rows{v, p.v_row_stride, pages, p.paged.page_size, p.paged.v_page_stride};
+    for (std::int64_t t0 = key0; t0 < end; t0 += kBatch) {
+      uint4 k_raw[kBatch], v_raw[kBatch];
 #pragma unroll
-    for (int u = 0; u < kBatch; ++u) {
-      if (t0 + u >= end) break;
-      const std::uint32_t kw[4] = {k_raw[u].x, k_raw[u].y, k_raw[u].z, k_raw[u].w};
-      const std::uint32_t vw[4] = {v_raw[u].x, v_raw[u].y, v_raw[u].z, v_raw[u].w};
+      for (int u = 0; u < kBatch; ++u) {
+        const bool ok = t0 + u < end;
+        k_raw[u] = ok && has_k ? *reinterpret_cast<const uint4*>(k_rows.row(t0 + u) + 8 * c) : make_uint4(0, 0, 0, 0);
+        v_raw[u] = ok && has_v ? *reinterpret_cast<const uint4*>(v_rows.row(t0 + u) + 8 * c) : make_uint4(0, 0, 0, 0);
+      }
 #pragma unroll
-      for (int e = 0; e < 8; ++e) {  // element e: half e % 2 of word e / 2 (little-endian)
-        k_sum[e] += ptx::to_float<kBf16>(static_cast<std::uint16_t>(kw[e / 2] >> (16 * (e % 2))));
-        v_sum[e] += ptx::to_float<kBf16>(static_cast<std::uint16_t>(vw[e / 2] >> (16 * (e % 2))));
+      for (int u = 0; u < kBatch; ++u) {
+        if (t0 + u >= end) break;
+        const std::uint32_t kw[4] = {k_raw[u].x, k_raw[u].y, k_raw[u].z, k_raw[u].w};
+        const std::uint32_t vw[4] = {v_raw[u].x, v_raw[u].y, v_raw[u].z, v_raw[u].w};
+#pragma unroll
+        for (int e = 0; e < 8; ++e) {  // element e: half e % 2 of word e / 2 (little-endian)
+          k_sum[e] += ptx::to_float<kBf16>(static_cast<std::uint16_t>(kw[e / 2] >> (16 * (e % 2))));
+          v_sum[e] += ptx::to_float<kBf16>(static_cast<std::uint16_t>(vw[e / 2] >> (16 * (e % 2))));
+        }
       }
     }
   }
@@ -502,7 +531,7 @@ __global__ void __launch_bounds__(SelectConfig<kBf16, kD>::kThreads, SelectConfi
 // means [ceil(num_k_blocks / per CTA), h_kv, batch] (k̄ of kD, v̄ of kDV); kSelect, the selector `kernel` (this
 // file's, or the Hopper one) with `threads` threads and `smem` bytes of dynamic shared memory,
 // one CTA per (query block, KV head, batch). Returns a cudaError_t value.
-template <bool kBf16, int kD, int kDV = kD>
+template <bool kBf16, int kD, int kDV = kD, bool kFp8 = false>
 int launch_selection_stage(SelectStage stage, const SelectParams& p, void* stream, void (*kernel)(SelectParams),
                            int threads, std::size_t smem) {
   const auto st = static_cast<cudaStream_t>(stream);
@@ -510,7 +539,7 @@ int launch_selection_stage(SelectStage stage, const SelectParams& p, void* strea
   if (stage == SelectStage::kMeans) {
     constexpr int kPerCta = kMeansBlocksPerCta<kD, kDV>;
     const unsigned mean_ctas = static_cast<unsigned>((p.num_k_blocks + kPerCta - 1) / kPerCta);
-    block_means_kernel<kBf16, kD, kDV><<<dim3(mean_ctas, p.h_kv, p.batch), kMeansThreads, 0, st>>>(p);
+    block_means_kernel<kBf16, kD, kDV, kFp8><<<dim3(mean_ctas, p.h_kv, p.batch), kMeansThreads, 0, st>>>(p);
     return static_cast<int>(cudaGetLastError());
   }
   const cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem));

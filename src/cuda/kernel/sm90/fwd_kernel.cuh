@@ -158,12 +158,6 @@ __host__ __device__ __forceinline__ int paged_box_rows(int page_size) {
   return low < 128 ? low : 128;
 }
 
-// FP8 descale `which` (0: q, 1: k, 2: v) of (batch b, kv head hk); 1 when not given.
-__device__ __forceinline__ float descale_of(const FwdParams& p, int which, int b, int hk) {
-  const float* d = p.descale[which];
-  return d == nullptr ? 1.f : d[b * p.descale_stride[which][0] + hk * p.descale_stride[which][1]];
-}
-
 // ------------------------------------------------------------------ softmax pieces
 // Numerics as in softmax.cuh (RowStats and finalize_row are used as they are): raw
 // scores, the max in the log2 domain, a -inf running max exponentiated against 0.
@@ -722,8 +716,8 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
   zero_acc(o);
   // FP8: q's and k's descales scale every score, v's every output row (docs/semantics.md §1).
   const float scale_log2 =
-      Cfg::kFp8 ? p.scale_log2 * descale_of(p, 0, b, hk) * descale_of(p, 1, b, hk) : p.scale_log2;
-  const float o_descale = Cfg::kFp8 ? descale_of(p, 2, b, hk) : 1.f;
+      Cfg::kFp8 ? p.scale_log2 * ptx::descale_of(p, 0, b, hk) * ptx::descale_of(p, 1, b, hk) : p.scale_log2;
+  const float o_descale = Cfg::kFp8 ? ptx::descale_of(p, 2, b, hk) : 1.f;
   const std::uint64_t q_desc = kmajor_desc<Cfg>(hw::smem_u32(sm.q) + wg * 64 * kRowBytes);
   std::uint32_t qf[Cfg::kQInRegs ? Cfg::kQkSteps : 1][4];  // Q's A fragments (kQInRegs)
   auto issue_qk = [&](int st) {

@@ -1,7 +1,8 @@
 // SPDX-License-Identifier: Apache-2.0
-// Key or query rows into a 128B-swizzled shared-memory tile with cp.async, the layout the
-// Hopper forward kernel's TMA writes and wgmma's K-major descriptors read; for the sm90
-// kernels that load with cp.async (the selector, exact_gate's decision kernel). Device-only.
+// Key or query rows into a 128B-swizzled shared-memory tile (cp.async, or widened from e4m3),
+// the layout the Hopper forward kernel's TMA writes and wgmma's K-major descriptors read; for
+// the sm90 kernels that load rows themselves (the selector, exact_gate's decision kernel).
+// Device-only.
 #pragma once
 
 #include <cstdint>
@@ -28,6 +29,42 @@ __device__ __forceinline__ void load_rows_sw128(std::uint32_t dst, const std::ui
     // Rows past `valid` are not read (ignore-src), so their address need not be valid.
     ptx::cp_async_16_or_zero(to + static_cast<std::uint32_t>(i * kRowStep * 128),
                              from + static_cast<std::int64_t>(i * kRowStep) * row_stride, r0 + i * kRowStep < valid);
+  }
+}
+
+// load_rows_sw128 for e4m3 rows (8-byte chunks; row_stride in elements = bytes), widened to
+// bf16 into the same layout: e4m3 is exactly a bf16 value (4 significant bits, exponents
+// -9 .. 8), so a bf16 wgmma on the tile computes the e4m3 products exactly. Plain loads and
+// shared stores, not cp.async: each thread orders its stores before wgmma's reads with
+// fence.proxy.async, then the CTA barrier (as for cp.async tiles); rows past `valid` are zeros.
+template <int kRows, int kD, int kThreads>
+__device__ __forceinline__ void widen_rows_sw128_e4m3(std::uint32_t dst, const std::uint8_t* base,
+                                                      std::int64_t row_stride, int valid, int t) {
+  constexpr int kChunks = kD / 8;
+  constexpr int kRowStep = kThreads / kChunks;
+  static_assert(kRowStep % 8 == 0 && kRows % kRowStep == 0, "constant swizzle per thread");
+  const int c = t % kChunks, r0 = t / kChunks;
+  const std::uint32_t to = dst + static_cast<std::uint32_t>((c / 8) * kRows * 128 + r0 * 128 + (((c % 8) ^ (r0 & 7)) << 4));
+  const std::uint8_t* from = base + static_cast<std::int64_t>(r0) * row_stride + 8 * c;
+  constexpr int kN = kRows / kRowStep;
+  uint2 raw[kN];
+#pragma unroll
+  for (int i = 0; i < kN; ++i) {  // every load issued before the first store waits on one
+    raw[i] = r0 + i * kRowStep < valid
+                 ? *reinterpret_cast<const uint2*>(from + static_cast<std::int64_t>(i * kRowStep) * row_stride)
+                 : make_uint2(0, 0);
+  }
+#pragma unroll
+  for (int i = 0; i < kN; ++i) {
+    std::uint32_t w[4];
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {  // bf16 pair e: bytes 2e, 2e + 1 (little-endian)
+      const std::uint32_t word = e < 2 ? raw[i].x : raw[i].y, sh = 16 * (e % 2);
+      w[e] = ptx::pack2<true>(ptx::e4m3_to_float((word >> sh) & 0xffu), ptx::e4m3_to_float((word >> (sh + 8)) & 0xffu));
+    }
+    asm volatile("st.shared.v4.b32 [%0], {%1, %2, %3, %4};\n" ::"r"(to + static_cast<std::uint32_t>(i * kRowStep * 128)),
+                 "r"(w[0]), "r"(w[1]), "r"(w[2]), "r"(w[3])
+                 : "memory");
   }
 }
 

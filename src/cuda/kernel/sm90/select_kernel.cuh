@@ -30,9 +30,10 @@ namespace hw = sm90::hw;
 // chunks w, w + 2, ...; an odd count's last one both, by query rows) against the tile,
 // double-buffered. Tiles are [d / 64][rows][64] with the 128-byte swizzle, the layout the
 // Hopper forward kernel's TMA writes.
-template <bool kBf16_, int kD>
+template <bool kBf16_, int kD, bool kFp8_ = false>
 struct Select90Config {
   static constexpr bool kBf16 = kBf16_;
+  static constexpr bool kFp8 = kFp8_;  // e4m3 Q widened to bf16 (bf16 means)
   static constexpr int kHeadDim = kD;
   static constexpr int kWarpgroups = 2;
   static constexpr int kThreads = 128 * kWarpgroups;
@@ -49,6 +50,7 @@ struct Select90Config {
   static constexpr int kSmemFixed = kQBytes + kWarpgroups * kStages * kChunkBytes;
   static_assert(kRows == kBlockQ, "one query tile of block 128 per CTA");
   static_assert(kD == 64 || kD == 128, "d = 64 or 128");
+  static_assert(!kFp8 || kBf16, "e4m3 queries meet bf16 means");
   // Plus λ per block and the slack that aligns the tiles to the swizzle period (1024 B).
   static std::size_t smem_bytes(int num_k_blocks) {
     return 1024 + kSmemFixed + static_cast<std::size_t>(num_k_blocks) * sizeof(float);
@@ -73,10 +75,12 @@ struct Select90Config {
 // chunk and doubles the barriers per unit of work.
 // Invariant at the top of a step: the only cp.async group in flight holds this step's chunks
 // (buffer `buf`).
-template <bool kBf16, int kD>
-__global__ void __launch_bounds__(Select90Config<kBf16, kD>::kThreads, 2)
+// kFp8: the e4m3 Q tile is widened into the same bf16 layout (widen_rows_sw128_e4m3) and q's
+// descale joins the score scale: (q·qd)·k̄ = qd·(q·k̄), the products exact in bf16 wgmma.
+template <bool kBf16, int kD, bool kFp8 = false>
+__global__ void __launch_bounds__(Select90Config<kBf16, kD, kFp8>::kThreads, 2)
     select90_kernel(const __grid_constant__ SelectParams p) {
-  using Cfg = Select90Config<kBf16, kD>;
+  using Cfg = Select90Config<kBf16, kD, kFp8>;
   constexpr int kChunk = Cfg::kChunk;
   constexpr int kHalfRows = Cfg::kRows / Cfg::kWarpgroups;
   extern __shared__ std::uint8_t smem_raw[];
@@ -98,7 +102,7 @@ __global__ void __launch_bounds__(Select90Config<kBf16, kD>::kThreads, 2)
   const int steps = (chunks + 1) / 2;
   const bool split_last = chunks % 2 == 1;
   const int last0 = (chunks - 1) * kChunk;  // the last chunk's first block
-  const float scale_log2 = p.scale * 1.4426950408889634f;
+  const float scale_log2 = p.scale * 1.4426950408889634f * (kFp8 ? ptx::descale_of(p, 0, t.b, t.hk) : 1.f);
   const auto* mean = static_cast<const std::uint16_t*>(p.k_mean) +
                      (static_cast<std::int64_t>(t.b) * p.h_kv + t.hk) * p.num_k_blocks * static_cast<std::int64_t>(kD);
   // This warpgroup's chunk c into its buffer `buf` (rows past A zero-filled).
@@ -110,9 +114,14 @@ __global__ void __launch_bounds__(Select90Config<kBf16, kD>::kThreads, 2)
   };
   // This head's Q tile and each warpgroup's first chunk, as one group.
   auto load_head = [&](int head) {
-    sm90::load_rows_sw128<Cfg::kRows, kD, Cfg::kThreads>(
-        s_q, static_cast<const std::uint16_t*>(p.q) + t.seq.q_off + (t.h0 + head) * p.q_head_stride + t.row0 * p.q_row_stride,
-        p.q_row_stride, t.rows_valid, tid);
+    const std::int64_t q_at = t.seq.q_off + (t.h0 + head) * p.q_head_stride + t.row0 * p.q_row_stride;
+    if constexpr (kFp8) {
+      sm90::widen_rows_sw128_e4m3<Cfg::kRows, kD, Cfg::kThreads>(s_q, static_cast<const std::uint8_t*>(p.q) + q_at,
+                                                                p.q_row_stride, t.rows_valid, tid);
+    } else {
+      sm90::load_rows_sw128<Cfg::kRows, kD, Cfg::kThreads>(s_q, static_cast<const std::uint16_t*>(p.q) + q_at,
+                                                           p.q_row_stride, t.rows_valid, tid);
+    }
     if (wg < chunks) load_chunk(wg, 0);
     ptx::cp_async_commit();
   };
@@ -189,11 +198,11 @@ __global__ void __launch_bounds__(Select90Config<kBf16, kD>::kThreads, 2)
 }
 
 // One stage: the block means (the portable kernel), or the selector; returns a cudaError_t value.
-template <bool kBf16, int kD>
+template <bool kBf16, int kD, bool kFp8 = false>
 int launch_select(SelectStage stage, const SelectParams& p, void* stream) {
-  using Cfg = Select90Config<kBf16, kD>;
-  return select::launch_selection_stage<kBf16, kD>(stage, p, stream, select90_kernel<kBf16, kD>, Cfg::kThreads,
-                                                   Cfg::smem_bytes(p.num_k_blocks));
+  using Cfg = Select90Config<kBf16, kD, kFp8>;
+  return select::launch_selection_stage<kBf16, kD, kD, kFp8>(stage, p, stream, select90_kernel<kBf16, kD, kFp8>,
+                                                             Cfg::kThreads, Cfg::smem_bytes(p.num_k_blocks));
 }
 
 }  // namespace sparseprefill::cuda::select90
