@@ -6,7 +6,7 @@ messages that name the argument and what was expected."""
 from __future__ import annotations
 
 import math
-import numbers
+import operator
 import sys
 from dataclasses import dataclass
 from typing import Any, NamedTuple, Optional, Sequence, Tuple
@@ -301,9 +301,14 @@ def check_window(window_size: Any) -> Tuple[int, int]:
         raise InvalidArgumentError(f"window_size: expected (left, right), got {window_size!r}") from None
     bounds = []
     for side, w in (("left", left), ("right", right)):
-        if isinstance(w, bool) or not isinstance(w, numbers.Integral):
-            raise InvalidArgumentError(f"window_size: expected integers (left, right), got {window_size!r}")
-        w = int(w)
+        # Integers, or what converts to one exactly (operator.index: numpy integers, one-element
+        # integer tensors: FlashAttention's own tests pass torch.randint(0, s_k, (2,))).
+        try:
+            if isinstance(w, bool):
+                raise TypeError
+            w = operator.index(w)
+        except TypeError:
+            raise InvalidArgumentError(f"window_size: expected integers (left, right), got {window_size!r}") from None
         if w < -1:
             raise InvalidArgumentError(
                 f"window_size: {side} must be -1 (no bound) or a number of keys >= 0, got {window_size!r}")

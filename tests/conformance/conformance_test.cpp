@@ -145,7 +145,7 @@ std::string refusal(Target t, const TestProblem& tp, const Policy& policy) {
   const std::string feature = cuda_feature_refusal(tp, policy);
   if (!feature.empty()) return feature;
   if (tp.q.dtype() == DType::kFP32) return "fp32";
-  if (tp.q.dtype() == DType::kFP8E4M3 && t == Target::kCudaPortable) return "fp8_e4m3 inputs run on the Hopper kernel only";
+  // fp8: the policy rules of check_support first (both CUDA targets), then the path.
   if (tp.q.dtype() == DType::kFP8E4M3) {
     const auto* es = std::get_if<EstimateSelectParams>(&policy);
     if (es != nullptr && es->mean_correction) return "mean correction over fp8_e4m3 inputs does not run on CUDA";
@@ -153,6 +153,7 @@ std::string refusal(Target t, const TestProblem& tp, const Policy& policy) {
       return "fp8_e4m3 inputs on CUDA run dense, block_sparse and estimate_select only";
     }
   }
+  if (tp.q.dtype() == DType::kFP8E4M3 && t == Target::kCudaPortable) return "fp8_e4m3 inputs run on the Hopper kernel only";
   // The suite reads pages in the kernels (target_options).
   const std::int64_t d = tp.q.shape().back();
   if (t == Target::kCudaHopper && tp.q.dtype() != DType::kFP8E4M3 && (d == 96 || d == 192 || d == 256)) {

@@ -285,7 +285,17 @@ def test_fp8_estimate_select_on_cuda_selects_as_its_bf16_twin(pack_gqa):
     by the fp8 forward's rounding of P to E4M3 (test_fp8_on_cuda's bound). Mean correction
     over FP8 is refused on CUDA by name; other devices refuse FP8, saying why."""
     b, s, h_q, h_kv, d = 2, 1024, 4, 2, 128
-    q, k, v, _ = fp8_inputs(73, b, s, s, h_q, h_kv, d)
+    # Key blocks 2 and 5 share a direction u that every query leans towards, so that their
+    # energies stand out and alpha prunes the flat rest (random keys alone leave every block
+    # within alpha of the peak).
+    gen = torch.Generator().manual_seed(73)
+    u = torch.randn(d, generator=gen)
+    q = (2 * torch.randn((b, s, h_q, d), generator=gen) + 0.5 * u).to(FP8)
+    k = 2 * torch.randn((b, s, h_kv, d), generator=gen)
+    for blk in (2, 5):
+        k[:, 128 * blk:128 * (blk + 1)] += 2 * u
+    k = k.to(FP8)
+    v = (2 * torch.randn((b, s, h_kv, d), generator=gen)).to(FP8)
     descales = tuple(torch.tensor([[0.5, 2.0], [1.0, 0.25]]) * f for f in (1.0, 0.5, 2.0))
     twin = [dequantized(x, c).to(torch.bfloat16).cuda() for x, c in zip((q, k, v), descales)]
     args = [t.cuda() for t in (q, k, v)]

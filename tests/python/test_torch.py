@@ -678,9 +678,9 @@ def bad_cases(device):
              sp.InvalidArgumentError, "out: expected q's device"),
             ("sinks device", lambda: flash_attn_func(qc, kc, vc, sinks=torch.zeros(2)), sp.InvalidArgumentError,
              "sinks: expected q's device"),
-            # The CUDA kernels take local windows, softcap, sinks, head dims 96 and 256 and MLA's
-            # 192/128 for dense and block_sparse only (test_model_family_features_on_cuda) and
-            # other V head dims unlike Q/K's not at all: each is refused by name.
+            # The CUDA kernels take local windows, softcap and sinks for dense and block_sparse
+            # only (test_model_family_features_on_cuda), permute_stop not at head dims 256 and
+            # MLA's 192/128, and other V head dims unlike Q/K's not at all: each is refused by name.
             ("cuda window", lambda: flash_attn_func(qc, kc, vc, causal=True, window_size=(3, 0),
                                                     policy=sp.SoftmaxSkip()),
              sp.UnsupportedError, "window_left/window_right: local .sliding-window. attention runs dense and "
@@ -693,9 +693,10 @@ def bad_cases(device):
              "softmax_skip"),
             ("cuda d_v", lambda: flash_attn_func(qc, kc, vc[..., :32].contiguous()), sp.UnsupportedError,
              "v: a V head dim unlike Q/K's"),
-            ("cuda head_dim 96", lambda: flash_attn_func(*qkv(47, 1, 8, 8, 2, 2, 96, dtype, device), causal=True,
-                                                         policy=sp.SoftmaxSkip()),
-             sp.UnsupportedError, "head_dim 96 runs dense, block_sparse and estimate_select on CUDA, not softmax_skip"),
+            ("cuda head_dim 256", lambda: flash_attn_func(*qkv(47, 1, 8, 8, 2, 2, 256, dtype, device), causal=True,
+                                                          policy=sp.PermuteStop()),
+             sp.UnsupportedError, "head_dim 256 runs dense, block_sparse, exact_gate, softmax_skip and "
+             "estimate_select on CUDA, not permute_stop"),
         ]
     return cases
 

@@ -420,10 +420,13 @@ __global__ void __launch_bounds__(Cfg::kThreads, 2) permute_kernel(const __grid_
   }
   __syncwarp();  // each warp stores only the rows it wrote
   auto* o_head = static_cast<std::uint16_t*>(p.o) + seq.o_off + h * p.o_head_stride;
+  // The rows' data chunks only: at d = 96 the pitch's 4 padding chunks would land on the next
+  // head's output.
+  static_assert(16 * kM * Tile::kDataChunks % 32 == 0, "whole rounds of the warp's chunk stores");
 #pragma unroll
-  for (int i = 0; i < 16 * kM * Tile::kChunks / 32; ++i) {
+  for (int i = 0; i < 16 * kM * Tile::kDataChunks / 32; ++i) {
     const int idx = lane + 32 * i;
-    const int r = warp_row + idx / Tile::kChunks, c = idx % Tile::kChunks;
+    const int r = warp_row + idx / Tile::kDataChunks, c = idx % Tile::kDataChunks;
     if (r < rows_valid) {
       const uint4 val = *reinterpret_cast<const uint4*>(smem + swizzle<Tile>(r, c));
       *reinterpret_cast<uint4*>(o_head + s_rows[r] * p.o_row_stride + c * 8) = val;
