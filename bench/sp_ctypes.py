@@ -7,7 +7,7 @@ neither torch nor numpy (`tensor_from_torch` imports torch only when called).
 import ctypes
 import os
 
-ABI_VERSION = 4
+ABI_VERSION = 5
 MAX_RANK = 4
 
 OK, ERR_INVALID_ARGUMENT, ERR_UNSUPPORTED = 0, 1, 2
@@ -29,6 +29,7 @@ class Problem(ctypes.Structure):
                 ("q_descale", Tensor), ("k_descale", Tensor), ("v_descale", Tensor),
                 ("causal", ctypes.c_int32), ("scale", ctypes.c_double),
                 ("local", ctypes.c_int32), ("window_left", ctypes.c_int32), ("window_right", ctypes.c_int32),
+                ("attention_chunk", ctypes.c_int32),
                 ("softcap", ctypes.c_double), ("sinks", Tensor)]
 
 

@@ -19,7 +19,7 @@ extern "C" {
 
 /* Bumped whenever a struct below changes layout or a function changes meaning; loaders
  * compare it with sp_abi_version() before their first call. */
-#define SP_ABI_VERSION 4
+#define SP_ABI_VERSION 5
 #define SP_MAX_RANK 4
 
 /* Status codes: the values of sparseprefill::StatusCode. */
@@ -83,10 +83,12 @@ typedef struct sp_problem {
   sp_tensor v_descale;
   int32_t causal; /* nonzero: causal */
   double scale;
-  /* Model-family features (ABI 4; docs/semantics.md §1). Zero-initialised: none of them. */
+  /* Model-family features (ABI 4, attention_chunk ABI 5; docs/semantics.md §1). Zero-initialised:
+   * none of them. */
   int32_t local;        /* nonzero: the window below applies (FlashAttention's window_size) */
   int32_t window_left;  /* with local: query at position a sees keys >= a - window_left; -1: no bound */
   int32_t window_right; /* with local: keys <= a + window_right; -1: no bound */
+  int32_t attention_chunk; /* 0: none; else > 0: keys of the query's own chunk of that many positions */
   double softcap;       /* 0: none; else finite > 0: every score s becomes softcap * tanh(s / softcap) */
   sp_tensor sinks;      /* fp32 [h_q] on q's device, optional: learned sink logits (gpt-oss) */
 } sp_problem;

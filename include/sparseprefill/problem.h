@@ -28,7 +28,9 @@ namespace sparseprefill {
 // Local attention (FlashAttention's window_size = (window_left, window_right), -1 unbounded on
 // that side): query i at position a sees key j iff a - window_left <= j <= a + window_right,
 // and j <= a as well when causal (the two masks intersect; FlashAttention's causal is the
-// window (-1, 0)). Learned sinks (gpt-oss): one logit per query head added to every row's
+// window (-1, 0)). Chunked attention (FlashAttention's attention_chunk C > 0, Llama 4's local
+// layers): query i at position a sees only keys of its own chunk, floor(a / C) · C <= j <
+// floor(a / C) · C + C, intersected with causal and the window. Learned sinks (gpt-oss): one logit per query head added to every row's
 // softmax denominator, in O and LSE. Softcap (Gemma 2): every score s becomes
 // softcap · tanh(s / softcap) before the softmax and before every policy's rule reads it.
 // docs/semantics.md §1 defines each, with their NaN and infinity behaviour.
@@ -53,6 +55,7 @@ struct AttentionProblem {
   double scale = 0.0;       // softmax scale; 0 means 1/sqrt(d)
   int window_left = -1;     // keys j >= a - window_left; -1: no bound
   int window_right = -1;    // keys j <= a + window_right; -1: no bound
+  int attention_chunk = 0;  // 0: none; else > 0: keys of a's chunk of that many positions
   double softcap = 0.0;     // 0: none; else > 0 and finite
 };
 
@@ -78,11 +81,13 @@ struct ProblemShape {
   double scale = 0.0;          // resolved (never 0)
   int window_left = -1;        // as in AttentionProblem (validated: >= -1)
   int window_right = -1;
+  int attention_chunk = 0;     // as in AttentionProblem (validated: >= 0)
   double softcap = 0.0;        // 0 or finite > 0
   bool sinks = false;          // AttentionProblem::sinks is given
-  // Whether the window hides keys that causal (or full) attention shows: a left bound, or a
-  // right bound without causal (causal already ends every row at its own position).
-  bool local() const { return window_left >= 0 || (!causal && window_right >= 0); }
+  // Whether the window or the chunks hide keys that causal (or full) attention shows: a left
+  // bound, a right bound without causal (causal already ends every row at its own position), or
+  // chunks.
+  bool local() const { return window_left >= 0 || (!causal && window_right >= 0) || attention_chunk > 0; }
   bool varlen_q = false;       // q is [total_q, h_q, d]
   KvLayout kv_layout = KvLayout::kBatched;
   int page_size = 0;           // paged only

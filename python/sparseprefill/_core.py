@@ -269,23 +269,27 @@ def check_scale(softmax_scale: Optional[float]) -> float:
 class Features(NamedTuple):
     """The model-family features of a call (docs/semantics.md §1), checked: window is
     FlashAttention's window_size (left, right), -1 no bound on that side; softcap 0 is none;
-    sinks a float32 [h_q] tensor of q's framework and device, or None."""
+    sinks a float32 [h_q] tensor of q's framework and device, or None; chunk FlashAttention's
+    attention_chunk (0: none)."""
 
     window: Tuple[int, int] = (-1, -1)
     softcap: float = 0.0
     sinks: Any = None
+    chunk: int = 0
 
     def fields(self) -> tuple:
-        """sp_problem's fields after scale: (local, window_left, window_right, softcap, sinks)."""
+        """sp_problem's fields after scale: (local, window_left, window_right, attention_chunk,
+        softcap, sinks)."""
         left, right = self.window
         local = left != -1 or right != -1
-        return (local, left if local else 0, right if local else 0, self.softcap, descriptor(self.sinks, "sinks"))
+        return (local, left if local else 0, right if local else 0, self.chunk, self.softcap,
+                descriptor(self.sinks, "sinks"))
 
     def signature(self) -> tuple:
         """What a prepared call's key holds of them: the sinks' layout, not their address (each
         call patches it) nor their values (read as the call runs)."""
         s = self.sinks
-        return self.window, self.softcap, None if s is None else (s.shape, s.stride(), s.dtype, s.device)
+        return self.window, self.chunk, self.softcap, None if s is None else (s.shape, s.stride(), s.dtype, s.device)
 
 
 NO_FEATURES = Features()
@@ -314,6 +318,21 @@ def check_window(window_size: Any) -> Tuple[int, int]:
                 f"window_size: {side} must be -1 (no bound) or a number of keys >= 0, got {window_size!r}")
         bounds.append(w)
     return bounds[0], bounds[1]
+
+
+def check_chunk(attention_chunk: Any) -> int:
+    """FlashAttention's attention_chunk: None or 0 (none), or a chunk of positions > 0."""
+    if attention_chunk is None:
+        return 0
+    try:
+        if isinstance(attention_chunk, bool):
+            raise TypeError
+        chunk = operator.index(attention_chunk)
+    except TypeError:
+        raise InvalidArgumentError(f"attention_chunk: expected an integer, got {attention_chunk!r}") from None
+    if chunk < 0:
+        raise InvalidArgumentError(f"attention_chunk: expected 0 (none) or a chunk of positions > 0, got {chunk}")
+    return chunk
 
 
 def check_softcap(softcap: Any) -> float:

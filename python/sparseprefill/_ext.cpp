@@ -73,10 +73,10 @@ sp_tensor to_tensor(py::handle obj, const char* name) {
 }
 
 // (q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, block_table, q_descale, k_descale,
-//  v_descale, causal, scale, local, window_left, window_right, softcap, sinks): sp_problem's
-// fields in order.
+//  v_descale, causal, scale, local, window_left, window_right, attention_chunk, softcap, sinks):
+// sp_problem's fields in order.
 sp_problem to_problem(const py::tuple& p) {
-  if (p.size() != 17) raise(SP_ERR_INVALID_ARGUMENT, "problem: expected a 17-field tuple");
+  if (p.size() != 18) raise(SP_ERR_INVALID_ARGUMENT, "problem: expected an 18-field tuple");
   sp_problem out{};
   out.q = to_tensor(p[0], "q");
   out.k = to_tensor(p[1], "k");
@@ -93,8 +93,9 @@ sp_problem to_problem(const py::tuple& p) {
   out.local = p[12].cast<bool>() ? 1 : 0;
   out.window_left = p[13].cast<std::int32_t>();
   out.window_right = p[14].cast<std::int32_t>();
-  out.softcap = p[15].cast<double>();
-  out.sinks = to_tensor(p[16], "sinks");
+  out.attention_chunk = p[15].cast<std::int32_t>();
+  out.softcap = p[16].cast<double>();
+  out.sinks = to_tensor(p[17], "sinks");
   return out;
 }
 

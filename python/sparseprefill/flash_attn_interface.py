@@ -12,15 +12,17 @@ capability 9.0 GPU with head_dim 128, the Hopper kernels: dense, block_sparse an
 without mean correction (docs/semantics.md §1).
 
 The model-family features as FlashAttention defines them (docs/semantics.md §1): window_size
-(left, right) local attention (-1 no bound; (-1, 0) is causal attention), softcap, and v with a
-head dim of its own (out then has it); plus sinks=, gpt-oss's learned sinks (float32 [h_q] on
-q's device, one logit per query head in every row's softmax denominator). The reference and cpu
-backends run them; the CUDA backend runs window_size under dense and block_sparse policies and
-raises UnsupportedError naming the feature otherwise, until its kernels take it.
+(left, right) local attention (-1 no bound; (-1, 0) is causal attention), attention_chunk C > 0
+(chunked local attention, Llama 4: each query sees only keys of its own chunk of C positions),
+softcap, and v with a head dim of its own (out then has it); plus sinks=, gpt-oss's learned
+sinks (float32 [h_q] on q's device, one logit per query head in every row's softmax
+denominator). The reference and cpu backends run them; the CUDA backend runs window_size and
+attention_chunk under dense and block_sparse policies and raises UnsupportedError naming the
+feature otherwise, until its kernels take it.
 
 Accepted and ignored (performance knobs): deterministic, num_splits, pack_gqa, sm_margin,
 scheduler_metadata. Raised as UnsupportedError naming the argument: dropout_p != 0,
-alibi_slopes, qv, attention_chunk != 0, rotary_cos/rotary_sin. Forward only."""
+alibi_slopes, qv, rotary_cos/rotary_sin. Forward only."""
 
 from __future__ import annotations
 
@@ -40,28 +42,26 @@ __all__ = ["flash_attn_func", "flash_attn_varlen_func", "flash_attn_with_kvcache
            "get_scheduler_metadata"]
 
 
-def _features(causal: bool, window_size: Any, softcap: Any, sinks: Any) -> Tuple[bool, Features]:
+def _features(causal: bool, window_size: Any, softcap: Any, sinks: Any, attention_chunk: Any) -> Tuple[bool, Features]:
     """(causal, features) by FA's rule: a window (-1, 0) is causal attention (the kernels' causal
-    mask, no window); other windows are local attention, intersected with causal."""
+    mask, no window); other windows and chunks are local attention, intersected with causal."""
     if window_size is None or (type(window_size) is tuple and window_size == (-1, -1)):
-        if not softcap and sinks is None:
+        if not softcap and sinks is None and not attention_chunk:
             return bool(causal), NO_FEATURES
         window_size = (-1, -1)
-    features = features_of(window_size, softcap, sinks)
+    features = features_of(window_size, softcap, sinks, attention_chunk)
     if features.window == (-1, 0):
         return True, features._replace(window=(-1, -1))
     return bool(causal), features
 
 
-def _reject(dropout_p: float = 0.0, alibi_slopes: Any = None, qv: Any = None, attention_chunk: Optional[int] = 0,
-            rotary_cos: Any = None, rotary_sin: Any = None) -> None:
+def _reject(dropout_p: float = 0.0, alibi_slopes: Any = None, qv: Any = None, rotary_cos: Any = None,
+            rotary_sin: Any = None) -> None:
     if dropout_p:
         raise UnsupportedError(f"dropout_p: sparseprefill is inference-only; expected 0.0, got {dropout_p}")
     for name, value in (("alibi_slopes", alibi_slopes), ("qv", qv)):
         if value is not None:
             raise UnsupportedError(f"{name}: not supported; expected None")
-    if attention_chunk:
-        raise UnsupportedError(f"attention_chunk: chunked local attention is not supported; expected 0, got {attention_chunk}")
     if rotary_cos is not None or rotary_sin is not None:
         raise UnsupportedError("rotary_cos, rotary_sin: rotary embedding is not applied here; rotate q and k before the call")
 
@@ -145,7 +145,7 @@ def _call(q, k, v, *, causal: bool, softmax_scale: Optional[float], cu_seqlens_q
         indptr, indices = torch.from_numpy(mask[0]), torch.from_numpy(mask[1])
         mask_block_q, mask_block_k, per_kv_head = mask[2], mask[3], mask[4]
     args = (q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, block_table, *descales, bool(causal), scale,
-            *features.window, features.softcap, sinks, policy.name, policy.settings_string(), thresholds, indptr,
+            *features.window, features.chunk, features.softcap, sinks, policy.name, policy.settings_string(), thresholds, indptr,
             indices, mask_block_q, mask_block_k, per_kv_head, -1 if layer is None else int(layer), *chunked)
     if out is None:
         return torch.ops.sparseprefill.attention(*args)
@@ -163,8 +163,8 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, wi
     (out, lse, None) (no probabilities are materialised). FP8: float8_e4m3fn q, k, v with
     optional float32 q_descale, k_descale, v_descale [b, h_kv]; out is then bfloat16.
     window_size, softcap and sinks: the module's docstring."""
-    _reject(dropout_p, alibi_slopes, qv, attention_chunk)
-    causal, features = _features(causal, window_size, softcap, sinks)
+    _reject(dropout_p, alibi_slopes, qv)
+    causal, features = _features(causal, window_size, softcap, sinks, attention_chunk)
     q, k, v = _maybe_contiguous(q), _maybe_contiguous(k), _maybe_contiguous(v)
     o, lse = _call(q, k, v, causal=causal, softmax_scale=softmax_scale, descales=(q_descale, k_descale, v_descale),
                    features=features, out=out, policy=policy, layer=layer)
@@ -195,8 +195,8 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=Non
     limit each sequence to its first entries. Returns out [total_q, h_q, d_v]; with
     return_softmax_lse (out, lse [h_q, total_q]); with return_attn_probs (out, lse, None). FP8,
     window_size, softcap and sinks as flash_attn_func (descales [b, h_kv], b = len(cu_seqlens_q) - 1)."""
-    _reject(dropout_p, alibi_slopes, qv, attention_chunk)
-    causal, features = _features(causal, window_size, softcap, sinks)
+    _reject(dropout_p, alibi_slopes, qv)
+    causal, features = _features(causal, window_size, softcap, sinks, attention_chunk)
     cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k = (
         _index(x, n) for x, n in ((cu_seqlens_q, "cu_seqlens_q"), (cu_seqlens_k, "cu_seqlens_k"),
                                   (seqused_q, "seqused_q"), (seqused_k, "seqused_k")))
@@ -328,8 +328,8 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, qv=None, rotary
     d] in the cache's dtype on its device, written in place with the blocks each call
     completes); then every chunk makes the one-shot call's decisions and each block's mean is
     computed once (docs/semantics.md §1)."""
-    _reject(0.0, alibi_slopes, qv, attention_chunk, rotary_cos, rotary_sin)
-    causal, features = _features(causal, window_size, softcap, sinks)
+    _reject(0.0, alibi_slopes, qv, rotary_cos, rotary_sin)
+    causal, features = _features(causal, window_size, softcap, sinks, attention_chunk)
     if page_table is not None and block_table is not None and page_table is not block_table:
         raise InvalidArgumentError("page_table: give page_table or block_table, not both")
     table = _index(page_table if page_table is not None else block_table, "page_table")

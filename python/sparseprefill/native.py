@@ -16,7 +16,7 @@ import numpy as np
 
 from . import _ext, stats as _stats
 from ._core import (NO_FEATURES, Features, Geometry, InvalidArgumentError, backend_code, check_problem, check_scale,
-                    check_softcap, check_window, descriptor, device_of, is_torch, out_dtype)
+                    check_chunk, check_softcap, check_window, descriptor, device_of, is_torch, out_dtype)
 from ._ext import UnsupportedError
 from .policy import BlockSparse, Dense, EstimateSelect, ExactGate, Policy
 
@@ -157,10 +157,10 @@ def problem_tuple(q: Any, k: Any, v: Any, cu_q: Any, cu_k: Any, seqused_k: Any, 
             descriptor(v_descale, "v_descale"), bool(causal), float(scale), *features.fields())
 
 
-def features_of(window_size: Any = None, softcap: Any = 0.0, sinks: Any = None) -> Features:
+def features_of(window_size: Any = None, softcap: Any = 0.0, sinks: Any = None, attention_chunk: Any = 0) -> Features:
     """The checked model-family features of a call (the sinks' shape and device are checked with
     the problem: check_problem)."""
-    return Features(check_window(window_size), check_softcap(softcap), sinks)
+    return Features(check_window(window_size), check_softcap(softcap), sinks, check_chunk(attention_chunk))
 
 
 def make_handle(name: str, settings: list, problem: tuple, thresholds: Any = None,
@@ -328,14 +328,16 @@ def _run(q: Any, k: Any, v: Any, policy: Optional[Policy] = None, *, causal: boo
          softmax_scale: Optional[float] = None, cu_seqlens_q: Any = None, cu_seqlens_k: Any = None,
          seqused_k: Any = None, block_table: Any = None, q_descale: Any = None, k_descale: Any = None,
          v_descale: Any = None, window_size: Any = (-1, -1), softcap: float = 0.0, sinks: Any = None,
-         out: Any = None, lse: Any = None, backend: str = "auto", num_threads: int = 0, stats: bool = True,
+         attention_chunk: int = 0, out: Any = None, lse: Any = None, backend: str = "auto", num_threads: int = 0,
+         stats: bool = True,
          decisions: bool = False, layer: Optional[int] = None) -> Result:
     code = backend_code(backend)
     threads = _threads(num_threads)
     geom, problem, handle, _, _, seq_q_max = _prepare(q, k, v, policy, causal, softmax_scale, cu_seqlens_q,
                                                       cu_seqlens_k, seqused_k, block_table,
                                                       (q_descale, k_descale, v_descale),
-                                                      features_of(window_size, softcap, sinks), out, lse)
+                                                      features_of(window_size, softcap, sinks, attention_chunk), out,
+                                                      lse)
     out, lse = _outputs(q, geom, out, lse)
     if not decisions:
         return Result(out, lse, execute(problem, handle, q, out, lse, code, threads, stats, layer))
@@ -353,8 +355,8 @@ def run(*args: Any, **kwargs: Any) -> Result:
 
     run(q, k, v, policy=None, *, causal=True, softmax_scale=None, cu_seqlens_q=None,
         cu_seqlens_k=None, seqused_k=None, block_table=None, q_descale=None, k_descale=None,
-        v_descale=None, window_size=(-1, -1), softcap=0.0, sinks=None, out=None, lse=None,
-        backend="auto", num_threads=0, stats=True, decisions=False, layer=None)
+        v_descale=None, window_size=(-1, -1), softcap=0.0, sinks=None, attention_chunk=0, out=None,
+        lse=None, backend="auto", num_threads=0, stats=True, decisions=False, layer=None)
       under `policy` (Dense() by default) in FlashAttention's layouts: batched q [b, s_q, h_q, d]
       with k [b, s_k, h_kv, d] and v [b, s_k, h_kv, d_v]; varlen q [total_q, h_q, d] with
       cu_seqlens_q, and k, v [total_k, h_kv, d or d_v] with cu_seqlens_k or paged
@@ -365,7 +367,9 @@ def run(*args: Any, **kwargs: Any) -> Result:
       window_size FlashAttention's (left, right), -1 no bound,
       intersected with causal; softcap c > 0 caps every score to c * tanh(s / c); sinks float32
       [h_q] on q's device, one logit per query head added to every row's softmax denominator
-      (gpt-oss), in out and lse. backend is "auto",
+      (gpt-oss), in out and lse; attention_chunk C > 0 (FlashAttention's, Llama 4) keeps each
+      query to the keys of its own chunk of C positions (CUDA: under Dense and BlockSparse, as
+      window_size). backend is "auto",
       "reference" (the fp64 oracle), "cpu" or "cuda". FP8 inputs (torch.float8_e4m3fn q, k and
       v; every policy on the host backends; on CUDA, a 9.0 device, head_dim 128: dense,
       block_sparse and estimate_select without mean correction) may take float32 descales [b, h_kv]: attention
@@ -392,7 +396,8 @@ def select(q: Any, k: Any, v: Any, policy: Optional[Policy] = None, *, causal: b
            softmax_scale: Optional[float] = None, cu_seqlens_q: Any = None, cu_seqlens_k: Any = None,
            seqused_k: Any = None, block_table: Any = None, q_descale: Any = None, k_descale: Any = None,
            v_descale: Any = None, window_size: Any = (-1, -1), softcap: float = 0.0, sinks: Any = None,
-           backend: str = "auto", num_threads: int = 0, layer: Optional[int] = None, device: bool = False) -> Any:
+           attention_chunk: int = 0, backend: str = "auto", num_threads: int = 0, layer: Optional[int] = None,
+           device: bool = False) -> Any:
     """The policy's selector alone, no attention: Selection(mask, corrected, stats). Dense
     selects every visible block (128 x 128 blocks), BlockSparse its own mask, EstimateSelect
     what its selector keeps (on CUDA the GPU selector's device mask, copied back: this
@@ -406,7 +411,7 @@ def select(q: Any, k: Any, v: Any, policy: Optional[Policy] = None, *, causal: b
     geom, problem, handle, _, _, seq_q_max = _prepare(q, k, v, policy, causal, softmax_scale, cu_seqlens_q,
                                                       cu_seqlens_k, seqused_k, block_table,
                                                       (q_descale, k_descale, v_descale),
-                                                      features_of(window_size, softcap, sinks))
+                                                      features_of(window_size, softcap, sinks, attention_chunk))
     if device:
         return _select_on_device(q, geom, problem, handle, policy, code, seq_q_max, cu_seqlens_k, seqused_k,
                                  block_table, k)
@@ -584,15 +589,15 @@ def plan(q: Any, k: Any, v: Any, policy: Optional[Policy] = None, *, causal: boo
          softmax_scale: Optional[float] = None, cu_seqlens_q: Any = None, cu_seqlens_k: Any = None,
          seqused_k: Any = None, block_table: Any = None, q_descale: Any = None, k_descale: Any = None,
          v_descale: Any = None, window_size: Any = (-1, -1), softcap: float = 0.0, sinks: Any = None,
-         backend: str = "auto") -> Plan:
+         attention_chunk: int = 0, backend: str = "auto") -> Plan:
     """A Plan for calls shaped like (q, k, v) under `policy`: shapes, layout, sequence lengths,
     dtype and device are fixed (run(plan, ...) checks them and names the first difference);
-    the tensors' contents are not read. Arguments as run(); the plan keeps the window, softcap
-    and sinks (whose values its calls read as they run). Make plans outside CUDA graph
+    the tensors' contents are not read. Arguments as run(); the plan keeps the window, chunks,
+    softcap and sinks (whose values its calls read as they run). Make plans outside CUDA graph
     capture."""
     code = backend_code(backend)
     scale = check_scale(softmax_scale)
-    features = features_of(window_size, softcap, sinks)
+    features = features_of(window_size, softcap, sinks, attention_chunk)
     geom, problem, handle, _, thresholds, _ = _prepare(q, k, v, policy, causal, softmax_scale, cu_seqlens_q,
                                                        cu_seqlens_k, seqused_k, block_table,
                                                        (q_descale, k_descale, v_descale), features)
@@ -607,17 +612,19 @@ def plan(q: Any, k: Any, v: Any, policy: Optional[Policy] = None, *, causal: boo
 def can_run(q: Any, k: Any, v: Any, policy: Optional[Policy] = None, *, causal: bool = True,
             backend: str = "auto", **layout: Any) -> Tuple[bool, str]:
     """(True, "") when `backend` runs this call; otherwise (False, what is compiled). layout: the
-    index tensors, softmax_scale, the FP8 descales, window_size, softcap and sinks, as run()
+    index tensors, softmax_scale, the FP8 descales, window_size, softcap, sinks and
+    attention_chunk, as run()
     takes them."""
     policy = Dense() if policy is None else policy
     names = ("cu_seqlens_q", "cu_seqlens_k", "seqused_k", "block_table")
     descale_names = ("q_descale", "k_descale", "v_descale")
-    feature_names = ("window_size", "softcap", "sinks")
+    feature_names = ("window_size", "softcap", "sinks", "attention_chunk")
     unknown = set(layout) - set(names) - set(descale_names) - set(feature_names) - {"softmax_scale"}
     if unknown:
         raise InvalidArgumentError(f"{sorted(unknown)[0]}: unexpected argument")
     descales = tuple(layout.get(n) for n in descale_names)
-    features = features_of(layout.get("window_size"), layout.get("softcap"), layout.get("sinks"))
+    features = features_of(layout.get("window_size"), layout.get("softcap"), layout.get("sinks"),
+                           layout.get("attention_chunk"))
     geom = check_problem(q, k, v, *(layout.get(n) for n in names), None, None, *descales, features.sinks)
     host = [host_index(layout.get(n)) for n in names]
     problem = problem_tuple(q, k, v, *host, causal, check_scale(layout.get("softmax_scale")), *descales, features)

@@ -6,7 +6,8 @@ they trace under torch.compile and run on the current CUDA stream.
 FP8 inputs (torch.float8_e4m3fn q, k, v) take optional float32 descales [b, h_kv] (q_descale,
 k_descale, v_descale, beside the index tensors) and give a bfloat16 out, in the fake
 implementations too. The model-family features follow softmax_scale: window_left and
-window_right (FlashAttention's window_size, -1 no bound), softcap (0: none) and optional sinks
+window_right (FlashAttention's window_size, -1 no bound), attention_chunk (0: none), softcap (0:
+none) and optional sinks
 (float32 [h_q]); v may have a head dim d_v of its own, which out then has (docs/semantics.md §1).
 
 A policy travels as plain operator arguments: its name, its settings ("key=value;..."), an
@@ -33,7 +34,7 @@ import torch
 from torch.library import custom_op
 
 from . import _fastpath, native
-from ._core import Features, Geometry, check_problem, check_softcap, check_window, out_dtype
+from ._core import Features, Geometry, check_chunk, check_problem, check_softcap, check_window, out_dtype
 from .stats import collecting
 
 __all__ = ["attention", "attention_out"]
@@ -52,7 +53,7 @@ def _forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: Op
              cu_seqlens_k: Optional[torch.Tensor], seqused_k: Optional[torch.Tensor],
              block_table: Optional[torch.Tensor], q_descale: Optional[torch.Tensor],
              k_descale: Optional[torch.Tensor], v_descale: Optional[torch.Tensor], causal: bool, softmax_scale: float,
-             window_left: int, window_right: int, softcap: float, sinks: Optional[torch.Tensor], policy: str,
+             window_left: int, window_right: int, attention_chunk: int, softcap: float, sinks: Optional[torch.Tensor], policy: str,
              settings: str, thresholds: Optional[torch.Tensor], mask_indptr: Optional[torch.Tensor],
              mask_indices: Optional[torch.Tensor], mask_block_q: int, mask_block_k: int, mask_per_kv_head: bool,
              layer: int, prompt_len: Optional[torch.Tensor], k_block_means: Optional[torch.Tensor],
@@ -63,7 +64,7 @@ def _forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: Op
     prepared call when the cache holds one (_fastpath.py)."""
     descales = (q_descale, k_descale, v_descale)
     index = (cu_seqlens_q, cu_seqlens_k, seqused_k, block_table)
-    features = Features((window_left, window_right), softcap, sinks)
+    features = Features((window_left, window_right), softcap, sinks, attention_chunk)
     key = hosts = None
     if (mask_indptr is None and mask_indices is None and prompt_len is None and k_block_means is None
             and v_block_means is None and block_means_valid is None and not collecting()):
@@ -72,7 +73,7 @@ def _forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: Op
         entry = None if key is None else _fastpath.lookup(key)
         if entry is not None:
             return _fastpath.run(entry, q, k, v, out, lse, descales, sinks)
-    geom = _check(q, k, v, *index, out, lse, *descales, window_left, window_right, softcap, sinks)
+    geom = _check(q, k, v, *index, out, lse, *descales, window_left, window_right, attention_chunk, softcap, sinks)
     if out is None:
         out, lse = _new_outputs(q, geom)
     if hosts is None:
@@ -90,9 +91,11 @@ def _forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: Op
 
 
 def _check(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, block_table, out, lse, q_descale, k_descale, v_descale,
-           window_left, window_right, softcap, sinks):
-    """The checks of the op and its fakes: the problem's, the window's and the softcap's."""
+           window_left, window_right, attention_chunk, softcap, sinks):
+    """The checks of the op and its fakes: the problem's, the window's, the chunks' and the
+    softcap's."""
     check_window((window_left, window_right))
+    check_chunk(attention_chunk)
     check_softcap(softcap)
     return check_problem(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, block_table, out, lse, q_descale, k_descale,
                          v_descale, sinks)
@@ -111,7 +114,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: O
               cu_seqlens_k: Optional[torch.Tensor], seqused_k: Optional[torch.Tensor],
               block_table: Optional[torch.Tensor], q_descale: Optional[torch.Tensor],
               k_descale: Optional[torch.Tensor], v_descale: Optional[torch.Tensor], causal: bool,
-              softmax_scale: float, window_left: int, window_right: int, softcap: float,
+              softmax_scale: float, window_left: int, window_right: int, attention_chunk: int, softcap: float,
               sinks: Optional[torch.Tensor], policy: str, settings: str, thresholds: Optional[torch.Tensor],
               mask_indptr: Optional[torch.Tensor], mask_indices: Optional[torch.Tensor], mask_block_q: int,
               mask_block_k: int, mask_per_kv_head: bool, layer: int, prompt_len: Optional[torch.Tensor],
@@ -121,18 +124,18 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: O
     float32 [b, h_q, s_q] or varlen [h_q, total_q]). softmax_scale 0 means 1/sqrt(d); layer < 0
     means none (for statistics)."""
     return _forward(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, block_table, q_descale, k_descale, v_descale,
-                    causal, softmax_scale, window_left, window_right, softcap, sinks, policy, settings, thresholds,
+                    causal, softmax_scale, window_left, window_right, attention_chunk, softcap, sinks, policy, settings, thresholds,
                     mask_indptr, mask_indices, mask_block_q, mask_block_k, mask_per_kv_head, layer, prompt_len,
                     k_block_means, v_block_means, block_means_valid, None, None)
 
 
 @attention.register_fake
 def _attention_fake(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, block_table, q_descale, k_descale, v_descale,
-                    causal, softmax_scale, window_left, window_right, softcap, sinks, policy, settings, thresholds,
+                    causal, softmax_scale, window_left, window_right, attention_chunk, softcap, sinks, policy, settings, thresholds,
                     mask_indptr, mask_indices, mask_block_q, mask_block_k, mask_per_kv_head, layer, prompt_len,
                     k_block_means, v_block_means, block_means_valid):
     geom = _check(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, block_table, None, None, q_descale, k_descale,
-                  v_descale, window_left, window_right, softcap, sinks)
+                  v_descale, window_left, window_right, attention_chunk, softcap, sinks)
     return _new_outputs(q, geom)
 
 
@@ -141,7 +144,7 @@ def attention_out(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_
                   cu_seqlens_k: Optional[torch.Tensor], seqused_k: Optional[torch.Tensor],
                   block_table: Optional[torch.Tensor], q_descale: Optional[torch.Tensor],
                   k_descale: Optional[torch.Tensor], v_descale: Optional[torch.Tensor], causal: bool,
-                  softmax_scale: float, window_left: int, window_right: int, softcap: float,
+                  softmax_scale: float, window_left: int, window_right: int, attention_chunk: int, softcap: float,
                   sinks: Optional[torch.Tensor], policy: str, settings: str, thresholds: Optional[torch.Tensor],
                   mask_indptr: Optional[torch.Tensor], mask_indices: Optional[torch.Tensor], mask_block_q: int,
                   mask_block_k: int, mask_per_kv_head: bool, layer: int, prompt_len: Optional[torch.Tensor],
@@ -149,15 +152,15 @@ def attention_out(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_
                   block_means_valid: Optional[torch.Tensor], out: torch.Tensor, lse: torch.Tensor) -> None:
     """As attention, writing the caller's out and lse."""
     _forward(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, block_table, q_descale, k_descale, v_descale, causal,
-             softmax_scale, window_left, window_right, softcap, sinks, policy, settings, thresholds, mask_indptr,
+             softmax_scale, window_left, window_right, attention_chunk, softcap, sinks, policy, settings, thresholds, mask_indptr,
              mask_indices, mask_block_q, mask_block_k, mask_per_kv_head, layer, prompt_len, k_block_means,
              v_block_means, block_means_valid, out, lse)
 
 
 @attention_out.register_fake
 def _attention_out_fake(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, block_table, q_descale, k_descale,
-                        v_descale, causal, softmax_scale, window_left, window_right, softcap, sinks, policy, settings,
+                        v_descale, causal, softmax_scale, window_left, window_right, attention_chunk, softcap, sinks, policy, settings,
                         thresholds, mask_indptr, mask_indices, mask_block_q, mask_block_k, mask_per_kv_head, layer,
                         prompt_len, k_block_means, v_block_means, block_means_valid, out, lse):
     _check(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, block_table, out, lse, q_descale, k_descale, v_descale,
-           window_left, window_right, softcap, sinks)
+           window_left, window_right, attention_chunk, softcap, sinks)

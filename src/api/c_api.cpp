@@ -160,6 +160,7 @@ Status to_problem(const sp_problem* p, sparseprefill::AttentionProblem* out) {
     return sparseprefill::invalid_argument("window_left/window_right: set while local = 0 (no window); set local to "
                                            "1 for a window, or leave both 0");
   }
+  out->attention_chunk = p->attention_chunk;
   out->softcap = p->softcap;
   return to_view(p->sinks, "sinks", &out->sinks);
 }

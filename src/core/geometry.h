@@ -28,21 +28,30 @@ SP_HD std::int64_t max64(std::int64_t a, std::int64_t b) { return a > b ? a : b;
 // positions 0 .. s_k-1; row r sits at absolute position a = r + (s_k - s_q) (bottom-right).
 // Row r sees the keys [first_key(r), last_key(r)]: causal ends them at a; the local window
 // (FlashAttention's window_size, docs/semantics.md §1) keeps a - window_left .. a + window_right
-// (-1: no bound on that side); causal and window intersect. Kernels without windows construct
-// this as {s_q, s_k, causal}: the window then defaults to unbounded, i.e. plain causal or full.
+// (-1: no bound on that side); chunked attention (FlashAttention's attention_chunk C > 0,
+// Llama 4) keeps the C positions of a's chunk, chunk_begin(a) .. chunk_begin(a) + C - 1; causal,
+// window and chunk intersect. Kernels without windows construct this as {s_q, s_k, causal}: the
+// window then defaults to unbounded and the chunk to none, i.e. plain causal or full.
 struct SeqGeometry {
   std::int64_t s_q = 0;
   std::int64_t s_k = 0;
   bool causal = true;
   std::int64_t window_left = -1;
   std::int64_t window_right = -1;
+  std::int64_t chunk = 0;  // attention_chunk: 0 none, else > 0 positions per chunk
 
   SP_HD std::int64_t offset() const { return s_k - s_q; }
   SP_HD std::int64_t position(std::int64_t row) const { return row + offset(); }
-  // The first key position a row at absolute position a may see: a - window_left, clamped at 0.
-  // It is at most last_key_at(a) + 1 (the row's range [first, last] may be empty).
+  // Whether rows' ranges can start after key 0: a left window bound or chunks.
+  SP_HD bool left_bounded() const { return window_left >= 0 || chunk > 0; }
+  // The first position of a's chunk (floor(a / chunk) · chunk; a may be negative). chunk > 0.
+  SP_HD std::int64_t chunk_begin(std::int64_t a) const { return floor_div(a, chunk) * chunk; }
+  // The first key position a row at absolute position a may see: a - window_left and its
+  // chunk's first position, clamped at 0. It is at most last_key_at(a) + 1 (the row's range
+  // [first, last] may be empty). Both bounds grow with a.
   SP_HD std::int64_t first_key_at(std::int64_t a) const {
-    return window_left < 0 ? 0 : max64(a - window_left, 0);
+    const std::int64_t first = window_left < 0 ? 0 : max64(a - window_left, 0);
+    return chunk > 0 ? max64(first, chunk_begin(a)) : first;
   }
   // How far past its own position a row's range may end: 0 under causal (which a right window
   // bound >= 0 cannot widen), window_right without causal, -1 when unbounded (the range then
@@ -56,13 +65,14 @@ struct SeqGeometry {
     // reach()'s bound, written as before windows ran (the window-free kernels' SASS).
     if (causal) last = min64(last, a);
     if (window_right >= 0) last = min64(last, a + window_right);
+    if (chunk > 0) last = min64(last, chunk_begin(a) + chunk - 1);
     if (last < first_key_at(a)) return -1;
     return last;
   }
   SP_HD std::int64_t first_key(std::int64_t row) const { return first_key_at(position(row)); }
   SP_HD std::int64_t last_key(std::int64_t row) const { return last_key_at(position(row)); }
   // One past the last key row r sees (0 when it sees none): the end of its range. Without a
-  // left window bound the range starts at 0 and this is the number of keys the row sees.
+  // left bound the range starts at 0 and this is the number of keys the row sees.
   SP_HD std::int64_t keys_seen(std::int64_t row) const { return last_key(row) + 1; }
   // Whether row r sees key t.
   SP_HD bool sees(std::int64_t row, std::int64_t t) const { return t >= first_key(row) && t <= last_key(row); }
@@ -90,14 +100,15 @@ struct BlockGeometry {
   // some key of them. Every row's range moves forward with its position and consecutive rows'
   // ranges touch, so the union over the block's rows is one range of keys: from the first row's
   // first key to the last row's last key (a row that sees nothing starts at key 0, so it never
-  // raises the lower end above a row that does see keys).
+  // raises the lower end above a row that does see keys). Chunks keep this: the last row of a
+  // chunk ends at its own position, the next row starts there + 1.
   SP_HD int visible_end(int qb) const {
     return static_cast<int>(ceil_div(seq.keys_seen(row_end(qb) - 1), block_k));
   }
   SP_HD int visible_begin(int qb) const {
     // Without a left bound every range starts at key 0 (and the kernels' per-CTA setup skips
     // the 64-bit division).
-    if (seq.window_left < 0) return 0;
+    if (!seq.left_bounded()) return 0;
     const int b = static_cast<int>(seq.first_key(row_begin(qb)) / block_k);
     return b < visible_end(qb) ? b : visible_end(qb);
   }
@@ -110,7 +121,7 @@ struct BlockGeometry {
     return static_cast<int>(seen / block_k);
   }
   SP_HD int full_begin(int qb) const {
-    if (seq.window_left < 0) return 0;  // as visible_begin
+    if (!seq.left_bounded()) return 0;  // as visible_begin
     const std::int64_t last = row_end(qb) - 1;
     // A last row that sees nothing leaves no full block (full_end is then 0 as well).
     const int b = seq.keys_seen(last) == 0 ? 0 : static_cast<int>(ceil_div(seq.first_key(last), block_k));
@@ -128,13 +139,15 @@ struct BlockGeometry {
     return end > gated_begin(qb) ? end : gated_begin(qb);
   }
   // Each partial band spans the block_q - 1 positions between the first and the last row; a
-  // left window bound adds a second band below the full blocks.
+  // left window bound adds a second band below the full blocks. Chunks' first keys jump by a
+  // chunk within one query block: there every visible block may be partial.
   SP_HD int ungated_room() const {
+    if (seq.chunk > 0) return num_k_blocks();
     const int bands = seq.window_left >= 0 ? 2 : 1;
     return bands * (static_cast<int>(ceil_div(block_q, block_k)) + 1);
   }
   // Whether key block kb, one below full_end(qb), is full: it starts at or after the last row's
-  // first key (before it lies a left window bound's lower band). is_full's form for kernels
+  // first key (before it lies a left bound's lower band). is_full's form for kernels
   // that test blocks one by one: no division, unlike full_begin.
   SP_HD bool full_below_end(int qb, int kb) const { return key_begin(kb) >= seq.first_key(row_end(qb) - 1); }
   SP_HD bool is_visible(int qb, int kb) const { return kb >= visible_begin(qb) && kb < visible_end(qb); }
@@ -186,7 +199,7 @@ struct SegmentGeometry {
   // Keys t < prefix(s) precede the segment; keys prefix(s) .. key_end(s)-1 are its own (pass 1).
   SP_HD std::int64_t prefix(std::int64_t s) const { return min64(s * len, seq.s_k); }
   // The ranked keys (pass 2): ranked_begin(s) .. prefix(s)-1, the preceding keys the segment's
-  // first row in the call sees (every one without a left window bound; the later rows see a
+  // first row in the call sees (every one without a left bound; the later rows see a
   // suffix of them).
   SP_HD std::int64_t ranked_begin(std::int64_t s) const { return min64(seq.first_key(row_begin(s)), prefix(s)); }
   SP_HD std::int64_t key_end(std::int64_t s) const { return min64((s + 1) * len, seq.s_k); }

@@ -141,7 +141,7 @@ Status check_descales(const AttentionProblem& p, const ProblemShape& s) {
   return {};
 }
 
-// window_left/right >= -1; softcap 0 or finite positive; sinks fp32 [h_q] on q's device (any
+// window_left/right >= -1; attention_chunk >= 0; softcap 0 or finite positive; sinks fp32 [h_q] on q's device (any
 // values: NaN and +inf reach the outputs as the semantics say, docs/semantics.md §1).
 Status check_window_softcap_sinks(const AttentionProblem& p, ProblemShape* s) {
   const std::pair<const char*, int> bounds[] = {{"window_left", p.window_left}, {"window_right", p.window_right}};
@@ -152,6 +152,11 @@ Status check_window_softcap_sinks(const AttentionProblem& p, ProblemShape* s) {
   }
   s->window_left = p.window_left;
   s->window_right = p.window_right;
+  if (p.attention_chunk < 0) {
+    return invalid_argument("attention_chunk: expected 0 (none) or a chunk of positions > 0, got " +
+                            std::to_string(p.attention_chunk));
+  }
+  s->attention_chunk = p.attention_chunk;
   if (!(p.softcap >= 0.0) || std::isinf(p.softcap)) {
     return invalid_argument("softcap: expected 0 (none) or a finite positive number, got " + std::to_string(p.softcap));
   }

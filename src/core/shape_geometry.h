@@ -1,7 +1,7 @@
 // SPDX-License-Identifier: Apache-2.0
 // The geometry (core/geometry.h) of one sequence of a validated problem: its lengths, causal
 // alignment and local window. Every host layer builds sequence geometries here, so that none
-// forgets the window. Host-only.
+// forgets the window or the chunks. Host-only.
 #pragma once
 
 #include <cstddef>
@@ -18,6 +18,7 @@ inline geom::SeqGeometry sequence_geometry(const ProblemShape& s, int b) {
   g.causal = s.causal;
   g.window_left = s.window_left;
   g.window_right = s.window_right;
+  g.chunk = s.attention_chunk;
   return g;
 }
 

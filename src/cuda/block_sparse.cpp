@@ -53,6 +53,7 @@ Status launch_mask_check(const Call& call, const ProblemShape& shape, const Devi
   mp.causal = shape.causal;
   mp.window_left = shape.window_left;
   mp.window_right = shape.window_right;
+  mp.attention_chunk = shape.attention_chunk;
   const std::size_t rows = static_cast<std::size_t>(shape.batch) * static_cast<std::size_t>(heads) *
                            static_cast<std::size_t>(p->num_q_blocks);
   for (int i = 0; i < 2; ++i) {

@@ -263,7 +263,8 @@ Status check_features(const ProblemShape& shape, const Policy& policy) {
     return unsupported(feature + " runs dense and block_sparse on CUDA, not " + policy_name(policy) + host);
   };
   if (shape.local() && !featured_policy) {
-    return refuse_other_policies("window_left/window_right: local (sliding-window) attention");
+    return refuse_other_policies(shape.attention_chunk > 0 ? "attention_chunk: chunked local attention"
+                                                           : "window_left/window_right: local (sliding-window) attention");
   }
   if (shape.softcap != 0.0 && !featured_policy) return refuse_other_policies("softcap: score soft-capping");
   if (shape.sinks && !featured_policy) return refuse_other_policies("sinks: learned attention sinks");
@@ -478,6 +479,7 @@ FwdParams make_fwd_params(const AttentionProblem& problem, const ProblemShape& s
   if (shape.local()) {  // else plain causal or full: a causal call's right bound hides no key
     p.window_left = shape.window_left;
     p.window_right = shape.window_right;
+    p.attention_chunk = shape.attention_chunk;
   }
   p.scale = static_cast<float>(shape.scale);
   p.scale_log2 = static_cast<float>(shape.scale * 1.4426950408889634);  // scale · log2(e)

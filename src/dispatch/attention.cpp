@@ -155,13 +155,16 @@ Status check_plan_shape(const ProblemShape& planned, const ProblemShape& given) 
   if (given.causal != planned.causal) {
     return differs("causal", planned.causal ? "true" : "false", given.causal ? "true" : "false");
   }
-  // The window decides which blocks are visible (a plan's mask was validated against it) and
+  // The window and the chunks decide which blocks are visible (a plan's mask was validated against it) and
   // the softcap every score; the sinks' values are data, whether there are any is not.
   if (given.window_left != planned.window_left || given.window_right != planned.window_right) {
     const auto window = [](const ProblemShape& s) {
       return "(" + std::to_string(s.window_left) + ", " + std::to_string(s.window_right) + ")";
     };
     return differs("window", window(planned), window(given));
+  }
+  if (given.attention_chunk != planned.attention_chunk) {
+    return differs("attention_chunk", std::to_string(planned.attention_chunk), std::to_string(given.attention_chunk));
   }
   if (given.softcap != planned.softcap) return differs("softcap", std::to_string(planned.softcap), std::to_string(given.softcap));
   if (given.sinks != planned.sinks) return differs("sinks", planned.sinks ? "given" : "none", given.sinks ? "given" : "none");

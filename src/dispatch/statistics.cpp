@@ -30,11 +30,12 @@ Status check_sample(const char* who, const AttentionProblem& sample, ProblemShap
                        "dequantized scores)");
   }
   // The statistics are those of the policies' rules on causal prefixes of plain scores; a local
-  // window changes which blocks are visible and softcap every score, so neither is calibrated
+  // window (or chunks) changes which blocks are visible and softcap every score, so neither is calibrated
   // (yet). Sinks enter no decision and v is not read: both are accepted (and ignored).
   if (shape->local()) {
-    return unsupported(std::string(who) + ": sample.window_left/window_right: local (sliding-window) attention is not "
-                       "calibrated; calibrate on causal samples without a window");
+    return unsupported(std::string(who) + (shape->attention_chunk > 0 ? ": sample.attention_chunk: chunked"
+                                                                      : ": sample.window_left/window_right: local (sliding-window)") +
+                       " attention is not calibrated; calibrate on causal samples without a window or chunks");
   }
   if (shape->softcap != 0.0) {
     return unsupported(std::string(who) + ": sample.softcap: softcapped scores are not calibrated; calibrate on "

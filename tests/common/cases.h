@@ -53,21 +53,21 @@ inline TestProblem make_problem(const Inputs& in, bool causal = true, Layout lay
 
 // The block geometry of one sequence, under the local window (left, right) (-1: no bound).
 inline geom::BlockGeometry geometry(std::int64_t s_q, std::int64_t s_k, bool causal, int bq, int bk, int left = -1,
-                                    int right = -1) {
+                                    int right = -1, int chunk = 0) {
   geom::BlockGeometry g;
-  g.seq = {s_q, s_k, causal, left, right};
+  g.seq = {s_q, s_k, causal, left, right, chunk};
   g.block_q = bq;
   g.block_k = bk;
   return g;
 }
 
-// Visible (query block, key block) pairs of every sequence (causal mask and window), times
-// `heads`.
+// Visible (query block, key block) pairs of every sequence (causal mask, window and chunks),
+// times `heads`.
 inline std::int64_t visible_blocks(const std::vector<SeqLen>& lengths, int heads, bool causal, int bq, int bk,
-                                   int left = -1, int right = -1) {
+                                   int left = -1, int right = -1, int chunk = 0) {
   std::int64_t n = 0;
   for (const SeqLen& l : lengths) {
-    const geom::BlockGeometry g = geometry(l.s_q, l.s_k, causal, bq, bk, left, right);
+    const geom::BlockGeometry g = geometry(l.s_q, l.s_k, causal, bq, bk, left, right, chunk);
     for (int qb = 0; qb < g.num_q_blocks(); ++qb) n += g.visible_end(qb) - g.visible_begin(qb);
   }
   return n * heads;
@@ -161,7 +161,8 @@ inline double midpoint_near(const std::vector<double>& maxima, int want, double 
 // away from ties); -inf (everything kept) when nothing is gated. `opt` gives the call's causal
 // mask, window and softcap (the gated blocks and the scores they compare).
 inline HostTensor midpoint_thresholds(const Inputs& in, const LayoutOptions& opt, int bq, int bk, double keep_fraction) {
-  const geom::BlockGeometry g = geometry(in.s_q(0), in.s_k(0), opt.causal, bq, bk, opt.window_left, opt.window_right);
+  const geom::BlockGeometry g =
+      geometry(in.s_q(0), in.s_k(0), opt.causal, bq, bk, opt.window_left, opt.window_right, opt.attention_chunk);
   const int positions = static_cast<int>(geom::ceil_div(in.s_k(0), bq)) + 1;
   HostTensor thr(DType::kFP32, {in.h_q, positions});
   for (int i = 0; i < in.h_q * positions; ++i) thr.as<float>()[i] = -std::numeric_limits<float>::infinity();
@@ -266,7 +267,8 @@ inline BlockMask random_mask(const ProblemShape& shape, int block_q, int block_k
   }
   for (int b = 0; b < m.batch; ++b) {
     const geom::BlockGeometry g = geometry(shape.seq_q[static_cast<std::size_t>(b)], shape.seq_k[static_cast<std::size_t>(b)],
-                                           shape.causal, block_q, block_k, shape.window_left, shape.window_right);
+                                           shape.causal, block_q, block_k, shape.window_left, shape.window_right,
+                                           shape.attention_chunk);
     for (int h = 0; h < m.heads; ++h) {
       for (int qb = 0; qb < g.num_q_blocks(); ++qb) {
         for (int kb = g.visible_begin(qb); kb < g.visible_end(qb); ++kb) {

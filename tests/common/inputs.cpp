@@ -6,6 +6,7 @@
 #include <cmath>
 #include <cstring>
 #include <numeric>
+#include <stdexcept>
 
 #include "sparseprefill/generator.h"
 
@@ -143,6 +144,7 @@ AttentionProblem TestProblem::problem() const {
   p.scale = scale;
   p.window_left = window_left;
   p.window_right = window_right;
+  p.attention_chunk = attention_chunk;
   p.softcap = softcap;
   return p;
 }
@@ -155,6 +157,7 @@ TestProblem build_problem(const Inputs& in, const LayoutOptions& opt) {
   tp.scale = opt.scale;
   tp.window_left = opt.window_left;
   tp.window_right = opt.window_right;
+  tp.attention_chunk = opt.attention_chunk;
   tp.softcap = opt.softcap;
   if (!in.sinks.empty()) {
     tp.sinks = HostTensor(DType::kFP32, {in.h_q});
@@ -174,6 +177,10 @@ TestProblem build_problem(const Inputs& in, const LayoutOptions& opt) {
   // Queries: batched (all s_q equal) or varlen.
   if (opt.layout == Layout::kBatched) {
     const std::int64_t s_q = batch > 0 ? in.s_q(0) : 0;
+    for (int b = 0; b < batch; ++b) {
+      // A later sequence longer than the first would write past the [batch, s_q] tensor.
+      if (in.s_q(b) > s_q) throw std::invalid_argument("build_problem: a batched layout's first sequence is its longest");
+    }
     tp.q = HostTensor(in.dtype, {batch, s_q, in.h_q, in.d});
     for (int b = 0; b < batch; ++b) copy_rows(in.seqs[static_cast<std::size_t>(b)].q, &tp.q, b * s_q * row_q);
     tp.lse = HostTensor(DType::kFP32, {batch, in.h_q, s_q});

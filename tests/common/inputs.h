@@ -94,8 +94,9 @@ struct LayoutOptions {
   std::uint64_t page_seed = 7; // kPaged: the physical page permutation
   bool causal = true;
   double scale = 0.0;          // 0: 1/sqrt(d)
-  int window_left = -1;        // AttentionProblem's local window and softcap
+  int window_left = -1;        // AttentionProblem's local window, chunks and softcap
   int window_right = -1;
+  int attention_chunk = 0;
   double softcap = 0.0;
 };
 
@@ -114,6 +115,7 @@ struct TestProblem {
   double scale = 0.0;
   int window_left = -1;
   int window_right = -1;
+  int attention_chunk = 0;
   double softcap = 0.0;
 
   AttentionProblem problem() const;  // views into the tensors above

@@ -14,10 +14,14 @@ bool causally_visible(std::int64_t s_q, std::int64_t s_k, std::int64_t r, std::i
 }
 
 bool window_visible(std::int64_t s_q, std::int64_t s_k, bool causal, int left, int right, std::int64_t r,
-                    std::int64_t t) {
+                    std::int64_t t, int chunk) {
   const std::int64_t a = r + s_k - s_q;
   if (causal && t > a) return false;
   if (left >= 0 && t < a - left) return false;
+  if (chunk > 0) {
+    const std::int64_t c0 = a - ((a % chunk) + chunk) % chunk;  // FlashAttention's chunk start
+    if (t < c0 || t >= c0 + chunk) return false;
+  }
   return right < 0 || t <= a + right;
 }
 

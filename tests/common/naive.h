@@ -27,8 +27,9 @@ ref::Result masked_softmax(const Inputs& in, double scale, const ElementMask& ke
 
 // The local window (FlashAttention's window_size; -1: no bound) and causal mask of one row:
 // key t at absolute position a = r + s_k - s_q is visible iff a - left <= t <= a + right and,
-// causal, t <= a.
+// causal, t <= a; with chunk C > 0 (FlashAttention's attention_chunk) t also lies in a's chunk,
+// written as FlashAttention's test reference writes it (a - (a mod C), the remainder >= 0).
 bool window_visible(std::int64_t s_q, std::int64_t s_k, bool causal, int left, int right, std::int64_t r,
-                    std::int64_t t);
+                    std::int64_t t, int chunk = 0);
 
 }  // namespace sparseprefill::test

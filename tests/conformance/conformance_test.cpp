@@ -70,6 +70,7 @@ struct Features {
   // no wider than a 128-key block leaves them nothing (exact_gate finds no full block to gate,
   // permute_stop's ranked keys fit in one chunk): only stable parameters are required.
   bool sparse = true;
+  int chunk = 0;  // attention_chunk: 0 none
 
   static Features plain(bool causal) {
     Features f;
@@ -82,6 +83,7 @@ struct Features {
     o.causal = causal;
     o.window_left = left;
     o.window_right = right;
+    o.attention_chunk = chunk;
     o.softcap = softcap;
     return o;
   }
@@ -116,7 +118,10 @@ std::string cuda_feature_refusal(const TestProblem& tp, const Policy& policy) {
   const bool featured_policy =
       std::holds_alternative<DenseParams>(policy) || std::holds_alternative<BlockSparseParams>(policy);
   const std::string others = std::string(" runs dense and block_sparse on CUDA, not ") + policy_name(policy);
-  if (s.local() && !featured_policy) return "window_left/window_right: local (sliding-window) attention" + others;
+  if (s.local() && !featured_policy) {
+    return (s.attention_chunk > 0 ? "attention_chunk: chunked local attention"
+                                  : "window_left/window_right: local (sliding-window) attention") + others;
+  }
   if (s.softcap != 0.0 && !featured_policy) return "softcap: score soft-capping" + others;
   if (s.sinks && !featured_policy) return "sinks: learned attention sinks" + others;
   if ((s.softcap != 0.0 || s.sinks) && s.dtype == DType::kFP8E4M3) return "fp8_e4m3 inputs on CUDA take no softcap or sinks";
@@ -730,7 +735,7 @@ std::vector<PolicyCase> policy_cases(const std::vector<SeqLen>& lengths, int h_q
   const auto varlen = [&f](const Inputs& in) { return make_problem(in, f, Layout::kVarlen); };
   const auto skipping = [&](int units, int bk) -> std::function<bool(const Decisions&)> {
     if (!f.sparse) return [](const Decisions&) { return true; };
-    return some_skipped(visible_blocks(lengths, units, causal, kBlock, bk, f.left, f.right));
+    return some_skipped(visible_blocks(lengths, units, causal, kBlock, bk, f.left, f.right, f.chunk));
   };
   std::vector<PolicyCase> out;
   out.push_back({"dense", prepared(make_inputs(lengths, h_q, h_kv, f.d, seed)), DenseParams{}});
@@ -842,15 +847,15 @@ TEST_P(Conformance, EveryPolicyWithNaNInputs) {
 // every policy: local layers (a causal window narrower than a block, and one over two blocks),
 // a non-causal window, Gemma 2's softcap (3 here, so that it bites: these inputs' block maxima
 // reach about 6), gpt-oss's sinks with its 128-token window, and the head dims of Phi-3 (96),
-// Gemma 3 (256, alone and with a softcap) and MLA prefill (q/k 192, v 128). The host targets
-// match the oracle; CUDA runs what it has kernels for and refuses the rest by name.
+// Gemma 3 (256, alone and with a softcap), MLA prefill (q/k 192, v 128) and Llama 4's chunked
+// local attention (alone, with a window, non-causal). The host targets match the oracle; CUDA runs what it has kernels for and refuses the rest by name.
 // Sequences: a chunk of 200 queries over a cached prefix (900 keys under a window, so that it cuts
 // the prefix; 640 otherwise, enough for estimate_select's first tile to have blocks beyond the
 // forced ones) and 130 queries over 40 keys (rows at negative positions); the non-causal window
 // also 300 over 300 (its right bound cuts the early rows).
 std::vector<Features> model_features() {
   const std::vector<SeqLen> windowed = {{200, 900}, {130, 40}}, plain = {{200, 640}, {130, 40}};
-  // name, sequences, causal, window (left, right), softcap, sinks, d, d_v, sparse
+  // name, sequences, causal, window (left, right), softcap, sinks, d, d_v, sparse, chunk
   return {
       {"causal window 96", windowed, true, 95, -1, 0.0, {}, 64, 0, false},
       {"causal window 300, right bound 5 (causal keeps it at 0)", windowed, true, 299, 5},
@@ -861,6 +866,13 @@ std::vector<Features> model_features() {
       {"head_dim 256 (Gemma 3)", plain, true, -1, -1, 0.0, {}, 256},
       {"head_dim 96 (Phi-3)", plain, true, -1, -1, 0.0, {}, 96},
       {"q/k head_dim 192, v head_dim 128 (MLA prefill)", plain, true, -1, -1, 0.0, {}, 192, 128},
+      // Chunks of 300 positions (Llama 4's local layers take 8192; as narrow a range as the windows
+      // above, so not sparse): rows of a query block on both
+      // sides of a chunk boundary, a chunk boundary inside a key block, a cached prefix; with
+      // a window inside the chunk, and non-causal (the chunk's later keys too).
+      {"chunks of 300 (Llama 4)", windowed, true, -1, -1, 0.0, {}, 64, 0, false, 300},
+      {"chunks of 300 and window 100", windowed, true, 99, -1, 0.0, {}, 64, 0, false, 300},
+      {"non-causal chunks of 200", {{200, 900}, {130, 40}, {300, 300}}, false, -1, -1, 0.0, {}, 64, 0, false, 200},
   };
 }
 

@@ -131,10 +131,11 @@ TEST(Geometry, GatedBlocksMatchTheDefinition) {
   }
 }
 
-// Under a local window (FlashAttention's window_size, causal or not) every block range of the
+// Under a local window (FlashAttention's window_size, causal or not) and chunks (its
+// attention_chunk, with and without a window) every block range of the
 // geometry against the element mask, counted row by row and key by key: visible (some row sees
 // some key), full (every row every key; the CUDA kernels' full_below_end below full_end), the
-// kernels' element mask (first_key_at .. position + reach), the ranges visible_begin/end and
+// kernels' element mask (first_key_at .. position + reach, or last_key_at under chunks), the ranges visible_begin/end and
 // full_begin/end, visible pairs, exact_gate's gated blocks (the full ones) within ungated_room,
 // and the ranked keys of permute_stop's segments (the preceding keys a segment's first row sees).
 TEST(Geometry, WindowRangesMatchTheElementMask) {
@@ -144,15 +145,21 @@ TEST(Geometry, WindowRangesMatchTheElementMask) {
       for (const auto& [s_q, s_k] : std::vector<std::pair<std::int64_t, std::int64_t>>{
                {20, 20}, {7, 30}, {30, 9}, {1, 13}, {13, 1}, {25, 0}}) {
         for (const auto& [bq, bk] : std::vector<std::pair<int, int>>{{4, 4}, {5, 3}, {2, 8}}) {
+         for (const int chunk : {0, 1, 4, 7, 13}) {
           BlockGeometry g = geo(s_q, s_k, causal, bq, bk);
           g.seq.window_left = left;
           g.seq.window_right = right;
+          g.seq.chunk = chunk;
           const std::string what = std::to_string(s_q) + "x" + std::to_string(s_k) + (causal ? " causal" : "") +
-                                   " window (" + std::to_string(left) + ", " + std::to_string(right) + ") blocks " +
-                                   std::to_string(bq) + "x" + std::to_string(bk);
+                                   " window (" + std::to_string(left) + ", " + std::to_string(right) + ") chunk " +
+                                   std::to_string(chunk) + " blocks " + std::to_string(bq) + "x" + std::to_string(bk);
+          // FlashAttention's definition (hopper/test_util.py's construct_local_mask and
+          // construct_chunk_mask): a's chunk starts at a - (a mod C), the remainder non-negative.
           const auto sees = [&](std::int64_t r, std::int64_t t) {
             const std::int64_t a = r + s_k - s_q;
-            return t >= 0 && t < s_k && (!causal || t <= a) && (left < 0 || t >= a - left) && (right < 0 || t <= a + right);
+            const std::int64_t c0 = chunk > 0 ? a - ((a % chunk) + chunk) % chunk : 0;
+            return t >= 0 && t < s_k && (!causal || t <= a) && (left < 0 || t >= a - left) && (right < 0 || t <= a + right) &&
+                   (chunk == 0 || (t >= c0 && t < c0 + chunk));
           };
           for (std::int64_t r = 0; r < s_q; ++r) {
             // The kernels' element mask: a row sees t iff first_key_at(a) <= t <= a + reach()
@@ -160,7 +167,8 @@ TEST(Geometry, WindowRangesMatchTheElementMask) {
             const std::int64_t a = g.seq.position(r);
             for (std::int64_t t = 0; t < s_k; ++t) {
               ASSERT_EQ(g.seq.sees(r, t), sees(r, t)) << what << " row " << r << " key " << t;
-              const bool masked_in = t >= g.seq.first_key_at(a) && (g.seq.reach() < 0 || t <= a + g.seq.reach());
+              const bool masked_in = t >= g.seq.first_key_at(a) && (chunk > 0 ? t <= g.seq.last_key_at(a)
+                                                                               : g.seq.reach() < 0 || t <= a + g.seq.reach());
               ASSERT_EQ(masked_in, sees(r, t)) << what << " row " << r << " key " << t;
             }
           }
@@ -216,6 +224,7 @@ TEST(Geometry, WindowRangesMatchTheElementMask) {
             for (std::int64_t t = sg.prefix(seg) - 1; t >= 0 && sees(sg.row_begin(seg), t); --t) first = t;
             ASSERT_EQ(sg.ranked_begin(seg), first) << what << " segment " << seg;
           }
+         }
         }
       }
     }

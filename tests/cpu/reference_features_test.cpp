@@ -7,6 +7,8 @@
 // masked softmax over the expanded mask (tests/common/naive.h), their decisions by hand.
 #include <cmath>
 #include <initializer_list>
+#include <string>
+#include <tuple>
 #include <vector>
 
 #include <gtest/gtest.h>
@@ -28,6 +30,7 @@ using test::same_result;
 using test::kInf;
 using test::kNaN;
 using test::kExact;
+using test::SeqLen;
 
 struct Call {
   double scale = kLn2;
@@ -35,6 +38,7 @@ struct Call {
   int left = -1;
   int right = -1;
   double softcap = 0.0;
+  int chunk = 0;
 };
 
 ref::Result run_ok(const Inputs& in, const Policy& policy, const Call& c) {
@@ -43,6 +47,7 @@ ref::Result run_ok(const Inputs& in, const Policy& policy, const Call& c) {
   opt.causal = c.causal;
   opt.window_left = c.left;
   opt.window_right = c.right;
+  opt.attention_chunk = c.chunk;
   opt.softcap = c.softcap;
   const test::TestProblem tp = test::build_problem(in, opt);
   ref::Result r;
@@ -58,7 +63,7 @@ ref::Result naive(const Inputs& in, const Call& c, F keep) {
   return test::masked_softmax(
       in, c.scale,
       [&](int b, int h, std::int64_t r, std::int64_t t) {
-        return test::window_visible(in.s_q(b), in.s_k(b), c.causal, c.left, c.right, r, t) && keep(h, r, t);
+        return test::window_visible(in.s_q(b), in.s_k(b), c.causal, c.left, c.right, r, t, c.chunk) && keep(h, r, t);
       },
       c.softcap);
 }
@@ -160,6 +165,53 @@ TEST(ReferenceFeatures, AWindowThatHidesEveryKeyLeavesAnEmptyRow) {
   EXPECT_EQ(r.o[0], 0.0);
   EXPECT_NEAR(r.lse[2], kLn2, kExact);  // row 2 at position 0: k0 alone, 2^1
   EXPECT_NEAR(r.o[4], 1.0, kExact);
+}
+
+// ---------------------------------------------------------------- chunks
+
+TEST(ReferenceFeatures, ChunksKeepEachRowToTheKeysOfItsChunk) {
+  // attention_chunk 2, causal: positions 0, 1 form chunk 0 and 2 chunk 1. Row 0 sees k0 (O = v0,
+  // LSE = ln 2), row 1 k0, k1 (weights 1, 2: O = (7/3, 0), LSE = ln 3), row 2 k2 alone (O = v2,
+  // LSE = ln 4).
+  Call c;
+  c.chunk = 2;
+  expect_rows(run_ok(dense_case(), DenseParams{}, c), {1, 2, 7.0 / 3, 0, -2, 4},
+              {std::log(2.0), std::log(3.0), std::log(4.0)});
+  // Non-causal, chunk 2: rows 0 and 1 see k0, k1 (row 0: weights 2, 1: O = (5/3, 1), LSE ln 3;
+  // row 1: weights 1, 2: O = (7/3, 0), LSE ln 3), row 2 k2 alone.
+  c.causal = false;
+  expect_rows(run_ok(dense_case(), DenseParams{}, c), {5.0 / 3, 1, 7.0 / 3, 0, -2, 4},
+              {std::log(3.0), std::log(3.0), std::log(4.0)});
+  // A chunk wider than the sequence changes nothing; chunk 1 is window (0, 0).
+  c.causal = true;
+  c.chunk = 5;
+  EXPECT_TRUE(same_result(run_ok(dense_case(), DenseParams{}, c), run_ok(dense_case(), DenseParams{}, Call{}), 0.0));
+  c.chunk = 1;
+  Call own;
+  own.left = 0;
+  EXPECT_TRUE(same_result(run_ok(dense_case(), DenseParams{}, c), run_ok(dense_case(), DenseParams{}, own), 0.0));
+}
+
+TEST(ReferenceFeatures, ChunksWithWindowsAndCachedPrefixesMatchTheNaiveMask) {
+  // Random inputs against the naive mask (FlashAttention's definition, test::window_visible):
+  // chunks with and without a window, causal and not, a chunk of queries over a cached prefix
+  // (s_q < s_k: bottom-right positions) and more queries than keys (negative positions).
+  for (const SeqLen len : {SeqLen{37, 90}, SeqLen{40, 25}, SeqLen{64, 64}}) {
+   const Inputs in = test::random_inputs({len}, 2, 1, 8, DType::kFP32, 3100 + static_cast<std::uint64_t>(len.s_k), 1.0);
+   for (const bool causal : {true, false}) {
+    for (const auto& [chunk, left, right] : std::vector<std::tuple<int, int, int>>{
+             {1, -1, -1}, {7, -1, -1}, {16, -1, -1}, {30, 5, -1}, {9, -1, 3}, {12, 20, 4}, {100, -1, -1}}) {
+      Call c;
+      c.causal = causal;
+      c.chunk = chunk;
+      c.left = left;
+      c.right = right;
+      SCOPED_TRACE(std::to_string(len.s_q) + "x" + std::to_string(len.s_k) + " chunk " + std::to_string(chunk) +
+                   " window (" + std::to_string(left) + ", " + std::to_string(right) + ")" + (causal ? " causal" : ""));
+      EXPECT_TRUE(same_result(run_ok(in, DenseParams{}, c), naive(in, c, kAll), kExact));
+    }
+   }
+  }
 }
 
 // ---------------------------------------------------------------- sinks

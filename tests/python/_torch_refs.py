@@ -25,10 +25,12 @@ def ids(params):
 
 
 def attention(q, k, v, causal, scale=None, mask=None, low_precision=False, window=(-1, -1), softcap=0.0,
-              sinks=None):
+              sinks=None, chunk=0):
     """q [b, s_q, h_q, d], k [b, s_k, h_kv, d], v [b, s_k, h_kv, d_v]; mask: optional bool
     [b, h_q, s_q, s_k]. window: FlashAttention's (left, right), -1 no bound (query i at
-    a = i + s_k - s_q sees keys a - left .. a + right); softcap c: scores c * tanh(s / c);
+    a = i + s_k - s_q sees keys a - left .. a + right); chunk C > 0 (FlashAttention's
+    attention_chunk): only keys of a's chunk, a - a mod C .. a - a mod C + C - 1; softcap c:
+    scores c * tanh(s / c);
     sinks: [h_q] logits, one more term in every row's softmax denominator (docs/semantics.md
     §1). float64 by default; low_precision: fp32 scores, P rounded to q's dtype, fp32
     accumulation. Returns (out [b, s_q, h_q, d_v] in float64 or q's dtype, lse float64
@@ -48,6 +50,9 @@ def attention(q, k, v, causal, scale=None, mask=None, low_precision=False, windo
         allowed = allowed & (j >= a - window[0])
     if window[1] >= 0:
         allowed = allowed & (j <= a + window[1])
+    if chunk:
+        start = a - a % chunk  # torch's % of a negative a is non-negative, as FlashAttention's
+        allowed = allowed & (j >= start) & (j < start + chunk)
     allowed = allowed.expand(s.shape)
     if mask is not None:
         allowed = allowed & mask

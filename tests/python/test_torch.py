@@ -87,6 +87,9 @@ FEATURE_CASES = {
     "head_dim 96": dict(causal=True, d=96),
     "head_dim 256, softcap": dict(causal=True, d=256, softcap=5.0),
     "q/k 192, v 128, sinks": dict(causal=False, d=192, d_v=128, sinks=[1.0, 0.0, -2.0, 3.0]),
+    "chunks of 16 (Llama 4)": dict(causal=True, attention_chunk=16),
+    "chunks of 24, window 10": dict(causal=True, attention_chunk=24, window_size=(9, 0)),
+    "non-causal chunks of 20": dict(causal=False, attention_chunk=20),
 }
 HOST_DTYPES = [t for d, t in DEVICE_DTYPES if d == "cpu"]
 
@@ -101,7 +104,7 @@ def feature_call(case, dtype, s_q, s_k, b=2, seed=60):
     if "sinks" in args:
         args["sinks"] = torch.tensor(args["sinks"], dtype=torch.float32)
     ref = dict(causal=args["causal"], window=args.get("window_size", (-1, -1)), softcap=args.get("softcap", 0.0),
-               sinks=args.get("sinks"))
+               sinks=args.get("sinks"), chunk=args.get("attention_chunk", 0))
     return q, k, v, args, ref
 
 
@@ -115,7 +118,7 @@ def test_model_family_features_match_float64(dtype, case, s_q, s_k):
     plain = attention(q, k, v, ref["causal"])[0]
     if case == "window beyond the sequence":
         assert torch.equal(want, plain)  # a window that hides nothing is none
-    elif ref["window"] != (-1, -1) or ref["softcap"] or ref["sinks"] is not None:
+    elif ref["window"] != (-1, -1) or ref["softcap"] or ref["sinks"] is not None or ref["chunk"]:
         assert not torch.allclose(want, plain, atol=1e-3), "the feature changes nothing on these inputs"
     out, lse = flash_attn_func(q, k, v, return_softmax_lse=True, **args)
     assert out.shape == q.shape[:-1] + v.shape[-1:] and out.dtype == dtype
@@ -143,8 +146,8 @@ def test_model_family_features_match_float64(dtype, case, s_q, s_k):
     assert torch.equal(out_p, out)
 
 
-# The features the CUDA kernels take (dense and block_sparse): windows, softcap, sinks, head dims 96
-# and 256, and MLA's q/k 192 with v 128: every case.
+# The features the CUDA kernels take (dense and block_sparse): windows, chunks, softcap, sinks,
+# head dims 96 and 256, and MLA's q/k 192 with v 128: every case.
 CUDA_FEATURE_CASES = list(FEATURE_CASES)
 
 
@@ -646,7 +649,8 @@ def bad_cases(device):
         ("qv", fa_bad(device, qv=z(2, 16, 4, 64)), sp.UnsupportedError, "qv"),
         ("q_descale", fa_bad(device, q_descale=z(2, 2, dt=torch.float32)), sp.InvalidArgumentError,
          f"q_descale: only with float8_e4m3fn inputs, got {str(dtype).replace('torch.', '')} inputs"),
-        ("attention_chunk", fa_bad(device, attention_chunk=64), sp.UnsupportedError, "attention_chunk"),
+        ("attention_chunk", fa_bad(device, attention_chunk=-4), sp.InvalidArgumentError,
+         r"attention_chunk: expected 0 \(none\) or a chunk of positions > 0, got -4"),
     ]
     q, k, v = qkv(46, 1, 20, 20, 2, 1, 64, dtype, device)
     qp, kp, vp = q[0], k[0], v[0]
@@ -687,6 +691,10 @@ def bad_cases(device):
              "block_sparse on CUDA, not softmax_skip"),
             ("cuda softcap", lambda: flash_attn_func(qc, kc, vc, softcap=5.0, policy=sp.SoftmaxSkip()),
              sp.UnsupportedError, "softcap: score soft-capping runs dense and block_sparse on CUDA, not softmax_skip"),
+            ("cuda chunks", lambda: flash_attn_func(qc, kc, vc, causal=True, attention_chunk=64,
+                                                    policy=sp.SoftmaxSkip()),
+             sp.UnsupportedError, "attention_chunk: chunked local attention runs dense and block_sparse on CUDA, "
+             "not softmax_skip"),
             ("cuda sinks", lambda: flash_attn_func(qc, kc, vc, sinks=torch.zeros(2, device=device),
                                                    policy=sp.SoftmaxSkip()),
              sp.UnsupportedError, "sinks: learned attention sinks runs dense and block_sparse on CUDA, not "

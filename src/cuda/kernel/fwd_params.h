@@ -105,8 +105,9 @@ struct MaskCheckParams {
   int block_k;
   int bitmap_words;  // 32-bit words over the longest sequence's key blocks (shared memory per row)
   bool causal;
-  int window_left = -1;  // the call's window (FwdParams): entries outside it are out of range
+  int window_left = -1;  // the call's window and chunks (FwdParams): entries outside them are out of range
   int window_right = -1;
+  int attention_chunk = 0;
   std::int32_t* count_out[2];  // [rows]
   std::int64_t* start_out[2];  // [rows]
   std::uint32_t* kept_bits;    // [rows, bitmap_words]: the accepted blocks, for decisions; or nullptr
@@ -220,10 +221,11 @@ struct FwdParams {
   // so that a value-initialised FwdParams means plain causal or full attention. Last, so that
   // the other fields keep their parameter offsets (ptxas scheduled the feature-free kernels
   // differently when they moved).
-  // FlashAttention's local window (geom::SeqGeometry; -1: no bound on that side), set only where
-  // it hides keys (ProblemShape::local()).
+  // FlashAttention's local window (geom::SeqGeometry; -1: no bound on that side) and chunks
+  // (attention_chunk; 0: none), set only where they hide keys (ProblemShape::local()).
   int window_left = -1;
   int window_right = -1;
+  int attention_chunk = 0;
   // Softcap c > 0: each score becomes rules::capped_score(cap_scale · q·k, c), and then scale is
   // 1 and scale_log2 log2(e) (the capped score is the logit); cap_scale is the call's scale.
   float softcap = 0.f;
@@ -236,7 +238,7 @@ struct FwdParams {
 
 // Whether a call needs the kFeatures kernel (FwdParams' model-family features).
 inline bool has_features(const FwdParams& p) {
-  return p.window_left >= 0 || p.window_right >= 0 || p.softcap > 0.f || p.sinks != nullptr;
+  return p.window_left >= 0 || p.window_right >= 0 || p.attention_chunk > 0 || p.softcap > 0.f || p.sinks != nullptr;
 }
 
 // exact_gate's decisions ahead of the attention (plan.h, choose_gate_passes): the forward call's

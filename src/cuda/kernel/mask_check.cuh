@@ -44,7 +44,7 @@ __global__ void __launch_bounds__(kWarps * 32) mask_check_kernel(const __grid_co
   const int h = static_cast<int>(row / p.num_q_blocks % p.heads);
   const int b = static_cast<int>(row / p.num_q_blocks / p.heads);
   const SeqInfo seq = p.seqs[b];
-  const geom::BlockGeometry g{{seq.s_q, seq.s_k, p.causal, p.window_left, p.window_right}, p.block_q, p.block_k};
+  const geom::BlockGeometry g{{seq.s_q, seq.s_k, p.causal, p.window_left, p.window_right, p.attention_chunk}, p.block_q, p.block_k};
   std::uint32_t* seen = bitmaps + warp * p.bitmap_words;
   for (int w = lane; w < p.bitmap_words; w += 32) seen[w] = 0u;
   __syncwarp();

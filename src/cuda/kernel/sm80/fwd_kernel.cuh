@@ -218,7 +218,12 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocks) fwd_kernel(con
   const int h = gt.unit, b = gt.b, qb_rev = gt.tile_rev;
   const int hk = h / p.group;
   const SeqInfo seq = p.seqs[b];
-  const geom::SeqGeometry rows{seq.s_q, seq.s_k, p.causal, kFeatures ? p.window_left : -1, kFeatures ? p.window_right : -1};
+  const geom::SeqGeometry rows{seq.s_q,
+                               seq.s_k,
+                               p.causal,
+                               kFeatures ? p.window_left : -1,
+                               kFeatures ? p.window_right : -1,
+                               kFeatures ? p.attention_chunk : 0};
   const geom::BlockGeometry geo{rows, kBlockM, p.block_k};
   if (qb_rev >= geo.num_q_blocks()) return;
   const int qb = geo.num_q_blocks() - 1 - qb_rev;
@@ -320,7 +325,10 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocks) fwd_kernel(con
   // computing full_begin per CTA instead spilled 36 / 32 more bytes, sm_80 d = 128). Only the
   // ungated instances' kFeatures kernel compiles window code (check_support: dense and block masks).
   const int full_end = geo.full_end(qb);
-  const bool window_below = kFeatures && geo.seq.window_left >= 0;
+  const bool window_below = kFeatures && geo.seq.left_bounded();
+  // Chunks: each row's bounds from the geometry (a 64-bit division per row of a masked sub-tile;
+  // the chunk's bounds are no fixed offset from the row's position).
+  const bool chunked = kFeatures && geo.seq.chunk > 0;
   auto mask_scores = [&](int j, int sub) {
     if (Cfg::kPlain || j < visit.n_reg) {
       const int kb = visit.block(j);
@@ -337,6 +345,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocks) fwd_kernel(con
 #pragma unroll
       for (int r = 0; r < 2 * kM; ++r) {
         const std::int64_t lim = !kFeatures ? (p.causal ? geom::min64(diag + row_of(r), end_limit) : end_limit)
+                                 : chunked    ? geom::min64(geo.seq.last_key(row0 + row_of(r)) - key0, end_limit)
                                  : reach >= 0 ? geom::min64(diag + reach + row_of(r), end_limit)
                                               : end_limit;
         limit[r] = static_cast<int>(geom::min64(geom::max64(lim, -1), kBlockN));
@@ -351,7 +360,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocks) fwd_kernel(con
           }
         }
       }
-      // A left window bound: columns before the row's first key (SeqGeometry::first_key_at),
+      // A left bound: columns before the row's first key (SeqGeometry::first_key_at),
       // clamped to [0, kBlockN]. A row whose range is empty has first > last, so the two
       // masks together hide every column from it.
       if (window_below) {
@@ -360,7 +369,10 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocks) fwd_kernel(con
         const int base = static_cast<int>(geom::min64(geom::max64(diag - geo.seq.window_left, -kBlockM), kBlockN));
         int first[2 * kM];
 #pragma unroll
-        for (int r = 0; r < 2 * kM; ++r) first[r] = min(max(base + row_of(r), 0), kBlockN);
+        for (int r = 0; r < 2 * kM; ++r) {
+          first[r] = chunked ? static_cast<int>(geom::min64(geom::max64(geo.seq.first_key(row0 + row_of(r)) - key0, 0), kBlockN))
+                             : min(max(base + row_of(r), 0), kBlockN);
+        }
 #pragma unroll
         for (int mi = 0; mi < kM; ++mi) {
 #pragma unroll

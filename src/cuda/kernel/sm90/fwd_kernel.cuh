@@ -504,7 +504,8 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
   const int tile_rev = gt.tile_rev;
   const int hk = h / p.group;
   const SeqInfo seq = p.seqs[b];
-  const geom::BlockGeometry geo{{seq.s_q, seq.s_k, p.causal, kFeatures ? p.window_left : -1, kFeatures ? p.window_right : -1},
+  const geom::BlockGeometry geo{{seq.s_q, seq.s_k, p.causal, kFeatures ? p.window_left : -1, kFeatures ? p.window_right : -1,
+                                 kFeatures ? p.attention_chunk : 0},
                                 Cfg::kTileM, kTileN};
   const int tile_rows = Cfg::kTileM / pack;  // query rows of one head in the tile
   const std::int64_t tiles = geom::ceil_div(seq.s_q, tile_rows);
@@ -733,13 +734,14 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
     if (lane == 0) hw::mbar_arrive(hw::smem_u32(&bar));
   };
   // Masks key block `kb` if it is partial or short (uniform over the CTA: no divergence): the
-  // rows' last keys (position + reach: SeqGeometry::last_key_at) and, under a left window
-  // bound, their first keys (SeqGeometry::first_key_at); a row whose range is empty has
-  // first > last, so the two masks together hide every column from it. A block below mask_lo
-  // is full unless it lies in the window's lower band (full_below_end). kWindow: the rounds of
+  // rows' last keys (position + reach, or under chunks the geometry's per row:
+  // SeqGeometry::last_key_at) and, under a left bound, their first keys (first_key_at); a row
+  // whose range is empty has first > last, so the two masks together hide every column from
+  // it. A block below mask_lo is full unless it lies in the lower band (full_below_end). kWindow: the rounds of
   // the kFeatures kernel (dense and block masks without mean correction: no other policy takes a
   // feature, check_support); the others compile none of it.
-  const bool window_below = kFeatures && geo.seq.window_left >= 0;
+  const bool window_below = kFeatures && geo.seq.left_bounded();
+  const bool chunked = kFeatures && geo.seq.chunk > 0;  // each row's last key from the geometry
   auto mask_if_needed = [&](int kb, auto window_tag) {
     constexpr bool kWindow = decltype(window_tag)::value;
     if (kb < mask_lo && (!kWindow || !window_below || geo.full_below_end(qb, kb))) return;
@@ -750,7 +752,8 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
     int limit[2];
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
-      const std::int64_t lim = !kWindow ? (p.causal ? geom::min64(diag + qrow[r], end_limit) : end_limit)
+      const std::int64_t lim = !kWindow    ? (p.causal ? geom::min64(diag + qrow[r], end_limit) : end_limit)
+                               : chunked    ? geom::min64(geo.seq.last_key(row0 + qrow[r]) - key0, end_limit)
                                : reach >= 0 ? geom::min64(diag + reach + qrow[r], end_limit)
                                             : end_limit;
       limit[r] = static_cast<int>(geom::min64(geom::max64(lim, -1), kTileN));
