@@ -5,7 +5,8 @@ Cases: the Llama-3.1-8B attention shape (h_q 32, h_kv 8, d 128) at 4K..128K and 
 (h_q 9, h_kv 3, d 64) at 8K, on random inputs; and the Llama shape at --structured-lengths on
 the library's structured generator (StructuredCase: the selectors' figures of issue 5); issue
 33's model-family head dims (FamilyCase: MODELS' Phi-3, Gemma 3 and MLA shapes) and sliding
-window (WindowCase: the Llama shape with window_size (W, 0)), where asked; bf16, causal, batch 1.
+window (WindowCase: the Llama shape with window_size (W, 0)) and chunked local attention
+(ChunkCase: attention_chunk C, Llama 4's local layers), where asked; bf16, causal, batch 1.
 
 Implementations:
   peers  SDPA flash backend (FlashAttention-2 in torch), SDPA cuDNN backend (K/V repeated to
@@ -128,6 +129,10 @@ def parse_args():
     ap.add_argument("--window-lengths", default="",
                     help="lengths of issue 33's sliding-window case (Llama shape; default none)")
     ap.add_argument("--window", type=int, default=4096, help="the window's left size (keys before each query)")
+    ap.add_argument("--attention-chunk-lengths", default="",
+                    help="lengths of the chunked local attention case (Llama shape; default none)")
+    ap.add_argument("--attention-chunk", type=int, default=8192,
+                    help="the chunk of that case (positions; a multiple of 128)")
     ap.add_argument("--budget-ms", type=float, default=400.0,
                     help="device time per implementation and case for the repetitions")
     ap.add_argument("--min-reps", type=int, default=3)
@@ -434,6 +439,7 @@ class Case:
         self.ref_sdpa = None
         self.ref_ours = None
         self.window = None
+        self.attention_chunk = 0
         self.flex_out = {}
 
     INPUTS = "random"
@@ -521,6 +527,7 @@ class Case:
         p.scale = 0.0
         if self.window is not None:
             p.local, p.window_left, p.window_right = 1, self.window, 0
+        p.attention_chunk = self.attention_chunk
         return p
 
     def ours(self, impl, label, policy, target=None, mask_pairs=None, mask_density=None,
@@ -859,6 +866,54 @@ class WindowCase(Case):
         return self.record
 
 
+def chunk_block_mask(n, c, device=DEV):
+    """FlexAttention's BlockMask of attention_chunk c (a multiple of BLOCK) with causal at
+    s_q = s_k = n, from block indices: query block qb's chunk starts at key block
+    first = (qb·B // c)·(c / B); its full blocks are first .. qb - 1, its partial one the diagonal
+    (no key block straddles a chunk boundary)."""
+    nb, per = n // BLOCK, c // BLOCK
+    qb = torch.arange(nb, device=device)
+    j = torch.arange(nb, device=device)
+    first = torch.div(qb, per, rounding_mode="floor") * per
+    full_cnt = qb - first
+    full_idx = torch.where(j[None, :] < full_cnt[:, None], first[:, None] + j[None, :], 0)
+
+    def chunk_mod(b, h, q_idx, kv_idx):
+        return (q_idx >= kv_idx) & (q_idx // c == kv_idx // c)
+
+    def as4(t):
+        return t.view(1, 1, *t.shape).to(torch.int32).contiguous()
+
+    return BlockMask.from_kv_blocks(as4(torch.ones_like(qb)), as4(qb[:, None].expand(nb, nb)), as4(full_cnt),
+                                   as4(full_idx), BLOCK_SIZE=BLOCK, mask_mod=chunk_mod)
+
+
+class ChunkCase(Case):
+    """Chunked local attention (--attention-chunk-lengths, --attention-chunk C): FlashAttention's
+    attention_chunk with causal, each query seeing the keys of its own chunk of C positions up to
+    itself (Llama 4's local layers, C = 8192). Ours dense with the chunks against FlexAttention
+    given the same chunks (chunk_block_mask, built outside the timed calls); work counts the
+    chunks' pairs."""
+
+    def __init__(self, model, n, args, lib):
+        super().__init__(model, n, args, lib)
+        c = self.attention_chunk = args.attention_chunk
+        self.record["attention_chunk"] = c
+        full, rest = divmod(n, c)
+        self.dense_pairs = self.h_q * (full * c * (c + 1) // 2 + rest * (rest + 1) // 2)
+
+    def run(self):
+        s = self.sets
+        mask = chunk_block_mask(self.n, self.attention_chunk)
+        self.flex_out["chunk"] = self.peer(
+            "flex_mask", f"Flex chunks of {self.attention_chunk}",
+            lambda i: FLEX(s[i].q, s[i].k, s[i].v, block_mask=mask, enable_gqa=True), target="chunk")
+        if self.lib is not None:
+            self.ours("ours_dense_chunk", f"ours dense chunks of {self.attention_chunk}", self.lib.policy("dense"),
+                      target="chunk")
+        return self.record
+
+
 class BatchCase(Case):
     """--batch sequences, each --batch-chunk queries over the case's n keys, the queries being
     the last positions (bottom-right causal, as a chunk over its cache): where a 128-row tile
@@ -972,9 +1027,11 @@ def main():
     if unknown:
         sys.exit(f"bench_attention: --families: unknown {unknown}; expected some of {list(FAMILIES)}")
     for length in (ints(args.lengths) + ints(args.small_lengths) + ints(args.structured_lengths)
-                   + ints(args.family_lengths) + ints(args.window_lengths)):
+                   + ints(args.family_lengths) + ints(args.window_lengths) + ints(args.attention_chunk_lengths)):
         if length % BLOCK:
             sys.exit(f"bench_attention: lengths must be multiples of {BLOCK}, got {length}")
+    if ints(args.attention_chunk_lengths) and (args.attention_chunk <= 0 or args.attention_chunk % BLOCK):
+        sys.exit(f"bench_attention: --attention-chunk must be a positive multiple of {BLOCK}, got {args.attention_chunk}")
     result = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
               "commit": commit(),
               "command": os.environ.get("SP_BENCH_COMMAND", " ".join(sys.argv)),
@@ -992,7 +1049,8 @@ def main():
            [(StructuredCase, "llama-3.1-8b", n) for n in (ints(args.structured_lengths) if lib else [])] + \
            [(BatchCase, "llama-3.1-8b", n) for n in ints(args.batch_lengths)] + \
            [(FamilyCase, f, n) for f in families for n in ints(args.family_lengths)] + \
-           [(WindowCase, "llama-3.1-8b", n) for n in ints(args.window_lengths)]
+           [(WindowCase, "llama-3.1-8b", n) for n in ints(args.window_lengths)] + \
+           [(ChunkCase, "llama-3.1-8b", n) for n in ints(args.attention_chunk_lengths)]
     for kind, model, n in todo:
         print(f"{model} s={n} ({kind.INPUTS} inputs)", flush=True)
         t0 = time.perf_counter()

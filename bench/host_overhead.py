@@ -91,8 +91,9 @@ def implementations(sets, sdpa_too):
         return call
 
     def op_call(x):
-        op(x["q"], x["k"], x["v"], None, None, None, None, None, None, None, True, 0.0, "dense", "", None, None,
-           None, 0, 0, False, -1, None, None, None, None, x["out"], lse[id(x)])
+        # ..., causal, scale, window (-1, -1), attention_chunk 0, softcap 0, sinks None, policy, ...
+        op(x["q"], x["k"], x["v"], None, None, None, None, None, None, None, True, 0.0, -1, -1, 0, 0.0, None, "dense", "",
+           None, None, None, 0, 0, False, -1, None, None, None, None, x["out"], lse[id(x)])
 
     impls = {}
     if sdpa_too:

@@ -95,9 +95,14 @@ def window_case(case):
     return "window" in case
 
 
+def chunk_case(case):
+    return "attention_chunk" in case
+
+
 def random_case(case):
     return case.get("inputs", "random") in (None, "random") and "batch" not in case and \
-        case.get("mask_heads", "q") == "q" and not family_case(case) and not window_case(case)
+        case.get("mask_heads", "q") == "q" and not family_case(case) and not window_case(case) and \
+        not chunk_case(case)
 
 
 def structured_case(case):
@@ -157,6 +162,15 @@ def window_rows(r, c):
     err = ours.get("err_vs_flex_mask")
     return [((c["model"], c["n"]), [str(c["window"]), fmt(ours["ms"]), fmt(ours.get("tflops")), fmt(flex["ms"]),
                                      fmt(ratio(flex, ours)), "—" if err is None else f"{err:.1e}"])]
+
+
+def chunk_rows(r, c):
+    ours, flex = row_of(r, c, "ours_dense_chunk", "chunk"), find(c, "flex_mask", "chunk")
+    if not ours or not flex:
+        return []
+    err = ours.get("err_vs_flex_mask")
+    return [((c["model"], c["n"]), [str(c["attention_chunk"]), fmt(ours["ms"]), fmt(ours.get("tflops")),
+                                     fmt(flex["ms"]), fmt(ratio(flex, ours)), "—" if err is None else f"{err:.1e}"])]
 
 
 def mask_rows(r, c):
@@ -289,6 +303,11 @@ CLAIMS = [
          what="FlashAttention's window_size (W, 0) with causal, dense, on the Llama shape: ours against "
               "FlexAttention given the same window as a block mask; the error is against Flex's output.",
          keys=["model", "s"], cols=["window", "ours ms", "TFLOP/s", "Flex ms", "× Flex same window", "error vs Flex"]),
+    dict(title="Chunked local attention", path="auto", cases=chunk_case, rows=chunk_rows,
+         what="FlashAttention's attention_chunk C with causal (Llama 4's local layers), dense, on the Llama "
+              "shape: ours against FlexAttention given the same chunks as a block mask; the error is against "
+              "Flex's output.",
+         keys=["model", "s"], cols=["chunk", "ours ms", "TFLOP/s", "Flex ms", "× Flex same chunks", "error vs Flex"]),
     dict(title="block_sparse, Hopper path", path="auto", cases=random_case, rows=mask_rows,
          what="Random 128 × 128 block masks per query head (diagonal and sink kept), planned once; "
               "time against our dense, and against FlexAttention on the same mask.",

@@ -366,8 +366,8 @@ def test_sinks_are_read_as_the_call_runs():
 @pytest.mark.parametrize("device", DEVICES)
 def test_the_ops_implementation_uses_the_cache(device):
     q, k, v = qkv(13, dtype=dtype_of(device), device=device)
-    args = (q, k, v, None, None, None, None, None, None, None, True, 0.0, -1, -1, 0.0, None, "dense", "", None, None,
-            None, 0, 0, False, -1, None, None, None, None)
+    args = (q, k, v, None, None, None, None, None, None, None, True, 0.0, -1, -1, 0, 0.0, None, "dense", "", None,
+            None, None, 0, 0, False, -1, None, None, None, None)
     want = uncached(lambda: torch.ops.sparseprefill.attention(*args))
     for _ in range(3):
         got = torch.ops.sparseprefill.attention(*args)

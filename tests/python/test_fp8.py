@@ -200,8 +200,8 @@ def test_fp8_out_buffer_compile_and_opcheck():
     compiled = torch.compile(lambda q, k, v, a, b, c: flash_attn_func(q, k, v, causal=True, q_descale=a, k_descale=b,
                                                                       v_descale=c), fullgraph=True)
     assert torch.equal(compiled(q, k, v, *descales), out)
-    args = (q, k, v, None, None, None, None, *descales, True, 0.0, -1, -1, 0.0, None, "dense", "", None, None, None, 0,
-            0, False, -1, None, None, None, None)
+    args = (q, k, v, None, None, None, None, *descales, True, 0.0, -1, -1, 0, 0.0, None, "dense", "", None, None, None,
+            0, 0, False, -1, None, None, None, None)
     # The fake implementations give what the ops give (bfloat16 out). test_schema is left out:
     # its checker multiplies the inputs, which torch does not implement for float8 on the CPU.
     torch.library.opcheck(torch.ops.sparseprefill.attention.default, args,

@@ -524,8 +524,8 @@ def test_torch_compile_fullgraph(device):
 def test_opcheck(device):
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
     q, k, v = qkv(42, 2, 33, 47, 4, 2, 64, dtype, device)
-    args = (q, k, v, None, None, None, None, None, None, None, True, 0.0, -1, -1, 0.0, None, "dense", "", None, None,
-            None, 0, 0, False, -1, None, None, None, None)
+    args = (q, k, v, None, None, None, None, None, None, None, True, 0.0, -1, -1, 0, 0.0, None, "dense", "", None,
+            None, None, 0, 0, False, -1, None, None, None, None)
     torch.library.opcheck(torch.ops.sparseprefill.attention.default, args,
                           test_utils=("test_schema", "test_faketensor", "test_aot_dispatch_dynamic"))
     out = torch.empty_like(q)
@@ -537,10 +537,10 @@ def test_opcheck(device):
 @pytest.mark.skipif("cpu" not in DEVICES, reason="the CPU backend runs the model-family features")
 def test_model_family_features_compile_and_opcheck():
     # The fakes give out v's head dim and check the features as the ops do; compiled calls with
-    # a window, softcap, sinks and d_v equal eager ones.
+    # a window, chunks, softcap, sinks and d_v equal eager ones.
     q, k, v, args, _ = feature_call("q/k 192, v 128, sinks", torch.float32, 33, 47)
     sinks = args["sinks"]
-    op_args = (q, k, v, None, None, None, None, None, None, None, False, 0.0, 9, 3, 2.5, sinks, "dense", "", None,
+    op_args = (q, k, v, None, None, None, None, None, None, None, False, 0.0, 9, 3, 20, 2.5, sinks, "dense", "", None,
                None, None, 0, 0, False, -1, None, None, None, None)
     torch.library.opcheck(torch.ops.sparseprefill.attention.default, op_args,
                           test_utils=("test_schema", "test_faketensor", "test_aot_dispatch_dynamic"))
@@ -550,12 +550,14 @@ def test_model_family_features_compile_and_opcheck():
                           test_utils=("test_schema", "test_faketensor"))
 
     def fn(q, k, v, sinks):
-        return flash_attn_func(q, k, v, causal=True, window_size=(9, 0), softcap=2.5, sinks=sinks)
+        return flash_attn_func(q, k, v, causal=True, window_size=(9, 0), attention_chunk=20, softcap=2.5, sinks=sinks)
 
     torch._dynamo.reset()
     assert torch.equal(torch.compile(fn, fullgraph=True)(q, k, v, sinks), fn(q, k, v, sinks))
     with pytest.raises(sp.InvalidArgumentError, match="softcap"):
-        torch.ops.sparseprefill.attention(*op_args[:14], -1.0, *op_args[15:])
+        torch.ops.sparseprefill.attention(*op_args[:15], -1.0, *op_args[16:])
+    with pytest.raises(sp.InvalidArgumentError, match="attention_chunk"):
+        torch.ops.sparseprefill.attention(*op_args[:14], -3, *op_args[15:])
 
 
 @pytest.mark.skipif(not CUDA, reason="CUDA graphs need a GPU")
@@ -729,7 +731,7 @@ def test_last_dim_contiguity(device):
     strided = torch.zeros(1, 16, 2, 128, dtype=dtype, device=device)[..., ::2]
     with pytest.raises(sp.InvalidArgumentError, match="q: the last dimension"):
         torch.ops.sparseprefill.attention(strided, k, v, None, None, None, None, None, None, None, True, 0.0, -1, -1,
-                                          0.0, None, "dense", "", None, None, None, 0, 0, False, -1, None, None, None,
+                                          0, 0.0, None, "dense", "", None, None, None, 0, 0, False, -1, None, None, None,
                                           None)
     strided.copy_(q)
     assert torch.equal(flash_attn_func(strided, k, v, causal=True), flash_attn_func(q, k, v, causal=True))
