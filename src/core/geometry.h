@@ -45,7 +45,31 @@ struct SeqGeometry {
   // Whether rows' ranges can start after key 0: a left window bound or chunks.
   SP_HD bool left_bounded() const { return window_left >= 0 || chunk > 0; }
   // The first position of a's chunk (floor(a / chunk) · chunk; a may be negative). chunk > 0.
-  SP_HD std::int64_t chunk_begin(std::int64_t a) const { return floor_div(a, chunk) * chunk; }
+  // On the device in 32 bits: the kernels' positions fit (s_k is int32 there), and the 64-bit
+  // division's call spilled the kFeatures kernels (sm_90 build of the portable d = 128 one:
+  // 24 -> 72 bytes) even for calls without chunks.
+  SP_HD std::int64_t chunk_begin(std::int64_t a) const {
+#if defined(__CUDA_ARCH__)
+    const int ai = static_cast<int>(a), c = static_cast<int>(chunk);
+    return static_cast<std::int64_t>(ai >= 0 ? ai / c : -((-ai + c - 1) / c)) * c;
+#else
+    return floor_div(a, chunk) * chunk;
+#endif
+  }
+  // The kernels' form, without a 64-bit division per row: a - chunk_begin(a) in [0, chunk) (the
+  // phase, once per tile), then chunk_begin(a + i) - a for i >= 0 in 32 bits (phase + i < s_k +
+  // i: phase <= a < s_k whenever it matters, a < 0 giving a chunk of negative positions). chunk > 0.
+  SP_HD int chunk_phase(std::int64_t a) const { return static_cast<int>(a - chunk_begin(a)); }
+  SP_HD int chunk_begin_after(int phase, int i) const {
+    const int rel = phase + i;
+    return rel - rel % static_cast<int>(chunk) - phase;
+  }
+  // first_key_at(a0 + i) for i >= 0 in that form: phase = chunk_phase(a0) (ignored without chunks).
+  SP_HD std::int64_t first_key_after(std::int64_t a0, int phase, int i) const {
+    const std::int64_t a = a0 + i;
+    const std::int64_t first = window_left < 0 ? 0 : max64(a - window_left, 0);
+    return chunk > 0 ? max64(first, a0 + chunk_begin_after(phase, i)) : first;
+  }
   // The first key position a row at absolute position a may see: a - window_left and its
   // chunk's first position, clamped at 0. It is at most last_key_at(a) + 1 (the row's range
   // [first, last] may be empty). Both bounds grow with a.
@@ -148,8 +172,12 @@ struct BlockGeometry {
   }
   // Whether key block kb, one below full_end(qb), is full: it starts at or after the last row's
   // first key (before it lies a left bound's lower band). is_full's form for kernels
-  // that test blocks one by one: no division, unlike full_begin.
-  SP_HD bool full_below_end(int qb, int kb) const { return key_begin(kb) >= seq.first_key(row_end(qb) - 1); }
+  // that test blocks one by one: no division, unlike full_begin; phase =
+  // seq.chunk_phase(seq.position(row_begin(qb))) under chunks (else ignored).
+  SP_HD bool full_below_end(int qb, int kb, int phase) const {
+    return key_begin(kb) >= seq.first_key_after(seq.position(row_begin(qb)), phase,
+                                                static_cast<int>(row_end(qb) - 1 - row_begin(qb)));
+  }
   SP_HD bool is_visible(int qb, int kb) const { return kb >= visible_begin(qb) && kb < visible_end(qb); }
   SP_HD bool is_full(int qb, int kb) const { return kb >= full_begin(qb) && kb < full_end(qb); }
   SP_HD bool is_partial(int qb, int kb) const { return is_visible(qb, kb) && !is_full(qb, kb); }

@@ -163,8 +163,16 @@ TEST(Geometry, WindowRangesMatchTheElementMask) {
           };
           for (std::int64_t r = 0; r < s_q; ++r) {
             // The kernels' element mask: a row sees t iff first_key_at(a) <= t <= a + reach()
-            // (no bound for reach -1) and t < s_k, with no empty-range rule of its own.
+            // (no bound for reach -1) and t < s_k, with no empty-range rule of its own; under
+            // chunks the kernels' 32-bit form of a's chunk and first key from an earlier row's
+            // phase (every row of the call after row 0).
             const std::int64_t a = g.seq.position(r);
+            if (chunk > 0) {
+              const std::int64_t a0 = g.seq.position(0);
+              const int phase = g.seq.chunk_phase(a0), i = static_cast<int>(r);
+              ASSERT_EQ(a0 + g.seq.chunk_begin_after(phase, i), g.seq.chunk_begin(a)) << what << " row " << r;
+              ASSERT_EQ(g.seq.first_key_after(a0, phase, i), g.seq.first_key_at(a)) << what << " row " << r;
+            }
             for (std::int64_t t = 0; t < s_k; ++t) {
               ASSERT_EQ(g.seq.sees(r, t), sees(r, t)) << what << " row " << r << " key " << t;
               const bool masked_in = t >= g.seq.first_key_at(a) && (chunk > 0 ? t <= g.seq.last_key_at(a)
@@ -186,7 +194,8 @@ TEST(Geometry, WindowRangesMatchTheElementMask) {
               }
               ASSERT_EQ(g.is_visible(qb, kb), any) << what << " qb " << qb << " kb " << kb;
               ASSERT_EQ(g.is_full(qb, kb), all) << what << " qb " << qb << " kb " << kb;
-              if (kb < g.full_end(qb)) ASSERT_EQ(g.full_below_end(qb, kb), all) << what << " qb " << qb << " kb " << kb;
+              const int phase = chunk > 0 ? g.seq.chunk_phase(g.seq.position(g.row_begin(qb))) : 0;
+              if (kb < g.full_end(qb)) ASSERT_EQ(g.full_below_end(qb, kb, phase), all) << what << " qb " << qb << " kb " << kb;
               ASSERT_EQ(g.visible_pairs(qb, kb), pairs) << what << " qb " << qb << " kb " << kb;
               if (any && first_visible < 0) first_visible = kb;
               if (any) last_visible = kb;

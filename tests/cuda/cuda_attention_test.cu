@@ -1042,7 +1042,10 @@ TEST(CudaPlan, PlansCaptureWithoutWarmUp) {
     Policy policy;
     HostTensor thr;  // exact_gate's thresholds (the policy holds a view)
     if (c.gate) {
-      thr = midpoint_thresholds(first, true, kBlockQ, 128, 0.3);
+      // From the first (longest) sequence: midpoint_thresholds reads batch-1 inputs.
+      Inputs longest = first;
+      longest.seqs.resize(1);
+      thr = midpoint_thresholds(longest, true, kBlockQ, 128, 0.3);
       policy = gate(thr, 128);
     } else {
       std::vector<std::vector<int>> dead;

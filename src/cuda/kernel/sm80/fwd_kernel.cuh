@@ -326,15 +326,17 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocks) fwd_kernel(con
   // ungated instances' kFeatures kernel compiles window code (check_support: dense and block masks).
   const int full_end = geo.full_end(qb);
   const bool window_below = kFeatures && geo.seq.left_bounded();
-  // Chunks: each row's bounds from the geometry (a 64-bit division per row of a masked sub-tile;
-  // the chunk's bounds are no fixed offset from the row's position).
+  // Chunks: a row's chunk begins at position(row0) + chunk_begin_after(phase, row), the phase
+  // computed once per CTA (a 64-bit division per row spilled the kFeatures kernel: 40 -> 224
+  // bytes at d = 128, and slowed windows 7%).
   const bool chunked = kFeatures && geo.seq.chunk > 0;
+  const int chunk_phase = chunked ? geo.seq.chunk_phase(geo.seq.position(row0)) : 0;
   auto mask_scores = [&](int j, int sub) {
     if (Cfg::kPlain || j < visit.n_reg) {
       const int kb = visit.block(j);
       const std::int64_t key0 = geo.key_begin(kb) + sub * kBlockN;
       const std::int64_t key_end = geo.key_end(kb);
-      if (kb < full_end && key0 + kBlockN <= key_end && (!window_below || geo.full_below_end(qb, kb))) return;
+      if (kb < full_end && key0 + kBlockN <= key_end && (!window_below || geo.full_below_end(qb, kb, chunk_phase))) return;
       // Column limit per row: the last key the row sees (its position + reach under causal or
       // a right window bound: SeqGeometry::last_key_at; always before the block's end),
       // relative to the sub-tile, clamped to [-1, kBlockN].
@@ -345,7 +347,6 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocks) fwd_kernel(con
 #pragma unroll
       for (int r = 0; r < 2 * kM; ++r) {
         const std::int64_t lim = !kFeatures ? (p.causal ? geom::min64(diag + row_of(r), end_limit) : end_limit)
-                                 : chunked    ? geom::min64(geo.seq.last_key(row0 + row_of(r)) - key0, end_limit)
                                  : reach >= 0 ? geom::min64(diag + reach + row_of(r), end_limit)
                                               : end_limit;
         limit[r] = static_cast<int>(geom::min64(geom::max64(lim, -1), kBlockN));
@@ -360,19 +361,16 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocks) fwd_kernel(con
           }
         }
       }
-      // A left bound: columns before the row's first key (SeqGeometry::first_key_at),
+      // A left window bound: columns before the row's first key (SeqGeometry::first_key_at),
       // clamped to [0, kBlockN]. A row whose range is empty has first > last, so the two
       // masks together hide every column from it.
-      if (window_below) {
+      if (window_below && geo.seq.window_left >= 0) {
         // first_key_at(a) = max(a - window_left, 0), relative to the sub-tile: the row's offset
         // plus one 32-bit base (rows span kBlockM positions, so it is clamped to that range).
         const int base = static_cast<int>(geom::min64(geom::max64(diag - geo.seq.window_left, -kBlockM), kBlockN));
         int first[2 * kM];
 #pragma unroll
-        for (int r = 0; r < 2 * kM; ++r) {
-          first[r] = chunked ? static_cast<int>(geom::min64(geom::max64(geo.seq.first_key(row0 + row_of(r)) - key0, 0), kBlockN))
-                             : min(max(base + row_of(r), 0), kBlockN);
-        }
+        for (int r = 0; r < 2 * kM; ++r) first[r] = min(max(base + row_of(r), 0), kBlockN);
 #pragma unroll
         for (int mi = 0; mi < kM; ++mi) {
 #pragma unroll
@@ -380,6 +378,30 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocks) fwd_kernel(con
 #pragma unroll
             for (int e = 0; e < 4; ++e) {
               if (nf * 8 + 2 * t4 + (e & 1) < first[2 * mi + e / 2]) s[mi][nf][e] = -INFINITY;
+            }
+          }
+        }
+      }
+      // Chunks: columns outside the row's chunk (SeqGeometry::first_key_at / last_key_at),
+      // apart from the window's masks above so that a window-only call's registers stay as
+      // they were (one loop for both spilled 24 -> 104 bytes, sm_90 d = 128); the chunk begins
+      // at diag + chunk_begin_after(chunk_phase, row).
+      if (chunked) {
+        int lo[2 * kM], hi[2 * kM];
+#pragma unroll
+        for (int r = 0; r < 2 * kM; ++r) {
+          const std::int64_t c0 = diag + geo.seq.chunk_begin_after(chunk_phase, row_of(r));
+          lo[r] = static_cast<int>(geom::min64(geom::max64(c0, 0), kBlockN));
+          hi[r] = static_cast<int>(geom::min64(geom::max64(c0 + geo.seq.chunk - 1, -1), kBlockN));
+        }
+#pragma unroll
+        for (int mi = 0; mi < kM; ++mi) {
+#pragma unroll
+          for (int nf = 0; nf < kNFrags; ++nf) {
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+              const int col = nf * 8 + 2 * t4 + (e & 1);
+              if (col < lo[2 * mi + e / 2] || col > hi[2 * mi + e / 2]) s[mi][nf][e] = -INFINITY;
             }
           }
         }
