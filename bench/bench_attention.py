@@ -631,7 +631,7 @@ class Case:
         row["err_vs_sdpa"] = rel_l2(result, self.ref_sdpa)
         if twin is not None:
             row["err_vs_bf16"] = rel_l2(result, twin)
-        if impl in ("ours_block_sparse", "ours_dense_window"):
+        if impl in ("ours_block_sparse", "ours_dense_window", "ours_dense_chunk"):
             row["err_vs_flex_mask"] = rel_l2(result, self.flex_out.get(target))
         if notes:
             row["note"] = "; ".join(notes)

@@ -164,6 +164,15 @@ def window_rows(r, c):
                                      fmt(ratio(flex, ours)), "—" if err is None else f"{err:.1e}"])]
 
 
+def fp8_select_rows(r, c):
+    bf16, fp8 = row_of(r, c, "ours_estimate_select", 0.05), row_of(r, c, "ours_estimate_select_fp8", 0.05)
+    if not bf16 or not fp8:
+        return []
+    err = fp8.get("err_vs_bf16")
+    return [((c["model"], c["n"]), [fmt(fp8.get("density")), fmt(fp8["ms"]), fmt(bf16["ms"]), fmt(ratio(bf16, fp8)),
+                                     "—" if err is None else f"{err:.1e}"])]
+
+
 def chunk_rows(r, c):
     ours, flex = row_of(r, c, "ours_dense_chunk", "chunk"), find(c, "flex_mask", "chunk")
     if not ours or not flex:
@@ -326,6 +335,12 @@ CLAIMS = [
          what="Inputs quantized per KV head (amax to 448) with FlashAttention-3's descales, bf16 out; "
               "the error is the relative L2 distance from our bf16 dense output.",
          keys=["model", "s"], cols=["fp8 ms", "TFLOP/s", "× our bf16 dense", "× SDPA cuDNN (bf16)", "error vs bf16"]),
+    dict(title="FP8 estimate_select (e4m3), Hopper path", path="auto", cases=structured_case, rows=fp8_select_rows,
+         what="estimate_select without mean correction at the bf16 row's alpha (~5% density at 128K) on the "
+              "structured inputs quantized per KV head with FlashAttention-3's descales: the fp8 selector (e4m3 "
+              "queries widened against bf16 means) and the fp8 forward instance, against our bf16 estimate_select; "
+              "the error is the relative L2 distance from its output.",
+         keys=["model", "s"], cols=["density", "fp8 ms", "bf16 ms", "× our bf16", "error vs bf16"]),
     dict(title="estimate_select on structured inputs", path="auto", cases=structured_case, rows=selector_rows,
          what="The structured generator's inputs (docs/generator.md), α tuned to 5% density; with mean "
               "correction, per query head and with pack_gqa. Selection share: (estimate_select − "
