@@ -295,6 +295,17 @@ class Features(NamedTuple):
 NO_FEATURES = Features()
 
 
+def _as_integer(x: Any) -> Optional[int]:
+    """x as an int when it is one exactly (operator.index: numpy integers, one-element integer
+    tensors: FlashAttention's own tests pass torch.randint(0, s_k, (2,))), not a bool; else None."""
+    if isinstance(x, bool):
+        return None
+    try:
+        return operator.index(x)
+    except TypeError:
+        return None
+
+
 def check_window(window_size: Any) -> Tuple[int, int]:
     """FlashAttention's window_size: None or (left, right), each -1 (no bound) or >= 0 keys."""
     if window_size is None:
@@ -305,14 +316,9 @@ def check_window(window_size: Any) -> Tuple[int, int]:
         raise InvalidArgumentError(f"window_size: expected (left, right), got {window_size!r}") from None
     bounds = []
     for side, w in (("left", left), ("right", right)):
-        # Integers, or what converts to one exactly (operator.index: numpy integers, one-element
-        # integer tensors: FlashAttention's own tests pass torch.randint(0, s_k, (2,))).
-        try:
-            if isinstance(w, bool):
-                raise TypeError
-            w = operator.index(w)
-        except TypeError:
-            raise InvalidArgumentError(f"window_size: expected integers (left, right), got {window_size!r}") from None
+        w = _as_integer(w)
+        if w is None:
+            raise InvalidArgumentError(f"window_size: expected integers (left, right), got {window_size!r}")
         if w < -1:
             raise InvalidArgumentError(
                 f"window_size: {side} must be -1 (no bound) or a number of keys >= 0, got {window_size!r}")
@@ -324,12 +330,9 @@ def check_chunk(attention_chunk: Any) -> int:
     """FlashAttention's attention_chunk: None or 0 (none), or a chunk of positions > 0."""
     if attention_chunk is None:
         return 0
-    try:
-        if isinstance(attention_chunk, bool):
-            raise TypeError
-        chunk = operator.index(attention_chunk)
-    except TypeError:
-        raise InvalidArgumentError(f"attention_chunk: expected an integer, got {attention_chunk!r}") from None
+    chunk = _as_integer(attention_chunk)
+    if chunk is None:
+        raise InvalidArgumentError(f"attention_chunk: expected an integer, got {attention_chunk!r}")
     if chunk < 0:
         raise InvalidArgumentError(f"attention_chunk: expected 0 (none) or a chunk of positions > 0, got {chunk}")
     return chunk
