@@ -30,8 +30,9 @@ namespace sparseprefill {
 // and j <= a as well when causal (the two masks intersect; FlashAttention's causal is the
 // window (-1, 0)). Chunked attention (FlashAttention's attention_chunk C > 0, Llama 4's local
 // layers): query i at position a sees only keys of its own chunk, floor(a / C) · C <= j <
-// floor(a / C) · C + C, intersected with causal and the window. Learned sinks (gpt-oss): one logit per query head added to every row's
-// softmax denominator, in O and LSE. Softcap (Gemma 2): every score s becomes
+// floor(a / C) · C + C, intersected with causal and the window. Learned sinks (gpt-oss): one
+// logit per query head added to every row's softmax denominator, in O and LSE. Softcap
+// (Gemma 2): every score s becomes
 // softcap · tanh(s / softcap) before the softmax and before every policy's rule reads it.
 // docs/semantics.md §1 defines each, with their NaN and infinity behaviour.
 //
