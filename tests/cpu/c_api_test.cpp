@@ -113,6 +113,7 @@ sp_problem to_c(const sp::AttentionProblem& p) {
   c.local = p.window_left != -1 || p.window_right != -1 ? 1 : 0;
   c.window_left = c.local ? p.window_left : 0;
   c.window_right = c.local ? p.window_right : 0;
+  c.attention_chunk = p.attention_chunk;
   c.softcap = p.softcap;
   c.sinks = to_c(p.sinks);
   return c;
@@ -452,7 +453,7 @@ sp::HostTensor run_o(const sp::AttentionProblem& p, const sp::Policy& policy, sp
   return o;
 }
 
-TEST(CApi, WindowSoftcapSinksAndValueHeadDimMatchRun) {
+TEST(CApi, WindowChunksSoftcapSinksAndValueHeadDimMatchRun) {
   // Each feature alone and all together, dense and softmax_skip, bit for bit run()'s; each one
   // changes O, so a field the ABI dropped would show.
   Features f;
@@ -469,6 +470,11 @@ TEST(CApi, WindowSoftcapSinksAndValueHeadDimMatchRun) {
                                p->causal = false;
                                p->window_left = 3;
                                p->window_right = 5;
+                             }},
+                        Case{"chunks", [](sp::AttentionProblem* p) { p->attention_chunk = 7; }},
+                        Case{"chunks and window", [](sp::AttentionProblem* p) {
+                               p->attention_chunk = 12;
+                               p->window_left = 4;
                              }},
                         Case{"softcap", [](sp::AttentionProblem* p) { p->softcap = 0.5; }},
                         Case{"sinks", [&](sp::AttentionProblem* p) { p->sinks = sinks; }},
@@ -507,6 +513,9 @@ TEST(CApi, MalformedFeaturesNameThemselves) {
   bad.window_left = -2;
   bad.window_right = -1;
   expect_error(bad, "window_left: expected -1 (no bound) or a number of keys >= 0, got -2");
+  bad = good;
+  bad.attention_chunk = -3;
+  expect_error(bad, "attention_chunk: expected 0 (none) or a chunk of positions > 0, got -3");
   for (const double cap : {-1.0, std::numeric_limits<double>::quiet_NaN(), std::numeric_limits<double>::infinity()}) {
     bad = good;
     bad.softcap = cap;
