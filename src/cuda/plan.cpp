@@ -70,8 +70,8 @@ std::string support_summary() {
          "the portable path there): " +
          compiled_fwd90_summary() + "; paged K/V (any page size): every policy on the portable path; "
          "fp8_e4m3 inputs: dense, block_sparse and estimate_select without mean correction on the Hopper path, "
-         "head_dim 128, contiguous K/V; local windows "
-         "(window_size): dense and block_sparse on both paths, with softcap and learned sinks on bf16 and fp16; "
+         "head_dim 128, contiguous K/V; local windows and chunks "
+         "(window_size, attention_chunk): dense and block_sparse on both paths, with softcap and learned sinks on bf16 and fp16; "
          "not on CUDA: fp32";
 }
 

@@ -98,6 +98,10 @@ TEST(CudaPlan, ModelFamilyFeaturesAreRefusedByName) {
       EXPECT_NE(st.message().find(c.needle), std::string::npos) << st.message();
     }
   }
+  ProblemShape chunked = plain;  // Llama 4's chunked local attention, alone and with a window
+  chunked.attention_chunk = 8192;
+  ProblemShape chunked_window = window;
+  chunked_window.attention_chunk = 300;
   ProblemShape window_sinks_softcap = window;  // gpt-oss's window and sinks, Gemma 2's cap: together
   window_sinks_softcap.sinks = true;
   window_sinks_softcap.softcap = 50.0;
@@ -108,6 +112,8 @@ TEST(CudaPlan, ModelFamilyFeaturesAreRefusedByName) {
   BlockSparseParams mask;
   for (const Featured& f : {Featured{"window_left/window_right: local (sliding-window) attention", window},
                             Featured{"window_left/window_right: local (sliding-window) attention", right},
+                            Featured{"attention_chunk: chunked local attention", chunked},
+                            Featured{"attention_chunk: chunked local attention", chunked_window},
                             Featured{"softcap: score soft-capping", softcap},
                             Featured{"sinks: learned attention sinks", sinks},
                             Featured{"window_left/window_right: local (sliding-window) attention", window_sinks_softcap}}) {
@@ -150,7 +156,7 @@ TEST(CudaPlan, ModelFamilyFeaturesAreRefusedByName) {
   ProblemShape causal_right = plain;
   causal_right.window_right = 5;
   for (const Policy& policy : policies) EXPECT_TRUE(check_support(causal_right, policy, &n).ok()) << policy_name(policy);
-  EXPECT_NE(support_summary().find("local windows (window_size): dense and block_sparse on both paths, with softcap "
+  EXPECT_NE(support_summary().find("local windows and chunks (window_size, attention_chunk): dense and block_sparse on both paths, with softcap "
                                    "and learned sinks on bf16 and fp16"),
             std::string::npos);
 }
