@@ -6,10 +6,12 @@ steps (one query) and short prefills run dense. K/V keep their h_kv heads (GQA w
 repetition); padding masks are handled by packing the valid tokens (varlen). What the model's
 attention module passes is applied in every call, whatever the policy: its sliding window
 (Gemma 2/3, gpt-oss, Mistral: a window of w tokens is FlashAttention's (w - 1, w - 1),
-intersected with causal), its softcap (Gemma 2) and its learned sinks (gpt-oss's s_aux), on the
-backends that run them (docs/semantics.md §1; the CUDA backend runs sliding windows under dense
-and block_sparse layers and raises UnsupportedError naming the feature otherwise, until its
-kernels take it)."""
+intersected with causal), its softcap (Gemma 2), its learned sinks (gpt-oss's s_aux) and a
+chunked-attention layer's chunks (Llama 4: config.layer_types, attention_chunk_size; whole
+prompts only, since the layer's cache keeps no positions), on the backends that run them
+(docs/semantics.md §1; the CUDA backend runs sliding windows and chunks under dense and
+block_sparse layers and raises UnsupportedError naming the feature otherwise, until its kernels
+take it)."""
 
 from __future__ import annotations
 
@@ -95,6 +97,19 @@ def _unpad(x: torch.Tensor, valid: torch.Tensor) -> Tuple[torch.Tensor, torch.Te
     return x.reshape(-1, *x.shape[2:]).index_select(0, rows), rows, cu, int(lengths.max())
 
 
+def _chunk_of(module: torch.nn.Module) -> int:
+    """The chunk of a chunked-attention layer (transformers' layer_types entry
+    "chunked_attention" with config.attention_chunk_size: Llama 4's local layers), else 0."""
+    config, layer = getattr(module, "config", None), getattr(module, "layer_idx", None)
+    types = getattr(config, "layer_types", None)
+    if layer is None or not types or layer >= len(types) or types[layer] != "chunked_attention":
+        return 0
+    chunk = getattr(config, "attention_chunk_size", None)
+    if not chunk:
+        raise InvalidArgumentError(f"attention_chunk_size: layer {layer} is chunked attention, but the config has none")
+    return int(chunk)
+
+
 def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                       attention_mask: Optional[torch.Tensor], dropout: float = 0.0, scaling: Optional[float] = None,
                       sliding_window: Optional[int] = None, softcap: Optional[float] = None,
@@ -108,14 +123,23 @@ def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.T
     if sliding_window is not None and (isinstance(sliding_window, bool) or int(sliding_window) < 1):
         raise InvalidArgumentError(f"sliding_window: expected None or a number of tokens >= 1, got {sliding_window!r}")
     window = (-1, -1) if sliding_window is None else (int(sliding_window) - 1, int(sliding_window) - 1)
+    chunk = _chunk_of(module)
     # The module's sinks are a parameter in the model's dtype; the library takes float32.
     sinks = None if s_aux is None else s_aux.detach().to(device=query.device, dtype=torch.float32)
-    features = dict(window_size=window, softcap=softcap or 0.0, sinks=sinks)
+    features = dict(window_size=window, softcap=softcap or 0.0, sinks=sinks, attention_chunk=chunk)
     causal = kwargs.get("is_causal")
     causal = getattr(module, "is_causal", True) if causal is None else bool(causal)
     layer = getattr(module, "layer_idx", None)
     q, k, v = (x.transpose(1, 2) for x in (query, key, value))  # [b, s, h, d] views
     b, s_q = q.shape[0], q.shape[1]
+    if chunk and k.shape[1] != s_q:
+        # transformers keeps a chunked layer's cache as a sliding window of the chunk's length and
+        # passes no positions: the keys' chunks are unknown here, and full attention over them
+        # would be silently different.
+        raise UnsupportedError(
+            f"attention_chunk: layer {layer} is a chunked-attention layer (chunks of {chunk}) called over a KV cache "
+            f"({k.shape[1]} keys for {s_q} queries), whose keys' positions the call does not carry; the backend runs "
+            "such layers on whole prompts only (a prefill without a cache)")
     policy = _config.policy_for(layer, s_q)
     if attention_mask is not None and attention_mask.dim() != 2:
         raise UnsupportedError(

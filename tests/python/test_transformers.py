@@ -255,6 +255,45 @@ def test_model_family_logits_match_transformers(name):
                            want_model.generate(ids[:1], max_new_tokens=5, do_sample=False))
 
 
+def llama4_model(attn, chunk=16):
+    """A tiny random Llama 4 text model: layer 0 chunked attention (chunks of `chunk`), layer 1
+    full attention."""
+    if getattr(transformers, "Llama4ForCausalLM", None) is None:
+        pytest.skip(f"transformers {transformers.__version__} has no Llama4ForCausalLM")
+    config = transformers.Llama4TextConfig(vocab_size=256, hidden_size=128, intermediate_size=256,
+                                           intermediate_size_mlp=256, num_hidden_layers=2, num_attention_heads=4,
+                                           num_key_value_heads=2, head_dim=32, attention_chunk_size=chunk,
+                                           no_rope_layers=[1, 0], num_local_experts=2, initializer_range=0.2)
+    assert config.layer_types == ["chunked_attention", "full_attention"]
+    torch.manual_seed(0)
+    model = transformers.Llama4ForCausalLM(config).eval()
+    model.set_attn_implementation(attn)
+    return model
+
+
+def test_llama4_chunked_layers_match_sdpa_and_refuse_a_cache():
+    # Llama 4's chunked-attention layer over a 40-token prompt (chunks of 16: the prompt spans
+    # three) against transformers' sdpa, unpadded and left-padded (the chunks start at the first
+    # valid token in both); chunks wider than the prompt change the logits (the feature bites).
+    # Decode steps reach the chunked layer over its sliding-window cache, which carries no
+    # positions: refused by name, not run as full attention.
+    spt.register(spt.BackendConfig())
+    want_model, ours = llama4_model("sdpa"), llama4_model("sparseprefill")
+    ids = torch.randint(0, 256, (2, 40), generator=torch.Generator().manual_seed(6))
+    mask = torch.ones(2, 40, dtype=torch.long)
+    mask[1, :7] = 0
+    with torch.no_grad():
+        want, got = want_model(ids).logits, ours(ids).logits
+        want_padded, got_padded = want_model(ids, attention_mask=mask).logits, ours(ids, attention_mask=mask).logits
+        unchunked = llama4_model("sdpa", chunk=4096)(ids).logits
+    assert (unchunked - want).abs().max() > 1e-2, "the chunks change nothing here"
+    torch.testing.assert_close(got, want, atol=2e-4, rtol=2e-4)
+    valid = mask.bool()
+    torch.testing.assert_close(got_padded[valid], want_padded[valid], atol=2e-4, rtol=2e-4)
+    with torch.no_grad(), pytest.raises(sp.UnsupportedError, match="layer 0 is a chunked-attention layer"):
+        ours.generate(ids[:1], max_new_tokens=2, do_sample=False)
+
+
 # The families whose features the CUDA kernels take (windows, softcap, sinks; head dims 64, 96,
 # 128 and 256; q/k 192 with v 128), Gemma 2 and gpt-oss at head_dim 64, Gemma 3, Phi-3 and
 # DeepSeek-V3 at theirs (256, 96, 192/128), bf16 on
