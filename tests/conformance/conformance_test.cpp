@@ -1295,7 +1295,8 @@ void set_fp8_descales(TestProblem* tp, int batch, int h_kv, double q_gain = 1.0)
 // dense and 128 x 128 block masks against the oracle on the dequantized values, within the
 // calibrated tolerance (its low-precision reference rounds P to e4m3 as the kernels do);
 // batched and causal, varlen and non-causal, GQA groups 2, key counts that are not multiples of
-// 128 and a sequence without keys; a causal local window over a chunk. A descale of the wrong
+// 128 and a sequence without keys; a causal local window over a chunk; chunked attention (chunks
+// of 300 across query and key blocks, rows at negative positions). A descale of the wrong
 // head fails it. Head dim 128, the Hopper kernel's fp8 instance; the portable kernels refuse fp8.
 TEST_P(Conformance, Fp8DenseAndBlockSparse) {
   struct Case {
@@ -1304,16 +1305,20 @@ TEST_P(Conformance, Fp8DenseAndBlockSparse) {
     bool causal;
     Layout layout;
     int left = -1;
+    int chunk = 0;
   };
   for (const Case& c : {Case{{{300, 300}}, 2, 1, true, Layout::kBatched},
                         Case{{{200, 450}, {129, 40}, {5, 0}}, 4, 2, false, Layout::kVarlen},
-                        Case{{{200, 700}}, 2, 1, true, Layout::kVarlen, 150}}) {
+                        Case{{{200, 700}}, 2, 1, true, Layout::kVarlen, 150},
+                        Case{{{200, 700}, {130, 40}}, 4, 2, true, Layout::kVarlen, -1, 300}}) {
     SCOPED_TRACE(std::to_string(c.lens.size()) + " sequence(s), h_q " + std::to_string(c.h_q) + ", h_kv " +
                  std::to_string(c.h_kv) + (c.causal ? ", causal" : ", non-causal") + ", window_left " +
-                 std::to_string(c.left));
-    const Inputs in = random_inputs(c.lens, c.h_q, c.h_kv, 128, DType::kFP8E4M3, 900 + c.h_q + std::max(c.left, 0), 3.0);
+                 std::to_string(c.left) + ", chunk " + std::to_string(c.chunk));
+    const Inputs in = random_inputs(c.lens, c.h_q, c.h_kv, 128, DType::kFP8E4M3,
+                                    900 + c.h_q + std::max(c.left, 0) + c.chunk, 3.0);
     Features f = Features::plain(c.causal);
     f.left = c.left;
+    f.chunk = c.chunk;
     TestProblem tp = make_problem(in, f, c.layout);
     set_fp8_descales(&tp, static_cast<int>(c.lens.size()), c.h_kv);
     ProblemShape shape;
