@@ -64,17 +64,18 @@ struct SeqGeometry {
     const int rel = phase + i;
     return rel - rel % static_cast<int>(chunk) - phase;
   }
+  // The window's part of first_key_at: a - window_left, clamped at 0 (0 without a left bound).
+  SP_HD std::int64_t window_first_at(std::int64_t a) const { return window_left < 0 ? 0 : max64(a - window_left, 0); }
   // first_key_at(a0 + i) for i >= 0 in that form: phase = chunk_phase(a0) (ignored without chunks).
   SP_HD std::int64_t first_key_after(std::int64_t a0, int phase, int i) const {
-    const std::int64_t a = a0 + i;
-    const std::int64_t first = window_left < 0 ? 0 : max64(a - window_left, 0);
+    const std::int64_t first = window_first_at(a0 + i);
     return chunk > 0 ? max64(first, a0 + chunk_begin_after(phase, i)) : first;
   }
   // The first key position a row at absolute position a may see: a - window_left and its
   // chunk's first position, clamped at 0. It is at most last_key_at(a) + 1 (the row's range
   // [first, last] may be empty). Both bounds grow with a.
   SP_HD std::int64_t first_key_at(std::int64_t a) const {
-    const std::int64_t first = window_left < 0 ? 0 : max64(a - window_left, 0);
+    const std::int64_t first = window_first_at(a);
     return chunk > 0 ? max64(first, chunk_begin(a)) : first;
   }
   // How far past its own position a row's range may end: 0 under causal (which a right window
