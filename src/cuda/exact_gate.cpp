@@ -18,7 +18,7 @@ Status launch_gate_decisions(const Call& call, const ProblemShape& shape, FwdPar
   GateParams gp{};
   gp.fwd = *p;
   gp.fwd.mask_k_blocks = k_blocks;
-  gp.heads_per_cta = call.plan.path == FwdPath::kHopper ? gate_heads_per_cta(shape.group()) : 1;
+  gp.heads_per_cta = call.plan.gate_heads_per_cta;
   gp.words = bitmap_words(k_blocks);
   const std::size_t rows = static_cast<std::size_t>(shape.batch) * static_cast<std::size_t>(shape.h_q) *
                            static_cast<std::size_t>(p->num_q_blocks);

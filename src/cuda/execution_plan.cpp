@@ -34,15 +34,20 @@ const char* path_name(FwdPath path) { return path == FwdPath::kHopper ? "cuda-ho
 
 // Why the Hopper forward kernel cannot serve a call that choose_fwd_path sends to the portable
 // one (for the error of a forced cuda_path = hopper).
-std::string not_hopper_reason(const ProblemShape& shape, bool tma_ok, const DeviceCaps& caps) {
+std::string not_hopper_reason(const ProblemShape& shape, const Policy& policy, bool tma_ok, const DeviceCaps& caps) {
   if (!caps.hopper()) {
     return "the device has compute capability " + std::to_string(caps.cc_major) + "." + std::to_string(caps.cc_minor) +
            " (the Hopper kernels need 9.0)";
   }
   if (!tma_ok) return "q, k or v has strides that TMA cannot describe (multiples of 16 bytes below 2^40)";
-  if (find_fwd90(shape.dtype, shape.d, shape.kv_layout == KvLayout::kPaged) == nullptr) {
+  if (find_fwd90(shape.dtype, shape.d, shape.d_v, shape.kv_layout == KvLayout::kPaged) == nullptr) {
     return std::string("no Hopper instance is compiled for ") + dtype_name(shape.dtype) + " head_dim " +
-           std::to_string(shape.d) + (shape.kv_layout == KvLayout::kPaged ? " with paged K/V" : "");
+           std::to_string(shape.d) + (shape.d_v != shape.d ? " head_dim_v " + std::to_string(shape.d_v) : "") +
+           (shape.kv_layout == KvLayout::kPaged ? " with paged K/V" : "");
+  }
+  if (std::holds_alternative<PermuteStopParams>(policy) && find_permute90(shape.dtype, shape.d) == nullptr) {
+    return std::string("no Hopper permute_stop instance is compiled for ") + dtype_name(shape.dtype) + " head_dim " +
+           std::to_string(shape.d) + " (variants.py: 64 and 128)";
   }
   return "the policy's key blocks are not the Hopper kernel's 128 keys (or permute_stop over paged K/V)";
 }
@@ -136,7 +141,7 @@ Status plan_execution(const ProblemShape& shape, const Policy& policy, const Tma
   plan.hopper_forced = overrides.cuda_path == CudaPath::kHopper;
   if (plan.hopper_forced && natural != FwdPath::kHopper) {
     return unsupported(std::string(kPathEnv) + " (or overrides.cuda_path) = hopper, but the Hopper kernels cannot serve " +
-                       "this call: " + not_hopper_reason(read, tma_ok, caps));
+                       "this call: " + not_hopper_reason(read, policy, tma_ok, caps));
   }
   plan.path = overrides.cuda_path == CudaPath::kPortable ? FwdPath::kPortable : natural;
   const bool hopper = plan.path == FwdPath::kHopper;
@@ -162,9 +167,13 @@ Status plan_execution(const ProblemShape& shape, const Policy& policy, const Tma
     mask_per_kv_head = bs->per_kv_head();
     plan.mode = PolicyMode::kBlockMask;
   } else if (std::holds_alternative<ExactGateParams>(policy)) {
-    const GateVariant* gate = hopper ? find_gate90(shape.dtype, shape.d) : find_gate(shape.dtype, shape.d);
+    // The decision kernel of two passes: the Hopper one where compiled (head dims 64 and 128),
+    // else the portable one; either writes the block mask both forward kernels read.
+    const GateVariant* gate90 = hopper ? find_gate90(shape.dtype, shape.d) : nullptr;
+    const GateVariant* gate = gate90 != nullptr ? gate90 : find_gate(shape.dtype, shape.d);
     const bool two = choose_gate_passes(read, gate != nullptr, gate_passes_of(overrides.gate_passes));
     plan.gate = two ? gate : nullptr;
+    plan.gate_heads_per_cta = two && gate90 != nullptr ? gate_heads_per_cta(shape.group()) : 1;
     plan.passes = two ? 2 : 1;
     plan.mode = two ? PolicyMode::kBlockMask : PolicyMode::kExactGate;
   } else if (std::holds_alternative<SoftmaxSkipParams>(policy)) {
@@ -196,7 +205,7 @@ Status plan_execution(const ProblemShape& shape, const Policy& policy, const Tma
     }
   }
   if (hopper) {
-    plan.fwd90 = find_fwd90(shape.dtype, shape.d, reads_pages);
+    plan.fwd90 = find_fwd90(shape.dtype, shape.d, shape.d_v, reads_pages);
     plan.q_pack = choose_q_pack(shape, plan.mode, mask_per_kv_head, overrides.pack_gqa);
   }
   plan.kv_major = kv_major_grid(shape, caps.l2_bytes);

@@ -51,6 +51,7 @@ struct ExecutionPlan {
   const PermuteVariant* permute = nullptr;   // permute_stop's ranking, sorts and portable attention
   const Permute90Variant* permute90 = nullptr;  // its attention on the Hopper path
   int passes = 1;                      // exact_gate: 2 with a decision kernel ahead of attention
+  int gate_heads_per_cta = 1;          // query heads the decision kernel scores per CTA (its Hopper one: >= 1)
   int q_pack = 1;                      // query heads per Hopper tile (choose_q_pack)
   bool kv_major = false;               // kv_major_grid
   bool hopper_forced = false;          // cuda_path = hopper: no fallback at launch

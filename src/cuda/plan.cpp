@@ -121,7 +121,7 @@ FwdPath choose_fwd_path(const ProblemShape& shape, const Policy& policy, bool tm
   // Paged K/V of any page size: the Hopper kernel's paged instances load a key tile as one TMA
   // box when a page holds whole tiles and gather its rows with cp.async otherwise.
   const bool paged = shape.kv_layout == KvLayout::kPaged;
-  if (!hopper || !tma_ok || find_fwd90(shape.dtype, shape.d, paged) == nullptr) return FwdPath::kPortable;
+  if (!hopper || !tma_ok || find_fwd90(shape.dtype, shape.d, shape.d_v, paged) == nullptr) return FwdPath::kPortable;
   // The Hopper kernel's key tile is one 128-key block: dense (no blocks) and every policy with
   // 128-key blocks run there; 64-key blocks keep the portable kernel's 64-key sub-tiles.
   const bool served = std::visit(
@@ -321,7 +321,7 @@ Status check_support(const ProblemShape& shape, const Policy& policy, int* block
   if (shape.dtype == DType::kFP8E4M3) {
     // One instance: the Hopper kernel's, d = 128 over contiguous K/V (run_cuda also needs a
     // compute capability 9.0 device and TMA-describable tensors).
-    if (find_fwd90(shape.dtype, shape.d, false) == nullptr) {
+    if (find_fwd90(shape.dtype, shape.d, shape.d_v, false) == nullptr) {
       return unsupported("q: fp8_e4m3 inputs run on CUDA with head_dim 128 only (the Hopper kernel's fp8 instance), got " +
                          std::to_string(shape.d) + "; the reference and cpu backends run every head_dim");
     }

@@ -30,7 +30,7 @@ constexpr SelectVariant kSelect90Variants[] = {
 };
 
 constexpr Fwd90Variant kFwd90Variants[] = {
-#define SP_FWD90_VARIANT(fn, dtype, head_dim, paged) {#fn, DType::dtype, head_dim, paged, &fn},
+#define SP_FWD90_VARIANT(fn, dtype, head_dim, head_dim_v, paged) {#fn, DType::dtype, head_dim, head_dim_v, paged, &fn},
 #include "cuda/instances/registry.inc"
 };
 
@@ -96,9 +96,10 @@ const Permute90Variant* find_permute90(DType dtype, int head_dim) {
                  [&](const Permute90Variant& v) { return v.dtype == dtype && v.head_dim == head_dim; });
 }
 
-const Fwd90Variant* find_fwd90(DType dtype, int head_dim, bool paged) {
-  return find_in(kFwd90Variants,
-                 [&](const Fwd90Variant& v) { return v.dtype == dtype && v.head_dim == head_dim && v.paged == paged; });
+const Fwd90Variant* find_fwd90(DType dtype, int head_dim, int head_dim_v, bool paged) {
+  return find_in(kFwd90Variants, [&](const Fwd90Variant& v) {
+    return v.dtype == dtype && v.head_dim == head_dim && v.head_dim_v == head_dim_v && v.paged == paged;
+  });
 }
 
 const CalibVariant* find_calib(DType dtype, int head_dim) {
@@ -149,7 +150,9 @@ std::string compiled_fwd90_summary() {
   std::ostringstream os;
   for (std::size_t i = 0; i < std::size(kFwd90Variants); ++i) {
     const Fwd90Variant& v = kFwd90Variants[i];
-    os << (i ? ", " : "") << dtype_name(v.dtype) << " d=" << v.head_dim << (v.paged ? " paged" : "");
+    os << (i ? ", " : "") << dtype_name(v.dtype) << " d=" << v.head_dim;
+    if (v.head_dim_v != v.head_dim) os << " d_v=" << v.head_dim_v;
+    os << (v.paged ? " paged" : "");
   }
   return os.str();
 }

@@ -61,7 +61,8 @@ struct Fwd90Variant {
   const char* name;  // e.g. "fwd_sm90_bf16_hd128", "fwd_sm90_paged_bf16_hd128"
   DType dtype;
   int head_dim;
-  bool paged;  // reads K/V through the block table (contiguous K/V otherwise)
+  int head_dim_v;  // V's: head_dim but for MLA-style prefill (192 / 128)
+  bool paged;      // reads K/V through the block table (contiguous K/V otherwise)
   Fwd90LaunchFn launch;
 };
 
@@ -116,7 +117,7 @@ struct GateVariant {
   std::size_t fn##_smem_bytes(int num_k_blocks);
 #define SP_GATE90_VARIANT(fn, dtype, head_dim) int fn(const GateParams& params, void* stream);
 #define SP_GATE_VARIANT(fn, dtype, head_dim) int fn(const GateParams& params, void* stream);
-#define SP_FWD90_VARIANT(fn, dtype, head_dim, paged)                                                   \
+#define SP_FWD90_VARIANT(fn, dtype, head_dim, head_dim_v, paged)                                       \
   int fn(const FwdParams& params, const SeqInfo* host_seqs, const std::int32_t* host_block_table, \
          const HostUpload& upload, void* stream);
 #include "cuda/instances/registry.inc"  // undefines the macros
@@ -129,7 +130,7 @@ const SelectVariant* find_select(DType dtype, int head_dim, int head_dim_v);
 const SelectVariant* find_select90(DType dtype, int head_dim);
 const PermuteVariant* find_permute(DType dtype, int head_dim);
 const Permute90Variant* find_permute90(DType dtype, int head_dim);
-const Fwd90Variant* find_fwd90(DType dtype, int head_dim, bool paged);
+const Fwd90Variant* find_fwd90(DType dtype, int head_dim, int head_dim_v, bool paged);
 const CalibVariant* find_calib(DType dtype, int head_dim);
 const GateVariant* find_gate(DType dtype, int head_dim);
 const GateVariant* find_gate90(DType dtype, int head_dim);

@@ -110,13 +110,19 @@ def gate_name(dtype, d):
 
 SM90_DTYPES = ("bf16", "fp16")
 SM90_HEAD_DIMS = (64, 128)
+# (d, d_v) of Hopper forward instances over contiguous K/V alone (paged calls of these take the
+# portable kernel, or the Hopper one once staged): 96 (Phi-3; tiles at 128's width, the columns
+# past 96 zero-filled) and q/k 192 with v 128 (MLA-style prefill). No selector, gate or permute
+# instance on the Hopper path there: estimate_select selects and exact_gate's two passes decide
+# with the portable kernels, permute_stop runs on the portable path.
+SM90_CONTIGUOUS_HEAD_DIMS = ((96, 96), (192, 128))
 
 
 SM90_KV = (False, True)  # paged K/V
 
 
-def fwd90_name(dtype, d, paged):
-    return f"fwd_sm90_{'paged_' if paged else ''}{dtype}_hd{d}"
+def fwd90_name(dtype, d, paged, d_v=None):
+    return f"fwd_sm90_{'paged_' if paged else ''}{dtype}_{head_dims_tag(d, d_v)}"
 
 
 def permute90_name(dtype, d):
@@ -176,7 +182,7 @@ def expected_files():
     registry = [HEADER, "// SP_FWD_VARIANT(launch function, DType enumerator, head_dim, head_dim_v, gated, plain)\n",
                 "// SP_SELECT_VARIANT(launch function, DType enumerator, head_dim, head_dim_v)\n",
                 "// SP_PERMUTE_VARIANT(launch function, DType enumerator, head_dim)\n",
-                "// SP_FWD90_VARIANT(launch function, DType enumerator, head_dim, paged)\n",
+                "// SP_FWD90_VARIANT(launch function, DType enumerator, head_dim, head_dim_v, paged)\n",
                 "// SP_PERMUTE90_VARIANT(launch function, DType enumerator, head_dim)\n",
                 "// SP_SELECT90_VARIANT(launch function, DType enumerator, head_dim)\n",
                 "// SP_CALIB_VARIANT(launch function, DType enumerator, head_dim)\n",
@@ -231,10 +237,17 @@ def expected_files():
             for d in SM90_HEAD_DIMS:
                 name = fwd90_name(dtype, d, paged)
                 files[f"{name}.cu"] = fwd90_unit(name, f"sm90::FwdConfig<{is_bf16}, {d}{', true' if paged else ''}>")
-                registry.append(f"SP_FWD90_VARIANT({name}, {enum}, {d}, {'true' if paged else 'false'})\n")
+                registry.append(f"SP_FWD90_VARIANT({name}, {enum}, {d}, {d}, {'true' if paged else 'false'})\n")
+    for dtype in SM90_DTYPES:
+        enum, is_bf16 = DTYPES[dtype]
+        for d, d_v in SM90_CONTIGUOUS_HEAD_DIMS:
+            name = fwd90_name(dtype, d, False, d_v)
+            v_arg = f", false, false, {d_v}" if d_v != d else ""
+            files[f"{name}.cu"] = fwd90_unit(name, f"sm90::FwdConfig<{is_bf16}, {d}{v_arg}>")
+            registry.append(f"SP_FWD90_VARIANT({name}, {enum}, {d}, {d_v}, false)\n")
     name = fwd90_name("fp8", 128, False)
     files[f"{name}.cu"] = fwd90_unit(name, "sm90::FwdConfig<true, 128, false, true>")
-    registry.append(f"SP_FWD90_VARIANT({name}, kFP8E4M3, 128, false)\n")
+    registry.append(f"SP_FWD90_VARIANT({name}, kFP8E4M3, 128, 128, false)\n")
     for dtype in SM90_DTYPES:
         enum, is_bf16 = DTYPES[dtype]
         for d in SM90_HEAD_DIMS:
@@ -260,7 +273,7 @@ def expected_files():
     # defines only the kinds it wants.
     kinds = ["SP_FWD_VARIANT(fn, dtype, head_dim, head_dim_v, gated, plain)",
              "SP_SELECT_VARIANT(fn, dtype, head_dim, head_dim_v)",
-             "SP_PERMUTE_VARIANT(fn, dtype, head_dim)", "SP_FWD90_VARIANT(fn, dtype, head_dim, paged)",
+             "SP_PERMUTE_VARIANT(fn, dtype, head_dim)", "SP_FWD90_VARIANT(fn, dtype, head_dim, head_dim_v, paged)",
              "SP_PERMUTE90_VARIANT(fn, dtype, head_dim)", "SP_SELECT90_VARIANT(fn, dtype, head_dim)",
              "SP_CALIB_VARIANT(fn, dtype, head_dim)", "SP_GATE90_VARIANT(fn, dtype, head_dim)",
              "SP_GATE_VARIANT(fn, dtype, head_dim)"]

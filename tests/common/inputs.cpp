@@ -291,4 +291,10 @@ ProblemShape cuda_shape_of(std::int64_t s_q, std::int64_t s_k, int h_q, int h_kv
   return s;
 }
 
+ProblemShape with_pages(ProblemShape s, int page_size) {
+  s.kv_layout = KvLayout::kPaged;
+  s.page_size = page_size;
+  return s;
+}
+
 }  // namespace sparseprefill::test

@@ -127,5 +127,7 @@ TestProblem build_problem(const Inputs& in, const LayoutOptions& options = {});
 // need no GPU).
 ProblemShape cuda_shape_of(std::int64_t s_q, std::int64_t s_k, int h_q = 32, int h_kv = 8, int d = 128,
                            DType dtype = DType::kBF16);
+// `s` with its K/V in pages of `page_size` keys.
+ProblemShape with_pages(ProblemShape s, int page_size);
 
 }  // namespace sparseprefill::test

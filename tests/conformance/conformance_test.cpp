@@ -160,8 +160,8 @@ std::string refusal(Target t, const TestProblem& tp, const Policy& policy) {
   }
   if (tp.q.dtype() == DType::kFP8E4M3 && t == Target::kCudaPortable) return "fp8_e4m3 inputs run on the Hopper kernel only";
   // The suite reads pages in the kernels (target_options).
-  const std::int64_t d = tp.q.shape().back();
-  if (t == Target::kCudaHopper && tp.q.dtype() != DType::kFP8E4M3 && (d == 96 || d == 192 || d == 256)) {
+  const auto d = static_cast<int>(tp.q.shape().back()), d_v = static_cast<int>(tp.v.shape().back());
+  if (t == Target::kCudaHopper && tp.q.dtype() != DType::kFP8E4M3 && !hopper_compiles(d, d_v, is_paged(tp))) {
     return "no Hopper instance is compiled for";  // the portable kernel's alone (variants.py)
   }
   if (t == Target::kCudaHopper && !hopper_serves(policy, is_paged(tp))) return "hopper";

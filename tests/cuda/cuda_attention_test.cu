@@ -578,7 +578,7 @@ void expect_paged_equals_contiguous(const Inputs& in, const Policy& policy, cons
       GpuRun& w = want[portable][one_pass];
       w = run_gpu(&contiguous, policy, nullptr, on_path(portable, passes(one_pass ? 1 : 0)));
       ASSERT_TRUE(w.status.ok()) << w.status.to_string();
-      expect_ran(w, policy, expected_path(policy, portable, false, in.d), false);
+      expect_ran(w, policy, expected_path(policy, portable, false, in.d, in.d_v), false);
       EXPECT_TRUE(fully_written(w.out, ref64));
       EXPECT_TRUE(close_calibrated(in.dtype, w.out, ref64, lowp));
       EXPECT_TRUE(same_decisions(ref64.decisions, w.decisions));
@@ -593,7 +593,7 @@ void expect_paged_equals_contiguous(const Inputs& in, const Policy& policy, cons
         const GpuRun got = run_gpu(&paged, policy, nullptr, on_path(portable, staging(staged)));
         ASSERT_TRUE(got.status.ok()) << got.status.to_string();
         EXPECT_EQ(got.stats.execution.kv_staged, staged);
-        const std::string path = expected_path(policy, portable, !staged, in.d);
+        const std::string path = expected_path(policy, portable, !staged, in.d, in.d_v);
         expect_ran(got, policy, path, !staged);
         EXPECT_TRUE(fully_written(got.out, ref64));
         EXPECT_TRUE(close_calibrated(in.dtype, got.out, ref64, lowp));

@@ -15,17 +15,12 @@ namespace sparseprefill::cuda {
 namespace {
 
 using test::cuda_shape_of;
+using test::with_pages;
 
 constexpr DeviceCaps kH200{9, 0, std::int64_t{60} << 20, 132};
 constexpr DeviceCaps kA100{8, 0, std::int64_t{40} << 20, 108};
 constexpr DeviceCaps kAda{8, 9, std::int64_t{72} << 20, 128, 101376};  // its shared memory per CTA known
 constexpr TmaFacts kTma{true, true};
-
-ProblemShape paged(ProblemShape s, int page_size) {
-  s.kv_layout = KvLayout::kPaged;
-  s.page_size = page_size;
-  return s;
-}
 
 ExecutionPlan plan_of(const ProblemShape& s, const Policy& policy, const DeviceCaps& caps = kH200,
                       const ExecutionOverrides& ov = {}, std::size_t free_bytes = std::size_t{100} << 30,
@@ -170,7 +165,7 @@ TEST(CudaExecutionPlan, ExactGateTakesTwoPassesWhereTheDecisionKernelRuns) {
   EXPECT_EQ(k64.block_k, 64);
 
   // Paged K/V read in the kernels: one pass (the decision kernels read contiguous rows).
-  const ExecutionPlan pages = plan_of(paged(cuda_shape_of(64, 8192), 16), gate());
+  const ExecutionPlan pages = plan_of(with_pages(cuda_shape_of(64, 8192), 16), gate());
   EXPECT_FALSE(pages.staging.stage);
   EXPECT_EQ(pages.passes, 1);
 
@@ -182,27 +177,40 @@ TEST(CudaExecutionPlan, ExactGateTakesTwoPassesWhereTheDecisionKernelRuns) {
   EXPECT_NE(st.message().find("gate_passes"), std::string::npos) << st.message();
 }
 
-// At the wide head dims exact_gate runs as at 128 on the portable path: two passes (the gate
-// kernel's decisions, the plain instance over them) on contiguous K/V, one (the gated instance)
-// over pages read in the kernel.
-TEST(CudaExecutionPlan, WideHeadDimsRunExactGateInOneOrTwoPasses) {
-  for (const auto& [d, d_v, tag] : {std::tuple{256, 256, "hd256"}, std::tuple{192, 128, "hd192v128"}}) {
+// At the family head dims exact_gate runs in two passes on contiguous K/V, its decisions from the
+// portable gate kernel (no Hopper one there: one head a CTA) ahead of the Hopper forward instance
+// at 96 and 192/128 and the portable plain one at 256, and in one pass (the portable gated
+// instance) over pages read in the kernel (no paged Hopper instance at these head dims).
+TEST(CudaExecutionPlan, FamilyHeadDimsRunExactGateInOneOrTwoPasses) {
+  for (const auto& [d, d_v, tag, hopper] : {std::tuple{256, 256, "hd256", false}, std::tuple{192, 128, "hd192v128", true},
+                                            std::tuple{96, 96, "hd96", true}}) {
     SCOPED_TRACE(tag);
     ProblemShape s = cuda_shape_of(4096, 4096, 8, 2, d);
     s.d_v = d_v;
     const ExecutionPlan two = plan_of(s, gate());
-    EXPECT_EQ(two.path, FwdPath::kPortable);
+    EXPECT_EQ(two.path, hopper ? FwdPath::kHopper : FwdPath::kPortable);
     EXPECT_EQ(two.passes, 2);
     ASSERT_NE(two.gate, nullptr);
     EXPECT_EQ(std::string(two.gate->name), "gate_sm80_bf16_hd" + std::to_string(d));
-    EXPECT_TRUE(two.fwd->plain);
-    ProblemShape chunk = paged(cuda_shape_of(64, 8192, 8, 2, d), 16);
+    EXPECT_EQ(two.gate_heads_per_cta, 1);
+    if (hopper) {
+      EXPECT_EQ(std::string(two.fwd90->name), std::string("fwd_sm90_bf16_") + tag);
+    } else {
+      EXPECT_TRUE(two.fwd->plain);
+    }
+    ProblemShape chunk = with_pages(cuda_shape_of(64, 8192, 8, 2, d), 16);
     chunk.d_v = d_v;
     const ExecutionPlan one = plan_of(chunk, gate());
     EXPECT_FALSE(one.staging.stage);
+    EXPECT_EQ(one.path, FwdPath::kPortable);
     EXPECT_EQ(one.passes, 1);
     EXPECT_EQ(std::string(one.fwd->name), std::string("fwd_sm80_gated_bf16_") + tag);
   }
+  // At 128 the Hopper decision kernel scores a KV group's heads together.
+  const ExecutionPlan h128 = plan_of(cuda_shape_of(4096, 4096, 8, 2), gate());
+  ASSERT_NE(h128.gate, nullptr);
+  EXPECT_STREQ(h128.gate->name, "gate_sm90_bf16_hd128");
+  EXPECT_EQ(h128.gate_heads_per_cta, gate_heads_per_cta(4));
 }
 
 TEST(CudaExecutionPlan, EstimateSelectNamesItsSelector) {
@@ -223,7 +231,7 @@ TEST(CudaExecutionPlan, EstimateSelectNamesItsSelector) {
 }
 
 TEST(CudaExecutionPlan, LongPagedPrefillsStageAndShortChunksReadPages) {
-  const ProblemShape long_prefill = paged(cuda_shape_of(32768, 32768), 16);
+  const ProblemShape long_prefill = with_pages(cuda_shape_of(32768, 32768), 16);
   const ExecutionPlan staged = plan_of(long_prefill, DenseParams{});
   EXPECT_TRUE(staged.staging.stage);
   EXPECT_EQ(staged.staging.rows, 32768);
@@ -239,7 +247,7 @@ TEST(CudaExecutionPlan, LongPagedPrefillsStageAndShortChunksReadPages) {
   EXPECT_TRUE(pages.fwd90->paged);
   EXPECT_FALSE(pages.fwd->plain);  // the portable fallback's general instance reads pages
 
-  const ProblemShape chunk = paged(cuda_shape_of(64, 32768), 16);
+  const ProblemShape chunk = with_pages(cuda_shape_of(64, 32768), 16);
   EXPECT_FALSE(plan_of(chunk, DenseParams{}).staging.stage);
   ExecutionOverrides always;
   always.kv_staging = ExecutionOverrides::Choice::kAlways;
@@ -304,7 +312,8 @@ TEST(CudaExecutionPlan, PermuteStopPlansItsRankingAndAttention) {
 // instances), on both devices and paged or not; only K/V staging counts the window's pairs
 // (cuda_plan_host_test), and neither stages here. The other policies are refused, by name.
 TEST(CudaExecutionPlan, LocalWindowsPlanAsWithoutOneForDenseAndBlockSparse) {
-  for (const ProblemShape& base : {cuda_shape_of(4096, 4096), cuda_shape_of(32, 4096), paged(cuda_shape_of(300, 9000), 16)}) {
+  for (const ProblemShape& base :
+       {cuda_shape_of(4096, 4096), cuda_shape_of(32, 4096), with_pages(cuda_shape_of(300, 9000), 16)}) {
     ProblemShape local = base;
     local.window_left = 1023;
     BlockSparseParams mask;

@@ -28,6 +28,7 @@ namespace sparseprefill::cuda {
 namespace {
 
 using test::cuda_shape_of;
+using test::with_pages;
 
 TEST(CudaPlan, SupportChoosesTheBlockTile) {
   const ProblemShape s = cuda_shape_of(300, 300, 4, 1, 128);
@@ -163,10 +164,12 @@ TEST(CudaPlan, ModelFamilyFeaturesAreRefusedByName) {
 
 // Head dims 256 (Gemma 3) and q/k 192 with v 128 (MLA-style prefill): the portable kernel's
 // instances run dense, block_sparse, exact_gate and softmax_skip, its selector estimate_select
-// (with and without mean correction), on bf16 and fp16, on the portable path on a Hopper device
-// too (no Hopper instance), with calibration statistics; permute_stop is refused by name before
-// anything else (no permute kernel there), and fp8 keeps its one head dim.
-TEST(CudaPlan, WideHeadDimsRunEveryPolicyButPermuteStopOnThePortablePath) {
+// (with and without mean correction), on bf16 and fp16, at 256 on the portable path on a Hopper
+// device too (no Hopper instance) and at 192/128 on the Hopper forward instance over contiguous
+// K/V (the portable one over pages read in the kernel), with calibration statistics; permute_stop
+// is refused by name before anything else (no permute kernel there), and fp8 keeps its one head
+// dim.
+TEST(CudaPlan, FamilyHeadDimsRunTheirPoliciesOnTheirPaths) {
   int n = 0;
   ExactGateParams gate;
   gate.block_k = 128;
@@ -184,8 +187,9 @@ TEST(CudaPlan, WideHeadDimsRunEveryPolicyButPermuteStopOnThePortablePath) {
       SCOPED_TRACE(policy_name(policy));
       EXPECT_TRUE(check_support(s, policy, &n).ok());
       EXPECT_EQ(n, std::holds_alternative<DenseParams>(policy) ? dense_block_k(d) : 128);
-      EXPECT_EQ(choose_fwd_path(s, policy, true, 9, 0), FwdPath::kPortable);
+      EXPECT_EQ(choose_fwd_path(s, policy, true, 9, 0), d == 192 ? FwdPath::kHopper : FwdPath::kPortable);
       EXPECT_EQ(choose_fwd_path(s, policy, true, 8, 0), FwdPath::kPortable);
+      EXPECT_EQ(choose_fwd_path(with_pages(s, 16), policy, true, 9, 0), FwdPath::kPortable);
     }
     EXPECT_EQ(choose_select_path(s, 9, 0, false), FwdPath::kPortable);
     EXPECT_TRUE(check_calib_support(s, 128, 64).ok());  // exact_gate's thresholds calibrate here too
@@ -215,11 +219,12 @@ TEST(CudaPlan, WideHeadDimsRunEveryPolicyButPermuteStopOnThePortablePath) {
   EXPECT_EQ(support_summary().find("d=128 (dense"), std::string::npos) << support_summary();
 }
 
-// Head dim 96 (Phi-3) has every portable kernel: each policy runs there on bf16 and fp16, on the
-// portable path on a Hopper device too (no Hopper instance at 96), with the d 96 instances of its
-// decision kernels (the two-pass exact_gate's gate kernel, permute_stop's ranking, the gated
-// forward loop, the selector) and calibration statistics.
-TEST(CudaPlan, HeadDim96RunsEveryPolicyOnThePortableKernels) {
+// Head dim 96 (Phi-3) has every portable kernel: each policy runs there on bf16 and fp16, with the
+// d 96 instances of its decision kernels (the two-pass exact_gate's gate kernel, permute_stop's
+// ranking, the gated forward loop, the selector) and calibration statistics; on a Hopper device
+// on the Hopper forward instance over contiguous K/V, but permute_stop (no Hopper permute
+// instance at 96) and pages read in the kernel (no paged one) on the portable path.
+TEST(CudaPlan, HeadDim96RunsEveryPolicy) {
   for (const DType dtype : {DType::kBF16, DType::kFP16}) {
     const std::string dt = dtype_name(dtype);
     SCOPED_TRACE(dt);
@@ -237,8 +242,14 @@ TEST(CudaPlan, HeadDim96RunsEveryPolicyOnThePortableKernels) {
       SCOPED_TRACE(policy_name(policy));
       int n = 0;
       EXPECT_TRUE(check_support(s, policy, &n).ok());
-      EXPECT_EQ(choose_fwd_path(s, policy, true, 9, 0), FwdPath::kPortable);
+      const bool permute = std::holds_alternative<PermuteStopParams>(policy);
+      EXPECT_EQ(choose_fwd_path(s, policy, true, 9, 0), permute ? FwdPath::kPortable : FwdPath::kHopper);
+      EXPECT_EQ(choose_fwd_path(with_pages(s, 16), policy, true, 9, 0), FwdPath::kPortable);
+      EXPECT_EQ(choose_fwd_path(s, policy, true, 8, 0), FwdPath::kPortable);
     }
+    ASSERT_NE(find_fwd90(dtype, 96, 96, false), nullptr);
+    EXPECT_EQ(find_fwd90(dtype, 96, 96, false)->name, "fwd_sm90_" + dt + "_hd96");
+    EXPECT_EQ(find_fwd90(dtype, 96, 96, true), nullptr);
     ASSERT_NE(find_gate(dtype, 96), nullptr);
     EXPECT_EQ(find_gate(dtype, 96)->name, "gate_sm80_" + dt + "_hd96");
     EXPECT_NE(find_permute(dtype, 96), nullptr);

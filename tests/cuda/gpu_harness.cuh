@@ -37,9 +37,10 @@ inline ExecutionOverrides on_path(bool portable, ExecutionOverrides base = {}) {
 
 // The path a call takes: the portable kernels when forced, else the Hopper kernels on a 9.0
 // device where they serve it (reads_pages: K/V read through the block table, not staged; the
-// Hopper kernels take head dims 64 and 128 alone, variants.py).
-inline std::string expected_path(const Policy& policy, bool portable, bool reads_pages, int head_dim = 128) {
-  const bool hopper_dim = head_dim == 64 || head_dim == 128;
+// head dims with a Hopper instance: hopper_compiles).
+inline std::string expected_path(const Policy& policy, bool portable, bool reads_pages, int head_dim = 128,
+                                 int head_dim_v = 0) {
+  const bool hopper_dim = hopper_compiles(head_dim, head_dim_v > 0 ? head_dim_v : head_dim, reads_pages);
   return !portable && hopper_device() && hopper_dim && hopper_serves(policy, reads_pages) ? "cuda-hopper"
                                                                                           : "cuda-portable";
 }

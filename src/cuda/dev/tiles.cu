@@ -181,7 +181,7 @@ void run_shape(const Shape& sh, const Options& opt) {
                            },
                            false});
     }
-    const Fwd90Variant* var90 = find_fwd90(dtype, sh.d, false);
+    const Fwd90Variant* var90 = find_fwd90(dtype, sh.d, sh.d, false);
     if (var90 != nullptr && hopper) {
       instances.push_back({var90->name,
                            [var90, &seq, &maps](const FwdParams& fp) {
@@ -191,7 +191,7 @@ void run_shape(const Shape& sh, const Options& opt) {
                            true});
     }
     // The paged Hopper instance (time_paged), launched with the host copy of its block table.
-    const Fwd90Variant* var90_paged = hopper ? find_fwd90(dtype, sh.d, true) : nullptr;
+    const Fwd90Variant* var90_paged = hopper ? find_fwd90(dtype, sh.d, sh.d, true) : nullptr;
     for (const Instance& inst : instances) {
       if (opt.paged_only && hopper && !inst.hopper) continue;  // what runs on 9.0: the Hopper kernel
       const char* tag = inst.name.c_str();

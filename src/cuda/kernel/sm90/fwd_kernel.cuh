@@ -31,17 +31,22 @@ namespace sparseprefill::cuda::sm90 {
 
 // Compile-time shape of one instance. A CTA is one query block of kBlockQ = 128 rows: warpgroup
 // 0 produces (one thread issues TMA), warpgroups 1 and 2 own rows 0..63 and 64..127. Tiles are
-// [128 rows][d] loaded as boxes of [128 rows][128 bytes] (one 128-byte swizzle row each: d / 64
-// boxes of 16-bit elements, one of 128 e4m3); kPaged instances read K/V through the block
+// [128 rows][d] loaded as boxes of [128 rows][128 bytes] (one 128-byte swizzle row each: 64
+// 16-bit elements, 128 e4m3), ceil(d / 64) boxes a tile: a head dim that is not a multiple of
+// 64 (96) is stored at the next one's width, its last box's columns past d zero-filled by TMA
+// (out of the map's bounds), so Q·Kᵀ runs d / 16 K steps and P·V writes zero columns past d_v,
+// which the epilogue does not store. kHeadDimV (MLA-style prefill: q/k 192, v 128) sizes the V
+// tiles and the output. kPaged instances read K/V through the block
 // table, a key tile as boxes of whole 8-row groups (paged_box_rows) that compose into the same
 // swizzled tile, or gathered row by row (gather_tile) where pages cannot be boxed that way or
 // boxes would be small (hopper_gathers_pages). kFp8 instances (d = 128, contiguous K/V) read
 // e4m3 Q/K/V and write a bf16 O (kBf16 then names the output); their V tile is V transposed
 // ([d rows][128 keys], transpose_v_kernel), the K-major B operand 8-bit wgmma needs.
-template <bool kBf16_, int kHeadDim_, bool kPaged_ = false, bool kFp8_ = false>
+template <bool kBf16_, int kHeadDim_, bool kPaged_ = false, bool kFp8_ = false, int kHeadDimV_ = kHeadDim_>
 struct FwdConfig {
   static constexpr bool kBf16 = kBf16_;
   static constexpr int kHeadDim = kHeadDim_;
+  static constexpr int kHeadDimV = kHeadDimV_;
   static constexpr bool kPaged = kPaged_;
   static constexpr bool kFp8 = kFp8_;
   static constexpr int kTileM = kBlockQ;
@@ -54,11 +59,14 @@ struct FwdConfig {
   static constexpr int kElemBytes = kFp8 ? 1 : 2;
   static constexpr int kRowBytes = 128;                  // one swizzle row
   static constexpr int kHalfDim = kRowBytes / kElemBytes;  // elements of a box row: 64, or 128 e4m3
-  static constexpr int kHalves = kHeadDim / kHalfDim;
+  static constexpr int kHalves = (kHeadDim + kHalfDim - 1) / kHalfDim;    // boxes of a Q or K tile
+  static constexpr int kHalvesV = (kHeadDimV + kHalfDim - 1) / kHalfDim;  // of a V tile
   static constexpr int kAtomBytes = 8 * kRowBytes;    // 1024: the 128B-swizzle period (8 rows)
   static constexpr int kHalfBytes = kTileN * kRowBytes;  // one [128][128 B] box: 16 KB
   static constexpr int kTileBytes = kHalves * kHalfBytes;
-  static constexpr int kDFrags = kHeadDim / 8;  // n8 fragments of an output row
+  static constexpr int kVTileBytes = kHalvesV * kHalfBytes;
+  static constexpr int kDFrags = kHalvesV * kHalfDim / 8;  // n8 fragments of an accumulator row
+  static constexpr int kOutFrags = kHeadDimV / 8;          // of them stored: the output's columns
   // FP8 keeps its running max 2^kPLog2Offset below the true one, moving it lazily within its own
   // bound (tuning.h: e4m3's range).
   static constexpr int kPLog2Offset = kFp8 ? tuning::kFp8PLog2Offset : 0;
@@ -89,8 +97,13 @@ struct FwdConfig {
   static constexpr int kVoteSlots = 4;
   // Mean-correction tiles of kTileN pooled blocks one query block can visit.
   static constexpr int kMaxMeanTiles = kMaxMeanChunks * kMeanChunk / kTileN;
-  static_assert(kHeadDim == 64 || kHeadDim == 128, "d = 64 or 128");
-  static_assert(!kFp8 || (kHeadDim == 128 && !kPaged && kBf16), "fp8: d = 128, contiguous K/V, bf16 output");
+  // 64 and 128 everywhere; 96 and q/k 192 with v 128 over contiguous K/V (the paged gather
+  // copies whole 16-byte chunks of rows whose count divides its 128 threads).
+  static_assert(kHeadDimV == kHeadDim ? (kHeadDim == 64 || kHeadDim == 128 || (kHeadDim == 96 && !kPaged))
+                                      : (kHeadDim == 192 && kHeadDimV == 128 && !kPaged),
+                "d = 64 or 128, contiguous 96 or 192 with d_v 128");
+  static_assert(!kFp8 || (kHeadDim == 128 && kHeadDimV == 128 && !kPaged && kBf16),
+                "fp8: d = 128, contiguous K/V, bf16 output");
   static_assert(kTileM == kConsumers * 64, "each consumer warpgroup owns one m64 slab of Q");
 };
 
@@ -100,7 +113,7 @@ struct alignas(1024) Smem {
   // starts on a 1024-byte boundary (the swizzle is a function of the address bits).
   std::uint8_t q[Cfg::kTileBytes];
   std::uint8_t k[Cfg::kStages][Cfg::kTileBytes];
-  std::uint8_t v[Cfg::kStages][Cfg::kTileBytes];
+  std::uint8_t v[Cfg::kStages][Cfg::kVTileBytes];
   // mbarriers, named after the event they signal.
   std::uint64_t q_loaded;                 // TMA -> consumers, once
   std::uint64_t k_loaded[Cfg::kStages];   // TMA -> consumers (transaction bytes)
@@ -595,7 +608,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
       auto load = [&](int j, int kb, bool value, std::uint32_t dst, std::uint32_t bar, RowLookup rows) {
         if (gather) {
           if (j < visit.n_reg) {
-            gather_tile<Cfg>(p, seq, pages.keys, hk, kb, value, rows, dst);
+            if constexpr (Cfg::kPaged) gather_tile<Cfg>(p, seq, pages.keys, hk, kb, value, rows, dst);
             hw::cp_async_mbar_arrive(bar);
             return;
           }
@@ -604,7 +617,8 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
             return;
           }
         }
-        hw::mbar_expect_tx(bar, Cfg::kTileBytes);
+        hw::mbar_expect_tx(bar, value ? Cfg::kVTileBytes : Cfg::kTileBytes);
+        const int halves = value ? Cfg::kHalvesV : Cfg::kHalves;
         if (j < visit.n_reg) {
           const int row = kb * kTileN;
           if constexpr (Cfg::kPaged) {
@@ -625,12 +639,12 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
               const std::uint32_t box = dst + static_cast<std::uint32_t>(r * kRowBytes);
               if (row + r < pages.keys && page < pages.last_page) {
                 const int entry = pages.table[page];
-                for (int half = 0; half < Cfg::kHalves; ++half) {
+                for (int half = 0; half < halves; ++half) {
                   hw::tma_load_4d(box + half * kHalfBytes, cache, bar, half * Cfg::kHalfDim, hk, in_page, entry);
                 }
               } else {
                 const int tail_row = row + r < pages.keys ? in_page : 0;
-                for (int half = 0; half < Cfg::kHalves; ++half) {
+                for (int half = 0; half < halves; ++half) {
                   hw::tma_load_3d(box + half * kHalfBytes, tail, bar, half * Cfg::kHalfDim, hk, tail_row);
                 }
               }
@@ -644,13 +658,13 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
             // Vᵀ [d][128 keys] of this (batch, kv head): one box.
             hw::tma_load_3d(dst, &scratch_maps.v_t, bar, row, 0, b * p.h_kv + hk);
           } else {
-            for (int half = 0; half < Cfg::kHalves; ++half) {
+            for (int half = 0; half < halves; ++half) {
               hw::tma_load_3d(dst + half * kHalfBytes, value ? &m->v : &m->k, bar, half * Cfg::kHalfDim, hk, row);
             }
           }
         } else {
           const int row = sm.mean_tiles[j - visit.n_reg] * kTileN;
-          for (int half = 0; half < Cfg::kHalves; ++half) {
+          for (int half = 0; half < halves; ++half) {
             hw::tma_load_4d(dst + half * kHalfBytes, value ? &scratch_maps.v_mean : &scratch_maps.k_mean, bar,
                             half * Cfg::kHalfDim, row, hk, b);
           }
@@ -667,7 +681,10 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
       // A block mask's indices are global loads: the next one is requested a position early,
       // and in gather mode the block-table rows of that block too.
       int kb_next = visit.n_reg > 0 ? visit.block(0) : 0;
-      RowLookup rows_next = gather && visit.n_reg > 0 ? row_lookup<Cfg>(pages, kb_next) : RowLookup{-1, 0};
+      RowLookup rows_next{-1, 0};
+      if constexpr (Cfg::kPaged) {
+        if (gather && visit.n_reg > 0) rows_next = row_lookup<Cfg>(pages, kb_next);
+      }
       int deferred = -1, deferred_kb = 0;  // a gated position whose V waits for its decision
       RowLookup deferred_rows{-1, 0};
       for (int it = 0; it < n_visit; ++it) {
@@ -676,7 +693,9 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
         const RowLookup rows = rows_next;
         if (it + 1 < visit.n_reg) {
           kb_next = visit.block(it + 1);
-          if (gather) rows_next = row_lookup<Cfg>(pages, kb_next);
+          if constexpr (Cfg::kPaged) {
+            if (gather) rows_next = row_lookup<Cfg>(pages, kb_next);
+          }
         }
         // Refills a K stage once both consumer warpgroups' S wgmma that read it completed.
         hw::mbar_wait(hw::smem_u32(&sm.k_free[st]), ((it / Cfg::kStages) & 1) ^ 1);
@@ -710,7 +729,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
   std::uint32_t* kept_row = wg == 0 && warp == 0 && lane == 0 ? kept_row_of(p, b, h, qb) : nullptr;
 
   float s[1][16][4];            // scores, then p: [64 x 128] per warpgroup
-  float o[Cfg::kDFrags][4];     // output accumulator [64 x d]
+  float o[Cfg::kDFrags][4];     // output accumulator [64 x d_v], at the V tile's width
   std::uint32_t pf[Cfg::kPvSteps][4];  // P as A fragments (16-bit or e4m3)
   RowStats<1> stats;
   init_row_stats(stats);
@@ -911,7 +930,13 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
   }
 
   // ---------------------------------------------------------------- epilogue: O and LSE
-  // Rows past s_q are not stored.
+  // Rows past s_q are not stored. The accumulator's zero columns past d_v (d = 96) stay live to
+  // here: dead wgmma outputs made ptxas serialise every wgmma (C7511) and spill.
+#pragma unroll
+  for (int j = Cfg::kOutFrags; j < Cfg::kDFrags; ++j) {
+#pragma unroll
+    for (int e = 0; e < 4; ++e) asm volatile("" ::"f"(o[j][e]));
+  }
   auto* o_base = static_cast<std::uint16_t*>(p.o) + seq.o_off + row0 * p.o_row_stride;
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
@@ -928,7 +953,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
     if (row >= rows_valid) continue;
     std::uint16_t* o_row = o_base + row * p.o_row_stride + qhead * p.o_head_stride;
 #pragma unroll
-    for (int j = 0; j < Cfg::kDFrags; ++j) {
+    for (int j = 0; j < Cfg::kOutFrags; ++j) {
       const int col = 8 * j + 2 * (lane % 4);
       *reinterpret_cast<std::uint32_t*>(o_row + col) =
           ptx::pack2<Cfg::kBf16>(o[j][2 * r] * o_scale, o[j][2 * r + 1] * o_scale);
@@ -998,15 +1023,17 @@ inline PFN_cuTensorMapEncodeTiled_v12000 tensor_map_encoder() {
 }
 
 // 3-D map (d, head, row) over one sequence's rows of a [s, h, d] tensor with element strides;
-// boxes of [box_rows][box_heads][128 bytes] with 128B swizzle; rows past `rows` read as zero. A
+// boxes of [box_rows][box_heads][128 bytes] with 128B swizzle; rows past `rows` and columns
+// past d (Cfg::kHeadDim, or kHeadDimV for V: `value`) read as zero. A
 // dimension of extent 1 is never stepped over, so its stride is replaced by a valid one (TMA
 // wants multiples of 16).
 template <class Cfg>
-bool encode_map(CUtensorMap* map, const void* base, std::int64_t rows, int heads, std::int64_t row_stride,
+bool encode_map(CUtensorMap* map, const void* base, bool value, std::int64_t rows, int heads, std::int64_t row_stride,
                 std::int64_t head_stride, int box_rows = Cfg::kTileN, int box_heads = 1) {
   constexpr std::int64_t kElem = Cfg::kElemBytes;
-  const std::int64_t row_bytes = Cfg::kHeadDim * kElem;
-  const cuuint64_t dims[3] = {static_cast<cuuint64_t>(Cfg::kHeadDim), static_cast<cuuint64_t>(heads),
+  const int d = value ? Cfg::kHeadDimV : Cfg::kHeadDim;
+  const std::int64_t row_bytes = d * kElem;
+  const cuuint64_t dims[3] = {static_cast<cuuint64_t>(d), static_cast<cuuint64_t>(heads),
                               static_cast<cuuint64_t>(rows > 0 ? rows : 1)};
   const cuuint64_t strides[2] = {static_cast<cuuint64_t>(heads > 1 ? head_stride * kElem : row_bytes),
                                  static_cast<cuuint64_t>(rows > 1 ? row_stride * kElem : row_bytes * heads)};
@@ -1021,7 +1048,7 @@ bool encode_map(CUtensorMap* map, const void* base, std::int64_t rows, int heads
 
 // 4-D map (d, head, row in page, page) over a paged cache [pages, page_size, heads, d] with
 // element strides; boxes of [paged_box_rows][128 bytes] (rows of one page) with 128B swizzle.
-// Strides of extent-1 dimensions are replaced as in encode_map.
+// Strides of extent-1 dimensions are replaced as in encode_map (paged instances: d_v = d).
 template <class Cfg>
 bool encode_cache_map(CUtensorMap* map, const void* base, std::int64_t pages, int page_size, int heads,
                       std::int64_t page_stride, std::int64_t row_stride, std::int64_t head_stride) {
@@ -1043,12 +1070,13 @@ bool encode_cache_map(CUtensorMap* map, const void* base, std::int64_t pages, in
 }
 
 // 4-D map (d, block, head, batch) over the block means [batch, heads, blocks, d] (contiguous,
-// written by the block-means kernel); boxes of [128 blocks][64] with 128B swizzle; blocks past
-// the capacity read as zero (the means kernel zeroes each sequence's unused blocks).
+// written by the block-means kernel; d: Q/K's for k̄, V's for v̄); boxes of [128 blocks][64]
+// with 128B swizzle; blocks past the capacity and columns past d read as zero (the means kernel
+// zeroes each sequence's unused blocks).
 template <class Cfg>
-bool encode_mean_map(CUtensorMap* map, const void* base, int blocks, int heads, int batch) {
-  constexpr std::int64_t kRowBytes = Cfg::kHeadDim * 2;
-  const cuuint64_t dims[4] = {static_cast<cuuint64_t>(Cfg::kHeadDim), static_cast<cuuint64_t>(blocks),
+bool encode_mean_map(CUtensorMap* map, const void* base, int d, int blocks, int heads, int batch) {
+  const std::int64_t kRowBytes = std::int64_t{d} * 2;
+  const cuuint64_t dims[4] = {static_cast<cuuint64_t>(d), static_cast<cuuint64_t>(blocks),
                               static_cast<cuuint64_t>(heads), static_cast<cuuint64_t>(batch)};
   const cuuint64_t strides[3] = {static_cast<cuuint64_t>(kRowBytes), static_cast<cuuint64_t>(kRowBytes * blocks),
                                  static_cast<cuuint64_t>(kRowBytes * blocks * heads)};
@@ -1113,8 +1141,8 @@ int launch_fwd(const FwdParams& p, const SeqInfo* seqs, const std::int32_t* tabl
   }
   ScratchMaps scratch_maps{};
   if (p.k_mean != nullptr &&
-      !(encode_mean_map<Cfg>(&scratch_maps.k_mean, p.k_mean, p.mean_blocks, p.h_kv, p.batch) &&
-        encode_mean_map<Cfg>(&scratch_maps.v_mean, p.v_mean, p.mean_blocks, p.h_kv, p.batch))) {
+      !(encode_mean_map<Cfg>(&scratch_maps.k_mean, p.k_mean, Cfg::kHeadDim, p.mean_blocks, p.h_kv, p.batch) &&
+        encode_mean_map<Cfg>(&scratch_maps.v_mean, p.v_mean, Cfg::kHeadDimV, p.mean_blocks, p.h_kv, p.batch))) {
     return static_cast<int>(cudaErrorNotSupported);
   }
   std::vector<SeqMaps> maps(static_cast<std::size_t>(p.batch) + (paged ? 1 : 0));
@@ -1126,12 +1154,12 @@ int launch_fwd(const FwdParams& p, const SeqInfo* seqs, const std::int32_t* tabl
   for (int b = 0; b < p.batch; ++b) {
     const SeqInfo& s = seqs[b];
     SeqMaps& m = maps[static_cast<std::size_t>(b)];
-    bool ok = encode_map<Cfg>(&m.q, static_cast<const Elem*>(p.q) + s.q_off, s.s_q, p.h_q, p.q_row_stride,
+    bool ok = encode_map<Cfg>(&m.q, static_cast<const Elem*>(p.q) + s.q_off, false, s.s_q, p.h_q, p.q_row_stride,
                               p.q_head_stride, Cfg::kTileM / pack, pack);
     if (!paged) {
       // FP8 reads V through scratch_maps.v_t (the transposed copy), not through m.v.
-      ok = ok && encode_map<Cfg>(&m.k, k + s.k_off, s.s_k, p.h_kv, p.k_row_stride, p.k_head_stride) &&
-           (Cfg::kFp8 || encode_map<Cfg>(&m.v, v + s.v_off, s.s_k, p.h_kv, p.v_row_stride, p.v_head_stride));
+      ok = ok && encode_map<Cfg>(&m.k, k + s.k_off, false, s.s_k, p.h_kv, p.k_row_stride, p.k_head_stride) &&
+           (Cfg::kFp8 || encode_map<Cfg>(&m.v, v + s.v_off, true, s.s_k, p.h_kv, p.v_row_stride, p.v_head_stride));
     } else {
       const std::int64_t used = (s.s_k + page_size - 1) / page_size;
       for (std::int64_t i = 0; i < used; ++i) pages = std::max(pages, table[b * p.paged.table_stride + i] + 1);
@@ -1143,9 +1171,9 @@ int launch_fwd(const FwdParams& p, const SeqInfo* seqs, const std::int32_t* tabl
         const std::int64_t tail_rows = used > 0 ? s.s_k - last * page_size : 1;
         const int box_rows = paged_box_rows(page_size);
         ok = ok &&
-             encode_map<Cfg>(&m.k, k + entry * p.paged.k_page_stride, tail_rows, p.h_kv, p.k_row_stride,
+             encode_map<Cfg>(&m.k, k + entry * p.paged.k_page_stride, false, tail_rows, p.h_kv, p.k_row_stride,
                              p.k_head_stride, box_rows) &&
-             encode_map<Cfg>(&m.v, v + entry * p.paged.v_page_stride, tail_rows, p.h_kv, p.v_row_stride,
+             encode_map<Cfg>(&m.v, v + entry * p.paged.v_page_stride, true, tail_rows, p.h_kv, p.v_row_stride,
                              p.v_head_stride, box_rows);
       }
     }
