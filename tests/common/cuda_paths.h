@@ -12,15 +12,17 @@
 namespace sparseprefill::test {
 
 // Whether the Hopper kernels serve `policy` with K/V read through pages (reads_pages) or as
-// contiguous rows: dense, and every policy with 128-key blocks; permute_stop over contiguous
-// K/V only.
-inline bool hopper_serves(const Policy& policy, bool reads_pages) {
+// contiguous rows, at Q/K head dim `head_dim` (its instances: hopper_compiles): dense, and every
+// policy with 128-key blocks; permute_stop over contiguous K/V at 64 and 128 only.
+inline bool hopper_serves(const Policy& policy, bool reads_pages, int head_dim = 128) {
   constexpr int kHopperBlockK = 128;
   if (const auto* p = std::get_if<BlockSparseParams>(&policy)) return p->mask.block_k == kHopperBlockK;
   if (const auto* p = std::get_if<ExactGateParams>(&policy)) return p->block_k == kHopperBlockK;
   if (const auto* p = std::get_if<SoftmaxSkipParams>(&policy)) return p->block_k == kHopperBlockK;
   if (const auto* p = std::get_if<EstimateSelectParams>(&policy)) return p->block == kHopperBlockK;
-  if (const auto* p = std::get_if<PermuteStopParams>(&policy)) return p->block_k == kHopperBlockK && !reads_pages;
+  if (const auto* p = std::get_if<PermuteStopParams>(&policy)) {
+    return p->block_k == kHopperBlockK && !reads_pages && (head_dim == 64 || head_dim == 128);
+  }
   return true;
 }
 

@@ -164,7 +164,7 @@ std::string refusal(Target t, const TestProblem& tp, const Policy& policy) {
   if (t == Target::kCudaHopper && tp.q.dtype() != DType::kFP8E4M3 && !hopper_compiles(d, d_v, is_paged(tp))) {
     return "no Hopper instance is compiled for";  // the portable kernel's alone (variants.py)
   }
-  if (t == Target::kCudaHopper && !hopper_serves(policy, is_paged(tp))) return "hopper";
+  if (t == Target::kCudaHopper && !hopper_serves(policy, is_paged(tp), d)) return "hopper";
   return {};
 }
 

@@ -41,7 +41,7 @@ inline ExecutionOverrides on_path(bool portable, ExecutionOverrides base = {}) {
 inline std::string expected_path(const Policy& policy, bool portable, bool reads_pages, int head_dim = 128,
                                  int head_dim_v = 0) {
   const bool hopper_dim = hopper_compiles(head_dim, head_dim_v > 0 ? head_dim_v : head_dim, reads_pages);
-  return !portable && hopper_device() && hopper_dim && hopper_serves(policy, reads_pages) ? "cuda-hopper"
+  return !portable && hopper_device() && hopper_dim && hopper_serves(policy, reads_pages, head_dim) ? "cuda-hopper"
                                                                                           : "cuda-portable";
 }
 
