@@ -112,10 +112,11 @@ SM90_DTYPES = ("bf16", "fp16")
 SM90_HEAD_DIMS = (64, 128)
 # (d, d_v) of Hopper forward instances over contiguous K/V alone (paged calls of these take the
 # portable kernel, or the Hopper one once staged): 96 (Phi-3; tiles at 128's width, the columns
-# past 96 zero-filled) and q/k 192 with v 128 (MLA-style prefill). No selector, gate or permute
-# instance on the Hopper path there: estimate_select selects and exact_gate's two passes decide
-# with the portable kernels, permute_stop runs on the portable path.
-SM90_CONTIGUOUS_HEAD_DIMS = ((96, 96), (192, 128))
+# past 96 zero-filled), q/k 192 with v 128 (MLA-style prefill) and 256 (Gemma 3: one K/V stage,
+# each P·V done before the next Q·Kᵀ). No selector, gate or permute instance on the Hopper path
+# there: estimate_select selects and exact_gate's two passes decide with the portable kernels,
+# permute_stop runs on the portable path.
+SM90_CONTIGUOUS_HEAD_DIMS = ((96, 96), (192, 128), (256, 256))
 
 
 SM90_KV = (False, True)  # paged K/V

@@ -27,11 +27,11 @@ inline bool hopper_serves(const Policy& policy, bool reads_pages, int head_dim =
 }
 
 // Whether a Hopper forward instance is compiled for head dims (d, d_v) with K/V read through
-// pages (reads_pages) or as contiguous rows (variants.py): 64 and 128 both ways, 96 and q/k 192
-// with v 128 over contiguous rows alone.
+// pages (reads_pages) or as contiguous rows (variants.py): 64 and 128 both ways, 96, 256 and q/k
+// 192 with v 128 over contiguous rows alone.
 inline bool hopper_compiles(int d, int d_v, bool reads_pages) {
   if (d == d_v && (d == 64 || d == 128)) return true;
-  return !reads_pages && ((d == 96 && d_v == 96) || (d == 192 && d_v == 128));
+  return !reads_pages && ((d == d_v && (d == 96 || d == 256)) || (d == 192 && d_v == 128));
 }
 
 // The attention kernel family a path runs the policy with: permute_stop has its own (gathered,

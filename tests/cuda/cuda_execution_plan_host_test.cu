@@ -82,7 +82,7 @@ TEST(CudaExecutionPlan, PortableInstancesNeedTheirSharedMemory) {
   EXPECT_EQ(plan_of(cuda_shape_of(300, 300, 4, 1, 128), DenseParams{}, kAda).path, FwdPath::kPortable);
   EXPECT_EQ(plan_of(wide, DenseParams{}, kA100Limit).path, FwdPath::kPortable);
   EXPECT_EQ(plan_of(wide, DenseParams{}, kA100).path, FwdPath::kPortable);  // limit not known
-  EXPECT_EQ(plan_of(wide, DenseParams{}, kH200).path, FwdPath::kPortable);  // no Hopper instance at 256
+  EXPECT_EQ(plan_of(wide, DenseParams{}, kH200).path, FwdPath::kHopper);  // its Hopper instance at 256
   const Status gated = plan_execution(wide, SoftmaxSkipParams{}, kTma, kA100Limit, {}, std::size_t{100} << 30, &plan);
   EXPECT_EQ(gated.code(), StatusCode::kUnsupported);
   EXPECT_NE(gated.message().find("fwd_sm80_gated_bf16_hd256 needs 197248 bytes of shared memory per CTA; this device "
@@ -179,25 +179,25 @@ TEST(CudaExecutionPlan, ExactGateTakesTwoPassesWhereTheDecisionKernelRuns) {
 
 // At the family head dims exact_gate runs in two passes on contiguous K/V, its decisions from the
 // portable gate kernel (no Hopper one there: one head a CTA) ahead of the Hopper forward instance
-// at 96 and 192/128 and the portable plain one at 256, and in one pass (the portable gated
-// instance) over pages read in the kernel (no paged Hopper instance at these head dims).
+// (the portable plain one on an A100), and in one pass (the portable gated instance) over pages
+// read in the kernel (no paged Hopper instance at these head dims).
 TEST(CudaExecutionPlan, FamilyHeadDimsRunExactGateInOneOrTwoPasses) {
-  for (const auto& [d, d_v, tag, hopper] : {std::tuple{256, 256, "hd256", false}, std::tuple{192, 128, "hd192v128", true},
-                                            std::tuple{96, 96, "hd96", true}}) {
+  for (const auto& [d, d_v, tag] :
+       {std::tuple{256, 256, "hd256"}, std::tuple{192, 128, "hd192v128"}, std::tuple{96, 96, "hd96"}}) {
     SCOPED_TRACE(tag);
     ProblemShape s = cuda_shape_of(4096, 4096, 8, 2, d);
     s.d_v = d_v;
     const ExecutionPlan two = plan_of(s, gate());
-    EXPECT_EQ(two.path, hopper ? FwdPath::kHopper : FwdPath::kPortable);
+    EXPECT_EQ(two.path, FwdPath::kHopper);
     EXPECT_EQ(two.passes, 2);
     ASSERT_NE(two.gate, nullptr);
     EXPECT_EQ(std::string(two.gate->name), "gate_sm80_bf16_hd" + std::to_string(d));
     EXPECT_EQ(two.gate_heads_per_cta, 1);
-    if (hopper) {
-      EXPECT_EQ(std::string(two.fwd90->name), std::string("fwd_sm90_bf16_") + tag);
-    } else {
-      EXPECT_TRUE(two.fwd->plain);
-    }
+    EXPECT_EQ(std::string(two.fwd90->name), std::string("fwd_sm90_bf16_") + tag);
+    const ExecutionPlan a100 = plan_of(s, gate(), kA100);
+    EXPECT_EQ(a100.path, FwdPath::kPortable);
+    EXPECT_EQ(a100.passes, 2);
+    EXPECT_TRUE(a100.fwd->plain);
     ProblemShape chunk = with_pages(cuda_shape_of(64, 8192, 8, 2, d), 16);
     chunk.d_v = d_v;
     const ExecutionPlan one = plan_of(chunk, gate());

@@ -164,9 +164,9 @@ TEST(CudaPlan, ModelFamilyFeaturesAreRefusedByName) {
 
 // Head dims 256 (Gemma 3) and q/k 192 with v 128 (MLA-style prefill): the portable kernel's
 // instances run dense, block_sparse, exact_gate and softmax_skip, its selector estimate_select
-// (with and without mean correction), on bf16 and fp16, at 256 on the portable path on a Hopper
-// device too (no Hopper instance) and at 192/128 on the Hopper forward instance over contiguous
-// K/V (the portable one over pages read in the kernel), with calibration statistics; permute_stop
+// (with and without mean correction), on bf16 and fp16, on a Hopper device on the Hopper forward
+// instance over contiguous K/V (the portable one over pages read in the kernel and on other
+// devices), with calibration statistics; permute_stop
 // is refused by name before anything else (no permute kernel there), and fp8 keeps its one head
 // dim.
 TEST(CudaPlan, FamilyHeadDimsRunTheirPoliciesOnTheirPaths) {
@@ -187,7 +187,7 @@ TEST(CudaPlan, FamilyHeadDimsRunTheirPoliciesOnTheirPaths) {
       SCOPED_TRACE(policy_name(policy));
       EXPECT_TRUE(check_support(s, policy, &n).ok());
       EXPECT_EQ(n, std::holds_alternative<DenseParams>(policy) ? dense_block_k(d) : 128);
-      EXPECT_EQ(choose_fwd_path(s, policy, true, 9, 0), d == 192 ? FwdPath::kHopper : FwdPath::kPortable);
+      EXPECT_EQ(choose_fwd_path(s, policy, true, 9, 0), FwdPath::kHopper);
       EXPECT_EQ(choose_fwd_path(s, policy, true, 8, 0), FwdPath::kPortable);
       EXPECT_EQ(choose_fwd_path(with_pages(s, 16), policy, true, 9, 0), FwdPath::kPortable);
     }

@@ -1,8 +1,9 @@
 // SPDX-License-Identifier: Apache-2.0
 // The Hopper (sm_90a) forward attention kernel: a TMA producer warp streams Q and 128-key K/V
-// tiles through a 2-stage mbarrier pipeline; two consumer warpgroups of 64 query rows each
-// issue wgmma (S = Q·Kᵀ from shared memory, O += P·V with P in registers), overlap the softmax
-// of tile j with the P·V of tile j-1 and take turns issuing (ping-pong). Every policy of the
+// tiles through a 2-stage mbarrier pipeline (1 at d 256); two consumer warpgroups of 64 query
+// rows each issue wgmma (S = Q·Kᵀ from shared memory, O += P·V with P in registers), overlap the
+// softmax of tile j with the P·V of tile j-1 (but at d_v 256: kSerialPv) and take turns issuing
+// (ping-pong). Every policy of the
 // portable kernel with 128-key blocks: dense, block masks (with mean-correction tiles) and the
 // exact_gate / softmax_skip gates, whose skipped blocks never have their V requested. Promoted
 // from dev/fwd_sm90_dense.cu v3. Included only by generated instance files.
@@ -55,7 +56,7 @@ struct FwdConfig {
   static constexpr int kThreads = 128 * (1 + kConsumers);
   // 16-bit: 3 measured slower (dev/ v4: 224 KB smem, 603-660 TFLOP/s vs 626-685). FP8: 2, 3, 4
   // and 6 measured equal (11.2-11.3 ms at 32K, record 2026-11-29-h200-fp8-stages).
-  static constexpr int kStages = tuning::hopper_stages(kFp8);
+  static constexpr int kStages = tuning::hopper_stages(kFp8, kHeadDim);
   static constexpr int kElemBytes = kFp8 ? 1 : 2;
   static constexpr int kRowBytes = 128;                  // one swizzle row
   static constexpr int kHalfDim = kRowBytes / kElemBytes;  // elements of a box row: 64, or 128 e4m3
@@ -67,6 +68,10 @@ struct FwdConfig {
   static constexpr int kVTileBytes = kHalvesV * kHalfBytes;
   static constexpr int kDFrags = kHalvesV * kHalfDim / 8;  // n8 fragments of an accumulator row
   static constexpr int kOutFrags = kHeadDimV / 8;          // of them stored: the output's columns
+  // An accumulator wider than 128 columns (d_v 256: 128 registers a thread) leaves no room for
+  // S (64) and P (32) in flight together: a tile's P·V then completes before the next Q·Kᵀ is
+  // issued (the other warpgroup's GEMMs still overlap this one's softmax: ping-pong).
+  static constexpr bool kSerialPv = kDFrags > 16;
   // FP8 keeps its running max 2^kPLog2Offset below the true one, moving it lazily within its own
   // bound (tuning.h: e4m3's range).
   static constexpr int kPLog2Offset = kFp8 ? tuning::kFp8PLog2Offset : 0;
@@ -97,11 +102,12 @@ struct FwdConfig {
   static constexpr int kVoteSlots = 4;
   // Mean-correction tiles of kTileN pooled blocks one query block can visit.
   static constexpr int kMaxMeanTiles = kMaxMeanChunks * kMeanChunk / kTileN;
-  // 64 and 128 everywhere; 96 and q/k 192 with v 128 over contiguous K/V (the paged gather
+  // 64 and 128 everywhere; 96, 256 and q/k 192 with v 128 over contiguous K/V (the paged gather
   // copies whole 16-byte chunks of rows whose count divides its 128 threads).
-  static_assert(kHeadDimV == kHeadDim ? (kHeadDim == 64 || kHeadDim == 128 || (kHeadDim == 96 && !kPaged))
-                                      : (kHeadDim == 192 && kHeadDimV == 128 && !kPaged),
-                "d = 64 or 128, contiguous 96 or 192 with d_v 128");
+  static_assert(kHeadDimV == kHeadDim
+                    ? (kHeadDim == 64 || kHeadDim == 128 || ((kHeadDim == 96 || kHeadDim == 256) && !kPaged))
+                    : (kHeadDim == 192 && kHeadDimV == 128 && !kPaged),
+                "d = 64 or 128, contiguous 96, 256 or 192 with d_v 128");
   static_assert(!kFp8 || (kHeadDim == 128 && kHeadDimV == 128 && !kPaged && kBf16),
                 "fp8: d = 128, contiguous K/V, bf16 output");
   static_assert(kTileM == kConsumers * 64, "each consumer warpgroup owns one m64 slab of Q");
@@ -336,7 +342,8 @@ __device__ __forceinline__ void load_q_frags(std::uint32_t (&qf)[Cfg::kQkSteps][
   }
 }
 
-// O += P·V with P in registers (pack_p), as one commit group.
+// O += P·V with P in registers (pack_p), as one commit group. An accumulator of 256 columns
+// (d_v 256) is two n128 halves, the second starting two d-halves (boxes, the LBO) further.
 template <class Cfg>
 __device__ __forceinline__ void wgmma_pv(float (&o)[Cfg::kDFrags][4], const std::uint32_t (&pf)[Cfg::kPvSteps][4],
                                          std::uint64_t v) {
@@ -345,6 +352,11 @@ __device__ __forceinline__ void wgmma_pv(float (&o)[Cfg::kDFrags][4], const std:
   for (int kk = 0; kk < Cfg::kPvSteps; ++kk) {
     if constexpr (Cfg::kFp8) {
       hw::wgmma_rs_e4m3(o, pf[kk], v + k_step<Cfg>(kk));
+    } else if constexpr (Cfg::kDFrags == 32) {
+      using Half = float[16][4];
+      const std::uint64_t step = v + ((kk * 16 * Cfg::kRowBytes) >> 4);
+      hw::wgmma_rs<Cfg::kBf16>(*reinterpret_cast<Half*>(&o[0]), pf[kk], step);
+      hw::wgmma_rs<Cfg::kBf16>(*reinterpret_cast<Half*>(&o[16]), pf[kk], step + ((2 * Cfg::kHalfBytes) >> 4));
     } else {
       hw::wgmma_rs<Cfg::kBf16>(o, pf[kk], v + ((kk * 16 * Cfg::kRowBytes) >> 4));
     }
@@ -830,8 +842,10 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
       const int st = it % Cfg::kStages;
       const int kb = kRegOnly || it < visit.n_reg ? visit.block(it) : -1;  // mask mode: a global load, issued early
       const int v_st = v_count % Cfg::kStages;
-      hw::mbar_wait(hw::smem_u32(&sm.k_loaded[st]), (it / Cfg::kStages) & 1);
-      if (gather) hw::fence_proxy_async();  // cp.async wrote the tile: the wgmma reads it
+      if constexpr (!Cfg::kSerialPv) {
+        hw::mbar_wait(hw::smem_u32(&sm.k_loaded[st]), (it / Cfg::kStages) & 1);
+        if (gather) hw::fence_proxy_async();  // cp.async wrote the tile: the wgmma reads it
+      }
       // Ping-pong: wait for the other warpgroup to have issued its GEMMs of this round, issue
       // ours, then let it go: its softmax overlaps our GEMMs and ours its next ones. Gated rounds
       // keep that order: passing the turn after Q·Kᵀ too (tensor order S0, S1, P·V0, P·V1, so a
@@ -840,18 +854,33 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
       // (bench/records/2026-11-30-h200-gate-early-keep-ab.log).
       const bool gated = kGated && gate.gated(it, visit.n_a);
       hw::named_sync(my_turn);
-      issue_qk(st);
-      if (pending) {
-        hw::mbar_wait(hw::smem_u32(&sm.v_loaded[v_st]), (v_count / Cfg::kStages) & 1);
-        if (gather) hw::fence_proxy_async();
-        issue_pv(v_st);
+      if constexpr (Cfg::kSerialPv) {
+        // The previous tile's P·V completes before this S is issued (its P registers are then
+        // free for S), the K wait after it so that the P·V runs meanwhile.
+        if (pending) {
+          hw::mbar_wait(hw::smem_u32(&sm.v_loaded[v_st]), (v_count / Cfg::kStages) & 1);
+          issue_pv(v_st);
+          hw::wgmma_wait<0>();
+          hw::fence_regs(o);
+          release(sm.v_free[v_st]);
+          ++v_count;
+        }
+        hw::mbar_wait(hw::smem_u32(&sm.k_loaded[st]), (it / Cfg::kStages) & 1);
+        issue_qk(st);
       } else {
-        hw::wgmma_fence();
-        hw::wgmma_commit();  // an empty group: the waits below count the same groups either way
+        issue_qk(st);
+        if (pending) {
+          hw::mbar_wait(hw::smem_u32(&sm.v_loaded[v_st]), (v_count / Cfg::kStages) & 1);
+          if (gather) hw::fence_proxy_async();
+          issue_pv(v_st);
+        } else {
+          hw::wgmma_fence();
+          hw::wgmma_commit();  // an empty group: the waits below count the same groups either way
+        }
       }
       // The rounds balance: warpgroup 1 skips its last arrive, which warpgroup 0 would never consume.
       if (wg == 0 || it + 1 < n_visit) hw::named_arrive(other_turn);
-      hw::wgmma_wait<1>();  // S of this tile done; the P·V may still run
+      hw::wgmma_wait<Cfg::kSerialPv ? 0 : 1>();  // S of this tile done; the P·V may still run
       hw::fence_regs(s[0]);
       release(sm.k_free[st]);
       if (kRegOnly || it < visit.n_reg) {
@@ -877,7 +906,9 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
       // ptxas's schedule follows this exact form (a lambda for the wait, or the FP8 arm written
       // otherwise, gave other SASS): compare the SASS (scripts/profile/sass_local.sh) before
       // rewriting it.
-      if constexpr (Cfg::kFp8) {
+      if constexpr (Cfg::kSerialPv) {
+        if (moved) scale_acc(o, alpha);  // the previous P·V completed before this S
+      } else if constexpr (Cfg::kFp8) {
         hw::wgmma_wait<0>();  // P·V done: its P registers and V stage are free
         hw::fence_regs(o);
         if (moved) scale_acc(o, alpha);  // for this tile's P·V, next round
@@ -889,7 +920,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
         hw::wgmma_wait<0>();
         hw::fence_regs(o);
       }
-      if (pending) {
+      if (!Cfg::kSerialPv && pending) {
         release(sm.v_free[v_st]);
         ++v_count;
       }
