@@ -304,9 +304,9 @@ CLAIMS = [
          what="The portable (mma.sync) kernels, forced on the H200 with SPARSEPREFILL_CUDA_PATH=portable.",
          keys=["model", "s"], cols=["ours ms", "TFLOP/s", "× SDPA cuDNN", "× SDPA flash", "× Flex dense"]),
     dict(title="Dense attention at the model-family head dims", path="auto", cases=family_case, rows=family_rows,
-         what="Head dims 96 (Phi-3-mini, MHA) and q/k 192 with v 128 (DeepSeek-V2-Lite's MLA prefill, MHA) run "
-              "the Hopper kernel, 256 (Gemma-3-12B) the portable one, against SDPA cuDNN and flash (which lacks "
-              "192/128), bf16, causal, batch 1.",
+         what="Head dims 96 (Phi-3-mini, MHA), 256 (Gemma-3-12B) and q/k 192 with v 128 (DeepSeek-V2-Lite's MLA "
+              "prefill, MHA) on the Hopper kernel, against SDPA cuDNN and flash (which lacks 192/128), bf16, "
+              "causal, batch 1.",
          keys=["model", "s"], cols=["d", "ours ms", "TFLOP/s", "× SDPA cuDNN", "× SDPA flash"]),
     dict(title="Sliding window", path="auto", cases=window_case, rows=window_rows,
          what="FlashAttention's window_size (W, 0) with causal, dense, on the Llama shape: ours against "
