@@ -832,12 +832,15 @@ class StructuredCase(Case):
 class FamilyCase(Case):
     """Issue 33's model-family head dims (--family-lengths, --families): ours dense against SDPA
     flash and cuDNN on random inputs (a peer that lacks the shape is reported as such; the error
-    column is against cuDNN where SDPA flash cannot run)."""
+    column is against cuDNN where SDPA flash cannot run), and at d 256 ours dense on the inputs
+    quantized to E4M3 (the fp8 instance's head dims: 128, 256)."""
 
     def run(self):
         self.run_peers([])
         if self.lib is not None:
             self.ours("ours_dense", "ours dense", self.lib.policy("dense"))
+            if self.d == self.d_v == 256:
+                self.ours("ours_dense_fp8", "ours dense fp8 (e4m3)", self.lib.policy("dense"), fp8=True)
         return self.record
 
 

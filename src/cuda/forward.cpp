@@ -194,7 +194,7 @@ Status run_forward(const Call& call, const AttentionProblem& problem, const Prob
       // V transposed for the e4m3 P·V ([batch, h_kv, d, vt_stride] bytes), written by the launch.
       p.vt_stride = geom::ceil_div(geom::max64(shape.max_seq_k(), 1), hopper_block_k()) * hopper_block_k();
       SP_RETURN_IF_ERROR(scratch.alloc(static_cast<std::size_t>(shape.batch) * static_cast<std::size_t>(shape.h_kv) *
-                                           static_cast<std::size_t>(shape.d) * static_cast<std::size_t>(p.vt_stride),
+                                           static_cast<std::size_t>(shape.d_v) * static_cast<std::size_t>(p.vt_stride),
                                        &p.v_t));
     }
     p.q_pack = plan.q_pack;

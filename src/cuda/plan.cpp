@@ -319,24 +319,37 @@ Status check_select_blocks(const ProblemShape& shape, const EstimateSelectParams
 Status check_support(const ProblemShape& shape, const Policy& policy, int* block_k) {
   SP_RETURN_IF_ERROR(check_features(shape, policy));
   if (shape.dtype == DType::kFP8E4M3) {
-    // One instance: the Hopper kernel's, d = 128 over contiguous K/V (run_cuda also needs a
-    // compute capability 9.0 device and TMA-describable tensors).
+    // The Hopper kernel's fp8 instances, over contiguous K/V (run_cuda also needs a compute
+    // capability 9.0 device and TMA-describable tensors).
     if (find_fwd90(shape.dtype, shape.d, shape.d_v, false) == nullptr) {
-      return unsupported("q: fp8_e4m3 inputs run on CUDA with head_dim 128 only (the Hopper kernel's fp8 instance), got " +
-                         std::to_string(shape.d) + "; the reference and cpu backends run every head_dim");
+      return unsupported("q: fp8_e4m3 inputs run on CUDA with head_dim " + fwd90_head_dims(shape.dtype) +
+                         " only (the Hopper kernel's fp8 instances), got " + std::to_string(shape.d) +
+                         (shape.d_v != shape.d ? " (d_v " + std::to_string(shape.d_v) + ")" : "") +
+                         "; the reference and cpu backends run every head_dim");
     }
     if (shape.kv_layout == KvLayout::kPaged) {
       return unsupported("k: fp8_e4m3 inputs need contiguous K/V on CUDA (paged K/V: the reference and cpu backends)");
     }
     const auto* mask = std::get_if<BlockSparseParams>(&policy);
     const auto* es = std::get_if<EstimateSelectParams>(&policy);
-    if (mask == nullptr && es == nullptr && !std::holds_alternative<DenseParams>(policy)) {
-      return unsupported(std::string(policy_name(policy)) + ": fp8_e4m3 inputs on CUDA run dense, block_sparse and "
-                         "estimate_select only (the reference and cpu backends run every policy)");
+    const auto* eg = std::get_if<ExactGateParams>(&policy);
+    const auto* skip = std::get_if<SoftmaxSkipParams>(&policy);
+    if (std::holds_alternative<PermuteStopParams>(policy)) {
+      return unsupported(std::string(policy_name(policy)) + ": fp8_e4m3 inputs on CUDA run dense, block_sparse, "
+                         "exact_gate, softmax_skip and estimate_select (the reference and cpu backends run every policy)");
     }
-    if (mask != nullptr && (mask->block_q() != kBlockQ || mask->block_k() != hopper_block_k())) {
-      return unsupported("block_sparse mask: fp8_e4m3 inputs on CUDA need 128 x 128 blocks, got " +
-                         std::to_string(mask->block_q()) + " x " + std::to_string(mask->block_k()));
+    // The fp8 instance's blocks are its 128-key tiles (the gates in its loop: one pass).
+    const auto blocks_of = [&]() -> std::pair<int, int> {
+      if (mask != nullptr) return {mask->block_q(), mask->block_k()};
+      if (eg != nullptr) return {eg->block_q, eg->block_k};
+      if (skip != nullptr) return {skip->block_q, skip->block_k};
+      return {kBlockQ, hopper_block_k()};
+    };
+    const auto [bq, bk] = blocks_of();
+    if (bq != kBlockQ || bk != hopper_block_k()) {
+      return unsupported(std::string(policy_name(policy)) + (mask != nullptr ? " mask" : "") +
+                         ": fp8_e4m3 inputs on CUDA need 128 x 128 blocks, got " + std::to_string(bq) + " x " +
+                         std::to_string(bk));
     }
     if (es != nullptr) {
       // The selector's fp8 instance scores e4m3 queries against bf16 means; the fp8 forward
@@ -352,7 +365,7 @@ Status check_support(const ProblemShape& shape, const Policy& policy, int* block
                            std::to_string(shape.d) + " (" + support_summary() + ")");
       }
     }
-    *block_k = mask != nullptr || es != nullptr ? hopper_block_k() : dense_block_k(shape.d);
+    *block_k = std::holds_alternative<DenseParams>(policy) ? dense_block_k(shape.d) : hopper_block_k();
     return {};
   }
   if (shape.dtype != DType::kBF16 && shape.dtype != DType::kFP16) {

@@ -3,6 +3,7 @@
 // instances are reached through extern declarations, never through kernel headers.
 #include "cuda/registry.h"
 
+#include <algorithm>
 #include <cstddef>
 #include <iterator>
 #include <sstream>
@@ -155,6 +156,18 @@ std::string compiled_fwd90_summary() {
     os << (v.paged ? " paged" : "");
   }
   return os.str();
+}
+
+std::string fwd90_head_dims(DType dtype) {
+  std::vector<int> dims;
+  for (const Fwd90Variant& v : kFwd90Variants) {
+    if (v.dtype == dtype && std::find(dims.begin(), dims.end(), v.head_dim) == dims.end()) dims.push_back(v.head_dim);
+  }
+  std::string out;
+  for (std::size_t i = 0; i < dims.size(); ++i) {
+    out += (i == 0 ? "" : i + 1 == dims.size() ? " and " : ", ") + std::to_string(dims[i]);
+  }
+  return out;
 }
 
 std::string compiled_instances() {

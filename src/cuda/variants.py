@@ -38,8 +38,8 @@ build them as their own target). The Hopper forward kernel has one more axis:
   kv        contiguous or paged: the producer's K/V loads (contiguous tensor maps, or boxes
             through the block table) differ at compile time, so the contiguous instances keep
             exactly the code they had before paged K/V ran there.
-and one more dtype, fp8 (e4m3 inputs, bf16 output, d = 128, contiguous K/V: one forward instance;
-e4m3 wgmma, V transposed by the launch; dense, block_sparse and, with SELECT90's fp8 instance
+and one more dtype, fp8 (e4m3 inputs, bf16 output, d = 128 or 256, contiguous K/V: SM90_FP8_HEAD_DIMS;
+e4m3 wgmma, V transposed by the launch; dense, block_sparse and, with SELECT90's fp8 instance (d 128)
 (e4m3 Q widened to bf16 against bf16 means), estimate_select, docs/semantics.md §1).
 """
 
@@ -117,6 +117,8 @@ SM90_HEAD_DIMS = (64, 128)
 # there: estimate_select selects and exact_gate's two passes decide with the portable kernels,
 # permute_stop runs on the portable path.
 SM90_CONTIGUOUS_HEAD_DIMS = ((96, 96), (192, 128), (256, 256))
+# The fp8 forward instances' head dims (contiguous K/V, bf16 output).
+SM90_FP8_HEAD_DIMS = (128, 256)
 
 
 SM90_KV = (False, True)  # paged K/V
@@ -246,9 +248,10 @@ def expected_files():
             v_arg = f", false, false, {d_v}" if d_v != d else ""
             files[f"{name}.cu"] = fwd90_unit(name, f"sm90::FwdConfig<{is_bf16}, {d}{v_arg}>")
             registry.append(f"SP_FWD90_VARIANT({name}, {enum}, {d}, {d_v}, false)\n")
-    name = fwd90_name("fp8", 128, False)
-    files[f"{name}.cu"] = fwd90_unit(name, "sm90::FwdConfig<true, 128, false, true>")
-    registry.append(f"SP_FWD90_VARIANT({name}, kFP8E4M3, 128, 128, false)\n")
+    for d in SM90_FP8_HEAD_DIMS:
+        name = fwd90_name("fp8", d, False)
+        files[f"{name}.cu"] = fwd90_unit(name, f"sm90::FwdConfig<true, {d}, false, true>")
+        registry.append(f"SP_FWD90_VARIANT({name}, kFP8E4M3, {d}, {d}, false)\n")
     for dtype in SM90_DTYPES:
         enum, is_bf16 = DTYPES[dtype]
         for d in SM90_HEAD_DIMS:

@@ -160,16 +160,19 @@ inline double midpoint_near(const std::vector<double>& maxima, int want, double 
 // near the `keep_fraction` quantile, so no maximum lies within 0.01 of the threshold (decisions
 // away from ties); -inf (everything kept) when nothing is gated. `opt` gives the call's causal
 // mask, window and softcap (the gated blocks and the scores they compare).
-inline HostTensor midpoint_thresholds(const Inputs& in, const LayoutOptions& opt, int bq, int bk, double keep_fraction) {
-  const geom::BlockGeometry g =
-      geometry(in.s_q(0), in.s_k(0), opt.causal, bq, bk, opt.window_left, opt.window_right, opt.attention_chunk);
-  const int positions = static_cast<int>(geom::ceil_div(in.s_k(0), bq)) + 1;
-  HostTensor thr(DType::kFP32, {in.h_q, positions});
-  for (int i = 0; i < in.h_q * positions; ++i) thr.as<float>()[i] = -std::numeric_limits<float>::infinity();
-  LayoutOptions batched = opt;
-  batched.layout = Layout::kBatched;
-  const std::vector<GatedMax> all = gated_block_maxima(build_problem(in, batched), bq, bk);
-  for (int h = 0; h < in.h_q; ++h) {
+// `batched`: the batch-1 problem in the batched layout whose scores the gate compares (its fp8
+// descales applied: the dequantized scores).
+inline HostTensor midpoint_thresholds(const TestProblem& batched, const LayoutOptions& opt, int bq, int bk,
+                                      double keep_fraction) {
+  ProblemShape shape;
+  EXPECT_TRUE(validate_problem(batched.problem(), nullptr, &shape).ok());
+  const std::int64_t s_q = shape.seq_q[0], s_k = shape.seq_k[0];
+  const geom::BlockGeometry g = geometry(s_q, s_k, opt.causal, bq, bk, opt.window_left, opt.window_right, opt.attention_chunk);
+  const int positions = static_cast<int>(geom::ceil_div(s_k, bq)) + 1;
+  HostTensor thr(DType::kFP32, {shape.h_q, positions});
+  for (int i = 0; i < shape.h_q * positions; ++i) thr.as<float>()[i] = -std::numeric_limits<float>::infinity();
+  const std::vector<GatedMax> all = gated_block_maxima(batched, bq, bk);
+  for (int h = 0; h < shape.h_q; ++h) {
     for (int qb = 0; qb < g.num_q_blocks(); ++qb) {
       std::vector<double> maxima;
       for (const GatedMax& m : all) {
@@ -182,6 +185,11 @@ inline HostTensor midpoint_thresholds(const Inputs& in, const LayoutOptions& opt
     }
   }
   return thr;
+}
+inline HostTensor midpoint_thresholds(const Inputs& in, const LayoutOptions& opt, int bq, int bk, double keep_fraction) {
+  LayoutOptions batched = opt;
+  batched.layout = Layout::kBatched;
+  return midpoint_thresholds(build_problem(in, batched), opt, bq, bk, keep_fraction);
 }
 inline HostTensor midpoint_thresholds(const Inputs& in, bool causal, int bq, int bk, double keep_fraction) {
   LayoutOptions opt;

@@ -154,8 +154,13 @@ std::string refusal(Target t, const TestProblem& tp, const Policy& policy) {
   if (tp.q.dtype() == DType::kFP8E4M3) {
     const auto* es = std::get_if<EstimateSelectParams>(&policy);
     if (es != nullptr && es->mean_correction) return "mean correction over fp8_e4m3 inputs does not run on CUDA";
-    if (es == nullptr && !std::holds_alternative<DenseParams>(policy) && !std::holds_alternative<BlockSparseParams>(policy)) {
-      return "fp8_e4m3 inputs on CUDA run dense, block_sparse and estimate_select only";
+    if (std::holds_alternative<PermuteStopParams>(policy)) {
+      return "fp8_e4m3 inputs on CUDA run dense, block_sparse, exact_gate, softmax_skip and estimate_select";
+    }
+    const auto* eg = std::get_if<ExactGateParams>(&policy);
+    const auto* skip = std::get_if<SoftmaxSkipParams>(&policy);
+    if ((eg != nullptr && eg->block_k != 128) || (skip != nullptr && skip->block_k != 128)) {
+      return "fp8_e4m3 inputs on CUDA need 128 x 128 blocks";
     }
   }
   if (tp.q.dtype() == DType::kFP8E4M3 && t == Target::kCudaPortable) return "fp8_e4m3 inputs run on the Hopper kernel only";
@@ -1297,7 +1302,8 @@ void set_fp8_descales(TestProblem* tp, int batch, int h_kv, double q_gain = 1.0)
 // batched and causal, varlen and non-causal, GQA groups 2, key counts that are not multiples of
 // 128 and a sequence without keys; a causal local window over a chunk; chunked attention (chunks
 // of 300 across query and key blocks, rows at negative positions). A descale of the wrong
-// head fails it. Head dim 128, the Hopper kernel's fp8 instance; the portable kernels refuse fp8.
+// head fails it. Head dims 128 and 256 (batched causal, varlen non-causal), the Hopper kernel's
+// fp8 instances; the portable kernels refuse fp8.
 TEST_P(Conformance, Fp8DenseAndBlockSparse) {
   struct Case {
     std::vector<SeqLen> lens;
@@ -1306,16 +1312,19 @@ TEST_P(Conformance, Fp8DenseAndBlockSparse) {
     Layout layout;
     int left = -1;
     int chunk = 0;
+    int d = 128;
   };
   for (const Case& c : {Case{{{300, 300}}, 2, 1, true, Layout::kBatched},
                         Case{{{200, 450}, {129, 40}, {5, 0}}, 4, 2, false, Layout::kVarlen},
                         Case{{{200, 700}}, 2, 1, true, Layout::kVarlen, 150},
-                        Case{{{200, 700}, {130, 40}}, 4, 2, true, Layout::kVarlen, -1, 300}}) {
+                        Case{{{200, 700}, {130, 40}}, 4, 2, true, Layout::kVarlen, -1, 300},
+                        Case{{{300, 300}}, 2, 1, true, Layout::kBatched, -1, 0, 256},
+                        Case{{{200, 450}, {129, 40}, {5, 0}}, 4, 2, false, Layout::kVarlen, -1, 0, 256}}) {
     SCOPED_TRACE(std::to_string(c.lens.size()) + " sequence(s), h_q " + std::to_string(c.h_q) + ", h_kv " +
                  std::to_string(c.h_kv) + (c.causal ? ", causal" : ", non-causal") + ", window_left " +
-                 std::to_string(c.left) + ", chunk " + std::to_string(c.chunk));
-    const Inputs in = random_inputs(c.lens, c.h_q, c.h_kv, 128, DType::kFP8E4M3,
-                                    900 + c.h_q + std::max(c.left, 0) + c.chunk, 3.0);
+                 std::to_string(c.left) + ", chunk " + std::to_string(c.chunk) + ", d " + std::to_string(c.d));
+    const Inputs in = random_inputs(c.lens, c.h_q, c.h_kv, c.d, DType::kFP8E4M3,
+                                    900 + c.h_q + std::max(c.left, 0) + c.chunk + c.d, 3.0);
     Features f = Features::plain(c.causal);
     f.left = c.left;
     f.chunk = c.chunk;
@@ -1330,6 +1339,46 @@ TEST_P(Conformance, Fp8DenseAndBlockSparse) {
       SCOPED_TRACE(policy_name(policy));
       check(&tp, policy);
     }
+  }
+}
+
+// FP8 exact_gate and softmax_skip (on CUDA in one pass, the gates in the fp8 instance's loop)
+// against the oracle on the dequantized values: decisions exactly (thresholds at midpoints of the
+// dequantized block maxima, no maximum within 0.01 of one; a skip factor with a margin), O within
+// the fp8 tolerance; causal and not, GQA, head dims 128 and 256, descales per KV head that are not
+// powers of two (a gate comparing raw e4m3 scores, or a running max off by the kernel's 2^7
+// offset, decides otherwise).
+TEST_P(Conformance, Fp8ExactGateAndSoftmaxSkip) {
+  struct Case {
+    SeqLen len;
+    bool causal;
+    int h_q, h_kv, d;
+  };
+  for (const Case& c : {Case{{300, 700}, true, 4, 2, 128}, Case{{256, 520}, false, 2, 1, 128},
+                        Case{{200, 600}, true, 2, 1, 256}}) {
+    SCOPED_TRACE(std::to_string(c.len.s_q) + "x" + std::to_string(c.len.s_k) + (c.causal ? " causal" : " non-causal") +
+                 ", d " + std::to_string(c.d));
+    TestProblem tp = make_problem(
+        random_inputs({c.len}, c.h_q, c.h_kv, c.d, DType::kFP8E4M3, 1400 + static_cast<std::uint64_t>(c.d + c.len.s_k), 3.0),
+        c.causal);
+    set_fp8_descales(&tp, 1, c.h_kv);
+    LayoutOptions opt;
+    opt.causal = c.causal;
+    const HostTensor thr = midpoint_thresholds(tp, opt, kBlock, 128, 0.4);
+    const Policy gate = gate_params(thr, kBlock, 128);
+    const Oracle want = oracle_of(tp, gate);
+    EXPECT_LT(want.ref64.decisions.kept.selected_blocks(), visible({c.len}, c.h_q, c.causal, 128))
+        << "the thresholds should skip some blocks";
+    check(&tp, gate, want);
+
+    TestProblem sk = make_problem(
+        skip_inputs({c.len}, c.h_q, c.h_kv, c.d, 1500 + static_cast<std::uint64_t>(c.d), 128, DType::kFP8E4M3), c.causal);
+    set_fp8_descales(&sk, 1, c.h_kv, 4.0);  // at q · k descales near 0.2 no cold block falls far enough below
+    const double a = stable_parameter(sk, scale_factors(c.len.s_k),
+                                      [&](double x) -> Policy { return skip_params(x, kBlock, 128); },
+                                      some_skipped(visible({c.len}, c.h_q, c.causal, 128)));
+    ASSERT_FALSE(std::isnan(a)) << "no scale factor with a margin skips anything";
+    check(&sk, skip_params(a, kBlock, 128));
   }
 }
 

@@ -213,6 +213,28 @@ TEST(CudaExecutionPlan, FamilyHeadDimsRunExactGateInOneOrTwoPasses) {
   EXPECT_EQ(h128.gate_heads_per_cta, gate_heads_per_cta(4));
 }
 
+// FP8 exact_gate and softmax_skip run in the fp8 instance's loop at both of its head dims: one
+// pass (no decision kernel reads e4m3), no GQA packing (gated visits differ per head).
+TEST(CudaExecutionPlan, Fp8GatesRunInOnePassOnTheFp8Instances) {
+  for (const int d : {128, 256}) {
+    SCOPED_TRACE("d " + std::to_string(d));
+    const ProblemShape s = cuda_shape_of(4096, 4096, 8, 2, d, DType::kFP8E4M3);
+    const ExecutionPlan eg = plan_of(s, gate());
+    EXPECT_EQ(eg.path, FwdPath::kHopper);
+    EXPECT_EQ(eg.passes, 1);
+    EXPECT_EQ(eg.gate, nullptr);
+    EXPECT_EQ(eg.mode, PolicyMode::kExactGate);
+    EXPECT_EQ(eg.q_pack, 1);
+    EXPECT_EQ(std::string(eg.fwd90->name), "fwd_sm90_fp8_hd" + std::to_string(d));
+    SoftmaxSkipParams skip;
+    skip.block_k = 128;
+    const ExecutionPlan sk = plan_of(s, skip);
+    EXPECT_EQ(sk.mode, PolicyMode::kSoftmaxSkip);
+    EXPECT_EQ(sk.q_pack, 1);
+    EXPECT_EQ(std::string(sk.fwd90->name), "fwd_sm90_fp8_hd" + std::to_string(d));
+  }
+}
+
 TEST(CudaExecutionPlan, EstimateSelectNamesItsSelector) {
   const ProblemShape s = cuda_shape_of(8192, 8192);
   const ExecutionPlan h = plan_of(s, EstimateSelectParams{});

@@ -207,9 +207,11 @@ TEST(CudaPlan, FamilyHeadDimsRunTheirPoliciesOnTheirPaths) {
       expect_family_dims(dtype, d, d_v, subject);
     }
   }
-  const Status fp8 = check_support(cuda_shape_of(300, 300, 4, 1, 256, DType::kFP8E4M3), DenseParams{}, &n);
+  const Status fp8 = check_support(cuda_shape_of(300, 300, 4, 1, 96, DType::kFP8E4M3), DenseParams{}, &n);
   EXPECT_EQ(fp8.code(), StatusCode::kUnsupported);
-  EXPECT_NE(fp8.message().find("head_dim 128 only"), std::string::npos) << fp8.message();
+  EXPECT_NE(fp8.message().find("head_dim 128 and 256 only (the Hopper kernel's fp8 instances), got 96"),
+            std::string::npos)
+      << fp8.message();
   for (const char* dims : {"bf16 d=256", "fp16 d=192 d_v=128"}) {
     EXPECT_NE(support_summary().find(std::string(dims) + " (dense, block_sparse, exact_gate, softmax_skip and "
                                                          "estimate_select)"),
@@ -357,9 +359,25 @@ TEST(CudaPlan, Fp8RunsDenseBlockSparseAndEstimateSelectOnTheHopperInstances) {
   // Everything else says what is missing and where it runs.
   mask.mask = BlockMask::empty(s, 128, 64, false);
   expect_unsupported(s, mask, "fp8_e4m3 inputs on CUDA need 128 x 128 blocks, got 128 x 64");
+  // exact_gate and softmax_skip on 128-key blocks: the gates in the fp8 instance's loop, one pass.
   ExactGateParams gate;
   gate.block_k = 128;
-  expect_unsupported(s, gate, "exact_gate: fp8_e4m3 inputs on CUDA run dense, block_sparse and estimate_select only");
+  SoftmaxSkipParams skip;
+  skip.block_k = 128;
+  for (const Policy& policy : {Policy{gate}, Policy{skip}}) {
+    ASSERT_TRUE(check_support(s, policy, &n).ok());
+    EXPECT_EQ(n, 128);
+    EXPECT_EQ(choose_fwd_path(s, policy, true, 9, 0), FwdPath::kHopper);
+  }
+  gate.block_k = 64;
+  expect_unsupported(s, gate, "exact_gate: fp8_e4m3 inputs on CUDA need 128 x 128 blocks, got 128 x 64");
+  skip.block_k = 64;
+  expect_unsupported(s, skip, "softmax_skip: fp8_e4m3 inputs on CUDA need 128 x 128 blocks, got 128 x 64");
+  PermuteStopParams stop;
+  stop.block_k = 128;
+  expect_unsupported(s, stop,
+                     "permute_stop: fp8_e4m3 inputs on CUDA run dense, block_sparse, exact_gate, softmax_skip and "
+                     "estimate_select");
   EstimateSelectParams corrected = es;
   corrected.mean_correction = true;
   expect_unsupported(s, corrected, "estimate_select: mean correction over fp8_e4m3 inputs does not run on CUDA");
@@ -367,7 +385,17 @@ TEST(CudaPlan, Fp8RunsDenseBlockSparseAndEstimateSelectOnTheHopperInstances) {
   small.block = 64;
   expect_unsupported(s, small, "estimate_select: the CUDA selector needs block = 128, got 64");
   expect_unsupported(cuda_shape_of(300, 300, 4, 1, 64, DType::kFP8E4M3), DenseParams{},
-                     "fp8_e4m3 inputs run on CUDA with head_dim 128 only (the Hopper kernel's fp8 instance), got 64");
+                     "fp8_e4m3 inputs run on CUDA with head_dim 128 and 256 only (the Hopper kernel's fp8 instances), "
+                     "got 64");
+  // At 256 dense and block masks run on the Hopper path; estimate_select has no fp8 selector there.
+  const ProblemShape wide = cuda_shape_of(300, 300, 4, 1, 256, DType::kFP8E4M3);
+  BlockSparseParams wide_mask;
+  wide_mask.mask = BlockMask::empty(wide, 128, 128, false);
+  for (const Policy& policy : {Policy{DenseParams{}}, Policy{wide_mask}}) {
+    EXPECT_TRUE(check_support(wide, policy, &n).ok());
+    EXPECT_EQ(choose_fwd_path(wide, policy, true, 9, 0), FwdPath::kHopper);
+  }
+  expect_unsupported(wide, es, "estimate_select: no compiled selector for fp8_e4m3 head_dim 256");
   ProblemShape paged = s;
   paged.kv_layout = KvLayout::kPaged;
   paged.page_size = 16;

@@ -67,10 +67,13 @@ constexpr std::uint64_t kMetadataCacheBytes = std::uint64_t{64} << 20;
 // ---------------------------------------------------------------- Hopper forward kernel
 
 // Pipeline stages of K/V tiles: FP8's tiles are half the bytes, so 4 fit where 16-bit fits 2;
-// at d 256 (64 KB a tile) Q and one K and V stage fill 192 KB, and two do not fit.
+// at d 256 (64 KB a 16-bit tile, 32 KB an e4m3 one) Q and one 16-bit K and V stage fill 192 KB,
+// two do not fit; e4m3 there takes 2 (160 KB; 2-6 measured equal at d 128).
 // reproduce: bench_attention.py --lengths 32768 --impls ours_dense,ours_dense_fp8 over kStages
 //            (record 2026-11-29-h200-fp8-stages; 16-bit -dev-sm90-dense)
-SP_HD constexpr int hopper_stages(bool fp8, int head_dim) { return fp8 ? 4 : head_dim > 192 ? 1 : 2; }
+SP_HD constexpr int hopper_stages(bool fp8, int head_dim) {
+  return head_dim > 192 ? (fp8 ? 2 : 1) : (fp8 ? 4 : 2);
+}
 
 // Q kept in registers through the main loop (16-bit contiguous d 128 only: elsewhere the
 // registers are needed more).

@@ -40,7 +40,7 @@ namespace sparseprefill::cuda::sm90 {
 // tiles and the output. kPaged instances read K/V through the block
 // table, a key tile as boxes of whole 8-row groups (paged_box_rows) that compose into the same
 // swizzled tile, or gathered row by row (gather_tile) where pages cannot be boxed that way or
-// boxes would be small (hopper_gathers_pages). kFp8 instances (d = 128, contiguous K/V) read
+// boxes would be small (hopper_gathers_pages). kFp8 instances (d = 128 or 256, contiguous K/V) read
 // e4m3 Q/K/V and write a bf16 O (kBf16 then names the output); their V tile is V transposed
 // ([d rows][128 keys], transpose_v_kernel), the K-major B operand 8-bit wgmma needs.
 template <bool kBf16_, int kHeadDim_, bool kPaged_ = false, bool kFp8_ = false, int kHeadDimV_ = kHeadDim_>
@@ -108,8 +108,8 @@ struct FwdConfig {
                     ? (kHeadDim == 64 || kHeadDim == 128 || ((kHeadDim == 96 || kHeadDim == 256) && !kPaged))
                     : (kHeadDim == 192 && kHeadDimV == 128 && !kPaged),
                 "d = 64 or 128, contiguous 96, 256 or 192 with d_v 128");
-  static_assert(!kFp8 || (kHeadDim == 128 && kHeadDimV == 128 && !kPaged && kBf16),
-                "fp8: d = 128, contiguous K/V, bf16 output");
+  static_assert(!kFp8 || ((kHeadDim == 128 || kHeadDim == 256) && kHeadDimV == kHeadDim && !kPaged && kBf16),
+                "fp8: d = 128 or 256, contiguous K/V, bf16 output");
   static_assert(kTileM == kConsumers * 64, "each consumer warpgroup owns one m64 slab of Q");
 };
 
@@ -343,14 +343,19 @@ __device__ __forceinline__ void load_q_frags(std::uint32_t (&qf)[Cfg::kQkSteps][
 }
 
 // O += P·V with P in registers (pack_p), as one commit group. An accumulator of 256 columns
-// (d_v 256) is two n128 halves, the second starting two d-halves (boxes, the LBO) further.
+// (d_v 256) is two n128 halves: 16-bit V's second starts two d-halves (boxes, the LBO) further,
+// FP8's Vᵀ at its row (d) 128.
 template <class Cfg>
 __device__ __forceinline__ void wgmma_pv(float (&o)[Cfg::kDFrags][4], const std::uint32_t (&pf)[Cfg::kPvSteps][4],
                                          std::uint64_t v) {
   hw::wgmma_fence();
 #pragma unroll
   for (int kk = 0; kk < Cfg::kPvSteps; ++kk) {
-    if constexpr (Cfg::kFp8) {
+    if constexpr (Cfg::kFp8 && Cfg::kDFrags == 32) {
+      using Half = float[16][4];
+      hw::wgmma_rs_e4m3(*reinterpret_cast<Half*>(&o[0]), pf[kk], v + k_step<Cfg>(kk));
+      hw::wgmma_rs_e4m3(*reinterpret_cast<Half*>(&o[16]), pf[kk], v + k_step<Cfg>(kk) + (Cfg::kHalfBytes >> 4));
+    } else if constexpr (Cfg::kFp8) {
       hw::wgmma_rs_e4m3(o, pf[kk], v + k_step<Cfg>(kk));
     } else if constexpr (Cfg::kDFrags == 32) {
       using Half = float[16][4];
@@ -811,10 +816,16 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
   // leaves the slot safe to reuse: all warps stay within a round of each other (the turn
   // barriers), the producer within two positions (it reads a decision before the next K load),
   // and there are kVoteSlots = 4 slots.
+  // FP8: the rules read the dequantized scores (the descales in both scales) and the true running
+  // max, which m keeps kPLog2Offset below.
+  const float gate_scale = Cfg::kFp8 ? p.scale * ptx::descale_of(p, 0, b, hk) * ptx::descale_of(p, 1, b, hk) : p.scale;
   auto vote = [&](int j, const float (&mx)[2]) -> bool {
     bool keep = false;
 #pragma unroll
-    for (int r = 0; r < 2; ++r) keep |= gate.keeps_row(mx[r], stats.m[r], qrow[r] < rows_valid, p.scale, p.scale_log2);
+    for (int r = 0; r < 2; ++r) {
+      const float m_run = Cfg::kFp8 ? stats.m[r] + static_cast<float>(Cfg::kPLog2Offset) : stats.m[r];
+      keep |= gate.keeps_row(mx[r], m_run, qrow[r] < rows_valid, gate_scale, scale_log2);
+    }
     keep = __any_sync(0xffffffffu, keep);
     const int g = j - first_gated;
     if (lane == 0) {
@@ -947,10 +958,16 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
     if (wg == 1) hw::named_arrive(1);  // warpgroup 0 issues first
     hw::mbar_wait(hw::smem_u32(&sm.q_loaded), 0);
     if constexpr (Cfg::kQInRegs) load_q_frags<Cfg>(qf, hw::smem_u32(sm.q), wg);
-    if constexpr (Cfg::kFp8 || kFeatures) {
-      // FP8 runs dense and block masks only (policy.cpp); a feature, dense and block masks
-      // without mean correction (check_support).
+    if constexpr (kFeatures) {
+      // A feature: dense and block masks without mean correction (check_support).
       rounds(std::false_type{}, std::false_type{});
+    } else if constexpr (Cfg::kFp8) {
+      // FP8: no mean tiles (check_support).
+      if (gate.exact || gate.skip) {
+        rounds(std::true_type{}, std::false_type{});
+      } else {
+        rounds(std::false_type{}, std::false_type{});
+      }
     } else if (gate.exact || gate.skip) {
       rounds(std::true_type{}, std::false_type{});
     } else if (n_visit > visit.n_reg) {
@@ -996,15 +1013,15 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
 }
 
 // ------------------------------------------------------------------ FP8's V
-// V [.., s_k, h_kv, 128] e4m3 -> v_t [batch, h_kv, 128, vt_stride] (FwdParams::v_t), tile by
-// tile of 128 keys: column 16g + j of a tile holds key 16g + perm(j), perm(4t + i) = 2t + i for
+// V [.., s_k, h_kv, d] e4m3 -> v_t [batch, h_kv, d, vt_stride] (FwdParams::v_t, d: kHeadDimV),
+// tile by tile of 128 keys: column 16g + j of a tile holds key 16g + perm(j), perm(4t + i) = 2t + i for
 // i < 2 and 8 + 2t + i - 2 otherwise, the order in which pack_p hands the e4m3 A fragment the
 // S accumulator's columns; keys past s_k are zero (their P is 0: masked). Grid (vt_stride / 128,
 // h_kv, batch), 256 threads; rows are 16-byte aligned (tma_describable). A template, as every
 // kernel in this header: one copy per instance translation unit.
 template <class Cfg>
 __global__ void __launch_bounds__(256) transpose_v_kernel(const __grid_constant__ FwdParams p) {
-  constexpr int kKeys = 128, kD = 128, kPad = 16;  // padded rows keep 16-byte alignment
+  constexpr int kKeys = 128, kD = Cfg::kHeadDimV, kPad = 16;  // padded rows keep 16-byte alignment
   __shared__ alignas(16) std::uint8_t tile[kKeys][kD + kPad];  // [key][d]
   const int b = blockIdx.z, hk = blockIdx.y;
   const std::int64_t key0 = static_cast<std::int64_t>(blockIdx.x) * kKeys;
@@ -1120,14 +1137,14 @@ bool encode_mean_map(CUtensorMap* map, const void* base, int d, int blocks, int 
   return r == CUDA_SUCCESS;
 }
 
-// FP8's Vᵀ (FwdParams::v_t, [planes = batch · h_kv][128 d][vt_stride keys] bytes) as a 3-D map
-// (key, d, plane) with boxes of [128 d rows][128 keys] and 128B swizzle: the K-major B tile of
-// P·V, laid out as a K tile.
-inline bool encode_vt_map(CUtensorMap* map, const void* base, std::int64_t vt_stride, int planes) {
-  constexpr cuuint64_t kD = 128;
+// FP8's Vᵀ (FwdParams::v_t, [planes = batch · h_kv][d][vt_stride keys] bytes) as a 3-D map
+// (key, d, plane) with boxes of [d rows][128 keys] (d <= 256, TMA's box bound) and 128B swizzle:
+// the K-major B tile of P·V, laid out as a K tile.
+inline bool encode_vt_map(CUtensorMap* map, const void* base, std::int64_t vt_stride, int d, int planes) {
+  const auto kD = static_cast<cuuint64_t>(d);
   const cuuint64_t dims[3] = {static_cast<cuuint64_t>(vt_stride), kD, static_cast<cuuint64_t>(planes)};
   const cuuint64_t strides[2] = {static_cast<cuuint64_t>(vt_stride), static_cast<cuuint64_t>(vt_stride) * kD};
-  const cuuint32_t box[3] = {128, 128, 1};
+  const cuuint32_t box[3] = {128, static_cast<cuuint32_t>(d), 1};
   const cuuint32_t elem_strides[3] = {1, 1, 1};
   const CUresult r = tensor_map_encoder()(map, CU_TENSOR_MAP_DATA_TYPE_UINT8, 3, const_cast<void*>(base), dims, strides,
                                           box, elem_strides, CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
@@ -1243,7 +1260,7 @@ int launch_fwd(const FwdParams& p, const SeqInfo* seqs, const std::int32_t* tabl
     if (p.v_t == nullptr || p.vt_stride < Cfg::kTileN || p.vt_stride % Cfg::kTileN != 0) {
       return static_cast<int>(cudaErrorInvalidValue);
     }
-    if (!encode_vt_map(&scratch_maps.v_t, p.v_t, p.vt_stride, p.batch * p.h_kv)) {
+    if (!encode_vt_map(&scratch_maps.v_t, p.v_t, p.vt_stride, Cfg::kHeadDimV, p.batch * p.h_kv)) {
       return static_cast<int>(cudaErrorInvalidValue);
     }
   }
