@@ -512,8 +512,10 @@ __device__ __forceinline__ void gather_tile(const FwdParams& p, const SeqInfo& s
 // only, check_support): its geometry and element masks read the window, its scores are capped,
 // its rows finalised with their head's sink. The feature-free kernel takes every feature as
 // absent at compile time, so it compiles as it did before they ran (the same SASS: record
-// 2026-12-02-cpu-window-kernels-sass).
-template <class Cfg, bool kFeatures>
+// 2026-12-02-cpu-window-kernels-sass). kFp8Gates: FP8's exact_gate and softmax_skip kernel (its
+// other kernels compile no gate: with the gated rounds beside them FP8 dense ran 0.8% slower,
+// record 2026-12-04-h200-fp8-gates-ab).
+template <class Cfg, bool kFeatures, bool kFp8Gates = false>
 __global__ void __launch_bounds__(Cfg::kThreads, 1)
     fwd_kernel(const __grid_constant__ FwdParams p, const SeqMaps* __restrict__ uploaded_maps,
                const __grid_constant__ ScratchMaps scratch_maps, const __grid_constant__ ParamMaps param_maps) {
@@ -962,12 +964,8 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
       // A feature: dense and block masks without mean correction (check_support).
       rounds(std::false_type{}, std::false_type{});
     } else if constexpr (Cfg::kFp8) {
-      // FP8: no mean tiles (check_support).
-      if (gate.exact || gate.skip) {
-        rounds(std::true_type{}, std::false_type{});
-      } else {
-        rounds(std::false_type{}, std::false_type{});
-      }
+      // FP8: no mean tiles (check_support); the gates in a kernel of their own.
+      rounds(std::bool_constant<kFp8Gates>{}, std::false_type{});
     } else if (gate.exact || gate.skip) {
       rounds(std::true_type{}, std::false_type{});
     } else if (n_visit > visit.n_reg) {
@@ -1265,6 +1263,9 @@ int launch_fwd(const FwdParams& p, const SeqInfo* seqs, const std::int32_t* tabl
     }
   }
   auto* kernel = features ? fwd_kernel<Cfg, true> : fwd_kernel<Cfg, false>;
+  if constexpr (Cfg::kFp8) {
+    if (!features && gated_mode(p.mode)) kernel = fwd_kernel<Cfg, false, true>;
+  }
   const int smem = static_cast<int>(sizeof(Smem<Cfg>)) + 1024;  // + alignment slack
   cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
   if (err != cudaSuccess) return static_cast<int>(err);
