@@ -371,8 +371,9 @@ def run(*args: Any, **kwargs: Any) -> Result:
       query to the keys of its own chunk of C positions (CUDA: under Dense and BlockSparse, as
       window_size). backend is "auto",
       "reference" (the fp64 oracle), "cpu" or "cuda". FP8 inputs (torch.float8_e4m3fn q, k and
-      v; every policy on the host backends; on CUDA, a 9.0 device, head_dim 128: dense,
-      block_sparse and estimate_select without mean correction) may take float32 descales [b, h_kv]: attention
+      v; every policy on the host backends; on CUDA, a 9.0 device: dense, block_sparse,
+      exact_gate and softmax_skip at head_dim 128 and 256, estimate_select without mean
+      correction at 128) may take float32 descales [b, h_kv]: attention
       runs on q * q_descale[b, h // group], k * k_descale[b, kv head], v * v_descale[b, kv head]
       (an absent descale is 1), and out is bfloat16.
 

@@ -3,10 +3,10 @@
 // tiles through a 2-stage mbarrier pipeline (1 at d 256); two consumer warpgroups of 64 query
 // rows each issue wgmma (S = Q·Kᵀ from shared memory, O += P·V with P in registers), overlap the
 // softmax of tile j with the P·V of tile j-1 (but at d_v 256: kSerialPv) and take turns issuing
-// (ping-pong). Every policy of the
-// portable kernel with 128-key blocks: dense, block masks (with mean-correction tiles) and the
-// exact_gate / softmax_skip gates, whose skipped blocks never have their V requested. Promoted
-// from dev/fwd_sm90_dense.cu v3. Included only by generated instance files.
+// (ping-pong). Every policy of the portable kernel with 128-key blocks: dense, block masks (with
+// mean-correction tiles) and the exact_gate / softmax_skip gates, whose skipped blocks never
+// have their V requested. Promoted from dev/fwd_sm90_dense.cu v3. Included only by generated
+// instance files.
 #pragma once
 
 #include <cuda.h>
@@ -37,12 +37,12 @@ namespace sparseprefill::cuda::sm90 {
 // 64 (96) is stored at the next one's width, its last box's columns past d zero-filled by TMA
 // (out of the map's bounds), so Q·Kᵀ runs d / 16 K steps and P·V writes zero columns past d_v,
 // which the epilogue does not store. kHeadDimV (MLA-style prefill: q/k 192, v 128) sizes the V
-// tiles and the output. kPaged instances read K/V through the block
-// table, a key tile as boxes of whole 8-row groups (paged_box_rows) that compose into the same
-// swizzled tile, or gathered row by row (gather_tile) where pages cannot be boxed that way or
-// boxes would be small (hopper_gathers_pages). kFp8 instances (d = 128 or 256, contiguous K/V) read
-// e4m3 Q/K/V and write a bf16 O (kBf16 then names the output); their V tile is V transposed
-// ([d rows][128 keys], transpose_v_kernel), the K-major B operand 8-bit wgmma needs.
+// tiles and the output. kPaged instances read K/V through the block table, a key tile as boxes
+// of whole 8-row groups (paged_box_rows) that compose into the same swizzled tile, or gathered
+// row by row (gather_tile) where pages cannot be boxed that way or boxes would be small
+// (hopper_gathers_pages). kFp8 instances (d = 128 or 256, contiguous K/V) read e4m3 Q/K/V and
+// write a bf16 O (kBf16 then names the output); their V tile is V transposed ([d rows][128
+// keys], transpose_v_kernel), the K-major B operand 8-bit wgmma needs.
 template <bool kBf16_, int kHeadDim_, bool kPaged_ = false, bool kFp8_ = false, int kHeadDimV_ = kHeadDim_>
 struct FwdConfig {
   static constexpr bool kBf16 = kBf16_;
@@ -1012,8 +1012,8 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
 
 // ------------------------------------------------------------------ FP8's V
 // V [.., s_k, h_kv, d] e4m3 -> v_t [batch, h_kv, d, vt_stride] (FwdParams::v_t, d: kHeadDimV),
-// tile by tile of 128 keys: column 16g + j of a tile holds key 16g + perm(j), perm(4t + i) = 2t + i for
-// i < 2 and 8 + 2t + i - 2 otherwise, the order in which pack_p hands the e4m3 A fragment the
+// tile by tile of 128 keys: column 16g + j of a tile holds key 16g + perm(j), perm(4t + i) =
+// 2t + i for i < 2 and 8 + 2t + i - 2 otherwise, the order in which pack_p hands the e4m3 A fragment the
 // S accumulator's columns; keys past s_k are zero (their P is 0: masked). Grid (vt_stride / 128,
 // h_kv, batch), 256 threads; rows are 16-byte aligned (tma_describable). A template, as every
 // kernel in this header: one copy per instance translation unit.
@@ -1070,9 +1070,8 @@ inline PFN_cuTensorMapEncodeTiled_v12000 tensor_map_encoder() {
 
 // 3-D map (d, head, row) over one sequence's rows of a [s, h, d] tensor with element strides;
 // boxes of [box_rows][box_heads][128 bytes] with 128B swizzle; rows past `rows` and columns
-// past d (Cfg::kHeadDim, or kHeadDimV for V: `value`) read as zero. A
-// dimension of extent 1 is never stepped over, so its stride is replaced by a valid one (TMA
-// wants multiples of 16).
+// past d (Cfg::kHeadDim, or kHeadDimV for V: `value`) read as zero. A dimension of extent 1 is
+// never stepped over, so its stride is replaced by a valid one (TMA wants multiples of 16).
 template <class Cfg>
 bool encode_map(CUtensorMap* map, const void* base, bool value, std::int64_t rows, int heads, std::int64_t row_stride,
                 std::int64_t head_stride, int box_rows = Cfg::kTileN, int box_heads = 1) {
