@@ -279,6 +279,7 @@ def never():
     (dict(sliding_window=4096), "sliding window 4096"),
     (dict(rswa_window=512), "reference sliding-window attention, window 512"),
     (dict(mm_prefix=True), "bidirectional multimodal prefix ranges"),
+    (dict(attention_chunk=8192), "chunked local attention, chunks of 8192"),
     (dict(dtype="float32"), "dtype float32"),
     (dict(kv_cache_dtype="fp8_e4m3"), "kv cache dtype fp8_e4m3"),
     (dict(kv_cache_dtype="float16"), "kv cache dtype float16 (the model's dtype bfloat16 expected)"),

@@ -129,6 +129,12 @@ class SparsePrefillMetadata:
         return mask
 
 
+def _attention_chunk(layer: torch.nn.Module) -> Optional[int]:
+    """A ChunkedLocalAttention layer's chunk (vLLM sets attention_chunk_size on it), else None."""
+    chunk = getattr(layer, "attention_chunk_size", None)
+    return int(chunk) if chunk else None
+
+
 def _kv_views(kv_cache: torch.Tensor, head_size: int) -> Tuple[torch.Tensor, torch.Tensor]:
     """vLLM's (num_blocks, h_kv, block_size, 2 d) cache -> K, V views [num_blocks, block_size,
     h_kv, d] (no copy: head stride 2 d, V at offset d), size-1 strides made canonical as FLASH_ATTN
@@ -151,7 +157,7 @@ class SparsePrefillImpl(FlashAttentionImpl):
             self._model = None
         self._plan: Optional[_LayerPlan] = None
 
-    def layer_spec(self, layer_name: str, dtype: torch.dtype) -> LayerSpec:
+    def layer_spec(self, layer_name: str, dtype: torch.dtype, attention_chunk: Optional[int] = None) -> LayerSpec:
         window = None if self.sliding_window in (None, (-1, -1)) else self.sliding_window[0] + 1
         model = self._model
         return LayerSpec(index=extract_layer_index(layer_name), head_size=self.head_size, dtype=_dtype_name(dtype),
@@ -160,14 +166,17 @@ class SparsePrefillImpl(FlashAttentionImpl):
                          logits_soft_cap=float(self.logits_soft_cap or 0.0), alibi=self.alibi_slopes is not None,
                          sinks=self.sinks is not None, dcp_world_size=self.dcp_world_size,
                          rswa_window=getattr(model, "rswa_window", None) if model is not None else None,
-                         mm_prefix=bool(getattr(model, "is_mm_prefix_lm", False)) if model is not None else False)
+                         mm_prefix=bool(getattr(model, "is_mm_prefix_lm", False)) if model is not None else False,
+                         attention_chunk=attention_chunk)
 
-    def plan(self, layer_name: str, dtype: torch.dtype, device: torch.device, block_size: int) -> _LayerPlan:
-        """This layer's decision (made once per configuration, logged in one line)."""
+    def plan(self, layer_name: str, dtype: torch.dtype, device: torch.device, block_size: int,
+             attention_chunk: Optional[int] = None) -> _LayerPlan:
+        """This layer's decision (made once per configuration, logged in one line); attention_chunk:
+        the layer's (ChunkedLocalAttention.attention_chunk_size), which the impl does not see."""
         if self._plan is not None and self._plan.generation == _State.generation:
             return self._plan
         config = _State.config
-        spec = self.layer_spec(layer_name, dtype)
+        spec = self.layer_spec(layer_name, dtype, attention_chunk)
         built: Dict[str, Any] = {}
 
         def probe() -> Optional[str]:
@@ -206,7 +215,7 @@ class SparsePrefillImpl(FlashAttentionImpl):
         if attn_metadata is None:  # vLLM's profiling run
             return super().forward(layer, query, key, value, kv_cache, None, output, output_scale, output_block_scale)
         m = attn_metadata
-        plan = self.plan(layer.layer_name, query.dtype, query.device, kv_cache.shape[2])
+        plan = self.plan(layer.layer_name, query.dtype, query.device, kv_cache.shape[2], _attention_chunk(layer))
         if not m.sparse or not plan.decision.sparse:
             return super().forward(layer, query, key, value, kv_cache, m.fa_full, output, output_scale,
                                    output_block_scale)
@@ -258,7 +267,7 @@ class SparsePrefillMetadataBuilder(AttentionMetadataBuilder[SparsePrefillMetadat
         self._plans()
 
     def _plans(self) -> list:
-        return [layer.impl.plan(name, self._dtype, self.device, self.kv_cache_spec.block_size)
+        return [layer.impl.plan(name, self._dtype, self.device, self.kv_cache_spec.block_size, _attention_chunk(layer))
                 for name, layer in self._layers.items() if isinstance(layer.impl, SparsePrefillImpl)]
 
     def build(self, common_prefix_len: int, common_attn_metadata: CommonAttentionMetadata,

@@ -409,7 +409,8 @@ def layer_policy(config: SparsePrefillConfig, layer: int, num_heads: int, tp_siz
 class LayerSpec:
     """What vLLM's attention layer is, as the decision reads it. dtype: the model's ('bfloat16',
     'float16', ...); kv_cache_dtype: vLLM's cache dtype string ('auto' is the model's);
-    rswa_window and mm_prefix: the model's R-SWA window and PrefixLM flag (model_config)."""
+    rswa_window and mm_prefix: the model's R-SWA window and PrefixLM flag (model_config);
+    attention_chunk: a ChunkedLocalAttention layer's chunk (Llama 4's local layers), None else."""
 
     index: int
     head_size: int
@@ -423,6 +424,7 @@ class LayerSpec:
     dcp_world_size: int = 1
     rswa_window: Optional[int] = None
     mm_prefix: bool = False
+    attention_chunk: Optional[int] = None
 
 
 @dataclass(frozen=True)
@@ -462,6 +464,12 @@ def decide_layer(config: SparsePrefillConfig, spec: LayerSpec,
         reasons.append(f"reference sliding-window attention, window {spec.rswa_window} (not supported)")
     if spec.mm_prefix:
         reasons.append("bidirectional multimodal prefix ranges (PrefixLM; not supported)")
+    if spec.attention_chunk is not None:
+        # vLLM runs these layers on per-chunk virtual batches built by its wrapper of this
+        # backend's builder, whose host sequence lengths stay the real batch's (rows and lengths
+        # both differ): our split would read the wrong keys.
+        reasons.append(f"chunked local attention, chunks of {spec.attention_chunk} (vLLM's per-chunk virtual "
+                       "batches; not supported)")
     if spec.dtype not in ("bfloat16", "float16"):
         reasons.append(f"dtype {spec.dtype} (bfloat16 or float16 expected)")
     if spec.kv_cache_dtype not in ("auto", spec.dtype):
