@@ -47,7 +47,7 @@ std::string not_hopper_reason(const ProblemShape& shape, const Policy& policy, b
   }
   if (std::holds_alternative<PermuteStopParams>(policy) && find_permute90(shape.dtype, shape.d) == nullptr) {
     return std::string("no Hopper permute_stop instance is compiled for ") + dtype_name(shape.dtype) + " head_dim " +
-           std::to_string(shape.d) + " (variants.py: 64 and 128)";
+           std::to_string(shape.d);
   }
   return "the policy's key blocks are not the Hopper kernel's 128 keys (or permute_stop over paged K/V)";
 }

@@ -69,6 +69,13 @@ const V* find_in(const V (&table)[N], const Match& match) {
   return nullptr;
 }
 
+// "a", "a and b", "a, b and c": a list in a message.
+std::string join_and(const std::vector<std::string>& items) {
+  std::string out;
+  for (std::size_t i = 0; i < items.size(); ++i) out += (i == 0 ? "" : i + 1 == items.size() ? " and " : ", ") + items[i];
+  return out;
+}
+
 }  // namespace
 
 const FwdVariant* find_fwd(DType dtype, int head_dim, int head_dim_v, bool gated, bool plain) {
@@ -129,9 +136,7 @@ std::string CompiledPolicies::describe() const {
   if (gates) names.insert(names.end(), {"exact_gate", "softmax_skip"});
   if (select) names.emplace_back("estimate_select");
   if (permute) names.emplace_back("permute_stop");
-  std::string out = names[0];
-  for (std::size_t i = 1; i < names.size(); ++i) out += (i + 1 == names.size() ? " and " : ", ") + names[i];
-  return out;
+  return join_and(names);
 }
 
 std::string compiled_fwd_summary() {
@@ -158,17 +163,24 @@ std::string compiled_fwd90_summary() {
   return os.str();
 }
 
-std::string fwd90_head_dims(DType dtype) {
-  std::vector<int> dims;
-  for (const Fwd90Variant& v : kFwd90Variants) {
-    if (v.dtype == dtype && std::find(dims.begin(), dims.end(), v.head_dim) == dims.end()) dims.push_back(v.head_dim);
+namespace {
+
+// The distinct head dims of `dtype`'s variants in `table`, in table order, as a list for messages.
+template <class V, std::size_t N>
+std::string head_dims_in(const V (&table)[N], DType dtype) {
+  std::vector<std::string> dims;
+  for (const V& v : table) {
+    const std::string d = std::to_string(v.head_dim);
+    if (v.dtype == dtype && std::find(dims.begin(), dims.end(), d) == dims.end()) dims.push_back(d);
   }
-  std::string out;
-  for (std::size_t i = 0; i < dims.size(); ++i) {
-    out += (i == 0 ? "" : i + 1 == dims.size() ? " and " : ", ") + std::to_string(dims[i]);
-  }
-  return out;
+  return join_and(dims);
 }
+
+}  // namespace
+
+std::string fwd90_head_dims(DType dtype) { return head_dims_in(kFwd90Variants, dtype); }
+
+std::string select90_head_dims(DType dtype) { return head_dims_in(kSelect90Variants, dtype); }
 
 std::string compiled_instances() {
   std::ostringstream os;

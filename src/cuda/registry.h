@@ -151,8 +151,10 @@ CompiledPolicies compiled_policies(DType dtype, int head_dim, int head_dim_v);
 // "bf16 d=64, ..." for messages, and one instance name per line for build_info.
 std::string compiled_fwd_summary();
 std::string compiled_fwd90_summary();
-// The head dims of `dtype`'s Hopper forward instances, "128 and 256", for messages.
+// The head dims of `dtype`'s Hopper forward instances, "128 and 256", and of its Hopper
+// selectors, for messages.
 std::string fwd90_head_dims(DType dtype);
+std::string select90_head_dims(DType dtype);
 std::string compiled_instances();
 
 }  // namespace sparseprefill::cuda
