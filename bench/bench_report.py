@@ -212,7 +212,8 @@ def selection_checks(c):
     """Issue 5's targets on a structured case: selection time (estimate_select minus
     block_sparse planned on the same selection) at most 5% of our dense from 16K to 128K; at
     128K estimate_select with mean correction at ~5% density at least 15x SDPA cuDNN and 25x
-    SDPA flash, and permute_stop (tau 0.005) at least 7.5x SDPA flash."""
+    SDPA flash, and permute_stop (tau 0.005) at least 7.5x SDPA flash; issue 33's: there, FP8
+    estimate_select with mean correction at least 1.5x our bf16 one."""
     checks = []
     n = c["n"]
     dense, flash, cudnn = find(c, "ours_dense"), find(c, "sdpa_flash"), find(c, "sdpa_cudnn")
@@ -235,6 +236,11 @@ def selection_checks(c):
                 v = ratio(flash, row)
                 checks.append((f"#5 estimate_select+mc{how} ρ={row['density']:.3f} ≥ 25× SDPA flash", n, v, 25.0,
                                v >= 25.0))
+        fp8_mc = find(c, "ours_estimate_select_mc_fp8", target)
+        if es_mc and fp8_mc:
+            v = ratio(es_mc, fp8_mc)
+            checks.append((f"#33 FP8 estimate_select+mc ρ={fp8_mc['density']:.3f} ≥ 1.5× our bf16 estimate_select+mc",
+                           n, v, 1.5, v >= 1.5))
         ps = find(c, "ours_permute_stop")
         if ps and flash:
             v = ratio(flash, ps)

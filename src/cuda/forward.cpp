@@ -196,6 +196,15 @@ Status run_forward(const Call& call, const AttentionProblem& problem, const Prob
       SP_RETURN_IF_ERROR(scratch.alloc(static_cast<std::size_t>(shape.batch) * static_cast<std::size_t>(shape.h_kv) *
                                            static_cast<std::size_t>(shape.d_v) * static_cast<std::size_t>(p.vt_stride),
                                        &p.v_t));
+      if (p.k_mean != nullptr) {
+        // The means requantized to e4m3 for the mean tiles (FwdParams::k_mean8, v_mean_t).
+        const auto planes = static_cast<std::size_t>(shape.batch) * static_cast<std::size_t>(shape.h_kv);
+        p.mean_stride = geom::ceil_div(geom::max64(p.mean_blocks, 1), hopper_block_k()) * hopper_block_k();
+        SP_RETURN_IF_ERROR(scratch.alloc(planes * static_cast<std::size_t>(p.mean_blocks) * static_cast<std::size_t>(shape.d),
+                                         &p.k_mean8));
+        SP_RETURN_IF_ERROR(scratch.alloc(planes * static_cast<std::size_t>(shape.d_v) * static_cast<std::size_t>(p.mean_stride),
+                                         &p.v_mean_t));
+      }
     }
     p.q_pack = plan.q_pack;
     UploadContext upload_context{&scratch, cache_maps, {}};

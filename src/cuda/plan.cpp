@@ -69,8 +69,9 @@ std::string support_summary() {
          "128-key blocks, contiguous or paged K/V of any page size, permute_stop with contiguous K/V; block_k 64 uses "
          "the portable path there): " +
          compiled_fwd90_summary() + "; paged K/V (any page size): every policy on the portable path; "
-         "fp8_e4m3 inputs: dense, block_sparse and estimate_select without mean correction on the Hopper path, "
-         "head_dim 128, contiguous K/V; local windows and chunks "
+         "fp8_e4m3 inputs on the Hopper path, contiguous K/V: dense, block_sparse, exact_gate and softmax_skip at "
+         "head_dim " + fwd90_head_dims(DType::kFP8E4M3) + ", estimate_select (with mean correction) at head_dim " +
+         select90_head_dims(DType::kFP8E4M3) + "; local windows and chunks "
          "(window_size, attention_chunk): dense and block_sparse on both paths, with softcap and learned sinks on bf16 and fp16; "
          "not on CUDA: fp32";
 }
@@ -311,6 +312,10 @@ Status check_select_blocks(const ProblemShape& shape, const EstimateSelectParams
     return unsupported("estimate_select: the CUDA selector handles at most " + std::to_string(kMaxSelectBlocks) +
                        " key blocks, got " + std::to_string(max_blocks(shape, p.block)));
   }
+  if (p.mean_correction && geom::ceil_div(max_blocks(shape, p.block), kMeanChunk) > kMaxMeanChunks) {
+    return unsupported("estimate_select: mean correction on CUDA handles at most " +
+                       std::to_string(kMaxMeanChunks * kMeanChunk) + " key blocks");
+  }
   return {};
 }
 
@@ -352,13 +357,8 @@ Status check_support(const ProblemShape& shape, const Policy& policy, int* block
                          std::to_string(bk));
     }
     if (es != nullptr) {
-      // The selector's fp8 instance scores e4m3 queries against bf16 means; the fp8 forward
-      // instance has no mean tiles.
-      if (es->mean_correction) {
-        return unsupported("estimate_select: mean correction over fp8_e4m3 inputs does not run on CUDA (the Hopper "
-                           "kernel's fp8 instance has no mean tiles); without it, or on the reference and cpu "
-                           "backends, it runs");
-      }
+      // The selector's fp8 instance scores e4m3 queries against bf16 means; the forward
+      // instance of its head dim has the mean tiles (variants.py).
       SP_RETURN_IF_ERROR(check_select_blocks(shape, *es));
       if (find_select90(shape.dtype, shape.d) == nullptr) {
         return unsupported(std::string("estimate_select: no compiled selector for fp8_e4m3 head_dim ") +
@@ -390,10 +390,6 @@ Status check_support(const ProblemShape& shape, const Policy& policy, int* block
         } else if constexpr (std::is_same_v<P, EstimateSelectParams>) {
           SP_RETURN_IF_ERROR(check_select_blocks(shape, p));
           n = p.block;
-          if (p.mean_correction && geom::ceil_div(max_blocks(shape, p.block), kMeanChunk) > kMaxMeanChunks) {
-            return unsupported("estimate_select: mean correction on CUDA handles at most " +
-                               std::to_string(kMaxMeanChunks * kMeanChunk) + " key blocks");
-          }
           if (find_select(shape.dtype, shape.d, shape.d_v) == nullptr) {
             return unsupported(std::string("estimate_select: no compiled selector for ") + dtype_name(shape.dtype) +
                                " head_dim " + std::to_string(shape.d) + " (" + support_summary() + ")");

@@ -2,6 +2,7 @@
 // The calibrated comparison and the low-precision reference (see tolerance.h).
 #include "tolerance.h"
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -28,6 +29,15 @@ double load(const TensorView& t, std::int64_t offset) {
     case DType::kInt32: return static_cast<const std::int32_t*>(t.data)[offset];
   }
   return std::nan("");
+}
+
+// A bf16 block mean of FP8 inputs as the Hopper kernel's mean tiles read it (FwdParams::k_mean8,
+// v_mean_t): requantized to e4m3 in its tensor's descaled domain, x / descale rounded to nearest
+// and saturated at ±448, times the descale again; 0 where 1 / descale is not finite.
+float requantized_e4m3(float x, float descale) {
+  const float inv = 1.0f / descale;
+  if (!std::isfinite(inv)) return 0.0f;
+  return round_to(DType::kFP8E4M3, std::clamp(x * inv, -448.0f, 448.0f)) * descale;
 }
 
 float max_nan(float a, float b) {
@@ -57,10 +67,11 @@ float round_to_14_bits(float x) {
 // One row in the low-precision arithmetic of a FlashAttention-class kernel: fp32 scores
 // (fp32 accumulation of q·k, then the fp32 scale and the fp32 softcap), fp32 exp and row sum,
 // P rounded to the input dtype before P·V, fp32 accumulation, the fp32 sink term in the
-// denominator, O rounded to the input dtype.
+// denominator, O rounded to the input dtype. FP8: mean_descale[0] and [1] hold k's and v's
+// descales per KV head, with which the block means are requantized (requantized_e4m3).
 void lowp_row(const ref::Sequence& seq, const std::vector<float>& q, const std::vector<float>& k,
               const std::vector<float>& v, int h, std::int64_t r, const ref::RowAttention& row,
-              const ref::BlockMeans* means, double* o, double* lse) {
+              const ref::BlockMeans* means, const std::vector<float> (&mean_descale)[2], double* o, double* lse) {
   const auto d = static_cast<std::size_t>(seq.d), d_v = static_cast<std::size_t>(seq.d_v);
   const int hk = seq.kv_head(h);
   const float* q_row = &q[(static_cast<std::size_t>(r) * static_cast<std::size_t>(seq.h_q) + static_cast<std::size_t>(h)) * d];
@@ -94,6 +105,10 @@ void lowp_row(const ref::Sequence& seq, const std::vector<float>& q, const std::
     // Already in the input dtype.
     std::vector<float>& km = mean_kv[2 * i] = std::vector<float>(means->k_mean(j, hk), means->k_mean(j, hk) + d);
     std::vector<float>& vm = mean_kv[2 * i + 1] = std::vector<float>(means->v_mean(j, hk), means->v_mean(j, hk) + d_v);
+    if (fp8) {
+      for (float& x : km) x = requantized_e4m3(x, mean_descale[0][static_cast<std::size_t>(hk)]);
+      for (float& x : vm) x = requantized_e4m3(x, mean_descale[1][static_cast<std::size_t>(hk)]);
+    }
     const std::size_t u = row.keys.size() + i;
     s[u] = score(km.data()) + std::log(static_cast<float>(means->length[static_cast<std::size_t>(j)]));
     value[u] = vm.data();
@@ -219,11 +234,21 @@ Status run_lowp_reference(const AttentionProblem& problem, const Policy& policy,
     const std::vector<float> q(seq.q.begin(), seq.q.end());
     const std::vector<float> k(seq.k.begin(), seq.k.end());
     const std::vector<float> v(seq.v.begin(), seq.v.end());
+    std::vector<float> mean_descale[2];  // FP8: k's and v's descales [h_kv] (1 where absent)
+    if (shape.dtype == DType::kFP8E4M3) {
+      const TensorView* descales[2] = {&problem.k_descale, &problem.v_descale};
+      for (int i = 0; i < 2; ++i) {
+        const TensorView& t = *descales[i];
+        for (int hk = 0; hk < shape.h_kv; ++hk) {
+          mean_descale[i].push_back(t.defined() ? static_cast<float>(load(t, b * t.stride[0] + hk * t.stride[1])) : 1.0f);
+        }
+      }
+    }
     const std::int64_t row0 = shape.q_start[static_cast<std::size_t>(b)];
     for (int h = 0; h < shape.h_q; ++h) {
       for (std::int64_t r = 0; r < seq.geo.s_q; ++r) {
         sets.row(h, r, &row);
-        lowp_row(seq, q, k, v, h, r, row, sets.means(),
+        lowp_row(seq, q, k, v, h, r, row, sets.means(), mean_descale,
                  &result->o[static_cast<std::size_t>((row0 + r) * shape.h_q + h) * d],
                  &result->lse[static_cast<std::size_t>(h * rows + row0 + r)]);
       }

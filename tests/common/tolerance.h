@@ -28,7 +28,9 @@ ref::Result read_output(const AttentionOutput& out, const ProblemShape& shape);
 
 // The low-precision reference for (problem, policy) under `decisions` (from any backend;
 // checked with ref::check_decisions): same key sets and mean-correction pseudo-tokens as the
-// oracle, in fp32 arithmetic with P rounded to the input dtype. result->decisions = decisions.
+// oracle, in fp32 arithmetic with P rounded to the input dtype (FP8: to e4m3, and the block
+// means requantized to e4m3 as the Hopper kernel's mean tiles read them). result->decisions =
+// decisions.
 Status run_lowp_reference(const AttentionProblem& problem, const Policy& policy,
                           const Decisions& decisions, ref::Result* result);
 

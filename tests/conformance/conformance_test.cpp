@@ -140,8 +140,7 @@ std::string cuda_feature_refusal(const TestProblem& tp, const Policy& policy) {
 // Why `t` refuses (tp, policy), as a fragment of its kUnsupported message, or "" when it runs
 // it: estimate_select and permute_stop are causal only (every backend); CUDA refuses the
 // model-family features it has no kernel for, has no fp32 kernels and runs fp8 on the Hopper
-// kernels only (dense, block masks, estimate_select without mean correction); cuda-hopper runs
-// what the Hopper kernels serve.
+// kernels only (every policy but permute_stop); cuda-hopper runs what the Hopper kernels serve.
 std::string refusal(Target t, const TestProblem& tp, const Policy& policy) {
   const bool causal_only = std::holds_alternative<EstimateSelectParams>(policy) ||
                            std::holds_alternative<PermuteStopParams>(policy);
@@ -152,8 +151,6 @@ std::string refusal(Target t, const TestProblem& tp, const Policy& policy) {
   if (tp.q.dtype() == DType::kFP32) return "fp32";
   // fp8: the policy rules of check_support first (both CUDA targets), then the path.
   if (tp.q.dtype() == DType::kFP8E4M3) {
-    const auto* es = std::get_if<EstimateSelectParams>(&policy);
-    if (es != nullptr && es->mean_correction) return "mean correction over fp8_e4m3 inputs does not run on CUDA";
     if (std::holds_alternative<PermuteStopParams>(policy)) {
       return "fp8_e4m3 inputs on CUDA run dense, block_sparse, exact_gate, softmax_skip and estimate_select";
     }
@@ -1385,10 +1382,12 @@ TEST_P(Conformance, Fp8ExactGateAndSoftmaxSkip) {
 // FP8 estimate_select against the oracle on the dequantized values (bf16 means of k · k_descale
 // and v · v_descale, scores of q · q_descale): decisions exactly at an alpha with a margin, O
 // within the fp8 tolerance; per head and pack_gqa, GQA groups 2, varlen, a chunk over a cached
-// prefix (s_k > s_q), a last block of 4 keys. Mean correction over fp8 runs on the host targets
-// and is refused on CUDA by name (refusal). The descales differ per (batch, KV head): one read
-// for the wrong pair moves the scores' temperature or O (q's 4x those of the dense cases: at
-// q · k descales near 0.2 every block's energy is within alpha of the peak and nothing prunes).
+// prefix (s_k > s_q), a last block of 4 keys; mean correction (on CUDA the Hopper kernel's mean
+// tiles over the means requantized to e4m3, which the low-precision reference models), varlen
+// with pack_gqa and a sequence whose last block is short among its corrected ones. The descales
+// differ per (batch, KV head): one read for the wrong pair moves the scores' temperature or O
+// (q's 4x those of the dense cases: at q · k descales near 0.2 every block's energy is within
+// alpha of the peak and nothing prunes), and a mean requantized with the wrong one moves O.
 TEST_P(Conformance, Fp8EstimateSelect) {
   struct Case {
     std::vector<SeqLen> lens;
@@ -1399,7 +1398,8 @@ TEST_P(Conformance, Fp8EstimateSelect) {
   };
   for (const Case& c : {Case{{{256, 1024}}, 2, 1, false, false, 1, Layout::kBatched},
                         Case{{{384, 900}, {200, 1028}}, 4, 2, true, false, 2, Layout::kVarlen},
-                        Case{{{300, 896}}, 4, 2, false, true, 1, Layout::kBatched}}) {
+                        Case{{{300, 896}}, 4, 2, false, true, 1, Layout::kBatched},
+                        Case{{{384, 900}, {200, 1028}}, 4, 2, true, true, 1, Layout::kVarlen}}) {
     SCOPED_TRACE(std::to_string(c.lens.size()) + " sequence(s), first " + std::to_string(c.lens[0].s_q) + "x" +
                  std::to_string(c.lens[0].s_k) + (c.pack ? " pack_gqa" : "") + (c.correction ? " corrected" : ""));
     TestProblem tp = make_problem(select_inputs(c.lens, c.h_q, c.h_kv, 128, 1300 + static_cast<std::uint64_t>(c.h_q),

@@ -378,9 +378,11 @@ TEST(CudaPlan, Fp8RunsDenseBlockSparseAndEstimateSelectOnTheHopperInstances) {
   expect_unsupported(s, stop,
                      "permute_stop: fp8_e4m3 inputs on CUDA run dense, block_sparse, exact_gate, softmax_skip and "
                      "estimate_select");
+  // Mean correction: the fp8 forward instance of the selector's head dim has the mean tiles.
   EstimateSelectParams corrected = es;
   corrected.mean_correction = true;
-  expect_unsupported(s, corrected, "estimate_select: mean correction over fp8_e4m3 inputs does not run on CUDA");
+  EXPECT_TRUE(check_support(s, corrected, &n).ok());
+  EXPECT_EQ(choose_fwd_path(s, corrected, true, 9, 0), FwdPath::kHopper);
   EstimateSelectParams small = es;
   small.block = 64;
   expect_unsupported(s, small, "estimate_select: the CUDA selector needs block = 128, got 64");

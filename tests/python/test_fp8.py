@@ -283,8 +283,9 @@ def test_fp8_estimate_select_on_cuda_selects_as_its_bf16_twin(pack_gqa):
     power-of-two descales the dequantized values are exact in bfloat16, the fp8 selector's
     widened queries and bf16 means are the twin's, and q's descale scales every score exactly,
     so the CUDA run keeps the blocks the bfloat16 twin's CUDA run keeps, bit for bit. O differs
-    by the fp8 forward's rounding of P to E4M3 (test_fp8_on_cuda's bound). Mean correction
-    over FP8 is refused on CUDA by name; other devices refuse FP8, saying why."""
+    by the fp8 forward's rounding of P to E4M3 (test_fp8_on_cuda's bound). With mean
+    correction the corrected blocks match too, and the correction the fp8 kernel's mean tiles add
+    (over the means requantized to E4M3) is the twin's; other devices refuse FP8, saying why."""
     b, s, h_q, h_kv, d = 2, 1024, 4, 2, 128
     # Key blocks 2 and 5 share a direction u that every query leans towards, so that their
     # energies stand out and alpha prunes the flat rest (random keys alone leave every block
@@ -313,6 +314,17 @@ def test_fp8_estimate_select_on_cuda_selects_as_its_bf16_twin(pack_gqa):
     assert 0 < got.stats.pair_density < 1
     rel = ((got.out.double() - want.out.double()).norm() / want.out.double().norm()).item()
     assert rel < 0.05, f"relative L2 error against the bf16 twin {rel:.3e}"
-    corrected = sp.EstimateSelect(block=128, alpha=0.3, mean_correction=True)
-    with pytest.raises(sp.UnsupportedError, match="mean correction over fp8_e4m3 inputs does not run on CUDA"):
-        sp.run(*args, corrected, causal=True, **dev_descales)
+    corrected = sp.EstimateSelect(block=128, alpha=0.3, sink=1, window=1, tail=1, pack_gqa=pack_gqa,
+                                  mean_correction=True)
+    got_c = sp.run(*args, corrected, causal=True, decisions=True, **dev_descales)
+    want_c = sp.run(*twin, corrected, causal=True, decisions=True)
+    assert np.array_equal(got_c.decisions.kept.to_dense(), want_c.decisions.kept.to_dense())
+    assert np.array_equal(got_c.decisions.corrected.to_dense(), want_c.decisions.corrected.to_dense())
+    assert got_c.decisions.corrected.to_dense().any()
+    rel_c = ((got_c.out.double() - want_c.out.double()).norm() / want_c.out.double().norm()).item()
+    assert rel_c < 0.05, f"relative L2 error against the bf16 twin, mean correction {rel_c:.3e}"
+    # The correction itself (corrected minus uncorrected), fp8's against the twin's.
+    shift = got_c.out.double() - got.out.double()
+    want_shift = want_c.out.double() - want.out.double()
+    rel_shift = ((shift - want_shift).norm() / want_shift.norm()).item()
+    assert rel_shift < 0.25, f"the mean correction's shift of O against the bf16 twin's {rel_shift:.3e}"

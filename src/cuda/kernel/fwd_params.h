@@ -234,6 +234,16 @@ struct FwdParams {
   // row's softmax denominator and maximum (finalize_row_sink); nullptr: none.
   const float* sinks = nullptr;
   std::int64_t sinks_stride = 0;
+
+  // FP8 mean correction (the Hopper fp8 instances' mean tiles): k_mean/v_mean (bf16) requantized
+  // to e4m3 in K's and V's descaled domain, e4m3(k̄ / k_descale) as k_mean8 [batch, h_kv,
+  // mean_blocks, d] and e4m3(v̄ / v_descale) transposed as v_mean_t [batch, h_kv, d_v,
+  // mean_stride] (blocks permuted as v_t's keys, zeros past mean_blocks), written by the launch
+  // (sm90::quantize_means_kernel); nullptr otherwise. After the features, so that the fields
+  // before keep their parameter offsets.
+  std::uint8_t* k_mean8 = nullptr;
+  std::uint8_t* v_mean_t = nullptr;
+  std::int64_t mean_stride = 0;  // mean_blocks rounded up to 128
 };
 
 // Whether a call needs the kFeatures kernel (FwdParams' model-family features).

@@ -268,18 +268,19 @@ __device__ __forceinline__ int collect_mean_tiles(const FwdParams& p, const std:
 // i.e. score s̄ + ln n_j, stored as a raw score shifted by log2(n_j) / scale_log2 so that the
 // softmax's exp2(raw · scale_log2 - m) yields n_j · e^{s̄ - max}; unmarked columns get -inf.
 // s is kM m16 fragments of kN n8 column fragments (mma.sync and wgmma accumulators share the
-// column layout: column 8·nf + 2·(lane % 4) + e % 2); kN · 8 = kTile.
+// column layout: column 8·nf + 2·(lane % 4) + e % 2); kN · 8 = kTile. scale_log2: the one the
+// softmax exponentiates raw scores with (FP8: with the q and k descales in it).
 template <int kM, int kN>
 __device__ __forceinline__ void mask_mean_tile(const FwdParams& p, float (&s)[kM][kN][4], const std::uint32_t* bits, int c,
-                                               std::int64_t s_k, int mean_blocks_seq) {
+                                               std::int64_t s_k, int mean_blocks_seq, float scale_log2) {
   constexpr int kTile = kN * 8, kWords = kTile / 32;
   const int t4 = threadIdx.x % 4;
   const std::uint32_t* tile_bits = bits + c * kWords;
   // Every pooled block holds mean_block keys except the sequence's last one.
   const int last = mean_blocks_seq - 1 - c * kTile;
-  const float shift_full = __log2f(static_cast<float>(p.mean_block)) / p.scale_log2;
+  const float shift_full = __log2f(static_cast<float>(p.mean_block)) / scale_log2;
   const float shift_last =
-      __log2f(static_cast<float>(s_k - static_cast<std::int64_t>(mean_blocks_seq - 1) * p.mean_block)) / p.scale_log2;
+      __log2f(static_cast<float>(s_k - static_cast<std::int64_t>(mean_blocks_seq - 1) * p.mean_block)) / scale_log2;
 #pragma unroll
   for (int w = 0; w < kWords; ++w) {
     const std::uint32_t word = c * kWords + w < p.corrected_words ? tile_bits[w] : 0u;

@@ -489,6 +489,10 @@ __device__ __forceinline__ void gather_tile(const FwdParams& p, const SeqInfo& s
 }
 
 // ------------------------------------------------------------------ the kernel
+// The rounds an FP8 kernel compiles: dense and block masks (kPlain), exact_gate and softmax_skip
+// (kGates), block masks with mean-correction tiles (kMeans). 16-bit kernels compile all three.
+enum class Fp8Rounds { kPlain, kGates, kMeans };
+
 // Grid: one CTA per (tile, batch, unit), units fastest so that the query heads of a KV group
 // run on adjacent CTAs and share each K/V tile through L2, and the last tiles (the longest
 // under causal) first. A unit is a query head and a tile a query block of 128 rows, or, with
@@ -512,10 +516,10 @@ __device__ __forceinline__ void gather_tile(const FwdParams& p, const SeqInfo& s
 // only, check_support): its geometry and element masks read the window, its scores are capped,
 // its rows finalised with their head's sink. The feature-free kernel takes every feature as
 // absent at compile time, so it compiles as it did before they ran (the same SASS: record
-// 2026-12-02-cpu-window-kernels-sass). kFp8Gates: FP8's exact_gate and softmax_skip kernel (its
-// other kernels compile no gate: with the gated rounds beside them FP8 dense ran 0.8% slower,
-// record 2026-12-04-h200-fp8-gates-ab).
-template <class Cfg, bool kFeatures, bool kFp8Gates = false>
+// 2026-12-02-cpu-window-kernels-sass). kFp8: which rounds an FP8 kernel compiles, one kind per
+// kernel (with the gated rounds beside the plain ones FP8 dense ran 0.8% slower, record
+// 2026-12-04-h200-fp8-gates-ab).
+template <class Cfg, bool kFeatures, Fp8Rounds kFp8 = Fp8Rounds::kPlain>
 __global__ void __launch_bounds__(Cfg::kThreads, 1)
     fwd_kernel(const __grid_constant__ FwdParams p, const SeqMaps* __restrict__ uploaded_maps,
                const __grid_constant__ ScratchMaps scratch_maps, const __grid_constant__ ParamMaps param_maps) {
@@ -683,9 +687,14 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
           }
         } else {
           const int row = sm.mean_tiles[j - visit.n_reg] * kTileN;
-          for (int half = 0; half < halves; ++half) {
-            hw::tma_load_4d(dst + half * kHalfBytes, value ? &scratch_maps.v_mean : &scratch_maps.k_mean, bar,
-                            half * Cfg::kHalfDim, row, hk, b);
+          if (Cfg::kFp8 && value) {
+            // v̄ᵀ [d][128 blocks] of this (batch, kv head), as V's: one box.
+            hw::tma_load_3d(dst, &scratch_maps.v_mean, bar, row, 0, b * p.h_kv + hk);
+          } else {
+            for (int half = 0; half < halves; ++half) {
+              hw::tma_load_4d(dst + half * kHalfBytes, value ? &scratch_maps.v_mean : &scratch_maps.k_mean, bar,
+                              half * Cfg::kHalfDim, row, hk, b);
+            }
           }
         }
       };
@@ -902,7 +911,9 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
         }
         mask_if_needed(kb, std::bool_constant<kFeatures && !kGated && !kMeans>{});
       } else {
-        mask_mean_tile(p, s, mean_bits, sm.mean_tiles[it - visit.n_reg], seq.s_k, mean_blocks_seq);
+        // FP8: the block sizes' shift in raw e4m3 score units (the descales in scale_log2).
+        mask_mean_tile(p, s, mean_bits, sm.mean_tiles[it - visit.n_reg], seq.s_k, mean_blocks_seq,
+                       Cfg::kFp8 ? scale_log2 : p.scale_log2);
       }
       float mx[2];
       row_max_tile(s, mx);
@@ -964,8 +975,8 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
       // A feature: dense and block masks without mean correction (check_support).
       rounds(std::false_type{}, std::false_type{});
     } else if constexpr (Cfg::kFp8) {
-      // FP8: no mean tiles (check_support); the gates in a kernel of their own.
-      rounds(std::bool_constant<kFp8Gates>{}, std::false_type{});
+      // FP8: one kind of rounds per kernel (kFp8), which launch_fwd picks.
+      rounds(std::bool_constant<kFp8 == Fp8Rounds::kGates>{}, std::bool_constant<kFp8 == Fp8Rounds::kMeans>{});
     } else if (gate.exact || gate.skip) {
       rounds(std::true_type{}, std::false_type{});
     } else if (n_visit > visit.n_reg) {
@@ -1011,12 +1022,32 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
 }
 
 // ------------------------------------------------------------------ FP8's V
+// A [128 keys][kD] e4m3 tile in shared memory (rows kPitch bytes apart) -> its transpose at
+// out ([kD rows][128 keys], rows `stride` bytes apart): column 16g + j of the tile's 128 holds
+// key 16g + perm(j), perm(4t + i) = 2t + i for i < 2 and 8 + 2t + i - 2 otherwise, the order in
+// which pack_p hands the e4m3 A fragment the S accumulator's columns. By all threads of the CTA.
+template <int kD, int kPitch>
+__device__ __forceinline__ void store_transposed(const std::uint8_t (&tile)[128][kPitch], std::uint8_t* out,
+                                                 std::int64_t stride) {
+  constexpr int kKeys = 128;
+  for (int c = threadIdx.x; c < kD * kKeys / 16; c += blockDim.x) {
+    const int dd = c / (kKeys / 16), g = c % (kKeys / 16);  // row d, 16 keys 16g ..
+    std::uint32_t w[4];
+#pragma unroll
+    for (int t = 0; t < 4; ++t) {  // bytes 4t .. 4t + 3: keys 16g + 2t, + 1, + 8, + 9
+      const int k = 16 * g + 2 * t;
+      w[t] = tile[k][dd] | (tile[k + 1][dd] << 8) | (tile[k + 8][dd] << 16) |
+             (static_cast<std::uint32_t>(tile[k + 9][dd]) << 24);
+    }
+    *reinterpret_cast<uint4*>(out + dd * stride + 16 * g) = make_uint4(w[0], w[1], w[2], w[3]);
+  }
+}
+
 // V [.., s_k, h_kv, d] e4m3 -> v_t [batch, h_kv, d, vt_stride] (FwdParams::v_t, d: kHeadDimV),
-// tile by tile of 128 keys: column 16g + j of a tile holds key 16g + perm(j), perm(4t + i) =
-// 2t + i for i < 2 and 8 + 2t + i - 2 otherwise, the order in which pack_p hands the e4m3 A fragment the
-// S accumulator's columns; keys past s_k are zero (their P is 0: masked). Grid (vt_stride / 128,
-// h_kv, batch), 256 threads; rows are 16-byte aligned (tma_describable). A template, as every
-// kernel in this header: one copy per instance translation unit.
+// tile by tile of 128 keys (store_transposed); keys past s_k are zero (their P is 0: masked).
+// Grid (vt_stride / 128, h_kv, batch), 256 threads; rows are 16-byte aligned
+// (tma_describable). A template, as every kernel in this header: one copy per instance
+// translation unit.
 template <class Cfg>
 __global__ void __launch_bounds__(256) transpose_v_kernel(const __grid_constant__ FwdParams p) {
   constexpr int kKeys = 128, kD = Cfg::kHeadDimV, kPad = 16;  // padded rows keep 16-byte alignment
@@ -1032,18 +1063,58 @@ __global__ void __launch_bounds__(256) transpose_v_kernel(const __grid_constant_
     *reinterpret_cast<uint4*>(&tile[r][chunk * 16]) = val;
   }
   __syncthreads();
-  std::uint8_t* out = p.v_t + (static_cast<std::int64_t>(b) * p.h_kv + hk) * kD * p.vt_stride + key0;
-  for (int c = threadIdx.x; c < kD * kKeys / 16; c += blockDim.x) {
-    const int dd = c / (kKeys / 16), g = c % (kKeys / 16);  // row d, 16 keys 16g ..
-    std::uint32_t w[4];
+  store_transposed<kD>(tile, p.v_t + (static_cast<std::int64_t>(b) * p.h_kv + hk) * kD * p.vt_stride + key0,
+                       p.vt_stride);
+}
+
+// 8 bf16 (a 16-byte chunk) times `inv`, rounded to e4m3 (saturating at ±448): 8 bytes.
+__device__ __forceinline__ uint2 e4m3_of_bf16x8(uint4 in, float inv) {
+  const std::uint32_t w[4] = {in.x, in.y, in.z, in.w};
+  float f[8];
 #pragma unroll
-    for (int t = 0; t < 4; ++t) {  // bytes 4t .. 4t + 3: keys 16g + 2t, + 1, + 8, + 9
-      const int k = 16 * g + 2 * t;
-      w[t] = tile[k][dd] | (tile[k + 1][dd] << 8) | (tile[k + 8][dd] << 16) |
-             (static_cast<std::uint32_t>(tile[k + 9][dd]) << 24);
+  for (int e = 0; e < 8; ++e) f[e] = ptx::to_float<true>(static_cast<std::uint16_t>(w[e / 2] >> (16 * (e % 2)))) * inv;
+  return make_uint2(hw::pack4_e4m3(f[0], f[1], f[2], f[3]), hw::pack4_e4m3(f[4], f[5], f[6], f[7]));
+}
+
+// The reciprocal of a descale, 0 where it is not finite (a descale of 0: every score or output
+// term it scales is 0 whatever the requantized mean holds).
+__device__ __forceinline__ float inverse_descale(float descale) {
+  const float inv = 1.f / descale;
+  return isfinite(inv) ? inv : 0.f;
+}
+
+// FP8 mean tiles' operands from the bf16 means of 128 pooled blocks (FwdParams::k_mean8,
+// v_mean_t): k̄ / k_descale row-major, v̄ / v_descale through the tile transposed as V's
+// (store_transposed; blocks past mean_blocks zero). Scores q·k̄₈ then take the q and k descales
+// of the key tiles' scores, and P·v̄₈ᵀ V's descale of the output. Grid (mean_stride / 128, h_kv,
+// batch), 256 threads.
+template <class Cfg>
+__global__ void __launch_bounds__(256) quantize_means_kernel(const __grid_constant__ FwdParams p) {
+  constexpr int kBlocks = 128, kD = Cfg::kHeadDim, kDV = Cfg::kHeadDimV, kPad = 16;
+  __shared__ alignas(16) std::uint8_t tile[kBlocks][kDV + kPad];  // [block][d_v]
+  const int b = blockIdx.z, hk = blockIdx.y;
+  const int j0 = static_cast<int>(blockIdx.x) * kBlocks;
+  const std::int64_t plane = static_cast<std::int64_t>(b) * p.h_kv + hk;
+  const float k_inv = inverse_descale(ptx::descale_of(p, 1, b, hk)), v_inv = inverse_descale(ptx::descale_of(p, 2, b, hk));
+  const auto* k_mean = static_cast<const uint4*>(p.k_mean) + plane * p.mean_blocks * (kD / 8);
+  const auto* v_mean = static_cast<const uint4*>(p.v_mean) + plane * p.mean_blocks * (kDV / 8);
+  auto* k_out = reinterpret_cast<uint2*>(p.k_mean8) + plane * p.mean_blocks * (kD / 8);
+  for (int c = threadIdx.x; c < kBlocks * kD / 8; c += blockDim.x) {
+    const int j = j0 + c / (kD / 8);
+    if (j < p.mean_blocks) {
+      const std::int64_t at = static_cast<std::int64_t>(j) * (kD / 8) + c % (kD / 8);
+      k_out[at] = e4m3_of_bf16x8(k_mean[at], k_inv);
     }
-    *reinterpret_cast<uint4*>(out + dd * p.vt_stride + 16 * g) = make_uint4(w[0], w[1], w[2], w[3]);
   }
+  for (int c = threadIdx.x; c < kBlocks * kDV / 8; c += blockDim.x) {
+    const int r = c / (kDV / 8), chunk = c % (kDV / 8);
+    const int j = j0 + r;
+    const uint2 val = j < p.mean_blocks ? e4m3_of_bf16x8(v_mean[static_cast<std::int64_t>(j) * (kDV / 8) + chunk], v_inv)
+                                        : make_uint2(0u, 0u);
+    *reinterpret_cast<uint2*>(&tile[r][chunk * 8]) = val;
+  }
+  __syncthreads();
+  store_transposed<kDV>(tile, p.v_mean_t + plane * kDV * p.mean_stride + j0, p.mean_stride);
 }
 
 // ------------------------------------------------------------------ host side
@@ -1115,12 +1186,12 @@ bool encode_cache_map(CUtensorMap* map, const void* base, std::int64_t pages, in
 }
 
 // 4-D map (d, block, head, batch) over the block means [batch, heads, blocks, d] (contiguous,
-// written by the block-means kernel; d: Q/K's for k̄, V's for v̄); boxes of [128 blocks][64]
-// with 128B swizzle; blocks past the capacity and columns past d read as zero (the means kernel
-// zeroes each sequence's unused blocks).
+// written by the block-means kernel, FP8's k̄₈ by quantize_means_kernel; d: Q/K's for k̄, V's for
+// v̄); boxes of [128 blocks][128 bytes] with 128B swizzle; blocks past the capacity and columns
+// past d read as zero (the means kernel zeroes each sequence's unused blocks).
 template <class Cfg>
 bool encode_mean_map(CUtensorMap* map, const void* base, int d, int blocks, int heads, int batch) {
-  const std::int64_t kRowBytes = std::int64_t{d} * 2;
+  const std::int64_t kRowBytes = std::int64_t{d} * Cfg::kElemBytes;
   const cuuint64_t dims[4] = {static_cast<cuuint64_t>(d), static_cast<cuuint64_t>(blocks),
                               static_cast<cuuint64_t>(heads), static_cast<cuuint64_t>(batch)};
   const cuuint64_t strides[3] = {static_cast<cuuint64_t>(kRowBytes), static_cast<cuuint64_t>(kRowBytes * blocks),
@@ -1128,7 +1199,7 @@ bool encode_mean_map(CUtensorMap* map, const void* base, int d, int blocks, int 
   const cuuint32_t box[4] = {Cfg::kHalfDim, Cfg::kTileN, 1, 1};
   const cuuint32_t elem_strides[4] = {1, 1, 1, 1};
   const CUresult r = tensor_map_encoder()(
-      map, Cfg::kBf16 ? CU_TENSOR_MAP_DATA_TYPE_BFLOAT16 : CU_TENSOR_MAP_DATA_TYPE_FLOAT16, 4, const_cast<void*>(base),
+      map, map_dtype<Cfg>(), 4, const_cast<void*>(base),
       dims, strides, box, elem_strides, CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
       CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
   return r == CUDA_SUCCESS;
@@ -1155,8 +1226,9 @@ inline bool encode_vt_map(CUtensorMap* map, const void* base, std::int64_t vt_st
 // sequence's pages are 0); `upload` places the tensor maps (batch · sizeof(SeqMaps) bytes, one
 // SeqMaps more for paged K/V) in device memory. Returns cudaErrorNotSupported, having
 // enqueued nothing, when the driver cannot encode a tensor map for these tensors (the
-// dispatcher then takes the portable path).
-template <class Cfg>
+// dispatcher then takes the portable path). kFp8MeanTiles: an FP8 instance compiles the mean
+// tiles' kernel (variants.py: the head dims of FP8's selector); the others refuse mean correction.
+template <class Cfg, bool kFp8MeanTiles = false>
 int launch_fwd(const FwdParams& p, const SeqInfo* seqs, const std::int32_t* table, const HostUpload& upload,
                void* stream) {
   if (tensor_map_encoder() == nullptr) return static_cast<int>(cudaErrorNotSupported);
@@ -1185,10 +1257,21 @@ int launch_fwd(const FwdParams& p, const SeqInfo* seqs, const std::int32_t* tabl
     return static_cast<int>(cudaErrorInvalidValue);
   }
   ScratchMaps scratch_maps{};
-  if (p.k_mean != nullptr &&
-      !(encode_mean_map<Cfg>(&scratch_maps.k_mean, p.k_mean, Cfg::kHeadDim, p.mean_blocks, p.h_kv, p.batch) &&
-        encode_mean_map<Cfg>(&scratch_maps.v_mean, p.v_mean, Cfg::kHeadDimV, p.mean_blocks, p.h_kv, p.batch))) {
-    return static_cast<int>(cudaErrorNotSupported);
+  if (p.k_mean != nullptr) {
+    if constexpr (Cfg::kFp8) {
+      // The requantized means are the call's scratch, as v_t (a plan caching its maps has none yet).
+      if (!kFp8MeanTiles || p.k_mean8 == nullptr || p.v_mean_t == nullptr || p.mean_stride < Cfg::kTileN ||
+          p.mean_stride % Cfg::kTileN != 0 || p.mean_stride < p.mean_blocks) {
+        return static_cast<int>(cudaErrorInvalidValue);
+      }
+      if (!(encode_mean_map<Cfg>(&scratch_maps.k_mean, p.k_mean8, Cfg::kHeadDim, p.mean_blocks, p.h_kv, p.batch) &&
+            encode_vt_map(&scratch_maps.v_mean, p.v_mean_t, p.mean_stride, Cfg::kHeadDimV, p.batch * p.h_kv))) {
+        return static_cast<int>(cudaErrorNotSupported);
+      }
+    } else if (!(encode_mean_map<Cfg>(&scratch_maps.k_mean, p.k_mean, Cfg::kHeadDim, p.mean_blocks, p.h_kv, p.batch) &&
+                 encode_mean_map<Cfg>(&scratch_maps.v_mean, p.v_mean, Cfg::kHeadDimV, p.mean_blocks, p.h_kv, p.batch))) {
+      return static_cast<int>(cudaErrorNotSupported);
+    }
   }
   std::vector<SeqMaps> maps(static_cast<std::size_t>(p.batch) + (paged ? 1 : 0));
   using Elem = std::conditional_t<Cfg::kFp8, std::uint8_t, std::uint16_t>;
@@ -1263,7 +1346,10 @@ int launch_fwd(const FwdParams& p, const SeqInfo* seqs, const std::int32_t* tabl
   }
   auto* kernel = features ? fwd_kernel<Cfg, true> : fwd_kernel<Cfg, false>;
   if constexpr (Cfg::kFp8) {
-    if (!features && gated_mode(p.mode)) kernel = fwd_kernel<Cfg, false, true>;
+    if (!features && gated_mode(p.mode)) kernel = fwd_kernel<Cfg, false, Fp8Rounds::kGates>;
+    if constexpr (kFp8MeanTiles) {
+      if (!features && p.k_mean != nullptr) kernel = fwd_kernel<Cfg, false, Fp8Rounds::kMeans>;
+    }
   }
   const int smem = static_cast<int>(sizeof(Smem<Cfg>)) + 1024;  // + alignment slack
   cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
@@ -1274,6 +1360,15 @@ int launch_fwd(const FwdParams& p, const SeqInfo* seqs, const std::int32_t* tabl
     transpose_v_kernel<Cfg><<<vt_grid, 256, 0, st>>>(p);
     err = cudaGetLastError();
     if (err != cudaSuccess) return static_cast<int>(err);
+    if constexpr (kFp8MeanTiles) {
+      if (p.k_mean != nullptr) {
+        const dim3 means_grid(static_cast<unsigned>(p.mean_stride / Cfg::kTileN), static_cast<unsigned>(p.h_kv),
+                              static_cast<unsigned>(p.batch));
+        quantize_means_kernel<Cfg><<<means_grid, 256, 0, st>>>(p);
+        err = cudaGetLastError();
+        if (err != cudaSuccess) return static_cast<int>(err);
+      }
+    }
   }
   kernel<<<grid, Cfg::kThreads, smem, st>>>(p, static_cast<const SeqMaps*>(map_device), scratch_maps, param_maps);
   return static_cast<int>(cudaGetLastError());
