@@ -268,19 +268,23 @@ __device__ __forceinline__ int collect_mean_tiles(const FwdParams& p, const std:
 // i.e. score s̄ + ln n_j, stored as a raw score shifted by log2(n_j) / scale_log2 so that the
 // softmax's exp2(raw · scale_log2 - m) yields n_j · e^{s̄ - max}; unmarked columns get -inf.
 // s is kM m16 fragments of kN n8 column fragments (mma.sync and wgmma accumulators share the
-// column layout: column 8·nf + 2·(lane % 4) + e % 2); kN · 8 = kTile. scale_log2: the one the
-// softmax exponentiates raw scores with (FP8: with the q and k descales in it).
-template <int kM, int kN>
+// column layout: column 8·nf + 2·(lane % 4) + e % 2); kN · 8 = kTile. kDescaled (FP8): the
+// softmax exponentiates raw scores with p.scale_log2 · score_descale (the q and k descales).
+// The 16-bit form reads p.scale_log2 where it divides: passing it in as a value made ptxas spill
+// the Hopper kernel's plain rounds (d 96: 0 -> 92 bytes of spill stores, commit 38b1e3e).
+template <int kM, int kN, bool kDescaled = false>
 __device__ __forceinline__ void mask_mean_tile(const FwdParams& p, float (&s)[kM][kN][4], const std::uint32_t* bits, int c,
-                                               std::int64_t s_k, int mean_blocks_seq, float scale_log2) {
+                                               std::int64_t s_k, int mean_blocks_seq, float score_descale = 1.f) {
   constexpr int kTile = kN * 8, kWords = kTile / 32;
   const int t4 = threadIdx.x % 4;
   const std::uint32_t* tile_bits = bits + c * kWords;
   // Every pooled block holds mean_block keys except the sequence's last one.
   const int last = mean_blocks_seq - 1 - c * kTile;
-  const float shift_full = __log2f(static_cast<float>(p.mean_block)) / scale_log2;
+  const float shift_full =
+      __log2f(static_cast<float>(p.mean_block)) / (kDescaled ? p.scale_log2 * score_descale : p.scale_log2);
   const float shift_last =
-      __log2f(static_cast<float>(s_k - static_cast<std::int64_t>(mean_blocks_seq - 1) * p.mean_block)) / scale_log2;
+      __log2f(static_cast<float>(s_k - static_cast<std::int64_t>(mean_blocks_seq - 1) * p.mean_block)) /
+      (kDescaled ? p.scale_log2 * score_descale : p.scale_log2);
 #pragma unroll
   for (int w = 0; w < kWords; ++w) {
     const std::uint32_t word = c * kWords + w < p.corrected_words ? tile_bits[w] : 0u;

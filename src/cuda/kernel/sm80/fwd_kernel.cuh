@@ -408,7 +408,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocks) fwd_kernel(con
       }
       return;
     }
-    mask_mean_tile(p, s, mean_bits, s_chunks[j - visit.n_reg], seq.s_k, mean_blocks_seq, p.scale_log2);
+    mask_mean_tile(p, s, mean_bits, s_chunks[j - visit.n_reg], seq.s_k, mean_blocks_seq);
   };
 
   // O += P·V(slot) for the warp's rows.

@@ -687,8 +687,9 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
           }
         } else {
           const int row = sm.mean_tiles[j - visit.n_reg] * kTileN;
-          if (Cfg::kFp8 && value) {
-            // v̄ᵀ [d][128 blocks] of this (batch, kv head), as V's: one box.
+          if (kFp8 == Fp8Rounds::kMeans && value) {
+            // FP8's v̄ᵀ [d][128 blocks] of this (batch, kv head), as V's: one box. (The other FP8
+            // kernels visit no mean tile, and keep the code they had before this one existed.)
             hw::tma_load_3d(dst, &scratch_maps.v_mean, bar, row, 0, b * p.h_kv + hk);
           } else {
             for (int half = 0; half < halves; ++half) {
@@ -766,6 +767,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
   const float scale_log2 =
       Cfg::kFp8 ? p.scale_log2 * ptx::descale_of(p, 0, b, hk) * ptx::descale_of(p, 1, b, hk) : p.scale_log2;
   const float o_descale = Cfg::kFp8 ? ptx::descale_of(p, 2, b, hk) : 1.f;
+  const float score_descale = Cfg::kFp8 ? ptx::descale_of(p, 0, b, hk) * ptx::descale_of(p, 1, b, hk) : 1.f;
   const std::uint64_t q_desc = kmajor_desc<Cfg>(hw::smem_u32(sm.q) + wg * 64 * kRowBytes);
   std::uint32_t qf[Cfg::kQInRegs ? Cfg::kQkSteps : 1][4];  // Q's A fragments (kQInRegs)
   auto issue_qk = [&](int st) {
@@ -911,9 +913,9 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
         }
         mask_if_needed(kb, std::bool_constant<kFeatures && !kGated && !kMeans>{});
       } else {
-        // FP8: the block sizes' shift in raw e4m3 score units (the descales in scale_log2).
-        mask_mean_tile(p, s, mean_bits, sm.mean_tiles[it - visit.n_reg], seq.s_k, mean_blocks_seq,
-                       Cfg::kFp8 ? scale_log2 : p.scale_log2);
+        // FP8: the block sizes' shift in raw e4m3 score units (the q and k descales).
+        mask_mean_tile<1, 16, Cfg::kFp8>(p, s, mean_bits, sm.mean_tiles[it - visit.n_reg], seq.s_k, mean_blocks_seq,
+                                          score_descale);
       }
       float mx[2];
       row_max_tile(s, mx);
