@@ -8,8 +8,8 @@ flash_attn_with_kvcache), plus policy= (Dense() by default) and layer= (for stat
 FP8 as FA3 takes it: torch.float8_e4m3fn q, k, v with optional float32 q_descale, k_descale,
 v_descale [batch, h_kv] (attention on q * q_descale[b, h // group], k * k_descale[b, kv head],
 v * v_descale[b, kv head]); out is bfloat16. Every policy on the CPU backend; on a compute
-capability 9.0 GPU, the Hopper kernels: dense, block_sparse, exact_gate and softmax_skip at
-head_dim 128 and 256, estimate_select (with or without mean correction) at 128 (docs/semantics.md §1).
+capability 9.0 GPU, the Hopper kernels: dense, block_sparse, exact_gate, softmax_skip and
+estimate_select (with or without mean correction) at head_dim 128 and 256 (docs/semantics.md §1).
 
 The model-family features as FlashAttention defines them (docs/semantics.md §1): window_size
 (left, right) local attention (-1 no bound; (-1, 0) is causal attention), attention_chunk C > 0

@@ -121,7 +121,7 @@ SM90_CONTIGUOUS_HEAD_DIMS = ((96, 96), (192, 128), (256, 256))
 # The fp8 forward instances' head dims (contiguous K/V, bf16 output), and those of FP8's
 # selector (estimate_select), whose forward instances compile the mean tiles' kernel.
 SM90_FP8_HEAD_DIMS = (128, 256)
-SM90_FP8_SELECT_HEAD_DIMS = (128,)
+SM90_FP8_SELECT_HEAD_DIMS = (128, 256)
 
 
 SM90_KV = (False, True)  # paged K/V

@@ -1384,7 +1384,8 @@ TEST_P(Conformance, Fp8ExactGateAndSoftmaxSkip) {
 // within the fp8 tolerance; per head and pack_gqa, GQA groups 2, varlen, a chunk over a cached
 // prefix (s_k > s_q), a last block of 4 keys; mean correction (on CUDA the Hopper kernel's mean
 // tiles over the means requantized to e4m3, which the low-precision reference models), varlen
-// with pack_gqa and a sequence whose last block is short among its corrected ones. The descales
+// with pack_gqa and a sequence whose last block is short among its corrected ones; head dim 256
+// with and without it (the fp8 d 256 selector and forward instance). The descales
 // differ per (batch, KV head): one read for the wrong pair moves the scores' temperature or O
 // (q's 4x those of the dense cases: at q · k descales near 0.2 every block's energy is within
 // alpha of the peak and nothing prunes), and a mean requantized with the wrong one moves O.
@@ -1395,15 +1396,19 @@ TEST_P(Conformance, Fp8EstimateSelect) {
     bool pack, correction;
     int window;
     Layout layout;
+    int d = 128;
   };
   for (const Case& c : {Case{{{256, 1024}}, 2, 1, false, false, 1, Layout::kBatched},
                         Case{{{384, 900}, {200, 1028}}, 4, 2, true, false, 2, Layout::kVarlen},
                         Case{{{300, 896}}, 4, 2, false, true, 1, Layout::kBatched},
-                        Case{{{384, 900}, {200, 1028}}, 4, 2, true, true, 1, Layout::kVarlen}}) {
+                        Case{{{384, 900}, {200, 1028}}, 4, 2, true, true, 1, Layout::kVarlen},
+                        Case{{{256, 1024}}, 2, 1, false, false, 1, Layout::kBatched, 256},
+                        Case{{{300, 896}}, 4, 2, false, true, 1, Layout::kBatched, 256}}) {
     SCOPED_TRACE(std::to_string(c.lens.size()) + " sequence(s), first " + std::to_string(c.lens[0].s_q) + "x" +
-                 std::to_string(c.lens[0].s_k) + (c.pack ? " pack_gqa" : "") + (c.correction ? " corrected" : ""));
-    TestProblem tp = make_problem(select_inputs(c.lens, c.h_q, c.h_kv, 128, 1300 + static_cast<std::uint64_t>(c.h_q),
-                                                DType::kFP8E4M3),
+                 std::to_string(c.lens[0].s_k) + (c.pack ? " pack_gqa" : "") + (c.correction ? " corrected" : "") +
+                 ", d " + std::to_string(c.d));
+    TestProblem tp = make_problem(select_inputs(c.lens, c.h_q, c.h_kv, c.d,
+                                                1300 + static_cast<std::uint64_t>(c.h_q + (c.d == 128 ? 0 : c.d)), DType::kFP8E4M3),
                                   true, c.layout);
     set_fp8_descales(&tp, static_cast<int>(c.lens.size()), c.h_kv, 4.0);
     const auto params = [&c](double alpha) { return select_params(alpha, c.correction, c.pack, c.window); };

@@ -389,15 +389,16 @@ TEST(CudaPlan, Fp8RunsDenseBlockSparseAndEstimateSelectOnTheHopperInstances) {
   expect_unsupported(cuda_shape_of(300, 300, 4, 1, 64, DType::kFP8E4M3), DenseParams{},
                      "fp8_e4m3 inputs run on CUDA with head_dim 128 and 256 only (the Hopper kernel's fp8 instances), "
                      "got 64");
-  // At 256 dense and block masks run on the Hopper path; estimate_select has no fp8 selector there.
+  // At 256 every policy of 128 too, estimate_select on the fp8 d 256 selector.
   const ProblemShape wide = cuda_shape_of(300, 300, 4, 1, 256, DType::kFP8E4M3);
   BlockSparseParams wide_mask;
   wide_mask.mask = BlockMask::empty(wide, 128, 128, false);
-  for (const Policy& policy : {Policy{DenseParams{}}, Policy{wide_mask}}) {
+  for (const Policy& policy : {Policy{DenseParams{}}, Policy{wide_mask}, Policy{es}, Policy{corrected}}) {
     EXPECT_TRUE(check_support(wide, policy, &n).ok());
     EXPECT_EQ(choose_fwd_path(wide, policy, true, 9, 0), FwdPath::kHopper);
   }
-  expect_unsupported(wide, es, "estimate_select: no compiled selector for fp8_e4m3 head_dim 256");
+  ASSERT_NE(find_select90(DType::kFP8E4M3, 256), nullptr);
+  EXPECT_STREQ(find_select90(DType::kFP8E4M3, 256)->name, "select_sm90_fp8_hd256");
   ProblemShape paged = s;
   paged.kv_layout = KvLayout::kPaged;
   paged.page_size = 16;

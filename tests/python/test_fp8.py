@@ -278,15 +278,16 @@ def test_fp8_on_cuda(causal, d):
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 @pytest.mark.parametrize("pack_gqa", [False, True])
-def test_fp8_estimate_select_on_cuda_selects_as_its_bf16_twin(pack_gqa):
-    """estimate_select over FP8 inputs on the Hopper kernels (head_dim 128, block 128): with
+@pytest.mark.parametrize("d", [128, 256])
+def test_fp8_estimate_select_on_cuda_selects_as_its_bf16_twin(pack_gqa, d):
+    """estimate_select over FP8 inputs on the Hopper kernels (head_dim 128 and 256, block 128): with
     power-of-two descales the dequantized values are exact in bfloat16, the fp8 selector's
     widened queries and bf16 means are the twin's, and q's descale scales every score exactly,
     so the CUDA run keeps the blocks the bfloat16 twin's CUDA run keeps, bit for bit. O differs
     by the fp8 forward's rounding of P to E4M3 (test_fp8_on_cuda's bound). With mean
     correction the corrected blocks match too, and the correction the fp8 kernel's mean tiles add
     (over the means requantized to E4M3) is the twin's; other devices refuse FP8, saying why."""
-    b, s, h_q, h_kv, d = 2, 1024, 4, 2, 128
+    b, s, h_q, h_kv = 2, 1024, 4, 2
     # Key blocks 2 and 5 share a direction u that every query leans towards, so that their
     # energies stand out and alpha prunes the flat rest (random keys alone leave every block
     # within alpha of the peak).

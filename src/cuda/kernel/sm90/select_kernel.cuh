@@ -49,7 +49,11 @@ struct Select90Config {
   static constexpr int kChunkBytes = kHalves * kChunkHalfBytes;
   static constexpr int kSmemFixed = kQBytes + kWarpgroups * kStages * kChunkBytes;
   static_assert(kRows == kBlockQ, "one query tile of block 128 per CTA");
-  static_assert(kD == 64 || kD == 128, "d = 64 or 128");
+  // 256: FP8's (the 16-bit selector there is the portable one, variants.py); its shared memory
+  // (197 KB and λ) leaves one CTA per SM, which then takes up to 255 registers a thread (ptxas:
+  // 136 bytes of spill stores, against 160 at two CTAs' 128; d 128 spills too, 44 LDL/STL).
+  static_assert(kD == 64 || kD == 128 || (kD == 256 && kFp8_), "d = 64 or 128, fp8 also 256");
+  static constexpr int kCtasPerSm = kD <= 128 ? 2 : 1;
   static_assert(!kFp8 || kBf16, "e4m3 queries meet bf16 means");
   // Plus λ per block and the slack that aligns the tiles to the swizzle period (1024 B).
   static std::size_t smem_bytes(int num_k_blocks) {
@@ -78,7 +82,8 @@ struct Select90Config {
 // kFp8: the e4m3 Q tile is widened into the same bf16 layout (widen_rows_sw128_e4m3) and q's
 // descale joins the score scale: (q·qd)·k̄ = qd·(q·k̄), the products exact in bf16 wgmma.
 template <bool kBf16, int kD, bool kFp8 = false>
-__global__ void __launch_bounds__(Select90Config<kBf16, kD, kFp8>::kThreads, 2)
+__global__ void __launch_bounds__(Select90Config<kBf16, kD, kFp8>::kThreads,
+                                  Select90Config<kBf16, kD, kFp8>::kCtasPerSm)
     select90_kernel(const __grid_constant__ SelectParams p) {
   using Cfg = Select90Config<kBf16, kD, kFp8>;
   constexpr int kChunk = Cfg::kChunk;
