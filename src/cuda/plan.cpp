@@ -70,8 +70,9 @@ std::string support_summary() {
          "the portable path there): " +
          compiled_fwd90_summary() + "; paged K/V (any page size): every policy on the portable path; "
          "fp8_e4m3 inputs on the Hopper path, contiguous K/V: dense, block_sparse, exact_gate and softmax_skip at "
-         "head_dim " + fwd90_head_dims(DType::kFP8E4M3) + ", estimate_select (with mean correction) at head_dim " +
-         select90_head_dims(DType::kFP8E4M3) + "; local windows and chunks "
+         "head_dim " + fwd90_head_dims(DType::kFP8E4M3) +
+         ", estimate_select (with or without mean correction) at head_dim " + select90_head_dims(DType::kFP8E4M3) +
+         "; local windows and chunks "
          "(window_size, attention_chunk): dense and block_sparse on both paths, with softcap and learned sinks on bf16 and fp16; "
          "not on CUDA: fp32";
 }
