@@ -271,7 +271,8 @@ __device__ __forceinline__ int collect_mean_tiles(const FwdParams& p, const std:
 // column layout: column 8·nf + 2·(lane % 4) + e % 2); kN · 8 = kTile. kDescaled (FP8): the
 // softmax exponentiates raw scores with p.scale_log2 · score_descale (the q and k descales).
 // The 16-bit form reads p.scale_log2 where it divides: passing it in as a value made ptxas spill
-// the Hopper kernel's plain rounds (d 96: 0 -> 92 bytes of spill stores, commit 38b1e3e).
+// the Hopper kernel's plain rounds (d 96: 0 -> 92 bytes of spill stores; record
+// 2026-12-04-cpu-fp8-mean-tiles-sass).
 template <int kM, int kN, bool kDescaled = false>
 __device__ __forceinline__ void mask_mean_tile(const FwdParams& p, float (&s)[kM][kN][4], const std::uint32_t* bits, int c,
                                                std::int64_t s_k, int mean_blocks_seq, float score_descale = 1.f) {

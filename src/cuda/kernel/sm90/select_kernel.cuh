@@ -51,7 +51,7 @@ struct Select90Config {
   static_assert(kRows == kBlockQ, "one query tile of block 128 per CTA");
   // 256: FP8's (the 16-bit selector there is the portable one, variants.py); its shared memory
   // (197 KB and λ) leaves one CTA per SM, which then takes up to 255 registers a thread (ptxas:
-  // 136 bytes of spill stores, against 160 at two CTAs' 128; d 128 spills too, 44 LDL/STL).
+  // 136 bytes of spill stores, against 160 at two CTAs' 128; d 128 spills 84 bytes too).
   static_assert(kD == 64 || kD == 128 || (kD == 256 && kFp8_), "d = 64 or 128, fp8 also 256");
   static constexpr int kCtasPerSm = kD <= 128 ? 2 : 1;
   static_assert(!kFp8 || kBf16, "e4m3 queries meet bf16 means");
