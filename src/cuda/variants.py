@@ -40,7 +40,7 @@ build them as their own target). The Hopper forward kernel has one more axis:
             exactly the code they had before paged K/V ran there.
 and one more dtype, fp8 (e4m3 inputs, bf16 output, d = 128 or 256, contiguous K/V: SM90_FP8_HEAD_DIMS;
 e4m3 wgmma, V transposed by the launch; dense, block_sparse, exact_gate, softmax_skip and, with
-SELECT90's fp8 instances (SM90_FP8_SELECT_HEAD_DIMS: e4m3 Q widened to bf16 against bf16 means),
+SELECT90's fp8 instances at the same head dims (e4m3 Q widened to bf16 against bf16 means),
 estimate_select, whose mean tiles read the means requantized to e4m3; docs/semantics.md §1).
 """
 
@@ -118,10 +118,9 @@ SM90_HEAD_DIMS = (64, 128)
 # there: estimate_select selects and exact_gate's two passes decide with the portable kernels,
 # permute_stop runs on the portable path.
 SM90_CONTIGUOUS_HEAD_DIMS = ((96, 96), (192, 128), (256, 256))
-# The fp8 forward instances' head dims (contiguous K/V, bf16 output), and those of FP8's
-# selector (estimate_select), whose forward instances compile the mean tiles' kernel.
+# The fp8 forward instances' head dims (contiguous K/V, bf16 output), also those of FP8's
+# selector (estimate_select).
 SM90_FP8_HEAD_DIMS = (128, 256)
-SM90_FP8_SELECT_HEAD_DIMS = (128, 256)
 
 
 SM90_KV = (False, True)  # paged K/V
@@ -160,10 +159,9 @@ def launch_unit(name, header, params, launch):
                                     f"  return {launch}(params, stream);\n")
 
 
-def fwd90_unit(name, config, mean_tiles_fp8=False):
-    """A Hopper forward instance's .cu file: `name` launching sm90::launch_fwd<`config`> (with
-    FP8's mean tiles: launch_fwd<`config`, true>)."""
-    call = f"  return sm90::launch_fwd<{config}{', true' if mean_tiles_fp8 else ''}>("
+def fwd90_unit(name, config):
+    """A Hopper forward instance's .cu file: `name` launching sm90::launch_fwd<`config`>."""
+    call = f"  return sm90::launch_fwd<{config}>("
     args = "params, host_seqs, host_block_table, upload, stream);\n"
     if len(call) + len(args) > 121:  # the 120-column limit: the last argument on its own line
         args = "params, host_seqs, host_block_table, upload,\n" + " " * len(call) + "stream);\n"
@@ -254,7 +252,7 @@ def expected_files():
             registry.append(f"SP_FWD90_VARIANT({name}, {enum}, {d}, {d_v}, false)\n")
     for d in SM90_FP8_HEAD_DIMS:
         name = fwd90_name("fp8", d, False)
-        files[f"{name}.cu"] = fwd90_unit(name, f"sm90::FwdConfig<true, {d}, false, true>", d in SM90_FP8_SELECT_HEAD_DIMS)
+        files[f"{name}.cu"] = fwd90_unit(name, f"sm90::FwdConfig<true, {d}, false, true>")
         registry.append(f"SP_FWD90_VARIANT({name}, kFP8E4M3, {d}, {d}, false)\n")
     for dtype in SM90_DTYPES:
         enum, is_bf16 = DTYPES[dtype]
@@ -273,7 +271,7 @@ def expected_files():
                                               f"gate90::launch_gate<{is_bf16}, {d}>")
             registry.append(f"SP_GATE90_VARIANT({name}, {enum}, {d})\n")
     # estimate_select over e4m3 inputs: the selector widens Q, the means kernel dequantizes K/V.
-    for d in SM90_FP8_SELECT_HEAD_DIMS:
+    for d in SM90_FP8_HEAD_DIMS:
         name = select90_name("fp8", d)
         files[f"{name}.cu"] = select_unit(name, f"select90::Select90Config<true, {d}, true>",
                                           f"select90::launch_select<true, {d}, true>",

@@ -9,8 +9,7 @@ static_assert(sizeof(sm90::SeqMaps) == kFwd90MapBytesPerSeq);
 
 int fwd_sm90_fp8_hd128(const FwdParams& params, const SeqInfo* host_seqs, const std::int32_t* host_block_table,
                        const HostUpload& upload, void* stream) {
-  return sm90::launch_fwd<sm90::FwdConfig<true, 128, false, true>, true>(params, host_seqs, host_block_table, upload,
-                                                                         stream);
+  return sm90::launch_fwd<sm90::FwdConfig<true, 128, false, true>>(params, host_seqs, host_block_table, upload, stream);
 }
 
 }  // namespace sparseprefill::cuda

@@ -1228,9 +1228,8 @@ inline bool encode_vt_map(CUtensorMap* map, const void* base, std::int64_t vt_st
 // sequence's pages are 0); `upload` places the tensor maps (batch · sizeof(SeqMaps) bytes, one
 // SeqMaps more for paged K/V) in device memory. Returns cudaErrorNotSupported, having
 // enqueued nothing, when the driver cannot encode a tensor map for these tensors (the
-// dispatcher then takes the portable path). kFp8MeanTiles: an FP8 instance compiles the mean
-// tiles' kernel (variants.py: the head dims of FP8's selector); the others refuse mean correction.
-template <class Cfg, bool kFp8MeanTiles = false>
+// dispatcher then takes the portable path).
+template <class Cfg>
 int launch_fwd(const FwdParams& p, const SeqInfo* seqs, const std::int32_t* table, const HostUpload& upload,
                void* stream) {
   if (tensor_map_encoder() == nullptr) return static_cast<int>(cudaErrorNotSupported);
@@ -1262,7 +1261,7 @@ int launch_fwd(const FwdParams& p, const SeqInfo* seqs, const std::int32_t* tabl
   if (p.k_mean != nullptr) {
     if constexpr (Cfg::kFp8) {
       // The requantized means are the call's scratch, as v_t (a plan caching its maps has none yet).
-      if (!kFp8MeanTiles || p.k_mean8 == nullptr || p.v_mean_t == nullptr || p.mean_stride < Cfg::kTileN ||
+      if (p.k_mean8 == nullptr || p.v_mean_t == nullptr || p.mean_stride < Cfg::kTileN ||
           p.mean_stride % Cfg::kTileN != 0 || p.mean_stride < p.mean_blocks) {
         return static_cast<int>(cudaErrorInvalidValue);
       }
@@ -1349,9 +1348,7 @@ int launch_fwd(const FwdParams& p, const SeqInfo* seqs, const std::int32_t* tabl
   auto* kernel = features ? fwd_kernel<Cfg, true> : fwd_kernel<Cfg, false>;
   if constexpr (Cfg::kFp8) {
     if (!features && gated_mode(p.mode)) kernel = fwd_kernel<Cfg, false, Fp8Rounds::kGates>;
-    if constexpr (kFp8MeanTiles) {
-      if (!features && p.k_mean != nullptr) kernel = fwd_kernel<Cfg, false, Fp8Rounds::kMeans>;
-    }
+    if (!features && p.k_mean != nullptr) kernel = fwd_kernel<Cfg, false, Fp8Rounds::kMeans>;
   }
   const int smem = static_cast<int>(sizeof(Smem<Cfg>)) + 1024;  // + alignment slack
   cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
@@ -1362,14 +1359,12 @@ int launch_fwd(const FwdParams& p, const SeqInfo* seqs, const std::int32_t* tabl
     transpose_v_kernel<Cfg><<<vt_grid, 256, 0, st>>>(p);
     err = cudaGetLastError();
     if (err != cudaSuccess) return static_cast<int>(err);
-    if constexpr (kFp8MeanTiles) {
-      if (p.k_mean != nullptr) {
-        const dim3 means_grid(static_cast<unsigned>(p.mean_stride / Cfg::kTileN), static_cast<unsigned>(p.h_kv),
-                              static_cast<unsigned>(p.batch));
-        quantize_means_kernel<Cfg><<<means_grid, 256, 0, st>>>(p);
-        err = cudaGetLastError();
-        if (err != cudaSuccess) return static_cast<int>(err);
-      }
+    if (p.k_mean != nullptr) {
+      const dim3 means_grid(static_cast<unsigned>(p.mean_stride / Cfg::kTileN), static_cast<unsigned>(p.h_kv),
+                            static_cast<unsigned>(p.batch));
+      quantize_means_kernel<Cfg><<<means_grid, 256, 0, st>>>(p);
+      err = cudaGetLastError();
+      if (err != cudaSuccess) return static_cast<int>(err);
     }
   }
   kernel<<<grid, Cfg::kThreads, smem, st>>>(p, static_cast<const SeqMaps*>(map_device), scratch_maps, param_maps);
